@@ -1,0 +1,97 @@
+"""``moec::expert_mlp``: every routed expert's MLP over the expert-major buffer in one op.
+
+expert_mlp(x[R, D], w_up[N, D, U], w_down[N, H, D], offsets[N] int32,
+           b_up[N, U]?, b_down[N, D]?, activation) -> (y[R, D], h[R, U])
+
+Rows ``[offsets[e-1], offsets[e])`` of x belong to expert e (see ``moec::route``)::
+
+    h = x @ w_up[e] + b_up[e]            # U = 2H for gated activations ([gate | up]), else H
+    y = act(h) @ w_down[e] + b_down[e]
+
+``h`` is returned so autograd can keep the pre-activation instead of recomputing the first GEMM;
+the graph never reads it. Weights may be float32 masters while x is bf16: they are cast to x's
+dtype and their gradients come back in their own dtype. Rows past ``offsets[-1]`` are garbage in,
+garbage out, and contribute nothing to any gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from moec.ops.activations import activate, activate_backward, check_activation, is_gated
+from moec.ops.grouped import add_row_bias, gmm, gmm_wgrad, row_bias_grad, row_experts
+
+
+def _check(x: Tensor, w_up: Tensor, w_down: Tensor, offsets: Tensor, activation: str) -> None:
+    check_activation(activation)
+    n, d, u = w_up.shape
+    hidden = u // 2 if is_gated(activation) else u
+    if x.shape[-1] != d or w_down.shape != (n, hidden, d) or offsets.shape != (n,):
+        raise ValueError(
+            f"moec::expert_mlp: shapes do not fit: x {tuple(x.shape)}, w_up {tuple(w_up.shape)}, "
+            f"w_down {tuple(w_down.shape)}, offsets {tuple(offsets.shape)} for {activation!r} "
+            f"(expected w_down ({n}, {hidden}, {d}) and offsets ({n},))"
+        )
+
+
+def _up(x: Tensor, w_up: Tensor, b_up: Tensor | None, offsets: Tensor, experts: Tensor) -> Tensor:
+    h = gmm(x, w_up.to(x.dtype), offsets)
+    return h if b_up is None else add_row_bias(h, b_up, experts)
+
+
+@torch.library.custom_op("moec::expert_mlp", mutates_args=())
+def expert_mlp(
+    x: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    offsets: Tensor,
+    b_up: Tensor | None,
+    b_down: Tensor | None,
+    activation: str,
+) -> tuple[Tensor, Tensor]:
+    _check(x, w_up, w_down, offsets, activation)
+    experts = row_experts(offsets, x.shape[0])
+    h = _up(x, w_up, b_up, offsets, experts)
+    y = gmm(activate(h, activation), w_down.to(x.dtype), offsets)
+    if b_down is not None:
+        y = add_row_bias(y, b_down, experts)
+    return y, h
+
+
+@expert_mlp.register_fake
+def _expert_mlp_fake(x, w_up, w_down, offsets, b_up, b_down, activation):
+    _check(x, w_up, w_down, offsets, activation)
+    return x.new_empty(x.shape), x.new_empty((x.shape[0], w_up.shape[-1]))
+
+
+def _setup(ctx, inputs, output):
+    x, w_up, w_down, offsets, b_up, b_down, activation = inputs
+    ctx.save_for_backward(x, w_up, w_down, offsets, output[1])
+    ctx.activation = activation
+    ctx.bias_dtypes = (
+        None if b_up is None else b_up.dtype,
+        None if b_down is None else b_down.dtype,
+    )
+
+
+def _backward(ctx, d_y, d_h_unused):
+    x, w_up, w_down, offsets, h = ctx.saved_tensors
+    experts = row_experts(offsets, x.shape[0])
+    num_experts = offsets.shape[0]
+    d_y = d_y.to(x.dtype)
+    act = activate(h, ctx.activation)
+    d_w_down = gmm_wgrad(act, d_y, offsets).to(w_down.dtype)
+    d_act = gmm(d_y, w_down.to(x.dtype).transpose(-1, -2), offsets)
+    d_h = activate_backward(h, d_act, ctx.activation)
+    d_w_up = gmm_wgrad(x, d_h, offsets).to(w_up.dtype)
+    d_x = gmm(d_h, w_up.to(x.dtype).transpose(-1, -2), offsets)
+    up_dtype, down_dtype = ctx.bias_dtypes
+    d_b_up = None if up_dtype is None else row_bias_grad(d_h, experts, num_experts).to(up_dtype)
+    d_b_down = (
+        None if down_dtype is None else row_bias_grad(d_y, experts, num_experts).to(down_dtype)
+    )
+    return d_x, d_w_up, d_w_down, None, d_b_up, d_b_down, None
+
+
+expert_mlp.register_autograd(_backward, setup_context=_setup)

@@ -1,0 +1,73 @@
+"""Grouped matrix products over an expert-major row buffer, the building block of expert MLPs.
+
+Rows of expert ``e`` occupy ``[offsets[e-1], offsets[e])`` of a buffer of static length R;
+rows past ``offsets[-1]`` are garbage and must never reach a valid result. ``offsets`` stays on
+the device: nothing here reads it on the host, so every function is sync-free.
+
+Two implementations, chosen per call:
+
+- ``torch._grouped_mm`` where it is fast and sync-free: bf16 on CUDA sm90+, fp32/bf16 on CPU
+  with 16-byte aligned rows;
+- a masked loop over experts otherwise (float64 for gradcheck, fp32 on CUDA): N times the FLOPs,
+  static shapes, still sync-free.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_FORCE_LOOP = False
+"""Tests set this to compare the two implementations."""
+
+
+def row_experts(offsets: torch.Tensor, rows: int) -> torch.Tensor:
+    """Expert index of every buffer row, ``num_experts`` for rows past ``offsets[-1]``."""
+    positions = torch.arange(rows, device=offsets.device, dtype=offsets.dtype)
+    return torch.searchsorted(offsets, positions, right=True)
+
+
+def _use_grouped_mm(*tensors: torch.Tensor) -> bool:
+    if _FORCE_LOOP:
+        return False
+    first = tensors[0]
+    if first.device.type == "cuda":
+        return first.dtype == torch.bfloat16 and torch.cuda.get_device_capability(first.device)[0] >= 9
+    if first.device.type != "cpu" or first.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    return all(t.shape[-1] * t.element_size() % 16 == 0 for t in tensors)
+
+
+def gmm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``out[r] = x[r] @ w[e(r)]``: x (R, K), w (N, K, M) -> (R, M); garbage rows stay garbage."""
+    if _use_grouped_mm(x, w, w.transpose(-1, -2)):
+        return torch._grouped_mm(x.contiguous(), w, offs=offsets)
+    experts = row_experts(offsets, x.shape[0])
+    out = x.new_zeros(x.shape[0], w.shape[-1])
+    for e in range(w.shape[0]):
+        out = torch.where((experts == e)[:, None], x @ w[e], out)
+    return out
+
+
+def gmm_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``dw[e] = x_e^T @ dy_e`` over the rows of expert e: x (R, K), dy (R, M) -> (N, K, M)."""
+    num_experts = offsets.shape[0]
+    if _use_grouped_mm(x, dy):
+        return torch._grouped_mm(x.t(), dy.contiguous(), offs=offsets)
+    experts = row_experts(offsets, x.shape[0])
+    grads = []
+    for e in range(num_experts):
+        mine = (experts == e)[:, None]
+        grads.append(torch.where(mine, x, 0).t() @ torch.where(mine, dy, 0))
+    return torch.stack(grads)
+
+
+def add_row_bias(h: torch.Tensor, bias: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """``h[r] + bias[e(r)]``; garbage rows get an arbitrary expert's bias."""
+    return h + bias.to(h.dtype)[experts.clamp(max=bias.shape[0] - 1)]
+
+
+def row_bias_grad(dh: torch.Tensor, experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Sum of ``dh`` rows per expert; garbage rows land in a dropped extra slot."""
+    acc = torch.promote_types(dh.dtype, torch.float32)
+    sums = dh.new_zeros(num_experts + 1, dh.shape[-1], dtype=acc)
+    return sums.index_add_(0, experts.long(), dh.to(acc))[:num_experts]

@@ -1,0 +1,104 @@
+"""``moec::dispatch`` and ``moec::combine``: moving token rows to experts and back.
+
+dispatch(x[*, D], rows[*, K]) -> buffer[T*K, D]
+    buffer[rows[t, k]] = x[t] for every accepted route; unwritten rows are unspecified
+    (the reference writes zeros; kernels may leave garbage).
+combine(y[R, D], weights[*, K], rows[*, K]) -> out[*, D]
+    out[t] = sum over accepted k of weights[t, k] * y[rows[t, k]], accumulated in (at least) float32.
+    Rows of y that no route points at are never read, so garbage there cannot leak.
+
+Each is the other's backward (dispatch's is an unweighted combine; combine's grad w.r.t. y is a
+weighted dispatch), so both share :func:`gather_sum` and :func:`scatter_rows`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def scatter_rows(x: Tensor, rows: Tensor, num_rows: int, weights: Tensor | None = None) -> Tensor:
+    """(T, D) token rows -> (num_rows, D) buffer: row ``rows[t, k]`` = weights[t, k] * x[t].
+
+    Dropped routes (-1) land in an extra dump row that is cut off.
+    """
+    tokens, top_k = rows.shape
+    src = x[:, None, :].expand(tokens, top_k, x.shape[-1])
+    if weights is not None:
+        src = src.to(_accumulation_dtype(x)) * weights[..., None]
+    target = torch.where(rows >= 0, rows, num_rows).reshape(-1)
+    buffer = x.new_zeros(num_rows + 1, x.shape[-1])
+    buffer.index_copy_(0, target, src.reshape(-1, x.shape[-1]).to(x.dtype))
+    return buffer[:num_rows]
+
+
+def gather_sum(y: Tensor, rows: Tensor, weights: Tensor | None = None) -> Tensor:
+    """(R, D) buffer -> (T, D): sum over accepted k of weights[t, k] * y[rows[t, k]]."""
+    acc = _accumulation_dtype(y)
+    valid = rows >= 0
+    picked = y[rows.clamp(min=0)].to(acc)  # (T, K, D)
+    scale = valid.to(acc) if weights is None else torch.where(valid, weights.to(acc), 0.0)
+    picked = torch.where(valid[..., None], picked, 0.0)  # garbage rows may hold NaN
+    return (picked * scale[..., None]).sum(1).to(y.dtype)
+
+
+def _accumulation_dtype(t: Tensor) -> torch.dtype:
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _flat(t: Tensor) -> Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+@torch.library.custom_op("moec::dispatch", mutates_args=())
+def dispatch(x: Tensor, rows: Tensor) -> Tensor:
+    return scatter_rows(_flat(x), _flat(rows), rows.numel())
+
+
+@dispatch.register_fake
+def _dispatch_fake(x, rows):
+    return x.new_empty((rows.numel(), x.shape[-1]))
+
+
+def _dispatch_setup(ctx, inputs, output):
+    x, rows = inputs
+    ctx.save_for_backward(rows)
+    ctx.x_shape = x.shape
+
+
+def _dispatch_backward(ctx, d_buffer):
+    (rows,) = ctx.saved_tensors
+    return gather_sum(d_buffer, _flat(rows)).view(ctx.x_shape), None
+
+
+dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
+
+
+@torch.library.custom_op("moec::combine", mutates_args=())
+def combine(y: Tensor, weights: Tensor, rows: Tensor) -> Tensor:
+    out = gather_sum(y, _flat(rows), _flat(weights))
+    return out.view(*rows.shape[:-1], y.shape[-1])
+
+
+@combine.register_fake
+def _combine_fake(y, weights, rows):
+    return y.new_empty((*rows.shape[:-1], y.shape[-1]))
+
+
+def _combine_setup(ctx, inputs, output):
+    y, weights, rows = inputs
+    ctx.save_for_backward(y, weights, rows)
+
+
+def _combine_backward(ctx, d_out):
+    y, weights, rows = ctx.saved_tensors
+    flat_rows, flat_w, flat_d = _flat(rows), _flat(weights), _flat(d_out)
+    d_y = scatter_rows(flat_d, flat_rows, y.shape[0], flat_w)
+    valid = flat_rows >= 0
+    acc = _accumulation_dtype(y)
+    picked = torch.where(valid[..., None], y[flat_rows.clamp(min=0)].to(acc), 0.0)
+    d_weights = (picked * flat_d.to(acc)[:, None, :]).sum(-1)
+    return d_y, d_weights.view(weights.shape).to(weights.dtype), None
+
+
+combine.register_autograd(_combine_backward, setup_context=_combine_setup)

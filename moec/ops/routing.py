@@ -1,0 +1,187 @@
+"""``moec::route`` and ``moec::router_losses``: token -> expert assignment with capacity.
+
+route(logits[*, N], top_k, capacity_factor, gating, normalize, routing) ->
+    expert_ids[*, K] int64   chosen experts per token, best first (ties: lower expert id)
+    weights[*, K]    float32 route weights (float64 for float64 logits), differentiable
+    rows[*, K]       int64   row of the route in the expert-major buffer, -1 when dropped
+    offsets[N]       int32   end of each expert's rows in that buffer (inclusive cumsum)
+    counts[N]        int64   offered assignments per expert (before capacity)
+
+Capacity policy (the oracle every kernel matches): an expert accepts at most
+``C = ceil(capacity_factor * T * K / N)`` routes (``capacity_factor <= 0``: dropless, C = T); the
+routes of an expert are ranked in token-major order ``t * K + k`` and those ranked >= C are
+dropped. Accepted routes of expert e fill rows ``offsets[e-1] + rank``; the buffer has T*K rows.
+
+Everything is static-shaped and stays on the device: a stable sort ranks routes, scatter_add
+counts them; no nonzero, bincount, boolean indexing or host reads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+GATINGS = ("softmax", "sigmoid")
+ROUTINGS = ("learned", "random", "uniform")
+
+
+def capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """Routes one expert accepts per batch; ``capacity_factor <= 0`` means dropless."""
+    if capacity_factor <= 0:
+        return tokens
+    return min(tokens, math.ceil(capacity_factor * tokens * top_k / num_experts))
+
+
+def score_dtype(logits: Tensor) -> torch.dtype:
+    """Routing math runs in float32, or float64 for float64 logits (gradcheck)."""
+    return torch.promote_types(logits.dtype, torch.float32)
+
+
+def gate_scores(logits: Tensor, gating: str) -> Tensor:
+    """Per-expert scores: softmax over experts, or elementwise sigmoid."""
+    logits = logits.to(score_dtype(logits))
+    return logits.softmax(-1) if gating == "softmax" else logits.sigmoid()
+
+
+def route_weights(logits: Tensor, expert_ids: Tensor, gating: str, normalize: bool) -> Tensor:
+    """Differentiable route weights of the chosen experts."""
+    picked = gate_scores(logits, gating).gather(-1, expert_ids)
+    return picked / picked.sum(-1, keepdim=True) if normalize else picked
+
+
+def choose_experts(logits: Tensor, top_k: int, routing: str) -> Tensor:
+    """Expert ids (T, K): top-k of the scores, or the benchmark policies ``random``/``uniform``."""
+    tokens, num_experts = logits.shape
+    if routing == "learned":
+        # A stable descending sort breaks ties towards the lower expert id, on every device.
+        return torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    if routing == "random":
+        noise = torch.rand(tokens, num_experts, device=logits.device)
+        return noise.argsort(-1)[:, :top_k]
+    base = torch.arange(tokens, device=logits.device)[:, None] * top_k
+    return (base + torch.arange(top_k, device=logits.device)) % num_experts
+
+
+def assign_rows(expert_ids: Tensor, num_experts: int, cap: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Rank routes per expert in token-major order; return rows, offsets, counts (see module)."""
+    flat = expert_ids.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    order = torch.sort(flat, stable=True).indices
+    starts = counts.cumsum(0) - counts
+    rank_sorted = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
+    rank = torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted)
+    accepted = counts.clamp(max=cap)
+    offsets = accepted.cumsum(0)
+    row = offsets[flat] - accepted[flat] + rank
+    rows = torch.where(rank < cap, row, -1).view_as(expert_ids)
+    return rows, offsets.to(torch.int32), counts
+
+
+def _check_route_args(logits: Tensor, top_k: int, gating: str, routing: str) -> None:
+    if not 1 <= top_k <= logits.shape[-1]:
+        raise ValueError(f"moec::route: top_k={top_k} must be in [1, {logits.shape[-1]}]")
+    if gating not in GATINGS:
+        raise ValueError(f"moec::route: gating={gating!r}; expected one of {GATINGS}")
+    if routing not in ROUTINGS:
+        raise ValueError(f"moec::route: routing={routing!r}; expected one of {ROUTINGS}")
+
+
+@torch.library.custom_op("moec::route", mutates_args=())
+def route(
+    logits: Tensor,
+    top_k: int,
+    capacity_factor: float,
+    gating: str,
+    normalize: bool,
+    routing: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    _check_route_args(logits, top_k, gating, routing)
+    lead, num_experts = logits.shape[:-1], logits.shape[-1]
+    flat = logits.reshape(-1, num_experts)
+    expert_ids = choose_experts(flat, top_k, routing)
+    weights = route_weights(flat, expert_ids, gating, normalize)
+    cap = capacity(flat.shape[0], top_k, num_experts, capacity_factor)
+    rows, offsets, counts = assign_rows(expert_ids, num_experts, cap)
+    out_shape = (*lead, top_k)
+    return expert_ids.view(out_shape), weights.view(out_shape), rows.view(out_shape), offsets, counts
+
+
+@route.register_fake
+def _route_fake(logits, top_k, capacity_factor, gating, normalize, routing):
+    _check_route_args(logits, top_k, gating, routing)
+    shape = (*logits.shape[:-1], top_k)
+    n = logits.shape[-1]
+    new = logits.new_empty
+    return (
+        new(shape, dtype=torch.int64),
+        new(shape, dtype=score_dtype(logits)),
+        new(shape, dtype=torch.int64),
+        new((n,), dtype=torch.int32),
+        new((n,), dtype=torch.int64),
+    )
+
+
+def _route_setup(ctx, inputs, output):
+    logits, _, _, gating, normalize, _ = inputs
+    ctx.save_for_backward(logits, output[0])
+    ctx.gating, ctx.normalize = gating, normalize
+
+
+def _route_backward(ctx, d_ids, d_weights, d_rows, d_offsets, d_counts):
+    logits, expert_ids = ctx.saved_tensors
+    with torch.enable_grad():
+        leaf = logits.detach().requires_grad_(True)
+        weights = route_weights(leaf, expert_ids, ctx.gating, ctx.normalize)
+        (d_logits,) = torch.autograd.grad(weights, leaf, d_weights)
+    return d_logits, None, None, None, None, None
+
+
+route.register_autograd(_route_backward, setup_context=_route_setup)
+
+
+def router_loss_terms(logits: Tensor, counts: Tensor, top_k: int, gating: str) -> Tensor:
+    """[load-balancing loss, z-loss], differentiable w.r.t. logits.
+
+    LBL (instance level, Switch/OLMoE form): ``N * sum_e f_e * P_e`` with f_e the share of
+    offered routes sent to expert e and P_e the mean normalized score of e over tokens; 1 when
+    balanced. z-loss: mean over tokens of ``logsumexp(logits)^2``.
+    """
+    flat = logits.reshape(-1, logits.shape[-1]).to(score_dtype(logits))
+    num_tokens, num_experts = flat.shape
+    scores = gate_scores(flat, gating)
+    scores = scores / scores.sum(-1, keepdim=True)
+    share = counts.float() / (num_tokens * top_k)
+    lbl = num_experts * (share * scores.mean(0)).sum()
+    z = flat.logsumexp(-1).square().mean()
+    return torch.stack([lbl, z])
+
+
+@torch.library.custom_op("moec::router_losses", mutates_args=())
+def router_losses(logits: Tensor, counts: Tensor, top_k: int, gating: str) -> Tensor:
+    return router_loss_terms(logits, counts, top_k, gating)
+
+
+@router_losses.register_fake
+def _router_losses_fake(logits, counts, top_k, gating):
+    return logits.new_empty((2,), dtype=score_dtype(logits))
+
+
+def _losses_setup(ctx, inputs, output):
+    logits, counts, top_k, gating = inputs
+    ctx.save_for_backward(logits, counts)
+    ctx.top_k, ctx.gating = top_k, gating
+
+
+def _losses_backward(ctx, d_losses):
+    logits, counts = ctx.saved_tensors
+    with torch.enable_grad():
+        leaf = logits.detach().requires_grad_(True)
+        terms = router_loss_terms(leaf, counts, ctx.top_k, ctx.gating)
+        (d_logits,) = torch.autograd.grad(terms, leaf, d_losses)
+    return d_logits, None, None, None
+
+
+router_losses.register_autograd(_losses_backward, setup_context=_losses_setup)

@@ -1,0 +1,319 @@
+"""The plan: what moec should turn a dense model into.
+
+A ``Plan`` is a tree of small dataclasses, one per pass family. Every field is checked when the
+plan is built; a bad value raises :class:`PlanError` naming the field (``moe.top_k``), the value
+and what would be accepted. Plans round-trip through dicts and YAML::
+
+    plan = Plan.from_dict({"moe": {"num_experts": 32, "top_k": 8}, "parallel": {"ep": 8}})
+    Plan.load("plan.yaml"); plan.save("plan.yaml")
+
+Checks that need the model (``moe.dense_first`` against the number of blocks, the expert width
+against the FFN width) run when the passes see the graph, with the same error type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class PlanError(ValueError):
+    """An impossible or malformed plan. ``field`` is the dotted path of the offending field."""
+
+    def __init__(self, field: str, value: Any, allowed: str):
+        self.field, self.value, self.allowed = field, value, allowed
+        super().__init__(f"plan field '{field}' = {value!r} is invalid: {allowed}")
+
+
+Gating = Literal["softmax", "sigmoid"]
+Init = Literal["upcycle", "split", "random"]
+Routing = Literal["learned", "random", "uniform"]
+EPPath = Literal["auto", "rowwise", "sync_1d", "a2a_capacity"]
+Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"]
+GemmPrecision = Literal["bf16", "mxfp8", "fp8_rowwise"]
+GemmScope = Literal["routed_experts", "shared_expert", "attn_qkv", "attn_out"]
+RecomputePolicy = Literal["none", "block", "selective", "budget"]
+
+
+@dataclass
+class MoEPlan:
+    """How FFNs become routed experts (pass ``moe``)."""
+
+    num_experts: int = 8
+    """Routed experts N per MoE block."""
+    top_k: int = 2
+    """Experts chosen per token, 1 <= top_k <= num_experts."""
+    expert_width: int | None = None
+    """Hidden width of one routed expert. None: the dense width for ``upcycle``/``random``,
+    dense width / num_experts for ``split``."""
+    init: Init = "upcycle"
+    """``upcycle``: every expert a copy of the dense FFN; ``split``: the dense hidden units
+    partitioned among the experts; ``random``: fresh init at ``expert_width``."""
+    gating: Gating = "softmax"
+    """Score function over router logits before top-k."""
+    normalize_weights: bool = True
+    """Rescale the top-k scores of a token to sum to one."""
+    capacity_factor: float | None = 1.25
+    """Per-expert buffer = ceil(capacity_factor * tokens * top_k / num_experts); None = dropless."""
+    shared_expert: bool = False
+    """Keep the dense FFN as one always-active shared expert beside the routed ones."""
+    dense_first: int = 0
+    """Leading blocks whose FFN stays dense (the report uses 1 or 2)."""
+    lbl_coef: float = 0.01
+    """Weight of the instance-level load-balancing loss (0 disables it)."""
+    z_loss_coef: float = 0.001
+    """Weight of the router z-loss (0 disables it)."""
+    routing: Routing = "learned"
+    """``learned`` top-k of the router; ``random``/``uniform`` ignore the router (benchmarks)."""
+    router_init_std: float = 0.02
+    """Std of the router's normal init (``split`` starts the router at zero instead)."""
+    seed: int = 0
+    """Seed of the expert/router initialisation, so a compile is reproducible."""
+
+    def validate(self) -> None:
+        _require(self.num_experts >= 1, "moe.num_experts", self.num_experts, "an integer >= 1")
+        _require(
+            1 <= self.top_k <= self.num_experts,
+            "moe.top_k",
+            self.top_k,
+            f"an integer in [1, num_experts={self.num_experts}]",
+        )
+        if self.expert_width is not None:
+            _require(self.expert_width >= 1, "moe.expert_width", self.expert_width, "None or >= 1")
+        if self.capacity_factor is not None:
+            _require(
+                math.isfinite(self.capacity_factor) and self.capacity_factor > 0,
+                "moe.capacity_factor",
+                self.capacity_factor,
+                "a finite number > 0, or None for dropless routing",
+            )
+        _require(self.dense_first >= 0, "moe.dense_first", self.dense_first, "an integer >= 0")
+        for name in ("lbl_coef", "z_loss_coef", "router_init_std"):
+            value = getattr(self, name)
+            _require(
+                math.isfinite(value) and value >= 0, f"moe.{name}", value, "a finite number >= 0"
+            )
+
+
+@dataclass
+class ParallelPlan:
+    """Data, expert and pipeline parallel degrees (passes ``expert_parallel``, ``pipeline``)."""
+
+    dp: int = 1
+    """Data-parallel degree of the dense parameters (world size = dp * pp)."""
+    ep: int = 1
+    """Expert-parallel degree: each EP rank holds num_experts / ep experts; ep divides dp."""
+    ep_path: EPPath = "auto"
+    """``rowwise`` (sync-free, symmetric memory, GPU), ``a2a_capacity`` (sync-free, any backend),
+    ``sync_1d`` (the synchronized baseline); ``auto`` picks rowwise on CUDA, else a2a_capacity."""
+    pp: int = 1
+    """Pipeline-parallel degree."""
+    virtual_stages: int = 1
+    """Stages per pipeline rank (2 for interleaved and V-shaped schedules)."""
+    pp_schedule: Schedule = "1f1b"
+    """Pipeline schedule."""
+    microbatches: int = 1
+    """Microbatches per optimizer step (gradient accumulation, or the pipeline's microbatches)."""
+
+    def validate(self) -> None:
+        for name in ("dp", "ep", "pp", "virtual_stages", "microbatches"):
+            value = getattr(self, name)
+            _require(value >= 1, f"parallel.{name}", value, "an integer >= 1")
+        _require(
+            self.dp % self.ep == 0,
+            "parallel.ep",
+            self.ep,
+            f"a divisor of parallel.dp={self.dp} (EP groups are carved out of data parallel)",
+        )
+        if self.pp_schedule in ("zbv", "dualpipev"):
+            _require(
+                self.virtual_stages == 2,
+                "parallel.virtual_stages",
+                self.virtual_stages,
+                f"2 for the V-shaped schedule {self.pp_schedule!r}",
+            )
+        if self.pp > 1:
+            _require(
+                self.microbatches >= self.pp,
+                "parallel.microbatches",
+                self.microbatches,
+                f"at least pp={self.pp} so every pipeline stage has work",
+            )
+
+
+@dataclass
+class PrecisionPlan:
+    """Compute dtype and which GEMMs run in low precision (pass ``precision``)."""
+
+    compute_dtype: Literal["bf16", "fp32"] = "fp32"
+    """Activation/compute dtype; master weights and optimizer state stay fp32."""
+    gemm: GemmPrecision = "bf16"
+    """GEMM precision for the scoped GEMMs; ``bf16`` leaves them in the compute dtype."""
+    scope: list[GemmScope] = field(default_factory=lambda: ["routed_experts"])
+    """GEMMs the ``gemm`` precision applies to."""
+
+    def validate(self) -> None:
+        _require(len(set(self.scope)) == len(self.scope), "precision.scope", self.scope, "no repeats")
+
+
+@dataclass
+class RecomputePlan:
+    """Activation recompute placement (pass ``recompute``)."""
+
+    policy: RecomputePolicy = "none"
+    """``none``, ``block`` (whole blocks), ``selective`` (elementwise work), ``budget``."""
+    budget_bytes: int | None = None
+    """Activation bytes per GPU for ``policy: budget``."""
+
+    def validate(self) -> None:
+        if self.policy == "budget":
+            _require(
+                self.budget_bytes is not None and self.budget_bytes > 0,
+                "recompute.budget_bytes",
+                self.budget_bytes,
+                "a positive byte count when recompute.policy is 'budget'",
+            )
+
+
+@dataclass
+class Plan:
+    """What moec builds. ``Plan()`` is a valid default: 8 experts, top-2, upcycled."""
+
+    moe: MoEPlan = field(default_factory=MoEPlan)
+    parallel: ParallelPlan = field(default_factory=ParallelPlan)
+    precision: PrecisionPlan = field(default_factory=PrecisionPlan)
+    recompute: RecomputePlan = field(default_factory=RecomputePlan)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        for section in _SECTIONS:
+            value = getattr(self, section)
+            if not isinstance(value, _SECTIONS[section]):
+                raise PlanError(section, value, f"a {_SECTIONS[section].__name__} or a dict")
+            _check_types(value, section)
+            value.validate()
+        _require(
+            self.moe.num_experts % self.parallel.ep == 0,
+            "parallel.ep",
+            self.parallel.ep,
+            f"a divisor of moe.num_experts={self.moe.num_experts}",
+        )
+
+    # --- I/O -----------------------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> Plan:
+        data = dict(data or {})
+        _reject_unknown(data, _SECTIONS, "plan")
+        sections = {}
+        for name, section_cls in _SECTIONS.items():
+            raw = data.get(name) or {}
+            if not isinstance(raw, dict):
+                raise PlanError(name, raw, "a mapping of field names to values")
+            known = {f.name for f in dataclasses.fields(section_cls)}
+            _reject_unknown(raw, known, name)
+            sections[name] = section_cls(**raw)
+        return cls(**sections)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        text = Path(path).read_text()
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise PlanError("<file>", str(path), f"valid YAML ({exc})") from exc
+        if data is not None and not isinstance(data, dict):
+            raise PlanError("<file>", str(path), "a YAML mapping with sections moe/parallel/...")
+        return cls.from_dict(data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_yaml())
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def pipeline_string(self) -> str:
+        """One line that names every enabled pass with its options, for logs and dumps."""
+        m, p = self.moe, self.parallel
+        parts = [
+            f"moe{{experts={m.num_experts},top_k={m.top_k},init={m.init},gating={m.gating},"
+            f"capacity={m.capacity_factor},shared={int(m.shared_expert)},dense_first={m.dense_first}}}"
+        ]
+        if p.ep > 1:
+            parts.append(f"expert_parallel{{ep={p.ep},path={p.ep_path}}}")
+        if self.precision.gemm != "bf16":
+            parts.append(f"precision{{{self.precision.gemm},{'+'.join(self.precision.scope)}}}")
+        if self.recompute.policy != "none":
+            parts.append(f"recompute{{{self.recompute.policy}}}")
+        if p.pp > 1:
+            parts.append(f"pipeline{{pp={p.pp},v={p.virtual_stages},schedule={p.pp_schedule}}}")
+        return ",".join(parts)
+
+
+_SECTIONS: dict[str, type] = {
+    "moe": MoEPlan,
+    "parallel": ParallelPlan,
+    "precision": PrecisionPlan,
+    "recompute": RecomputePlan,
+}
+
+
+def _require(ok: bool, name: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise PlanError(name, value, allowed)
+
+
+def _reject_unknown(data: dict[str, Any], known: Any, where: str) -> None:
+    for key in data:
+        if key not in known:
+            raise PlanError(f"{where}.{key}", data[key], f"a known field of {where}: {sorted(known)}")
+
+
+def _check_types(section: Any, prefix: str) -> None:
+    hints = typing.get_type_hints(type(section))
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        expected = hints[f.name]
+        if not _matches(value, expected):
+            raise PlanError(f"{prefix}.{f.name}", value, f"a value of type {_describe(expected)}")
+
+
+def _matches(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return value in typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, arg) for arg in typing.get_args(tp))
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return isinstance(value, list) and all(_matches(v, item) for v in value)
+    if tp is type(None):
+        return value is None
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, tp)
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"list of ({_describe(typing.get_args(tp)[0])})"
+    return "None" if tp is type(None) else tp.__name__
