@@ -40,6 +40,24 @@ def _up(x: Tensor, w_up: Tensor, b_up: Tensor | None, offsets: Tensor, experts: 
     return h if b_up is None else add_row_bias(h, b_up, experts)
 
 
+def expert_mlp_reference(
+    x: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    offsets: Tensor,
+    b_up: Tensor | None,
+    b_down: Tensor | None,
+    activation: str,
+) -> tuple[Tensor, Tensor]:
+    """The oracle implementation of ``moec::expert_mlp`` (forward)."""
+    experts = row_experts(offsets, x.shape[0])
+    h = _up(x, w_up, b_up, offsets, experts)
+    y = gmm(activate(h, activation), w_down.to(x.dtype), offsets)
+    if b_down is not None:
+        y = add_row_bias(y, b_down, experts)
+    return y, h
+
+
 @torch.library.custom_op("moec::expert_mlp", mutates_args=())
 def expert_mlp(
     x: Tensor,
@@ -51,12 +69,7 @@ def expert_mlp(
     activation: str,
 ) -> tuple[Tensor, Tensor]:
     _check(x, w_up, w_down, offsets, activation)
-    experts = row_experts(offsets, x.shape[0])
-    h = _up(x, w_up, b_up, offsets, experts)
-    y = gmm(activate(h, activation), w_down.to(x.dtype), offsets)
-    if b_down is not None:
-        y = add_row_bias(y, b_down, experts)
-    return y, h
+    return expert_mlp_reference(x, w_up, w_down, offsets, b_up, b_down, activation)
 
 
 @expert_mlp.register_fake

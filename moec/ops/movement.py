@@ -50,9 +50,20 @@ def _flat(t: Tensor) -> Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+def dispatch_reference(x: Tensor, rows: Tensor) -> Tensor:
+    """The oracle implementation of ``moec::dispatch``."""
+    return scatter_rows(_flat(x), _flat(rows), rows.numel())
+
+
+def combine_reference(y: Tensor, weights: Tensor, rows: Tensor) -> Tensor:
+    """The oracle implementation of ``moec::combine``."""
+    out = gather_sum(y, _flat(rows), _flat(weights))
+    return out.view(*rows.shape[:-1], y.shape[-1])
+
+
 @torch.library.custom_op("moec::dispatch", mutates_args=())
 def dispatch(x: Tensor, rows: Tensor) -> Tensor:
-    return scatter_rows(_flat(x), _flat(rows), rows.numel())
+    return dispatch_reference(x, rows)
 
 
 @dispatch.register_fake
@@ -76,8 +87,7 @@ dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
 
 @torch.library.custom_op("moec::combine", mutates_args=())
 def combine(y: Tensor, weights: Tensor, rows: Tensor) -> Tensor:
-    out = gather_sum(y, _flat(rows), _flat(weights))
-    return out.view(*rows.shape[:-1], y.shape[-1])
+    return combine_reference(y, weights, rows)
 
 
 @combine.register_fake

@@ -89,6 +89,20 @@ def _check_route_args(logits: Tensor, top_k: int, gating: str, routing: str) -> 
         raise ValueError(f"moec::route: routing={routing!r}; expected one of {ROUTINGS}")
 
 
+def route_reference(
+    logits: Tensor, top_k: int, capacity_factor: float, gating: str, normalize: bool, routing: str
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The oracle implementation of ``moec::route`` (any device)."""
+    lead, num_experts = logits.shape[:-1], logits.shape[-1]
+    flat = logits.reshape(-1, num_experts)
+    expert_ids = choose_experts(flat, top_k, routing)
+    weights = route_weights(flat, expert_ids, gating, normalize)
+    cap = capacity(flat.shape[0], top_k, num_experts, capacity_factor)
+    rows, offsets, counts = assign_rows(expert_ids, num_experts, cap)
+    out_shape = (*lead, top_k)
+    return expert_ids.view(out_shape), weights.view(out_shape), rows.view(out_shape), offsets, counts
+
+
 @torch.library.custom_op("moec::route", mutates_args=())
 def route(
     logits: Tensor,
@@ -99,14 +113,7 @@ def route(
     routing: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     _check_route_args(logits, top_k, gating, routing)
-    lead, num_experts = logits.shape[:-1], logits.shape[-1]
-    flat = logits.reshape(-1, num_experts)
-    expert_ids = choose_experts(flat, top_k, routing)
-    weights = route_weights(flat, expert_ids, gating, normalize)
-    cap = capacity(flat.shape[0], top_k, num_experts, capacity_factor)
-    rows, offsets, counts = assign_rows(expert_ids, num_experts, cap)
-    out_shape = (*lead, top_k)
-    return expert_ids.view(out_shape), weights.view(out_shape), rows.view(out_shape), offsets, counts
+    return route_reference(logits, top_k, capacity_factor, gating, normalize, routing)
 
 
 @route.register_fake

@@ -1,0 +1,339 @@
+"""Find linears, FFN regions and residual blocks in an ATen graph, from structure alone.
+
+- A **linear site** is a matmul by a parameter: ``aten.linear(x, W[out, in], b?)``,
+  ``aten.addmm(b, x, W[in, out])`` (transformers' Conv1D), ``aten.mm/matmul(x, W[in, out])`` or
+  by ``aten.t(W)``. Views between the activation and the matmul are looked through.
+- An **FFN region** is one or two "up" linear sites reading the same input X, joined by
+  elementwise ops (the activation, the gate multiply) into one tensor that is the input of one
+  "down" linear site, with no value of the region used outside it. The activation is identified
+  by evaluating the joining subgraph on sample values against known activations, so any
+  decomposition (``gelu_new`` as tanh/pow/mul, ``silu`` as ``x * sigmoid(x)``) is recognised.
+- A **block** ends at the residual add that consumes an FFN output; blocks are numbered in
+  topological order, so "the first N blocks" is well defined.
+
+Names come from ``nn_module_stack`` and are used only for naming and messages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Iterable
+
+import torch
+import torch.fx as fx
+
+from moec.ops.activations import gated_from_unary, unary_candidates
+
+aten = torch.ops.aten
+
+VIEW_OPS = {
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.flatten.using_ints,
+    aten.unflatten.int,
+    aten.contiguous.default,
+    aten.alias.default,
+}
+TRANSPOSE_OPS = {aten.t.default, aten.permute.default, aten.transpose.int}
+IDENTITY_ELEMENTWISE = {aten.dropout.default, aten.clone.default, aten.contiguous.default}
+
+
+@dataclasses.dataclass
+class LinearSite:
+    node: fx.Node
+    """The matmul node (its output is the linear's output, maybe 2D for addmm)."""
+    input: fx.Node
+    """The activation the linear reads, with views looked through."""
+    weight: str
+    """``get_attr`` target of the weight."""
+    bias: str | None
+    weight_layout: str
+    """``out_in`` (nn.Linear) or ``in_out`` (Conv1D / x @ W)."""
+    in_features: int
+    out_features: int
+
+    def weight_in_out(self, gm: fx.GraphModule) -> torch.Tensor:
+        """The weight as (in, out), detached."""
+        w = gm.get_parameter(self.weight).detach()
+        return w.t() if self.weight_layout == "out_in" else w
+
+    def bias_tensor(self, gm: fx.GraphModule) -> torch.Tensor | None:
+        return None if self.bias is None else gm.get_parameter(self.bias).detach()
+
+
+@dataclasses.dataclass
+class FFNRegion:
+    input: fx.Node
+    ups: list[LinearSite]
+    """The up linears; for gated activations ``[gate, up]``."""
+    down: LinearSite
+    interior: list[fx.Node]
+    """Elementwise and view nodes strictly between the ups and the down linear."""
+    output: fx.Node
+    """The region's result: the down linear, or a trailing view back to X's shape."""
+    activation: str
+    module_path: str
+    """Common module path of the region's linears (``layers.3.ffn``)."""
+
+    @property
+    def hidden(self) -> int:
+        return self.down.in_features
+
+    @property
+    def dim(self) -> int:
+        return self.ups[0].in_features
+
+    def nodes(self) -> list[fx.Node]:
+        """Every node the region owns (ups, interior, down and trailing views)."""
+        owned = [u.node for u in self.ups] + self.interior + [self.down.node]
+        node = self.down.node
+        while node is not self.output:
+            (node,) = node.users
+            owned.append(node)
+        return owned
+
+    def param_targets(self) -> list[str]:
+        targets = []
+        for site in [*self.ups, self.down]:
+            targets += [site.weight] + ([site.bias] if site.bias else [])
+        return targets
+
+
+@dataclasses.dataclass
+class Block:
+    index: int
+    ffn: FFNRegion
+    residual: fx.Node | None
+    """The residual add that consumes the FFN output (None if the model has none)."""
+
+
+@dataclasses.dataclass
+class Structure:
+    linears: list[LinearSite]
+    blocks: list[Block]
+    rejected: list[str]
+    """Why candidate down linears were not taken as FFNs (for ``moec inspect`` and errors)."""
+
+
+def _target(node: fx.Node) -> object:
+    return node.target if node.op == "call_function" else None
+
+
+def strip_views(node: fx.Node) -> fx.Node:
+    while _target(node) in VIEW_OPS and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def _param_target(node: object) -> tuple[str, bool] | None:
+    """(get_attr target, transposed?) if ``node`` is a parameter, maybe through a transpose."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "get_attr":
+        return str(node.target), False
+    if _target(node) in TRANSPOSE_OPS and isinstance(node.args[0], fx.Node):
+        inner = node.args[0]
+        if inner.op == "get_attr" and inner.meta["val"].dim() == 2:
+            return str(inner.target), True
+    return None
+
+
+def linear_site(node: fx.Node) -> LinearSite | None:
+    target = _target(node)
+    if target == aten.linear.default:
+        weight = _param_target(node.args[1])
+        bias = _param_target(node.args[2]) if len(node.args) > 2 else None
+        if weight is None or weight[1]:
+            return None
+        out_f, in_f = node.args[1].meta["val"].shape
+        bias_name = bias[0] if bias else None
+        return LinearSite(node, strip_views(node.args[0]), weight[0], bias_name, "out_in", in_f, out_f)
+    if target in (aten.addmm.default, aten.mm.default, aten.matmul.default):
+        x, w = (node.args[1], node.args[2]) if target == aten.addmm.default else node.args[:2]
+        weight = _param_target(w)
+        if weight is None or w.meta["val"].dim() != 2:
+            return None
+        bias = _param_target(node.args[0]) if target == aten.addmm.default else None
+        if target == aten.addmm.default and bias is None:
+            return None
+        in_f, out_f = w.meta["val"].shape
+        layout = "out_in" if weight[1] else "in_out"
+        return LinearSite(
+            node, strip_views(x), weight[0], bias[0] if bias else None, layout, in_f, out_f
+        )
+    return None
+
+
+def is_elementwise(node: fx.Node) -> bool:
+    target = _target(node)
+    if target in IDENTITY_ELEMENTWISE or target in VIEW_OPS:
+        return True
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
+
+
+def module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return path.removeprefix("L['self'].").removeprefix("L__self__.")
+
+
+def _common_path(paths: Iterable[str]) -> str:
+    split = [p.split(".") for p in paths if p]
+    if not split:
+        return ""
+    common = []
+    for parts in zip(*split):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    return ".".join(common)
+
+
+def find_structure(gm: fx.GraphModule) -> Structure:
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    linears = [s for s in map(linear_site, gm.graph.nodes) if s is not None]
+    by_node = {s.node: s for s in linears}
+    rejected: list[str] = []
+    regions: list[FFNRegion] = []
+    claimed: set[fx.Node] = set()
+    for down in linears:
+        if down.node in claimed:
+            continue
+        region = _region_for(down, by_node, rejected)
+        if region is None:
+            continue
+        regions.append(region)
+        claimed.update(region.nodes())
+    regions.sort(key=lambda r: order[r.output])
+    blocks = [Block(i, r, _residual_add(r.output)) for i, r in enumerate(regions)]
+    return Structure(linears, blocks, rejected)
+
+
+def _region_for(
+    down: LinearSite, by_node: dict[fx.Node, LinearSite], rejected: list[str]
+) -> FFNRegion | None:
+    interior: list[fx.Node] = []
+    ups: dict[fx.Node, LinearSite] = {}
+    stack, seen = [down.node.args[1] if _target(down.node) == aten.addmm.default else down.node.args[0]], set()
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, fx.Node) or node in seen:
+            continue
+        seen.add(node)
+        if node in by_node:
+            ups[node] = by_node[node]
+            continue
+        if not is_elementwise(node):
+            return None  # fed by something else (attention, norm): not an FFN down projection
+        interior.append(node)
+        stack.extend(a for a in node.args if isinstance(a, fx.Node))
+    if not interior or not 1 <= len(ups) <= 2:
+        return None
+    inputs = {site.input for site in ups.values()}
+    name = module_path(down.node) or down.node.name
+    if len(inputs) != 1:
+        rejected.append(f"{name}: up linears read different inputs")
+        return None
+    region_nodes = set(interior) | set(ups)
+    for node in region_nodes:
+        outside = [u for u in node.users if u not in region_nodes and u is not down.node]
+        if outside:
+            rejected.append(f"{name}: {node.name} is also used by {outside[0].name}")
+            return None
+    if any(n.op == "get_attr" for n in interior):
+        rejected.append(f"{name}: the activation reads a parameter")
+        return None
+    ordered_ups = list(ups.values())
+    activation = _identify_activation(interior, ordered_ups)
+    if activation is None:
+        rejected.append(f"{name}: activation not recognised")
+        return None
+    activation, ordered_ups = activation
+    x = ordered_ups[0].input
+    output = _output_like(down.node, x)
+    if output is None:
+        rejected.append(f"{name}: output shape never matches the input's")
+        return None
+    path = _common_path(module_path(s.node) for s in [*ordered_ups, down])
+    return FFNRegion(x, ordered_ups, down, interior, output, activation, path)
+
+
+def _output_like(node: fx.Node, x: fx.Node) -> fx.Node | None:
+    """``node`` or the single-user view chain after it that restores X's shape."""
+    want = x.meta["val"].shape
+    while node.meta["val"].shape != want:
+        if len(node.users) != 1:
+            return None
+        (user,) = node.users
+        if _target(user) not in VIEW_OPS:
+            return None
+        node = user
+    return node
+
+
+def _residual_add(output: fx.Node) -> fx.Node | None:
+    node = output
+    while True:
+        users = list(node.users)
+        if len(users) != 1:
+            return None
+        node = users[0]
+        if _target(node) in (aten.add.Tensor, operator.add):
+            return node
+        if _target(node) not in IDENTITY_ELEMENTWISE:
+            return None
+
+
+def _identify_activation(
+    interior: list[fx.Node], ups: list[LinearSite]
+) -> tuple[str, list[LinearSite]] | None:
+    """Evaluate the joining subgraph on sample values and match it to a known activation."""
+    gen = torch.Generator().manual_seed(0)
+    samples = [torch.randn(512, generator=gen, dtype=torch.float64) * 3 for _ in ups]
+    env: dict[fx.Node, torch.Tensor] = {u.node: s for u, s in zip(ups, samples)}
+    interior_set = set(interior)
+    for node in _topological(interior):
+        env[node] = _eval_elementwise(node, env, interior_set)
+        if env[node] is None:
+            return None
+    out = env[_last(interior)]
+    for name, fn in unary_candidates().items():
+        if len(ups) == 1 and _close(out, fn(samples[0])):
+            return name, ups
+        if len(ups) == 2:
+            for gate, up in ((0, 1), (1, 0)):
+                if _close(out, fn(samples[gate]) * samples[up]):
+                    return gated_from_unary(name), [ups[gate], ups[up]]
+    return None
+
+
+def _eval_elementwise(
+    node: fx.Node, env: dict[fx.Node, torch.Tensor], interior: set[fx.Node]
+) -> torch.Tensor | None:
+    target = _target(node)
+    if target in VIEW_OPS or target in IDENTITY_ELEMENTWISE:
+        return env[node.args[0]]
+    args = [env[a] if isinstance(a, fx.Node) else a for a in node.args]
+    if any(isinstance(a, fx.Node) for a in args):
+        return None
+    try:
+        return target(*args, **node.kwargs)
+    except Exception:
+        return None
+
+
+def _topological(nodes: list[fx.Node]) -> list[fx.Node]:
+    order = {n: i for i, n in enumerate(nodes[0].graph.nodes)}
+    return sorted(nodes, key=order.__getitem__)
+
+
+def _last(nodes: list[fx.Node]) -> fx.Node:
+    return _topological(nodes)[-1]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.allclose(a.double(), b.double(), rtol=1e-4, atol=1e-5)
