@@ -1,0 +1,15 @@
+"""moec: compile a dense PyTorch model and a plan into a Mixture-of-Experts training program.
+
+    import moec
+    compiled = moec.compile(model, moec.Plan.from_dict({"moe": {"num_experts": 8, "top_k": 2}}),
+                            example_inputs=(tokens,))
+    loss = loss_fn(compiled(tokens)) + compiled.aux_loss()
+"""
+
+import moec.ops  # noqa: F401  (registers the moec:: ops)
+from moec.frontend import CaptureError, trace
+from moec.plan import Plan, PlanError
+from moec.runtime.compiled import CompiledModel, compile
+
+__all__ = ["CaptureError", "CompiledModel", "Plan", "PlanError", "compile", "trace"]
+__version__ = "0.1.0"

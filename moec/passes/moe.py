@@ -1,0 +1,273 @@
+"""Pass ``moe``: dense FFN regions -> router + routed experts (+ the dense FFN as shared expert).
+
+Matches (per FFN region found by :mod:`moec.analysis.structure`, after the first
+``plan.moe.dense_first`` blocks), e.g. a SwiGLU FFN on X: f32[B, S, D]::
+
+    gate = linear(X, Wg)  up = linear(X, Wu)  act = mul(silu(gate), up)  out = linear(act, Wd)
+
+Emits::
+
+    logits = linear(X, router_weight)                                    # [B, S, N]
+    _, weights, rows, offsets, counts = moec.route(logits, K, cf, gating, normalize, routing)
+    buffer = moec.dispatch(X, rows)                                      # [B*S*K, D]
+    y, _ = moec.expert_mlp(buffer, w_up, w_down, offsets, b_up, b_down, "swiglu")
+    moe_out = moec.combine(y, weights, rows)                             # [B, S, D]
+    result = add(out, moe_out) if shared_expert else moe_out             # replaces `out`
+    losses = moec.router_losses(logits, counts, K, gating)               # extra graph output
+
+Parameters live under ``<ffn module path>.moe`` (``router_weight``, ``w_up`` [N, D, U],
+``w_down`` [N, H, D], ``b_up``, ``b_down``); the dense FFN's parameters are removed unless it
+becomes the shared expert. Init (``plan.moe.init``), all keeping the dense function where stated:
+
+- ``upcycle``: every expert a copy of the dense FFN; with normalized weights the MoE equals the
+  dense FFN at init. Router: normal(0, router_init_std).
+- ``split``: the dense hidden units partitioned among the experts; the router starts at zero,
+  so every chosen expert gets the same weight w0 and the down projections are scaled by 1/w0:
+  with top_k = N the MoE equals the dense FFN at init.
+- ``random``: fresh normal init at ``expert_width`` with the std of the dense matrices.
+With a shared expert under ``upcycle``/``split`` both branches' output projections are halved,
+so the sum still equals the dense FFN at init.
+
+Options: everything in ``plan.moe``. Statistics: ``ffns_replaced``, ``ffns_kept_dense``,
+``params_added``, ``params_removed``. Invariants: those of :mod:`moec.passes.rewrite`; the
+graph's user outputs are unchanged; per MoE block three aux outputs are appended
+(``router_losses``, ``expert_counts``, ``expert_offsets``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx as fx
+
+from moec.analysis.structure import FFNRegion, find_structure
+from moec.frontend import signature
+from moec.ops.activations import is_gated
+from moec.passes.manager import PassContext, PassResult
+from moec.passes.rewrite import GraphEditor, erase_unused
+from moec.plan import MoEPlan, PlanError
+
+aten = torch.ops.aten
+moec_ops = torch.ops.moec
+
+
+class MoEPassError(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass
+class ExpertWeights:
+    router: torch.Tensor  # [N, D]
+    w_up: torch.Tensor  # [N, D, U]
+    w_down: torch.Tensor  # [N, H, D]
+    b_up: torch.Tensor | None  # [N, U]
+    b_down: torch.Tensor | None  # [N, D]
+
+
+@dataclasses.dataclass
+class MoELayerInfo:
+    """What the runtime and the cost model need to know about one MoE block."""
+
+    path: str
+    block: int
+    dim: int
+    expert_width: int
+    num_experts: int
+    top_k: int
+    capacity_factor: float | None
+    activation: str
+    shared_expert: bool
+
+
+class MoEPass:
+    name = "moe"
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        plan = ctx.plan.moe
+        structure = find_structure(gm)
+        blocks = structure.blocks
+        if not blocks:
+            reasons = "; ".join(structure.rejected) or "no linear -> activation -> linear chain"
+            raise MoEPassError(f"pass moe found no FFN region to convert ({reasons})")
+        if plan.dense_first >= len(blocks):
+            raise PlanError(
+                "moe.dense_first",
+                plan.dense_first,
+                f"fewer than the {len(blocks)} FFN blocks found in the model",
+            )
+        editor = GraphEditor(gm, self.name)
+        generator = torch.Generator().manual_seed(plan.seed)
+        sig = signature(gm)
+        roles = gm.meta.setdefault("moec_param_roles", {})
+        layers = gm.meta.setdefault("moec_moe_layers", [])
+        added = removed = 0
+        aux: list[fx.Node] = []
+        for block in blocks[plan.dense_first :]:
+            region = block.ffn
+            weights = build_expert_weights(gm, region, plan, generator)
+            prefix = f"{region.module_path or 'ffn_' + str(block.index)}.moe"
+            nodes = self._rewrite(editor, region, weights, plan, prefix)
+            added += sum(t.numel() for t in dataclasses.astuple(weights) if t is not None)
+            for name in ("router_weight", "w_up", "w_down", "b_up", "b_down"):
+                roles[f"{prefix}.{name}"] = "router" if name == "router_weight" else "expert"
+            if plan.shared_expert:
+                _scale_shared(gm, region, 0.5 if plan.init in ("upcycle", "split") else 1.0)
+            else:
+                params_before = sum(p.numel() for p in gm.parameters())
+                erase_unused(gm, region.nodes())
+                removed += params_before - sum(p.numel() for p in gm.parameters())
+            aux += nodes
+            sig.aux_outputs += [
+                (prefix, "router_losses"),
+                (prefix, "expert_counts"),
+                (prefix, "expert_offsets"),
+            ]
+            layers.append(
+                MoELayerInfo(
+                    prefix,
+                    block.index,
+                    region.dim,
+                    weights.w_down.shape[1],
+                    plan.num_experts,
+                    plan.top_k,
+                    plan.capacity_factor,
+                    region.activation,
+                    plan.shared_expert,
+                )
+            )
+        output = gm.graph.output_node()
+        output.args = (tuple(output.args[0]) + tuple(aux),)
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        stats = {
+            "ffns_replaced": len(blocks) - plan.dense_first,
+            "ffns_kept_dense": plan.dense_first,
+            "params_added": added,
+            "params_removed": removed,
+        }
+        return PassResult(gm, True, stats)
+
+    def _rewrite(
+        self,
+        editor: GraphEditor,
+        region: FFNRegion,
+        weights: ExpertWeights,
+        plan: MoEPlan,
+        prefix: str,
+    ) -> list[fx.Node]:
+        out, x = region.output, region.input
+        with editor.graph.inserting_before(out.next):
+            param = {
+                name: None
+                if value is None
+                else editor.parameter(f"{prefix}.{name}", value, like=out)
+                for name, value in (
+                    ("router_weight", weights.router),
+                    ("w_up", weights.w_up),
+                    ("w_down", weights.w_down),
+                    ("b_up", weights.b_up),
+                    ("b_down", weights.b_down),
+                )
+            }
+            logits = editor.call(aten.linear.default, (x, param["router_weight"]), like=out)
+            capacity = plan.capacity_factor if plan.capacity_factor is not None else 0.0
+            route = editor.call(
+                moec_ops.route.default,
+                (logits, plan.top_k, capacity, plan.gating, plan.normalize_weights, plan.routing),
+                like=out,
+            )
+            route_weights, rows, offsets, counts = (editor.getitem(route, i) for i in range(1, 5))
+            buffer = editor.call(moec_ops.dispatch.default, (x, rows), like=out)
+            mlp = editor.call(
+                moec_ops.expert_mlp.default,
+                (buffer, param["w_up"], param["w_down"], offsets, param["b_up"], param["b_down"],
+                 region.activation),
+                like=out,
+            )
+            expert_out = editor.getitem(mlp, 0)
+            moe_out = editor.call(
+                moec_ops.combine.default, (expert_out, route_weights, rows), like=out
+            )
+            result = moe_out
+            if plan.shared_expert:
+                result = editor.call(aten.add.Tensor, (out, moe_out), like=out)
+            losses = editor.call(
+                moec_ops.router_losses.default, (logits, counts, plan.top_k, plan.gating), like=out
+            )
+        out.replace_all_uses_with(result, delete_user_cb=lambda user: user is not result)
+        return [losses, counts, offsets]
+
+
+def build_expert_weights(
+    gm: fx.GraphModule, region: FFNRegion, plan: MoEPlan, generator: torch.Generator
+) -> ExpertWeights:
+    """The initial router and expert tensors for ``region`` under ``plan.init``."""
+    n, dim, hidden = plan.num_experts, region.dim, region.hidden
+    gated = is_gated(region.activation)
+    ups = [site.weight_in_out(gm) for site in region.ups]  # each [D, H]
+    up_biases = [site.bias_tensor(gm) for site in region.ups]
+    w_down = region.down.weight_in_out(gm)  # [H, D]
+    b_down = region.down.bias_tensor(gm)
+    has_up_bias = any(b is not None for b in up_biases)
+    up_biases = [torch.zeros(hidden, dtype=w_down.dtype) if b is None else b for b in up_biases]
+    shared_scale = 0.5 if plan.shared_expert and plan.init in ("upcycle", "split") else 1.0
+    where = f"FFN {region.module_path or region.output.name}"
+
+    if plan.init == "upcycle":
+        _check_width(plan, hidden, where, "the dense width for init='upcycle'")
+        w_up = torch.cat(ups, dim=1).expand(n, -1, -1).clone()
+        b_up = torch.cat(up_biases).expand(n, -1).clone() if has_up_bias else None
+        w_dn = (w_down * shared_scale).expand(n, -1, -1).clone()
+        b_dn = None if b_down is None else (b_down * shared_scale).expand(n, -1).clone()
+        router = torch.randn(n, dim, generator=generator) * plan.router_init_std
+    elif plan.init == "split":
+        if hidden % n:
+            raise PlanError(
+                "moe.num_experts", n, f"a divisor of the dense FFN width {hidden} of {where} "
+                "for init='split'"
+            )
+        width = hidden // n
+        _check_width(plan, width, where, f"dense width / num_experts = {width} for init='split'")
+        w0 = 1.0 / plan.top_k if plan.normalize_weights else (
+            1.0 / n if plan.gating == "softmax" else 0.5
+        )
+        scale = shared_scale / w0
+        parts = [slice(e * width, (e + 1) * width) for e in range(n)]
+        w_up = torch.stack([torch.cat([u[:, s] for u in ups], dim=1) for s in parts])
+        b_up = (
+            torch.stack([torch.cat([b[s] for b in up_biases]) for s in parts])
+            if has_up_bias
+            else None
+        )
+        w_dn = torch.stack([w_down[s] * scale for s in parts])
+        b_dn = None if b_down is None else (b_down * scale / n).expand(n, -1).clone()
+        router = torch.zeros(n, dim)
+    else:
+        width = plan.expert_width or hidden
+        up_width = 2 * width if gated else width
+        up_std, down_std = float(torch.cat(ups, 1).float().std()), float(w_down.float().std())
+        w_up = torch.randn(n, dim, up_width, generator=generator) * up_std
+        w_dn = torch.randn(n, width, dim, generator=generator) * down_std
+        b_up = torch.zeros(n, up_width) if has_up_bias else None
+        b_dn = None if b_down is None else torch.zeros(n, dim)
+        router = torch.randn(n, dim, generator=generator) * plan.router_init_std
+    dtype = w_down.dtype
+    cast = lambda t: None if t is None else t.to(dtype).contiguous()  # noqa: E731
+    return ExpertWeights(cast(router), cast(w_up), cast(w_dn), cast(b_up), cast(b_dn))
+
+
+def _check_width(plan: MoEPlan, width: int, where: str, allowed: str) -> None:
+    if plan.expert_width is not None and plan.expert_width != width:
+        raise PlanError("moe.expert_width", plan.expert_width, f"None or {allowed} ({where})")
+
+
+def _scale_shared(gm: fx.GraphModule, region: FFNRegion, scale: float) -> None:
+    """Give the shared expert its own (scaled) down projection, leaving the user's model alone."""
+    if scale == 1.0:
+        return
+    for target in filter(None, (region.down.weight, region.down.bias)):
+        owner_path, _, name = target.rpartition(".")
+        owner = gm.get_submodule(owner_path)
+        old = getattr(owner, name)
+        setattr(owner, name, torch.nn.Parameter(old.detach() * scale, old.requires_grad))

@@ -1,0 +1,104 @@
+"""Helpers every pass uses to edit a graph while keeping its invariants.
+
+Invariants (checked by :mod:`moec.passes.verify` after every pass):
+
+- every ``call_function`` and ``get_attr`` node has ``meta["val"]`` (a FakeTensor or a tuple of
+  them) equal to what fake propagation computes;
+- every new node has ``meta["nn_module_stack"]`` (copied from the node it replaces or extends)
+  and ``meta["from_pass"]`` naming the pass that made it;
+- every ``get_attr`` target exists, and every parameter is read by some ``get_attr``;
+- outputs past the user's (aux losses, routing statistics) are listed in the signature.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+
+def fake_mode(gm: fx.GraphModule) -> FakeTensorMode:
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    if mode is None:
+        raise RuntimeError("graph placeholders carry no FakeTensor meta['val']; capture with moec.trace")
+    return mode
+
+
+class GraphEditor:
+    """Creates nodes with fake values and provenance for one pass on one graph."""
+
+    def __init__(self, gm: fx.GraphModule, pass_name: str):
+        self.gm, self.graph, self.pass_name = gm, gm.graph, pass_name
+        self.mode = fake_mode(gm)
+
+    def call(self, target: Any, args: tuple, like: fx.Node, kwargs: dict | None = None) -> fx.Node:
+        """A ``call_function`` node; ``like`` donates its module stack."""
+        kwargs = kwargs or {}
+        node = self.graph.call_function(target, args, kwargs)
+        fake_args, fake_kwargs = pytree.tree_map_only(
+            fx.Node, lambda n: n.meta["val"], (args, kwargs)
+        )
+        with self.mode:
+            node.meta["val"] = target(*fake_args, **fake_kwargs)
+        self._stamp(node, like)
+        return node
+
+    def getitem(self, node: fx.Node, index: int) -> fx.Node:
+        item = self.graph.call_function(operator.getitem, (node, index))
+        item.meta["val"] = node.meta["val"][index]
+        self._stamp(item, node)
+        return item
+
+    def parameter(self, path: str, value: torch.Tensor, like: fx.Node) -> fx.Node:
+        """Register ``value`` as a Parameter at dotted ``path`` and read it with a get_attr."""
+        owner_path, _, name = path.rpartition(".")
+        owner = _ensure_module(self.gm, owner_path)
+        if hasattr(owner, name):
+            raise RuntimeError(f"pass {self.pass_name}: attribute {path!r} already exists")
+        owner.register_parameter(name, torch.nn.Parameter(value))
+        node = self.graph.get_attr(path)
+        node.meta["val"] = self.mode.from_tensor(owner.get_parameter(name), static_shapes=True)
+        self._stamp(node, like)
+        return node
+
+    def _stamp(self, node: fx.Node, like: fx.Node) -> None:
+        node.meta["nn_module_stack"] = dict(like.meta.get("nn_module_stack") or {})
+        node.meta["from_pass"] = self.pass_name
+
+
+def _ensure_module(gm: fx.GraphModule, path: str) -> torch.nn.Module:
+    module: torch.nn.Module = gm
+    for part in path.split(".") if path else []:
+        if not hasattr(module, part):
+            module.add_module(part, torch.nn.Module())
+        module = getattr(module, part)
+    return module
+
+
+def delete_attribute(gm: fx.GraphModule, path: str) -> None:
+    owner_path, _, name = path.rpartition(".")
+    delattr(gm.get_submodule(owner_path) if owner_path else gm, name)
+
+
+def erase_unused(gm: fx.GraphModule, nodes: list[fx.Node]) -> list[str]:
+    """Erase ``nodes`` (in reverse order) and any get_attr left without users; return the
+    parameter targets whose attributes were deleted."""
+    removed_params: list[str] = []
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in sorted(nodes, key=order.__getitem__, reverse=True):
+        inputs = [a for a in node.all_input_nodes]
+        gm.graph.erase_node(node)
+        for inp in inputs:
+            if inp.op == "get_attr" and not inp.users:
+                target = str(inp.target)
+                gm.graph.erase_node(inp)
+                if not any(n.op == "get_attr" and n.target == target for n in gm.graph.nodes):
+                    delete_attribute(gm, target)
+                    removed_params.append(target)
+    return removed_params

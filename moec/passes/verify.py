@@ -1,0 +1,89 @@
+"""The verifier run after every pass: graph lint, fake-tensor propagation, parameter books.
+
+It checks the invariants listed in :mod:`moec.passes.rewrite` and raises
+:class:`VerificationError` naming the pass and the node that broke one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from moec.frontend import signature
+from moec.passes.rewrite import fake_mode
+
+
+class VerificationError(RuntimeError):
+    pass
+
+
+def parameter_count(gm: fx.GraphModule) -> int:
+    return sum(p.numel() for p in gm.parameters())
+
+
+def verify_graph(gm: fx.GraphModule, stage: str, expected_params: int | None = None) -> None:
+    def fail(msg: str) -> None:
+        raise VerificationError(f"after {stage}: {msg}")
+
+    try:
+        gm.graph.lint()
+    except Exception as exc:
+        fail(f"graph lint failed: {exc}")
+    attrs = {name for name, _ in gm.named_parameters()} | {name for name, _ in gm.named_buffers()}
+    read = set()
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            read.add(str(node.target))
+            if str(node.target) not in attrs and not _is_attr(gm, str(node.target)):
+                fail(f"get_attr {node.name} reads missing attribute {node.target!r}")
+        if node.op in ("call_function", "get_attr") and "val" not in node.meta:
+            fail(f"node {node.name} ({node.target}) has no meta['val']")
+    orphans = sorted(name for name, _ in gm.named_parameters() if name not in read)
+    if orphans:
+        fail(f"parameters no node reads: {orphans[:5]}")
+    if expected_params is not None and parameter_count(gm) != expected_params:
+        fail(f"parameter count {parameter_count(gm)} != expected {expected_params}")
+    sig = signature(gm)
+    outputs = gm.graph.output_node().args[0]
+    if len(outputs) != sig.num_user_outputs + len(sig.aux_outputs):
+        fail(
+            f"graph has {len(outputs)} outputs, signature says {sig.num_user_outputs} user + "
+            f"{len(sig.aux_outputs)} aux"
+        )
+    _check_fake_propagation(gm, fail)
+
+
+def _is_attr(gm: fx.GraphModule, target: str) -> bool:
+    try:
+        obj = gm
+        for part in target.split("."):
+            obj = getattr(obj, part)
+        return True
+    except AttributeError:
+        return False
+
+
+def _check_fake_propagation(gm: fx.GraphModule, fail) -> None:
+    stored = {n: n.meta.get("val") for n in gm.graph.nodes}
+    inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+    try:
+        FakeTensorProp(gm, mode=fake_mode(gm)).propagate_dont_convert_inputs(*inputs)
+    except Exception as exc:
+        fail(f"fake-tensor propagation failed: {exc}")
+    for node, before in stored.items():
+        after = node.meta.get("val")
+        if node.op != "call_function" or before is None:
+            continue
+        if _signature_of(before) != _signature_of(after):
+            fail(
+                f"node {node.name} ({node.target}) meta['val'] {_signature_of(before)} "
+                f"disagrees with propagation {_signature_of(after)}"
+            )
+
+
+def _signature_of(val: object) -> object:
+    return pytree.tree_map_only(
+        torch.Tensor, lambda t: (tuple(str(s) for s in t.shape), t.dtype), val
+    )

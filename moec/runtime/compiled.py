@@ -1,0 +1,119 @@
+"""``CompiledModel``: the nn.Module a user trains after ``moec.compile``.
+
+It captures the model (at construction when example inputs are given, else on the first call),
+runs the passes the plan enables, and then calls the resulting flat graph with the user's
+``(args, kwargs)``. The user's outputs come back unchanged; the extra outputs the passes added
+(router losses, expert counts and offsets) stay on the device in ``self.aux_outputs`` until
+``aux_loss()`` or ``routing_stats()`` reads them, so a training step never waits on the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from moec.frontend import signature, trace
+from moec.ops.routing import capacity
+from moec.passes.manager import DumpHook, PassManager, PassResult, default_passes
+from moec.plan import Plan
+
+
+class CompiledModel(nn.Module):
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: Plan | None = None,
+        example_inputs: tuple | Any = None,
+        example_kwargs: dict | None = None,
+        *,
+        dump: DumpHook | None = None,
+        verify: bool = True,
+    ):
+        super().__init__()
+        self.plan = plan or Plan()
+        self._source = (model,)  # a tuple keeps it out of this module's parameters
+        self._dump, self._verify = dump, verify
+        self.graph_module: fx.GraphModule | None = None
+        self.pass_results: dict[str, PassResult] = {}
+        self.aux_outputs: dict[tuple[str, str], torch.Tensor] = {}
+        if example_inputs is not None:
+            args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+            self.capture(args, example_kwargs or {})
+
+    def capture(self, args: tuple, kwargs: dict) -> None:
+        """Trace the source model on these inputs and run the passes (done once)."""
+        gm = trace(self._source[0], args, kwargs)
+        manager = PassManager(default_passes(self.plan), verify=self._verify, dump=self._dump)
+        self.graph_module, ctx = manager.run(gm, self.plan)
+        self.pass_results = ctx.results
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.graph_module is None:
+            self.capture(args, kwargs)
+        sig = signature(self.graph_module)
+        flat = sig.flatten_inputs(args, kwargs)
+        with self._autocast(flat):
+            outputs = self.graph_module(*flat)
+        self.aux_outputs = dict(zip(sig.aux_outputs, outputs[sig.num_user_outputs :]))
+        return sig.unflatten_outputs(outputs)
+
+    def _autocast(self, flat: list[Any]) -> contextlib.AbstractContextManager:
+        if self.plan.precision.compute_dtype != "bf16":
+            return contextlib.nullcontext()
+        device = next((t.device.type for t in flat if isinstance(t, torch.Tensor)), "cpu")
+        return torch.autocast(device, dtype=torch.bfloat16)
+
+    @property
+    def moe_layers(self) -> list:
+        return [] if self.graph_module is None else self.graph_module.meta.get("moec_moe_layers", [])
+
+    def aux_loss(self) -> torch.Tensor:
+        """``lbl_coef * LBL + z_loss_coef * z`` summed over MoE blocks, from the last forward."""
+        coefs = torch.tensor([self.plan.moe.lbl_coef, self.plan.moe.z_loss_coef])
+        total = None
+        for (_, kind), value in self.aux_outputs.items():
+            if kind == "router_losses":
+                term = (value * coefs.to(value.device, value.dtype)).sum()
+                total = term if total is None else total + term
+        if total is None:
+            raise RuntimeError("no aux losses: run a forward pass of a model with MoE blocks first")
+        return total
+
+    def routing_stats(self) -> dict[str, dict[str, Any]]:
+        """Per MoE block: losses, load, drops, capacity use. Reads the device (call outside a step)."""
+        stats: dict[str, dict[str, Any]] = {}
+        for layer in self.moe_layers:
+            losses = self.aux_outputs[(layer.path, "router_losses")].detach().float().cpu()
+            counts = self.aux_outputs[(layer.path, "expert_counts")].detach().cpu()
+            accepted = int(self.aux_outputs[(layer.path, "expert_offsets")][-1].item())
+            offered = int(counts.sum())
+            tokens = offered // layer.top_k
+            cap = capacity(tokens, layer.top_k, layer.num_experts, layer.capacity_factor or 0.0)
+            stats[layer.path] = {
+                "lbl": float(losses[0]),
+                "z_loss": float(losses[1]),
+                "offered": offered,
+                "accepted": accepted,
+                "drop_rate": 1.0 - accepted / max(offered, 1),
+                "load_imbalance": float(counts.max()) / max(offered / layer.num_experts, 1e-9),
+                "capacity_use": accepted / max(cap * layer.num_experts, 1),
+                "expert_load": counts.tolist(),
+            }
+        return stats
+
+
+def compile(
+    model: nn.Module,
+    plan: Plan | dict | None = None,
+    example_inputs: tuple | Any = None,
+    example_kwargs: dict | None = None,
+    **options: Any,
+) -> CompiledModel:
+    """Compile a dense model into the MoE training program ``plan`` describes."""
+    if isinstance(plan, dict):
+        plan = Plan.from_dict(plan)
+    return CompiledModel(model, plan, example_inputs, example_kwargs, **options)
