@@ -31,7 +31,8 @@ def verify_graph(gm: fx.GraphModule, stage: str, expected_params: int | None = N
         gm.graph.lint()
     except Exception as exc:
         fail(f"graph lint failed: {exc}")
-    attrs = {name for name, _ in gm.named_parameters()} | {name for name, _ in gm.named_buffers()}
+    attrs = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+    attrs |= {name for name, _ in gm.named_buffers(remove_duplicate=False)}
     read = set()
     for node in gm.graph.nodes:
         if node.op == "get_attr":
@@ -40,7 +41,8 @@ def verify_graph(gm: fx.GraphModule, stage: str, expected_params: int | None = N
                 fail(f"get_attr {node.name} reads missing attribute {node.target!r}")
         if node.op in ("call_function", "get_attr") and "val" not in node.meta:
             fail(f"node {node.name} ({node.target}) has no meta['val']")
-    orphans = sorted(name for name, _ in gm.named_parameters() if name not in read)
+    read_ids = {id(p) for n, p in gm.named_parameters(remove_duplicate=False) if n in read}
+    orphans = sorted(name for name, p in gm.named_parameters() if id(p) not in read_ids)
     if orphans:
         fail(f"parameters no node reads: {orphans[:5]}")
     if expected_params is not None and parameter_count(gm) != expected_params:

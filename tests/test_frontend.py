@@ -1,0 +1,58 @@
+import pytest
+import torch
+
+import moec
+from moec.frontend import CaptureError, signature
+from tests.models import hf_model, tiny_gpt2, tiny_llama, tokens
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2])
+def test_trace_is_flat_aten_and_trains(make):
+    model = make()
+    ids = tokens()
+    gm = moec.trace(model, (ids,))
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert all("val" in n.meta for n in calls)
+    assert any("nn_module_stack" in n.meta for n in calls)
+    assert {n.op for n in gm.graph.nodes if n.op == "get_attr"} == {"get_attr"}
+    other = tokens(3, 11)  # other batch and sequence sizes run without recapture
+    (out,) = gm(other)
+    torch.testing.assert_close(out, model(other))
+    out.backward(torch.randn_like(out))
+    assert gm.get_parameter("lm_head.weight" if make is tiny_llama else "wte.weight").grad is not None
+
+
+def test_symbolic_trace_route_gives_the_same_graph_kind():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    x = torch.randn(4, 3, 8)
+    gm = moec.trace(model, (x,), method="symbolic_trace")
+    torch.testing.assert_close(gm(x)[0], model(x))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2"])
+def test_transformers_models_capture_with_kwargs(name):
+    model = hf_model(name)
+    ids = tokens()
+    gm = moec.trace(model, (), {"input_ids": ids, "labels": ids})
+    sig = signature(gm)
+    out = sig.unflatten_outputs(gm(*sig.flatten_inputs((), {"input_ids": ids, "labels": ids})))
+    torch.testing.assert_close(out.loss, model(input_ids=ids, labels=ids).loss)
+
+
+def test_capture_errors_say_what_to_try():
+    class DataDependent(torch.nn.Module):
+        def forward(self, x):
+            return x * 2 if x.sum() > 0 else x
+
+    with pytest.raises(CaptureError, match="torch.where"):
+        moec.trace(DataDependent(), (torch.randn(2, 3),))
+    with pytest.raises(CaptureError, match="batch >= 2"):
+        moec.trace(tiny_llama(), (tokens(1, 8),))
+    with pytest.raises(CaptureError, match="nn.Module"):
+        moec.trace(lambda x: x, (torch.randn(2, 2),))
+
+
+def test_wrong_input_structure_is_a_clear_error():
+    compiled = moec.compile(tiny_llama(), None, (tokens(),))
+    with pytest.raises(CaptureError, match="structure"):
+        compiled(tokens(), tokens())

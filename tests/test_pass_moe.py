@@ -1,0 +1,100 @@
+import pytest
+import torch
+
+import moec
+from moec.passes.moe import MoEPassError
+from moec.passes.verify import VerificationError, verify_graph
+from tests.models import hf_model, tiny_gpt2, tiny_llama, tokens
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm()) if a.requires_grad is False else _rel(a.detach(), b.detach())
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2, lambda: hf_model("gpt2")])
+@pytest.mark.parametrize("shared", [False, True])
+def test_upcycle_equals_dense_at_init(make, shared):
+    model = make()
+    ids = tokens()
+    plan = {"moe": {"num_experts": 4, "top_k": 2, "init": "upcycle", "shared_expert": shared,
+                    "capacity_factor": None}}
+    compiled = moec.compile(model, plan, (ids,))
+    dense = model(ids)
+    out = compiled(ids)
+    if not isinstance(dense, torch.Tensor):
+        dense, out = dense.logits, out.logits
+    assert _rel(out, dense) <= 1e-5
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2])
+@pytest.mark.parametrize("gating", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("shared", [False, True])
+def test_split_with_all_experts_equals_dense_at_init(make, gating, shared):
+    model = make()
+    ids = tokens()
+    plan = {"moe": {"num_experts": 4, "top_k": 4, "init": "split", "normalize_weights": False,
+                    "gating": gating, "shared_expert": shared, "capacity_factor": None}}
+    assert _rel(moec.compile(model, plan, (ids,))(ids), model(ids)) <= 1e-5
+
+
+def test_statistics_and_parameter_books():
+    model = tiny_llama(layers=4)
+    plan = {"moe": {"num_experts": 4, "top_k": 2, "dense_first": 2}}
+    compiled = moec.compile(model, plan, (tokens(),))
+    stats = compiled.pass_results["moe"].stats
+    assert stats["ffns_replaced"] == 2 and stats["ffns_kept_dense"] == 2
+    dense_ffn = 3 * 32 * 64
+    assert stats["params_removed"] == 2 * dense_ffn
+    assert stats["params_added"] == 2 * (4 * dense_ffn + 4 * 32)
+    names = dict(compiled.named_parameters())
+    assert names["graph_module.layers.2.ffn.moe.w_up"].shape == (4, 32, 128)
+    assert names["graph_module.layers.3.ffn.moe.w_down"].shape == (4, 64, 32)
+    assert "graph_module.layers.2.ffn.down_proj.weight" not in names
+    assert "graph_module.layers.1.ffn.down_proj.weight" in names
+    assert len(compiled.moe_layers) == 2
+
+
+def test_random_init_uses_planned_width_and_users_model_is_untouched():
+    model = tiny_llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plan = {"moe": {"num_experts": 4, "top_k": 1, "init": "random", "expert_width": 16,
+                    "shared_expert": True}}
+    compiled = moec.compile(model, plan, (tokens(),))
+    w_down = compiled.graph_module.get_parameter("layers.0.ffn.moe.w_down")
+    assert w_down.shape == (4, 16, 32)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_split_width_must_divide():
+    with pytest.raises(moec.PlanError, match="moe.num_experts"):
+        moec.compile(tiny_llama(), {"moe": {"num_experts": 5, "top_k": 1, "init": "split"}}, (tokens(),))
+
+
+def test_model_without_ffn_says_why():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    with pytest.raises(MoEPassError, match="no FFN region"):
+        moec.compile(model, None, (torch.randn(2, 3, 8),))
+
+
+def test_verifier_catches_a_wrong_shape_and_an_orphan_parameter():
+    compiled = moec.compile(tiny_llama(), None, (tokens(),))
+    gm = compiled.graph_module
+    verify_graph(gm, "ok")
+    route = next(n for n in gm.graph.nodes if n.target == torch.ops.moec.combine.default)
+    route.meta["val"] = route.meta["val"][..., :3]
+    with pytest.raises(VerificationError, match="disagrees"):
+        verify_graph(gm, "broken")
+    route.meta["val"] = None
+    gm.register_parameter("orphan", torch.nn.Parameter(torch.zeros(2)))
+    with pytest.raises(VerificationError, match="orphan"):
+        verify_graph(gm, "broken")
+
+
+def test_capacity_drops_are_reported():
+    compiled = moec.compile(tiny_llama(), {"moe": {"num_experts": 4, "top_k": 2, "capacity_factor": 0.5}}, (tokens(),))
+    compiled(tokens(4, 32))
+    for layer in compiled.routing_stats().values():
+        assert layer["accepted"] <= layer["offered"] == 4 * 32 * 2
+        assert layer["drop_rate"] >= 0.5 - 1e-9
+        assert 0 < layer["capacity_use"] <= 1

@@ -1,0 +1,101 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import moec
+from moec.models import Llama, LlamaConfig
+from moec.plan import Plan, PlanError
+
+
+@pytest.mark.parametrize(
+    "data, field",
+    [
+        ({"moe": {"top_k": 9, "num_experts": 8}}, "moe.top_k"),
+        ({"moe": {"top_k": 0}}, "moe.top_k"),
+        ({"moe": {"num_experts": 0}}, "moe.num_experts"),
+        ({"moe": {"capacity_factor": 0}}, "moe.capacity_factor"),
+        ({"moe": {"capacity_factor": -1.0}}, "moe.capacity_factor"),
+        ({"moe": {"capacity_factor": float("inf")}}, "moe.capacity_factor"),
+        ({"moe": {"dense_first": -1}}, "moe.dense_first"),
+        ({"moe": {"init": "copy"}}, "moe.init"),
+        ({"moe": {"gating": "relu"}}, "moe.gating"),
+        ({"moe": {"routing": "hash"}}, "moe.routing"),
+        ({"moe": {"lbl_coef": -0.1}}, "moe.lbl_coef"),
+        ({"moe": {"expert_width": 0}}, "moe.expert_width"),
+        ({"moe": {"num_experts": "8"}}, "moe.num_experts"),
+        ({"moe": {"normalize_weights": 1}}, "moe.normalize_weights"),
+        ({"moe": {"num_experts": 6}, "parallel": {"ep": 4, "dp": 4}}, "parallel.ep"),
+        ({"parallel": {"ep": 2, "dp": 1}}, "parallel.ep"),
+        ({"parallel": {"pp": 0}}, "parallel.pp"),
+        ({"parallel": {"pp": 4, "microbatches": 2}}, "parallel.microbatches"),
+        ({"parallel": {"pp_schedule": "zbv", "virtual_stages": 1}}, "parallel.virtual_stages"),
+        ({"parallel": {"ep_path": "nvshmem"}}, "parallel.ep_path"),
+        ({"precision": {"gemm": "fp4"}}, "precision.gemm"),
+        ({"precision": {"scope": ["mlp"]}}, "precision.scope"),
+        ({"recompute": {"policy": "budget"}}, "recompute.budget_bytes"),
+        ({"recompute": {"policy": "all"}}, "recompute.policy"),
+        ({"moe": {"experts": 8}}, "moe.experts"),
+        ({"moes": {}}, "plan.moes"),
+    ],
+)
+def test_bad_plan_names_field(data, field):
+    with pytest.raises(PlanError) as info:
+        Plan.from_dict(data)
+    assert info.value.field == field
+    assert field in str(info.value)
+
+
+def test_yaml_round_trip(tmp_path):
+    plan = Plan.from_dict(
+        {"moe": {"num_experts": 32, "top_k": 8, "capacity_factor": None, "shared_expert": True},
+         "parallel": {"dp": 8, "ep": 8}, "recompute": {"policy": "budget", "budget_bytes": 10}}
+    )
+    plan.save(tmp_path / "p.yaml")
+    again = Plan.load(tmp_path / "p.yaml")
+    assert again == plan
+    assert "expert_parallel{ep=8" in again.pipeline_string()
+
+
+def test_bad_yaml_file(tmp_path):
+    (tmp_path / "p.yaml").write_text("- just\n- a list\n")
+    with pytest.raises(PlanError, match="<file>"):
+        Plan.load(tmp_path / "p.yaml")
+
+
+def test_dense_first_checked_against_the_model():
+    model = Llama(LlamaConfig(dim=32, n_layers=2, ffn_hidden=64, n_heads=2, n_kv_heads=1))
+    tokens = torch.randint(0, 256, (2, 8))
+    with pytest.raises(PlanError) as info:
+        moec.compile(model, {"moe": {"dense_first": 2}}, (tokens,))
+    assert info.value.field == "moe.dense_first"
+
+
+_MODEL = Llama(LlamaConfig(dim=32, n_layers=2, ffn_hidden=64, n_heads=2, n_kv_heads=1))
+_TOKENS = torch.randint(0, 256, (2, 8))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    num_experts=st.integers(-1, 10),
+    top_k=st.integers(-1, 10),
+    capacity_factor=st.one_of(st.none(), st.floats(-1, 3), st.just(float("nan"))),
+    dense_first=st.integers(-1, 3),
+    init=st.sampled_from(["upcycle", "split", "random", "bogus"]),
+    expert_width=st.one_of(st.none(), st.sampled_from([0, 8, 16, 64])),
+    shared=st.booleans(),
+)
+def test_random_plans_compile_or_raise_plan_error(
+    num_experts, top_k, capacity_factor, dense_first, init, expert_width, shared
+):
+    data = {"moe": {"num_experts": num_experts, "top_k": top_k, "capacity_factor": capacity_factor,
+                    "dense_first": dense_first, "init": init, "expert_width": expert_width,
+                    "shared_expert": shared}}
+    try:
+        plan = Plan.from_dict(data)
+        compiled = moec.compile(_MODEL, plan, (_TOKENS,))
+    except PlanError as err:
+        assert err.field.startswith("moe.")
+        return
+    out = compiled(_TOKENS)
+    assert out.shape == (2, 8, 256) and torch.isfinite(out).all()
