@@ -1,0 +1,283 @@
+"""Quantized GEMM ops: ``moec::quantized_expert_mlp`` and ``moec::quantized_linear``.
+
+quantized_expert_mlp(x, w_up, w_down, offsets, b_up?, b_down?, activation, recipe) -> (y, h)
+    ``moec::expert_mlp`` (same shapes and meaning) with its three GEMMs per pass in ``recipe``.
+quantized_linear(x[*, K], weight[N, K], bias[N]?, recipe) -> y[*, N]
+    ``aten.linear`` with its GEMMs in ``recipe``.
+
+Recipes (the weights stay high precision masters; every step quantizes them afresh):
+
+- ``mxfp8``: OCP MX v1.0 e4m3 with E8M0 scales per 32 contraction elements, for the forward,
+  dgrad and wgrad GEMMs (wgrad blocks run along the rows of each group, from its first row).
+- ``fp8_rowwise``: e4m3 with one fp32 scale per row of the activation and per output channel
+  of the weight (``amax / 448``) for the forward and dgrad GEMMs; wgrad in high precision.
+
+The functions here in plain torch are the oracle (:func:`mx_quantize_reference` follows the
+spec literally); on CUDA (or under ``TRITON_INTERPRET=1``) the GEMMs run as the fused Triton
+kernels of :mod:`moec.kernels.mxfp8`, which equal the reference bit for bit in quantization.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from moec.ops.activations import activate, activate_backward, check_activation, is_gated
+from moec.ops.grouped import add_row_bias, row_bias_grad, row_experts
+
+Recipe = Literal["mxfp8", "fp8_rowwise"]
+RECIPES: tuple[str, ...] = ("mxfp8", "fp8_rowwise")
+MX_BLOCK = 32
+E4M3_MAX = 448.0
+E4M3_EMAX = 8
+"""Exponent of the largest power of two in e4m3 (448 = 1.75 * 2^8): the spec's emax_elem."""
+E8M0_NAN = 255
+E4M3_NAN_CODE = 0x7F
+
+
+# --- quantization references -------------------------------------------------------------------
+
+
+def mx_quantize_reference(x: Tensor) -> tuple[Tensor, Tensor]:
+    """OCP MX v1.0 section 6.3 along the last dim: (codes float8_e4m3fn [*, K], scales uint8
+    [*, ceil(K / 32)]); a short last block is padded with zeros. A block whose amax is inf or
+    NaN gets scale 0xFF (NaN) and stores 0x7F in every element."""
+    k = x.shape[-1]
+    pad = -k % MX_BLOCK
+    v = torch.nn.functional.pad(x.float(), (0, pad)).unflatten(-1, (-1, MX_BLOCK))
+    amax = v.abs().amax(-1)  # NaN if any element is NaN
+    _, exp = torch.frexp(amax)  # amax = m * 2^exp, m in [0.5, 1): floor(log2 amax) = exp - 1
+    shared = torch.where(amax > 0, exp - 1 - E4M3_EMAX, -127).clamp(-127, 127)
+    finite = torch.isfinite(amax)
+    scales = torch.where(finite, shared + 127, E8M0_NAN).to(torch.uint8)
+    y = v * torch.ldexp(torch.ones_like(amax), -shared.where(finite, 0))[..., None]
+    codes = y.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    codes = torch.where(finite[..., None], codes, E4M3_NAN_CODE)
+    codes = codes.flatten(-2)[..., :k].contiguous().view(torch.float8_e4m3fn)
+    return codes, scales
+
+
+def mx_dequantize(codes: Tensor, scales: Tensor) -> Tensor:
+    """codes [*, K] e4m3, scales [*, ceil(K / 32)] E8M0 -> float32 [*, K] (NaN for NaN scales)."""
+    k = codes.shape[-1]
+    pad = -k % MX_BLOCK
+    ones = torch.ones_like(scales, dtype=torch.float32)
+    scale = torch.where(scales == E8M0_NAN, torch.nan, torch.ldexp(ones, scales.int() - 127))
+    v = torch.nn.functional.pad(codes.float(), (0, pad)).unflatten(-1, (-1, MX_BLOCK))
+    return (v * scale[..., None]).flatten(-2)[..., :k]
+
+
+def mx_fake_quantize(x: Tensor, dim: int = -1) -> Tensor:
+    """x quantized to MXFP8 along ``dim`` and dequantized (float32, x's shape)."""
+    moved = x.movedim(dim, -1)
+    return mx_dequantize(*mx_quantize_reference(moved)).movedim(-1, dim)
+
+
+def rowwise_quantize_reference(x: Tensor, dim: int = -1) -> tuple[Tensor, Tensor]:
+    """e4m3 codes of x and fp32 scales ``amax / 448`` reduced over ``dim`` (kept as size 1);
+    an all-zero slice gets scale 1."""
+    x = x.float()
+    amax = x.abs().amax(dim, keepdim=True)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, 1.0)
+    codes = (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return codes, scale
+
+
+def rowwise_fake_quantize(x: Tensor, dim: int = -1) -> Tensor:
+    codes, scale = rowwise_quantize_reference(x, dim)
+    return codes.float() * scale
+
+
+# --- quantized grouped GEMMs ---------------------------------------------------------------------
+
+
+def _loop_gmm(a: Tensor, b: Tensor, offsets: Tensor) -> Tensor:
+    """``out[r] = a[r] @ b[e(r)]`` in float32, zeros past ``offsets[-1]`` (static shapes)."""
+    experts = row_experts(offsets, a.shape[0])
+    out = a.new_zeros(a.shape[0], b.shape[-1])
+    for e in range(b.shape[0]):
+        out = torch.where((experts == e)[:, None], a @ b[e], out)
+    return out
+
+
+def _kernels_apply(a: Tensor, b: Tensor, recipe: str) -> bool:
+    """Whether the Triton MXFP8 kernels take this call (device and dtypes)."""
+    from moec.kernels import arch
+
+    return recipe == "mxfp8" and arch.float_supported(a, b) and b.dtype in arch.KERNEL_DTYPES
+
+
+def quantized_gmm(a: Tensor, b: Tensor, offsets: Tensor, recipe: str) -> Tensor:
+    """``out[r] = a[r] @ b[e(r)]`` with a (R, K), b (G, K, N) each quantized along K from its
+    own dtype (fp32 masters are not rounded to bf16 first); the result in a's dtype."""
+    if _kernels_apply(a, b, recipe):
+        from moec.kernels.mxfp8 import mx_gmm
+
+        return mx_gmm(a, b, offsets, a.dtype)
+    if recipe == "mxfp8":
+        aq, bq = mx_fake_quantize(a), mx_fake_quantize(b, dim=-2)
+    else:
+        aq, bq = rowwise_fake_quantize(a), rowwise_fake_quantize(b, dim=-2)
+    return _loop_gmm(aq, bq, offsets).to(a.dtype)
+
+
+def _group_aligned(x: Tensor, start: Tensor, count: Tensor) -> Tensor:
+    """Rows [start, start + count) of x moved to the top, zeros below (static shape R)."""
+    positions = torch.arange(x.shape[0], device=x.device)
+    src = (start + positions).clamp(max=x.shape[0] - 1)
+    return torch.where((positions < count)[:, None], x[src], 0)
+
+
+def quantized_gmm_wgrad(a: Tensor, b: Tensor, offsets: Tensor, recipe: str) -> Tensor:
+    """``out[g] = a_g^T @ b_g`` over the rows of group g: a (R, K), b (R, N) -> (G, K, N).
+
+    mxfp8: both quantized along the rows, 32-row blocks from each group's first row.
+    fp8_rowwise: in high precision (float32 accumulation).
+    """
+    if _kernels_apply(a, b, recipe):
+        from moec.kernels.mxfp8 import mx_gmm_wgrad
+
+        return mx_gmm_wgrad(a, b, offsets, a.dtype)
+    starts = torch.cat([offsets.new_zeros(1), offsets[:-1]])
+    grads = []
+    for g in range(offsets.shape[0]):
+        count = offsets[g] - starts[g]
+        a_g, b_g = _group_aligned(a, starts[g], count), _group_aligned(b, starts[g], count)
+        if recipe == "mxfp8":
+            a_g, b_g = mx_fake_quantize(a_g, dim=0), mx_fake_quantize(b_g, dim=0)
+        grads.append(a_g.float().t() @ b_g.float())
+    return torch.stack(grads).to(a.dtype)
+
+
+# --- moec::quantized_expert_mlp ------------------------------------------------------------------
+
+
+def _check_recipe(recipe: str) -> None:
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown quantization recipe {recipe!r}; known: {RECIPES}")
+
+
+def _check_mlp(x, w_up, w_down, offsets, activation, recipe) -> None:
+    check_activation(activation)
+    _check_recipe(recipe)
+    n, d, u = w_up.shape
+    hidden = u // 2 if is_gated(activation) else u
+    if x.shape[-1] != d or w_down.shape != (n, hidden, d) or offsets.shape != (n,):
+        raise ValueError(
+            f"moec::quantized_expert_mlp: shapes do not fit: x {tuple(x.shape)}, w_up "
+            f"{tuple(w_up.shape)}, w_down {tuple(w_down.shape)}, offsets {tuple(offsets.shape)}"
+        )
+
+
+def quantized_expert_mlp_reference(x, w_up, w_down, offsets, b_up, b_down, activation, recipe):
+    experts = row_experts(offsets, x.shape[0])
+    h = quantized_gmm(x, w_up, offsets, recipe)
+    if b_up is not None:
+        h = add_row_bias(h, b_up, experts)
+    y = quantized_gmm(activate(h, activation), w_down, offsets, recipe)
+    if b_down is not None:
+        y = add_row_bias(y, b_down, experts)
+    return y, h
+
+
+@torch.library.custom_op("moec::quantized_expert_mlp", mutates_args=())
+def quantized_expert_mlp(
+    x: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    offsets: Tensor,
+    b_up: Tensor | None,
+    b_down: Tensor | None,
+    activation: str,
+    recipe: str,
+) -> tuple[Tensor, Tensor]:
+    _check_mlp(x, w_up, w_down, offsets, activation, recipe)
+    args = (x, w_up, w_down, offsets, b_up, b_down, activation, recipe)
+    return quantized_expert_mlp_reference(*args)
+
+
+@quantized_expert_mlp.register_fake
+def _quantized_expert_mlp_fake(x, w_up, w_down, offsets, b_up, b_down, activation, recipe):
+    _check_mlp(x, w_up, w_down, offsets, activation, recipe)
+    return x.new_empty(x.shape), x.new_empty((x.shape[0], w_up.shape[-1]))
+
+
+def _mlp_setup(ctx, inputs, output):
+    x, w_up, w_down, offsets, b_up, b_down, activation, recipe = inputs
+    ctx.save_for_backward(x, w_up, w_down, offsets, output[1])
+    ctx.activation, ctx.recipe = activation, recipe
+    ctx.bias_dtypes = tuple(None if b is None else b.dtype for b in (b_up, b_down))
+
+
+def _mlp_backward(ctx, d_y, d_h_unused):
+    x, w_up, w_down, offsets, h = ctx.saved_tensors
+    recipe, num_experts = ctx.recipe, offsets.shape[0]
+    experts = row_experts(offsets, x.shape[0])
+    d_y = d_y.to(x.dtype)
+    act = activate(h, ctx.activation)
+    d_w_down = quantized_gmm_wgrad(act, d_y, offsets, recipe).to(w_down.dtype)
+    d_act = quantized_gmm(d_y, w_down.transpose(-1, -2), offsets, recipe)
+    d_h = activate_backward(h, d_act, ctx.activation)
+    d_w_up = quantized_gmm_wgrad(x, d_h, offsets, recipe).to(w_up.dtype)
+    d_x = quantized_gmm(d_h, w_up.transpose(-1, -2), offsets, recipe)
+    d_biases = [
+        None if dtype is None else row_bias_grad(grad, experts, num_experts).to(dtype)
+        for dtype, grad in zip(ctx.bias_dtypes, (d_h, d_y), strict=True)
+    ]
+    return d_x, d_w_up, d_w_down, None, *d_biases, None, None
+
+
+quantized_expert_mlp.register_autograd(_mlp_backward, setup_context=_mlp_setup)
+
+
+# --- moec::quantized_linear ----------------------------------------------------------------------
+
+
+def _one_group(rows: int, device: torch.device) -> Tensor:
+    return torch.full((1,), rows, dtype=torch.int32, device=device)
+
+
+def quantized_linear_reference(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: str):
+    x2 = x.reshape(-1, x.shape[-1])
+    w = weight.t().unsqueeze(0)  # (1, K, N)
+    y = quantized_gmm(x2, w, _one_group(x2.shape[0], x.device), recipe)
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("moec::quantized_linear", mutates_args=())
+def quantized_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: str) -> Tensor:
+    _check_recipe(recipe)
+    return quantized_linear_reference(x, weight, bias, recipe)
+
+
+@quantized_linear.register_fake
+def _quantized_linear_fake(x, weight, bias, recipe):
+    _check_recipe(recipe)
+    if x.shape[-1] != weight.shape[1]:
+        shapes = f"x {tuple(x.shape)}, weight {tuple(weight.shape)}"
+        raise ValueError(f"moec::quantized_linear: shapes do not fit: {shapes}")
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _linear_setup(ctx, inputs, output):
+    x, weight, bias, recipe = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.recipe = recipe
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _linear_backward(ctx, d_y):
+    x, weight = ctx.saved_tensors
+    x2, d_y2 = x.reshape(-1, x.shape[-1]), d_y.reshape(-1, d_y.shape[-1]).to(x.dtype)
+    group = _one_group(x2.shape[0], x.device)
+    d_x = quantized_gmm(d_y2, weight.unsqueeze(0), group, ctx.recipe).reshape(x.shape)
+    d_w = quantized_gmm_wgrad(d_y2, x2, group, ctx.recipe)[0].to(weight.dtype)
+    d_b = None if ctx.bias_dtype is None else d_y2.float().sum(0).to(ctx.bias_dtype)
+    return d_x, d_w, d_b, None
+
+
+quantized_linear.register_autograd(_linear_backward, setup_context=_linear_setup)
