@@ -1,0 +1,174 @@
+"""The ``moec`` command line: one function per subcommand, wired up by :func:`build_parser`.
+
+    moec plan show plan.yaml                  the resolved plan as YAML + its pipeline string
+    moec inspect llama                        blocks and FFN regions, parameters, FLOPs/token
+    moec debug llama --plan p.yaml --out dbg  the graph after every pass (see moec.debug)
+    moec demo / moec train ...                training (moec.train)
+
+MODEL is a short name (``llama``, ``gpt2``, ``hf-llama``, ``hf-qwen2``, ``hf-gpt2``) or
+``path/to/file.py:factory`` (see :mod:`moec.models.zoo`). Exit status: 0 on success, 2 for a bad
+plan or model spec, 1 when the model cannot be captured or compiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from moec.frontend import CaptureError
+from moec.models.zoo import SHORT_NAMES, ModelSpecError, load_model
+from moec.plan import Plan, PlanError
+
+
+def _console() -> Console:
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console.width = 140  # logs and pipes: wide enough for the tables
+    return console
+
+
+def _load_plan(path: str | None) -> Plan:
+    return Plan() if path is None else Plan.load(path)
+
+
+def cmd_plan_show(args: argparse.Namespace) -> int:
+    plan = _load_plan(args.file)
+    console = _console()
+    console.print(plan.to_yaml(), end="", markup=False)
+    console.print(f"pipeline: {plan.pipeline_string()}", markup=False)
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    import moec
+    from moec.analysis.cost import format_count, graph_cost
+    from moec.analysis.structure import find_structure
+
+    model, inputs, kwargs = load_model(args.model)
+    gm = moec.trace(model, inputs, kwargs)
+    cost = graph_cost(gm)
+    sizes = {k: v for k, v in (("batch", args.batch), ("seq", args.seq)) if v is not None}
+    report = cost.evaluate(**sizes)
+    per_token = max(report.tokens, 1)
+    table = Table(title=f"{args.model}: residual blocks and FFN regions")
+    for column in ("#", "FFN module", "FFN", "block params", "FLOPs/token", "FFN FLOPs/token"):
+        table.add_column(column, justify="left" if column in ("FFN module", "FFN") else "right")
+    for block in report.blocks:
+        table.add_row(
+            str(block["index"]),
+            block["ffn_path"],
+            block["ffn"],
+            format_count(block["params"]),
+            format_count(block["flops"] / per_token),
+            format_count(block["ffn_flops"] / per_token),
+        )
+    console = _console()
+    console.print(table)
+    for reason in find_structure(gm).rejected:
+        console.print(f"not an FFN: {reason}", markup=False)
+    size_text = ", ".join(f"{k}={v}" for k, v in report.sizes.items())
+    console.print(
+        f"{len(report.blocks)} FFN regions (one per residual block); "
+        f"params {format_count(report.params)}; tokens {report.tokens} ({size_text}); "
+        f"forward FLOPs/token {format_count(report.flops_per_token)}; "
+        f"training FLOPs/token {format_count(report.train_flops_per_token)}; "
+        f"activations saved {format_count(report.saved_bytes)}B",
+        markup=False,
+    )
+    return 0
+
+
+def cmd_debug(args: argparse.Namespace) -> int:
+    import moec
+    from moec.debug import DebugDump
+
+    if args.out is None and not args.print_after_all:
+        print("moec debug: error: give --out DIR or --print-after-all", file=sys.stderr)
+        return 2
+    plan = _load_plan(args.plan)
+    model, inputs, kwargs = load_model(args.model)
+    console = _console()
+    console.print(f"pipeline: {plan.pipeline_string()}", markup=False)
+    dump = DebugDump(args.out, plan, print_after_all=args.print_after_all, console=console)
+    moec.compile(model, plan, inputs, kwargs, dump=dump)
+    if args.out is not None and not args.print_after_all:
+        console.print(f"wrote {len(dump.stages)} stages to {args.out}", markup=False)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from moec.train import cli_demo
+
+    return cli_demo(args) or 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from moec.train import cli_train
+
+    return cli_train(args) or 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moec", description="Compile dense PyTorch models into MoE training programs."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    model_help = f"one of {', '.join(SHORT_NAMES)} or path/to/file.py:factory"
+
+    plan = sub.add_parser("plan", help="work with plan files")
+    plan_sub = plan.add_subparsers(dest="plan_command", required=True)
+    show = plan_sub.add_parser("show", help="print the resolved plan and its pipeline string")
+    show.add_argument("file", help="plan YAML file")
+    show.set_defaults(func=cmd_plan_show)
+
+    inspect = sub.add_parser("inspect", help="list blocks and FFN regions with their costs")
+    inspect.add_argument("model", help=model_help)
+    inspect.add_argument("--batch", type=int, help="evaluate costs at this batch size")
+    inspect.add_argument("--seq", type=int, help="evaluate costs at this sequence length")
+    inspect.set_defaults(func=cmd_inspect)
+
+    debug = sub.add_parser("debug", help="compile and dump the graph after every pass")
+    debug.add_argument("model", help=model_help)
+    debug.add_argument("--plan", help="plan YAML file (default: Plan())")
+    debug.add_argument("--out", help="output directory")
+    debug.add_argument(
+        "--print-after-all", action="store_true", help="print to the terminal instead of files"
+    )
+    debug.set_defaults(func=cmd_debug)
+
+    demo = sub.add_parser("demo", help="compile the bundled Llama into an MoE and train it")
+    demo.add_argument("--steps", type=int, default=0, help="training steps (0: auto)")
+    demo.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    demo.add_argument("--out", default="runs/demo", help="run directory")
+    demo.set_defaults(func=cmd_demo)
+
+    train = sub.add_parser("train", help="train a compiled model")
+    train.add_argument("--model", default="llama", help=model_help)
+    train.add_argument("--plan", help="plan YAML file")
+    train.add_argument("--steps", type=int, default=100)
+    train.add_argument("--out", default="runs/train", help="run directory")
+    train.add_argument("--resume", action="store_true", help="resume from the latest checkpoint")
+    train.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    train.add_argument("--batch-size", type=int, default=8)
+    train.add_argument("--seq-len", type=int, default=128)
+    train.add_argument("--log-every", type=int, default=10)
+    train.add_argument("--checkpoint-every", type=int, default=0, help="0: only at the end")
+    train.add_argument("--synthetic", action="store_true", help="random tokens instead of text")
+    train.set_defaults(func=cmd_train)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (PlanError, ModelSpecError, FileNotFoundError) as exc:
+        print(f"moec: error: {exc}", file=sys.stderr)
+        return 2
+    except CaptureError as exc:
+        print(f"moec: error: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,269 @@
+"""Debug dumps of the graph after every pass: the ``PassManager(dump=...)`` hook.
+
+``DebugDump(out_dir, plan)`` writes, for the captured graph and after every pass::
+
+    out_dir/pipeline.txt            the plan's pipeline string and the resolved plan as YAML
+    out_dir/summary.txt             one stats line per stage
+    out_dir/NN_<stage>/graph.py     readable code of the GraphModule (pipeline string on top)
+    out_dir/NN_<stage>/ops.txt      op table: node, op, target, shape/dtype, module, from_pass
+    out_dir/NN_<stage>/graph.dot    Graphviz text (``dot -Tsvg graph.dot``); pass-made nodes shaded
+    out_dir/NN_<stage>/diff.patch   unified diff of graph.py against the previous stage
+    out_dir/NN_<stage>/stats.json   nodes, parameters, active parameters, FLOPs/token, pass stats
+
+With ``print_after_all=True`` (``moec debug --print-after-all``) the code, op table, diff and
+stats line go to the terminal (rich) instead of files. Writers never raise: a failure is logged
+and the dump goes on, so debugging output can never break a compile.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+from rich.console import Console
+from rich.syntax import Syntax
+from rich.table import Table
+
+from moec.analysis.cost import format_count, graph_cost
+from moec.analysis.structure import module_path
+from moec.plan import Plan
+
+log = logging.getLogger(__name__)
+
+OP_COLUMNS = ("node", "op", "target", "shape/dtype", "module", "from_pass")
+DTYPE_NAMES = {
+    torch.float32: "f32",
+    torch.float64: "f64",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int16: "i16",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.bool: "b8",
+}
+
+
+class DebugDump:
+    """A dump hook ``hook(stage_name, gm, stats)`` writing the files listed in the module doc."""
+
+    def __init__(
+        self,
+        out_dir: str | Path | None,
+        plan: Plan,
+        *,
+        print_after_all: bool = False,
+        console: Console | None = None,
+    ):
+        if out_dir is None and not print_after_all:
+            raise ValueError("DebugDump needs an output directory unless print_after_all is set")
+        self.out = None if out_dir is None else Path(out_dir)
+        self.plan, self.print_after_all = plan, print_after_all
+        self.console = console or Console()
+        self.stages: list[str] = []
+        self.summaries: list[str] = []
+        self._previous: tuple[str, str] = ("empty", "")
+        self._safely("pipeline.txt", self._start)
+
+    def __call__(self, stage: str, gm: fx.GraphModule, stats: dict[str, Any]) -> None:
+        name = f"{len(self.stages):02d}_{stage}"
+        self.stages.append(name)
+        code = self._safely("graph.py", lambda: readable_code(gm, self.plan)) or ""
+        ops = self._safely("ops", lambda: op_rows(gm)) or []
+        diff = unified_diff(self._previous, (name, code))
+        self._previous = (name, code)
+        record = self._safely("stats", lambda: stage_stats(stage, gm, stats)) or {"stage": stage}
+        record["pipeline"] = self.plan.pipeline_string()
+        line = summary_line(record)
+        self.summaries.append(line)
+        if self.print_after_all:
+            self._safely("terminal", lambda: self._print(name, code, ops, diff, line))
+            return
+        files: dict[str, Callable[[], str]] = {
+            "graph.py": lambda: code,
+            "ops.txt": lambda: format_op_table(ops),
+            "graph.dot": lambda: graphviz_dot(gm, name),
+            "diff.patch": lambda: diff,
+            "stats.json": lambda: json.dumps(record, indent=2, default=str) + "\n",
+        }
+        for filename, text in files.items():
+            self._safely(f"{name}/{filename}", lambda t=text, f=filename: self._write(name, f, t()))
+        self._safely("summary.txt", lambda: self._append_summary(line))
+        self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+    # --- output ------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        text = f"{self.plan.pipeline_string()}\n\n{self.plan.to_yaml()}"
+        if self.print_after_all:
+            self.console.rule("pipeline")
+            self.console.print(text, markup=False, highlight=False)
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "pipeline.txt").write_text(text)
+        (self.out / "summary.txt").write_text("")
+
+    def _write(self, stage_dir: str, filename: str, text: str) -> None:
+        path = self.out / stage_dir / filename
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+    def _append_summary(self, line: str) -> None:
+        with open(self.out / "summary.txt", "a") as f:
+            f.write(line + "\n")
+
+    def _print(
+        self, name: str, code: str, ops: list[tuple[str, ...]], diff: str, line: str
+    ) -> None:
+        self.console.rule(f"after {name}")
+        self.console.print(Syntax(code, "python", line_numbers=False))
+        table = Table(*OP_COLUMNS, title=f"ops after {name}")
+        for row in ops:
+            table.add_row(*row)
+        self.console.print(table)
+        if diff:
+            self.console.print(Syntax(diff, "diff"))
+        self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+    def _safely(self, what: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except Exception as exc:  # debug output must never break a compile
+            log.warning("moec debug: could not produce %s: %s: %s", what, type(exc).__name__, exc)
+            return None
+
+
+# --- the pieces, usable on their own -----------------------------------------------------------
+
+
+def readable_code(gm: fx.GraphModule, plan: Plan | None = None) -> str:
+    header = f"# moec pipeline: {plan.pipeline_string()}\n" if plan is not None else ""
+    return header + gm.print_readable(print_output=False)
+
+
+def describe_value(val: Any) -> str:
+    """``f32[s0, s1, 128]`` for a tensor, a tuple of those, ``sym s0`` for a SymInt."""
+    if isinstance(val, torch.Tensor):
+        dtype = DTYPE_NAMES.get(val.dtype, str(val.dtype).removeprefix("torch."))
+        return f"{dtype}[{', '.join(str(s) for s in val.shape)}]"
+    if isinstance(val, (tuple, list)):
+        return "(" + ", ".join(describe_value(v) for v in val) + ")"
+    if isinstance(val, (torch.SymInt, int, float)):
+        return f"sym {val}"
+    return ""
+
+
+def _target_name(node: fx.Node) -> str:
+    if node.op == "call_function":
+        target = node.target
+        if hasattr(target, "_schema"):
+            return str(target)
+        return getattr(target, "__name__", str(target))
+    return str(node.target) if node.op in ("get_attr", "call_module", "call_method") else ""
+
+
+def op_rows(gm: fx.GraphModule) -> list[tuple[str, ...]]:
+    return [
+        (
+            node.name,
+            node.op,
+            _target_name(node),
+            describe_value(node.meta.get("val")),
+            module_path(node),
+            str(node.meta.get("from_pass", "")),
+        )
+        for node in gm.graph.nodes
+    ]
+
+
+def format_op_table(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in [OP_COLUMNS, *rows]) for i in range(len(OP_COLUMNS))]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in [OP_COLUMNS, tuple("-" * w for w in widths), *rows]
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def unified_diff(before: tuple[str, str], after: tuple[str, str]) -> str:
+    """Unified diff of two (stage name, graph.py text) pairs."""
+    return "".join(
+        difflib.unified_diff(
+            before[1].splitlines(keepends=True),
+            after[1].splitlines(keepends=True),
+            fromfile=f"{before[0]}/graph.py",
+            tofile=f"{after[0]}/graph.py",
+        )
+    )
+
+
+def _dot_escape(text: str) -> str:
+    return text.replace("\\", "\\\\").replace('"', '\\"')
+
+
+DOT_FILL = {"placeholder": "lightblue", "get_attr": "lightyellow", "output": "lightgrey"}
+
+
+def graphviz_dot(gm: fx.GraphModule, name: str = "graph") -> str:
+    """The graph as Graphviz text; nodes a pass created are orange."""
+    lines = [f'digraph "{_dot_escape(name)}" {{', "  node [shape=box, fontsize=10, style=filled];"]
+    for node in gm.graph.nodes:
+        label = "\\n".join(
+            _dot_escape(part)
+            for part in (node.name, _target_name(node), describe_value(node.meta.get("val")))
+            if part
+        )
+        fill = "orange" if node.meta.get("from_pass") else DOT_FILL.get(node.op, "white")
+        lines.append(f'  "{_dot_escape(node.name)}" [label="{label}", fillcolor="{fill}"];')
+        for source in node.all_input_nodes:
+            lines.append(f'  "{_dot_escape(source.name)}" -> "{_dot_escape(node.name)}";')
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def stage_stats(stage: str, gm: fx.GraphModule, pass_stats: dict[str, Any]) -> dict[str, Any]:
+    """The numbers behind the stats line; cost numbers at the example input sizes."""
+    record: dict[str, Any] = {
+        "stage": stage,
+        "nodes": len(gm.graph.nodes),
+        "pass_stats": dict(pass_stats),
+    }
+    try:
+        report = graph_cost(gm).evaluate()
+    except Exception as exc:
+        log.warning("moec debug: no cost model for %s: %s", stage, exc)
+        record["params"] = sum(p.numel() for p in gm.parameters())
+        record["cost_error"] = f"{type(exc).__name__}: {exc}"
+        return record
+    record.update(
+        params=report.params,
+        active_params=report.active_params,
+        tokens=report.tokens,
+        sizes=report.sizes,
+        flops_per_token=report.flops_per_token,
+        train_flops_per_token=report.train_flops_per_token,
+        saved_bytes=report.saved_bytes,
+        blocks=report.blocks,
+    )
+    return record
+
+
+def summary_line(record: dict[str, Any]) -> str:
+    parts = [f"[{record['stage']}]", f"nodes={record.get('nodes', '?')}"]
+    if "params" in record:
+        parts.append(f"params={format_count(record['params'])}")
+    if "active_params" in record:
+        parts.append(f"active={format_count(record['active_params'])}")
+    if "flops_per_token" in record:
+        parts.append(f"fwd_flops/token={format_count(record['flops_per_token'])}")
+        parts.append(f"train_flops/token={format_count(record['train_flops_per_token'])}")
+    stats = record.get("pass_stats") or {}
+    parts += [f"{k}={v}" for k, v in stats.items()]
+    return " ".join(parts)
