@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from moec.ops.activations import activate, activate_backward, check_activation, is_gated
-from moec.ops.grouped import add_row_bias, gmm, gmm_wgrad, row_bias_grad, row_experts
+from moec.ops.grouped import add_row_bias, cuda_kernel, gmm, gmm_wgrad, row_bias_grad, row_experts
 
 
 def _check(x: Tensor, w_up: Tensor, w_down: Tensor, offsets: Tensor, activation: str) -> None:
@@ -90,6 +90,12 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, d_y, d_h_unused):
     x, w_up, w_down, offsets, h = ctx.saved_tensors
+    kernel = cuda_kernel("expert_mlp_backward", x)
+    if kernel is not None:
+        d_x, d_w_up, d_w_down, d_b_up, d_b_down = kernel(
+            x, w_up, w_down, offsets, h, d_y, ctx.activation, ctx.bias_dtypes
+        )
+        return d_x, d_w_up, d_w_down, None, d_b_up, d_b_down, None
     experts = row_experts(offsets, x.shape[0])
     num_experts = offsets.shape[0]
     d_y = d_y.to(x.dtype)

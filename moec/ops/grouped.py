@@ -4,7 +4,10 @@ Rows of expert ``e`` occupy ``[offsets[e-1], offsets[e])`` of a buffer of static
 rows past ``offsets[-1]`` are garbage and must never reach a valid result. ``offsets`` stays on
 the device: nothing here reads it on the host, so every function is sync-free.
 
-Two implementations, chosen per call:
+Implementations, chosen per call:
+
+- on CUDA, the kernels :func:`moec.kernels.register` installs through :func:`register_cuda_kernels`
+  (Triton, or ``torch._grouped_mm`` where that measured faster) for float32/16 and bf16;
 
 - ``torch._grouped_mm`` where it is fast and sync-free: bf16 on CUDA sm90+, fp32/bf16 on CPU
   with 16-byte aligned rows;
@@ -14,10 +17,31 @@ Two implementations, chosen per call:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 _FORCE_LOOP = False
 """Tests set this to compare the two implementations."""
+
+_CUDA_KERNELS: dict[str, Callable[..., Any]] = {}
+"""Kernels for CUDA tensors by name (``gmm``, ``gmm_wgrad``, and the ops' backward hooks
+``dispatch_backward``, ``combine_backward``, ``expert_mlp_backward``); empty until registered."""
+
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def register_cuda_kernels(kernels: dict[str, Callable[..., Any]]) -> None:
+    """Install CUDA kernels (called by :func:`moec.kernels.register`)."""
+    _CUDA_KERNELS.update(kernels)
+
+
+def cuda_kernel(name: str, tensor: torch.Tensor) -> Callable[..., Any] | None:
+    """The registered kernel ``name`` for a float32/16/bf16 CUDA ``tensor``; None: use the reference."""
+    if _FORCE_LOOP or not tensor.is_cuda or tensor.dtype not in _KERNEL_DTYPES:
+        return None
+    return _CUDA_KERNELS.get(name)
 
 
 def row_experts(offsets: torch.Tensor, rows: int) -> torch.Tensor:
@@ -39,6 +63,9 @@ def _use_grouped_mm(*tensors: torch.Tensor) -> bool:
 
 def gmm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``out[r] = x[r] @ w[e(r)]``: x (R, K), w (N, K, M) -> (R, M); garbage rows stay garbage."""
+    kernel = cuda_kernel("gmm", x)
+    if kernel is not None:
+        return kernel(x, w, offsets)
     if _use_grouped_mm(x, w, w.transpose(-1, -2)):
         return torch._grouped_mm(x.contiguous(), w, offs=offsets)
     experts = row_experts(offsets, x.shape[0])
@@ -50,6 +77,9 @@ def gmm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor
 
 def gmm_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``dw[e] = x_e^T @ dy_e`` over the rows of expert e: x (R, K), dy (R, M) -> (N, K, M)."""
+    kernel = cuda_kernel("gmm_wgrad", x)
+    if kernel is not None:
+        return kernel(x, dy, offsets)
     num_experts = offsets.shape[0]
     if _use_grouped_mm(x, dy):
         return torch._grouped_mm(x.t(), dy.contiguous(), offs=offsets)

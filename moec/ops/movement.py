@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from moec.ops.grouped import cuda_kernel
+
 
 def scatter_rows(x: Tensor, rows: Tensor, num_rows: int, weights: Tensor | None = None) -> Tensor:
     """(T, D) token rows -> (num_rows, D) buffer: row ``rows[t, k]`` = weights[t, k] * x[t].
@@ -79,6 +81,9 @@ def _dispatch_setup(ctx, inputs, output):
 
 def _dispatch_backward(ctx, d_buffer):
     (rows,) = ctx.saved_tensors
+    kernel = cuda_kernel("dispatch_backward", d_buffer)
+    if kernel is not None:
+        return kernel(d_buffer, rows).view(ctx.x_shape), None
     return gather_sum(d_buffer, _flat(rows)).view(ctx.x_shape), None
 
 
@@ -102,6 +107,10 @@ def _combine_setup(ctx, inputs, output):
 
 def _combine_backward(ctx, d_out):
     y, weights, rows = ctx.saved_tensors
+    kernel = cuda_kernel("combine_backward", d_out)
+    if kernel is not None:
+        d_y, d_weights = kernel(y, weights, rows, d_out)
+        return d_y, d_weights, None
     flat_rows, flat_w, flat_d = _flat(rows), _flat(weights), _flat(d_out)
     d_y = scatter_rows(flat_d, flat_rows, y.shape[0], flat_w)
     valid = flat_rows >= 0

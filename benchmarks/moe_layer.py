@@ -1,0 +1,257 @@
+"""One MoE layer forward + backward: moec kernels vs a per-expert loop vs sort + _grouped_mm.
+
+The report's profiling workload: tokens 2 x 8192, d 1536, 32 routed experts top-8 with SwiGLU
+width 1536, one shared SwiGLU expert of width 1536, capacity factor 1.25, bf16 weights.
+
+  moec      torch.ops.moec.{route, dispatch, expert_mlp, combine} with moec.kernels registered
+  loop      (a) torch routing, then per expert: nonzero -> gather -> two matmuls -> index_add
+  sorted    (b) torch routing (stable sort ranks), gather, torch._grouped_mm x2, bmm combine
+  reference the ops' *_reference functions under autograd (the oracle all three must match)
+
+Prints the layer time, the expert-path TFLOP/s (expert_mlp forward + backward alone, FLOPs of
+the accepted routes) and ratios; ``--pieces`` also times each expert GEMM on Triton and on
+``torch._grouped_mm``, which is how :data:`moec.kernels.grouped_gemm.GROUPED_MM_PIECES` is set.
+
+    python benchmarks/moe_layer.py [--pieces] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from triton.testing import do_bench
+
+import moec.kernels
+from moec.kernels import grouped_gemm
+from moec.ops import grouped
+from moec.ops.experts import expert_mlp_reference
+from moec.ops.movement import combine_reference, dispatch_reference
+from moec.ops.routing import assign_rows, capacity, route_reference
+
+T, D, N, K, H, CF = 2 * 8192, 1536, 32, 8, 1536, 1.25
+
+
+def make_params(device: str) -> dict[str, Tensor]:
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def rnd(*shape: int, fan_in: int) -> Tensor:
+        w = torch.randn(*shape, device=device, generator=g) / fan_in**0.5
+        return w.to(torch.bfloat16).requires_grad_()
+
+    return {
+        "router": rnd(D, N, fan_in=D),
+        "w_up": rnd(N, D, 2 * H, fan_in=D),
+        "w_down": rnd(N, H, D, fan_in=H),
+        "s_up": rnd(D, 2 * H, fan_in=D),
+        "s_down": rnd(H, D, fan_in=H),
+    }
+
+
+def swiglu(h: Tensor) -> Tensor:
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def shared(x: Tensor, p: dict[str, Tensor]) -> Tensor:
+    return swiglu(x @ p["s_up"]) @ p["s_down"]
+
+
+def layer_moec(x: Tensor, p: dict[str, Tensor]) -> Tensor:
+    ops = torch.ops.moec
+    _, weights, rows, offsets, _ = ops.route(x @ p["router"], K, CF, "softmax", True, "learned")
+    buf = ops.dispatch(x, rows)
+    y, _ = ops.expert_mlp(buf, p["w_up"], p["w_down"], offsets, None, None, "swiglu")
+    return ops.combine(y, weights, rows) + shared(x, p)
+
+
+def layer_reference(x: Tensor, p: dict[str, Tensor]) -> Tensor:
+    _, weights, rows, offsets, _ = route_reference(
+        x @ p["router"], K, CF, "softmax", True, "learned"
+    )
+    buf = dispatch_reference(x, rows)
+    y, _ = expert_mlp_reference(buf, p["w_up"], p["w_down"], offsets, None, None, "swiglu")
+    return combine_reference(y, weights, rows) + shared(x, p)
+
+
+def _torch_routing(x: Tensor, p: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    logits = (x @ p["router"]).float()
+    ids = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :K]
+    weights = logits.softmax(-1).gather(-1, ids)
+    weights = weights / weights.sum(-1, keepdim=True)
+    rows, offsets, _ = assign_rows(ids, N, capacity(T, K, N, CF))
+    return ids, weights, rows, offsets
+
+
+def layer_sorted(x: Tensor, p: dict[str, Tensor]) -> Tensor:
+    _, weights, rows, offsets = _torch_routing(x, p)
+    valid = rows >= 0
+    token = torch.arange(T * K, device=x.device) // K
+    slot = torch.where(valid, rows, T * K).view(-1)
+    row_token = torch.zeros(T * K + 1, dtype=torch.long, device=x.device).scatter_(0, slot, token)
+    buf = x[row_token[: T * K]]
+    h = torch._grouped_mm(buf, p["w_up"], offs=offsets)
+    y = torch._grouped_mm(swiglu(h), p["w_down"], offs=offsets)
+    picked = torch.where(valid[..., None], y[rows.clamp(min=0)], 0.0)  # (T, K, D)
+    w = torch.where(valid, weights, 0.0).to(x.dtype)
+    return torch.bmm(w[:, None, :], picked)[:, 0] + shared(x, p)
+
+
+def layer_loop(x: Tensor, p: dict[str, Tensor]) -> Tensor:
+    ids, weights, rows, _ = _torch_routing(x, p)
+    out = torch.zeros(T, D, device=x.device, dtype=torch.float32)
+    for e in range(N):
+        tok, k = ((ids == e) & (rows >= 0)).nonzero(as_tuple=True)
+        ye = swiglu(x[tok] @ p["w_up"][e]) @ p["w_down"][e]
+        out = out.index_add(0, tok, ye.float() * weights[tok, k, None])
+    return out.to(x.dtype) + shared(x, p)
+
+
+LAYERS: dict[str, Callable[[Tensor, dict[str, Tensor]], Tensor]] = {
+    "moec": layer_moec,
+    "sorted": layer_sorted,
+    "loop": layer_loop,
+}
+
+
+def fwd_bwd(fn: Callable, x: Tensor, p: dict[str, Tensor], grad: Tensor) -> list[Tensor]:
+    for t in (x, *p.values()):
+        t.grad = None
+    fn(x, p).backward(grad)
+    return [x.grad, *(t.grad for t in p.values())]
+
+
+def reference(x: Tensor, p: dict[str, Tensor], grad: Tensor) -> list[Tensor]:
+    """Output and gradients of the reference layer, its grouped GEMMs run as the masked
+    per-expert loop (independent of the kernels and of torch._grouped_mm)."""
+    grouped._FORCE_LOOP = True
+    try:
+        out = layer_reference(x, p).detach()
+        return [out, *fwd_bwd(layer_reference, x, p, grad)]
+    finally:
+        grouped._FORCE_LOOP = False
+
+
+def check(name: str, fn: Callable, x: Tensor, p: dict[str, Tensor], grad: Tensor,
+          want: list[Tensor]) -> float:  # fmt: skip
+    """Max relative error over the output and all gradients against the reference."""
+    got = [fn(x, p).detach(), *fwd_bwd(fn, x, p, grad)]
+    errs = [
+        (a.float() - b.float()).norm() / b.float().norm() for a, b in zip(got, want, strict=True)
+    ]
+    worst = max(e.item() for e in errs)
+    if not worst < 2e-2:
+        raise AssertionError(f"{name}: relative error {worst:.3g} against the reference")
+    return worst
+
+
+def expert_path(buf: Tensor, offsets: Tensor, p: dict[str, Tensor], dy: Tensor) -> dict[str, float]:
+    """Milliseconds of expert_mlp forward + backward: moec op vs _grouped_mm under autograd."""
+    w_up, w_down = p["w_up"], p["w_down"]
+
+    def moec_step() -> None:
+        y, _ = torch.ops.moec.expert_mlp(buf, w_up, w_down, offsets, None, None, "swiglu")
+        torch.autograd.grad(y, (buf, w_up, w_down), dy)
+
+    def sorted_step() -> None:
+        h = torch._grouped_mm(buf, w_up, offs=offsets)
+        y = torch._grouped_mm(swiglu(h), w_down, offs=offsets)
+        torch.autograd.grad(y, (buf, w_up, w_down), dy)
+
+    return {"moec": do_bench(moec_step), "sorted": do_bench(sorted_step)}
+
+
+def pieces(buf: Tensor, offsets: Tensor, p: dict[str, Tensor]) -> list[dict]:
+    """Each expert GEMM on Triton and on torch._grouped_mm (ms)."""
+    w_up, w_down = p["w_up"].detach(), p["w_down"].detach()
+    x = buf.detach()
+    h, a = grouped_gemm.gmm_act(x, w_up, offsets, None, "swiglu")
+    dy = torch.randn_like(x)
+    d_h = torch.randn_like(h)
+    gg = grouped_gemm
+    cases = {
+        "up": lambda: gg.gmm_act(x, w_up, offsets, None, "swiglu"),
+        "down": lambda: gg.gmm(a, w_down, offsets, piece="down"),
+        "dgrad": lambda: gg.gmm_act_backward(dy, w_down, offsets, h, "swiglu"),
+        "dgrad_x": lambda: gg.gmm(d_h, w_up.transpose(-1, -2), offsets, piece="dgrad"),
+        "wgrad_down": lambda: gg.gmm_wgrad(a, dy, offsets),
+        "wgrad_up": lambda: gg.gmm_wgrad(x, d_h, offsets),
+    }
+    piece_of = {"up": "up", "down": "down", "dgrad": "dgrad", "dgrad_x": "dgrad"}
+    saved = dict(gg.GROUPED_MM_PIECES)
+    out = []
+    try:
+        for name, fn in cases.items():
+            times = {}
+            for backend in ("triton", "grouped_mm"):
+                chosen = (
+                    frozenset({piece_of.get(name, "wgrad")})
+                    if backend == "grouped_mm"
+                    else frozenset()
+                )
+                gg.GROUPED_MM_PIECES["sm90"] = gg.GROUPED_MM_PIECES["sm100"] = chosen
+                times[backend] = do_bench(fn)
+            out.append({"piece": name, **times})
+    finally:
+        gg.GROUPED_MM_PIECES.update(saved)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pieces", action="store_true", help="time each expert GEMM both ways")
+    parser.add_argument("--skip-loop", action="store_true")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    moec.kernels.register()
+    dev = "cuda"
+    torch.manual_seed(0)
+    p = make_params(dev)
+    x = torch.randn(T, D, device=dev, dtype=torch.bfloat16).requires_grad_()
+    grad = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    print(f"policy: torch._grouped_mm for {dict(grouped_gemm.GROUPED_MM_PIECES)}")
+
+    _, _, rows, offsets, _ = torch.ops.moec.route(
+        x @ p["router"], K, CF, "softmax", True, "learned"
+    )
+    accepted = int(offsets[-1])
+    expert_flops = 6 * accepted * D * 3 * H  # up (D x 2H) + down (H x D), fwd + 2x bwd
+    print(f"accepted routes {accepted} of {T * K}; expert-path GFLOP {expert_flops / 1e9:.0f}")
+
+    results: dict = {"accepted": accepted, "layers": {}, "policy": {
+        k: sorted(v) for k, v in grouped_gemm.GROUPED_MM_PIECES.items()}}  # fmt: skip
+    names = [n for n in LAYERS if not (args.skip_loop and n == "loop")]
+    want = reference(x, p, grad)
+    for name in names:
+        err = check(name, LAYERS[name], x, p, grad, want)
+        ms = do_bench(lambda fn=LAYERS[name]: fwd_bwd(fn, x, p, grad), rep=200)
+        results["layers"][name] = {"ms": ms, "max_rel_err": err}
+        print(f"{name:<8} fwd+bwd {ms:8.3f} ms   (max rel err vs reference {err:.2e})")
+
+    buf = torch.ops.moec.dispatch(x.detach(), rows).requires_grad_()
+    dy = torch.randn_like(buf)
+    ep = expert_path(buf, offsets, p, dy)
+    results["expert_path_ms"] = ep
+    for name, ms in ep.items():
+        print(f"expert path {name:<7} {ms:8.3f} ms  {expert_flops / ms / 1e9:7.1f} TFLOP/s")
+    base = results["layers"]
+    for name in names[1:]:
+        print(f"moec vs {name}: {base[name]['ms'] / base['moec']['ms']:.2f}x layer")
+    print(f"moec vs sorted, expert path: {ep['sorted'] / ep['moec']:.2f}x")
+    if args.pieces:
+        results["pieces"] = pieces(buf, offsets, p)
+        for r in results["pieces"]:
+            print(f"piece {r['piece']:<11} triton {r['triton']:7.3f} ms   "
+                  f"_grouped_mm {r['grouped_mm']:7.3f} ms")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

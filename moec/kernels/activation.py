@@ -1,0 +1,154 @@
+"""Expert activations in Triton: the math shared by the GEMM epilogues, and elementwise kernels.
+
+act_forward(h[R, U]) -> a[R, H]                 a = act(h), or act(h[:, :H]) * h[:, H:] if gated
+act_backward(h[R, U], d_a[R, H]) -> d_h[R, U], a[R, H]
+    the gradient of :func:`moec.ops.activations.activate` at h, and a recomputed for the wgrad.
+
+Math runs in float32 on values read in the storage dtype (so a fused epilogue that rounds h
+first computes exactly what these kernels compute from the stored h).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from moec.ops.activations import gated_from_unary, is_gated
+
+UNARY_CODES = {"gelu": 0, "gelu_tanh": 1, "silu": 2, "relu": 3}
+"""Activation codes of the kernels' ``ACT`` constexpr."""
+
+
+def act_code(activation: str) -> tuple[int, bool]:
+    """(ACT code of the unary part, gated) for an activation name of :mod:`moec.ops.activations`."""
+    if is_gated(activation):
+        unary = next(u for u in UNARY_CODES if gated_from_unary(u) == activation)
+        return UNARY_CODES[unary], True
+    return UNARY_CODES[activation], False
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def act_value(x, ACT: tl.constexpr):
+    """act(x) for float32 x; ACT: 0 gelu, 1 gelu_tanh, 2 silu, 3 relu."""
+    if ACT == 0:
+        y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    elif ACT == 1:
+        y = x * _sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))
+    elif ACT == 2:
+        y = x * _sigmoid(x)
+    else:
+        y = tl.maximum(x, 0.0)
+    return y
+
+
+@triton.jit
+def act_derivative(x, ACT: tl.constexpr):
+    """d act / dx for float32 x (same codes as :func:`act_value`)."""
+    if ACT == 0:
+        y = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476)) + x * 0.3989422804014327 * tl.exp(
+            -0.5 * x * x
+        )
+    elif ACT == 1:
+        t = 2.0 * _sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x)) - 1.0
+        y = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (
+            1.0 + 0.134145 * x * x
+        )
+    elif ACT == 2:
+        s = _sigmoid(x)
+        y = s * (1.0 + x * (1.0 - s))
+    else:
+        y = (x > 0).to(tl.float32)
+    return y
+
+
+@triton.jit
+def _act_kernel(
+    # pointers
+    h_ptr,  # (R, U) pre-activation
+    d_a_ptr,  # (R, H) gradient of the activation output, read when BACKWARD
+    a_ptr,  # (R, H) activation output
+    d_h_ptr,  # (R, U) written when BACKWARD
+    # sizes and strides (h/d_h share a row stride, a/d_a share one)
+    R,
+    H,
+    stride_h,
+    stride_a,
+    # meta-parameters
+    ACT: tl.constexpr,
+    GATED: tl.constexpr,
+    BACKWARD: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = (rows < R)[:, None] & (cols < H)[None, :]
+    h_off = rows[:, None].to(tl.int64) * stride_h + cols[None, :]
+    a_off = rows[:, None].to(tl.int64) * stride_a + cols[None, :]
+    g = tl.load(h_ptr + h_off, mask=mask, other=0.0).to(tl.float32)
+    if GATED:
+        u = tl.load(h_ptr + h_off + H, mask=mask, other=0.0).to(tl.float32)
+        a = act_value(g, ACT) * u
+    else:
+        a = act_value(g, ACT)
+    tl.store(a_ptr + a_off, a.to(a_ptr.dtype.element_ty), mask=mask)
+    if BACKWARD:
+        d_a = tl.load(d_a_ptr + a_off, mask=mask, other=0.0).to(tl.float32)
+        if GATED:
+            tl.store(
+                d_h_ptr + h_off,
+                (d_a * u * act_derivative(g, ACT)).to(d_h_ptr.dtype.element_ty),
+                mask=mask,
+            )
+            tl.store(
+                d_h_ptr + h_off + H,
+                (d_a * act_value(g, ACT)).to(d_h_ptr.dtype.element_ty),
+                mask=mask,
+            )
+        else:
+            tl.store(
+                d_h_ptr + h_off,
+                (d_a * act_derivative(g, ACT)).to(d_h_ptr.dtype.element_ty),
+                mask=mask,
+            )
+
+
+def _launch(h: Tensor, d_a: Tensor | None, activation: str) -> tuple[Tensor, Tensor | None]:
+    code, gated = act_code(activation)
+    h = h.contiguous()
+    rows, width = h.shape
+    hidden = width // 2 if gated else width
+    a = h.new_empty(rows, hidden)
+    d_h = None if d_a is None else torch.empty_like(h)
+    if d_a is not None and d_a.shape != a.shape:
+        raise ValueError(f"act_backward: d_a {tuple(d_a.shape)} != {tuple(a.shape)}")
+    if rows == 0 or hidden == 0:
+        return a, d_h
+    d_a = None if d_a is None else d_a.contiguous()
+    block_r, block_h = 16, 256
+    grid = (triton.cdiv(rows, block_r), triton.cdiv(hidden, block_h))
+    _act_kernel[grid](
+        h, a if d_a is None else d_a, a, h if d_h is None else d_h,
+        rows, hidden, h.stride(0), a.stride(0),
+        ACT=code, GATED=gated, BACKWARD=d_a is not None, BLOCK_R=block_r, BLOCK_H=block_h,
+    )  # fmt: skip
+    return a, d_h
+
+
+def act_forward(h: Tensor, activation: str) -> Tensor:
+    """``activate(h, activation)`` in one kernel."""
+    return _launch(h, None, activation)[0]
+
+
+def act_backward(h: Tensor, d_a: Tensor, activation: str) -> tuple[Tensor, Tensor]:
+    """(d_h, a): ``activate_backward(h, d_a)`` and ``activate(h)`` in one kernel."""
+    a, d_h = _launch(h, d_a, activation)
+    assert d_h is not None
+    return d_h, a

@@ -1,0 +1,62 @@
+"""Where the Triton kernels run: availability, the interpreter, and the sm90 / sm100+ split.
+
+``supported(t)`` is the single gate every CUDA implementation checks before launching a kernel
+(CUDA tensor, or any tensor under ``TRITON_INTERPRET=1``; a float dtype the kernels handle);
+everything else falls back to the op's reference. ``arch(device)`` picks the config table.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Literal
+
+import torch
+
+try:
+    import triton  # noqa: F401
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - exercised on machines without triton
+    HAVE_TRITON = False
+
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""Data dtypes the kernels take; float64 (gradcheck) always uses the reference."""
+
+Arch = Literal["sm90", "sm100", "interpreter", "other"]
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels on the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def supported(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels can run on these tensors (device and data dtype of the first)."""
+    if not HAVE_TRITON:
+        return False
+    first = tensors[0]
+    on_device = first.is_cuda or (interpreting() and first.device.type == "cpu")
+    return on_device and all(t.device == first.device for t in tensors)
+
+
+def float_supported(x: torch.Tensor, *others: torch.Tensor) -> bool:
+    """:func:`supported` and ``x`` holds a dtype in :data:`KERNEL_DTYPES`."""
+    return supported(x, *others) and x.dtype in KERNEL_DTYPES
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def arch(device: torch.device) -> Arch:
+    """Config family for ``device``: sm90 (Hopper), sm100 (Blackwell B200/B300 and later)."""
+    if device.type != "cuda":
+        return "interpreter"
+    major, _ = _capability(
+        device.index if device.index is not None else torch.cuda.current_device()
+    )
+    if major >= 10:
+        return "sm100"
+    return "sm90" if major == 9 else "other"

@@ -1,0 +1,384 @@
+"""Grouped GEMMs over an expert-major row buffer, with activation epilogues; sync-free.
+
+Rows ``[offsets[e-1], offsets[e])`` of the buffer belong to expert e; rows past ``offsets[-1]``
+are garbage (never read into a valid result, never written). ``offsets`` stays on the device.
+
+gmm(x[R, K], w[N, K, M], offsets, bias[N, M]?) -> out[R, M]          out[r] = x[r] @ w[e(r)] + b
+gmm_act(x[R, D], w_up[N, D, U], offsets, bias?, act) -> h[R, U], a[R, H]
+    h = x @ w_up[e] + b, a = act(h) (gated: act(h[:, :H]) * h[:, H:]) fused in the epilogue; a
+    gated tile keeps two accumulators (gate columns n and up columns n + H) so a is formed in
+    registers.
+gmm_act_backward(d_y[R, D], w_down[N, H, D], offsets, h, act) -> d_h[R, U], a[R, H]
+    d_a = d_y @ w_down[e]^T with the activation's backward (and the recomputed a) in the epilogue.
+gmm_wgrad(x[R, K], dy[R, M], offsets) -> dw[N, K, M]                 dw[e] = x_e^T @ dy_e
+
+Tiling: the forward kernels run a static grid of ``(cdiv(R, BLOCK_M) + N) * cdiv(M, BLOCK_N)``
+programs; each derives (expert, row tile) from the device offsets (a cumsum of per-expert tile
+counts) and surplus programs exit. The wgrad kernel runs one program per (expert, K tile, M
+tile) and loops over that expert's rows. Pointer loads are software-pipelined by Triton (wgmma
+on sm90, tcgen05 on sm100+); the configs per arch are in :func:`configs`.
+
+``torch._grouped_mm`` (CUTLASS) is used instead of a Triton GEMM for the pieces listed in
+:data:`GROUPED_MM_PIECES` for the arch, where it measured faster (bf16, sm90+), with the
+activation forward/backward then run by :mod:`moec.kernels.activation`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from moec.kernels.activation import act_backward, act_code, act_derivative, act_forward, act_value
+from moec.kernels.arch import arch, interpreting
+
+EPILOGUE_PLAIN, EPILOGUE_ACT, EPILOGUE_ACT_BACKWARD = 0, 1, 2
+
+GROUPED_MM_PIECES: dict[str, frozenset[str]] = {
+    "sm90": frozenset(),
+    "sm100": frozenset(),
+}
+"""Per arch, the bf16 GEMMs that go to ``torch._grouped_mm``: "up" (gmm_act), "down" (gmm),
+"dgrad" (gmm and gmm_act_backward with transposed weights), "wgrad"."""
+
+
+def use_grouped_mm(piece: str, *tensors: Tensor) -> bool:
+    """Whether ``piece`` runs on ``torch._grouped_mm`` for these tensors (bf16, CUDA, listed)."""
+    first = tensors[0]
+    if not first.is_cuda or any(t.dtype != torch.bfloat16 for t in tensors):
+        return False
+    return piece in GROUPED_MM_PIECES.get(arch(first.device), frozenset())
+
+
+@triton.jit
+def _expert_tile(
+    offsets_ptr, pid_m, NUM_EXPERTS: tl.constexpr, E_P2: tl.constexpr, BLOCK_M: tl.constexpr
+):
+    """(expert, first row, end row) of row tile ``pid_m``; expert >= NUM_EXPERTS past the last."""
+    e = tl.arange(0, E_P2)
+    ends = tl.load(offsets_ptr + e, mask=e < NUM_EXPERTS, other=0)
+    starts = tl.load(offsets_ptr + e - 1, mask=(e > 0) & (e < NUM_EXPERTS), other=0)
+    tiles = tl.where(e < NUM_EXPERTS, tl.cdiv(ends - starts, BLOCK_M), 0)
+    cum = tl.cumsum(tiles, axis=0)
+    expert = tl.sum((cum <= pid_m).to(tl.int32), axis=0)
+    sel = e == expert
+    first = tl.sum(tl.where(sel, cum - tiles, 0), axis=0)
+    start = tl.sum(tl.where(sel, starts, 0), axis=0)
+    end = tl.sum(tl.where(sel, ends, 0), axis=0)
+    return expert, start + (pid_m - first) * BLOCK_M, end
+
+
+@triton.jit
+def _gmm_kernel(
+    # pointers
+    x_ptr,  # (R, K)
+    w_ptr,  # (N, K, W) any strides; W = 2 * N_OUT for a gated EPILOGUE_ACT, else N_OUT
+    bias_ptr,  # (N, W), read when HAS_BIAS
+    h_ptr,  # (R, U): written by EPILOGUE_ACT, read by EPILOGUE_ACT_BACKWARD
+    out_ptr,  # (R, N_OUT): the product, or a = act(h)
+    d_h_ptr,  # (R, U): written by EPILOGUE_ACT_BACKWARD
+    offsets_ptr,  # (N,) int32
+    # sizes
+    K,
+    N_OUT,
+    # strides
+    stride_xr,
+    stride_xk,
+    stride_we,
+    stride_wk,
+    stride_wn,
+    stride_be,
+    stride_hr,
+    stride_or,
+    # meta-parameters
+    NUM_EXPERTS: tl.constexpr,
+    E_P2: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    ACT: tl.constexpr,
+    GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N_OUT, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    expert, row0, end = _expert_tile(offsets_ptr, pid_m, NUM_EXPERTS, E_P2, BLOCK_M)
+    if expert >= NUM_EXPERTS:
+        return
+    rows = row0 + tl.arange(0, BLOCK_M)
+    rows_in = tl.minimum(rows, end - 1).to(tl.int64)  # tail rows re-read the last one
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols_in = cols % N_OUT
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows_in[:, None] * stride_xr + ks[None, :] * stride_xk
+    w_ptrs = (
+        w_ptr
+        + expert.to(tl.int64) * stride_we
+        + ks[:, None] * stride_wk
+        + cols_in[None, :] * stride_wn
+    )
+    two = GATED and EPILOGUE == 1
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = ks < K - k0
+        a = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        if two:
+            b_up = tl.load(w_ptrs + N_OUT * stride_wn, mask=k_ok[:, None], other=0.0)
+            if IEEE:
+                acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
+            else:
+                acc_up = tl.dot(a, b_up, acc_up)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+
+    mask = (rows < end)[:, None] & (cols < N_OUT)[None, :]
+    row_off = rows[:, None].to(tl.int64)
+    dtype = out_ptr.dtype.element_ty
+    if HAS_BIAS:
+        bias_ptrs = bias_ptr + expert.to(tl.int64) * stride_be + cols_in
+        acc += tl.load(bias_ptrs).to(dtype).to(tl.float32)[None, :]
+        if two:
+            acc_up += tl.load(bias_ptrs + N_OUT).to(dtype).to(tl.float32)[None, :]
+    if EPILOGUE == 0:
+        tl.store(out_ptr + row_off * stride_or + cols[None, :], acc.to(dtype), mask=mask)
+    elif EPILOGUE == 1:
+        h = acc.to(dtype)  # the stored pre-activation; a is computed from it
+        h_ptrs = h_ptr + row_off * stride_hr + cols[None, :]
+        tl.store(h_ptrs, h, mask=mask)
+        a = act_value(h.to(tl.float32), ACT)
+        if GATED:
+            up = acc_up.to(dtype)
+            tl.store(h_ptrs + N_OUT, up, mask=mask)
+            a = a * up.to(tl.float32)
+        tl.store(out_ptr + row_off * stride_or + cols[None, :], a.to(dtype), mask=mask)
+    else:
+        h_ptrs = h_ptr + row_off * stride_hr + cols[None, :]
+        d_h_ptrs = d_h_ptr + row_off * stride_hr + cols[None, :]
+        g = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
+        d_a = acc.to(dtype).to(tl.float32)
+        if GATED:
+            up = tl.load(h_ptrs + N_OUT, mask=mask, other=0.0).to(tl.float32)
+            act = act_value(g, ACT)
+            tl.store(d_h_ptrs, (d_a * up * act_derivative(g, ACT)).to(dtype), mask=mask)
+            tl.store(d_h_ptrs + N_OUT, (d_a * act).to(dtype), mask=mask)
+            a = act * up
+        else:
+            tl.store(d_h_ptrs, (d_a * act_derivative(g, ACT)).to(dtype), mask=mask)
+            a = act_value(g, ACT)
+        tl.store(out_ptr + row_off * stride_or + cols[None, :], a.to(dtype), mask=mask)
+
+
+@triton.jit
+def _gmm_wgrad_kernel(
+    # pointers
+    x_ptr,  # (R, K)
+    dy_ptr,  # (R, M)
+    dw_ptr,  # (N, K, M) contiguous, any float dtype
+    offsets_ptr,  # (N,) int32
+    # sizes
+    K,
+    M,
+    # strides
+    stride_xr,
+    stride_dyr,
+    # meta-parameters
+    IEEE: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    tiles_m = tl.cdiv(M, BLOCK_N)
+    expert = pid // (tiles_k * tiles_m)
+    rest = pid % (tiles_k * tiles_m)
+    kk = (rest // tiles_m) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mm = (rest % tiles_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+    start = tl.load(offsets_ptr + expert - 1, mask=expert > 0, other=0)
+    end = tl.load(offsets_ptr + expert)
+    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    rs = tl.arange(0, BLOCK_R)
+    for r0 in range(start, end, BLOCK_R):
+        r = (r0 + rs).to(tl.int64)
+        r_ok = r < end
+        a = tl.load(
+            x_ptr + r[None, :] * stride_xr + (kk % K)[:, None], mask=r_ok[None, :], other=0.0
+        )
+        b = tl.load(
+            dy_ptr + r[:, None] * stride_dyr + (mm % M)[None, :], mask=r_ok[:, None], other=0.0
+        )
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    dw_ptrs = dw_ptr + expert.to(tl.int64) * K * M + kk[:, None] * M + mm[None, :]
+    tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=(kk < K)[:, None] & (mm < M)[None, :])
+
+
+def _config(bm: int, bn: int, bk: int, stages: int, warps: int, **kw: int) -> triton.Config:
+    return triton.Config(
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, **kw}, num_stages=stages, num_warps=warps
+    )
+
+
+def configs(kind: str, family: str) -> list[triton.Config]:
+    """Autotune candidates: kind "gmm" (one accumulator), "gmm2" (gated, two), "wgrad"."""
+    if family == "interpreter":
+        if kind == "wgrad":
+            return [triton.Config({"BLOCK_K": 16, "BLOCK_N": 16, "BLOCK_R": 16})]
+        return [_config(16, 16, 16, 1, 4)]
+    big = family == "sm100"
+    if kind == "gmm":
+        return [
+            _config(128, 256 if big else 128, 64, 4, 8),
+            _config(128, 256, 64, 3, 8),
+            _config(64, 128, 64, 4, 4),
+        ]
+    if kind == "gmm2":
+        return [_config(128, 128, 64, 3, 8), _config(64, 128, 64, 4, 4)]
+    return [
+        triton.Config({"BLOCK_K": 128, "BLOCK_N": 128, "BLOCK_R": 64}, num_stages=4, num_warps=8),
+        triton.Config({"BLOCK_K": 128, "BLOCK_N": 256, "BLOCK_R": 64}, num_stages=3, num_warps=8),
+    ]
+
+
+@functools.cache
+def _tuned(kind: str, family: str) -> triton.runtime.Autotuner:
+    """The autotuned kernel; ``MOEC_AUTOTUNE=0`` keeps only the first config (tests, CI)."""
+    kernel = _gmm_wgrad_kernel if kind == "wgrad" else _gmm_kernel
+    key = ["K", "M"] if kind == "wgrad" else ["K", "N_OUT", "EPILOGUE", "NUM_EXPERTS"]
+    candidates = configs(kind, family)
+    if os.environ.get("MOEC_AUTOTUNE", "1") == "0":
+        candidates = candidates[:1]
+    return triton.autotune(configs=candidates, key=key)(kernel)
+
+
+def _family(t: Tensor) -> str:
+    return "interpreter" if interpreting() and not t.is_cuda else arch(t.device)
+
+
+def _launch_gmm(
+    x: Tensor,
+    w: Tensor,
+    offsets: Tensor,
+    bias: Tensor | None,
+    out: Tensor,
+    h: Tensor | None,
+    d_h: Tensor | None,
+    epilogue: int,
+    activation: str | None,
+) -> None:
+    rows, depth = x.shape
+    num_experts = w.shape[0]
+    if w.shape[1] != depth or offsets.shape != (num_experts,):
+        raise ValueError(
+            f"gmm: x {tuple(x.shape)}, w {tuple(w.shape)}, offsets {tuple(offsets.shape)}"
+        )
+    if offsets.dtype != torch.int32:
+        raise ValueError(f"gmm: offsets must be int32, got {offsets.dtype}")
+    code, gated = act_code(activation) if activation is not None else (0, False)
+    n_out = out.shape[1]
+    if rows == 0 or n_out == 0:
+        return
+    kind = "gmm2" if gated and epilogue == EPILOGUE_ACT else "gmm"
+    kernel = _tuned(kind, _family(x))
+    aux = h if h is not None else out
+
+    def grid(meta: dict) -> tuple[int]:
+        return (
+            (triton.cdiv(rows, meta["BLOCK_M"]) + num_experts)
+            * triton.cdiv(n_out, meta["BLOCK_N"]),
+        )
+
+    kernel[grid](
+        x, w, bias if bias is not None else w, aux, out, d_h if d_h is not None else aux, offsets,
+        depth, n_out,
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
+        bias.stride(0) if bias is not None else 0, aux.stride(0), out.stride(0),
+        NUM_EXPERTS=num_experts, E_P2=triton.next_power_of_2(num_experts),
+        EPILOGUE=epilogue, ACT=code, GATED=gated, HAS_BIAS=bias is not None,
+        IEEE=x.dtype == torch.float32,
+    )  # fmt: skip
+
+
+def gmm(
+    x: Tensor, w: Tensor, offsets: Tensor, bias: Tensor | None = None, piece: str = "down"
+) -> Tensor:
+    """``out[r] = x[r] @ w[e(r)] (+ bias[e(r)])``; ``w`` may be a transposed view."""
+    if bias is None and use_grouped_mm(piece, x, w):
+        return torch._grouped_mm(x.contiguous(), w, offs=offsets)
+    out = x.new_empty(x.shape[0], w.shape[-1])
+    _launch_gmm(x, w, offsets, bias, out, None, None, EPILOGUE_PLAIN, None)
+    return out
+
+
+def gmm_act(
+    x: Tensor, w_up: Tensor, offsets: Tensor, bias: Tensor | None, activation: str
+) -> tuple[Tensor, Tensor]:
+    """(h, a): the up projection with the activation fused into its epilogue."""
+    _, gated = act_code(activation)
+    width = w_up.shape[-1]
+    if bias is None and use_grouped_mm("up", x, w_up):
+        h = torch._grouped_mm(x.contiguous(), w_up, offs=offsets)
+        return h, act_forward(h, activation)
+    h = x.new_empty(x.shape[0], width)
+    a = x.new_empty(x.shape[0], width // 2 if gated else width)
+    _launch_gmm(x, w_up, offsets, bias, a, h, None, EPILOGUE_ACT, activation)
+    return h, a
+
+
+def gmm_act_backward(
+    d_y: Tensor, w_down: Tensor, offsets: Tensor, h: Tensor, activation: str
+) -> tuple[Tensor, Tensor]:
+    """(d_h, a): ``d_a = d_y @ w_down[e]^T`` then the activation backward, in one kernel."""
+    w_t = w_down.transpose(-1, -2)
+    if use_grouped_mm("dgrad", d_y, w_down):
+        d_a = torch._grouped_mm(d_y.contiguous(), w_t, offs=offsets)
+        return act_backward(h, d_a, activation)
+    h = h.contiguous()
+    a = d_y.new_empty(d_y.shape[0], w_t.shape[-1])
+    d_h = torch.empty_like(h)
+    _launch_gmm(d_y, w_t, offsets, None, a, h, d_h, EPILOGUE_ACT_BACKWARD, activation)
+    return d_h, a
+
+
+def gmm_wgrad(
+    x: Tensor, dy: Tensor, offsets: Tensor, out_dtype: torch.dtype | None = None
+) -> Tensor:
+    """``dw[e] = x_e^T @ dy_e`` -> (N, K, M) in ``out_dtype`` (default x's); empty experts get 0."""
+    out_dtype = out_dtype or x.dtype
+    if use_grouped_mm("wgrad", x, dy):
+        return torch._grouped_mm(x.t(), dy.contiguous(), offs=offsets).to(out_dtype)
+    x, dy = x.contiguous(), dy.contiguous()
+    if x.shape[0] != dy.shape[0]:
+        raise ValueError(f"gmm_wgrad: x {tuple(x.shape)} and dy {tuple(dy.shape)} differ in rows")
+    num_experts, depth, width = offsets.shape[0], x.shape[1], dy.shape[1]
+    dw = torch.empty(num_experts, depth, width, dtype=out_dtype, device=x.device)
+    if dw.numel() == 0:
+        return dw
+    kernel = _tuned("wgrad", _family(x))
+
+    def grid(meta: dict) -> tuple[int]:
+        return (
+            num_experts * triton.cdiv(depth, meta["BLOCK_K"]) * triton.cdiv(width, meta["BLOCK_N"]),
+        )
+
+    kernel[grid](
+        x, dy, dw, offsets, depth, width, x.stride(0), dy.stride(0),
+        IEEE=x.dtype == torch.float32,
+    )  # fmt: skip
+    return dw

@@ -1,0 +1,252 @@
+"""The CUDA kernels behind the moec:: ops equal the reference ops (forward and backward).
+
+Integers (ids, rows, offsets, counts) exactly; floats at a per-dtype tolerance. Inputs are fresh
+random tensors; cases include empty experts, one expert taking every token, capacity drops and
+buffer tails poisoned with NaN / 1e4. Also: a steady-state layer step raises no host sync.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import moec.kernels
+from moec.kernels import grouped_gemm
+from moec.ops import grouped
+from moec.ops.experts import expert_mlp_reference
+from moec.ops.movement import combine_reference, dispatch_reference
+from moec.ops.routing import route_reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+TOL = {
+    torch.float32: {"atol": 1e-4, "rtol": 1e-4},
+    torch.float16: {"atol": 2e-2, "rtol": 2e-2},
+    torch.bfloat16: {"atol": 6e-2, "rtol": 6e-2},
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _registered():
+    assert moec.kernels.register()
+    assert moec.kernels.register()  # idempotent
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-12)).item()
+
+
+def _logits(tokens: int, experts: int, case: str, dtype: torch.dtype) -> torch.Tensor:
+    logits = torch.randn(tokens, experts, device="cuda")
+    if case == "ties":
+        logits = (logits * 2).round()
+    elif case == "one_expert":
+        logits[:, 3] += 100.0
+    elif case == "empty_experts":
+        logits[:, experts // 2 :] -= 100.0
+    return logits.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "tokens,experts,top_k,cf,gating,normalize,case",
+    [
+        (4096, 32, 8, 1.25, "softmax", True, "random"),
+        (1000, 8, 2, 1.0, "sigmoid", False, "ties"),
+        (333, 16, 4, 0.0, "softmax", True, "one_expert"),
+        (512, 64, 6, 1.25, "softmax", True, "empty_experts"),
+        (77, 5, 5, 2.0, "sigmoid", True, "random"),
+        (128, 256, 8, 1.0, "softmax", True, "random"),
+    ],
+)
+def test_route_equals_reference(tokens, experts, top_k, cf, gating, normalize, case, dtype):
+    logits = _logits(tokens, experts, case, dtype)
+    got = torch.ops.moec.route(logits, top_k, cf, gating, normalize, "learned")
+    want = route_reference(logits.cpu(), top_k, cf, gating, normalize, "learned")
+    for name, a, b in zip(["ids", "weights", "rows", "offsets", "counts"], got, want, strict=True):
+        if name == "weights":
+            torch.testing.assert_close(a.cpu(), b, atol=1e-5, rtol=1e-5)
+        else:
+            assert torch.equal(a.cpu(), b), name
+
+
+@pytest.mark.parametrize("routing", ["uniform"])
+def test_route_given_policies(routing):
+    logits = torch.randn(300, 12, device="cuda")
+    got = torch.ops.moec.route(logits, 3, 1.0, "softmax", True, routing)
+    want = route_reference(logits.cpu(), 3, 1.0, "softmax", True, routing)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.cpu(), b)
+
+
+def test_route_backward():
+    logits = torch.randn(200, 16, device="cuda", requires_grad=True)
+    _, w, _, _, _ = torch.ops.moec.route(logits, 4, 1.0, "softmax", True, "learned")
+    g = torch.randn_like(w)
+    (d,) = torch.autograd.grad(w, logits, g)
+    ref_logits = logits.detach().cpu().requires_grad_()
+    _, w_ref, _, _, _ = route_reference(ref_logits, 4, 1.0, "softmax", True, "learned")
+    (d_ref,) = torch.autograd.grad(w_ref, ref_logits, g.cpu())
+    torch.testing.assert_close(d.cpu(), d_ref, atol=1e-5, rtol=1e-5)
+
+
+def _route(tokens: int, experts: int, top_k: int, cf: float, case: str = "random"):
+    logits = _logits(tokens, experts, case, torch.float32)
+    return torch.ops.moec.route(logits, top_k, cf, "softmax", True, "learned")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", ["random", "one_expert"])
+def test_dispatch_combine_forward_backward(dtype, case):
+    tokens, dim, experts, top_k = 700, 200, 8, 3
+    _, weights, rows, offsets, _ = _route(tokens, experts, top_k, 1.0, case)
+    x = torch.randn(tokens, dim, device="cuda", dtype=dtype, requires_grad=True)
+    buf = torch.ops.moec.dispatch(x, rows)
+    used = int(offsets[-1])
+    want_buf = dispatch_reference(x.detach(), rows)
+    assert torch.equal(buf[:used], want_buf[:used])
+    # poison everything past the accepted rows: nothing may leak into results or grads
+    y = torch.randn(tokens * top_k, dim, device="cuda", dtype=dtype)
+    y[used:] = float("nan")
+    y.requires_grad_()
+    w = weights.detach().clone().requires_grad_()
+    out = torch.ops.moec.combine(y, w, rows)
+    y_ref = y.detach().clone().requires_grad_()
+    w_ref = w.detach().clone().requires_grad_()
+    want = combine_reference(y_ref, w_ref, rows)
+    torch.testing.assert_close(out, want, **TOL[dtype])
+    g = torch.randn_like(out)
+    d_y, d_w = torch.autograd.grad(out, (y, w), g)
+    d_y_ref, d_w_ref = torch.autograd.grad(want, (y_ref, w_ref), g)
+    torch.testing.assert_close(d_y[:used], d_y_ref[:used], **TOL[dtype])
+    torch.testing.assert_close(d_w, d_w_ref, **TOL[dtype])
+    assert torch.isfinite(out).all() and torch.isfinite(d_w).all()
+    (d_x,) = torch.autograd.grad(buf, x, buf.detach().clone().nan_to_num_(0.0))
+    d_x_ref = combine_reference(want_buf, torch.ones_like(weights), rows)
+    torch.testing.assert_close(d_x, d_x_ref, **TOL[dtype])
+
+
+def _expert_case(case: str, experts: int, rows: int) -> torch.Tensor:
+    if case == "empty_experts":
+        counts = torch.zeros(experts, dtype=torch.long)
+        counts[1::3] = torch.randint(1, rows // experts * 2, (len(counts[1::3]),))
+    elif case == "one_expert":
+        counts = torch.zeros(experts, dtype=torch.long)
+        counts[experts // 2] = rows - 37
+    else:
+        counts = torch.multinomial(torch.ones(experts), rows - 50, replacement=True).bincount(
+            minlength=experts
+        )
+    return counts.cumsum(0).to(torch.int32).cuda()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.parametrize("case", ["random", "empty_experts", "one_expert"])
+@pytest.mark.parametrize("backend", ["triton", "grouped_mm"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_expert_mlp_forward_backward(dtype, activation, case, backend, bias, monkeypatch):
+    experts, rows, dim, hidden = 8, 1000, 128, 96
+    if backend == "grouped_mm":
+        every = frozenset({"up", "down", "dgrad", "wgrad"})
+        monkeypatch.setitem(grouped_gemm.GROUPED_MM_PIECES, "sm90", every)
+        monkeypatch.setitem(grouped_gemm.GROUPED_MM_PIECES, "sm100", every)
+    gated = activation in ("swiglu", "geglu_tanh")
+    width = 2 * hidden if gated else hidden
+    offsets = _expert_case(case, experts, rows)
+    used = int(offsets[-1])
+    x = torch.randn(rows, dim, device="cuda", dtype=dtype)
+    x[used:] = float("nan")
+    x.requires_grad_()
+    masters = dict(device="cuda", dtype=torch.float32)
+    w_up = (torch.randn(experts, dim, width, **masters) / dim**0.5).requires_grad_()
+    w_down = (torch.randn(experts, hidden, dim, **masters) / hidden**0.5).requires_grad_()
+    b_up = torch.randn(experts, width, **masters).requires_grad_() if bias else None
+    b_down = torch.randn(experts, dim, **masters).requires_grad_() if bias else None
+    y, h = torch.ops.moec.expert_mlp(x, w_up, w_down, offsets, b_up, b_down, activation)
+    leaves = [t for t in (x, w_up, w_down, b_up, b_down) if t is not None]
+    dy = torch.randn_like(y)
+    dy[used:] = 1e4
+    grads = torch.autograd.grad(y, leaves, dy)
+
+    ref_leaves = [t.detach().double().cpu().requires_grad_() for t in leaves]
+    rx, rwu, rwd = ref_leaves[:3]
+    rbu, rbd = (ref_leaves[3], ref_leaves[4]) if bias else (None, None)
+    y_ref, h_ref = expert_mlp_reference(rx, rwu, rwd, offsets.cpu(), rbu, rbd, activation)
+    ref_grads = torch.autograd.grad(y_ref, ref_leaves, dy.double().cpu())
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    assert _rel(y[:used].cpu(), y_ref[:used]) < tol
+    assert _rel(h[:used].cpu(), h_ref[:used]) < tol
+    for name, g, r in zip(["x", "w_up", "w_down", "b_up", "b_down"], grads, ref_grads, strict=False):
+        if name == "x":
+            g, r = g[:used], r[:used]
+        assert torch.isfinite(g).all(), name
+        assert _rel(g.cpu(), r) < tol, name
+    assert grads[1].dtype == torch.float32
+
+
+def test_gmm_hooks_in_reference_module():
+    """moec.ops.grouped.gmm / gmm_wgrad route to the kernels on CUDA."""
+    x = torch.randn(300, 64, device="cuda")
+    w = torch.randn(4, 64, 48, device="cuda")
+    offsets = torch.tensor([50, 50, 200, 260], device="cuda", dtype=torch.int32)
+    got = grouped.gmm(x, w, offsets)
+    grouped._FORCE_LOOP = True
+    try:
+        want = grouped.gmm(x, w, offsets)
+        want_w = grouped.gmm_wgrad(x, got, offsets)
+    finally:
+        grouped._FORCE_LOOP = False
+    torch.testing.assert_close(got[:260], want[:260])
+    torch.testing.assert_close(grouped.gmm_wgrad(x, got, offsets), want_w, atol=1e-3, rtol=1e-4)
+
+
+def _layer(x, router, w_up, w_down):
+    ops = torch.ops.moec
+    _, weights, rows, offsets, _ = ops.route(x @ router, 4, 1.25, "softmax", True, "learned")
+    buf = ops.dispatch(x, rows)
+    y, _ = ops.expert_mlp(buf, w_up, w_down, offsets, None, None, "swiglu")
+    return ops.combine(y, weights, rows)
+
+
+def test_layer_step_is_sync_free_and_runs_ahead():
+    tokens, dim, experts, hidden = 16384, 1024, 16, 1024
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(tokens, dim, **bf, requires_grad=True)
+    router = torch.randn(dim, experts, **bf, requires_grad=True)
+    w_up = (torch.randn(experts, dim, 2 * hidden, **bf) / dim**0.5).requires_grad_()
+    w_down = (torch.randn(experts, hidden, dim, **bf) / hidden**0.5).requires_grad_()
+
+    def step():
+        _layer(x, router, w_up, w_down).float().square().mean().backward()
+
+    for _ in range(3):  # warm-up: autotuning and compilation may sync
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    # run-ahead: queue several steps; the host returns long before the device finishes them
+    torch.cuda._sleep(50_000_000)  # keep the device busy so host submission time is visible
+    start = time.perf_counter()
+    for _ in range(5):
+        step()
+    host = time.perf_counter() - start
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    begin.record()
+    for _ in range(5):
+        step()
+    end.record()
+    end.synchronize()
+    device = begin.elapsed_time(end) / 1e3
+    print(f"host submit {host / 5 * 1e3:.2f} ms/step, device {device / 5 * 1e3:.2f} ms/step")
+    assert host < 0.5 * device, (host, device)
