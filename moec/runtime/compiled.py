@@ -32,11 +32,13 @@ class CompiledModel(nn.Module):
         *,
         dump: DumpHook | None = None,
         verify: bool = True,
+        mesh: Any = None,
     ):
         super().__init__()
         self.plan = plan or Plan()
         self._source = (model,)  # a tuple keeps it out of this module's parameters
         self._dump, self._verify = dump, verify
+        self.mesh = mesh  # moec.runtime.distributed.MoEMesh, needed when parallel.ep > 1
         self.graph_module: fx.GraphModule | None = None
         self.pass_results: dict[str, PassResult] = {}
         self.aux_outputs: dict[tuple[str, str], torch.Tensor] = {}
@@ -47,7 +49,8 @@ class CompiledModel(nn.Module):
     def capture(self, args: tuple, kwargs: dict) -> None:
         """Trace the source model on these inputs and run the passes (done once)."""
         gm = trace(self._source[0], args, kwargs)
-        manager = PassManager(default_passes(self.plan), verify=self._verify, dump=self._dump)
+        passes = default_passes(self.plan, self.mesh)
+        manager = PassManager(passes, verify=self._verify, dump=self._dump)
         self.graph_module, ctx = manager.run(gm, self.plan)
         self.pass_results = ctx.results
 

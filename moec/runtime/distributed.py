@@ -1,0 +1,249 @@
+"""Process groups, gradient reduction and sharded optimizers for data + expert parallel training.
+
+The mesh is ``init_device_mesh(device, (dp // ep, ep), mesh_dim_names=("edp", "ep"))``: EP groups
+are ``ep`` consecutive ranks (one node's NVLink domain on GPUs), and the ranks holding the same
+experts form the expert-data-parallel (``edp``) group of size ``dp / ep``. Under torchrun::
+
+    mesh = init_from_env(plan)                       # NCCL on GPUs, gloo on CPUs
+    model = moec.compile(dense, plan, example_inputs, mesh=mesh)
+    reducer = GradientReducer(model, mesh)           # hooks fire during backward
+    optimizer = build_optimizer(model, mesh, torch.optim.AdamW, zero=True, lr=1e-3)
+    loss.backward(); reducer.finish(); optimizer.step(); optimizer.zero_grad()
+
+Gradients are averaged over the data-parallel ranks: dense (and router) parameters are
+all-reduced over the whole DP group; expert parameters over the ``edp`` group, since the EP
+exchange's backward already summed the contributions of every token of the EP group. Both are
+divided by ``dp``, so the result equals EP = 1 data parallel with every rank's batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from moec.passes.expert_parallel import EPGroupInfo
+from moec.plan import Plan
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class DistributedError(RuntimeError):
+    """A process-group or mesh setup that cannot work; the message says what to change."""
+
+
+@dataclasses.dataclass
+class MoEMesh:
+    """The (edp, ep) device mesh and the groups the runtime reduces over."""
+
+    device_mesh: DeviceMesh
+    dp_group: dist.ProcessGroup
+    ep_group: dist.ProcessGroup
+    edp_group: dist.ProcessGroup
+    ep_info: EPGroupInfo
+
+    @property
+    def dp(self) -> int:
+        return dist.get_world_size(self.dp_group)
+
+    @property
+    def ep(self) -> int:
+        return self.ep_info.size
+
+
+def init_from_env(plan: Plan, backend: str | None = None) -> MoEMesh:
+    """Join the torchrun job (if not joined yet) and build the mesh for ``plan``."""
+    if not dist.is_initialized():
+        missing = [name for name in TORCHRUN_VARS if name not in os.environ]
+        if missing:
+            raise DistributedError(
+                f"init_from_env needs the torchrun environment ({', '.join(missing)} unset): "
+                "launch with `torchrun --nproc-per-node N script.py`, or call "
+                "torch.distributed.init_process_group yourself and then build_mesh(plan)"
+            )
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend or ("nccl" if cuda else "gloo"))
+    return build_mesh(plan)
+
+
+def build_mesh(plan: Plan, device_type: str | None = None) -> MoEMesh:
+    """The (edp, ep) mesh over the default process group; checks the plan against the world."""
+    if not dist.is_initialized():
+        raise DistributedError(
+            "no process group: call moec.runtime.distributed.init_from_env(plan) under torchrun "
+            "(or torch.distributed.init_process_group) before building the mesh"
+        )
+    world, p = dist.get_world_size(), plan.parallel
+    if p.pp != 1:
+        raise DistributedError(f"parallel.pp={p.pp}: pipeline parallel meshes are not built here")
+    if world % p.ep:
+        raise DistributedError(f"parallel.ep={p.ep} does not divide the world size {world}")
+    if world != p.dp:
+        raise DistributedError(f"parallel.dp={p.dp} but the job has {world} ranks; set dp={world}")
+    if device_type is None:
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(device_type, (world // p.ep, p.ep), mesh_dim_names=("edp", "ep"))
+    ep_group = mesh.get_group("ep")
+    info = EPGroupInfo(mesh.get_local_rank("ep"), p.ep, ep_group.group_name, device_type)
+    return MoEMesh(mesh, dist.group.WORLD, ep_group, mesh.get_group("edp"), info)
+
+
+def parameter_groups(module: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(dense, expert) trainable parameters of ``module`` by their role tag (see the EP pass)."""
+    roles = _roles(module)
+    dense, expert = [], []
+    for name, param in module.named_parameters():
+        if param.requires_grad:
+            (expert if roles.get(_graph_name(name)) == "expert" else dense).append(param)
+    return dense, expert
+
+
+def _roles(module: nn.Module) -> dict[str, str]:
+    gm = getattr(module, "graph_module", module)
+    if gm is None or not hasattr(gm, "meta"):
+        raise DistributedError(
+            "parameter roles are unknown: compile with example inputs (or run one forward) "
+            "before building the reducer or optimizer"
+        )
+    return gm.meta.get("moec_param_roles", {})
+
+
+def _graph_name(name: str) -> str:
+    return name.removeprefix("graph_module.")
+
+
+@dataclasses.dataclass
+class _Bucket:
+    params: list[nn.Parameter]
+    group: dist.ProcessGroup
+    pending: int = 0
+    flat: torch.Tensor | None = None
+    work: object | None = None
+
+
+class GradientReducer:
+    """Bucketed, backward-overlapped gradient averaging (dense over DP, experts over EDP).
+
+    A post-accumulate-grad hook counts down each bucket; a full bucket is flattened, scaled by
+    ``1/dp`` and all-reduced asynchronously while backward continues. ``finish()`` launches the
+    buckets whose parameters got no gradient (as zeros), waits, and writes the averages back.
+    """
+
+    def __init__(self, module: nn.Module, mesh: MoEMesh, bucket_bytes: int = 25 * 2**20):
+        self.scale = 1.0 / mesh.dp
+        self._enabled = True
+        dense, expert = parameter_groups(module)
+        self.buckets = _buckets(dense[::-1], mesh.dp_group, bucket_bytes) + _buckets(
+            expert[::-1], mesh.edp_group, bucket_bytes
+        )
+        self._bucket_of = {p: b for b in self.buckets for p in b.params}
+        for param in self._bucket_of:
+            param.register_post_accumulate_grad_hook(self._ready)
+        self._reset()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (microbatches before the last)."""
+        self._enabled = False
+        try:
+            yield
+        finally:
+            self._enabled = True
+
+    def _reset(self) -> None:
+        for bucket in self.buckets:
+            bucket.pending, bucket.flat, bucket.work = len(bucket.params), None, None
+
+    def _ready(self, param: nn.Parameter) -> None:
+        if not self._enabled:
+            return
+        bucket = self._bucket_of[param]
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        grads = [
+            torch.zeros_like(p).reshape(-1) if p.grad is None else p.grad.reshape(-1)
+            for p in bucket.params
+        ]
+        bucket.flat = torch.cat(grads).mul_(self.scale)
+        if dist.get_world_size(bucket.group) > 1:
+            bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
+
+    def finish(self) -> None:
+        """Complete every bucket's reduction and write the averaged gradients back."""
+        for bucket in self.buckets:
+            if bucket.flat is None:
+                self._launch(bucket)
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+            offset = 0
+            for param in bucket.params:
+                grad = bucket.flat[offset : offset + param.numel()].view_as(param)
+                param.grad = grad.clone() if param.grad is None else param.grad.copy_(grad)
+                offset += param.numel()
+        self._reset()
+
+
+def _buckets(
+    params: list[nn.Parameter], group: dist.ProcessGroup, bucket_bytes: int
+) -> list[_Bucket]:
+    buckets: list[_Bucket] = []
+    size = bucket_bytes
+    for param in params:
+        nbytes = param.numel() * param.element_size()
+        if size + nbytes > bucket_bytes and (not buckets or buckets[-1].params):
+            buckets.append(_Bucket([], group))
+            size = 0
+        buckets[-1].params.append(param)
+        size += nbytes
+    return buckets
+
+
+class Optimizers:
+    """Several optimizers stepped as one (dense and expert parameters shard over different
+    groups under ZeRO-1)."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.optimizers = optimizers
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+
+def build_optimizer(
+    module: nn.Module,
+    mesh: MoEMesh,
+    optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+    *,
+    zero: bool = False,
+    **kwargs,
+) -> Optimizers:
+    """``optimizer_class`` over ``module``; ``zero=True`` shards its state (ZeRO-1) with
+    ``ZeroRedundancyOptimizer``: dense parameters over DP, expert parameters over EDP (the
+    ranks that hold the same experts)."""
+    dense, expert = parameter_groups(module)
+    if not zero:
+        return Optimizers([optimizer_class(dense + expert, **kwargs)])
+    sharded = [
+        ZeroRedundancyOptimizer(params, optimizer_class, process_group=group, **kwargs)
+        for params, group in ((dense, mesh.dp_group), (expert, mesh.edp_group))
+        if params
+    ]
+    return Optimizers(sharded)
