@@ -52,7 +52,10 @@ def _hf(name: str) -> Callable[[], nn.Module]:
 
         common = dict(vocab_size=VOCAB, use_cache=False, bos_token_id=1, eos_token_id=2)
         if name == "gpt2":
-            config = tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, **common)
+            config = tf.GPT2Config(
+                n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common,
+            )
             model_cls = tf.GPT2LMHeadModel
         else:
             config_cls, model_cls = {

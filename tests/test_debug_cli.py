@@ -1,0 +1,120 @@
+"""The ``moec`` CLI run in-process: debug dumps, inspect, plan show, and the dump hook's safety."""
+
+import json
+import logging
+import re
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+import moec
+from moec.cli import main
+from moec.debug import DebugDump
+
+ARTIFACTS = ("graph.py", "ops.txt", "graph.dot", "diff.patch", "stats.json")
+PLAN = {"moe": {"num_experts": 4, "top_k": 2, "dense_first": 1}}
+
+
+@pytest.fixture
+def plan_file(tmp_path):
+    path = tmp_path / "plan.yaml"
+    moec.Plan.from_dict(PLAN).save(path)
+    return path
+
+
+@pytest.mark.parametrize("model, ffns", [("llama", 4), ("hf-gpt2", 2)])
+def test_debug_writes_every_artifact_for_every_pass(tmp_path, plan_file, model, ffns):
+    out = tmp_path / "dump"
+    assert main(["debug", model, "--plan", str(plan_file), "--out", str(out)]) == 0
+    stages = sorted(p.name for p in out.iterdir() if p.is_dir())
+    assert stages == ["00_capture", "01_moe"]
+    for stage in stages:
+        for name in ARTIFACTS:
+            assert (out / stage / name).stat().st_size > 0, f"{stage}/{name} is empty"
+    pipeline = moec.Plan.from_dict(PLAN).pipeline_string()
+    assert (out / "pipeline.txt").read_text().startswith(pipeline)
+    assert pipeline in (out / "01_moe" / "graph.py").read_text()
+    assert "+" in (out / "01_moe" / "diff.patch").read_text()
+    assert "moec.expert_mlp" in (out / "01_moe" / "diff.patch").read_text()
+    assert (out / "01_moe" / "graph.dot").read_text().startswith('digraph "01_moe"')
+    ops = (out / "01_moe" / "ops.txt").read_text()
+    assert re.search(r"moec\.route\.default .* moe\s*$", ops, re.MULTILINE)
+    stats = json.loads((out / "01_moe" / "stats.json").read_text())
+    assert stats["pass_stats"]["ffns_replaced"] == ffns - 1
+    assert stats["pass_stats"]["ffns_kept_dense"] == 1
+    assert stats["active_params"] < stats["params"]
+    assert stats["flops_per_token"] > 0
+    summary = (out / "summary.txt").read_text().splitlines()
+    assert [line.split()[0] for line in summary] == ["[capture]", "[moe]"]
+
+
+def test_print_after_all_prints_to_the_terminal(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    gm = moec.trace(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)),
+                    (torch.randn(2, 3, 8),))
+    dump = DebugDump(None, moec.Plan(), print_after_all=True)
+    dump("capture", gm, {})
+    dump("moe", gm, {"ffns_replaced": 1})
+    out = capsys.readouterr().out
+    assert "after 00_capture" in out and "after 01_moe" in out
+    assert "aten.linear.default" in out and "[moe] nodes=" in out and "ffns_replaced=1" in out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_inspect_accepts_a_factory_file(tmp_path, capsys):
+    factory = tmp_path / "tiny.py"
+    factory.write_text(textwrap.dedent("""
+        import torch
+        from moec.models import Llama, LlamaConfig
+
+        def make():
+            cfg = LlamaConfig(dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=64)
+            return Llama(cfg), (torch.randint(0, 256, (2, 16)),)
+    """))
+    assert main(["inspect", f"{factory}:make", "--seq", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "3 FFN regions" in out and "seq=32" in out
+
+
+@pytest.mark.parametrize(
+    "model, ffns",
+    [("llama", 4), ("gpt2", 4), ("hf-llama", 2), ("hf-qwen2", 2), ("hf-gpt2", 2)],
+)
+def test_inspect_lists_every_ffn(capsys, model, ffns):
+    assert main(["inspect", model]) == 0
+    out = capsys.readouterr().out
+    assert f"{ffns} FFN regions" in out
+    assert "FLOPs/token" in out
+
+
+def test_plan_show_prints_the_resolved_plan(capsys, plan_file):
+    assert main(["plan", "show", str(plan_file)]) == 0
+    out = capsys.readouterr().out
+    assert "num_experts: 4" in out and "capacity_factor: 1.25" in out
+    assert f"pipeline: {moec.Plan.from_dict(PLAN).pipeline_string()}" in out
+
+
+def test_plan_show_bad_plan_exits_2_naming_the_field(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("moe:\n  num_experts: 4\n  top_k: 9\n")
+    assert main(["plan", "show", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "moe.top_k" in err and "9" in err
+
+
+def test_unknown_model_exits_2(capsys):
+    assert main(["inspect", "no-such-model"]) == 2
+    assert "unknown model" in capsys.readouterr().err
+
+
+def test_dump_hook_never_raises(tmp_path, caplog):
+    blocked = tmp_path / "not_a_dir"
+    blocked.write_text("a file where the dump directory should go")
+    gm = moec.trace(nn.Linear(8, 8), (torch.randn(2, 3, 8),))
+    with caplog.at_level(logging.WARNING, logger="moec.debug"):
+        dump = DebugDump(blocked, moec.Plan())
+        dump("capture", gm, {})
+    assert dump.stages == ["00_capture"]
+    assert "could not produce" in caplog.text
