@@ -8,6 +8,7 @@ symbols of ``meta["val"]`` shapes), so one analysis answers for every batch and 
     cost.evaluate().flops_per_token          # at the example shapes
     cost.evaluate(batch=8, seq=4096).flops   # anywhere else
     node_cost(node).flops                    # one node, e.g. 2*s0*s1*128*512
+    node_cost(node).saved                    # the tensors its backward keeps (SavedRef)
 
 Rules (forward pass; a FLOP is a multiply or an add):
 
@@ -113,6 +114,8 @@ class NodeCost:
     kind: str
     """``matmul``, ``attention``, ``experts``, ``routing``, ``movement``, ``elementwise``,
     ``norm``, ``reduction``, ``view`` or ``other``."""
+    saved: tuple[SavedRef, ...] = ()
+    """The activations this node's backward keeps (parameters excluded), views resolved."""
 
     @property
     def matmul_flops(self) -> Expr:
@@ -270,11 +273,6 @@ def _fallback(node: fx.Node) -> tuple[Expr, str, list[SavedRef]]:
     return ZERO, "other", []
 
 
-def saved_tensors(node: fx.Node) -> list[SavedRef]:
-    """The activations ``node``'s backward keeps (parameters excluded), views resolved."""
-    return _rule_result(node)[2] if node.op == "call_function" else []
-
-
 def _rule_result(node: fx.Node) -> tuple[Expr, str, list[SavedRef]]:
     if node.target in VIEW_LIKE:
         return ZERO, "view", []
@@ -287,8 +285,9 @@ def node_cost(node: fx.Node) -> NodeCost:
         return NodeCost(ZERO, ZERO, ZERO, "view" if node.op == "get_attr" else "other")
     flops, kind, saved = _rule_result(node)
     bytes_out = ZERO if kind == "view" else nbytes(node.meta.get("val"))
-    saved_bytes = sympy.Add(*(ref.nbytes() for ref in dict.fromkeys(saved)))
-    return NodeCost(sympy.sympify(flops), bytes_out, saved_bytes, kind)
+    saved = tuple(dict.fromkeys(saved))
+    saved_bytes = sympy.Add(*(ref.nbytes() for ref in saved))
+    return NodeCost(sympy.sympify(flops), bytes_out, saved_bytes, kind, saved)
 
 
 # --- totals ------------------------------------------------------------------------------------
@@ -306,7 +305,7 @@ class CostTotals:
     @classmethod
     def of(cls, costs: dict[fx.Node, NodeCost], nodes: Iterable[fx.Node]) -> CostTotals:
         nodes = list(nodes)
-        saved = dict.fromkeys(ref for n in nodes for ref in saved_tensors(n))
+        saved = dict.fromkeys(ref for n in nodes for ref in costs[n].saved)
         return cls(
             sympy.Add(*(costs[n].flops for n in nodes)),
             sympy.Add(*(costs[n].matmul_flops for n in nodes)),
