@@ -92,6 +92,7 @@ def trace(
     gm = program.module()
     in_spec, out_spec = gm._in_spec, gm._out_spec
     gm._forward_pre_hooks.clear()
+    _drop_input_guards(gm)
     gm.graph._codegen = fx.graph.CodeGen()
     output = gm.graph.output_node()
     flat_outputs = tuple(output.args[0])
@@ -100,6 +101,16 @@ def trace(
     gm.meta["moec_signature"] = GraphSignature(in_spec, out_spec, len(flat_outputs))
     gm.meta["moec_param_roles"] = {}
     return gm
+
+
+def _drop_input_guards(gm: fx.GraphModule) -> None:
+    """Remove export's ``_guards_fn`` call: neither fake propagation nor our flat calling
+    convention can run it. Inputs outside the sizes the model supports (a sequence longer than
+    its position table) still fail, with the shape error of the op that cannot take them."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn":
+            gm.graph.erase_node(node)
+            delattr(gm, "_guards_fn")
 
 
 def _auto_dims(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:

@@ -160,7 +160,9 @@ class PrecisionPlan:
     """GEMMs the ``gemm`` precision applies to."""
 
     def validate(self) -> None:
-        _require(len(set(self.scope)) == len(self.scope), "precision.scope", self.scope, "no repeats")
+        _require(
+            len(set(self.scope)) == len(self.scope), "precision.scope", self.scope, "no repeats"
+        )
 
 
 @dataclass
@@ -278,7 +280,9 @@ def _require(ok: bool, name: str, value: Any, allowed: str) -> None:
 def _reject_unknown(data: dict[str, Any], known: Any, where: str) -> None:
     for key in data:
         if key not in known:
-            raise PlanError(f"{where}.{key}", data[key], f"a known field of {where}: {sorted(known)}")
+            raise PlanError(
+                f"{where}.{key}", data[key], f"a known field of {where}: {sorted(known)}"
+            )
 
 
 def _check_types(section: Any, prefix: str) -> None:

@@ -17,12 +17,25 @@ def tiny_gpt2(layers: int = 3) -> GPT2:
 def hf_model(name: str) -> torch.nn.Module:
     common = dict(vocab_size=256, num_hidden_layers=2, num_attention_heads=4, use_cache=False)
     if name == "llama":
-        return tf.LlamaForCausalLM(tf.LlamaConfig(hidden_size=32, intermediate_size=64, num_key_value_heads=2, **common))
+        return tf.LlamaForCausalLM(
+            tf.LlamaConfig(hidden_size=32, intermediate_size=64, num_key_value_heads=2, **common)
+        )
     if name == "qwen2":
-        return tf.Qwen2ForCausalLM(tf.Qwen2Config(hidden_size=32, intermediate_size=64, num_key_value_heads=2, **common))
-    cfg = tf.GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=4, use_cache=False,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        bos_token_id=0, eos_token_id=0)
+        return tf.Qwen2ForCausalLM(
+            tf.Qwen2Config(hidden_size=32, intermediate_size=64, num_key_value_heads=2, **common)
+        )
+    cfg = tf.GPT2Config(
+        vocab_size=256,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        use_cache=False,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return tf.GPT2LMHeadModel(cfg)
 
 

@@ -19,7 +19,9 @@ def test_trace_is_flat_aten_and_trains(make):
     (out,) = gm(other)
     torch.testing.assert_close(out, model(other))
     out.backward(torch.randn_like(out))
-    assert gm.get_parameter("lm_head.weight" if make is tiny_llama else "wte.weight").grad is not None
+    assert (
+        gm.get_parameter("lm_head.weight" if make is tiny_llama else "wte.weight").grad is not None
+    )
 
 
 def test_symbolic_trace_route_gives_the_same_graph_kind():

@@ -18,7 +18,10 @@ def _problem(act, n=4, d=8, h=12, rows=20, dtype=torch.float32, bias=True):
     counts[1] = 0  # an empty expert
     offsets = counts.cumsum(0).clamp(max=rows).to(torch.int32)
     x = torch.randn(rows, d, dtype=dtype)
-    w_up, w_down = torch.randn(n, d, u, dtype=dtype) / d**0.5, torch.randn(n, h, d, dtype=dtype) / h**0.5
+    w_up, w_down = (
+        torch.randn(n, d, u, dtype=dtype) / d**0.5,
+        torch.randn(n, h, d, dtype=dtype) / h**0.5,
+    )
     b_up = torch.randn(n, u, dtype=dtype) if bias else None
     b_down = torch.randn(n, d, dtype=dtype) if bias else None
     return x, w_up, w_down, offsets, b_up, b_down
@@ -47,7 +50,9 @@ def test_expert_mlp_matches_loop(act, force_loop, monkeypatch):
 @pytest.mark.parametrize("act", ["swiglu", "gelu_tanh"])
 @pytest.mark.parametrize("bias", [True, False])
 def test_expert_mlp_gradcheck(act, bias):
-    x, w_up, w_down, offsets, b_up, b_down = _problem(act, n=3, d=4, h=3, rows=9, dtype=torch.float64, bias=bias)
+    x, w_up, w_down, offsets, b_up, b_down = _problem(
+        act, n=3, d=4, h=3, rows=9, dtype=torch.float64, bias=bias
+    )
     offsets = torch.tensor([3, 3, 9], dtype=torch.int32)  # every row valid, one empty expert
     tensors = [t.requires_grad_() for t in (x, w_up, w_down) + ((b_up, b_down) if bias else ())]
 
@@ -60,7 +65,8 @@ def test_expert_mlp_gradcheck(act, bias):
 
 def test_fp32_master_weights_with_bf16_rows_give_fp32_grads():
     x, w_up, w_down, offsets, b_up, b_down = _problem("swiglu", d=16, h=16)
-    w_up.requires_grad_(); w_down.requires_grad_()
+    w_up.requires_grad_()
+    w_down.requires_grad_()
     y, _ = expert_mlp(x.bfloat16(), w_up, w_down, offsets, None, None, "swiglu")
     assert y.dtype == torch.bfloat16
     y.backward(torch.randn_like(y))

@@ -26,7 +26,7 @@ def test_dispatch_places_rows_like_a_loop():
 def test_combine_sums_weighted_rows_like_a_loop_and_ignores_poison():
     _, w, rows, offsets, _ = _routes(cf=0.75)
     y = torch.randn(24, 8)
-    y[int(offsets[-1]):] = float("nan")  # rows no route points at
+    y[int(offsets[-1]) :] = float("nan")  # rows no route points at
     out = combine(y, w, rows)
     for t in range(12):
         expect = sum((w[t, k] * y[rows[t, k]] for k in range(2) if rows[t, k] >= 0), torch.zeros(8))

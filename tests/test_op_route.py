@@ -15,14 +15,20 @@ route = torch.ops.moec.route
 def python_route(logits, top_k, capacity_factor, gating, normalize):
     """The documented policy, written as the obvious loop."""
     tokens, n = logits.shape
-    cap = tokens if capacity_factor <= 0 else min(tokens, math.ceil(capacity_factor * tokens * top_k / n))
+    cap = (
+        tokens
+        if capacity_factor <= 0
+        else min(tokens, math.ceil(capacity_factor * tokens * top_k / n))
+    )
     ids, weights, rows = [], [], []
     taken = [0] * n
     slots = []
     for t in range(tokens):
         row = logits[t].tolist()
         order = sorted(range(n), key=lambda e: (-row[e], e))[:top_k]
-        scores = logits[t].double().softmax(-1) if gating == "softmax" else logits[t].double().sigmoid()
+        scores = (
+            logits[t].double().softmax(-1) if gating == "softmax" else logits[t].double().sigmoid()
+        )
         w = [float(scores[e]) for e in order]
         if normalize:
             w = [v / sum(w) for v in w]
@@ -46,12 +52,16 @@ def test_route_matches_python_loop(gating, capacity_factor, normalize):
     tokens, n, k = 37, 6, 3
     logits = torch.randn(tokens, n)
     ids, w, rows, offsets, counts = route(logits, k, capacity_factor, gating, normalize, "learned")
-    ref_ids, ref_w, ref_rows, accepted, offered = python_route(logits, k, capacity_factor, gating, normalize)
+    ref_ids, ref_w, ref_rows, accepted, offered = python_route(
+        logits, k, capacity_factor, gating, normalize
+    )
     assert ids.tolist() == ref_ids
     assert rows.tolist() == ref_rows
     assert counts.tolist() == offered
     assert offsets.tolist() == torch.tensor(accepted).cumsum(0).tolist()
-    torch.testing.assert_close(w.double(), torch.tensor(ref_w, dtype=torch.float64), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        w.double(), torch.tensor(ref_w, dtype=torch.float64), rtol=1e-5, atol=1e-6
+    )
     cap = capacity(tokens, k, n, capacity_factor)
     assert max(accepted) <= cap
 
@@ -94,7 +104,9 @@ def test_benchmark_routings_pick_distinct_experts(routing):
         assert counts.tolist() == [64 * k // n] * n
 
 
-@pytest.mark.parametrize("gating, normalize", [("softmax", True), ("softmax", False), ("sigmoid", True)])
+@pytest.mark.parametrize(
+    "gating, normalize", [("softmax", True), ("softmax", False), ("sigmoid", True)]
+)
 def test_route_weights_gradcheck(gating, normalize):
     logits = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
     assert gradcheck(lambda x: route(x, 2, 1.0, gating, normalize, "learned")[1], (logits,))

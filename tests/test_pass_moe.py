@@ -8,7 +8,11 @@ from tests.models import hf_model, tiny_gpt2, tiny_llama, tokens
 
 
 def _rel(a, b):
-    return float((a - b).norm() / b.norm()) if a.requires_grad is False else _rel(a.detach(), b.detach())
+    return (
+        float((a - b).norm() / b.norm())
+        if a.requires_grad is False
+        else _rel(a.detach(), b.detach())
+    )
 
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2, lambda: hf_model("gpt2")])
@@ -16,8 +20,15 @@ def _rel(a, b):
 def test_upcycle_equals_dense_at_init(make, shared):
     model = make()
     ids = tokens()
-    plan = {"moe": {"num_experts": 4, "top_k": 2, "init": "upcycle", "shared_expert": shared,
-                    "capacity_factor": None}}
+    plan = {
+        "moe": {
+            "num_experts": 4,
+            "top_k": 2,
+            "init": "upcycle",
+            "shared_expert": shared,
+            "capacity_factor": None,
+        }
+    }
     compiled = moec.compile(model, plan, (ids,))
     dense = model(ids)
     out = compiled(ids)
@@ -32,8 +43,17 @@ def test_upcycle_equals_dense_at_init(make, shared):
 def test_split_with_all_experts_equals_dense_at_init(make, gating, shared):
     model = make()
     ids = tokens()
-    plan = {"moe": {"num_experts": 4, "top_k": 4, "init": "split", "normalize_weights": False,
-                    "gating": gating, "shared_expert": shared, "capacity_factor": None}}
+    plan = {
+        "moe": {
+            "num_experts": 4,
+            "top_k": 4,
+            "init": "split",
+            "normalize_weights": False,
+            "gating": gating,
+            "shared_expert": shared,
+            "capacity_factor": None,
+        }
+    }
     assert _rel(moec.compile(model, plan, (ids,))(ids), model(ids)) <= 1e-5
 
 
@@ -57,8 +77,15 @@ def test_statistics_and_parameter_books():
 def test_random_init_uses_planned_width_and_users_model_is_untouched():
     model = tiny_llama()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    plan = {"moe": {"num_experts": 4, "top_k": 1, "init": "random", "expert_width": 16,
-                    "shared_expert": True}}
+    plan = {
+        "moe": {
+            "num_experts": 4,
+            "top_k": 1,
+            "init": "random",
+            "expert_width": 16,
+            "shared_expert": True,
+        }
+    }
     compiled = moec.compile(model, plan, (tokens(),))
     w_down = compiled.graph_module.get_parameter("layers.0.ffn.moe.w_down")
     assert w_down.shape == (4, 16, 32)
@@ -68,7 +95,9 @@ def test_random_init_uses_planned_width_and_users_model_is_untouched():
 
 def test_split_width_must_divide():
     with pytest.raises(moec.PlanError, match="moe.num_experts"):
-        moec.compile(tiny_llama(), {"moe": {"num_experts": 5, "top_k": 1, "init": "split"}}, (tokens(),))
+        moec.compile(
+            tiny_llama(), {"moe": {"num_experts": 5, "top_k": 1, "init": "split"}}, (tokens(),)
+        )
 
 
 def test_model_without_ffn_says_why():
@@ -92,7 +121,9 @@ def test_verifier_catches_a_wrong_shape_and_an_orphan_parameter():
 
 
 def test_capacity_drops_are_reported():
-    compiled = moec.compile(tiny_llama(), {"moe": {"num_experts": 4, "top_k": 2, "capacity_factor": 0.5}}, (tokens(),))
+    compiled = moec.compile(
+        tiny_llama(), {"moe": {"num_experts": 4, "top_k": 2, "capacity_factor": 0.5}}, (tokens(),)
+    )
     compiled(tokens(4, 32))
     for layer in compiled.routing_stats().values():
         assert layer["accepted"] <= layer["offered"] == 4 * 32 * 2

@@ -48,8 +48,11 @@ def test_bad_plan_names_field(data, field):
 
 def test_yaml_round_trip(tmp_path):
     plan = Plan.from_dict(
-        {"moe": {"num_experts": 32, "top_k": 8, "capacity_factor": None, "shared_expert": True},
-         "parallel": {"dp": 8, "ep": 8}, "recompute": {"policy": "budget", "budget_bytes": 10}}
+        {
+            "moe": {"num_experts": 32, "top_k": 8, "capacity_factor": None, "shared_expert": True},
+            "parallel": {"dp": 8, "ep": 8},
+            "recompute": {"policy": "budget", "budget_bytes": 10},
+        }
     )
     plan.save(tmp_path / "p.yaml")
     again = Plan.load(tmp_path / "p.yaml")
@@ -88,9 +91,17 @@ _TOKENS = torch.randint(0, 256, (2, 8))
 def test_random_plans_compile_or_raise_plan_error(
     num_experts, top_k, capacity_factor, dense_first, init, expert_width, shared
 ):
-    data = {"moe": {"num_experts": num_experts, "top_k": top_k, "capacity_factor": capacity_factor,
-                    "dense_first": dense_first, "init": init, "expert_width": expert_width,
-                    "shared_expert": shared}}
+    data = {
+        "moe": {
+            "num_experts": num_experts,
+            "top_k": top_k,
+            "capacity_factor": capacity_factor,
+            "dense_first": dense_first,
+            "init": init,
+            "expert_width": expert_width,
+            "shared_expert": shared,
+        }
+    }
     try:
         plan = Plan.from_dict(data)
         compiled = moec.compile(_MODEL, plan, (_TOKENS,))

@@ -31,7 +31,11 @@ def test_ffn_regions_found_structurally(make, activation, blocks):
 class GatedOrderSwapped(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.a, self.b, self.c = torch.nn.Linear(8, 16), torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+        self.a, self.b, self.c = (
+            torch.nn.Linear(8, 16),
+            torch.nn.Linear(8, 16),
+            torch.nn.Linear(16, 8),
+        )
 
     def forward(self, x):
         return x + self.c(self.a(x) * torch.relu(self.b(x)))

@@ -149,7 +149,9 @@ def linear_site(node: fx.Node) -> LinearSite | None:
             return None
         out_f, in_f = node.args[1].meta["val"].shape
         bias_name = bias[0] if bias else None
-        return LinearSite(node, strip_views(node.args[0]), weight[0], bias_name, "out_in", in_f, out_f)
+        return LinearSite(
+            node, strip_views(node.args[0]), weight[0], bias_name, "out_in", in_f, out_f
+        )
     if target in (aten.addmm.default, aten.mm.default, aten.matmul.default):
         x, w = (node.args[1], node.args[2]) if target == aten.addmm.default else node.args[:2]
         weight = _param_target(w)
@@ -218,7 +220,10 @@ def _region_for(
 ) -> FFNRegion | None:
     interior: list[fx.Node] = []
     ups: dict[fx.Node, LinearSite] = {}
-    stack, seen = [down.node.args[1] if _target(down.node) == aten.addmm.default else down.node.args[0]], set()
+    stack, seen = (
+        [down.node.args[1] if _target(down.node) == aten.addmm.default else down.node.args[0]],
+        set(),
+    )
     while stack:
         node = stack.pop()
         if not isinstance(node, fx.Node) or node in seen:

@@ -61,8 +61,10 @@ class PassManager:
             result.stats["seconds"] = round(time.perf_counter() - start, 3)
             gm = result.gm
             if self.verify:
-                expected = before + result.stats.get("params_added", 0) - result.stats.get(
-                    "params_removed", 0
+                expected = (
+                    before
+                    + result.stats.get("params_added", 0)
+                    - result.stats.get("params_removed", 0)
                 )
                 verify_graph(gm, p.name, expected_params=expected)
             ctx.results[p.name] = result

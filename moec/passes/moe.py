@@ -181,8 +181,15 @@ class MoEPass:
             buffer = editor.call(moec_ops.dispatch.default, (x, rows), like=out)
             mlp = editor.call(
                 moec_ops.expert_mlp.default,
-                (buffer, param["w_up"], param["w_down"], offsets, param["b_up"], param["b_down"],
-                 region.activation),
+                (
+                    buffer,
+                    param["w_up"],
+                    param["w_down"],
+                    offsets,
+                    param["b_up"],
+                    param["b_down"],
+                    region.activation,
+                ),
                 like=out,
             )
             expert_out = editor.getitem(mlp, 0)
@@ -224,13 +231,16 @@ def build_expert_weights(
     elif plan.init == "split":
         if hidden % n:
             raise PlanError(
-                "moe.num_experts", n, f"a divisor of the dense FFN width {hidden} of {where} "
-                "for init='split'"
+                "moe.num_experts",
+                n,
+                f"a divisor of the dense FFN width {hidden} of {where} for init='split'",
             )
         width = hidden // n
         _check_width(plan, width, where, f"dense width / num_experts = {width} for init='split'")
-        w0 = 1.0 / plan.top_k if plan.normalize_weights else (
-            1.0 / n if plan.gating == "softmax" else 0.5
+        w0 = (
+            1.0 / plan.top_k
+            if plan.normalize_weights
+            else (1.0 / n if plan.gating == "softmax" else 0.5)
         )
         scale = shared_scale / w0
         parts = [slice(e * width, (e + 1) * width) for e in range(n)]

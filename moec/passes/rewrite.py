@@ -26,7 +26,9 @@ def fake_mode(gm: fx.GraphModule) -> FakeTensorMode:
     vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
     if mode is None:
-        raise RuntimeError("graph placeholders carry no FakeTensor meta['val']; capture with moec.trace")
+        raise RuntimeError(
+            "graph placeholders carry no FakeTensor meta['val']; capture with moec.trace"
+        )
     return mode
 
 

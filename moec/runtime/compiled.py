@@ -72,7 +72,9 @@ class CompiledModel(nn.Module):
 
     @property
     def moe_layers(self) -> list:
-        return [] if self.graph_module is None else self.graph_module.meta.get("moec_moe_layers", [])
+        return (
+            [] if self.graph_module is None else self.graph_module.meta.get("moec_moe_layers", [])
+        )
 
     def aux_loss(self) -> torch.Tensor:
         """``lbl_coef * LBL + z_loss_coef * z`` summed over MoE blocks, from the last forward."""
@@ -87,7 +89,7 @@ class CompiledModel(nn.Module):
         return total
 
     def routing_stats(self) -> dict[str, dict[str, Any]]:
-        """Per MoE block: losses, load, drops, capacity use. Reads the device (call outside a step)."""
+        """Per MoE block: losses, load, drops, capacity use. Reads the device: not in a step."""
         stats: dict[str, dict[str, Any]] = {}
         for layer in self.moe_layers:
             losses = self.aux_outputs[(layer.path, "router_losses")].detach().float().cpu()

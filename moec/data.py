@@ -1,0 +1,95 @@
+"""Training data that needs no download: English text from the Python standard library.
+
+The corpus is the docstrings of ~100 standard-library modules and their public classes and
+functions (about 0.7 MB of real prose and examples), tokenized as bytes (vocabulary 256).
+Batches are a pure function of (seed, step), so a resumed run sees exactly the batches the
+uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from functools import lru_cache
+
+import torch
+
+_MODULES = (
+    "argparse abc array asyncio base64 bisect bz2 calendar cmath cmd codecs collections colorsys "
+    "configparser contextlib copy cProfile csv ctypes dataclasses datetime decimal difflib "
+    "doctest email enum filecmp fnmatch fractions ftplib functools getopt gettext glob graphlib "
+    "gzip hashlib heapq hmac http.client imaplib inspect io ipaddress itertools json locale "
+    "logging lzma math mmap netrc numbers operator optparse os pathlib pickle platform plistlib "
+    "poplib pprint queue random re sched secrets selectors shlex shutil signal smtplib socket "
+    "sqlite3 ssl stat statistics string struct subprocess sysconfig tarfile tempfile textwrap "
+    "threading timeit trace types typing unittest urllib.request uuid warnings wave weakref "
+    "xml.etree.ElementTree zipfile zlib zoneinfo"
+).split()
+
+
+def _docstrings(module_name: str) -> list[str]:
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return []
+    docs = [inspect.getdoc(module) or ""]
+    for name, obj in sorted(vars(module).items()):
+        if name.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
+            continue
+        docs.append(inspect.getdoc(obj) or "")
+        if inspect.isclass(obj):
+            docs += [
+                inspect.getdoc(member) or ""
+                for member_name, member in sorted(vars(obj).items())
+                if not member_name.startswith("_") and callable(member)
+            ]
+    return [d for d in docs if d]
+
+
+@lru_cache(maxsize=1)
+def corpus_bytes() -> torch.Tensor:
+    """The corpus as a uint8 tensor (byte-level tokens)."""
+    text = "\n\n".join(doc for name in _MODULES for doc in _docstrings(name))
+    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).clone()
+
+
+class TextBatches:
+    """Random windows of the corpus (or uniform random tokens with ``synthetic=True``).
+
+    ``batch(step)`` returns (inputs, targets) of shape (batch, seq_len), int64, next-token pairs.
+    A held-out tail (the last 5%) is kept out of training windows for ``eval_batch``.
+    """
+
+    def __init__(
+        self,
+        batch_size: int,
+        seq_len: int,
+        seed: int = 0,
+        synthetic: bool = False,
+        vocab_size: int = 256,
+    ):
+        self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
+        self.synthetic, self.vocab_size = synthetic, vocab_size
+        if not synthetic:
+            data = corpus_bytes().long()
+            split = int(len(data) * 0.95)
+            self.train_data, self.eval_data = data[:split], data[split:]
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._windows(step, None if self.synthetic else self.train_data)
+
+    def eval_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._windows(-1, None if self.synthetic else self.eval_data)
+
+    def _windows(self, step: int, data: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step + 1)
+        if data is None:
+            tokens = torch.randint(
+                0, self.vocab_size, (self.batch_size, self.seq_len + 1), generator=gen
+            )
+        else:
+            starts = torch.randint(
+                0, len(data) - self.seq_len - 1, (self.batch_size,), generator=gen
+            )
+            tokens = torch.stack([data[s : s + self.seq_len + 1] for s in starts.tolist()])
+        return tokens[:, :-1], tokens[:, 1:]

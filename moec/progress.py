@@ -1,0 +1,30 @@
+"""The terminal progress bar of training runs (rich)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+
+@contextlib.contextmanager
+def training_progress() -> Iterator[tuple[Progress, Console]]:
+    console = Console()
+    columns = (
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss [cyan]{task.fields[loss]}"),
+        TextColumn("tok/s [green]{task.fields[tps]}"),
+        TextColumn("drop {task.fields[drop]}"),
+        TextColumn("imbalance {task.fields[imb]}"),
+        TimeRemainingColumn(),
+    )
+    progress = Progress(*columns, console=console)
+    defaults = {"loss": "-", "tps": "-", "drop": "-", "imb": "-"}
+    add_task = progress.add_task
+    progress.add_task = lambda *a, **kw: add_task(*a, **{**defaults, **kw})  # type: ignore[method-assign]
+    with progress:
+        yield progress, console

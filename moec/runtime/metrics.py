@@ -1,0 +1,60 @@
+"""Training metrics as the report's Table 51 defines them.
+
+- step time: wall time of an optimizer step in steady state (after warm-up steps);
+- useful tokens/s/GPU: tokens that enter the loss per step / step time / GPUs;
+- useful-model MFU (Eq. 95): useful active-model FLOPs per step / (GPUs * step time * peak),
+  with the dense BF16 peak of the GPU; recompute and inactive experts add nothing;
+- host syncs per step: device->host waits counted by CUDA's sync debug mode over one step.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+
+# Dense BF16 tensor-core peak, TFLOP/s per GPU (not the 2:4-sparse figure).
+_BF16_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0, "B300": 2250.0}
+
+
+def bf16_peak_tflops(device: torch.device | str) -> float | None:
+    """The dense BF16 peak of ``device``, or None when it is not a GPU we have a number for."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, peak in _BF16_PEAK_TFLOPS.items():
+        if key in name:
+            return peak
+    return None
+
+
+def useful_mfu(
+    flops_per_step: float, step_seconds: float, gpus: int, peak_tflops: float | None
+) -> float | None:
+    """Eq. 95; None when the peak is unknown (we do not guess)."""
+    if peak_tflops is None or step_seconds <= 0:
+        return None
+    return flops_per_step / (gpus * step_seconds * peak_tflops * 1e12)
+
+
+def count_host_syncs(step: Callable[[], object], device: torch.device | str) -> int | None:
+    """Run ``step`` once and count the synchronizing CUDA calls it makes (None on CPU).
+
+    Uses ``torch.cuda.set_sync_debug_mode("warn")``, which sees ``.item()``, ``nonzero``,
+    blocking copies and the like, but not ``torch.cuda.synchronize``, collectives or custom
+    kernels (those are kept out by review).
+    """
+    if torch.device(device).type != "cuda":
+        step()
+        return None
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    return sum("synchroniz" in str(w.message) for w in caught)
