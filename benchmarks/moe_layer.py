@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from collections.abc import Callable
 
 import torch
@@ -201,6 +202,10 @@ def pieces(buf: Tensor, offsets: Tensor, p: dict[str, Tensor]) -> list[dict]:
     return out
 
 
+def base_ms(results: dict) -> float:
+    return results["layers"]["moec"]["ms"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pieces", action="store_true", help="time each expert GEMM both ways")
@@ -232,6 +237,16 @@ def main() -> None:
         ms = do_bench(lambda fn=LAYERS[name]: fwd_bwd(fn, x, p, grad), rep=200)
         results["layers"][name] = {"ms": ms, "max_rel_err": err}
         print(f"{name:<8} fwd+bwd {ms:8.3f} ms   (max rel err vs reference {err:.2e})")
+
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # keep the device busy: measure what the host alone takes
+    start = time.perf_counter()
+    for _ in range(5):
+        fwd_bwd(layer_moec, x, p, grad)
+    host_ms = (time.perf_counter() - start) / 5 * 1e3
+    torch.cuda.synchronize()
+    results["moec_host_submit_ms"] = host_ms
+    print(f"moec host submit {host_ms:.2f} ms/step (device {base_ms(results):.2f} ms/step)")
 
     buf = torch.ops.moec.dispatch(x.detach(), rows).requires_grad_()
     dy = torch.randn_like(buf)

@@ -38,12 +38,12 @@ from moec.kernels.arch import arch, interpreting
 
 EPILOGUE_PLAIN, EPILOGUE_ACT, EPILOGUE_ACT_BACKWARD = 0, 1, 2
 
-GROUPED_MM_PIECES: dict[str, frozenset[str]] = {
-    "sm90": frozenset(),
-    "sm100": frozenset(),
-}
+_ALL_PIECES = frozenset({"up", "down", "dgrad", "wgrad"})
+GROUPED_MM_PIECES: dict[str, frozenset[str]] = {"sm90": _ALL_PIECES, "sm100": _ALL_PIECES}
 """Per arch, the bf16 GEMMs that go to ``torch._grouped_mm``: "up" (gmm_act), "down" (gmm),
-"dgrad" (gmm and gmm_act_backward with transposed weights), "wgrad"."""
+"dgrad" (gmm and gmm_act_backward with transposed weights), "wgrad". On an H200 (see
+benchmarks/RESULTS.md) ``torch._grouped_mm`` was faster for every piece than these Triton
+kernels (1.0-1.3x), so all of them use it; sm100 follows until measured on a B200."""
 
 
 def use_grouped_mm(piece: str, *tensors: Tensor) -> bool:
@@ -102,6 +102,7 @@ def _gmm_kernel(
     GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     IEEE: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: unmasked loads
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -129,15 +130,22 @@ def _gmm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k_ok = ks < K - k0
-        a = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        if EVEN_K:
+            a = tl.load(x_ptrs)
+            b = tl.load(w_ptrs)
+        else:
+            k_ok = ks < K - k0
+            a = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
         if IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
         if two:
-            b_up = tl.load(w_ptrs + N_OUT * stride_wn, mask=k_ok[:, None], other=0.0)
+            if EVEN_K:
+                b_up = tl.load(w_ptrs + N_OUT * stride_wn)
+            else:
+                b_up = tl.load(w_ptrs + N_OUT * stride_wn, mask=k_ok[:, None], other=0.0)
             if IEEE:
                 acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
             else:
@@ -239,13 +247,14 @@ def configs(kind: str, family: str) -> list[triton.Config]:
     """Autotune candidates: kind "gmm" (one accumulator), "gmm2" (gated, two), "wgrad"."""
     if family == "interpreter":
         if kind == "wgrad":
-            return [triton.Config({"BLOCK_K": 16, "BLOCK_N": 16, "BLOCK_R": 16})]
-        return [_config(16, 16, 16, 1, 4)]
+            return [triton.Config({"BLOCK_K": 32, "BLOCK_N": 32, "BLOCK_R": 32})]
+        return [_config(32, 32, 32, 1, 4)]
     big = family == "sm100"
     if kind == "gmm":
         return [
             _config(128, 256 if big else 128, 64, 4, 8),
             _config(128, 256, 64, 3, 8),
+            _config(128, 256, 64, 4, 8),
             _config(64, 128, 64, 4, 4),
         ]
     if kind == "gmm2":
@@ -264,6 +273,8 @@ def _tuned(kind: str, family: str) -> triton.runtime.Autotuner:
     candidates = configs(kind, family)
     if os.environ.get("MOEC_AUTOTUNE", "1") == "0":
         candidates = candidates[:1]
+    if kind != "wgrad":
+        kernel = triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})(kernel)
     return triton.autotune(configs=candidates, key=key)(kernel)
 
 

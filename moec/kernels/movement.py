@@ -139,7 +139,7 @@ def _num_warps(block_d: int, k_p2: int) -> int:
 
 
 def dispatch(x: Tensor, rows: Tensor) -> Tensor:
-    """``moec::dispatch``: (T, D) tokens -> (T*K, D) expert-major buffer (unwritten rows garbage)."""
+    """``moec::dispatch``: (T, D) tokens -> (T*K, D) expert-major buffer; unwritten rows garbage."""
     flat_x, flat_rows = _flat(x), rows.reshape(-1, rows.shape[-1]).contiguous()
     tokens, top_k = flat_rows.shape
     if flat_x.shape[0] != tokens:

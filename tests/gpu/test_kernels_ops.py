@@ -15,7 +15,6 @@ import torch
 import moec.kernels
 from moec.kernels import grouped_gemm
 from moec.ops import grouped
-from moec.ops.experts import expert_mlp_reference
 from moec.ops.movement import combine_reference, dispatch_reference
 from moec.ops.routing import route_reference
 
@@ -152,10 +151,9 @@ def _expert_case(case: str, experts: int, rows: int) -> torch.Tensor:
 @pytest.mark.parametrize("bias", [False, True])
 def test_expert_mlp_forward_backward(dtype, activation, case, backend, bias, monkeypatch):
     experts, rows, dim, hidden = 8, 1000, 128, 96
-    if backend == "grouped_mm":
-        every = frozenset({"up", "down", "dgrad", "wgrad"})
-        monkeypatch.setitem(grouped_gemm.GROUPED_MM_PIECES, "sm90", every)
-        monkeypatch.setitem(grouped_gemm.GROUPED_MM_PIECES, "sm100", every)
+    pieces = frozenset({"up", "down", "dgrad", "wgrad"} if backend == "grouped_mm" else ())
+    monkeypatch.setitem(grouped_gemm.GROUPED_MM_PIECES, "sm90", pieces)
+    monkeypatch.setitem(grouped_gemm.GROUPED_MM_PIECES, "sm100", pieces)
     gated = activation in ("swiglu", "geglu_tanh")
     width = 2 * hidden if gated else hidden
     offsets = _expert_case(case, experts, rows)
@@ -174,15 +172,18 @@ def test_expert_mlp_forward_backward(dtype, activation, case, backend, bias, mon
     dy[used:] = 1e4
     grads = torch.autograd.grad(y, leaves, dy)
 
+    # the reference op on the CPU in float64 (reference forward + the op's own backward)
     ref_leaves = [t.detach().double().cpu().requires_grad_() for t in leaves]
     rx, rwu, rwd = ref_leaves[:3]
     rbu, rbd = (ref_leaves[3], ref_leaves[4]) if bias else (None, None)
-    y_ref, h_ref = expert_mlp_reference(rx, rwu, rwd, offsets.cpu(), rbu, rbd, activation)
+    y_ref, h_ref = torch.ops.moec.expert_mlp(rx, rwu, rwd, offsets.cpu(), rbu, rbd, activation)
     ref_grads = torch.autograd.grad(y_ref, ref_leaves, dy.double().cpu())
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     assert _rel(y[:used].cpu(), y_ref[:used]) < tol
     assert _rel(h[:used].cpu(), h_ref[:used]) < tol
-    for name, g, r in zip(["x", "w_up", "w_down", "b_up", "b_down"], grads, ref_grads, strict=False):
+    for name, g, r in zip(
+        ["x", "w_up", "w_down", "b_up", "b_down"], grads, ref_grads, strict=False
+    ):
         if name == "x":
             g, r = g[:used], r[:used]
         assert torch.isfinite(g).all(), name
@@ -215,7 +216,7 @@ def _layer(x, router, w_up, w_down):
 
 
 def test_layer_step_is_sync_free_and_runs_ahead():
-    tokens, dim, experts, hidden = 16384, 1024, 16, 1024
+    tokens, dim, experts, hidden = 16384, 1536, 32, 1536  # the benchmark layer, top-4
     bf = dict(device="cuda", dtype=torch.bfloat16)
     x = torch.randn(tokens, dim, **bf, requires_grad=True)
     router = torch.randn(dim, experts, **bf, requires_grad=True)

@@ -1,0 +1,155 @@
+"""Ahead-of-time build of every moec kernel for a GPU target, without a GPU.
+
+CI compiles each kernel for sm_90 (H100/H200), sm_100 (B200) and sm_103 (B300) with Triton's
+``GPUTarget`` and checks the PTX: the Blackwell build of every kernel is known to compile even
+where no Blackwell GPU runs the tests, and the GEMMs use the arch's MMA (wgmma on sm_90,
+tcgen05.mma on sm_100+).
+
+    python -m moec.kernels.build 90 100 103      # prints one line per (kernel, arch)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+from moec.kernels import activation, grouped_gemm, movement, router
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One kernel specialization: pointer types by argument name, the constexprs, the config."""
+
+    name: str
+    fn: Any
+    pointers: dict[str, str]
+    constexprs: dict[str, Any]
+    options: dict[str, int] = field(default_factory=dict)
+    mma: bool = False  # a GEMM: its PTX must use the arch's tensor-core MMA
+
+    def signature(self) -> dict[str, str]:
+        sig = {}
+        for arg in self.fn.arg_names:
+            if arg in self.constexprs:
+                sig[arg] = "constexpr"
+            else:
+                sig[arg] = self.pointers.get(arg, "i32")
+        return sig
+
+
+def _gmm_specs(family: str) -> list[KernelSpec]:
+    base = {
+        "NUM_EXPERTS": 32, "E_P2": 32, "ACT": 2, "HAS_BIAS": False, "IEEE": False, "EVEN_K": True,
+    }  # fmt: skip
+    ptrs = {n: "*bf16" for n in ("x_ptr", "w_ptr", "bias_ptr", "h_ptr", "out_ptr", "d_h_ptr")} | {
+        "offsets_ptr": "*i32"
+    }
+    specs = []
+    for name, kind, extra in [
+        ("gmm", "gmm", {"EPILOGUE": 0, "GATED": False}),
+        ("gmm_swiglu", "gmm2", {"EPILOGUE": 1, "GATED": True}),
+        ("gmm_swiglu_backward", "gmm", {"EPILOGUE": 2, "GATED": True}),
+    ]:
+        config = grouped_gemm.configs(kind, family)[0]
+        specs.append(
+            KernelSpec(
+                name, grouped_gemm._gmm_kernel, ptrs, base | extra | config.kwargs,
+                {"num_warps": config.num_warps, "num_stages": config.num_stages}, mma=True,
+            )
+        )  # fmt: skip
+    config = grouped_gemm.configs("wgrad", family)[0]
+    specs.append(
+        KernelSpec(
+            "gmm_wgrad", grouped_gemm._gmm_wgrad_kernel,
+            {"x_ptr": "*bf16", "dy_ptr": "*bf16", "dw_ptr": "*fp32", "offsets_ptr": "*i32"},
+            {"IEEE": False} | config.kwargs,
+            {"num_warps": config.num_warps, "num_stages": config.num_stages}, mma=True,
+        )
+    )  # fmt: skip
+    return specs
+
+
+def kernel_specs(capability: int) -> list[KernelSpec]:
+    """Every kernel of :mod:`moec.kernels` in the specialization the 2x8192-token layer uses."""
+    family = "sm100" if capability >= 100 else "sm90"
+    k = {"TOP_K": 8, "K_P2": 8}
+    route_ptrs = {
+        "logits_ptr": "*bf16", "ids_ptr": "*i64", "weights_ptr": "*fp32", "local_ptr": "*i32",
+        "hist_ptr": "*i32", "counts_ptr": "*i64", "offsets_ptr": "*i32", "starts_ptr": "*i32",
+        "base_ptr": "*i32", "rows_ptr": "*i64",
+    }  # fmt: skip
+    move_ptrs = {
+        "x_ptr": "*bf16", "buf_ptr": "*bf16", "y_ptr": "*bf16", "out_ptr": "*bf16",
+        "d_out_ptr": "*bf16", "d_y_ptr": "*bf16", "rows_ptr": "*i64", "weights_ptr": "*fp32",
+        "d_weights_ptr": "*fp32",
+    }  # fmt: skip
+    act_ptrs = {n: "*bf16" for n in ("h_ptr", "d_a_ptr", "a_ptr", "d_h_ptr")}
+    act = {"ACT": 2, "GATED": True, "BLOCK_R": 16, "BLOCK_H": 256}
+    return [
+        KernelSpec(
+            "route_topk", router._route_topk_kernel, route_ptrs,
+            k | {"N_P2": 32, "BLOCK_T": 256, "GATING": 0, "NORMALIZE": True, "LEARNED": True},
+        ),
+        KernelSpec(
+            "route_scan", router._route_scan_kernel, route_ptrs, {"N_P2": 32, "BLOCK_B": 256}
+        ),
+        KernelSpec(
+            "route_rows", router._route_rows_kernel, route_ptrs, k | {"N_P2": 32, "BLOCK_T": 256}
+        ),
+        KernelSpec("dispatch", movement._dispatch_kernel, move_ptrs, k | {"BLOCK_D": 512}),
+        KernelSpec(
+            "combine", movement._combine_kernel, move_ptrs,
+            k | {"BLOCK_D": 512, "HAS_WEIGHTS": True},
+        ),
+        KernelSpec(
+            "combine_backward", movement._combine_backward_kernel, move_ptrs, k | {"BLOCK_D": 512}
+        ),
+        KernelSpec("act_forward", activation._act_kernel, act_ptrs, act | {"BACKWARD": False}),
+        KernelSpec("act_backward", activation._act_kernel, act_ptrs, act | {"BACKWARD": True}),
+        *_gmm_specs(family),
+    ]  # fmt: skip
+
+
+def compile_spec(spec: KernelSpec, capability: int) -> str:
+    """PTX of ``spec`` for ``sm_<capability>``."""
+    src = triton.compiler.ASTSource(
+        fn=spec.fn, signature=spec.signature(), constexprs=spec.constexprs
+    )
+    compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32), options=spec.options)
+    return compiled.asm["ptx"]
+
+
+def check_ptx(spec: KernelSpec, capability: int, ptx: str) -> str | None:
+    """None if the PTX is what the arch needs, else what is wrong."""
+    if f".target sm_{capability}" not in ptx:
+        return f"PTX does not target sm_{capability}"
+    if spec.mma:
+        needle = "tcgen05.mma" if capability >= 100 else "wgmma.mma_async"
+        if needle not in ptx:
+            return f"no {needle} in the PTX"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("capabilities", type=int, nargs="+", help="e.g. 90 100 103")
+    args = parser.parse_args(argv)
+    failed = 0
+    for cap in args.capabilities:
+        for spec in kernel_specs(cap):
+            try:
+                problem = check_ptx(spec, cap, compile_spec(spec, cap))
+            except Exception as err:  # report every kernel, then fail
+                problem = f"{type(err).__name__}: {err}".splitlines()[0]
+            failed += problem is not None
+            print(f"{'FAIL' if problem else 'ok  '} sm_{cap} {spec.name} {problem or ''}".rstrip())
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

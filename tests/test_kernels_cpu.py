@@ -1,0 +1,197 @@
+"""The kernels under the Triton CPU interpreter (``TRITON_INTERPRET=1``) equal the reference ops.
+
+float32 and float16 only: the interpreter's bf16 ``tl.dot`` is wrong. Integers exactly; cases
+cover ties, capacity drops, dropless routing, empty experts, one expert taking every token, and
+buffer tails poisoned with NaN / 1e4 that must not reach any result.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from moec.kernels import activation, experts, grouped_gemm, movement, router  # noqa: E402
+from moec.ops.movement import combine_reference, dispatch_reference  # noqa: E402
+from moec.ops.routing import route_reference  # noqa: E402
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+"""Triton decides interpretation when it is imported: without the variable set from the start,
+this module re-runs itself in a subprocess that has it, and its tests here are skipped."""
+
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET subprocess")
+
+
+@pytest.mark.skipif(INTERPRETED, reason="already interpreting")
+def test_kernels_under_the_interpreter():
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        capture_output=True, text=True, env=env, cwd=root, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+
+
+def _logits(tokens: int, num_experts: int, case: str, dtype: torch.dtype) -> torch.Tensor:
+    logits = torch.randn(tokens, num_experts)
+    if case == "ties":
+        logits = (logits * 2).round()
+    elif case == "one_expert":
+        logits[:, 1] += 100.0
+    elif case == "empty_experts":
+        logits[:, num_experts // 2 :] -= 100.0
+    return logits.to(dtype)
+
+
+@interpreted
+@pytest.mark.parametrize(
+    "tokens,num_experts,top_k,cf,gating,normalize,case,dtype",
+    [
+        (600, 8, 2, 1.0, "softmax", True, "random", torch.float32),  # 3 blocks, drops
+        (70, 6, 3, 1.25, "sigmoid", False, "ties", torch.bfloat16),
+        (50, 12, 4, 0.0, "softmax", True, "one_expert", torch.float32),  # dropless
+        (64, 16, 2, 1.0, "softmax", True, "one_expert", torch.float16),  # heavy drops
+        (40, 10, 3, 1.25, "sigmoid", True, "empty_experts", torch.float32),
+    ],
+)
+def test_route_equals_reference(tokens, num_experts, top_k, cf, gating, normalize, case, dtype):
+    logits = _logits(tokens, num_experts, case, dtype)
+    got = router.route(logits, top_k, cf, gating, normalize, "learned")
+    want = route_reference(logits, top_k, cf, gating, normalize, "learned")
+    for name, a, b in zip(["ids", "weights", "rows", "offsets", "counts"], got, want, strict=True):
+        if name == "weights":
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+        else:
+            assert torch.equal(a, b), name
+
+
+@interpreted
+def test_route_uniform_policy_and_lead_dims():
+    logits = torch.randn(3, 20, 8)
+    got = router.route(logits, 2, 1.0, "softmax", True, "uniform")
+    want = route_reference(logits, 2, 1.0, "softmax", True, "uniform")
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_dispatch_combine_and_backward_ignore_poisoned_rows(dtype):
+    tokens, dim, top_k = 30, 40, 3
+    logits = _logits(tokens, 6, "random", torch.float32)
+    _, weights, rows, offsets, _ = route_reference(logits, top_k, 1.0, "softmax", True, "learned")
+    used = int(offsets[-1])
+    x = torch.randn(tokens, dim).to(dtype)
+    buf = movement.dispatch(x, rows)
+    assert torch.equal(buf[:used], dispatch_reference(x, rows)[:used])
+    y = torch.randn(tokens * top_k, dim).to(dtype)
+    y[used:] = float("nan")
+    out = movement.combine(y, weights, rows)
+    torch.testing.assert_close(out, combine_reference(y, weights, rows))
+    d_out = torch.randn(tokens, dim).to(dtype)
+    d_y, d_w = movement.combine_backward(y, weights, rows, d_out)
+    y_ref = y.clone().requires_grad_()
+    w_ref = weights.clone().requires_grad_()
+    combine_reference(y_ref, w_ref, rows).backward(d_out)
+    torch.testing.assert_close(d_y[:used], y_ref.grad[:used])
+    torch.testing.assert_close(d_w, w_ref.grad)
+    ones = torch.ones_like(weights)
+    torch.testing.assert_close(movement.combine(y, None, rows), combine_reference(y, ones, rows))
+
+
+def _offsets(counts: list[int]) -> torch.Tensor:
+    return torch.tensor(counts).cumsum(0).to(torch.int32)
+
+
+OFFSET_CASES = {
+    "mixed": [5, 0, 17, 9],  # an empty expert, partial tiles
+    "one_expert": [0, 41, 0, 0],  # every row to one expert
+    "all_empty": [0, 0, 0, 0],
+}
+
+
+@interpreted
+@pytest.mark.parametrize("case", list(OFFSET_CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gmm_and_wgrad(case, dtype):
+    rows, depth, width = 48, 24, 20  # depth 24: K not a multiple of the block
+    offsets = _offsets(OFFSET_CASES[case])
+    used = int(offsets[-1])
+    x = torch.randn(rows, depth).to(dtype)
+    x[used:] = float("nan")
+    w = (torch.randn(4, depth, width) / 4).to(dtype)
+    ref = torch.zeros(rows, width)
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        ref[start:end] = x[start:end].float() @ w[e].float()
+        start = end
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(grouped_gemm.gmm(x, w, offsets)[:used].float(), ref[:used], **tol)
+    dy = torch.randn(rows, width).to(dtype)
+    dy[used:] = 1e4
+    dw = grouped_gemm.gmm_wgrad(x, dy, offsets, out_dtype=torch.float32)
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        want = x[start:end].float().t() @ dy[start:end].float()
+        torch.testing.assert_close(dw[e], want, **tol)
+        start = end
+
+
+@interpreted
+@pytest.mark.parametrize(
+    "activation_name,bias",
+    [("swiglu", False), ("swiglu", True), ("geglu_tanh", False), ("gelu", True), ("relu", False)],
+)
+def test_expert_mlp_forward_backward(activation_name, bias):
+    num_experts, rows, dim, hidden = 4, 40, 32, 20
+    offsets = _offsets([5, 0, 17, 9])
+    used = int(offsets[-1])
+    gated = activation_name in ("swiglu", "geglu", "geglu_tanh")
+    width = 2 * hidden if gated else hidden
+    x = torch.randn(rows, dim)
+    x[used:] = float("nan")
+    w_up = torch.randn(num_experts, dim, width) / dim**0.5
+    w_down = torch.randn(num_experts, hidden, dim) / hidden**0.5
+    b_up = torch.randn(num_experts, width) if bias else None
+    b_down = torch.randn(num_experts, dim) if bias else None
+    y, h = experts.expert_mlp(x, w_up, w_down, offsets, b_up, b_down, activation_name)
+    leaves = [t.double().requires_grad_() for t in (x, w_up, w_down, b_up, b_down) if t is not None]
+    rb = (leaves[3], leaves[4]) if bias else (None, None)
+    y_ref, h_ref = torch.ops.moec.expert_mlp(*leaves[:3], offsets, *rb, activation_name)
+    torch.testing.assert_close(y[:used].double(), y_ref[:used], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(h[:used].double(), h_ref[:used], atol=1e-4, rtol=1e-4)
+    dy = torch.randn(rows, dim)
+    dy[used:] = 1e4
+    bias_dtypes = (torch.float32, torch.float32) if bias else (None, None)
+    grads = experts.expert_mlp_backward(
+        x, w_up, w_down, offsets, h, dy, activation_name, bias_dtypes
+    )
+    want = torch.autograd.grad(y_ref, leaves, dy.double())
+    names = ["x", "w_up", "w_down", "b_up", "b_down"]
+    for name, g, r in zip(names, grads, [*want, None, None][:5], strict=True):
+        if r is None:
+            assert g is None, name
+            continue
+        if name == "x":
+            g, r = g[:used], r[:used]
+        torch.testing.assert_close(g.double(), r, atol=1e-4, rtol=1e-4, msg=name)
+
+
+@interpreted
+def test_activation_kernels_match_reference():
+    from moec.ops.activations import activate, activate_backward
+
+    h = torch.randn(20, 2 * 33) * 3
+    d_a = torch.randn(20, 33)
+    for name in ("swiglu", "geglu", "geglu_tanh", "reglu"):
+        torch.testing.assert_close(activation.act_forward(h, name), activate(h, name))
+        d_h, a = activation.act_backward(h, d_a, name)
+        torch.testing.assert_close(d_h, activate_backward(h, d_a, name), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a, activate(h, name))
