@@ -160,7 +160,7 @@ class Trainer:
     # --- one optimizer step (no host reads) ----------------------------------------------------
 
     def train_step(self) -> torch.Tensor:
-        inputs, targets = (t.to(self.device, non_blocking=True) for t in self.data.batch(self.step))
+        inputs, targets = (_to_device(t, self.device) for t in self.data.batch(self.step))
         micro = self.plan.parallel.microbatches
         total = torch.zeros((), device=self.device)
         for x, y in zip(inputs.chunk(micro), targets.chunk(micro), strict=True):
@@ -334,6 +334,13 @@ class Trainer:
             "active_params": self.active_params,
             "host_syncs_per_step": syncs,
         }
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host batch -> device without blocking the host (pinned memory, async copy)."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _wait(device: torch.device) -> None:

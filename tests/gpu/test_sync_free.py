@@ -1,0 +1,26 @@
+"""GPU: a steady-state compiled training step of the demo model in bf16 never syncs the host."""
+
+import pytest
+import torch
+
+from moec.plan import Plan
+from moec.train import DEMO_PLAN, TrainConfig, Trainer, demo_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("routing", ["learned", "random"])
+def test_steady_state_step_has_no_host_sync(tmp_path, routing):
+    plan = Plan.from_dict({**DEMO_PLAN, "precision": {"compute_dtype": "bf16"}})
+    plan.moe.routing = routing
+    trainer = Trainer(demo_model(), plan,
+                      TrainConfig(steps=10, batch_size=16, seq_len=128, device="cuda", out=str(tmp_path)))
+    for _ in range(3):
+        trainer.train_step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        losses = [trainer.train_step() for _ in range(2)]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert all(torch.isfinite(loss) for loss in losses)
