@@ -335,19 +335,24 @@ def _rowwise():
     return ep_rowwise
 
 
+def _acc(t: Tensor) -> torch.dtype:
+    """Accumulation dtype: at least float32."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
 def _route_rows(x: Tensor, top_k: int, weights: Tensor | None = None) -> Tensor:
     """(T, D) -> (T*K, D): each token's row once per route, optionally times its weight."""
     rows = x.reshape(-1, 1, x.shape[-1]).expand(-1, top_k, -1)
     if weights is not None:
-        rows = (rows.float() * weights.reshape(-1, top_k, 1).float()).to(x.dtype)
+        rows = (rows.to(_acc(x)) * weights.reshape(-1, top_k, 1).to(_acc(x))).to(x.dtype)
     return rows.reshape(-1, x.shape[-1])
 
 
 def _sum_routes(picked: Tensor, top_k: int, weights: Tensor | None = None) -> Tensor:
-    """(T*K, D) -> (T, D) in float32 accumulation: sum over k of weights[t, k] * picked[t, k]."""
-    routes = picked.reshape(-1, top_k, picked.shape[-1]).float()
+    """(T*K, D) -> (T, D), accumulated in :func:`_acc`: sum over k of weights * picked."""
+    routes = picked.reshape(-1, top_k, picked.shape[-1]).to(_acc(picked))
     if weights is not None:
-        routes = routes * weights.reshape(-1, top_k, 1).float()
+        routes = routes * weights.reshape(-1, top_k, 1).to(_acc(picked))
     return routes.sum(1).to(picked.dtype)
 
 
@@ -429,8 +434,9 @@ def _combine_backward(ctx, d_out, d_picked_unused):
     flat_slots = slots.reshape(-1)
     d_rows = _route_rows(d_out.reshape(-1, d_out.shape[-1]), top_k, weights)
     d_y = _send(d_rows, flat_slots, recv_rows, sent, counts, *ctx.args)
-    routes = d_out.reshape(-1, 1, d_out.shape[-1]).float()
-    d_weights = (picked.view(-1, top_k, picked.shape[-1]).float() * routes).sum(-1)
+    acc = _acc(picked)
+    routes = d_out.reshape(-1, 1, d_out.shape[-1]).to(acc)
+    d_weights = (picked.view(-1, top_k, picked.shape[-1]).to(acc) * routes).sum(-1)
     return d_y, d_weights.view(weights.shape).to(weights.dtype), *([None] * 7)
 
 

@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from moec.passes.expert_parallel import EPGroupInfo
 from moec.plan import Plan
@@ -241,6 +240,9 @@ def build_optimizer(
     dense, expert = parameter_groups(module)
     if not zero:
         return Optimizers([optimizer_class(dense + expert, **kwargs)])
+    # imported here: torch.distributed.optim pulls in FSDP and DTensor (seconds of import time)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
     sharded = [
         ZeroRedundancyOptimizer(params, optimizer_class, process_group=group, **kwargs)
         for params, group in ((dense, mesh.dp_group), (expert, mesh.edp_group))

@@ -1,0 +1,363 @@
+"""Expert parallelism on CPU/gloo: EP = n equals EP = 1, the drop policy, poisoned buffers,
+training, the rowwise index math against Python loops, and every documented error.
+
+Multi-process tests spawn ``world`` gloo ranks inside pytest (each on a free port).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import moec
+from moec.models import Llama, LlamaConfig
+from moec.ops import ep as ep_ops
+from moec.ops.routing import capacity
+from moec.passes.expert_parallel import EPGroupInfo, ExpertParallelError, ExpertParallelPass
+from moec.passes.manager import PassContext, default_passes
+from moec.runtime import distributed as mdist
+
+ops = torch.ops.moec
+N, K = 8, 2
+
+# --- harness -----------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, worker, world: int, port: int, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        worker(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(worker, world: int, *args) -> None:
+    mp.spawn(_entry, args=(worker, world, _free_port(), args), nprocs=world, join=True)
+
+
+def _route(logits: torch.Tensor, cf: float):
+    _, weights, rows, offsets, _ = ops.route(logits, K, cf, "softmax", True, "learned")
+    return weights, rows, offsets
+
+
+def _reference_accepted(expert_ids: torch.Tensor, cap: int) -> torch.Tensor:
+    """The documented drop policy as a Python loop: per expert, the first ``cap`` routes in
+    token-major order are accepted."""
+    seen: dict[int, int] = {}
+    accepted = torch.zeros(expert_ids.shape, dtype=torch.bool)
+    for t in range(expert_ids.shape[0]):
+        for k in range(expert_ids.shape[1]):
+            e = int(expert_ids[t, k])
+            accepted[t, k] = seen.get(e, 0) < cap
+            seen[e] = seen.get(e, 0) + 1
+    return accepted
+
+
+# --- op-level EP = n vs EP = 1 (world 2 and 4) -------------------------------------------------
+
+
+def _ops_worker(rank: int, world: int, path: str, cf: float, poison: bool) -> None:
+    ep_ops._POISON = float("nan") if poison else None
+    tokens, dim, hidden = 12, 16, 8
+    full = torch.Generator().manual_seed(0)
+    w_up = torch.randn(N, dim, 2 * hidden, generator=full, dtype=torch.float64) * 0.3
+    w_down = torch.randn(N, hidden, dim, generator=full, dtype=torch.float64) * 0.3
+    mine = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(tokens, dim, generator=mine, dtype=torch.float64)
+    logits = torch.randn(tokens, N, generator=mine, dtype=torch.float64)
+    grad = torch.randn(tokens, dim, generator=mine, dtype=torch.float64)
+    weights, rows, offsets = _route(logits, cf)
+    expert_ids = ops.route(logits, K, cf, "softmax", True, "learned")[0]
+    cap = capacity(tokens, K, N, cf)
+    assert torch.equal(rows >= 0, _reference_accepted(expert_ids, cap))
+
+    # EP = 1 on this rank's batch with every expert
+    ref_leaves = [t.clone().requires_grad_() for t in (x, weights, w_up, w_down)]
+    rx, rw, rup, rdown = ref_leaves
+    y, _ = ops.expert_mlp(ops.dispatch(rx, rows), rup, rdown, offsets, None, None, "swiglu")
+    out_ref = ops.combine(y, rw, rows)
+    out_ref.backward(grad)
+    for g in (rup.grad, rdown.grad):
+        dist.all_reduce(g)  # every token of the group reaches the expert
+
+    # EP = world: this rank's slice of the experts
+    local = N // world
+    part = slice(rank * local, (rank + 1) * local)
+    leaves = [t.clone().requires_grad_() for t in (x, weights, w_up[part], w_down[part])]
+    ex, ew, eup, edown = leaves
+    group = dist.group.WORLD.group_name
+    slots, recv, loffs, counts, sent, dropped = ops.ep_layout(rows, offsets, group, world, cf, path)
+    comm = (group, world, path)
+    buffer = ops.ep_dispatch(ex, slots, recv, sent, counts, *comm)
+    y, _ = ops.expert_mlp(buffer, eup, edown, loffs, None, None, "swiglu")
+    out, _ = ops.ep_combine(y, ew, slots, recv, sent, counts, *comm)
+    out.backward(grad)
+
+    accepted = ep_ops.accepted_counts(offsets)
+    everyone = [torch.empty_like(accepted) for _ in range(world)]
+    dist.all_gather(everyone, accepted)
+    assert torch.equal(counts, torch.stack(everyone)[:, part])
+    assert int(dropped) == 0
+    torch.testing.assert_close(out, out_ref)
+    torch.testing.assert_close(ex.grad, rx.grad)
+    torch.testing.assert_close(ew.grad, rw.grad)
+    torch.testing.assert_close(eup.grad, rup.grad[part])
+    torch.testing.assert_close(edown.grad, rdown.grad[part])
+
+
+CASES = {
+    # (path, capacity factor, poison): cf = 4.0 = N/K never binds, 0.6 binds
+    2: [
+        ("a2a_capacity", 4.0, False),
+        ("sync_1d", 0.6, False),
+        ("a2a_capacity", 0.6, True),
+        ("sync_1d", 4.0, True),
+    ],
+    4: [("a2a_capacity", 0.6, False), ("sync_1d", 4.0, False), ("a2a_capacity", 4.0, True)],
+}
+"""One spawn per world size runs all its cases (a process spends ~10 s importing torch)."""
+
+
+def _ops_cases_worker(rank: int, world: int) -> None:
+    for case in CASES[world]:
+        _ops_worker(rank, world, *case)
+    if world == 2:
+        _errors_worker(rank, world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ep_ops_equal_ep1_binding_or_not_and_poisoned(world):
+    """EP = world equals EP = 1 for both sync-free and synced paths; with a binding capacity the
+    accepted routes are the Python reference policy's; NaN in unwritten slots changes nothing;
+    (world 2) every documented error of a live process group is raised."""
+    _spawn(_ops_cases_worker, world)
+
+
+# --- the bundled Llama: outputs, loss, reduced gradients; then training -----------------------
+
+CFG = LlamaConfig(vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128)
+MOE = {"num_experts": N, "top_k": K, "capacity_factor": 4.0, "init": "random"}
+
+
+def _plan(world: int, ep: int, path: str = "auto") -> moec.Plan:
+    return moec.Plan.from_dict({"moe": MOE, "parallel": {"dp": world, "ep": ep, "ep_path": path}})
+
+
+def _batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + rank)
+    seq = torch.randint(0, CFG.vocab_size, (2, 17), generator=g)
+    return seq[:, :-1], seq[:, 1:]
+
+
+def _loss(model, tokens, targets) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = model(tokens)
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    return logits, ce + model.aux_loss()
+
+
+def _compile(world: int, paths: list[str], tokens: torch.Tensor):
+    """The EP = 1 reference and one EP = world model per path, from one dense Llama."""
+    torch.manual_seed(0)
+    dense = Llama(CFG)
+    plans = [_plan(world, 1)] + [_plan(world, world, path) for path in paths]
+    meshes = [mdist.build_mesh(plan) for plan in plans]
+    models = [  # a copy each: compiled models share the dense parameters of their source
+        moec.compile(copy.deepcopy(dense), plan, (tokens,), mesh=mesh, verify=plan.parallel.ep > 1)
+        for plan, mesh in zip(plans, meshes, strict=True)
+    ]
+    return models, meshes
+
+
+def _llama_worker(rank: int, world: int) -> None:
+    tokens, _ = _batch(rank)
+    paths = ["a2a_capacity", "sync_1d"]
+    (ref, *eps), (mesh1, *ep_meshes) = _compile(world, paths, tokens)
+    for path, ep, mesh in zip(paths, eps, ep_meshes, strict=True):
+        for model in (ref, ep):
+            model.zero_grad(set_to_none=True)
+        _check_equal(rank, world, path, ref, ep, mesh1, mesh)
+
+
+def _check_equal(rank, world, path, ref, ep, mesh1, mesh_ep) -> None:
+    tokens, targets = _batch(rank)
+    stats = ep.pass_results["expert_parallel"].stats
+    assert stats["blocks_rewritten"] == 2 and stats["path"] == path
+    roles = ep.graph_module.meta["moec_param_roles"]
+    assert roles["layers.0.ffn.moe.w_up"] == "expert" and roles["embed.weight"] == "dense"
+    reducers = [mdist.GradientReducer(ref, mesh1), mdist.GradientReducer(ep, mesh_ep)]
+    results = []
+    for model, reducer in zip((ref, ep), reducers, strict=True):
+        logits, loss = _loss(model, tokens, targets)
+        loss.backward()
+        reducer.finish()
+        results.append((logits, loss))
+    torch.testing.assert_close(results[1][0], results[0][0])
+    torch.testing.assert_close(results[1][1], results[0][1])
+    local = N // world
+    full = dict(ref.graph_module.named_parameters())
+    for name, param in ep.graph_module.named_parameters():
+        expected = full[name].grad
+        if roles[name] == "expert":
+            expected = expected[rank * local : (rank + 1) * local]
+        torch.testing.assert_close(param.grad, expected, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_llama_ep2_equals_ep1_outputs_loss_reduced_grads():
+    _spawn(_llama_worker, 2)
+
+
+def _train_worker(rank: int, world: int) -> None:
+    tokens, targets = _batch(rank)
+    models, meshes = _compile(world, ["a2a_capacity"], tokens)
+    curves = []
+    for model, mesh, zero in zip(models, meshes, (False, True), strict=True):
+        reducer = mdist.GradientReducer(model, mesh, bucket_bytes=64 * 1024)
+        optimizer = mdist.build_optimizer(model, mesh, torch.optim.AdamW, zero=zero, lr=3e-3)
+        losses = []
+        for _ in range(20):
+            _, loss = _loss(model, tokens, targets)
+            loss.backward()
+            reducer.finish()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss))
+        curves.append(losses)
+    ep1, ep2 = curves
+    assert ep2[-1] < 0.8 * ep2[0], ep2
+    assert all(math.isclose(a, b, rel_tol=2e-3) for a, b in zip(ep1, ep2, strict=True)), curves
+
+
+def test_training_ep2_lowers_loss_like_ep1():
+    _spawn(_train_worker, 2)
+
+
+# --- rowwise index math vs Python loops --------------------------------------------------------
+
+
+def _rowwise_reference(rows_all, offsets_all, ep_size, rank_cap):
+    """Addresses and per-source drops by the documented policy, as loops: each destination fills
+    its rows expert by expert, source by source, each source's routes in rank order."""
+    local = N // ep_size
+    address = [torch.full_like(r.reshape(-1), -1) for r in rows_all]
+    dropped = [0] * len(rows_all)
+    for dest in range(ep_size):
+        row = 0
+        for e in range(dest * local, (dest + 1) * local):
+            for s, (rows, offsets) in enumerate(zip(rows_all, offsets_all, strict=True)):
+                start = int(offsets[e - 1]) if e else 0
+                for j in range(int(offsets[e]) - start):
+                    route = int((rows.reshape(-1) == start + j).int().argmax())
+                    if row < rank_cap:
+                        address[s][route] = dest * rank_cap + row
+                    else:
+                        dropped[s] += 1
+                    row += 1
+    return address, dropped
+
+
+@pytest.mark.parametrize("ep_size,cf", [(2, 0.4), (4, 0.3), (4, 4.0), (2, 0.0)])
+def test_rowwise_route_map_matches_python_loop(ep_size, cf):
+    tokens = 10
+    routed = [_route(torch.randn(tokens, N), cf) for _ in range(ep_size)]
+    rows_all = [r for _, r, _ in routed]
+    offsets_all = [o for _, _, o in routed]
+    all_counts = torch.stack([ep_ops.accepted_counts(o) for o in offsets_all])
+    rank_cap = ep_ops.rank_capacity(tokens, K, N, ep_size, cf)
+    expected, expected_dropped = _rowwise_reference(rows_all, offsets_all, ep_size, rank_cap)
+    for s in range(ep_size):
+        address, dropped = ep_ops.rowwise_route_map(
+            rows_all[s], offsets_all[s], all_counts, s, rank_cap
+        )
+        assert torch.equal(address, expected[s])
+        assert int(dropped) == expected_dropped[s]
+    local = N // ep_size
+    for dest in range(ep_size):
+        counts = all_counts[:, dest * local : (dest + 1) * local]
+        ends = [min(int(counts[:, : lo + 1].sum()), rank_cap) for lo in range(local)]
+        assert ep_ops.local_offsets(counts, rank_cap).tolist() == ends
+
+
+def test_receive_maps_match_python_loop():
+    ep_size, local, cap = 3, 2, 4
+    counts = torch.randint(0, cap + 1, (ep_size, local))
+    capacity_map = ep_ops.capacity_receive_map(counts, cap).tolist()
+    num_rows = ep_size * local * cap
+    packed_map = ep_ops.packed_receive_map(counts, cap, num_rows).tolist()
+    expected_capacity, expected_packed = [-1] * num_rows, [-1] * num_rows
+    row = 0
+    for lo in range(local):
+        for s in range(ep_size):
+            for j in range(int(counts[s, lo])):
+                expected_capacity[(s * local + lo) * cap + j] = row
+                packed = int(counts[:s].sum()) + int(counts[s, :lo].sum()) + j
+                expected_packed[packed] = row
+                row += 1
+    assert capacity_map == expected_capacity
+    assert packed_map == expected_packed
+
+
+@pytest.mark.parametrize("tokens,cf", [(16, 1.25), (7, 0.3), (5, 0.0), (9, 100.0)])
+def test_expert_capacity_equals_route_capacity(tokens, cf):
+    assert ep_ops.expert_capacity(tokens, K, N, cf) == capacity(tokens, K, N, cf)
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+def _errors_worker(rank: int, world: int) -> None:
+    bad_world = moec.Plan.from_dict({"moe": {"num_experts": 6}, "parallel": {"dp": 3, "ep": 3}})
+    with pytest.raises(mdist.DistributedError, match="does not divide the world size 2"):
+        mdist.build_mesh(bad_world)
+    with pytest.raises(mdist.DistributedError, match="parallel.dp=4"):
+        mdist.build_mesh(_plan(4, 2))
+    weights, rows, offsets = _route(torch.randn(6, N), 1.0)
+    group = dist.group.WORLD.group_name
+    with pytest.raises(ep_ops.EPPathError, match="a2a_capacity"):
+        ops.ep_layout(rows, offsets, group, 2, 1.0, "rowwise")
+    with pytest.raises(ep_ops.EPPathError, match="has 2 ranks, not 4"):
+        ops.ep_layout(rows, offsets, group, 4, 1.0, "a2a_capacity")
+
+
+def test_errors_without_process_group(monkeypatch):
+    with pytest.raises(moec.PlanError, match="num_experts"):
+        moec.Plan.from_dict({"moe": {"num_experts": 6}, "parallel": {"dp": 4, "ep": 4}})
+    with pytest.raises(mdist.DistributedError, match="no process group"):
+        mdist.build_mesh(_plan(2, 2))
+    for name in mdist.TORCHRUN_VARS:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(mdist.DistributedError, match="torchrun"):
+        mdist.init_from_env(_plan(2, 2))
+    with pytest.raises(ExpertParallelError, match="needs a process group"):
+        default_passes(_plan(2, 2))
+    weights, rows, offsets = _route(torch.randn(6, N), 1.0)
+    with pytest.raises(ep_ops.EPPathError, match="initialized process group"):
+        ops.ep_layout(rows, offsets, "0", 2, 1.0, "a2a_capacity")
+    with pytest.raises(ValueError, match="unknown EP path"):
+        ops.ep_layout(rows, offsets, "0", 2, 1.0, "nvshmem")
+    wrong = ExpertParallelPass(EPGroupInfo(rank=0, size=4, group="0"))
+    with pytest.raises(ExpertParallelError, match="has 4 ranks but plan.parallel.ep=2"):
+        wrong.run(None, PassContext(_plan(2, 2)))
+
+
+def test_rowwise_unavailable_names_a2a_capacity():
+    pytest.importorskip("triton")
+    from moec.runtime import ep_rowwise
+
+    with pytest.raises(ep_ops.EPPathError, match="ep_path='a2a_capacity'"):
+        ep_rowwise.check_available(torch.zeros(4, 8))
