@@ -63,10 +63,14 @@ def mx_dequantize(codes: Tensor, scales: Tensor) -> Tensor:
     """codes [*, K] e4m3, scales [*, ceil(K / 32)] E8M0 -> float32 [*, K] (NaN for NaN scales)."""
     k = codes.shape[-1]
     pad = -k % MX_BLOCK
+    # 2^(s - 127) as two normal factors: a denormal 2^-127 operand would make every product
+    # with a zero take the CPU's slow path (zero blocks are common: padding, empty groups).
+    exp = scales.int() - 127
     ones = torch.ones_like(scales, dtype=torch.float32)
-    scale = torch.where(scales == E8M0_NAN, torch.nan, torch.ldexp(ones, scales.int() - 127))
+    high, low = torch.ldexp(ones, exp // 2), torch.ldexp(ones, exp - exp // 2)
+    low = torch.where(scales == E8M0_NAN, torch.nan, low)
     v = torch.nn.functional.pad(codes.float(), (0, pad)).unflatten(-1, (-1, MX_BLOCK))
-    return (v * scale[..., None]).flatten(-2)[..., :k]
+    return (v * high[..., None] * low[..., None]).flatten(-2)[..., :k]
 
 
 def mx_fake_quantize(x: Tensor, dim: int = -1) -> Tensor:

@@ -1,0 +1,173 @@
+"""Pass ``precision``: the scoped GEMMs -> fused quantize + MXFP8 / FP8 GEMM ops.
+
+Options: ``plan.precision.gemm`` (``mxfp8`` | ``fp8_rowwise``; ``bf16`` leaves the graph alone)
+and ``plan.precision.scope``, a subset of:
+
+- ``routed_experts``: every ``moec.expert_mlp`` node (emitted by pass ``moe``)::
+
+      y, h = moec.expert_mlp(buf: bf16[R, D], w_up: f32[N, D, U], w_down: f32[N, H, D], offs, ...)
+    becomes
+      y, h = moec.quantized_expert_mlp(buf, w_up, w_down, offs, ..., "mxfp8")
+
+- ``shared_expert``: the ``aten.linear`` nodes of a shared expert, found structurally: the
+  linears in the backward cone of the dense branch of ``add(shared_out, moec.combine(...))``,
+  stopping at the tensor the block's ``moec.dispatch`` reads;
+- ``attn_qkv``: the linears whose outputs reach ``scaled_dot_product_attention``'s q/k/v through
+  views, RoPE and other non-linear ops (the search stops at the first linear on each path);
+- ``attn_out``: the linear that reads the attention output through views::
+
+      out: f32[B, S, E] = aten.linear(x: f32[B, S, K], w: f32[E, K], b?)
+    becomes
+      out = moec.quantized_linear(x, w, b, "mxfp8")
+
+Preconditions: ``routed_experts`` and ``shared_expert`` need the ``moe`` pass to have run
+(an empty match is reported in the statistics, not an error). Invariants: those of
+:mod:`moec.passes.rewrite`; parameters are untouched (master weights stay in their dtype: the
+ops quantize them on every call), so the parameter count does not change; every replaced node
+has the same ``meta["val"]``. Statistics: ``experts_quantized``, ``shared_linears_quantized``,
+``qkv_linears_quantized``, ``out_linears_quantized``, ``recipe``.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+import moec.ops.quantized  # noqa: F401  (registers moec::quantized_*)
+from moec.analysis.structure import TRANSPOSE_OPS, VIEW_OPS, linear_site
+from moec.passes.manager import PassContext, PassResult
+from moec.passes.rewrite import GraphEditor
+
+aten = torch.ops.aten
+moec_ops = torch.ops.moec
+
+SDPA_OPS = {
+    aten.scaled_dot_product_attention.default,
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_cudnn_attention.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+_PASS_THROUGH = set(VIEW_OPS) | set(TRANSPOSE_OPS) | {aten.contiguous.default, aten.clone.default}
+_SEARCH_LIMIT = 64
+"""Nodes visited per backward search before it gives up (keeps a search inside one block)."""
+
+
+def _is_linear(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target == aten.linear.default
+
+
+def _linears_behind(start: fx.Node, stop: set[fx.Node], *, through: bool = False) -> list[fx.Node]:
+    """The ``aten.linear`` nodes on the backward paths from ``start``, not crossing ``stop``:
+    only the first on each path, or (``through``) all of them."""
+    found, seen, todo = [], set(stop), [start]
+    while todo and len(seen) < _SEARCH_LIMIT + len(stop):
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if _is_linear(node):
+            found.append(node)
+        if node.op == "call_function" and (through or not _is_linear(node)):
+            todo.extend(node.all_input_nodes)
+    return found
+
+
+def routed_expert_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.target == moec_ops.expert_mlp.default]
+
+
+def shared_expert_linears(gm: fx.GraphModule) -> list[fx.Node]:
+    """Linears of the dense branch added to each ``moec.combine`` output."""
+    linears: list[fx.Node] = []
+    for combine in (n for n in gm.graph.nodes if n.target == moec_ops.combine.default):
+        expert_in = _dispatch_input(combine)
+        for add in combine.users:
+            if add.target != aten.add.Tensor or expert_in is None:
+                continue
+            (dense,) = [a for a in add.args if isinstance(a, fx.Node) and a is not combine]
+            linears += _linears_behind(dense, {expert_in}, through=True)
+    return linears
+
+
+def _dispatch_input(combine: fx.Node) -> fx.Node | None:
+    """The tensor the block's ``moec.dispatch`` reads (the MoE input X)."""
+    rows = combine.args[2]
+    for user in rows.users:
+        if user.target == moec_ops.dispatch.default:
+            return user.args[0]
+    return None
+
+
+def attention_qkv_linears(gm: fx.GraphModule) -> list[fx.Node]:
+    linears: list[fx.Node] = []
+    for sdpa in (n for n in gm.graph.nodes if n.target in SDPA_OPS):
+        for operand in sdpa.args[:3]:
+            linears += _linears_behind(operand, set())
+    return linears
+
+
+def attention_out_linears(gm: fx.GraphModule) -> list[fx.Node]:
+    """The linear reading each attention output through views (and the output getitem)."""
+    linears: list[fx.Node] = []
+    for sdpa in (n for n in gm.graph.nodes if n.target in SDPA_OPS):
+        todo = list(sdpa.users)
+        while todo:
+            node = todo.pop()
+            if _is_linear(node) and linear_site(node) is not None:
+                linears.append(node)
+            elif node.target in _PASS_THROUGH or (
+                node.target is operator.getitem and node.args[1] == 0
+            ):
+                todo.extend(node.users)
+    return linears
+
+
+class PrecisionPass:
+    name = "precision"
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        precision = ctx.plan.precision
+        recipe = precision.gemm
+        stats: dict[str, object] = {"recipe": recipe}
+        if recipe == "bf16":
+            return PassResult(gm, False, stats)
+        editor = GraphEditor(gm, self.name)
+        scope = set(precision.scope)
+        experts = routed_expert_nodes(gm) if "routed_experts" in scope else []
+        for node in experts:
+            self._replace(editor, node, moec_ops.quantized_expert_mlp.default,
+                          (*node.args, recipe))
+        stats["experts_quantized"] = len(experts)
+        finders = {
+            "shared_expert": ("shared_linears_quantized", shared_expert_linears),
+            "attn_qkv": ("qkv_linears_quantized", attention_qkv_linears),
+            "attn_out": ("out_linears_quantized", attention_out_linears),
+        }
+        done: set[fx.Node] = set()
+        for key, (stat, finder) in finders.items():
+            found = [n for n in dict.fromkeys(finder(gm)) if n not in done and
+                     linear_site(n) is not None] if key in scope else []
+            for node in found:
+                self._replace(editor, node, moec_ops.quantized_linear.default,
+                              _linear_args(node, recipe))
+            done.update(found)
+            stats[stat] = len(found)
+        gm.graph.lint()
+        gm.recompile()
+        modified = bool(experts or done)
+        return PassResult(gm, modified, stats)
+
+    def _replace(self, editor: GraphEditor, node: fx.Node, target, args: tuple) -> None:
+        with editor.graph.inserting_after(node):
+            new = editor.call(target, args, like=node)
+        node.replace_all_uses_with(new)
+        editor.graph.erase_node(node)
+
+
+def _linear_args(node: fx.Node, recipe: str) -> tuple:
+    x, weight, *rest = node.args
+    bias = rest[0] if rest else node.kwargs.get("bias")
+    return (x, weight, bias, recipe)
