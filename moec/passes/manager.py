@@ -61,8 +61,10 @@ class PassManager:
             result.stats["seconds"] = round(time.perf_counter() - start, 3)
             gm = result.gm
             if self.verify:
-                expected = before + result.stats.get("params_added", 0) - result.stats.get(
-                    "params_removed", 0
+                expected = (
+                    before
+                    + result.stats.get("params_added", 0)
+                    - result.stats.get("params_removed", 0)
                 )
                 verify_graph(gm, p.name, expected_params=expected)
             ctx.results[p.name] = result
@@ -71,12 +73,16 @@ class PassManager:
         return gm, ctx
 
 
-def default_passes(plan: Plan) -> list[Pass]:
-    """The passes ``plan`` enables, in pipeline order."""
+def default_passes(plan: Plan, mesh: Any = None) -> list[Pass]:
+    """The passes ``plan`` enables, in pipeline order; ``mesh`` (a
+    :class:`moec.runtime.distributed.MoEMesh`) places this rank when ``parallel.ep > 1``."""
+    from moec.passes.expert_parallel import ExpertParallelPass
     from moec.passes.moe import MoEPass
     from moec.passes.precision import PrecisionPass
 
     passes: list[Pass] = [MoEPass()]
+    if plan.parallel.ep > 1:
+        passes.append(ExpertParallelPass.for_mesh(plan, mesh))
     if plan.precision.gemm != "bf16":
         passes.append(PrecisionPass())
     return passes
