@@ -20,6 +20,8 @@ class LlamaConfig:
     n_heads: int = 4
     n_kv_heads: int = 2
     ffn_hidden: int = 512
+    ffn_hidden_per_layer: tuple[int, ...] | None = None
+    """Per-block FFN widths (overrides ``ffn_hidden``), e.g. wide leading dense blocks."""
     max_seq_len: int = 1024
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
@@ -65,12 +67,12 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, ffn_hidden: int):
         super().__init__()
         self.attn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.ffn = FeedForward(cfg.dim, cfg.ffn_hidden)
+        self.ffn = FeedForward(cfg.dim, ffn_hidden)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
@@ -84,7 +86,12 @@ class Llama(nn.Module):
         super().__init__()
         self.cfg = cfg = cfg or LlamaConfig()
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        widths = cfg.ffn_hidden_per_layer or (cfg.ffn_hidden,) * cfg.n_layers
+        if len(widths) != cfg.n_layers:
+            raise ValueError(
+                f"ffn_hidden_per_layer has {len(widths)} entries for {cfg.n_layers} layers"
+            )
+        self.layers = nn.ModuleList(Block(cfg, width) for width in widths)
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:

@@ -9,7 +9,7 @@ Emits::
 
     logits = linear(X, router_weight)                                    # [B, S, N]
     _, weights, rows, offsets, counts = moec.route(logits, K, cf, gating, normalize, routing)
-    buffer = moec.dispatch(X, rows)                                      # [B*S*K, D]
+    buffer = moec.dispatch(X, rows)              # [B*S*K, D]; X cast to bf16 first under bf16
     y, _ = moec.expert_mlp(buffer, w_up, w_down, offsets, b_up, b_down, "swiglu")
     moe_out = moec.combine(y, weights, rows)                             # [B, S, D]
     result = add(out, moe_out) if shared_expert else moe_out             # replaces `out`
@@ -97,6 +97,7 @@ class MoEPass:
                 f"fewer than the {len(blocks)} FFN blocks found in the model",
             )
         editor = GraphEditor(gm, self.name)
+        compute_dtype = torch.bfloat16 if ctx.plan.precision.compute_dtype == "bf16" else None
         generator = torch.Generator().manual_seed(plan.seed)
         sig = signature(gm)
         roles = gm.meta.setdefault("moec_param_roles", {})
@@ -107,7 +108,7 @@ class MoEPass:
             region = block.ffn
             weights = build_expert_weights(gm, region, plan, generator)
             prefix = f"{region.module_path or 'ffn_' + str(block.index)}.moe"
-            nodes = self._rewrite(editor, region, weights, plan, prefix)
+            nodes = self._rewrite(editor, region, weights, plan, prefix, compute_dtype)
             added += sum(t.numel() for t in dataclasses.astuple(weights) if t is not None)
             for name in ("router_weight", "w_up", "w_down", "b_up", "b_down"):
                 roles[f"{prefix}.{name}"] = "router" if name == "router_weight" else "expert"
@@ -155,6 +156,7 @@ class MoEPass:
         weights: ExpertWeights,
         plan: MoEPlan,
         prefix: str,
+        compute_dtype: torch.dtype | None,
     ) -> list[fx.Node]:
         out, x = region.output, region.input
         with editor.graph.inserting_before(out.next):
@@ -178,6 +180,11 @@ class MoEPass:
                 like=out,
             )
             route_weights, rows, offsets, counts = (editor.getitem(route, i) for i in range(1, 5))
+            if compute_dtype is not None and x.meta["val"].dtype != compute_dtype:
+                # autocast leaves norm outputs in fp32; expert GEMMs run in the compute dtype
+                x = editor.call(
+                    aten._to_copy.default, (x,), like=out, kwargs={"dtype": compute_dtype}
+                )
             buffer = editor.call(moec_ops.dispatch.default, (x, rows), like=out)
             mlp = editor.call(
                 moec_ops.expert_mlp.default,
