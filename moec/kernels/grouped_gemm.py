@@ -42,14 +42,21 @@ _ALL_PIECES = frozenset({"up", "down", "dgrad", "wgrad"})
 GROUPED_MM_PIECES: dict[str, frozenset[str]] = {"sm90": _ALL_PIECES, "sm100": _ALL_PIECES}
 """Per arch, the bf16 GEMMs that go to ``torch._grouped_mm``: "up" (gmm_act), "down" (gmm),
 "dgrad" (gmm and gmm_act_backward with transposed weights), "wgrad". On an H200 (see
-benchmarks/RESULTS.md) ``torch._grouped_mm`` was faster for every piece than these Triton
-kernels (1.0-1.3x), so all of them use it; sm100 follows until measured on a B200."""
+benchmarks/RESULTS.md) ``torch._grouped_mm`` was faster than these Triton kernels for every
+piece at >= 4096 rows (1.05-1.45x), so all of them use it; sm100 follows until measured."""
+
+GROUPED_MM_MIN_ROWS = 1024
+"""Below this many buffer rows (a static shape) the forward-style pieces stay on Triton: in the
+weight-bandwidth-bound regime the Triton kernels measured 1.2x (gmm) and 1.3x (gmm + SwiGLU)
+faster than ``torch._grouped_mm`` at 128 rows in 16 groups on an H200."""
 
 
 def use_grouped_mm(piece: str, *tensors: Tensor) -> bool:
     """Whether ``piece`` runs on ``torch._grouped_mm`` for these tensors (bf16, CUDA, listed)."""
     first = tensors[0]
     if not first.is_cuda or any(t.dtype != torch.bfloat16 for t in tensors):
+        return False
+    if piece != "wgrad" and first.shape[0] < GROUPED_MM_MIN_ROWS:
         return False
     return piece in GROUPED_MM_PIECES.get(arch(first.device), frozenset())
 
