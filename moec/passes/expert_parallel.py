@@ -27,7 +27,8 @@ Options: ``plan.parallel.ep``, ``plan.parallel.ep_path`` (``auto``: ``rowwise`` 
 ``a2a_capacity``), the group. Invariants: those of :mod:`moec.passes.rewrite`; the user outputs
 are unchanged; one aux output ``(block, "ep_dropped")`` per block is appended; every parameter is
 tagged in ``gm.meta["moec_param_roles"]``: ``expert`` (reduced over the expert-data-parallel
-group), ``router`` or ``dense`` (reduced over the whole data-parallel group).
+group), ``router`` or ``dense`` (reduced over the whole data-parallel group);
+``gm.meta["moec_ep"]`` records the group and the resolved path for the runtime and dumps.
 Statistics: ``blocks_rewritten``, ``experts_per_rank``, ``path``, ``params_removed``.
 """
 

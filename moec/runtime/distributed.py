@@ -52,10 +52,6 @@ class MoEMesh:
     def dp(self) -> int:
         return dist.get_world_size(self.dp_group)
 
-    @property
-    def ep(self) -> int:
-        return self.ep_info.size
-
 
 def init_from_env(plan: Plan, backend: str | None = None) -> MoEMesh:
     """Join the torchrun job (if not joined yet) and build the mesh for ``plan``."""
