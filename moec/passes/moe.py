@@ -224,7 +224,8 @@ def build_expert_weights(
     w_down = region.down.weight_in_out(gm)  # [H, D]
     b_down = region.down.bias_tensor(gm)
     has_up_bias = any(b is not None for b in up_biases)
-    up_biases = [torch.zeros(hidden, dtype=w_down.dtype) if b is None else b for b in up_biases]
+    zeros = torch.zeros(hidden, dtype=w_down.dtype, device=w_down.device)
+    up_biases = [zeros if b is None else b for b in up_biases]
     shared_scale = 0.5 if plan.shared_expert and plan.init in ("upcycle", "split") else 1.0
     where = f"FFN {region.module_path or region.output.name}"
 
@@ -269,8 +270,8 @@ def build_expert_weights(
         b_up = torch.zeros(n, up_width) if has_up_bias else None
         b_dn = None if b_down is None else torch.zeros(n, dim)
         router = torch.randn(n, dim, generator=generator) * plan.router_init_std
-    dtype = w_down.dtype
-    cast = lambda t: None if t is None else t.to(dtype).contiguous()  # noqa: E731
+    like = {"dtype": w_down.dtype, "device": w_down.device}
+    cast = lambda t: None if t is None else t.to(**like).contiguous()  # noqa: E731
     return ExpertWeights(cast(router), cast(w_up), cast(w_dn), cast(b_up), cast(b_dn))
 
 

@@ -78,11 +78,11 @@ class CompiledModel(nn.Module):
 
     def aux_loss(self) -> torch.Tensor:
         """``lbl_coef * LBL + z_loss_coef * z`` summed over MoE blocks, from the last forward."""
-        coefs = torch.tensor([self.plan.moe.lbl_coef, self.plan.moe.z_loss_coef])
+        lbl_coef, z_coef = self.plan.moe.lbl_coef, self.plan.moe.z_loss_coef
         total = None
         for (_, kind), value in self.aux_outputs.items():
             if kind == "router_losses":
-                term = (value * coefs.to(value.device, value.dtype)).sum()
+                term = lbl_coef * value[0] + z_coef * value[1]
                 total = term if total is None else total + term
         if total is None:
             raise RuntimeError("no aux losses: run a forward pass of a model with MoE blocks first")
