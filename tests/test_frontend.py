@@ -58,3 +58,15 @@ def test_wrong_input_structure_is_a_clear_error():
     compiled = moec.compile(tiny_llama(), None, (tokens(),))
     with pytest.raises(CaptureError, match="structure"):
         compiled(tokens(), tokens())
+
+
+def test_capture_on_first_call_then_other_sizes_reuse_the_graph():
+    model = tiny_llama()
+    compiled = moec.compile(model, {"moe": {"num_experts": 4, "top_k": 2, "capacity_factor": None}})
+    assert compiled.graph_module is None
+    first = compiled(tokens(2, 16))
+    graph = compiled.graph_module
+    other = tokens(5, 9)
+    out = compiled(other)
+    assert compiled.graph_module is graph and out.shape == (5, 9, 256) and first.shape == (2, 16, 256)
+    torch.testing.assert_close(out, model(other), rtol=1e-4, atol=1e-5)  # upcycled: equals dense
