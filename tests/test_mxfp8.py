@@ -173,10 +173,12 @@ def test_quantized_expert_mlp_grads_close_to_bf16_op(recipe):
         y, _ = op(x, w_up, w_down, offsets, None, None, "swiglu", *extra)
         g = torch.randn(y.shape, generator=torch.Generator().manual_seed(0))
         grads.append((y, *torch.autograd.grad(y, (x, w_up, w_down), g)))
-    for want, got in zip(*grads, strict=True):
+    for i, (want, got) in enumerate(zip(*grads, strict=True)):
         assert got.dtype == want.dtype
+        if i < 2:  # y and d_x: rows past offsets[-1] are garbage for expert_mlp, zeros here
+            assert got[150:].abs().max() == 0
+            want, got = want[:150], got[:150]
         assert _relative_error(got, want.double()) < 0.1
-    assert grads[1][1][150:].abs().max() == 0  # rows past offsets[-1] get no gradient
 
 
 # --- the precision pass and a short training run -----------------------------------------------
@@ -222,15 +224,11 @@ def test_precision_pass_scope_routed_only_leaves_linears():
 
 def _train(gemm: str, steps: int = 50) -> list[float]:
     torch.manual_seed(0)
-    tokens = torch.randint(0, 64, (4, 24))
-    plan = _plan(gemm, ["routed_experts", "shared_expert"])
-    compiled = moec.compile(Llama(TINY), plan, (tokens,))
-    opt = torch.optim.AdamW(compiled.parameters(), lr=3e-3)
-    data = torch.Generator().manual_seed(1)
+    seq = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(1))
+    compiled = moec.compile(Llama(TINY), _plan(gemm, ["routed_experts"]), (seq[:, :-1],))
+    opt = torch.optim.AdamW(compiled.parameters(), lr=1e-3)
     losses = []
-    for _ in range(steps):
-        seq = torch.randint(0, 64, (4, 25), generator=data)
-        seq[:, 1:] = (seq[:, :-1] * 5 + 3) % 64  # a learnable next-token rule
+    for _ in range(steps):  # memorize one batch: a steady, deterministic loss curve
         logits = compiled(seq[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), seq[:, 1:].reshape(-1))
         opt.zero_grad()
@@ -254,8 +252,8 @@ _INTERPRETER_CHECK = textwrap.dedent(
     """
     import torch
     from moec.kernels.mxfp8 import mx_gmm, mx_gmm_wgrad, mx_quantize, mx_quantize_weight
-    from moec.ops.quantized import (mx_fake_quantize, mx_quantize_reference, _loop_gmm,
-                                    quantized_gmm_wgrad)
+    from moec.ops.grouped import gmm
+    from moec.ops.quantized import mx_fake_quantize, mx_quantize_reference, quantized_gmm_wgrad
     from tests.test_mxfp8 import adversarial_inputs
     for name, x in adversarial_inputs().items():
         for view in (x, x.t().contiguous().t(), x.bfloat16()):
@@ -267,7 +265,8 @@ _INTERPRETER_CHECK = textwrap.dedent(
             assert torch.equal(q.codes.view(torch.uint8), codes.view(torch.uint8)), name
     a, w = torch.randn(100, 96), torch.randn(3, 96, 48)
     offsets = torch.tensor([30, 30, 90], dtype=torch.int32)
-    ref = _loop_gmm(mx_fake_quantize(a), mx_fake_quantize(w, dim=-2), offsets)
+    ref = gmm(mx_fake_quantize(a), mx_fake_quantize(w, dim=-2), offsets)
+    ref[90:] = 0
     fused = mx_gmm(a, w, offsets, torch.float32)
     pre = mx_gmm(mx_quantize(a), mx_quantize_weight(w), offsets, torch.float32)
     for out in (fused, pre):

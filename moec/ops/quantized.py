@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from moec.ops.activations import activate, activate_backward, check_activation, is_gated
-from moec.ops.grouped import add_row_bias, row_bias_grad, row_experts
+from moec.ops.grouped import add_row_bias, gmm, gmm_wgrad, row_bias_grad, row_experts
 
 Recipe = Literal["mxfp8", "fp8_rowwise"]
 RECIPES: tuple[str, ...] = ("mxfp8", "fp8_rowwise")
@@ -97,13 +97,10 @@ def rowwise_fake_quantize(x: Tensor, dim: int = -1) -> Tensor:
 # --- quantized grouped GEMMs ---------------------------------------------------------------------
 
 
-def _loop_gmm(a: Tensor, b: Tensor, offsets: Tensor) -> Tensor:
-    """``out[r] = a[r] @ b[e(r)]`` in float32, zeros past ``offsets[-1]`` (static shapes)."""
-    experts = row_experts(offsets, a.shape[0])
-    out = a.new_zeros(a.shape[0], b.shape[-1])
-    for e in range(b.shape[0]):
-        out = torch.where((experts == e)[:, None], a @ b[e], out)
-    return out
+def _valid_rows(out: Tensor, offsets: Tensor) -> Tensor:
+    """Zero the rows past ``offsets[-1]`` (the kernels' contract; never garbage)."""
+    rows = torch.arange(out.shape[0], device=out.device)
+    return torch.where((rows < offsets[-1])[:, None], out, 0)
 
 
 def _kernels_apply(a: Tensor, b: Tensor, recipe: str) -> bool:
@@ -124,14 +121,27 @@ def quantized_gmm(a: Tensor, b: Tensor, offsets: Tensor, recipe: str) -> Tensor:
         aq, bq = mx_fake_quantize(a), mx_fake_quantize(b, dim=-2)
     else:
         aq, bq = rowwise_fake_quantize(a), rowwise_fake_quantize(b, dim=-2)
-    return _loop_gmm(aq, bq, offsets).to(a.dtype)
+    return _valid_rows(gmm(aq, bq, offsets), offsets).to(a.dtype)
 
 
-def _group_aligned(x: Tensor, start: Tensor, count: Tensor) -> Tensor:
-    """Rows [start, start + count) of x moved to the top, zeros below (static shape R)."""
-    positions = torch.arange(x.shape[0], device=x.device)
-    src = (start + positions).clamp(max=x.shape[0] - 1)
-    return torch.where((positions < count)[:, None], x[src], 0)
+def _fake_quantize_groups(x: Tensor, offsets: Tensor) -> Tensor:
+    """MXFP8 along the rows of each group, 32-row blocks from the group's first row: every
+    group is moved to a 32-aligned start of a padded buffer (static length), quantized
+    columnwise there and moved back; rows past ``offsets[-1]`` become zeros."""
+    rows, groups = x.shape[0], offsets.shape[0]
+    experts = row_experts(offsets, rows)
+    counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    padded = (counts + MX_BLOCK - 1) // MX_BLOCK * MX_BLOCK
+    padded_start = torch.cumsum(padded, 0) - padded
+    group = experts.clamp(max=groups - 1)
+    valid = experts < groups
+    positions = torch.arange(rows, device=x.device)
+    dest = padded_start[group] + positions - (offsets[group] - counts[group])
+    length = rows + MX_BLOCK * groups
+    dest = torch.where(valid, dest, length)  # garbage rows go to a dump row
+    buffer = x.new_zeros(length + 1, x.shape[1]).index_copy(0, dest.long(), x)[:length]
+    quantized = mx_fake_quantize(buffer, dim=0)
+    return torch.where(valid[:, None], quantized[dest.clamp(max=length - 1)], 0)
 
 
 def quantized_gmm_wgrad(a: Tensor, b: Tensor, offsets: Tensor, recipe: str) -> Tensor:
@@ -144,15 +154,9 @@ def quantized_gmm_wgrad(a: Tensor, b: Tensor, offsets: Tensor, recipe: str) -> T
         from moec.kernels.mxfp8 import mx_gmm_wgrad
 
         return mx_gmm_wgrad(a, b, offsets, a.dtype)
-    starts = torch.cat([offsets.new_zeros(1), offsets[:-1]])
-    grads = []
-    for g in range(offsets.shape[0]):
-        count = offsets[g] - starts[g]
-        a_g, b_g = _group_aligned(a, starts[g], count), _group_aligned(b, starts[g], count)
-        if recipe == "mxfp8":
-            a_g, b_g = mx_fake_quantize(a_g, dim=0), mx_fake_quantize(b_g, dim=0)
-        grads.append(a_g.float().t() @ b_g.float())
-    return torch.stack(grads).to(a.dtype)
+    if recipe == "mxfp8":
+        a, b = _fake_quantize_groups(a, offsets), _fake_quantize_groups(b, offsets)
+    return gmm_wgrad(a.float(), b.float(), offsets).to(a.dtype)
 
 
 # --- moec::quantized_expert_mlp ------------------------------------------------------------------
