@@ -110,6 +110,16 @@ def _kernels_apply(a: Tensor, b: Tensor, recipe: str) -> bool:
     return recipe == "mxfp8" and arch.float_supported(a, b) and b.dtype in arch.KERNEL_DTYPES
 
 
+def _rowwise_fast_path(a: Tensor, b: Tensor, recipe: str) -> bool:
+    """fp8_rowwise through ``torch._scaled_grouped_mm``: bf16 on sm90, 16-aligned K and N."""
+    if recipe != "fp8_rowwise" or a.device.type != "cuda" or a.dtype != torch.bfloat16:
+        return False
+    from moec.kernels import fp8_rowwise
+
+    aligned = a.shape[-1] % 16 == 0 and b.shape[-1] % 16 == 0
+    return aligned and fp8_rowwise.scaled_grouped_mm_available(a.device)
+
+
 def quantized_gmm(a: Tensor, b: Tensor, offsets: Tensor, recipe: str) -> Tensor:
     """``out[r] = a[r] @ b[e(r)]`` with a (R, K), b (G, K, N) each quantized along K from its
     own dtype (fp32 masters are not rounded to bf16 first); the result in a's dtype."""
@@ -117,6 +127,13 @@ def quantized_gmm(a: Tensor, b: Tensor, offsets: Tensor, recipe: str) -> Tensor:
         from moec.kernels.mxfp8 import mx_gmm
 
         return mx_gmm(a, b, offsets, a.dtype)
+    if _rowwise_fast_path(a, b, recipe):
+        from moec.kernels import fp8_rowwise
+
+        out = fp8_rowwise.rowwise_gmm(
+            fp8_rowwise.rowwise_quantize(a), fp8_rowwise.quantize_weight(b), offsets, a.dtype
+        )
+        return _valid_rows(out, offsets)
     if recipe == "mxfp8":
         aq, bq = mx_fake_quantize(a), mx_fake_quantize(b, dim=-2)
     else:
