@@ -6,10 +6,17 @@
     loss = loss_fn(compiled(tokens)) + compiled.aux_loss()
 """
 
+import torch
+
 import moec.ops  # noqa: F401  (registers the moec:: ops)
 from moec.frontend import CaptureError, trace
 from moec.plan import Plan, PlanError
 from moec.runtime.compiled import CompiledModel, compile
+
+if torch.cuda.is_available():  # the ops pick the Triton kernels on CUDA automatically
+    from moec.kernels import register as _register_kernels
+
+    _register_kernels()
 
 __all__ = ["CaptureError", "CompiledModel", "Plan", "PlanError", "compile", "trace"]
 __version__ = "0.1.0"

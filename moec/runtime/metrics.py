@@ -57,4 +57,4 @@ def count_host_syncs(step: Callable[[], object], device: torch.device | str) -> 
             step()
         finally:
             torch.cuda.set_sync_debug_mode(previous)
-    return sum("synchroniz" in str(w.message) for w in caught)
+    return sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)
