@@ -79,10 +79,17 @@ def default_passes(plan: Plan, mesh: Any = None) -> list[Pass]:
     from moec.passes.expert_parallel import ExpertParallelPass
     from moec.passes.moe import MoEPass
     from moec.passes.precision import PrecisionPass
+    from moec.passes.recompute import RecomputePass
 
     passes: list[Pass] = [MoEPass()]
     if plan.parallel.ep > 1:
         passes.append(ExpertParallelPass.for_mesh(plan, mesh))
     if plan.precision.gemm != "bf16":
         passes.append(PrecisionPass())
+    if plan.recompute.policy != "none":
+        passes.append(RecomputePass())
+    if plan.parallel.pp > 1:
+        from moec.passes.pipeline import PipelinePass
+
+        passes.append(PipelinePass())
     return passes
