@@ -89,3 +89,18 @@ def test_metrics_equal_hand_computed_values(tmp_path):
     assert trainer.active_params == 256 * 16 + 16 * 4 + (4 * (16 * 32 + 32 * 16 + 32 + 16)) // 4 + 16 * 256 + 256
     assert useful_mfu(989e12, 1.0, 1, 989.0) == pytest.approx(1.0)
     assert useful_mfu(1.0, 1.0, 1, None) is None
+
+
+def test_moec_train_cli_30_steps_lowers_loss_and_writes_everything(tmp_path):
+    from moec.cli import main
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("moe: {num_experts: 4, top_k: 2, init: random, dense_first: 1}\n")
+    out = tmp_path / "run"
+    args = ["train", "--model", "llama", "--plan", str(plan), "--steps", "30", "--batch-size", "8",
+            "--seq-len", "32", "--log-every", "10", "--out", str(out), "--device", "cpu"]
+    assert main(args) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_loss"] < summary["first_loss"] - 0.5
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+    assert (out / "loss.png").exists() and (out / "checkpoints" / "step_30" / "trainer.pt").exists()
