@@ -1,0 +1,299 @@
+"""Pipelined training on ``torch.distributed.pipelining``: stages, schedules, mesh, one step.
+
+The ``pipeline`` pass leaves ``gm.meta["moec_pipeline"]`` (the stage graphs and their ranks);
+this module runs the stages this rank holds. The mesh is ``(pp, dp // ep, ep)`` with names
+``("pp", "edp", "ep")``: rank = pp_index * dp + dp_index, so an EP group (and the data-parallel
+group the gradient reducer uses) lives inside one pipeline rank and runs the same stages in the
+same schedule order. Under torchrun::
+
+    mesh = build_pipeline_mesh(plan)                    # after init_process_group
+    model = moec.compile(dense, plan, (one_microbatch,), mesh=mesh)
+    loss = model.train_step((inputs, targets))          # loss on the last stage's ranks, else None
+
+Schedules (``plan.parallel.pp_schedule``): ``gpipe``, ``1f1b`` (one stage per rank),
+``interleaved_1f1b`` (v stages per rank, loop placement), ``zbv`` and ``dualpipev`` (v = 2,
+V-shaped placement: rank r holds stages r and 2 pp - 1 - r). The batch is split into
+``plan.parallel.microbatches`` along dim 0. Each microbatch's objective is the cross-entropy on
+the last stage plus the aux losses of every stage: a scalar accumulator travels with the
+activations (stage s adds ``lbl_coef * LBL + z_loss_coef * z`` of its MoE blocks), so the
+backward reaches every router. Gradients are averaged over microbatches by the schedule and
+over data-parallel ranks by :class:`moec.runtime.distributed.GradientReducer` per stage.
+Other aux outputs (expert counts, offsets, EP drops) stay on their stage's module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from moec.frontend import signature
+from moec.passes.expert_parallel import EPGroupInfo
+from moec.passes.pipeline import MULTI_STAGE, PipelineSplit, schedule_class
+from moec.plan import Plan
+from moec.runtime.distributed import DistributedError, GradientReducer, MoEMesh
+
+
+@dataclasses.dataclass
+class PipelineMesh:
+    """The (pp, edp, ep) mesh: this rank's pipeline group and its (dp, ep) groups."""
+
+    device_mesh: DeviceMesh
+    pp_group: dist.ProcessGroup
+    pp_rank: int
+    moe: MoEMesh
+    """Data/expert-parallel groups among the ranks of this pipeline rank."""
+
+    @property
+    def pp(self) -> int:
+        return dist.get_world_size(self.pp_group)
+
+    @property
+    def ep_info(self) -> EPGroupInfo:
+        """What the ``expert_parallel`` pass needs (so this mesh can go to ``moec.compile``)."""
+        return self.moe.ep_info
+
+
+def build_pipeline_mesh(plan: Plan, device_type: str | None = None) -> PipelineMesh:
+    """The (pp, edp, ep) mesh over the default process group (world = pp * dp)."""
+    if not dist.is_initialized():
+        raise DistributedError(
+            "no process group: call torch.distributed.init_process_group (or "
+            "moec.runtime.distributed.init_from_env under torchrun) before build_pipeline_mesh"
+        )
+    p, world = plan.parallel, dist.get_world_size()
+    if world != p.pp * p.dp:
+        raise DistributedError(
+            f"parallel.pp={p.pp} x parallel.dp={p.dp} = {p.pp * p.dp} ranks but the job has "
+            f"{world}; set dp={world // p.pp}"
+            if world % p.pp == 0
+            else f"pp divides {world}"
+        )
+    if device_type is None:
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(
+        device_type, (p.pp, p.dp // p.ep, p.ep), mesh_dim_names=("pp", "edp", "ep")
+    )
+    dp_groups = [dist.new_group(list(range(i * p.dp, (i + 1) * p.dp))) for i in range(p.pp)]
+    pp_rank = mesh.get_local_rank("pp")
+    ep_group = mesh.get_group("ep")
+    info = EPGroupInfo(mesh.get_local_rank("ep"), p.ep, ep_group.group_name, device_type)
+    moe = MoEMesh(mesh, dp_groups[pp_rank], ep_group, mesh.get_group("edp"), info)
+    return PipelineMesh(mesh, mesh.get_group("pp"), pp_rank, moe)
+
+
+# --- measuring saved activations ---------------------------------------------------------------
+
+
+class SavedTensorMeter:
+    """Live bytes of the tensors autograd saves for backward (parameters and buffers excluded,
+    each storage once) and their peak: the measured counterpart of the pass's prediction."""
+
+    def __init__(self, module: nn.Module):
+        constants = [*module.parameters(), *module.buffers()]
+        self._constants = {t.untyped_storage().data_ptr() for t in constants}
+        self._refs: dict[int, int] = {}
+        self.live = self.peak = 0
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[None]:
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+            yield
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in self._constants or tensor.device.type == "meta":
+            return tensor
+        if self._refs.get(key, 0) == 0:
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+        self._refs[key] = self._refs.get(key, 0) + 1
+        return _Saved(tensor.detach(), self, key, storage.nbytes())  # no cycle via grad_fn
+
+    def release(self, key: int, size: int) -> None:
+        self._refs[key] -= 1
+        if self._refs[key] == 0:
+            del self._refs[key]
+            self.live -= size
+
+
+class _Saved:
+    __slots__ = ("tensor", "meter", "key", "size")
+
+    def __init__(self, tensor: torch.Tensor, meter: SavedTensorMeter, key: int, size: int):
+        self.tensor, self.meter, self.key, self.size = tensor, meter, key, size
+
+    def __del__(self) -> None:
+        self.meter.release(self.key, self.size)
+
+
+def _unpack(packed: Any) -> torch.Tensor:
+    return packed.tensor if isinstance(packed, _Saved) else packed
+
+
+# --- stages ------------------------------------------------------------------------------------
+
+
+class StageModule(nn.Module):
+    """One stage graph, with the aux-loss accumulator when the model has MoE blocks.
+
+    ``forward(*received) -> sends``: received = the boundary values (+ accumulator unless first
+    stage); sends = the next stage's inputs (+ accumulator), or on the last stage the user
+    outputs (+ accumulator), which the loss function reads.
+    """
+
+    def __init__(self, gm: Any, index: int, carries_aux: bool, coefs: tuple[float, float]):
+        super().__init__()
+        self.graph_module, self.index, self.carries_aux = gm, index, carries_aux
+        self.register_buffer("coefs", torch.tensor(coefs), persistent=False)
+        self.aux_outputs: dict[tuple[str, str], torch.Tensor] = {}
+        self.meter: SavedTensorMeter | None = None
+
+    def forward(self, *received: torch.Tensor) -> Any:
+        acc = None
+        if self.carries_aux and self.index > 0:
+            *received, acc = received
+        with self.meter.track() if self.meter else contextlib.nullcontext():
+            outputs = self.graph_module(*received)
+            sig = signature(self.graph_module)
+            sends = list(outputs[: sig.num_user_outputs])
+            self.aux_outputs = dict(zip(sig.aux_outputs, outputs[sig.num_user_outputs :]))
+            if self.carries_aux:
+                sends.append(self._accumulate(acc, sends[0]))
+        return tuple(sends) if len(sends) > 1 else sends[0]
+
+    def _accumulate(self, acc: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+        total = torch.zeros((), device=like.device) if acc is None else acc
+        for (_, kind), value in self.aux_outputs.items():
+            if kind == "router_losses":
+                total = total + (value * self.coefs.to(value.dtype)).sum()
+        return total
+
+
+class PipelineRuntime:
+    """The local stages of a compiled pipelined program, their schedule, reducers, optimizer."""
+
+    def __init__(
+        self,
+        graph_module: Any,
+        plan: Plan,
+        mesh: PipelineMesh,
+        *,
+        optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
+        measure_memory: bool = False,
+    ):
+        split: PipelineSplit | None = graph_module.meta.get("moec_pipeline")
+        if split is None:
+            raise DistributedError("no pipeline stages: compile with plan.parallel.pp > 1")
+        if mesh.pp != split.pp:
+            raise DistributedError(f"pipeline group has {mesh.pp} ranks, plan has pp={split.pp}")
+        self.split, self.plan, self.mesh = split, plan, mesh
+        self.local = split.local_stages(mesh.pp_rank)
+        self.num_stages = len(split.stages)
+        carries_aux = bool(graph_module.meta.get("moec_moe_layers"))
+        coefs = (plan.moe.lbl_coef, plan.moe.z_loss_coef)
+        self.modules = [StageModule(split.stages[s], s, carries_aux, coefs) for s in self.local]
+        if measure_memory:
+            for module in self.modules:
+                module.meter = SavedTensorMeter(module)
+        self.schedule = self._schedule(split, mesh)
+        self.reducers = (
+            [GradientReducer(m, mesh.moe) for m in self.modules] if mesh.moe.dp > 1 else []
+        )
+        params = [p for m in self.modules for p in m.parameters() if p.requires_grad]
+        self.optimizer = (optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-3)))(params)
+        self._ce: list[torch.Tensor] = []
+
+    def _schedule(self, split: PipelineSplit, mesh: PipelineMesh) -> Any:
+        from torch.distributed.pipelining import PipelineStage
+
+        device = _device(mesh)
+        stages = [
+            PipelineStage(m, s, self.num_stages, device, group=mesh.pp_group)
+            for m, s in zip(self.modules, self.local, strict=True)
+        ]
+        cls = schedule_class(split.schedule)
+        target = stages if split.schedule in MULTI_STAGE else stages[0]
+        return cls(target, split.microbatches, loss_fn=self._loss)
+
+    def _loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        logits, acc = output if self.modules[-1].carries_aux else (output, None)
+        ce = F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+        self._ce.append(ce.detach())
+        return ce if acc is None else ce + acc
+
+    @property
+    def is_first(self) -> bool:
+        return 0 in self.local
+
+    @property
+    def is_last(self) -> bool:
+        return self.num_stages - 1 in self.local
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """One pipelined forward + backward over all microbatches; gradients averaged over
+        microbatches and data-parallel ranks. Returns the mean cross-entropy on ranks holding
+        the last stage, else None."""
+        self._ce.clear()
+        args = (inputs,) if self.is_first else ()
+        kwargs = {"target": targets, "losses": []} if self.is_last else {}
+        if _STEP_TAKES_RETURN_OUTPUTS:
+            kwargs["return_outputs"] = False  # the loss is all we need of the last stage
+        with contextlib.ExitStack() as stack:
+            for reducer in self.reducers:
+                stack.enter_context(reducer.no_sync())
+            self.schedule.step(*args, **kwargs)
+        for reducer in self.reducers:
+            reducer.finish()
+        if not self.is_last:
+            return None
+        # the first step's shape inference may run the loss once more, on placeholder values
+        return torch.stack(self._ce[-self.split.microbatches :]).mean()
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        loss = self.forward_backward(inputs, targets)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def measured_peak_bytes(self) -> dict[int, int]:
+        """Peak saved-activation bytes per local stage (``measure_memory=True``)."""
+        return {m.index: m.meter.peak for m in self.modules if m.meter is not None}
+
+
+def _step_takes_return_outputs() -> bool:
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+    return "return_outputs" in inspect.signature(_PipelineSchedule.step).parameters
+
+
+_STEP_TAKES_RETURN_OUTPUTS = _step_takes_return_outputs()
+
+
+def _device(mesh: PipelineMesh) -> torch.device:
+    if mesh.device_mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_mesh.device_type)
+
+
+def runtime_for(compiled: Any, **options: Any) -> PipelineRuntime:
+    """The (cached) runtime of a compiled pipelined model; ``options`` apply when it is built."""
+    runtime = getattr(compiled, "_pipeline_runtime", None)
+    if runtime is None:
+        if not isinstance(compiled.mesh, PipelineMesh):
+            raise DistributedError(
+                "train_step needs a pipelined program: compile with plan.parallel.pp > 1 and "
+                "mesh=moec.runtime.pipeline.build_pipeline_mesh(plan)"
+            )
+        runtime = PipelineRuntime(compiled.graph_module, compiled.plan, compiled.mesh, **options)
+        compiled._pipeline_runtime = runtime
+    return runtime
