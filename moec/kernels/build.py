@@ -79,8 +79,9 @@ def kernel_specs(capability: int) -> list[KernelSpec]:
     family = "sm100" if capability >= 100 else "sm90"
     k = {"TOP_K": 8, "K_P2": 8}
     route_ptrs = {
-        "logits_ptr": "*bf16", "ids_ptr": "*i64", "weights_ptr": "*fp32", "local_ptr": "*i32",
-        "hist_ptr": "*i32", "counts_ptr": "*i64", "offsets_ptr": "*i32", "starts_ptr": "*i32",
+        "logits_ptr": "*bf16", "ids_ptr": "*i64", "weights_ptr": "*fp32", 
+        "hist_ptr": "*i32", "before_ptr": "*i32", "counts_ptr": "*i64", "offsets_ptr": "*i32",
+        "starts_ptr": "*i32",
         "base_ptr": "*i32", "rows_ptr": "*i64",
     }  # fmt: skip
     move_ptrs = {
@@ -93,13 +94,14 @@ def kernel_specs(capability: int) -> list[KernelSpec]:
     return [
         KernelSpec(
             "route_topk", router._route_topk_kernel, route_ptrs,
-            k | {"N_P2": 32, "BLOCK_T": 256, "GATING": 0, "NORMALIZE": True, "LEARNED": True},
+            k | {"N_P2": 32, "BLOCK_T": 128, "GATING": 0, "NORMALIZE": True, "LEARNED": True},
+            {"num_warps": 8},
         ),
         KernelSpec(
             "route_scan", router._route_scan_kernel, route_ptrs, {"N_P2": 32, "BLOCK_B": 256}
         ),
         KernelSpec(
-            "route_rows", router._route_rows_kernel, route_ptrs, k | {"N_P2": 32, "BLOCK_T": 256}
+            "route_rows", router._route_rows_kernel, route_ptrs, k | {"N_P2": 32, "BLOCK_T": 128}
         ),
         KernelSpec("dispatch", movement._dispatch_kernel, move_ptrs, k | {"BLOCK_D": 512}),
         KernelSpec(

@@ -7,14 +7,14 @@ Three launches, all static-shaped and sync-free (T tokens in blocks of BLOCK_T, 
 
 1. ``_route_topk_kernel`` (grid B): logits -> softmax/sigmoid scores -> top-k by repeated argmax
    (ties -> lower expert id, like the reference's stable descending sort of the logits) ->
-   normalized weights. It also ranks each route inside its block: route (t, k) to expert e gets
-   the number of earlier tokens of the block that chose e, an exclusive cumsum over the
-   (BLOCK_T, N) "chosen" matrix, and writes the block's per-expert histogram.
+   normalized weights. It also writes, for every token and expert e, the number of earlier
+   tokens of its block that chose e (an exclusive cumsum over the (BLOCK_T, N) "chosen"
+   matrix: the in-block rank of a route to e), and the block's per-expert histogram.
    With ``LEARNED=False`` it reads given expert ids (random/uniform routing) and only ranks.
 2. ``_route_scan_kernel`` (grid 1): exclusive scan of the histograms over blocks -> per-block
    bases; counts, capacity-clamped accepted counts, offsets = cumsum(accepted).
-3. ``_route_rows_kernel`` (grid B): rank = base[block, e] + local rank; row = start[e] + rank when
-   rank < capacity else -1.
+3. ``_route_rows_kernel`` (grid B): rank = base[block, e] + in-block rank; row = start[e] + rank
+   when rank < capacity else -1.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def _route_topk_kernel(
     logits_ptr,  # (T, N) any float
     ids_ptr,  # (T, TOP_K) int64: written when LEARNED, read otherwise
     weights_ptr,  # (T, TOP_K) float32, written when LEARNED
-    local_ptr,  # (T, TOP_K) int32: rank of the route among its block's routes to the expert
+    before_ptr,  # (T, N_P2) int32: earlier tokens of the block that chose each expert
     hist_ptr,  # (B, N_P2) int32: routes per expert in each block
     # sizes
     T,
@@ -94,13 +94,10 @@ def _route_topk_kernel(
             idx = tl.sum(tl.where(ks[None, :] == k, ids, 0), axis=1)
             chosen = tl.where(cols[None, :] == idx[:, None], 1, chosen)
     chosen = tl.where(tok_ok[:, None], chosen, 0)
-    before = tl.cumsum(chosen, axis=0) - chosen  # earlier tokens of the block choosing e
-    local = tl.zeros((BLOCK_T, K_P2), dtype=tl.int32)
-    for k in tl.static_range(TOP_K):
-        idx = tl.sum(tl.where(ks[None, :] == k, ids, 0), axis=1)
-        rank = tl.sum(tl.where(cols[None, :] == idx[:, None], before, 0), axis=1)
-        local = tl.where(ks[None, :] == k, rank[:, None], local)
-    tl.store(local_ptr + route_off, local, mask=route_mask)
+    # earlier tokens of the block choosing e: strictly-lower-triangular ones @ chosen (exact)
+    earlier = (tl.arange(0, BLOCK_T)[None, :] < tl.arange(0, BLOCK_T)[:, None]).to(tl.float16)
+    before = tl.dot(earlier, chosen.to(tl.float16)).to(tl.int32)
+    tl.store(before_ptr + tok[:, None] * N_P2 + cols[None, :], before, mask=tok_ok[:, None])
     tl.store(hist_ptr + pid * N_P2 + cols, tl.sum(chosen, axis=0))
 
 
@@ -140,7 +137,7 @@ def _route_scan_kernel(
 def _route_rows_kernel(
     # pointers
     ids_ptr,  # (T, TOP_K) int64
-    local_ptr,  # (T, TOP_K) int32
+    before_ptr,  # (T, N_P2) int32
     base_ptr,  # (B, N_P2) int32 exclusive prefix of the histograms
     starts_ptr,  # (N_P2,) int32
     rows_ptr,  # (T, TOP_K) int64 out
@@ -159,16 +156,16 @@ def _route_rows_kernel(
     mask = (tok < T)[:, None] & (ks[None, :] < TOP_K)
     off = tok[:, None] * TOP_K + ks[None, :]
     ids = tl.load(ids_ptr + off, mask=mask, other=0).to(tl.int32)
-    rank = tl.load(local_ptr + off, mask=mask, other=0) + tl.load(
-        base_ptr + pid * N_P2 + ids, mask=mask, other=0
-    )
+    rank = tl.load(before_ptr + tok[:, None] * N_P2 + ids, mask=mask, other=0)
+    rank += tl.load(base_ptr + pid * N_P2 + ids, mask=mask, other=0)
     row = tl.load(starts_ptr + ids, mask=mask, other=0) + rank
     tl.store(rows_ptr + off, tl.where(rank < cap, row, -1).to(tl.int64), mask=mask)
 
 
-def _block_tokens(n_p2: int, k_p2: int) -> int:
-    """Tokens per block: keep the (BLOCK_T, N_P2) tiles near 8K elements."""
-    return max(16, min(256, 8192 // max(n_p2, k_p2)))
+def _block_tokens(n_p2: int) -> int:
+    """Tokens per block: (BLOCK_T, N_P2) tiles of 4K elements, 16 per thread at 8 warps (larger
+    tiles compile for tens of seconds)."""
+    return max(16, min(256, 4096 // n_p2))
 
 
 def route(
@@ -186,9 +183,9 @@ def route(
         flat = flat.contiguous()
     tokens = flat.shape[0]
     device = flat.device
-    n_p2 = triton.next_power_of_2(num_experts)
+    n_p2 = max(16, triton.next_power_of_2(num_experts))  # >= 16: a tl.dot operand
     k_p2 = triton.next_power_of_2(top_k)
-    block_t = _block_tokens(n_p2, k_p2)
+    block_t = _block_tokens(n_p2)
     num_blocks = max(1, triton.cdiv(tokens, block_t))
     cap = capacity(tokens, top_k, num_experts, capacity_factor)
     learned = routing == "learned"
@@ -198,13 +195,13 @@ def route(
     else:
         ids = choose_experts(flat, top_k, routing).contiguous()
         weights = route_weights(flat, ids, gating, normalize)
-    local = torch.empty(tokens, top_k, dtype=torch.int32, device=device)
+    before = torch.empty(tokens, n_p2, dtype=torch.int32, device=device)
     hist = torch.empty(num_blocks, n_p2, dtype=torch.int32, device=device)
     _route_topk_kernel[(num_blocks,)](
-        flat, ids, weights, local, hist,
+        flat, ids, weights, before, hist,
         tokens, num_experts, flat.stride(0),
         TOP_K=top_k, K_P2=k_p2, N_P2=n_p2, BLOCK_T=block_t,
-        GATING=GATING_CODES[gating], NORMALIZE=normalize, LEARNED=learned,
+        GATING=GATING_CODES[gating], NORMALIZE=normalize, LEARNED=learned, num_warps=8,
     )  # fmt: skip
     counts = torch.empty(num_experts, dtype=torch.int64, device=device)
     offsets = torch.empty(num_experts, dtype=torch.int32, device=device)
@@ -215,7 +212,7 @@ def route(
     )  # fmt: skip
     rows = torch.empty(tokens, top_k, dtype=torch.int64, device=device)
     _route_rows_kernel[(num_blocks,)](
-        ids, local, hist, starts, rows, tokens, cap,
+        ids, before, hist, starts, rows, tokens, cap,
         TOP_K=top_k, K_P2=k_p2, N_P2=n_p2, BLOCK_T=block_t,
     )  # fmt: skip
     shape = (*lead, top_k)
