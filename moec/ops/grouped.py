@@ -38,7 +38,7 @@ def register_cuda_kernels(kernels: dict[str, Callable[..., Any]]) -> None:
 
 
 def cuda_kernel(name: str, tensor: torch.Tensor) -> Callable[..., Any] | None:
-    """The registered kernel ``name`` for a float32/16/bf16 CUDA ``tensor``; None: use the reference."""
+    """The registered kernel ``name`` for a float32/16/bf16 CUDA ``tensor``; None: the reference."""
     if _FORCE_LOOP or not tensor.is_cuda or tensor.dtype not in _KERNEL_DTYPES:
         return None
     return _CUDA_KERNELS.get(name)
@@ -55,7 +55,9 @@ def _use_grouped_mm(*tensors: torch.Tensor) -> bool:
         return False
     first = tensors[0]
     if first.device.type == "cuda":
-        return first.dtype == torch.bfloat16 and torch.cuda.get_device_capability(first.device)[0] >= 9
+        return (
+            first.dtype == torch.bfloat16 and torch.cuda.get_device_capability(first.device)[0] >= 9
+        )
     if first.device.type != "cpu" or first.dtype not in (torch.float32, torch.bfloat16):
         return False
     return all(t.shape[-1] * t.element_size() % 16 == 0 for t in tensors)
