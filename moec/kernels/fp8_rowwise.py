@@ -17,10 +17,16 @@ import triton.language as tl
 
 @triton.jit
 def rowwise_quantize_kernel(
-    x_ptr, codes_ptr, scales_ptr,  # pointers
-    R, K,  # sizes
-    stride_xr, stride_xk, stride_qr,  # strides
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,  # BLOCK_K >= K: one pass over a row
+    x_ptr,
+    codes_ptr,
+    scales_ptr,  # pointers
+    R,
+    K,  # sizes
+    stride_xr,
+    stride_xk,
+    stride_qr,  # strides
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # BLOCK_K >= K: one pass over a row
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_K)
@@ -41,8 +47,16 @@ def rowwise_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     block_k = triton.next_power_of_2(k)
     block_r = max(1, min(16, 8192 // block_k))
     rowwise_quantize_kernel[(triton.cdiv(rows, block_r),)](
-        x, codes, scales, rows, k, x.stride(0), x.stride(1), codes.stride(0),
-        BLOCK_R=block_r, BLOCK_K=block_k,
+        x,
+        codes,
+        scales,
+        rows,
+        k,
+        x.stride(0),
+        x.stride(1),
+        codes.stride(0),
+        BLOCK_R=block_r,
+        BLOCK_K=block_k,
     )
     return codes, scales
 

@@ -97,9 +97,19 @@ def _mx_quantize_tile(x, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 @triton.jit
 def _load_operand(
-    ptr, scale_ptr, rows, row_mask, c0, c_end,
-    stride_r, stride_c, stride_sr, stride_sc,
-    QUANT: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+    ptr,
+    scale_ptr,
+    rows,
+    row_mask,
+    c0,
+    c_end,
+    stride_r,
+    stride_c,
+    stride_sr,
+    stride_sc,
+    QUANT: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
 ):
     """Operand tile [ROWS, COLS] at contraction offset ``c0`` as (e4m3 codes, E8M0 scales
     [ROWS, COLS // 32]), contraction indices >= ``c_end`` masked.
@@ -128,13 +138,20 @@ def _load_operand(
 @triton.jit
 def mx_quantize_kernel(
     # pointers
-    x_ptr, codes_ptr, scales_ptr,
+    x_ptr,
+    codes_ptr,
+    scales_ptr,
     # sizes
-    R, K,
+    R,
+    K,
     # strides
-    stride_xr, stride_xk, stride_qr, stride_sr,
+    stride_xr,
+    stride_xk,
+    stride_qr,
+    stride_sr,
     # meta-parameters
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """x (R, K) any strides -> codes (R, K) and scales (R, K // 32), both row-major."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -151,16 +168,37 @@ def mx_quantize_kernel(
 @triton.jit
 def mx_gmm_kernel(
     # pointers: a (M, K) [+ scales], b viewed as bt (G, N, K) [+ scales (G, N, K // 32)], out
-    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, offsets_ptr,
+    a_ptr,
+    a_scale_ptr,
+    b_ptr,
+    b_scale_ptr,
+    out_ptr,
+    offsets_ptr,
     # sizes
-    M, N, K,
+    M,
+    N,
+    K,
     # strides
-    stride_am, stride_ak, stride_asm, stride_ask,
-    stride_bg, stride_bn, stride_bk, stride_bsg, stride_bsn, stride_bsk,
-    stride_om, stride_on,
+    stride_am,
+    stride_ak,
+    stride_asm,
+    stride_ask,
+    stride_bg,
+    stride_bn,
+    stride_bk,
+    stride_bsg,
+    stride_bsn,
+    stride_bsk,
+    stride_om,
+    stride_on,
     # meta-parameters
-    G: tl.constexpr, G_POW2: tl.constexpr, A_QUANT: tl.constexpr, B_QUANT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    G: tl.constexpr,
+    G_POW2: tl.constexpr,
+    A_QUANT: tl.constexpr,
+    B_QUANT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """out[r] = a[r] @ b[e(r)] for the rows r < offsets[-1]; other rows get zeros.
 
@@ -184,12 +222,34 @@ def mx_gmm_kernel(
         row_mask = (rows >= start) & (rows < end)
         for k0 in range(0, K, BLOCK_K):
             a, a_s = _load_operand(
-                a_ptr, a_scale_ptr, rows, row_mask, k0, K,
-                stride_am, stride_ak, stride_asm, stride_ask, A_QUANT, BLOCK_M, BLOCK_K,
+                a_ptr,
+                a_scale_ptr,
+                rows,
+                row_mask,
+                k0,
+                K,
+                stride_am,
+                stride_ak,
+                stride_asm,
+                stride_ask,
+                A_QUANT,
+                BLOCK_M,
+                BLOCK_K,
             )
             bt, b_s = _load_operand(
-                b_ptr + g * stride_bg, b_scale_ptr + g * stride_bsg, cols, cols < N, k0, K,
-                stride_bn, stride_bk, stride_bsn, stride_bsk, B_QUANT, BLOCK_N, BLOCK_K,
+                b_ptr + g * stride_bg,
+                b_scale_ptr + g * stride_bsg,
+                cols,
+                cols < N,
+                k0,
+                K,
+                stride_bn,
+                stride_bk,
+                stride_bsn,
+                stride_bsk,
+                B_QUANT,
+                BLOCK_N,
+                BLOCK_K,
             )
             acc = tl.dot_scaled(a, a_s, "e4m3", tl.trans(bt), b_s, "e4m3", acc)
     out_mask = (rows < M)[:, None] & (cols < N)[None, :]
@@ -200,13 +260,25 @@ def mx_gmm_kernel(
 @triton.jit
 def mx_gmm_wgrad_kernel(
     # pointers: a (R, K), b (R, N), out (G, K, N), offsets (G,)
-    a_ptr, b_ptr, out_ptr, offsets_ptr,
+    a_ptr,
+    b_ptr,
+    out_ptr,
+    offsets_ptr,
     # sizes
-    K, N,
+    K,
+    N,
     # strides
-    stride_ar, stride_ak, stride_br, stride_bn, stride_og, stride_ok, stride_on,
+    stride_ar,
+    stride_ak,
+    stride_br,
+    stride_bn,
+    stride_og,
+    stride_ok,
+    stride_on,
     # meta-parameters
-    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     """out[g] = a_g^T @ b_g over rows [offsets[g-1], offsets[g]); MX blocks of 32 rows from the
     group's first row (rows past the group are zeros, so no block straddles two groups)."""
@@ -226,8 +298,9 @@ def mx_gmm_wgrad_kernel(
         acc = tl.dot_scaled(at, a_s, "e4m3", tl.trans(bt), b_s, "e4m3", acc)
     mask = (ks < K)[:, None] & (ns < N)[None, :]
     out = acc.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + g * stride_og + ks[:, None] * stride_ok + ns[None, :] * stride_on, out,
-             mask=mask)
+    tl.store(
+        out_ptr + g * stride_og + ks[:, None] * stride_ok + ns[None, :] * stride_on, out, mask=mask
+    )
 
 
 # --- launchers --------------------------------------------------------------------------------
@@ -252,9 +325,17 @@ def mx_quantize(x: torch.Tensor) -> MXTensor:
     block_r, block_k = 32, 128 if k % 128 == 0 else 32
     grid = (triton.cdiv(rows, block_r), triton.cdiv(k, block_k))
     mx_quantize_kernel[grid](
-        x, codes.view(torch.uint8), scales, rows, k,
-        x.stride(0), x.stride(1), codes.stride(0), scales.stride(0),
-        BLOCK_R=block_r, BLOCK_K=block_k,
+        x,
+        codes.view(torch.uint8),
+        scales,
+        rows,
+        k,
+        x.stride(0),
+        x.stride(1),
+        codes.stride(0),
+        scales.stride(0),
+        BLOCK_R=block_r,
+        BLOCK_K=block_k,
     )
     return MXTensor(codes, scales)
 
@@ -291,20 +372,36 @@ def mx_gmm(
         groups, n, _ = b_data.shape
     prequantized = not (a_quant and b_quant)
     if (prequantized and k % BLOCK) or b_data.shape[2] != k or offsets.shape != (groups,):
-        raise ValueError(f"mx_gmm: a {tuple(a_data.shape)} and b {tuple(b_data.shape)} (as G, N, "
-                         f"K) with {groups} offsets do not fit (prequantized K: a multiple of 32)")
+        raise ValueError(
+            f"mx_gmm: a {tuple(a_data.shape)} and b {tuple(b_data.shape)} (as G, N, "
+            f"K) with {groups} offsets do not fit (prequantized K: a multiple of 32)"
+        )
     out = torch.empty(m, n, dtype=out_dtype, device=a_data.device)
     cfg = _configs(a_data.device)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
     a_ss = (0, 0) if a_quant else a_scales.stride()
     b_ss = (0, 0, 0) if b_quant else b_scales.stride()
     mx_gmm_kernel[grid](
-        a_data, a_scales, b_data, b_scales, out, offsets,
-        m, n, k,
-        a_data.stride(0), a_data.stride(1), *a_ss,
-        *b_data.stride(), *b_ss,
-        out.stride(0), out.stride(1),
-        G=groups, G_POW2=triton.next_power_of_2(groups), A_QUANT=a_quant, B_QUANT=b_quant,
+        a_data,
+        a_scales,
+        b_data,
+        b_scales,
+        out,
+        offsets,
+        m,
+        n,
+        k,
+        a_data.stride(0),
+        a_data.stride(1),
+        *a_ss,
+        *b_data.stride(),
+        *b_ss,
+        out.stride(0),
+        out.stride(1),
+        G=groups,
+        G_POW2=triton.next_power_of_2(groups),
+        A_QUANT=a_quant,
+        B_QUANT=b_quant,
         **cfg,
     )
     return out
@@ -321,8 +418,17 @@ def mx_gmm_wgrad(
     meta.update({key: v for key, v in cfg.items() if key in ("num_warps", "num_stages")})
     grid = (groups, triton.cdiv(k, meta["BLOCK_K"]), triton.cdiv(n, meta["BLOCK_N"]))
     mx_gmm_wgrad_kernel[grid](
-        a, b, out, offsets, k, n,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), *out.stride(),
+        a,
+        b,
+        out,
+        offsets,
+        k,
+        n,
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        *out.stride(),
         **meta,
     )
     return out

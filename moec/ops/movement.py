@@ -4,7 +4,7 @@ dispatch(x[*, D], rows[*, K]) -> buffer[T*K, D]
     buffer[rows[t, k]] = x[t] for every accepted route; unwritten rows are unspecified
     (the reference writes zeros; kernels may leave garbage).
 combine(y[R, D], weights[*, K], rows[*, K]) -> out[*, D]
-    out[t] = sum over accepted k of weights[t, k] * y[rows[t, k]], accumulated in (at least) float32.
+    out[t] = sum over accepted k of weights[t, k] * y[rows[t, k]], accumulated in >= float32.
     Rows of y that no route points at are never read, so garbage there cannot leak.
 
 Each is the other's backward (dispatch's is an unweighted combine; combine's grad w.r.t. y is a

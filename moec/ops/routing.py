@@ -100,7 +100,13 @@ def route_reference(
     cap = capacity(flat.shape[0], top_k, num_experts, capacity_factor)
     rows, offsets, counts = assign_rows(expert_ids, num_experts, cap)
     out_shape = (*lead, top_k)
-    return expert_ids.view(out_shape), weights.view(out_shape), rows.view(out_shape), offsets, counts
+    return (
+        expert_ids.view(out_shape),
+        weights.view(out_shape),
+        rows.view(out_shape),
+        offsets,
+        counts,
+    )
 
 
 @torch.library.custom_op("moec::route", mutates_args=())
