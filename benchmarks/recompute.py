@@ -1,0 +1,144 @@
+"""Activation recompute: peak memory and step time of none / block / selective (pass ``recompute``).
+
+``--full`` is the report's e2e workload (Table 47): 8 blocks, the first 2 dense (FFN width 24576),
+32 routed experts top-8 of width 1536 with one shared expert, d = 1536, 12 heads, sequence 8192,
+3 sequences per microbatch, bf16 autocast over fp32 weights; the default is a small shape that
+runs anywhere. Each policy compiles a fresh copy of the same dense ``moec.models.Llama``; a step
+is forward + backward (no optimizer). Printed per policy: steady-state step time, peak memory
+(``torch.cuda.max_memory_allocated``), activation memory (peak minus what was allocated before
+the step) and the recompute pass's predicted saved bytes; ratios against ``none``.
+
+    python benchmarks/recompute.py [--full] [--steps 5] [--out recompute.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+import moec
+from moec.models import Llama, LlamaConfig
+
+FULL = dict(dim=1536, layers=8, dense_first=2, dense_width=24576, experts=32, top_k=8,
+            width=1536, seq=8192, micro=3, vocab=100352, heads=12)  # fmt: skip
+SMALL = dict(dim=128, layers=4, dense_first=1, dense_width=512, experts=8, top_k=2,
+             width=128, seq=256, micro=2, vocab=1024, heads=4)  # fmt: skip
+POLICIES = ("none", "block", "selective")
+
+
+def build(shape: dict) -> Llama:
+    widths = (shape["dense_width"],) * shape["dense_first"] + (shape["width"],) * (
+        shape["layers"] - shape["dense_first"]
+    )
+    cfg = LlamaConfig(
+        vocab_size=shape["vocab"],
+        dim=shape["dim"],
+        n_layers=shape["layers"],
+        n_heads=shape["heads"],
+        n_kv_heads=shape["heads"],
+        ffn_hidden_per_layer=widths,
+        max_seq_len=shape["seq"],
+    )
+    return Llama(cfg)
+
+
+def plan(shape: dict, policy: str, dtype: str) -> dict:
+    return {
+        "moe": {
+            "num_experts": shape["experts"],
+            "top_k": shape["top_k"],
+            "expert_width": shape["width"],
+            "init": "random",
+            "shared_expert": True,
+            "dense_first": shape["dense_first"],
+        },
+        "precision": {"compute_dtype": dtype},
+        "recompute": {"policy": policy},
+    }
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(model: Llama, shape: dict, policy: str, device: str, steps: int) -> dict:
+    ids = torch.randint(0, shape["vocab"], (shape["micro"], shape["seq"]), device=device)
+    dtype = "bf16" if device == "cuda" else "fp32"
+    compiled = moec.compile(copy.deepcopy(model).to(device), plan(shape, policy, dtype), (ids,))
+    stats = compiled.pass_results.get("recompute")
+
+    def step() -> None:
+        logits = compiled(ids)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), ids.flatten())
+        (loss + compiled.aux_loss()).backward()
+        compiled.graph_module.zero_grad(set_to_none=False)
+
+    step()
+    step()
+    sync(device)
+    before = torch.cuda.memory_allocated() if device == "cuda" else 0
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync(device)
+    seconds = (time.perf_counter() - start) / steps
+    peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
+    result = {
+        "policy": policy,
+        "step_s": seconds,
+        "peak_bytes": peak,
+        "activation_bytes": peak - before,
+        "predicted_saved_bytes": stats.stats["predicted_saved_bytes_after"] if stats else None,
+        "predicted_saved_bytes_none": stats.stats["predicted_saved_bytes_before"]
+        if stats
+        else None,
+        "recompute_flops": stats.stats["recompute_flops"] if stats else 0,
+    }
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--full", action="store_true", help="the Table 47 e2e shape")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args = parser.parse_args()
+    shape = FULL if args.full else SMALL
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    model = build(shape)
+    rows = []
+    for policy in POLICIES:
+        rows.append(measure(model, shape, policy, device, args.steps))
+        gc.collect()  # the compiled model of the previous policy frees its memory
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    base = rows[0]
+    print(f"recompute benchmark, {'full' if args.full else 'small'} shape on {device}: {shape}")
+    print(f"{'policy':<10} {'step ms':>9} {'x none':>7} {'peak GiB':>9} {'act GiB':>8} "
+          f"{'x none':>7} {'pred GiB':>9}")  # fmt: skip
+    gib = 2**30
+    base["predicted_saved_bytes"] = rows[1]["predicted_saved_bytes_none"]
+    for r in rows:
+        pred = r["predicted_saved_bytes"]
+        print(
+            f"{r['policy']:<10} {r['step_s'] * 1e3:>9.1f} {r['step_s'] / base['step_s']:>7.2f} "
+            f"{r['peak_bytes'] / gib:>9.2f} {r['activation_bytes'] / gib:>8.2f} "
+            f"{r['activation_bytes'] / max(base['activation_bytes'], 1):>7.2f} {pred / gib:>9.2f}"
+        )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"shape": shape, "device": device, "results": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
