@@ -93,6 +93,9 @@ class DebugDump:
             "diff.patch": lambda: diff,
             "stats.json": lambda: json.dumps(record, indent=2, default=str) + "\n",
         }
+        tables = stat_tables(stats)
+        if tables:
+            files["tables.txt"] = lambda: tables
         for filename, text in files.items():
             self._safely(f"{name}/{filename}", lambda t=text, f=filename: self._write(name, f, t()))
         self._safely("summary.txt", lambda: self._append_summary(line))
@@ -265,5 +268,28 @@ def summary_line(record: dict[str, Any]) -> str:
         parts.append(f"fwd_flops/token={format_count(record['flops_per_token'])}")
         parts.append(f"train_flops/token={format_count(record['train_flops_per_token'])}")
     stats = record.get("pass_stats") or {}
-    parts += [f"{k}={v}" for k, v in stats.items()]
+    parts += [f"{k}={v}" for k, v in stats.items() if not isinstance(v, (list, dict))]
     return " ".join(parts)
+
+
+def stat_tables(stats: dict[str, Any]) -> str:
+    """Pass statistics that are tables (lists of rows, e.g. recompute's ``memory_table`` or the
+    pipeline's stage costs) as aligned text; '' when there are none."""
+    out = []
+    for name, rows in stats.items():
+        if not (isinstance(rows, list) and rows and all(isinstance(r, dict) for r in rows)):
+            continue
+        columns = list(dict.fromkeys(k for r in rows for k in r))
+        cells = [[_cell(r.get(c)) for c in columns] for r in rows]
+        widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+        out.append(f"{name}:")
+        out.append("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+        out += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+        out.append("")
+    return "\n".join(out)
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return format_count(value)
+    return str(value)

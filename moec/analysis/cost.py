@@ -116,9 +116,13 @@ class NodeCost:
     ``norm``, ``reduction``, ``view`` or ``other``."""
     saved: tuple[SavedRef, ...] = ()
     """The activations this node's backward keeps (parameters excluded), views resolved."""
+    region_matmul_flops: Expr = ZERO
+    """For a ``region`` (a sub-graph call, e.g. a recomputed block): its matmul FLOPs."""
 
     @property
     def matmul_flops(self) -> Expr:
+        if self.kind == "region":
+            return self.region_matmul_flops
         return self.flops if self.kind in MATMUL_KINDS else ZERO
 
 
@@ -279,10 +283,38 @@ def _rule_result(node: fx.Node) -> tuple[Expr, str, list[SavedRef]]:
     return RULES.get(node.target, _fallback)(node)
 
 
+def _sub_graph(node: fx.Node) -> fx.GraphModule | None:
+    """The GraphModule a node calls as its first argument (a recompute region), if any."""
+    first = node.args[0] if node.args else None
+    if not (isinstance(first, fx.Node) and first.op == "get_attr"):
+        return None
+    sub = node.graph.owning_module
+    for part in str(first.target).split("."):
+        sub = getattr(sub, part, None)
+    return sub if isinstance(sub, fx.GraphModule) else None
+
+
+def _region_cost(node: fx.Node, region: fx.GraphModule) -> NodeCost:
+    """A sub-graph call costs what its nodes cost; the call itself keeps its tensor inputs."""
+    inner = [node_cost(n) for n in region.graph.nodes]
+    saved = tuple(dict.fromkeys(_refs(node.args[2:])))
+    return NodeCost(
+        sympy.Add(*(c.flops for c in inner)),
+        nbytes(node.meta.get("val")),
+        sympy.Add(*(ref.nbytes() for ref in saved)),
+        "region",
+        saved,
+        sympy.Add(*(c.matmul_flops for c in inner)),
+    )
+
+
 def node_cost(node: fx.Node) -> NodeCost:
     """FLOPs, bytes written and activation bytes saved for backward by one node."""
     if node.op != "call_function":
         return NodeCost(ZERO, ZERO, ZERO, "view" if node.op == "get_attr" else "other")
+    region = _sub_graph(node)
+    if region is not None:
+        return _region_cost(node, region)
     flops, kind, saved = _rule_result(node)
     bytes_out = ZERO if kind == "view" else nbytes(node.meta.get("val"))
     saved = tuple(dict.fromkeys(saved))

@@ -56,7 +56,8 @@ def choose_experts(logits: Tensor, top_k: int, routing: str) -> Tensor:
     tokens, num_experts = logits.shape
     if routing == "learned":
         # A stable descending sort breaks ties towards the lower expert id, on every device.
-        return torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :top_k]
+        ranked = torch.sort(logits, dim=-1, descending=True, stable=True).indices
+        return ranked[:, :top_k].contiguous()  # do not keep the (T, N) sort result alive
     if routing == "random":
         noise = torch.rand(tokens, num_experts, device=logits.device)
         return noise.argsort(-1)[:, :top_k]
