@@ -211,7 +211,8 @@ def test_precision_pass_rewrites_every_scope():
     baseline = moec.compile(dense, _plan("bf16", SCOPES), (tokens,))
     assert "precision" not in baseline.pass_results
     out, ref = compiled(tokens), baseline(tokens)
-    assert _relative_error(out, ref.double()) < 0.05
+    # ~4% per MXFP8 GEMM (see the GEMM test), compounded over 2 blocks and occasional top-k flips
+    assert _relative_error(out, ref.double()) < 0.1
 
 
 def test_precision_pass_scope_routed_only_leaves_linears():
