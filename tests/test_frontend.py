@@ -68,5 +68,7 @@ def test_capture_on_first_call_then_other_sizes_reuse_the_graph():
     graph = compiled.graph_module
     other = tokens(5, 9)
     out = compiled(other)
-    assert compiled.graph_module is graph and out.shape == (5, 9, 256) and first.shape == (2, 16, 256)
+    assert (
+        compiled.graph_module is graph and out.shape == (5, 9, 256) and first.shape == (2, 16, 256)
+    )
     torch.testing.assert_close(out, model(other), rtol=1e-4, atol=1e-5)  # upcycled: equals dense

@@ -8,15 +8,30 @@ import torch
 
 import moec
 from moec.runtime.metrics import useful_mfu
-from moec.train import TrainConfig, Trainer, language_model_loss, parameter_groups, train, wsd_schedule
+from moec.train import (
+    TrainConfig,
+    Trainer,
+    language_model_loss,
+    parameter_groups,
+    train,
+    wsd_schedule,
+)
 from tests.models import hf_model, tiny_llama, tokens
 
 TINY_PLAN = {"moe": {"num_experts": 4, "top_k": 2, "init": "random", "dense_first": 1}}
 
 
 def _cfg(tmp_path, **kw):
-    base = dict(steps=50, batch_size=8, seq_len=32, lr=3e-3, warmup_steps=5, log_every=10,
-                out=str(tmp_path), plots=False)
+    base = dict(
+        steps=50,
+        batch_size=8,
+        seq_len=32,
+        lr=3e-3,
+        warmup_steps=5,
+        log_every=10,
+        out=str(tmp_path),
+        plots=False,
+    )
     return TrainConfig(**{**base, **kw})
 
 
@@ -80,13 +95,24 @@ def test_wsd_schedule_shape():
 
 
 def test_metrics_equal_hand_computed_values(tmp_path):
-    model = torch.nn.Sequential(torch.nn.Embedding(256, 16), torch.nn.Linear(16, 32),
-                                torch.nn.GELU(), torch.nn.Linear(32, 16), torch.nn.Linear(16, 256))
-    trainer = Trainer(model, moec.Plan.from_dict({"moe": {"num_experts": 4, "top_k": 1}}),
-                      _cfg(tmp_path, batch_size=4, seq_len=8))
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(256, 16),
+        torch.nn.Linear(16, 32),
+        torch.nn.GELU(),
+        torch.nn.Linear(32, 16),
+        torch.nn.Linear(16, 256),
+    )
+    trainer = Trainer(
+        model,
+        moec.Plan.from_dict({"moe": {"num_experts": 4, "top_k": 1}}),
+        _cfg(tmp_path, batch_size=4, seq_len=8),
+    )
     # per token: 2 * (16*4 router + top-1 expert 16*32 + 32*16 + head 16*256) forward, x3 for training
     assert trainer.train_flops_per_token == 3 * 2 * (16 * 4 + 16 * 32 + 32 * 16 + 16 * 256)
-    assert trainer.active_params == 256 * 16 + 16 * 4 + (4 * (16 * 32 + 32 * 16 + 32 + 16)) // 4 + 16 * 256 + 256
+    assert (
+        trainer.active_params
+        == 256 * 16 + 16 * 4 + (4 * (16 * 32 + 32 * 16 + 32 + 16)) // 4 + 16 * 256 + 256
+    )
     assert useful_mfu(989e12, 1.0, 1, 989.0) == pytest.approx(1.0)
     assert useful_mfu(1.0, 1.0, 1, None) is None
 
@@ -97,8 +123,25 @@ def test_moec_train_cli_30_steps_lowers_loss_and_writes_everything(tmp_path):
     plan = tmp_path / "plan.yaml"
     plan.write_text("moe: {num_experts: 4, top_k: 2, init: random, dense_first: 1}\n")
     out = tmp_path / "run"
-    args = ["train", "--model", "llama", "--plan", str(plan), "--steps", "30", "--batch-size", "8",
-            "--seq-len", "32", "--log-every", "10", "--out", str(out), "--device", "cpu"]
+    args = [
+        "train",
+        "--model",
+        "llama",
+        "--plan",
+        str(plan),
+        "--steps",
+        "30",
+        "--batch-size",
+        "8",
+        "--seq-len",
+        "32",
+        "--log-every",
+        "10",
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+    ]
     assert main(args) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["final_loss"] < summary["first_loss"] - 0.5

@@ -105,7 +105,11 @@ def test_fp8_rowwise_quantize_and_gemm():
     codes, scales = fp8_rowwise.rowwise_quantize(x)
     ref_codes, ref_scales = rowwise_quantize_reference(x.cpu())
     assert torch.allclose(scales.cpu(), ref_scales[:, 0], rtol=1e-6)
-    assert (codes.float().cpu() - ref_codes.float()).abs().max() <= 2 ** -6 * 448 / 8
+    # The GPU scales with a reciprocal multiply, the reference divides: a value on a rounding
+    # boundary may land one e4m3 step (3 mantissa bits) away, rarely; never further.
+    diff = (codes.float().cpu() - ref_codes.float()).abs()
+    assert (diff <= ref_codes.float().abs() * 2**-3 + 2**-9).all()
+    assert (diff > 0).float().mean() < 1e-3
     if not fp8_rowwise.scaled_grouped_mm_available(CUDA):
         pytest.skip("torch._scaled_grouped_mm rowwise is used on sm90 only")
     w = torch.randn(4, 256, 512, device=CUDA, dtype=torch.bfloat16) / 16

@@ -13,8 +13,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_steady_state_step_has_no_host_sync(tmp_path, routing):
     plan = Plan.from_dict({**DEMO_PLAN, "precision": {"compute_dtype": "bf16"}})
     plan.moe.routing = routing
-    trainer = Trainer(demo_model(), plan,
-                      TrainConfig(steps=10, batch_size=16, seq_len=128, device="cuda", out=str(tmp_path)))
+    trainer = Trainer(
+        demo_model(),
+        plan,
+        TrainConfig(steps=10, batch_size=16, seq_len=128, device="cuda", out=str(tmp_path)),
+    )
     for _ in range(3):
         trainer.train_step()
     torch.cuda.synchronize()
