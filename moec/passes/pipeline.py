@@ -136,9 +136,7 @@ class PipelinePass:
         num_stages = plan.parallel.pp * plan.parallel.virtual_stages
         check_splittable(plan.parallel, len(units))
         values = cost.sizes()
-        flops = [cost.value(CostTotals.of(cost.nodes, u).flops) for u in units]
-        flops[-1] += cost.value(_loss_flops(gm))
-        saved = [_saved(cost, u, values, plan.recompute.policy) for u in units]
+        flops, saved = unit_costs(gm, cost, units, plan)
         in_flight = inflight_microbatches(plan.parallel)
         bounds = balance(flops, saved, num_stages, in_flight)
         split = _build(gm, cost, units, bounds, plan, in_flight, values)
@@ -217,6 +215,23 @@ def _units(gm: fx.GraphModule, cost: GraphCost) -> list[list[fx.Node]]:
         start = end + 1
     units[-1] += nodes[start:]
     return units
+
+
+def unit_costs(
+    gm: fx.GraphModule, cost: GraphCost, units: list[list[fx.Node]], plan: Plan
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """Per block (prologue/epilogue and loss included): forward FLOPs and (kept, transient)
+    saved bytes per microbatch, at the example sizes."""
+    values = cost.sizes()
+    flops = [cost.value(CostTotals.of(cost.nodes, u).flops) for u in units]
+    flops[-1] += cost.value(_loss_flops(gm))
+    return flops, [_saved(cost, u, values, plan.recompute.policy) for u in units]
+
+
+def block_units(gm: fx.GraphModule) -> tuple[GraphCost, list[list[fx.Node]]]:
+    """The cost model of ``gm`` and its blocks' nodes, as the pass splits them."""
+    cost = graph_cost(gm)
+    return cost, _units(gm, cost)
 
 
 def _loss_flops(gm: fx.GraphModule) -> sympy.Expr:
