@@ -15,7 +15,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from moec.kernels import mxfp8  # noqa: E402
 
 I32 = "i32"
-GEMM_META = {"G": 4, "G_POW2": 4, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}
+# dot_scaled lowers to native block-scaled MMA only for 128-row tiles (64 falls back to f16 MMA)
+GEMM_META = {"G": 4, "G_POW2": 4, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128}
 
 
 def _gemm_signature(a: str, b: str) -> dict[str, str]:
@@ -47,7 +48,7 @@ def _variants() -> dict[str, tuple[object, dict[str, str], dict[str, object], bo
         "gmm_fused_a": (mxfp8.mx_gmm_kernel, _gemm_signature("*bf16", "*u8"),
                         GEMM_META | {"A_QUANT": True, "B_QUANT": False}, True),
         "wgrad": (mxfp8.mx_gmm_wgrad_kernel, wgrad_sig,
-                  {"BLOCK_K": 64, "BLOCK_N": 64, "BLOCK_R": 64}, True),
+                  {"BLOCK_K": 128, "BLOCK_N": 128, "BLOCK_R": 128}, True),
     }
 
 
