@@ -35,16 +35,19 @@ gives the last stage fewer blocks, the report's ``MINUS_LAST_STAGE``.
 Activation memory (schedule-derived): each stage keeps ``in_flight`` microbatches of saved
 activations at its peak, read from the schedule's per-rank action order (forward adds one;
 full backward, or the weight backward of zero-bubble schedules, releases one), times the
-stage's saved bytes per microbatch under ``plan.recompute.policy`` (``none``: every saved
-tensor; ``block``: the block inputs plus the largest block's saved tensors; other policies are
-reported as ``none``, an upper bound). Sizes are the captured example's: one microbatch.
+stage's saved bytes per microbatch, plus the largest transient of recomputing one block in
+backward. Recompute composes by reading the graph the ``recompute`` pass left: a recompute
+region keeps its inputs (the cost model's rule) and its sub-graph's saved tensors are the
+transient; tensors a selective region caches are not counted yet. Sizes are the captured
+example's: one microbatch.
 
 Preconditions: the plan is splittable, else :class:`~moec.plan.PlanError` naming the field
 (``parallel.pp`` when ``pp * v`` exceeds the blocks, ``parallel.virtual_stages`` for V-shaped or
 interleaved schedules without 2+ stages per rank, ``parallel.microbatches`` when fewer than the
 schedule needs); a parameter read by two stages (tied embeddings) is an error naming it.
 
-Options: ``plan.parallel`` (pp, virtual_stages, pp_schedule, microbatches), ``plan.recompute``.
+Options: ``plan.parallel`` (pp, virtual_stages, pp_schedule, microbatches), ``plan.recompute``;
+``PipelinePass(verify_stages=False)`` skips the per-stage verifier (re-splits of a verified graph).
 Statistics: ``stages``, ``blocks_per_stage``, ``minus_last_stage`` (mean blocks per stage minus
 the last stage's), ``imbalance`` (max / mean stage FLOPs), ``stage_table`` (per stage: blocks,
 flops, saved bytes per microbatch, in-flight microbatches, predicted peak activation bytes,
@@ -64,7 +67,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from moec.analysis.cost import CostTotals, GraphCost, graph_cost, nbytes
+from moec.analysis.cost import CostTotals, GraphCost, graph_cost, nbytes, node_cost
 from moec.analysis.structure import module_path
 from moec.frontend import GraphSignature, signature
 from moec.passes.manager import PassContext, PassResult
@@ -97,10 +100,10 @@ class StageInfo:
     aux_outputs: list[tuple[str, str]]
     flops: int
     saved_bytes: int
-    """Activation bytes kept per microbatch between its forward and backward (recompute
-    policy applied)."""
+    """Activation bytes kept per microbatch between its forward and backward (a recompute
+    region keeps its inputs)."""
     transient_bytes: int
-    """Bytes live only while one microbatch is recomputed (``block`` recompute), else 0."""
+    """Bytes live only while one block is recomputed in backward (recompute regions), else 0."""
     in_flight: int
     """Microbatches whose activations the stage holds at its peak under the schedule."""
     params: int
@@ -129,6 +132,10 @@ class PipelineSplit:
 class PipelinePass:
     name = "pipeline"
 
+    def __init__(self, verify_stages: bool = True):
+        # the verifier's fake propagation of every stage is most of the pass's time
+        self.verify_stages = verify_stages
+
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         plan = ctx.plan
         cost = graph_cost(gm)
@@ -136,10 +143,10 @@ class PipelinePass:
         num_stages = plan.parallel.pp * plan.parallel.virtual_stages
         check_splittable(plan.parallel, len(units))
         values = cost.sizes()
-        flops, saved = unit_costs(gm, cost, units, plan)
+        flops, saved = unit_costs(gm, cost, units)
         in_flight = inflight_microbatches(plan.parallel)
         bounds = balance(flops, saved, num_stages, in_flight)
-        split = _build(gm, cost, units, bounds, plan, in_flight, values)
+        split = _build(gm, cost, units, bounds, plan, in_flight, values, self.verify_stages)
         gm.meta["moec_pipeline"] = split
         return PassResult(gm, True, _stats(split))
 
@@ -202,10 +209,10 @@ def _units(gm: fx.GraphModule, cost: GraphCost) -> list[list[fx.Node]]:
     dependent = _data_dependent(gm)
     nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n in dependent]
     ends = []
-    for block in cost.blocks:
-        owned = [i for i, n in enumerate(nodes) if _under(module_path(n), block.path)]
+    for path in _block_paths(gm, cost):
+        owned = [i for i, n in enumerate(nodes) if _under(module_path(n), path)]
         if not owned:
-            raise PipelinePassError(f"block {block.path} has no compute nodes to split at")
+            raise PipelinePassError(f"block {path} has no compute nodes to split at")
         ends.append(owned[-1])
     if not ends:
         raise PipelinePassError("pipeline found no residual blocks (no FFN region) to split at")
@@ -218,20 +225,45 @@ def _units(gm: fx.GraphModule, cost: GraphCost) -> list[list[fx.Node]]:
 
 
 def unit_costs(
-    gm: fx.GraphModule, cost: GraphCost, units: list[list[fx.Node]], plan: Plan
+    gm: fx.GraphModule, cost: GraphCost, units: list[list[fx.Node]]
 ) -> tuple[list[int], list[tuple[int, int]]]:
     """Per block (prologue/epilogue and loss included): forward FLOPs and (kept, transient)
     saved bytes per microbatch, at the example sizes."""
     values = cost.sizes()
     flops = [cost.value(CostTotals.of(cost.nodes, u).flops) for u in units]
     flops[-1] += cost.value(_loss_flops(gm))
-    return flops, [_saved(cost, u, values, plan.recompute.policy) for u in units]
+    return flops, [_saved(cost, u, values) for u in units]
 
 
 def block_units(gm: fx.GraphModule) -> tuple[GraphCost, list[list[fx.Node]]]:
     """The cost model of ``gm`` and its blocks' nodes, as the pass splits them."""
     cost = graph_cost(gm)
     return cost, _units(gm, cost)
+
+
+def _block_paths(gm: fx.GraphModule, cost: GraphCost) -> list[str]:
+    """Residual blocks in graph order: the cost model's, and the blocks the ``recompute`` pass
+    moved into regions (whose FFNs the structure finder can no longer see)."""
+    first: dict[str, int] = {}
+    paths = {b.path for b in cost.blocks}
+    paths |= {module_path(n) for n in gm.graph.nodes if region_graph(n) is not None}
+    for i, node in enumerate(gm.graph.nodes):
+        path = module_path(node)
+        for p in paths:
+            if _under(path, p):
+                first.setdefault(p, i)
+    return sorted(first, key=first.__getitem__)
+
+
+def region_graph(node: fx.Node) -> fx.GraphModule | None:
+    """The sub-graph a ``recompute_region`` call runs (its first argument), else None."""
+    first = node.args[0] if node.op == "call_function" and node.args else None
+    if not (isinstance(first, fx.Node) and first.op == "get_attr"):
+        return None
+    sub = node.graph.owning_module
+    for part in str(first.target).split("."):
+        sub = getattr(sub, part, None)
+    return sub if isinstance(sub, fx.GraphModule) else None
 
 
 def _loss_flops(gm: fx.GraphModule) -> sympy.Expr:
@@ -242,19 +274,20 @@ def _loss_flops(gm: fx.GraphModule) -> sympy.Expr:
     return CE_FLOPS_PER_LOGIT * (nbytes(val) / val.element_size())
 
 
-def _saved(cost: GraphCost, unit: list[fx.Node], values: dict, policy: str) -> tuple[int, int]:
-    """(bytes kept per microbatch between forward and backward, extra transient bytes)."""
-    full = evaluate(CostTotals.of(cost.nodes, unit).saved_bytes, values)
-    if policy != "block":
-        return full, 0
-    members = set(unit)
-    inputs = {a for n in unit for a in n.all_input_nodes if a not in members}
-    kept = sum(
-        evaluate(nbytes(a.meta["val"]), values)
-        for a in inputs
-        if isinstance(a.meta.get("val"), torch.Tensor) and a.op != "get_attr"
-    )
-    return kept, full
+def _saved(cost: GraphCost, unit: list[fx.Node], values: dict) -> tuple[int, int]:
+    """(bytes kept per microbatch between forward and backward, transient bytes): a recompute
+    region keeps its inputs (the cost model's rule) and, while recomputed in backward,
+    materialises what its sub-graph saves."""
+    kept = evaluate(CostTotals.of(cost.nodes, unit).saved_bytes, values)
+    return kept, max((_region_saved(n, values) for n in unit), default=0)
+
+
+def _region_saved(node: fx.Node, values: dict) -> int:
+    sub = region_graph(node)
+    if sub is None:
+        return 0
+    costs = {n: node_cost(n) for n in sub.graph.nodes}
+    return evaluate(CostTotals.of(costs, sub.graph.nodes).saved_bytes, values)
 
 
 def evaluate(expr: Any, values: dict) -> int:
@@ -396,10 +429,12 @@ def _build(
     plan: Plan,
     in_flight: list[int],
     values: dict,
+    verify: bool,
 ) -> PipelineSplit:
     p = plan.parallel
     num_stages = len(starts)
     ends = starts[1:] + [len(units)]
+    paths = _block_paths(gm, cost)
     stage_of: dict[fx.Node, int] = {}
     for s, (i, j) in enumerate(zip(starts, ends, strict=True)):
         for unit in units[i:j]:
@@ -426,7 +461,7 @@ def _build(
             (a, key) for a, key in zip(aux, sig.aux_outputs, strict=True) if stage_of.get(a) == s
         ]
         sends = user_outputs if s == num_stages - 1 else live[s + 1]
-        stage = _stage_graph(gm, s, live[s], mine, sends, stage_aux)
+        stage = _stage_graph(gm, s, live[s], mine, sends, stage_aux, verify)
         for name, _ in stage.named_parameters():
             if owners.setdefault(name, s) != s:
                 raise PipelinePassError(
@@ -434,8 +469,9 @@ def _build(
                     "weights?); untie it (e.g. tie_embeddings=False) to pipeline this model"
                 )
         stages.append(stage)
-        blocks = [b.path for b in cost.blocks[starts[s] : ends[s]]]
-        kept, transient = _stage_saved(cost, units[starts[s] : ends[s]], mine, values, plan)
+        blocks = paths[starts[s] : ends[s]]
+        kept = evaluate(CostTotals.of(cost.nodes, mine).saved_bytes, values)
+        transient = max(_saved(cost, u, values)[1] for u in units[starts[s] : ends[s]])
         infos.append(
             StageInfo(
                 index=s,
@@ -453,16 +489,6 @@ def _build(
             )
         )
     return PipelineSplit(stages, infos, p.pp, p.virtual_stages, p.pp_schedule, p.microbatches)
-
-
-def _stage_saved(
-    cost: GraphCost, units: list[list[fx.Node]], mine: list[fx.Node], values: dict, plan: Plan
-) -> tuple[int, int]:
-    """(kept bytes per microbatch, transient bytes) of a stage; tensors shared by blocks once."""
-    if plan.recompute.policy != "block":
-        return evaluate(CostTotals.of(cost.nodes, mine).saved_bytes, values), 0
-    per_unit = [_saved(cost, u, values, "block") for u in units]
-    return sum(k for k, _ in per_unit), max(t for _, t in per_unit)
 
 
 def _last_use(
@@ -485,6 +511,7 @@ def _stage_graph(
     mine: list[fx.Node],
     sends: list[fx.Node],
     aux: list[tuple[fx.Node, tuple[str, str]]],
+    verify: bool,
 ) -> fx.GraphModule:
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -517,9 +544,11 @@ def _stage_graph(
     graph.output(tuple(outs))
     stage = fx.GraphModule(gm, graph, class_name=f"PipelineStage{index}")
     _stage_meta(gm, stage, len(inputs), len(sends), [key for _, key in aux], index)
-    from moec.passes.verify import verify_graph
+    stage.graph.lint()
+    if verify:
+        from moec.passes.verify import verify_graph
 
-    verify_graph(stage, f"pipeline (stage {index})")
+        verify_graph(stage, f"pipeline (stage {index})")
     return stage
 
 
