@@ -307,10 +307,18 @@ def stage_rank(stage: int, pp: int, schedule: str) -> int:
 def inflight_microbatches(p: ParallelPlan) -> list[int]:
     """Per stage, the most microbatches whose saved activations it holds at once.
 
-    Replays each rank's action order as torch's schedule computes it: F adds one; B (full
-    backward) or W (weight backward, after which the retained graph is freed) removes one.
+    GPipe holds all of them, 1F1B ``pp - rank``. Multi-stage schedules replay each rank's
+    action order as torch's schedule computes it: F adds one; B (full backward) or W (weight
+    backward, after which the retained graph is freed) removes one.
     """
-    order = _pipeline_order(p)
+    if p.pp_schedule == "gpipe":
+        return [p.microbatches] * p.pp
+    if p.pp_schedule == "1f1b":  # warmup of pp - rank forwards, then one backward per forward
+        return [min(p.microbatches, p.pp - rank) for rank in range(p.pp)]
+    try:
+        order = _pipeline_order(p)
+    except AttributeError:  # another torch's planner needs other state: all in flight (bound)
+        return [p.microbatches] * (p.pp * p.virtual_stages)
     peak = [0] * (p.pp * p.virtual_stages)
     for actions in order.values():
         live = [0] * len(peak)
@@ -369,10 +377,7 @@ def _pipeline_order(p: ParallelPlan) -> dict[int, list]:
         n_local_stages=p.virtual_stages,
         microbatches_per_round=microbatches_per_round,
         number_of_rounds=max(1, p.microbatches // microbatches_per_round),
-        _stages_initialized=False,
     )
-    if p.pp_schedule in ("gpipe", "1f1b"):
-        return cls._get_pipeline_order(me)
     order = {}
     for rank in range(p.pp):
         me.rank = rank
