@@ -466,7 +466,7 @@ def _build(
             (a, key) for a, key in zip(aux, sig.aux_outputs, strict=True) if stage_of.get(a) == s
         ]
         sends = user_outputs if s == num_stages - 1 else live[s + 1]
-        stage = _stage_graph(gm, s, live[s], mine, sends, stage_aux, verify)
+        stage = _stage_graph(gm, s, live[s], mine, sends, stage_aux, set(stage_of), verify)
         for name, _ in stage.named_parameters():
             if owners.setdefault(name, s) != s:
                 raise PipelinePassError(
@@ -516,14 +516,16 @@ def _stage_graph(
     mine: list[fx.Node],
     sends: list[fx.Node],
     aux: list[tuple[fx.Node, tuple[str, str]]],
+    staged: set[fx.Node],
     verify: bool,
 ) -> fx.GraphModule:
+    """The stage's graph: ``inputs`` as placeholders, its own ``mine`` nodes, data-independent
+    nodes (``staged`` are the data-dependent ones of every stage) recomputed where read."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in inputs:
         env[node] = graph.placeholder(node.name)
         env[node].meta = dict(node.meta)
-    staged = set(mine)
 
     def lookup(arg: fx.Node) -> fx.Node:
         if arg in env:
@@ -533,7 +535,7 @@ def _stage_graph(
             new.meta = dict(arg.meta)
         elif arg.op == "call_function" and arg.target is aten.sym_size.int:
             new = _size_from_inputs(graph, arg, inputs, env, index)
-        elif arg.op == "call_function" and arg not in staged and not _reads_data(arg, env):
+        elif arg.op == "call_function" and arg not in staged:
             new = graph.node_copy(arg, lookup)
         else:
             raise PipelinePassError(
@@ -555,10 +557,6 @@ def _stage_graph(
 
         verify_graph(stage, f"pipeline (stage {index})")
     return stage
-
-
-def _reads_data(node: fx.Node, env: dict[fx.Node, fx.Node]) -> bool:
-    return any(a.op == "placeholder" and a not in env for a in node.all_input_nodes)
 
 
 def _size_from_inputs(
