@@ -15,9 +15,12 @@ optimizer and scheduler state).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -184,7 +187,8 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         path = self.out / "checkpoints" / f"step_{self.step}"
-        dcp.save(self._state(), checkpoint_id=str(path))
+        with _single_process_checkpoint():
+            dcp.save(self._state(), checkpoint_id=str(path))
         extra = {
             "step": self.step,
             "scheduler": self.scheduler.state_dict(),
@@ -211,7 +215,8 @@ class Trainer:
             return False
         path = root / f"step_{steps[-1]}"
         state = self._state()
-        dcp.load(state, checkpoint_id=str(path))
+        with _single_process_checkpoint():
+            dcp.load(state, checkpoint_id=str(path))
         set_state_dict(
             self.compiled,
             self.optimizer,
@@ -336,6 +341,14 @@ class Trainer:
         }
 
 
+@contextlib.contextmanager
+def _single_process_checkpoint() -> Iterator[None]:
+    """DCP warns that it assumes one process when no process group exists: that is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host batch -> device without blocking the host (pinned memory, async copy)."""
     if device.type != "cuda":
@@ -405,7 +418,7 @@ def cli_demo(args) -> int:
     plan = Plan.from_dict(DEMO_PLAN)
     if device.type == "cuda":
         plan.precision.compute_dtype = "bf16"
-    steps = args.steps or 150
+    steps = args.steps or 200
     cfg = TrainConfig(
         steps=steps,
         batch_size=16,
