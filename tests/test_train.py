@@ -107,7 +107,7 @@ def test_metrics_equal_hand_computed_values(tmp_path):
         moec.Plan.from_dict({"moe": {"num_experts": 4, "top_k": 1}}),
         _cfg(tmp_path, batch_size=4, seq_len=8),
     )
-    # per token: 2 * (16*4 router + top-1 expert 16*32 + 32*16 + head 16*256) forward, x3 for training
+    # per token: 2 * (router 16*4 + top-1 expert 16*32 + 32*16 + head 16*256), x3 to train
     assert trainer.train_flops_per_token == 3 * 2 * (16 * 4 + 16 * 32 + 32 * 16 + 16 * 256)
     assert (
         trainer.active_params
