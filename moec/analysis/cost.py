@@ -520,15 +520,20 @@ def tokens(gm: fx.GraphModule) -> Expr:
 
 
 def _friendly_dims(gm: fx.GraphModule) -> dict[str, sympy.Symbol]:
-    first = next((v for v in map(_val, gm.graph.find_nodes(op="placeholder"))
-                  if isinstance(v, torch.Tensor)), None)
-    if first is None:
-        return {}
-    names = {}
-    for name, size in zip(("batch", "seq"), first.shape, strict=False):
-        if isinstance(sym(size), sympy.Symbol):
-            names[name] = sym(size)
-    return names
+    """``batch``/``seq``: the size symbols of dims 0/1 of the first input with symbolic sizes
+    (integer inputs first: token ids)."""
+    inputs = [v for v in map(_val, gm.graph.find_nodes(op="placeholder"))
+              if isinstance(v, torch.Tensor)]
+    inputs.sort(key=lambda v: v.is_floating_point())
+    for value in inputs:
+        names = {}
+        for name, size in zip(("batch", "seq"), value.shape, strict=False):
+            free = getattr(sym(size), "free_symbols", set())
+            if len(free) == 1:
+                names[name] = next(iter(free))
+        if names:
+            return names
+    return {}
 
 
 def _active_param_sizes(gm: fx.GraphModule, sizes: dict[str, int]) -> dict[str, float]:
