@@ -4,7 +4,7 @@ Uses the e2e workload (``benchmarks/e2e.py``); prints the torch profiler's kerne
 steady-state step of each, and counts cudaStreamSynchronize / cudaEventSynchronize /
 cudaMemcpy device-to-host calls in the trace (the report's B.6 check).
 
-    python benchmarks/profile_step.py [--small] [--rows 25]
+    python -m benchmarks.profile_step [--small] [--rows 25]
 """
 
 from __future__ import annotations

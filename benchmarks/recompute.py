@@ -8,7 +8,7 @@ is forward + backward (no optimizer). Printed per policy: steady-state step time
 (``torch.cuda.max_memory_allocated``), activation memory (peak minus what was allocated before
 the step) and the recompute pass's predicted saved bytes; ratios against ``none``.
 
-    python benchmarks/recompute.py [--full] [--steps 5] [--out recompute.json]
+    python -m benchmarks.recompute [--full] [--steps 5] [--out recompute.json]
 """
 
 from __future__ import annotations
@@ -23,29 +23,13 @@ import torch
 import torch.nn.functional as F
 
 import moec
-from moec.models import Llama, LlamaConfig
+from benchmarks.e2e import FULL, dense_model
+from moec.models import Llama
 
-FULL = dict(dim=1536, layers=8, dense_first=2, dense_width=24576, experts=32, top_k=8,
-            width=1536, seq=8192, micro=3, vocab=100352, heads=12)  # fmt: skip
 SMALL = dict(dim=128, layers=4, dense_first=1, dense_width=512, experts=8, top_k=2,
              width=128, seq=256, micro=2, vocab=1024, heads=4)  # fmt: skip
 POLICIES = ("none", "block", "selective")
-
-
-def build(shape: dict) -> Llama:
-    widths = (shape["dense_width"],) * shape["dense_first"] + (shape["width"],) * (
-        shape["layers"] - shape["dense_first"]
-    )
-    cfg = LlamaConfig(
-        vocab_size=shape["vocab"],
-        dim=shape["dim"],
-        n_layers=shape["layers"],
-        n_heads=shape["heads"],
-        n_kv_heads=shape["heads"],
-        ffn_hidden_per_layer=widths,
-        max_seq_len=shape["seq"],
-    )
-    return Llama(cfg)
+build = dense_model  # the e2e benchmark's dense model: same shapes, one definition
 
 
 def plan(shape: dict, policy: str, dtype: str) -> dict:
