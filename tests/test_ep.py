@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import copy
 import math
-import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import moec
@@ -24,31 +21,13 @@ from moec.ops.routing import capacity
 from moec.passes.expert_parallel import EPGroupInfo, ExpertParallelError, ExpertParallelPass
 from moec.passes.manager import PassContext, default_passes
 from moec.runtime import distributed as mdist
+from tests.distributed import spawn
 
 ops = torch.ops.moec
 N, K = 8, 2
 
 # --- harness -----------------------------------------------------------------------------------
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, worker, world: int, port: int, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        worker(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn(worker, world: int, *args) -> None:
-    mp.spawn(_entry, args=(worker, world, _free_port(), args), nprocs=world, join=True)
 
 
 def _route(logits: torch.Tensor, cf: float):
@@ -146,7 +125,7 @@ def test_ep_ops_equal_ep1_binding_or_not_and_poisoned(world):
     """EP = world equals EP = 1 for both sync-free and synced paths; with a binding capacity the
     accepted routes are the Python reference policy's; NaN in unwritten slots changes nothing;
     (world 2) every documented error of a live process group is raised."""
-    _spawn(_ops_cases_worker, world)
+    spawn(_ops_cases_worker, world)
 
 
 # --- the bundled Llama: outputs, loss, reduced gradients; then training -----------------------
@@ -219,7 +198,7 @@ def _check_equal(rank, world, path, ref, ep, mesh1, mesh_ep) -> None:
 
 
 def test_llama_ep2_equals_ep1_outputs_loss_reduced_grads():
-    _spawn(_llama_worker, 2)
+    spawn(_llama_worker, 2)
 
 
 def _train_worker(rank: int, world: int) -> None:
@@ -244,7 +223,7 @@ def _train_worker(rank: int, world: int) -> None:
 
 
 def test_training_ep2_lowers_loss_like_ep1():
-    _spawn(_train_worker, 2)
+    spawn(_train_worker, 2)
 
 
 # --- rowwise index math vs Python loops --------------------------------------------------------

@@ -2,7 +2,7 @@
 PP = 2 x EP = 2 equals the single-process result, the stage partition is the best at block
 granularity, predicted activation memory matches the measured one, and the documented errors.
 
-Multi-process tests spawn gloo ranks inside pytest, on ports in 29600-29699. One spawn per world
+Multi-process tests spawn gloo ranks inside pytest (tests/distributed.py). One spawn per world
 size runs every schedule: a process spends seconds importing torch and compiling the model.
 """
 
@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import moec
@@ -25,6 +22,7 @@ from moec.passes.manager import PassContext
 from moec.passes.pipeline import PipelinePass, balance, block_units, check_splittable, unit_costs
 from moec.plan import ParallelPlan, PlanError
 from moec.runtime.pipeline import PipelineRuntime, build_pipeline_mesh, runtime_for
+from tests.distributed import spawn
 
 CFG = LlamaConfig(vocab_size=128, dim=64, n_layers=8, n_heads=4, n_kv_heads=2, ffn_hidden=128)
 MOE = {"num_experts": 4, "top_k": 2, "capacity_factor": 4.0, "init": "random", "dense_first": 1}
@@ -39,30 +37,6 @@ part of the previous microbatch's activations alive while the next forward runs 
 
 # --- harness -----------------------------------------------------------------------------------
 
-
-def _free_port() -> int:
-    for port in range(29600, 29700):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 29600-29699")
-
-
-def _entry(rank: int, worker, world: int, port: int, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        worker(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn(worker, world: int, *args) -> None:
-    mp.spawn(_entry, args=(worker, world, _free_port(), args), nprocs=world, join=True)
 
 
 def _plan(**parallel) -> moec.Plan:
@@ -200,7 +174,7 @@ def test_every_schedule_equals_pp1_and_memory_prediction(world):
     of the unsplit program; each stage's peak of saved activations (saved-tensor hooks) is
     within 15% of the schedule-derived prediction; (world 2) train_step lowers the loss;
     (world 4) PP = 2 x EP = 2 equals the single-process result (see ``_pp2_ep2``)."""
-    _spawn(_schedules_worker, world)
+    spawn(_schedules_worker, world)
 
 
 # --- partition ---------------------------------------------------------------------------------
