@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from types import SimpleNamespace
 
 from rich.console import Console
 from rich.table import Table
@@ -94,10 +95,21 @@ def cmd_debug(args: argparse.Namespace) -> int:
     console = _console()
     console.print(f"pipeline: {plan.pipeline_string()}", markup=False)
     dump = DebugDump(args.out, plan, print_after_all=args.print_after_all, console=console)
-    moec.compile(model, plan, inputs, kwargs, dump=dump)
+    moec.compile(model, plan, inputs, kwargs, dump=dump, mesh=_debug_mesh(plan, args.ep_rank))
     if args.out is not None and not args.print_after_all:
         console.print(f"wrote {len(dump.stages)} stages to {args.out}", markup=False)
     return 0
+
+
+def _debug_mesh(plan: Plan, ep_rank: int) -> SimpleNamespace | None:
+    """Without a process group, show the graph EP rank ``ep_rank`` would run (it is not run)."""
+    from moec.passes.expert_parallel import EPGroupInfo
+
+    if plan.parallel.ep == 1:
+        return None
+    if not 0 <= ep_rank < plan.parallel.ep:
+        raise SystemExit(f"moec debug: --ep-rank {ep_rank} not in [0, {plan.parallel.ep})")
+    return SimpleNamespace(ep_info=EPGroupInfo(ep_rank, plan.parallel.ep, "moec-debug"))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -137,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     debug.add_argument("--out", help="output directory")
     debug.add_argument(
         "--print-after-all", action="store_true", help="print to the terminal instead of files"
+    )
+    debug.add_argument(
+        "--ep-rank", type=int, default=0, help="with parallel.ep > 1: the EP rank to show"
     )
     debug.set_defaults(func=cmd_debug)
 

@@ -118,3 +118,13 @@ def test_dump_hook_never_raises(tmp_path, caplog):
         dump("capture", gm, {})
     assert dump.stages == ["00_capture"]
     assert "could not produce" in caplog.text
+
+
+def test_debug_shows_an_ep_rank_graph_without_a_process_group(tmp_path):
+    plan = tmp_path / "ep.yaml"
+    moec.Plan.from_dict({**PLAN, "parallel": {"dp": 2, "ep": 2}}).save(plan)
+    out = tmp_path / "dump"
+    assert main(["debug", "llama", "--plan", str(plan), "--out", str(out), "--ep-rank", "1"]) == 0
+    stage = out / "02_expert_parallel"
+    assert all((stage / name).exists() for name in ARTIFACTS)
+    assert "moec.ep_dispatch" in (stage / "graph.py").read_text()
