@@ -201,9 +201,20 @@ def _attention(node: fx.Node) -> tuple[Expr, str, list[SavedRef]]:
     return flops / 2 if causal else flops, "attention", _refs([*node.args[:3], node])
 
 
+def _expert_rows(buffer: fx.Node) -> Expr:
+    """Useful rows of an expert buffer: every row of a local one (T*K), but only this rank's
+    T*K routes for an EP receive buffer, whose padding to the per-source capacity is not work
+    a balanced router asks for."""
+    if buffer.op == "call_function" and getattr(buffer.target, "name", lambda: "")() == (
+        "moec::ep_dispatch"
+    ):
+        return numel(_val(buffer.args[1]))  # slots: (T, K) routes of this rank
+    return sym(_val(buffer).shape[0])
+
+
 def _expert_mlp(node: fx.Node) -> tuple[Expr, str, list[SavedRef]]:
     x, w_up, w_down = (_val(a) for a in node.args[:3])
-    rows, dim, up = sym(x.shape[0]), sym(x.shape[1]), sym(w_up.shape[-1])
+    rows, dim, up = _expert_rows(node.args[0]), sym(x.shape[1]), sym(w_up.shape[-1])
     hidden = sym(w_down.shape[1])
     return 2 * rows * (dim * up + hidden * dim), "experts", [_ref(node.args[0]), SavedRef(node, 1)]
 
