@@ -1,0 +1,110 @@
+"""Checkpoints that load at any expert-parallel degree (``torch.distributed.checkpoint``).
+
+What is saved: the compiled model's parameters and its optimizer's state, as returned by
+``get_state_dict(compiled, optimizers)`` (keys are fully qualified parameter names, e.g.
+``graph_module.layers.0.ffn.moe.w_up``; optimizer state per name, e.g. AdamW's ``step``,
+``exp_avg``, ``exp_avg_sq``; plus ``param_groups``), under ``{"model": ..., "optim": ...}``.
+
+Layout: every tensor is stored in its *global* (EP = 1) shape. Under EP = n each rank holds the
+experts ``[rank*N/n, (rank+1)*N/n)`` of every ``expert`` parameter (dim 0, see
+:mod:`moec.passes.expert_parallel`); those slices, and the optimizer state tensors of the same
+shape, are wrapped as ``DTensor`` on the (edp, ep) mesh with placements
+``[Replicate(), Shard(0)]``, so DCP writes each expert once with its global offset. Loading
+wraps the reader's tensors in the reader's layout and DCP reads the overlapping chunks: a
+checkpoint written at EP = a loads at EP = b for any a, b dividing N (EP = 1: ``mesh=None``,
+plain DCP, also without a process group).
+
+Invariants: the reader compiles the same model and plan apart from ``parallel`` (same parameter
+names and global shapes) and builds the same optimizer class; after ``load`` every parameter and
+state tensor equals the writer's global tensor restricted to the reader's experts. Scalars
+(``step``) are replicated. Not supported: ZeRO-1 sharded optimizers
+(``build_optimizer(zero=True)``), whose state is not in ``get_state_dict``'s per-name form.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from moec.runtime.distributed import MoEMesh
+
+
+def save(
+    compiled: nn.Module, optimizer: Any, path: str | os.PathLike, mesh: MoEMesh | None = None
+) -> None:
+    """Write ``compiled``'s parameters and ``optimizer``'s state to the directory ``path``
+    (collective over the job when ``mesh`` is given)."""
+    with _quiet():
+        dcp.save(_state(compiled, optimizer, mesh), checkpoint_id=str(path))
+
+
+def load(
+    compiled: nn.Module, optimizer: Any, path: str | os.PathLike, mesh: MoEMesh | None = None
+) -> None:
+    """Read the checkpoint at ``path`` into ``compiled`` and ``optimizer``, resharding the
+    experts to this rank's EP layout (collective over the job when ``mesh`` is given)."""
+    state = _state(compiled, optimizer, mesh)
+    with _quiet():
+        dcp.load(state, checkpoint_id=str(path))
+    model, optim = state["model"], state["optim"]
+    set_state_dict(
+        compiled,
+        _optimizers(optimizer),
+        model_state_dict={k: _local(v) for k, v in model.items()},
+        optim_state_dict={
+            **optim,
+            "state": {k: {s: _local(t) for s, t in v.items()} for k, v in optim["state"].items()},
+        },
+    )
+
+
+def _state(compiled: nn.Module, optimizer: Any, mesh: MoEMesh | None) -> dict[str, Any]:
+    """The state dict in the global layout: expert tensors as DTensors when EP > 1."""
+    model, optim = get_state_dict(compiled, _optimizers(optimizer))
+    if mesh is None or mesh.ep_info.size == 1:
+        return {"model": model, "optim": optim}
+    roles = compiled.graph_module.meta.get("moec_param_roles", {})
+    experts = {n for n in model if roles.get(n.removeprefix("graph_module.")) == "expert"}
+
+    def wrap(name: str, value: Any) -> Any:
+        """New containers only: ``optim``'s inner dicts may be the optimizer's own state."""
+        if name in experts and isinstance(value, torch.Tensor) and value.dim() > 0:
+            return _global(value, mesh)
+        return value
+
+    model = {k: wrap(k, v) for k, v in model.items()}
+    state = {k: {s: wrap(k, t) for s, t in v.items()} for k, v in optim["state"].items()}
+    optim = {**optim, "state": state}
+    return {"model": model, "optim": optim}
+
+
+def _global(local: torch.Tensor, mesh: MoEMesh) -> DTensor:
+    """This rank's expert slice as a view of the global tensor: sharded over EP on dim 0,
+    replicated over the ranks holding the same experts (edp)."""
+    return DTensor.from_local(local, mesh.device_mesh, [Replicate(), Shard(0)], run_check=False)
+
+
+def _local(value: Any) -> Any:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """A torch optimizer, or :class:`moec.runtime.distributed.Optimizers`, as a list."""
+    return list(getattr(optimizer, "optimizers", [optimizer]))
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """DCP warns that it assumes one process when no process group exists: that is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
