@@ -8,30 +8,26 @@ every ``log_every`` steps, which is also where step time is measured.
 
 Outputs under ``out``: ``metrics.jsonl`` (one line per log step), ``summary.json``, PNG plots
 (loss, throughput, per-layer expert-load heatmap; needs matplotlib) and ``checkpoints/step_N``
-written with ``torch.distributed.checkpoint``. ``resume=True`` continues from the newest
-checkpoint and reproduces the uninterrupted run's losses bit for bit (same data order, RNG,
-optimizer and scheduler state).
+written by :mod:`moec.runtime.checkpoint` (DCP; loadable at any EP degree). ``resume=True``
+continues from the newest checkpoint and reproduces the uninterrupted run's losses bit for bit
+(same data order, RNG, optimizer and scheduler state).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import time
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from moec.analysis.cost import graph_cost
 from moec.data import TextBatches
 from moec.plan import Plan
+from moec.runtime import checkpoint
 from moec.runtime.compiled import CompiledModel, compile
 from moec.runtime.metrics import bf16_peak_tflops, count_host_syncs, useful_mfu
 
@@ -181,14 +177,9 @@ class Trainer:
 
     # --- checkpoints ---------------------------------------------------------------------------
 
-    def _state(self) -> dict[str, Any]:
-        model_state, optim_state = get_state_dict(self.compiled, self.optimizer)
-        return {"model": model_state, "optim": optim_state}
-
     def save_checkpoint(self) -> Path:
         path = self.out / "checkpoints" / f"step_{self.step}"
-        with _single_process_checkpoint():
-            dcp.save(self._state(), checkpoint_id=str(path))
+        checkpoint.save(self.compiled, self.optimizer, path)
         extra = {
             "step": self.step,
             "scheduler": self.scheduler.state_dict(),
@@ -214,15 +205,7 @@ class Trainer:
         if not steps:
             return False
         path = root / f"step_{steps[-1]}"
-        state = self._state()
-        with _single_process_checkpoint():
-            dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(
-            self.compiled,
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-        )
+        checkpoint.load(self.compiled, self.optimizer, path)
         extra = torch.load(path / "trainer.pt", weights_only=False)
         self.step = extra["step"]
         self.scheduler.load_state_dict(extra["scheduler"])
@@ -339,14 +322,6 @@ class Trainer:
             "active_params": self.active_params,
             "host_syncs_per_step": syncs,
         }
-
-
-@contextlib.contextmanager
-def _single_process_checkpoint() -> Iterator[None]:
-    """DCP warns that it assumes one process when no process group exists: that is intended."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
