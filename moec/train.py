@@ -15,6 +15,7 @@ continues from the newest checkpoint and reproduces the uninterrupted run's loss
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -22,13 +23,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from moec.analysis.cost import graph_cost
 from moec.data import TextBatches
-from moec.plan import Plan
+from moec.plan import Plan, PlanError
 from moec.runtime import checkpoint
 from moec.runtime.compiled import CompiledModel, compile
+from moec.runtime.distributed import GradientReducer, MoEMesh, init_from_env
+from moec.runtime.distributed import parameter_groups as dist_parameter_groups
 from moec.runtime.metrics import bf16_peak_tflops, count_host_syncs, useful_mfu
 
 
@@ -127,6 +131,8 @@ def wsd_schedule(cfg: TrainConfig):
 class Trainer:
     def __init__(self, model: torch.nn.Module, plan: Plan, cfg: TrainConfig, console=None):
         self.plan, self.cfg = plan, cfg
+        self.mesh = join_job(plan)
+        self.rank = dist.get_rank() if self.mesh else 0
         self.device = resolve_device(cfg.device)
         self.out = Path(cfg.out)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -134,7 +140,9 @@ class Trainer:
         vocab = getattr(getattr(model, "cfg", None), "vocab_size", None) or getattr(
             getattr(model, "config", None), "vocab_size", 256
         )
-        self.data = TextBatches(cfg.batch_size, cfg.seq_len, cfg.seed, cfg.synthetic, vocab)
+        # every data-parallel rank reads its own batches (same model init on every rank)
+        data_seed = cfg.seed + 7919 * self.rank
+        self.data = TextBatches(cfg.batch_size, cfg.seq_len, data_seed, cfg.synthetic, vocab)
         micro = plan.parallel.microbatches
         if cfg.batch_size % micro:
             raise ValueError(
@@ -142,7 +150,8 @@ class Trainer:
             )
         model = model.to(self.device)
         example = self.data.batch(0)[0][: cfg.batch_size // micro].to(self.device)
-        self.compiled = compile(model, plan, (example,))
+        self.compiled = compile(model, plan, (example,), mesh=self.mesh)
+        self.reducer = GradientReducer(self.compiled, self.mesh) if self.mesh else None
         self.optimizer = torch.optim.AdamW(
             parameter_groups(self.compiled, cfg.weight_decay),
             lr=cfg.lr,
@@ -162,32 +171,56 @@ class Trainer:
         inputs, targets = (_to_device(t, self.device) for t in self.data.batch(self.step))
         micro = self.plan.parallel.microbatches
         total = torch.zeros((), device=self.device)
-        for x, y in zip(inputs.chunk(micro), targets.chunk(micro), strict=True):
-            loss = language_model_loss(self.compiled(x), y)
-            has_moe = bool(self.compiled.moe_layers)
-            objective = loss + self.compiled.aux_loss() if has_moe else loss
-            (objective / micro).backward()
+        pairs = list(zip(inputs.chunk(micro), targets.chunk(micro), strict=True))
+        for i, (x, y) in enumerate(pairs):
+            local = self.reducer is not None and i < len(pairs) - 1
+            with self.reducer.no_sync() if local else contextlib.nullcontext():
+                loss = language_model_loss(self.compiled(x), y)
+                has_moe = bool(self.compiled.moe_layers)
+                objective = loss + self.compiled.aux_loss() if has_moe else loss
+                (objective / micro).backward()
             total = total + loss.detach() / micro
-        torch.nn.utils.clip_grad_norm_(self.compiled.parameters(), self.cfg.grad_clip)
+        if self.reducer is not None:
+            self.reducer.finish()
+        self._clip_gradients()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
         return total
 
+    def _clip_gradients(self) -> None:
+        """Clip by the global norm. Under EP each rank holds other experts' gradients, so their
+        squared norms are summed over the EP group (dense gradients are already identical)."""
+        if self.mesh is None:
+            torch.nn.utils.clip_grad_norm_(self.compiled.parameters(), self.cfg.grad_clip)
+            return
+        dense, expert = dist_parameter_groups(self.compiled)
+        squares = [_squared_norm(dense), _squared_norm(expert)]
+        dist.all_reduce(squares[1], group=self.mesh.ep_group)
+        norm = (squares[0] + squares[1]).sqrt()
+        scale = (self.cfg.grad_clip / (norm + 1e-6)).clamp(max=1.0)
+        grads = [p.grad for p in dense + expert if p.grad is not None]
+        torch._foreach_mul_(grads, scale)
+
     # --- checkpoints ---------------------------------------------------------------------------
 
     def save_checkpoint(self) -> Path:
         path = self.out / "checkpoints" / f"step_{self.step}"
-        checkpoint.save(self.compiled, self.optimizer, path)
+        checkpoint.save(self.compiled, self.optimizer, path, self.mesh)
         extra = {
             "step": self.step,
             "scheduler": self.scheduler.state_dict(),
             "cpu_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None,
         }
-        torch.save(extra, path / "trainer.pt")
+        torch.save(extra, path / self._trainer_file)
         return path
+
+    @property
+    def _trainer_file(self) -> str:
+        """Step, scheduler and RNG state: one file, or one per rank in a job."""
+        return f"trainer_rank{self.rank}.pt" if self.mesh else "trainer.pt"
 
     def load_latest_checkpoint(self) -> bool:
         root = self.out / "checkpoints"
@@ -196,7 +229,7 @@ class Trainer:
                 (
                     int(p.name.removeprefix("step_"))
                     for p in root.glob("step_*")
-                    if (p / "trainer.pt").exists()
+                    if (p / self._trainer_file).exists()
                 ),
             )
             if root.exists()
@@ -205,8 +238,8 @@ class Trainer:
         if not steps:
             return False
         path = root / f"step_{steps[-1]}"
-        checkpoint.load(self.compiled, self.optimizer, path)
-        extra = torch.load(path / "trainer.pt", weights_only=False)
+        checkpoint.load(self.compiled, self.optimizer, path, self.mesh)
+        extra = torch.load(path / self._trainer_file, weights_only=False)
         self.step = extra["step"]
         self.scheduler.load_state_dict(extra["scheduler"])
         torch.set_rng_state(extra["cpu_rng"])
@@ -220,8 +253,9 @@ class Trainer:
         cfg = self.cfg
         if cfg.resume and self.load_latest_checkpoint() and self.console:
             self.console.print(f"resumed from step {self.step}")
-        mode = "a" if cfg.resume else "w"
-        log = (self.out / "metrics.jsonl").open(mode)
+        writer = self.rank == 0  # in a job, rank 0 writes the logs, summary and plots
+        log_path = self.out / ("metrics.jsonl" if writer else f"metrics_rank{self.rank}.jsonl")
+        log = log_path.open("a" if cfg.resume else "w")
         pending: list[torch.Tensor] = []
         losses: list[float] = []
         tokens_per_step = cfg.batch_size * cfg.seq_len
@@ -269,8 +303,9 @@ class Trainer:
             _wait(self.device)
             steady = (time.perf_counter() - steady_start) / steady_steps
         summary = self._summary(losses, steady, tokens_per_step, syncs)
-        (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
-        if cfg.plots:
+        if writer:
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        if cfg.plots and writer:
             from moec.plots import write_plots
 
             write_plots(self.out, history, self.compiled.routing_stats())
@@ -322,6 +357,26 @@ class Trainer:
             "active_params": self.active_params,
             "host_syncs_per_step": syncs,
         }
+
+
+def join_job(plan: Plan) -> MoEMesh | None:
+    """The (edp, ep) mesh when ``plan`` is data/expert parallel (under torchrun), else None."""
+    p = plan.parallel
+    if p.pp > 1:
+        raise PlanError(
+            "parallel.pp",
+            p.pp,
+            "1 for the Trainer; pipelined programs train through "
+            "CompiledModel.train_step (moec.runtime.pipeline)",
+        )
+    if p.dp == 1 and p.ep == 1:
+        return None
+    return init_from_env(plan)
+
+
+def _squared_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    grads = [p.grad.float().pow(2).sum() for p in params if p.grad is not None]
+    return torch.stack(grads).sum() if grads else torch.zeros(())
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
