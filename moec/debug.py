@@ -7,7 +7,8 @@
     out_dir/NN_<stage>/graph.py     readable code of the GraphModule (pipeline string on top)
     out_dir/NN_<stage>/ops.txt      op table: node, op, target, shape/dtype, module, from_pass
     out_dir/NN_<stage>/graph.dot    Graphviz text (``dot -Tsvg graph.dot``); pass-made nodes shaded
-    out_dir/NN_<stage>/diff.patch   unified diff of graph.py against the previous stage
+    out_dir/NN_<stage>/diff.patch   unified diff of graph.py against the previous stage (a comment
+                                    line when the pass changed nothing)
     out_dir/NN_<stage>/stats.json   nodes, parameters, active parameters, FLOPs/token, pass stats
 
 With ``print_after_all=True`` (``moec debug --print-after-all``) the code, op table, diff and
@@ -90,7 +91,7 @@ class DebugDump:
             "graph.py": lambda: code,
             "ops.txt": lambda: format_op_table(ops),
             "graph.dot": lambda: graphviz_dot(gm, name),
-            "diff.patch": lambda: diff,
+            "diff.patch": lambda: diff or f"# {name}: the graph did not change\n",
             "stats.json": lambda: json.dumps(record, indent=2, default=str) + "\n",
         }
         tables = stat_tables(stats)

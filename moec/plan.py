@@ -185,6 +185,19 @@ class RecomputePlan:
 
 
 @dataclass
+class LossPlan:
+    """The LM head and its loss (pass ``fused_loss``)."""
+
+    fused: bool = True
+    """Fuse ``linear -> cross_entropy`` (mean or sum) into ``moec::linear_cross_entropy``: the
+    logits never exist whole and the head's gradients are computed in the forward. Set false
+    for programs that run the forward without a backward (evaluation)."""
+
+    def validate(self) -> None:
+        pass
+
+
+@dataclass
 class Plan:
     """What moec builds. ``Plan()`` is a valid default: 8 experts, top-2, upcycled."""
 
@@ -192,6 +205,7 @@ class Plan:
     parallel: ParallelPlan = field(default_factory=ParallelPlan)
     precision: PrecisionPlan = field(default_factory=PrecisionPlan)
     recompute: RecomputePlan = field(default_factory=RecomputePlan)
+    loss: LossPlan = field(default_factory=LossPlan)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -257,6 +271,8 @@ class Plan:
             parts.append(f"expert_parallel{{ep={p.ep},path={p.ep_path}}}")
         if self.precision.gemm != "bf16":
             parts.append(f"precision{{{self.precision.gemm},{'+'.join(self.precision.scope)}}}")
+        if self.loss.fused:
+            parts.append("fused_loss")
         if self.recompute.policy != "none":
             parts.append(f"recompute{{{self.recompute.policy}}}")
         if p.pp > 1:
@@ -269,6 +285,7 @@ _SECTIONS: dict[str, type] = {
     "parallel": ParallelPlan,
     "precision": PrecisionPlan,
     "recompute": RecomputePlan,
+    "loss": LossPlan,
 }
 
 

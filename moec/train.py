@@ -86,6 +86,18 @@ def language_model_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
+class LanguageModelWithLoss(torch.nn.Module):
+    """``model(inputs)`` and its next-token loss as one module: the loss is then part of the
+    captured graph, where the ``fused_loss`` pass can fuse it with the LM head."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return language_model_loss(self.model(inputs), targets)
+
+
 def parameter_groups(compiled: CompiledModel, weight_decay: float) -> list[dict[str, Any]]:
     """Dense and expert groups, each split into decayed matrices and undecayed
     embeddings/norms/biases."""
@@ -149,8 +161,8 @@ class Trainer:
                 f"batch_size={cfg.batch_size} must be divisible by parallel.microbatches={micro}"
             )
         model = model.to(self.device)
-        example = self.data.batch(0)[0][: cfg.batch_size // micro].to(self.device)
-        self.compiled = compile(model, plan, (example,), mesh=self.mesh)
+        example = tuple(t[: cfg.batch_size // micro].to(self.device) for t in self.data.batch(0))
+        self.compiled = compile(LanguageModelWithLoss(model), plan, example, mesh=self.mesh)
         self.reducer = GradientReducer(self.compiled, self.mesh) if self.mesh else None
         self.optimizer = torch.optim.AdamW(
             parameter_groups(self.compiled, cfg.weight_decay),
@@ -175,7 +187,7 @@ class Trainer:
         for i, (x, y) in enumerate(pairs):
             local = self.reducer is not None and i < len(pairs) - 1
             with self.reducer.no_sync() if local else contextlib.nullcontext():
-                loss = language_model_loss(self.compiled(x), y)
+                loss = self.compiled(x, y)
                 has_moe = bool(self.compiled.moe_layers)
                 objective = loss + self.compiled.aux_loss() if has_moe else loss
                 (objective / micro).backward()

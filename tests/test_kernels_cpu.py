@@ -17,7 +17,15 @@ import torch
 
 pytest.importorskip("triton")
 
-from moec.kernels import activation, experts, grouped_gemm, movement, router  # noqa: E402
+from moec.kernels import (  # noqa: E402
+    activation,
+    cross_entropy,
+    experts,
+    grouped_gemm,
+    movement,
+    router,
+)
+from moec.ops.loss import cross_entropy_rows_reference  # noqa: E402
 from moec.ops.movement import combine_reference, dispatch_reference  # noqa: E402
 from moec.ops.routing import route_reference  # noqa: E402
 
@@ -104,6 +112,26 @@ def test_dispatch_combine_and_backward_ignore_poisoned_rows(dtype):
     torch.testing.assert_close(d_w, w_ref.grad)
     ones = torch.ones_like(weights)
     torch.testing.assert_close(movement.combine(y, None, rows), combine_reference(y, ones, rows))
+
+
+@interpreted
+@pytest.mark.parametrize("vocab,dtype", [(37, torch.float32), (5000, torch.float16)])
+def test_cross_entropy_rows_equals_reference(vocab, dtype):
+    rows = 9
+    logits = (torch.randn(rows, vocab) * 4).to(dtype)
+    targets = torch.randint(0, vocab, (rows,))
+    targets[2] = -100  # ignored: zero loss and gradient
+    targets[5] = vocab - 1  # the last column, in the tail block
+    grad, want_grad = logits.clone(), logits.clone()
+    loss = cross_entropy.cross_entropy_rows(grad, targets, -100)
+    want = cross_entropy_rows_reference(want_grad, targets, -100)
+    torch.testing.assert_close(loss, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(grad, want_grad, atol=2e-3 if dtype == torch.float16 else 1e-6,
+                               rtol=1e-3)  # fmt: skip
+    assert loss[2] == 0 and not grad[2].any()
+    bad = targets.clone()
+    bad[0] = vocab  # out of range, not ignored: NaN, never a silent number
+    assert cross_entropy.cross_entropy_rows(logits.clone(), bad, -100)[0].isnan()
 
 
 def _offsets(counts: list[int]) -> torch.Tensor:

@@ -19,6 +19,7 @@ Rules (forward pass; a FLOP is a multiply or an add):
 - ``moec.expert_mlp`` over R = T*K routed rows: 2*R*(D*U + H*D); saved: its input rows and the
   pre-activation h; ``moec.route`` and ``moec.router_losses``: a few FLOPs per logit;
   ``moec.dispatch``/``moec.combine``: data movement (combine's weighted sum is 2*T*K*D);
+  ``moec.linear_cross_entropy``: the head's 2*N*D*V, saving the gradients it computed;
 - pointwise ops: numel(out), saving their floating-point inputs unless the op is linear (add,
   sub, neg, copies); norms: a few FLOPs per element, saving the input; reductions: numel(in);
 - views, getitem and shape ops: nothing.
@@ -239,6 +240,13 @@ def _combine(node: fx.Node) -> tuple[Expr, str, list[SavedRef]]:
     return flops, "movement", _refs(node.args, floating=False)
 
 
+def _linear_cross_entropy(node: fx.Node) -> tuple[Expr, str, list[SavedRef]]:
+    # the head GEMM (the backward's two run in the forward: useful FLOPs stay 3x this);
+    # saved: the gradients it computed, held until the backward scales them
+    flops = 2 * numel(_val(node.args[0])) * sym(_val(node.args[1]).shape[0])
+    return flops, "matmul", [SavedRef(node, 1), SavedRef(node, 2), SavedRef(node, 3)]
+
+
 def _embedding(node: fx.Node) -> tuple[Expr, str, list[SavedRef]]:
     return ZERO, "movement", _refs(node.args[1:2], floating=False)
 
@@ -261,6 +269,7 @@ def _moec_rules() -> dict[Any, Rule]:
         ops.router_losses.default: _router_losses,
         ops.dispatch.default: _dispatch,
         ops.combine.default: _combine,
+        ops.linear_cross_entropy.default: _linear_cross_entropy,
     }
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import triton
 from triton.backends.compiler import GPUTarget
 
-from moec.kernels import activation, grouped_gemm, movement, router
+from moec.kernels import activation, cross_entropy, grouped_gemm, movement, router
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,7 @@ def kernel_specs(capability: int) -> list[KernelSpec]:
         "d_out_ptr": "*bf16", "d_y_ptr": "*bf16", "rows_ptr": "*i64", "weights_ptr": "*fp32",
         "d_weights_ptr": "*fp32",
     }  # fmt: skip
+    move = {"TOP_K": 8, "BLOCK_T": movement.BLOCK_T}
     act_ptrs = {n: "*bf16" for n in ("h_ptr", "d_a_ptr", "a_ptr", "d_h_ptr")}
     act = {"ACT": 2, "GATED": True, "BLOCK_R": 16, "BLOCK_H": 256}
     return [
@@ -103,16 +104,22 @@ def kernel_specs(capability: int) -> list[KernelSpec]:
         KernelSpec(
             "route_rows", router._route_rows_kernel, route_ptrs, k | {"N_P2": 32, "BLOCK_T": 128}
         ),
-        KernelSpec("dispatch", movement._dispatch_kernel, move_ptrs, k | {"BLOCK_D": 512}),
+        KernelSpec("dispatch", movement._dispatch_kernel, move_ptrs, move | {"BLOCK_D": 512}),
         KernelSpec(
             "combine", movement._combine_kernel, move_ptrs,
-            k | {"BLOCK_D": 512, "HAS_WEIGHTS": True},
+            move | {"BLOCK_D": 512, "HAS_WEIGHTS": True},
         ),
         KernelSpec(
-            "combine_backward", movement._combine_backward_kernel, move_ptrs, k | {"BLOCK_D": 512}
+            "combine_backward", movement._combine_backward_kernel, move_ptrs,
+            move | k | {"BLOCK_D": 256},
         ),
         KernelSpec("act_forward", activation._act_kernel, act_ptrs, act | {"BACKWARD": False}),
         KernelSpec("act_backward", activation._act_kernel, act_ptrs, act | {"BACKWARD": True}),
+        KernelSpec(
+            "cross_entropy_rows", cross_entropy._cross_entropy_rows_kernel,
+            {"logits_ptr": "*bf16", "targets_ptr": "*i64", "loss_ptr": "*fp32"},
+            {"BLOCK_V": 4096}, {"num_warps": 8},
+        ),
         *_gmm_specs(family),
     ]  # fmt: skip
 

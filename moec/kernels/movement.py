@@ -7,9 +7,11 @@ combine(y[R, D], weights[T, K]?, rows[T, K]) -> out[T, D]:  sum over accepted k 
 combine_backward(y, weights, rows, d_out) -> d_y[R, D], d_weights[T, K]:  one pass that writes
     d_y[rows[t, k]] = weights[t, k] * d_out[t] and d_weights[t, k] = <y[rows[t, k]], d_out[t]>.
 
-One program per token; it holds the token's K rows as a (K_P2, BLOCK_D) tile and walks D. Rows of
-dropped routes (-1) are masked out of every load, so NaN/garbage in unreferenced rows of y
-never leaks.
+These are pure bandwidth: a program owns a (BLOCK_T tokens x BLOCK_D columns) tile and unrolls
+the K routes, so each route is one contiguous, vectorised row load (or store) per token, the K
+loads are in flight together, and the sum over K stays in the thread's registers (no cross-warp
+reduction). Rows of dropped routes (-1) are masked out of every load, so NaN/garbage in
+unreferenced rows of y never leaks.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+BLOCK_T = 4  # tokens per program; with BLOCK_D = 512 a tile is 2048 elements (4 warps)
+
 
 @triton.jit
 def _dispatch_kernel(
@@ -27,27 +31,23 @@ def _dispatch_kernel(
     rows_ptr,  # (T, TOP_K) int64
     buf_ptr,  # (R, D)
     # sizes and strides
+    T,
     D,
     stride_x,
     stride_b,
     # meta-parameters
     TOP_K: tl.constexpr,
-    K_P2: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
-    ks = tl.arange(0, K_P2)
-    rows = tl.load(rows_ptr + t * TOP_K + ks, mask=ks < TOP_K, other=-1)
-    valid = rows >= 0
-    for d0 in range(0, D, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
-        v = tl.load(x_ptr + t * stride_x + d, mask=d < D)
-        tile = tl.broadcast_to(v[None, :], (K_P2, BLOCK_D))
-        tl.store(
-            buf_ptr + rows[:, None] * stride_b + d[None, :],
-            tile,
-            mask=valid[:, None] & (d < D)[None, :],
-        )
+    ts = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    in_d = (d < D)[None, :]
+    tile = tl.load(x_ptr + ts[:, None] * stride_x + d[None, :], mask=(ts < T)[:, None] & in_d)
+    for k in tl.static_range(TOP_K):
+        rows = tl.load(rows_ptr + ts * TOP_K + k, mask=ts < T, other=-1)
+        dest = buf_ptr + rows[:, None] * stride_b + d[None, :]
+        tl.store(dest, tile, mask=(rows >= 0)[:, None] & in_d)
 
 
 @triton.jit
@@ -58,33 +58,33 @@ def _combine_kernel(
     rows_ptr,  # (T, TOP_K) int64
     out_ptr,  # (T, D)
     # sizes and strides
+    T,
     D,
     stride_y,
     stride_o,
     # meta-parameters
     TOP_K: tl.constexpr,
-    K_P2: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
-    ks = tl.arange(0, K_P2)
-    rows = tl.load(rows_ptr + t * TOP_K + ks, mask=ks < TOP_K, other=-1)
-    valid = rows >= 0
-    if HAS_WEIGHTS:
-        w = tl.load(weights_ptr + t * TOP_K + ks, mask=valid, other=0.0).to(tl.float32)
-    else:
-        w = valid.to(tl.float32)
-    w = tl.where(valid, w, 0.0)
-    for d0 in range(0, D, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
+    ts = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    in_d = (d < D)[None, :]
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        rows = tl.load(rows_ptr + ts * TOP_K + k, mask=ts < T, other=-1)
+        valid = rows >= 0
         tile = tl.load(
-            y_ptr + rows[:, None] * stride_y + d[None, :],
-            mask=valid[:, None] & (d < D)[None, :],
-            other=0.0,
+            y_ptr + rows[:, None] * stride_y + d[None, :], mask=valid[:, None] & in_d, other=0.0
         ).to(tl.float32)
-        acc = tl.sum(tile * w[:, None], axis=0)
-        tl.store(out_ptr + t * stride_o + d, acc.to(out_ptr.dtype.element_ty), mask=d < D)
+        if HAS_WEIGHTS:
+            w = tl.load(weights_ptr + ts * TOP_K + k, mask=valid, other=0.0).to(tl.float32)
+            acc += tile * w[:, None]
+        else:
+            acc += tile
+    out = out_ptr + ts[:, None] * stride_o + d[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(ts < T)[:, None] & in_d)
 
 
 @triton.jit
@@ -97,6 +97,7 @@ def _combine_backward_kernel(
     d_y_ptr,  # (R, D) out
     d_weights_ptr,  # (T, TOP_K) out
     # sizes and strides
+    T,
     D,
     stride_y,
     stride_do,
@@ -104,29 +105,36 @@ def _combine_backward_kernel(
     # meta-parameters
     TOP_K: tl.constexpr,
     K_P2: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
+    ts = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_t = ts < T
     ks = tl.arange(0, K_P2)
-    rows = tl.load(rows_ptr + t * TOP_K + ks, mask=ks < TOP_K, other=-1)
-    valid = rows >= 0
-    w = tl.load(weights_ptr + t * TOP_K + ks, mask=valid, other=0.0).to(tl.float32)
-    acc = tl.zeros((K_P2,), dtype=tl.float32)
+    dots = tl.zeros((BLOCK_T, K_P2), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
-        g = tl.load(d_out_ptr + t * stride_do + d, mask=d < D, other=0.0).to(tl.float32)
-        mask = valid[:, None] & (d < D)[None, :]
-        tile = tl.load(y_ptr + rows[:, None] * stride_y + d[None, :], mask=mask, other=0.0)
-        acc += tl.sum(tile.to(tl.float32) * g[None, :], axis=1)
-        d_y = (w[:, None] * g[None, :]).to(d_y_ptr.dtype.element_ty)
-        tl.store(d_y_ptr + rows[:, None] * stride_dy + d[None, :], d_y, mask=mask)
+        in_d = (d < D)[None, :]
+        g = tl.load(
+            d_out_ptr + ts[:, None] * stride_do + d[None, :], mask=in_t[:, None] & in_d, other=0.0
+        ).to(tl.float32)
+        for k in tl.static_range(TOP_K):
+            rows = tl.load(rows_ptr + ts * TOP_K + k, mask=in_t, other=-1)
+            mask = (rows >= 0)[:, None] & in_d
+            w = tl.load(weights_ptr + ts * TOP_K + k, mask=rows >= 0, other=0.0).to(tl.float32)
+            tile = tl.load(y_ptr + rows[:, None] * stride_y + d[None, :], mask=mask, other=0.0)
+            partial = tl.sum(tile.to(tl.float32) * g, axis=1)
+            dots += tl.where(ks[None, :] == k, partial[:, None], 0.0)
+            d_y = (w[:, None] * g).to(d_y_ptr.dtype.element_ty)
+            tl.store(d_y_ptr + rows[:, None] * stride_dy + d[None, :], d_y, mask=mask)
+    dest = d_weights_ptr + ts[:, None] * TOP_K + ks[None, :]
     tl.store(
-        d_weights_ptr + t * TOP_K + ks, acc.to(d_weights_ptr.dtype.element_ty), mask=ks < TOP_K
+        dest, dots.to(d_weights_ptr.dtype.element_ty), mask=in_t[:, None] & (ks < TOP_K)[None, :]
     )
 
 
-def _block_d(dim: int, k_p2: int) -> int:
-    return max(16, min(triton.next_power_of_2(dim), 4096 // k_p2, 512))
+def _block_d(dim: int) -> int:
+    return max(16, min(triton.next_power_of_2(dim), 512))
 
 
 def _flat(t: Tensor) -> Tensor:
@@ -134,8 +142,10 @@ def _flat(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _num_warps(block_d: int, k_p2: int) -> int:
-    return 8 if block_d * k_p2 >= 4096 else 4
+def _tiles(tokens: int, dim: int) -> tuple[int, int, int]:
+    """(grid over tokens, grid over columns, BLOCK_D)."""
+    block_d = _block_d(dim)
+    return triton.cdiv(tokens, BLOCK_T), triton.cdiv(dim, block_d), block_d
 
 
 def dispatch(x: Tensor, rows: Tensor) -> Tensor:
@@ -148,11 +158,10 @@ def dispatch(x: Tensor, rows: Tensor) -> Tensor:
     buf = flat_x.new_empty(rows.numel(), dim)
     if tokens == 0 or dim == 0:
         return buf
-    k_p2 = triton.next_power_of_2(top_k)
-    block_d = _block_d(dim, k_p2)
-    _dispatch_kernel[(tokens,)](
-        flat_x, flat_rows, buf, dim, flat_x.stride(0), buf.stride(0),
-        TOP_K=top_k, K_P2=k_p2, BLOCK_D=block_d, num_warps=_num_warps(block_d, k_p2),
+    grid_t, grid_d, block_d = _tiles(tokens, dim)
+    _dispatch_kernel[(grid_t, grid_d)](
+        flat_x, flat_rows, buf, tokens, dim, flat_x.stride(0), buf.stride(0),
+        TOP_K=top_k, BLOCK_T=BLOCK_T, BLOCK_D=block_d, num_warps=4,
     )  # fmt: skip
     return buf
 
@@ -167,12 +176,11 @@ def combine(y: Tensor, weights: Tensor | None, rows: Tensor) -> Tensor:
     if tokens == 0 or dim == 0:
         return out.view(*rows.shape[:-1], dim)
     flat_w = flat_rows if weights is None else weights.reshape(tokens, top_k).contiguous()
-    k_p2 = triton.next_power_of_2(top_k)
-    block_d = _block_d(dim, k_p2)
-    _combine_kernel[(tokens,)](
-        y, flat_w, flat_rows, out, dim, y.stride(0), out.stride(0),
-        TOP_K=top_k, K_P2=k_p2, BLOCK_D=block_d, HAS_WEIGHTS=weights is not None,
-        num_warps=_num_warps(block_d, k_p2),
+    grid_t, grid_d, block_d = _tiles(tokens, dim)
+    _combine_kernel[(grid_t, grid_d)](
+        y, flat_w, flat_rows, out, tokens, dim, y.stride(0), out.stride(0),
+        TOP_K=top_k, BLOCK_T=BLOCK_T, BLOCK_D=block_d, HAS_WEIGHTS=weights is not None,
+        num_warps=4,
     )  # fmt: skip
     return out.view(*rows.shape[:-1], dim)
 
@@ -190,11 +198,11 @@ def combine_backward(
     d_weights = torch.empty(weights.shape, dtype=weights.dtype, device=weights.device)
     if tokens == 0:
         return d_y, d_weights
-    k_p2 = triton.next_power_of_2(top_k)
-    block_d = _block_d(dim, k_p2)
-    _combine_backward_kernel[(tokens,)](
+    grid_t, _, block_d = _tiles(tokens, dim)
+    _combine_backward_kernel[(grid_t,)](
         y, weights.reshape(tokens, top_k).contiguous(), flat_rows, flat_d, d_y, d_weights,
-        dim, y.stride(0), flat_d.stride(0), d_y.stride(0),
-        TOP_K=top_k, K_P2=k_p2, BLOCK_D=block_d, num_warps=_num_warps(block_d, k_p2),
+        tokens, dim, y.stride(0), flat_d.stride(0), d_y.stride(0),
+        TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), BLOCK_T=BLOCK_T,
+        BLOCK_D=min(block_d, 256), num_warps=4,
     )  # fmt: skip
     return d_y, d_weights

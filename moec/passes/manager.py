@@ -77,6 +77,7 @@ def default_passes(plan: Plan, mesh: Any = None) -> list[Pass]:
     """The passes ``plan`` enables, in pipeline order; ``mesh`` (a
     :class:`moec.runtime.distributed.MoEMesh`) places this rank when ``parallel.ep > 1``."""
     from moec.passes.expert_parallel import ExpertParallelPass
+    from moec.passes.loss import FusedLossPass
     from moec.passes.moe import MoEPass
     from moec.passes.precision import PrecisionPass
     from moec.passes.recompute import RecomputePass
@@ -86,6 +87,9 @@ def default_passes(plan: Plan, mesh: Any = None) -> list[Pass]:
         passes.append(ExpertParallelPass.for_mesh(plan, mesh))
     if plan.precision.gemm != "bf16":
         passes.append(PrecisionPass())
+    if plan.loss.fused and plan.parallel.pp == 1:
+        # pipelined programs compute the loss outside the graph, in the last stage's loss_fn
+        passes.append(FusedLossPass())
     if plan.recompute.policy != "none":
         passes.append(RecomputePass())
     if plan.parallel.pp > 1:

@@ -252,3 +252,24 @@ def test_layer_step_is_sync_free_and_runs_ahead():
     device = begin.elapsed_time(end) / 1e3
     print(f"host submit {host / 5 * 1e3:.2f} ms/step, device {device / 5 * 1e3:.2f} ms/step")
     assert host < 0.5 * device, (host, device)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_cross_entropy_kernel_equals_reference(monkeypatch, bias):
+    from moec.ops import loss as loss_op
+
+    monkeypatch.setattr(loss_op, "CHUNK_ELEMENTS", 1024 * 10007)  # 3 chunks, the last one short
+    rows, dim, vocab = 2500, 256, 10007  # vocab: 3 kernel blocks, the last one partial
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    h = torch.randn(rows, dim, **bf, requires_grad=True)
+    weight = (torch.randn(vocab, dim, device="cuda") / dim**0.5).requires_grad_()  # fp32 master
+    b = torch.randn(vocab, device="cuda", requires_grad=True) if bias else None
+    targets = torch.randint(0, vocab, (rows,), device="cuda")
+    targets[::7] = -100
+    params = [t for t in (h, weight, b) if t is not None]
+    got = torch.ops.moec.linear_cross_entropy(h, weight, b, targets, -100, "mean")[0]
+    want = loss_op.linear_cross_entropy_reference(h, weight, b, targets, -100, "mean")
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+    for g, r in zip(torch.autograd.grad(got, params), torch.autograd.grad(want, params)):
+        assert g.dtype == r.dtype and torch.isfinite(g).all()
+        assert _rel(g, r) < 1e-2

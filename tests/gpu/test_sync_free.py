@@ -27,3 +27,4 @@ def test_steady_state_step_has_no_host_sync(tmp_path, routing):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert all(torch.isfinite(loss) for loss in losses)
+    assert trainer.compiled.pass_results["fused_loss"].stats["fused"] == 1  # the fused head ran

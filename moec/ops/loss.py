@@ -1,0 +1,170 @@
+"""``moec::linear_cross_entropy``: an LM head and its cross-entropy loss as one op, in row chunks.
+
+linear_cross_entropy(h[N, D], weight[V, D], bias[V]?, targets[N], ignore_index, reduction)
+    -> (loss[], d_h[N, D], d_weight[V, D], d_bias[V] or [0])   (loss and d_weight/d_bias in
+       float32, or float64 for float64 inputs)
+
+``loss`` equals ``cross_entropy(linear(h, weight, bias).float(), targets, ignore_index=...,
+reduction=...)`` for ``reduction`` ``"mean"`` (over targets != ignore_index) or ``"sum"``.
+
+The [N, V] logits never exist whole (at a 100k vocabulary they are the largest tensors of a
+training step): rows go through in chunks, each chunk's logits are turned in place into the
+gradient of the summed loss (softmax - onehot, zero on ignored rows) and multiplied straight into
+``d_h`` and ``d_weight``. So the op computes the head's gradients during the forward, in one pass
+over the logits instead of log-softmax, its backward and the casts between them; the backward
+only scales them by ``d_loss`` (and 1 / count for "mean"). A forward without a backward still
+pays for those two GEMMs: compile with ``loss.fused = false`` for evaluation-only programs.
+
+Logits are computed in h's dtype (the op casts the weight to it; under autocast it casts its
+inputs to the autocast dtype, as ``linear`` does); softmax statistics and the loss in float32.
+A target outside [0, V) that is not ``ignore_index`` raises on CPU and gives a NaN loss on CUDA
+(the kernel cannot raise without a host sync).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from moec.ops.grouped import cuda_kernel
+
+REDUCTIONS = ("mean", "sum")
+CHUNK_ELEMENTS = 1 << 28
+"""Logits per chunk (512 MiB in bf16): large enough that the head GEMMs run at full speed."""
+
+
+def chunk_rows(rows: int, vocab: int) -> int:
+    """Rows per chunk: CHUNK_ELEMENTS logits, a multiple of 128 rows, at least 128."""
+    return max(128, CHUNK_ELEMENTS // max(vocab, 1) // 128 * 128) if rows > 128 else max(rows, 1)
+
+
+def cross_entropy_rows_reference(logits: Tensor, targets: Tensor, ignore_index: int) -> Tensor:
+    """Per-row loss (float32 or wider, 0 on ignored rows); ``logits`` is overwritten with the
+    gradient of the summed loss, ``softmax(logits) - onehot(target)`` (0 on ignored rows)."""
+    x = logits.to(_accumulation_dtype(logits))
+    lse = torch.logsumexp(x, dim=-1)
+    valid = targets != ignore_index
+    safe = torch.where(valid, targets, 0)[:, None]
+    loss = torch.where(valid, lse - x.gather(1, safe).squeeze(1), 0.0)
+    grad = torch.exp(x - lse[:, None]).scatter_add_(1, safe, -torch.ones_like(x[:, :1]))
+    logits.copy_(grad * valid[:, None])
+    return loss
+
+
+def _accumulation_dtype(t: Tensor) -> torch.dtype:
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _cross_entropy_rows(logits: Tensor, targets: Tensor, ignore_index: int) -> Tensor:
+    kernel = cuda_kernel("cross_entropy_rows", logits)
+    if kernel is not None:
+        return kernel(logits, targets, ignore_index)
+    return cross_entropy_rows_reference(logits, targets, ignore_index)
+
+
+def _mm_accumulate(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b in the accumulation dtype (on CUDA straight from the MMA, without a bf16 round)."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a, b).to(_accumulation_dtype(a))
+
+
+def _check(h: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, reduction: str):
+    if reduction not in REDUCTIONS:
+        raise ValueError(
+            f"moec::linear_cross_entropy: reduction {reduction!r} is not one of {REDUCTIONS}"
+        )
+    if h.dim() != 2 or weight.dim() != 2 or h.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"moec::linear_cross_entropy: h {tuple(h.shape)} and weight {tuple(weight.shape)} "
+            "must be (N, D) and (V, D)"
+        )
+    if targets.shape != h.shape[:1] or targets.dtype.is_floating_point:
+        raise ValueError(
+            f"moec::linear_cross_entropy: targets {tuple(targets.shape)} {targets.dtype} must be "
+            f"integer class indices of shape ({h.shape[0]},)"
+        )
+    if bias is not None and bias.shape != weight.shape[:1]:
+        raise ValueError(
+            f"moec::linear_cross_entropy: bias {tuple(bias.shape)} must be ({weight.shape[0]},)"
+        )
+
+
+def linear_cross_entropy_reference(
+    h: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, ignore_index: int,
+    reduction: str,
+) -> Tensor:  # fmt: skip
+    """The oracle: the unfused head and loss (the loss only; autograd gives the gradients)."""
+    logits = F.linear(h, weight.to(h.dtype), None if bias is None else bias.to(h.dtype))
+    logits = logits.to(_accumulation_dtype(logits))
+    return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction=reduction)
+
+
+@torch.library.custom_op("moec::linear_cross_entropy", mutates_args=())
+def linear_cross_entropy(
+    h: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, ignore_index: int,
+    reduction: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    _check(h, weight, bias, targets, reduction)
+    weight = weight.to(h.dtype)
+    bias = None if bias is None else bias.to(h.dtype)
+    rows, acc = h.shape[0], _accumulation_dtype(h)
+    loss = torch.zeros((), dtype=acc, device=h.device)
+    d_h = torch.empty_like(h)
+    d_weight = torch.zeros(weight.shape, dtype=acc, device=h.device)
+    d_bias = h.new_zeros(0 if bias is None else weight.shape[0], dtype=acc)
+    step = chunk_rows(rows, weight.shape[0])
+    for start in range(0, rows, step):
+        h_chunk = h[start : start + step]
+        grad = F.linear(h_chunk, weight, bias)  # the logits, then (in place) their gradient
+        loss += _cross_entropy_rows(grad, targets[start : start + step], ignore_index).sum()
+        torch.mm(grad, weight, out=d_h[start : start + step])
+        d_weight += _mm_accumulate(grad.t(), h_chunk)
+        if bias is not None:
+            d_bias += grad.to(acc).sum(0)
+    if reduction == "mean":
+        loss = loss / (targets != ignore_index).sum()
+    return loss, d_h, d_weight, d_bias
+
+
+@linear_cross_entropy.register_fake
+def _fake(h, weight, bias, targets, ignore_index, reduction):
+    _check(h, weight, bias, targets, reduction)
+    vocab, acc = 0 if bias is None else weight.shape[0], _accumulation_dtype(h)
+    return (
+        h.new_empty((), dtype=acc),
+        h.new_empty(h.shape),
+        h.new_empty(weight.shape, dtype=acc),
+        h.new_empty((vocab,), dtype=acc),
+    )
+
+
+def _setup(ctx, inputs, output):
+    h, weight, bias, targets, ignore_index, reduction = inputs
+    _, d_h, d_weight, d_bias = output
+    ctx.save_for_backward(d_h, d_weight, d_bias, targets)
+    ctx.mark_non_differentiable(d_h, d_weight, d_bias)
+    ctx.dtypes = (h.dtype, weight.dtype, None if bias is None else bias.dtype)
+    ctx.ignore_index, ctx.mean = ignore_index, reduction == "mean"
+
+
+def _backward(ctx, d_loss, *unused):
+    d_h, d_weight, d_bias, targets = ctx.saved_tensors
+    scale = d_loss.to(d_weight.dtype)
+    if ctx.mean:
+        scale = scale / (targets != ctx.ignore_index).sum()
+    h_dtype, weight_dtype, bias_dtype = ctx.dtypes
+    return (
+        (d_h * scale).to(h_dtype),
+        (d_weight * scale).to(weight_dtype),
+        None if bias_dtype is None else (d_bias * scale).to(bias_dtype),
+        None,
+        None,
+        None,
+    )
+
+
+linear_cross_entropy.register_autograd(_backward, setup_context=_setup)
+for _device in ("cpu", "cuda"):
+    torch.library.register_autocast("moec::linear_cross_entropy", _device, torch.bfloat16)

@@ -1,0 +1,107 @@
+"""``moec::linear_cross_entropy`` and the ``fused_loss`` pass equal the unfused head and loss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import moec
+from moec.ops import loss as loss_op
+from moec.ops.loss import linear_cross_entropy_reference
+from moec.train import LanguageModelWithLoss
+from tests.models import tiny_llama, tokens
+
+
+def _inputs(rows: int, dim: int, vocab: int, bias: bool, dtype=torch.float32):
+    h = torch.randn(rows, dim, dtype=dtype, requires_grad=True)
+    weight = (torch.randn(vocab, dim, dtype=dtype) / dim**0.5).requires_grad_()
+    b = torch.randn(vocab, dtype=dtype, requires_grad=True) if bias else None
+    targets = torch.randint(0, vocab, (rows,))
+    targets[::5] = -100
+    return h, weight, b, targets
+
+
+def _grads(loss: torch.Tensor, tensors) -> list[torch.Tensor]:
+    return list(torch.autograd.grad(loss * 1.7, [t for t in tensors if t is not None]))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_op_equals_reference_over_several_chunks(monkeypatch, reduction, bias):
+    h, weight, b, targets = _inputs(300, 24, 70, bias)
+    monkeypatch.setattr(loss_op, "CHUNK_ELEMENTS", 128 * 70)  # 3 chunks, the last one short
+    assert loss_op.chunk_rows(300, 70) == 128
+    got = torch.ops.moec.linear_cross_entropy(h, weight, b, targets, -100, reduction)[0]
+    want = linear_cross_entropy_reference(h, weight, b, targets, -100, reduction)
+    torch.testing.assert_close(got, want)
+    for a, e in zip(_grads(got, (h, weight, b)), _grads(want, (h, weight, b)), strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)  # float32 sums in another order
+
+
+def test_op_gradcheck_float64():
+    h, weight, b, targets = _inputs(7, 5, 11, True, torch.float64)
+
+    def fn(h, weight, b):
+        return torch.ops.moec.linear_cross_entropy(h, weight, b, targets, -100, "mean")[0]
+
+    assert torch.autograd.gradcheck(fn, (h, weight, b))
+
+
+def test_op_under_autocast_matches_the_autocast_head():
+    h, weight, _, targets = _inputs(64, 32, 50, False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = torch.ops.moec.linear_cross_entropy(h, weight, None, targets, -100, "mean")[0]
+        want = F.cross_entropy(F.linear(h, weight).float(), targets)
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+    for a, e in zip(_grads(got, (h, weight)), _grads(want, (h, weight)), strict=True):
+        assert a.dtype == torch.float32  # gradients come back in the masters' dtype
+        torch.testing.assert_close(a, e, rtol=2e-2, atol=2e-3)
+
+
+def test_op_errors_name_the_argument():
+    h, weight, _, targets = _inputs(8, 4, 6, False)
+    with pytest.raises(ValueError, match="reduction 'none'"):
+        torch.ops.moec.linear_cross_entropy(h, weight, None, targets, -100, "none")
+    with pytest.raises(ValueError, match="targets"):
+        torch.ops.moec.linear_cross_entropy(h, weight, None, targets.float(), -100, "mean")
+
+
+def _compiled(fused: bool, model: torch.nn.Module, ids: torch.Tensor):
+    plan = {"moe": {"num_experts": 4, "top_k": 2, "dense_first": 1}, "loss": {"fused": fused}}
+    return moec.compile(model, plan, (ids[:, :-1], ids[:, 1:]))
+
+
+def test_pass_fuses_the_head_and_keeps_loss_and_gradients():
+    torch.manual_seed(0)
+    ids = tokens(2, 17)
+    base = LanguageModelWithLoss(tiny_llama())
+    fused, unfused = (_compiled(f, base, ids) for f in (True, False))
+    assert fused.pass_results["fused_loss"].stats["fused"] == 1
+    targets = [n.target for n in fused.graph_module.graph.nodes]
+    assert torch.ops.moec.linear_cross_entropy.default in targets
+    assert torch.ops.aten.cross_entropy_loss.default not in targets
+    assert "fused_loss" not in unfused.pass_results
+    losses = [c(ids[:, :-1], ids[:, 1:]) for c in (fused, unfused)]
+    torch.testing.assert_close(losses[0], losses[1])
+    grads = [torch.autograd.grad(loss, list(c.parameters())) for loss, c in
+             zip(losses, (fused, unfused))]  # fmt: skip
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+class _LossAndLogits(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.model = tiny_llama(2)
+
+    def forward(self, inputs, targets):
+        logits = self.model(inputs)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()), logits
+
+
+def test_pass_leaves_a_head_whose_logits_are_returned():
+    ids = tokens(2, 9)
+    compiled = _compiled(True, _LossAndLogits(), ids)
+    stats = compiled.pass_results["fused_loss"].stats
+    assert stats["fused"] == 0 and "also read elsewhere" in stats["skipped"][0]
