@@ -18,7 +18,16 @@ the last stage plus the aux losses of every stage: a scalar accumulator travels 
 activations (stage s adds ``lbl_coef * LBL + z_loss_coef * z`` of its MoE blocks), so the
 backward reaches every router. Gradients are averaged over microbatches by the schedule and
 over data-parallel ranks by :class:`moec.runtime.distributed.GradientReducer` per stage.
-Other aux outputs (expert counts, offsets, EP drops) stay on their stage's module.
+Other aux outputs (expert counts, offsets, EP drops) stay on their stage's module (detached).
+
+Memory: building the runtime frees the parameters (and buffers) that only other ranks' stages
+read, so a rank's parameters, gradients and optimizer state scale as 1/pp. They leave the
+compiled model (``compiled.named_parameters()`` is this rank's stages' parameters, under the
+full graph's names, which do not depend on pp) and their storage is released: the
+source model, which shares its tensors with the compiled program (``moec.trace``), keeps them
+as empty tensors. The full graph then no longer runs on this rank (its forward raises, naming a
+freed parameter), nor can it be split again. ``grad_clip`` clips by the global norm over all
+stages and experts (squared norms summed over the EP and pipeline groups), as at PP = 1.
 """
 
 from __future__ import annotations
@@ -39,7 +48,12 @@ from moec.frontend import signature
 from moec.passes.expert_parallel import EPGroupInfo
 from moec.passes.pipeline import MULTI_STAGE, PipelineSplit, schedule_class
 from moec.plan import Plan
-from moec.runtime.distributed import DistributedError, GradientReducer, MoEMesh
+from moec.runtime.distributed import (
+    DistributedError,
+    GradientReducer,
+    MoEMesh,
+    parameter_groups,
+)
 
 
 @dataclasses.dataclass
@@ -166,14 +180,21 @@ class StageModule(nn.Module):
             outputs = self.graph_module(*received)
             sig = signature(self.graph_module)
             sends = list(outputs[: sig.num_user_outputs])
-            self.aux_outputs = dict(zip(sig.aux_outputs, outputs[sig.num_user_outputs :]))
+            aux = dict(zip(sig.aux_outputs, outputs[sig.num_user_outputs :]))
             if self.carries_aux:
-                sends.append(self._accumulate(acc, sends[0]))
+                sends.append(self._accumulate(acc, aux, sends[0]))
+        # Kept for reading only, detached: an attached tensor keeps this microbatch's autograd
+        # graph alive until the next forward replaces it, and under zero-bubble schedules that
+        # graph still holds the saved tensors of the nodes only the input backward ran (see
+        # "Zero-bubble release" in moec.passes.pipeline).
+        self.aux_outputs = {key: value.detach() for key, value in aux.items()}
         return tuple(sends) if len(sends) > 1 else sends[0]
 
-    def _accumulate(self, acc: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    def _accumulate(
+        self, acc: torch.Tensor | None, aux: dict[tuple[str, str], torch.Tensor], like: torch.Tensor
+    ) -> torch.Tensor:
         total = torch.zeros((), device=like.device) if acc is None else acc
-        for (_, kind), value in self.aux_outputs.items():
+        for (_, kind), value in aux.items():
             if kind == "router_losses":
                 total = total + (value * self.coefs.to(value.dtype)).sum()
         return total
@@ -189,6 +210,7 @@ class PipelineRuntime:
         mesh: PipelineMesh,
         *,
         optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
+        grad_clip: float | None = None,
         measure_memory: bool = False,
     ):
         split: PipelineSplit | None = graph_module.meta.get("moec_pipeline")
@@ -196,9 +218,13 @@ class PipelineRuntime:
             raise DistributedError("no pipeline stages: compile with plan.parallel.pp > 1")
         if mesh.pp != split.pp:
             raise DistributedError(f"pipeline group has {mesh.pp} ranks, plan has pp={split.pp}")
-        self.split, self.plan, self.mesh = split, plan, mesh
+        self.split, self.plan, self.mesh, self.grad_clip = split, plan, mesh, grad_clip
         self.local = split.local_stages(mesh.pp_rank)
         self.num_stages = len(split.stages)
+        if split.freed is None:
+            _free_other_stages(graph_module, split, mesh.pp_rank)
+        elif missing := [(n, s) for n, s in split.freed.items() if s in self.local]:
+            raise DistributedError(_not_held(split, *missing[0]))
         carries_aux = bool(graph_module.meta.get("moec_moe_layers"))
         coefs = (plan.moe.lbl_coef, plan.moe.z_loss_coef)
         self.modules = [StageModule(split.stages[s], s, carries_aux, coefs) for s in self.local]
@@ -209,6 +235,9 @@ class PipelineRuntime:
         self.reducers = (
             [GradientReducer(m, mesh.moe) for m in self.modules] if mesh.moe.dp > 1 else []
         )
+        groups = [parameter_groups(m) for m in self.modules]
+        self._dense = [p for dense, _ in groups for p in dense]
+        self._expert = [p for _, expert in groups for p in expert]
         params = [p for m in self.modules for p in m.parameters() if p.requires_grad]
         self.optimizer = (optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-3)))(params)
         self._ce: list[torch.Tensor] = []
@@ -259,8 +288,25 @@ class PipelineRuntime:
         # the first step's shape inference may run the loss once more, on placeholder values
         return torch.stack(self._ce[-self.split.microbatches :]).mean()
 
+    def clip_gradients(self, max_norm: float) -> torch.Tensor:
+        """Scale this rank's gradients so that the norm over every stage's and expert's
+        gradient is at most ``max_norm`` (``clip_grad_norm_`` at PP = 1); returns that norm."""
+        device = _device(self.mesh)
+        dense = _squared_norm(self._dense, device)
+        expert = _squared_norm(self._expert, device)
+        if self.mesh.ep_info.size > 1:  # each EP rank holds other experts
+            dist.all_reduce(expert, group=self.mesh.moe.ep_group)
+        total = dense + expert
+        dist.all_reduce(total, group=self.mesh.pp_group)  # each pipeline rank holds other stages
+        norm = total.sqrt()
+        grads = [p.grad for p in self._dense + self._expert if p.grad is not None]
+        torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+        return norm
+
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         loss = self.forward_backward(inputs, targets)
+        if self.grad_clip is not None:
+            self.clip_gradients(self.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss
@@ -268,6 +314,60 @@ class PipelineRuntime:
     def measured_peak_bytes(self) -> dict[int, int]:
         """Peak saved-activation bytes per local stage (``measure_memory=True``)."""
         return {m.index: m.meter.peak for m in self.modules if m.meter is not None}
+
+
+def _free_other_stages(graph_module: Any, split: PipelineSplit, pp_rank: int) -> None:
+    """Free every parameter and buffer that no stage of ``pp_rank`` reads: delete it from the
+    full graph module and from the other stages' graphs and release its storage (``.data``
+    becomes an empty tensor, for the source model that shares it too); record the parameters in
+    ``split.freed`` and make the full graph's forward raise naming one."""
+    local = set(split.local_stages(pp_rank))
+    kept = {id(t) for s in local for t in _tensors(split.stages[s])}
+    split.freed = {
+        name: s
+        for s, stage in enumerate(split.stages)
+        if s not in local
+        for name, _ in stage.named_parameters()
+    }
+    freed: dict[int, torch.Tensor] = {}
+    others = [stage for s, stage in enumerate(split.stages) if s not in local]
+    for module in (graph_module, *others):
+        for name, tensor in [
+            *module.named_parameters(remove_duplicate=False),
+            *module.named_buffers(remove_duplicate=False),
+        ]:
+            if id(tensor) not in kept:
+                *path, leaf = name.split(".")
+                delattr(module.get_submodule(".".join(path)), leaf)
+                freed[id(tensor)] = tensor
+    for tensor in freed.values():
+        tensor.grad = None
+        tensor.data = tensor.new_empty(0)
+
+    def refuse(module: nn.Module, args: Any) -> None:
+        raise DistributedError(_not_held(split, *next(iter(split.freed.items()))))
+
+    if split.freed:
+        graph_module.register_forward_pre_hook(refuse)
+
+
+def _tensors(module: nn.Module) -> Iterator[torch.Tensor]:
+    yield from module.parameters()
+    yield from module.buffers()
+
+
+def _not_held(split: PipelineSplit, name: str, stage: int) -> str:
+    return (
+        f"parameter {name!r} of pipeline stage {stage} (pipeline rank {split.info[stage].rank}) "
+        "was freed on this process, which keeps only the parameters of the stages its pipeline "
+        "runtime runs; train with compiled.train_step, or compile without parallel.pp to run "
+        "the whole model in one process"
+    )
+
+
+def _squared_norm(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
+    squares = [p.grad.float().square().sum() for p in params if p.grad is not None]
+    return torch.stack(squares).sum() if squares else torch.zeros((), device=device)
 
 
 def _step_takes_return_outputs() -> bool:
@@ -286,7 +386,8 @@ def _device(mesh: PipelineMesh) -> torch.device:
 
 
 def runtime_for(compiled: Any, **options: Any) -> PipelineRuntime:
-    """The (cached) runtime of a compiled pipelined model; ``options`` apply when it is built."""
+    """The (cached) runtime of a compiled pipelined model; ``options`` apply when it is built,
+    which frees the parameters of the stages other ranks run (see the module docstring)."""
     runtime = getattr(compiled, "_pipeline_runtime", None)
     if runtime is None:
         if not isinstance(compiled.mesh, PipelineMesh):
