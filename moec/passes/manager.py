@@ -76,6 +76,7 @@ class PassManager:
 def default_passes(plan: Plan, mesh: Any = None) -> list[Pass]:
     """The passes ``plan`` enables, in pipeline order; ``mesh`` (a
     :class:`moec.runtime.distributed.MoEMesh`) places this rank when ``parallel.ep > 1``."""
+    from moec.passes.casts import SharedCastsPass
     from moec.passes.expert_parallel import ExpertParallelPass
     from moec.passes.loss import FusedLossPass
     from moec.passes.moe import MoEPass
@@ -90,6 +91,8 @@ def default_passes(plan: Plan, mesh: Any = None) -> list[Pass]:
     if plan.loss.fused and plan.parallel.pp == 1:
         # pipelined programs compute the loss outside the graph, in the last stage's loss_fn
         passes.append(FusedLossPass())
+    if plan.precision.compute_dtype == "bf16":
+        passes.append(SharedCastsPass())
     if plan.recompute.policy != "none":
         passes.append(RecomputePass())
     if plan.parallel.pp > 1:

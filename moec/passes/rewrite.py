@@ -20,6 +20,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 
 def fake_mode(gm: fx.GraphModule) -> FakeTensorMode:
@@ -72,6 +73,13 @@ class GraphEditor:
     def _stamp(self, node: fx.Node, like: fx.Node) -> None:
         node.meta["nn_module_stack"] = dict(like.meta.get("nn_module_stack") or {})
         node.meta["from_pass"] = self.pass_name
+
+
+def refresh_meta(gm: fx.GraphModule) -> None:
+    """Recompute every node's ``meta["val"]`` by fake propagation from the placeholders' (after
+    a rewrite that changes dtypes or shapes downstream of the nodes it made)."""
+    inputs = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
+    FakeTensorProp(gm, mode=fake_mode(gm)).propagate_dont_convert_inputs(*inputs)
 
 
 def _ensure_module(gm: fx.GraphModule, path: str) -> torch.nn.Module:

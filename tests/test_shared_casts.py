@@ -1,0 +1,58 @@
+"""Pass ``shared_casts``: one explicit bf16 cast per float32 source, same forward bit for bit."""
+
+from __future__ import annotations
+
+import torch
+
+import moec
+from moec.passes.casts import AUTOCAST_BF16, runtime_dtypes
+from moec.runtime import compiled as compiled_module
+from moec.train import LanguageModelWithLoss
+from tests.models import tiny_llama, tokens
+
+PLAN = {
+    "moe": {"num_experts": 4, "top_k": 2, "dense_first": 1, "shared_expert": True},
+    "precision": {"compute_dtype": "bf16"},
+}
+
+
+def _compile(monkeypatch, ids, shared_casts: bool):
+    passes = compiled_module.default_passes
+    monkeypatch.setattr(
+        compiled_module,
+        "default_passes",
+        lambda plan, mesh=None: [
+            p for p in passes(plan, mesh) if shared_casts or p.name != "shared_casts"
+        ],
+    )
+    torch.manual_seed(0)
+    return moec.compile(LanguageModelWithLoss(tiny_llama()), PLAN, (ids[:, :-1], ids[:, 1:]))
+
+
+def test_one_cast_per_source_and_the_same_step(monkeypatch):
+    ids = tokens(2, 17)
+    fused, plain = (_compile(monkeypatch, ids, s) for s in (True, False))
+    gm = fused.graph_module
+    stats = fused.pass_results["shared_casts"].stats
+    assert stats["readers"] > stats["sources_cast"] > 0 and stats["casts_merged"] > 0
+    dtypes = runtime_dtypes(gm, "cpu")
+    casts: dict = {}
+    for node in gm.graph.nodes:
+        if node.target == torch.ops.aten._to_copy.default:
+            casts.setdefault(node.args[0], []).append(node)
+        if node.target in AUTOCAST_BF16:  # every matmul reads bf16 only: autocast casts nothing
+            assert all(dtypes[a] != torch.float32 for a in node.all_input_nodes), node.name
+    assert all(len(c) == 1 for c in casts.values())
+    losses = [c(ids[:, :-1], ids[:, 1:]) for c in (fused, plain)]
+    assert torch.equal(losses[0], losses[1])  # the same casts autocast does, in the same places
+    grads = [torch.autograd.grad(loss, list(c.parameters())) for loss, c in
+             zip(losses, (fused, plain))]  # fmt: skip
+    for a, b in zip(*grads, strict=True):  # bf16 vs float32 summation of the readers' gradients
+        assert ((a - b).norm() / b.norm()).item() < 3e-2
+
+
+def test_float32_plans_are_left_alone():
+    ids = tokens(2, 9)
+    plan = {**PLAN, "precision": {"compute_dtype": "fp32"}}
+    compiled = moec.compile(LanguageModelWithLoss(tiny_llama(2)), plan, (ids[:, :-1], ids[:, 1:]))
+    assert "shared_casts" not in compiled.pass_results
