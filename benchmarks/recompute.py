@@ -4,7 +4,8 @@
 32 routed experts top-8 of width 1536 with one shared expert, d = 1536, 12 heads, sequence 8192,
 3 sequences per microbatch, bf16 autocast over fp32 weights; the default is a small shape that
 runs anywhere. Each policy compiles a fresh copy of the same dense ``moec.models.Llama``; a step
-is forward + backward (no optimizer). Printed per policy: steady-state step time, peak memory
+is forward + backward of the model with its loss (as the Trainer captures it: the LM head and
+loss fused), no optimizer. Printed per policy: steady-state step time, peak memory
 (``torch.cuda.max_memory_allocated``), activation memory (peak minus what was allocated before
 the step) and the recompute pass's predicted saved bytes; ratios against ``none``.
 
@@ -20,11 +21,11 @@ import json
 import time
 
 import torch
-import torch.nn.functional as F
 
 import moec
 from benchmarks.e2e import FULL, dense_model
 from moec.models import Llama
+from moec.train import LanguageModelWithLoss
 
 SMALL = dict(dim=128, layers=4, dense_first=1, dense_width=512, experts=8, top_k=2,
              width=128, seq=256, micro=2, vocab=1024, heads=4)  # fmt: skip
@@ -55,13 +56,12 @@ def sync(device: str) -> None:
 def measure(model: Llama, shape: dict, policy: str, device: str, steps: int) -> dict:
     ids = torch.randint(0, shape["vocab"], (shape["micro"], shape["seq"]), device=device)
     dtype = "bf16" if device == "cuda" else "fp32"
-    compiled = moec.compile(copy.deepcopy(model).to(device), plan(shape, policy, dtype), (ids,))
+    with_loss = LanguageModelWithLoss(copy.deepcopy(model).to(device))  # the Trainer's program
+    compiled = moec.compile(with_loss, plan(shape, policy, dtype), (ids, ids))
     stats = compiled.pass_results.get("recompute")
 
     def step() -> None:
-        logits = compiled(ids)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), ids.flatten())
-        (loss + compiled.aux_loss()).backward()
+        (compiled(ids, ids) + compiled.aux_loss()).backward()
         compiled.graph_module.zero_grad(set_to_none=False)
 
     step()
