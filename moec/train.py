@@ -203,17 +203,24 @@ class Trainer:
 
     def _clip_gradients(self) -> None:
         """Clip by the global norm. Under EP each rank holds other experts' gradients, so their
-        squared norms are summed over the EP group (dense gradients are already identical)."""
+        squared norms are summed over the EP group (dense gradients are already identical).
+        With the fused (CUDA) AdamW the clip factor goes in as the optimizer's ``grad_scale``,
+        which its kernel divides the gradients by as it reads them (the hook torch's GradScaler
+        uses): no separate pass over every gradient."""
         if self.mesh is None:
-            torch.nn.utils.clip_grad_norm_(self.compiled.parameters(), self.cfg.grad_clip)
+            params = list(self.compiled.parameters())
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        else:
+            dense, expert = dist_parameter_groups(self.compiled)
+            params = dense + expert
+            squares = [_squared_norm(dense), _squared_norm(expert)]
+            dist.all_reduce(squares[1], group=self.mesh.ep_group)
+            norm = (squares[0] + squares[1]).sqrt()
+        if self.optimizer.defaults.get("fused"):
+            self.optimizer.grad_scale = ((norm + 1e-6) / self.cfg.grad_clip).clamp(min=1.0)
             return
-        dense, expert = dist_parameter_groups(self.compiled)
-        squares = [_squared_norm(dense), _squared_norm(expert)]
-        dist.all_reduce(squares[1], group=self.mesh.ep_group)
-        norm = (squares[0] + squares[1]).sqrt()
         scale = (self.cfg.grad_clip / (norm + 1e-6)).clamp(max=1.0)
-        grads = [p.grad for p in dense + expert if p.grad is not None]
-        torch._foreach_mul_(grads, scale)
+        torch._foreach_mul_([p.grad for p in params if p.grad is not None], scale)
 
     # --- checkpoints ---------------------------------------------------------------------------
 
