@@ -13,6 +13,7 @@ for stage in "$@"; do
   case $stage in
     tests) python -m pytest -q -x tests/gpu ;;
     kernel-tests) python -m pytest -q tests/gpu/test_kernels_ops.py tests/gpu/test_sync_free.py ;;
+    sync) python -m pytest -q tests/gpu/test_sync_free.py ;;
     movement) python -m benchmarks.movement --json "$OUT/movement.json" ;;
     layer) python benchmarks/moe_layer.py --json "$OUT/layer.json" ;;
     e2e) python benchmarks/e2e.py --steps 6 --warmup 3 --json "$OUT/e2e.json" ;;

@@ -7,7 +7,9 @@ runs anywhere. Each policy compiles a fresh copy of the same dense ``moec.models
 is forward + backward of the model with its loss (as the Trainer captures it: the LM head and
 loss fused), no optimizer. Printed per policy: steady-state step time, peak memory
 (``torch.cuda.max_memory_allocated``), activation memory (peak minus what was allocated before
-the step) and the recompute pass's predicted saved bytes; ratios against ``none``.
+the step), the recompute pass's predicted saved bytes and predicted peak (saved bytes plus the
+largest transient of recomputing one block in backward), measured / predicted peak; ratios
+against ``none``.
 
     python -m benchmarks.recompute [--full] [--steps 5] [--out recompute.json]
 """
@@ -82,6 +84,7 @@ def measure(model: Llama, shape: dict, policy: str, device: str, steps: int) -> 
         "peak_bytes": peak,
         "activation_bytes": peak - before,
         "predicted_saved_bytes": stats.stats["predicted_saved_bytes_after"] if stats else None,
+        "predicted_peak_bytes": stats.stats["predicted_peak_bytes"] if stats else None,
         "predicted_saved_bytes_none": stats.stats["predicted_saved_bytes_before"]
         if stats
         else None,
@@ -116,15 +119,17 @@ def main() -> None:
     base = rows[0]
     print(f"recompute benchmark, {'full' if args.full else 'small'} shape on {device}: {shape}")
     print(f"{'policy':<10} {'step ms':>9} {'x none':>7} {'peak GiB':>9} {'act GiB':>8} "
-          f"{'x none':>7} {'pred GiB':>9}")  # fmt: skip
+          f"{'x none':>7} {'pred GiB':>9} {'pred peak':>9} {'meas/pred':>9}")  # fmt: skip
     gib = 2**30
     base["predicted_saved_bytes"] = rows[1]["predicted_saved_bytes_none"]
+    base["predicted_peak_bytes"] = base["predicted_peak_bytes"] or base["predicted_saved_bytes"]
     for r in rows:
-        pred = r["predicted_saved_bytes"]
+        pred, pred_peak = r["predicted_saved_bytes"], r["predicted_peak_bytes"]
         print(
             f"{r['policy']:<10} {r['step_s'] * 1e3:>9.1f} {r['step_s'] / base['step_s']:>7.2f} "
             f"{r['peak_bytes'] / gib:>9.2f} {r['activation_bytes'] / gib:>8.2f} "
-            f"{r['activation_bytes'] / max(base['activation_bytes'], 1):>7.2f} {pred / gib:>9.2f}"
+            f"{r['activation_bytes'] / max(base['activation_bytes'], 1):>7.2f} {pred / gib:>9.2f} "
+            f"{pred_peak / gib:>9.2f} {r['activation_bytes'] / max(pred_peak, 1):>9.2f}"
         )
     if args.out:
         with open(args.out, "w") as f:
