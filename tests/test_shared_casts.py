@@ -47,8 +47,9 @@ def test_one_cast_per_source_and_the_same_step(monkeypatch):
     assert torch.equal(losses[0], losses[1])  # the same casts autocast does, in the same places
     grads = [torch.autograd.grad(loss, list(c.parameters())) for loss, c in
              zip(losses, (fused, plain))]  # fmt: skip
+    scale = max(b.norm() for b in grads[1])  # some gradients are ~1e-11: noise, not signal
     for a, b in zip(*grads, strict=True):  # bf16 vs float32 summation of the readers' gradients
-        assert ((a - b).norm() / b.norm()).item() < 3e-2
+        assert (a - b).norm() <= 3e-2 * b.norm() + 1e-4 * scale
 
 
 def test_float32_plans_are_left_alone():
