@@ -31,7 +31,13 @@ from moec.data import TextBatches
 from moec.plan import Plan, PlanError
 from moec.runtime import checkpoint
 from moec.runtime.compiled import CompiledModel, compile
-from moec.runtime.distributed import GradientReducer, MoEMesh, init_from_env
+from moec.runtime.distributed import (
+    GradientReducer,
+    MoEMesh,
+    clip_gradients_,
+    global_grad_norm,
+    init_from_env,
+)
 from moec.runtime.distributed import parameter_groups as dist_parameter_groups
 from moec.runtime.metrics import bf16_peak_tflops, count_host_syncs, useful_mfu
 
@@ -202,25 +208,12 @@ class Trainer:
         return total
 
     def _clip_gradients(self) -> None:
-        """Clip by the global norm. Under EP each rank holds other experts' gradients, so their
-        squared norms are summed over the EP group (dense gradients are already identical).
-        With the fused (CUDA) AdamW the clip factor goes in as the optimizer's ``grad_scale``,
-        which its kernel divides the gradients by as it reads them (the hook torch's GradScaler
-        uses): no separate pass over every gradient."""
-        if self.mesh is None:
-            params = list(self.compiled.parameters())
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        else:
-            dense, expert = dist_parameter_groups(self.compiled)
-            params = dense + expert
-            squares = [_squared_norm(dense), _squared_norm(expert)]
-            dist.all_reduce(squares[1], group=self.mesh.ep_group)
-            norm = (squares[0] + squares[1]).sqrt()
-        if self.optimizer.defaults.get("fused"):
-            self.optimizer.grad_scale = ((norm + 1e-6) / self.cfg.grad_clip).clamp(min=1.0)
-            return
-        scale = (self.cfg.grad_clip / (norm + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_([p.grad for p in params if p.grad is not None], scale)
+        """Clip by the global norm (over the EP group's experts under EP; see
+        :func:`~moec.runtime.distributed.global_grad_norm`)."""
+        dense, expert = dist_parameter_groups(self.compiled)
+        ep_group = self.mesh.ep_group if self.mesh else None
+        norm = global_grad_norm(dense, expert, self.device, ep_group)
+        clip_gradients_(dense + expert, norm, self.cfg.grad_clip, self.optimizer)
 
     # --- checkpoints ---------------------------------------------------------------------------
 
@@ -391,11 +384,6 @@ def join_job(plan: Plan) -> MoEMesh | None:
     if p.dp == 1 and p.ep == 1:
         return None
     return init_from_env(plan)
-
-
-def _squared_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    grads = [p.grad.float().pow(2).sum() for p in params if p.grad is not None]
-    return torch.stack(grads).sum() if grads else torch.zeros(())
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -42,7 +42,13 @@ import sympy
 import torch
 import torch.fx as fx
 
-from moec.analysis.structure import TRANSPOSE_OPS, VIEW_OPS, find_structure, module_path
+from moec.analysis.structure import (
+    MATMUL_OPS,
+    TRANSPOSE_OPS,
+    VIEW_OPS,
+    find_structure,
+    module_path,
+)
 from moec.passes.rewrite import fake_mode
 
 aten = torch.ops.aten
@@ -274,8 +280,7 @@ def _moec_rules() -> dict[Any, Rule]:
 
 
 RULES: dict[Any, Rule] = {
-    **{op: _matmul for op in (aten.linear.default, aten.addmm.default, aten.mm.default,
-                              aten.matmul.default, aten.bmm.default, aten.baddbmm.default)},
+    **dict.fromkeys(MATMUL_OPS, _matmul),
     aten.scaled_dot_product_attention.default: _attention,
     aten.embedding.default: _embedding,
     aten._softmax.default: _softmax,

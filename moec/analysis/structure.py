@@ -37,6 +37,16 @@ VIEW_OPS = {
     aten.alias.default,
 }
 TRANSPOSE_OPS = {aten.t.default, aten.permute.default, aten.transpose.int}
+MATMUL_OPS = frozenset(
+    {
+        aten.linear.default,
+        aten.mm.default,
+        aten.matmul.default,
+        aten.bmm.default,
+        aten.addmm.default,
+        aten.baddbmm.default,
+    }
+)
 IDENTITY_ELEMENTWISE = {aten.dropout.default, aten.clone.default, aten.contiguous.default}
 
 

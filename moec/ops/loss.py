@@ -122,7 +122,7 @@ def linear_cross_entropy(
         torch.mm(grad, weight, out=d_h[start : start + step])
         d_weight += _mm_accumulate(grad.t(), h_chunk)
         if bias is not None:
-            d_bias += grad.to(acc).sum(0)
+            d_bias += grad.sum(0, dtype=acc)
     if reduction == "mean":
         loss = loss / (targets != ignore_index).sum()
     return loss, d_h, d_weight, d_bias

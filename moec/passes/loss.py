@@ -24,19 +24,13 @@ import torch
 import torch.fx as fx
 
 import moec.ops  # noqa: F401  (registers torch.ops.moec)
+from moec.analysis.structure import VIEW_OPS
+from moec.passes.casts import CASTS
 from moec.passes.manager import PassContext, PassResult
 from moec.passes.rewrite import GraphEditor
 
 aten = torch.ops.aten
 REDUCTIONS = {1: "mean", 2: "sum"}  # ATen's Reduction enum; 0 ("none") is not fused
-RESHAPES = {
-    aten.flatten.using_ints,
-    aten.view.default,
-    aten.reshape.default,
-    aten._unsafe_view.default,
-    aten.contiguous.default,
-}
-CASTS = {aten.to.dtype, aten._to_copy.default}
 
 
 def _users(node: fx.Node) -> list[fx.Node]:
@@ -52,11 +46,13 @@ def _head_chain(loss: fx.Node) -> tuple[fx.Node, list[fx.Node]] | str:
     """(the linear, the nodes between it and the loss) or why the loss does not match."""
     chain: list[fx.Node] = []
     node = loss.args[0]
-    while isinstance(node, fx.Node) and (node.target in RESHAPES or _is_float32_cast(node)):
+    while isinstance(node, fx.Node) and (node.target in VIEW_OPS or _is_float32_cast(node)):
         chain.append(node)
         node = node.args[0]
     if not (isinstance(node, fx.Node) and node.target == aten.linear.default):
         return "logits do not come from a linear through views and float32 casts"
+    if loss.args[0].meta["val"].shape[-1] != node.meta["val"].shape[-1]:
+        return "the views between the head and the loss change the class dimension"
     for link in [node, *chain]:
         if len(_users(link)) != 1:
             return f"logits {link.name!r} are also read elsewhere"

@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -100,6 +101,48 @@ def parameter_groups(module: nn.Module) -> tuple[list[nn.Parameter], list[nn.Par
         if param.requires_grad:
             (expert if roles.get(_graph_name(name)) == "expert" else dense).append(param)
     return dense, expert
+
+
+def global_grad_norm(
+    dense: list[nn.Parameter],
+    expert: list[nn.Parameter],
+    device: torch.device,
+    ep_group: dist.ProcessGroup | None = None,
+    pp_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """The norm over every gradient of the job, on the device (no host read). Each EP rank holds
+    other experts' gradients, so their squares are summed over ``ep_group``; each pipeline rank
+    holds other stages', so the total is summed over ``pp_group``. Dense gradients are the same
+    on every data/EP-parallel rank and counted once."""
+    expert_sq = _squared_grad_norm(expert, device)
+    if ep_group is not None:
+        dist.all_reduce(expert_sq, group=ep_group)
+    total = _squared_grad_norm(dense, device) + expert_sq
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
+    return total.sqrt()
+
+
+def clip_gradients_(
+    params: list[nn.Parameter], norm: torch.Tensor, max_norm: float, optimizer: Any
+) -> None:
+    """Scale gradients so their global ``norm`` is at most ``max_norm`` (``clip_grad_norm_``'s
+    rule). An optimizer whose step takes a ``grad_scale`` (the fused ones, the hook torch's
+    GradScaler uses) gets the factor there and divides the gradients as it reads them: no
+    separate pass over every gradient. The factor is for the optimizer's next step: clip before
+    every step (the Trainer and the pipeline runtime do)."""
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        optimizer.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0)
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+
+
+def _squared_grad_norm(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros((), device=device)
+    return torch.stack(torch._foreach_norm(grads)).float().square().sum()
 
 
 def _roles(module: nn.Module) -> dict[str, str]:

@@ -52,6 +52,8 @@ from moec.runtime.distributed import (
     DistributedError,
     GradientReducer,
     MoEMesh,
+    clip_gradients_,
+    global_grad_norm,
     parameter_groups,
 )
 
@@ -289,18 +291,13 @@ class PipelineRuntime:
         return torch.stack(self._ce[-self.split.microbatches :]).mean()
 
     def clip_gradients(self, max_norm: float) -> torch.Tensor:
-        """Scale this rank's gradients so that the norm over every stage's and expert's
-        gradient is at most ``max_norm`` (``clip_grad_norm_`` at PP = 1); returns that norm."""
-        device = _device(self.mesh)
-        dense = _squared_norm(self._dense, device)
-        expert = _squared_norm(self._expert, device)
-        if self.mesh.ep_info.size > 1:  # each EP rank holds other experts
-            dist.all_reduce(expert, group=self.mesh.moe.ep_group)
-        total = dense + expert
-        dist.all_reduce(total, group=self.mesh.pp_group)  # each pipeline rank holds other stages
-        norm = total.sqrt()
-        grads = [p.grad for p in self._dense + self._expert if p.grad is not None]
-        torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+        """Clip this rank's gradients so that the norm over every stage's and expert's gradient
+        is at most ``max_norm`` (``clip_grad_norm_`` at PP = 1); returns that norm."""
+        ep_group = self.mesh.moe.ep_group if self.mesh.ep_info.size > 1 else None
+        norm = global_grad_norm(
+            self._dense, self._expert, _device(self.mesh), ep_group, self.mesh.pp_group
+        )
+        clip_gradients_(self._dense + self._expert, norm, max_norm, self.optimizer)
         return norm
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
@@ -363,11 +360,6 @@ def _not_held(split: PipelineSplit, name: str, stage: int) -> str:
         "runtime runs; train with compiled.train_step, or compile without parallel.pp to run "
         "the whole model in one process"
     )
-
-
-def _squared_norm(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
-    squares = [p.grad.float().square().sum() for p in params if p.grad is not None]
-    return torch.stack(squares).sum() if squares else torch.zeros((), device=device)
 
 
 def _step_takes_return_outputs() -> bool:
