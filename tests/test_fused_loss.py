@@ -9,6 +9,8 @@ import torch.nn.functional as F
 import moec
 from moec.ops import loss as loss_op
 from moec.ops.loss import linear_cross_entropy_reference
+from moec.passes.loss import FusedLossPass
+from moec.passes.manager import PassContext
 from moec.train import LanguageModelWithLoss
 from tests.models import tiny_llama, tokens
 
@@ -105,3 +107,21 @@ def test_pass_leaves_a_head_whose_logits_are_returned():
     compiled = _compiled(True, _LossAndLogits(), ids)
     stats = compiled.pass_results["fused_loss"].stats
     assert stats["fused"] == 0 and "also read elsewhere" in stats["skipped"][0]
+
+
+class _HalvedClasses(torch.nn.Module):
+    """A view between head and loss that splits the class dimension: not a fusable head."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(8, 10, bias=False)
+
+    def forward(self, h, targets):
+        return F.cross_entropy(self.head(h).view(-1, 5), targets)
+
+
+def test_pass_leaves_a_head_whose_classes_are_reshaped():
+    h, targets = torch.randn(6, 8), torch.randint(0, 5, (12,))
+    gm = moec.trace(_HalvedClasses(), (h, targets))
+    result = FusedLossPass().run(gm, PassContext(moec.Plan()))
+    assert not result.modified and "class dimension" in result.stats["skipped"][0]
