@@ -23,10 +23,12 @@ from moec.kernels import (  # noqa: E402
     experts,
     grouped_gemm,
     movement,
+    rope,
     router,
 )
 from moec.ops.loss import cross_entropy_rows_reference  # noqa: E402
 from moec.ops.movement import combine_reference, dispatch_reference  # noqa: E402
+from moec.ops.rope import rotate  # noqa: E402
 from moec.ops.routing import route_reference  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -132,6 +134,17 @@ def test_cross_entropy_rows_equals_reference(vocab, dtype):
     bad = targets.clone()
     bad[0] = vocab  # out of range, not ignored: NaN, never a silent number
     assert cross_entropy.cross_entropy_rows(logits.clone(), bad, -100)[0].isnan()
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("backward", [False, True])
+def test_rope_equals_reference(dtype, backward):
+    x = torch.randn(2, 37, 3, 12).to(dtype).transpose(1, 2)  # (B, H, S, D) view; 37 rows tail
+    cos, sin = torch.randn(37, 12), torch.randn(1, 1, 37, 12)  # fp32 tables, two broadcasts
+    got = rope.rope(x, cos, sin, dtype, backward)
+    want = rotate(x, cos, sin, backward).to(dtype)
+    torch.testing.assert_close(got, want, atol=1e-3 if dtype == torch.float16 else 1e-6, rtol=1e-3)
 
 
 def _offsets(counts: list[int]) -> torch.Tensor:

@@ -8,7 +8,8 @@ non-CUDA devices); the reference stays the oracle the tests compare against.
 Families: :mod:`~moec.kernels.router` (route), :mod:`~moec.kernels.movement` (dispatch,
 combine), :mod:`~moec.kernels.grouped_gemm` (grouped GEMMs with activation epilogues),
 :mod:`~moec.kernels.activation`, :mod:`~moec.kernels.experts` (expert_mlp forward/backward),
-:mod:`~moec.kernels.cross_entropy` (the in-place loss rows of ``linear_cross_entropy``).
+:mod:`~moec.kernels.cross_entropy` (the in-place loss rows of ``linear_cross_entropy``),
+:mod:`~moec.kernels.rope` (rotary embedding).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def register() -> bool:
     import torch
 
     import moec.ops  # noqa: F401  (defines the op schemas)
-    from moec.kernels import cross_entropy, cuda_ops
+    from moec.kernels import cross_entropy, cuda_ops, rope
     from moec.ops import grouped
 
     torch.library.register_kernel("moec::route", "cuda")(cuda_ops.route)
@@ -36,7 +37,9 @@ def register() -> bool:
     torch.library.register_kernel("moec::combine", "cuda")(cuda_ops.combine)
     torch.library.register_kernel("moec::expert_mlp", "cuda")(cuda_ops.expert_mlp)
     grouped.register_cuda_kernels(cuda_ops.BACKWARD_HOOKS)
-    grouped.register_cuda_kernels({"cross_entropy_rows": cross_entropy.cross_entropy_rows})
+    grouped.register_cuda_kernels(
+        {"cross_entropy_rows": cross_entropy.cross_entropy_rows, "rope": rope.rope}
+    )
     _REGISTERED = True
     return True
 

@@ -18,7 +18,7 @@ from typing import Any
 import triton
 from triton.backends.compiler import GPUTarget
 
-from moec.kernels import activation, cross_entropy, grouped_gemm, movement, router
+from moec.kernels import activation, cross_entropy, grouped_gemm, movement, rope, router
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,11 @@ def kernel_specs(capability: int) -> list[KernelSpec]:
             "cross_entropy_rows", cross_entropy._cross_entropy_rows_kernel,
             {"logits_ptr": "*bf16", "targets_ptr": "*i64", "loss_ptr": "*fp32"},
             {"BLOCK_V": 4096}, {"num_warps": 8},
+        ),
+        KernelSpec(
+            "rope", rope._rope_kernel,
+            {"x_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": "*bf16"},
+            {"BACKWARD": False, "BLOCK_R": rope.BLOCK_R, "HALF_P2": 64}, {"num_warps": 4},
         ),
         *_gmm_specs(family),
     ]  # fmt: skip

@@ -1,14 +1,15 @@
 """The ``moec::`` custom ops: MoE semantics as opaque, autograd-aware graph nodes.
 
 Importing this package registers ``torch.ops.moec.{route, router_losses, dispatch, combine,
-expert_mlp, linear_cross_entropy}``. Each op's Python body is the pure-PyTorch reference, the
-oracle for every faster implementation; :mod:`moec.kernels` registers CUDA implementations over
-the same schemas.
+expert_mlp, linear_cross_entropy, rope}``. Each op's Python body is the pure-PyTorch reference,
+the oracle for every faster implementation; :mod:`moec.kernels` registers CUDA implementations
+over the same schemas.
 """
 
 from moec.ops.experts import expert_mlp
 from moec.ops.loss import linear_cross_entropy
 from moec.ops.movement import combine, dispatch
+from moec.ops.rope import rope
 from moec.ops.routing import capacity, route, router_losses
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "dispatch",
     "expert_mlp",
     "linear_cross_entropy",
+    "rope",
     "route",
     "router_losses",
 ]

@@ -82,6 +82,7 @@ def default_passes(plan: Plan, mesh: Any = None) -> list[Pass]:
     from moec.passes.moe import MoEPass
     from moec.passes.precision import PrecisionPass
     from moec.passes.recompute import RecomputePass
+    from moec.passes.rope import FuseRopePass
 
     passes: list[Pass] = [MoEPass()]
     if plan.parallel.ep > 1:
@@ -93,6 +94,7 @@ def default_passes(plan: Plan, mesh: Any = None) -> list[Pass]:
         passes.append(FusedLossPass())
     if plan.precision.compute_dtype == "bf16":
         passes.append(SharedCastsPass())
+    passes.append(FuseRopePass())  # after shared_casts: it folds their cast before attention
     if plan.recompute.policy != "none":
         passes.append(RecomputePass())
     if plan.parallel.pp > 1:

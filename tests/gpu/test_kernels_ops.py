@@ -273,3 +273,18 @@ def test_linear_cross_entropy_kernel_equals_reference(monkeypatch, bias):
     for g, r in zip(torch.autograd.grad(got, params), torch.autograd.grad(want, params)):
         assert g.dtype == r.dtype and torch.isfinite(g).all()
         assert _rel(g, r) < 1e-2
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_rope_kernel_equals_reference(backward):
+    from moec.kernels import rope
+    from moec.ops.rope import rotate
+
+    x = torch.randn(3, 8192, 12, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    cos, sin = (torch.randn(8192, 128, device="cuda") for _ in range(2))  # fp32 tables
+    for dtype in (torch.bfloat16, torch.float32):
+        got = rope.rope(x, cos, sin, dtype, backward)
+        want = rotate(x, cos, sin, backward).to(dtype)
+        assert got.dtype == dtype and got.is_contiguous()
+        torch.testing.assert_close(got, want, atol=1e-5 if dtype == torch.float32 else 2e-2,
+                                   rtol=1e-5 if dtype == torch.float32 else 1e-2)  # fmt: skip

@@ -1,0 +1,82 @@
+"""``moec::rope``: rotary position embedding in one op.
+
+rope(x[..., D], cos, sin, out_dtype?) -> out[..., D]
+
+    out = x * cos + rotate_half(x) * sin,   rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])
+
+``cos`` and ``sin`` broadcast to x's shape; the arithmetic runs in float32 (or wider) and the
+result has ``out_dtype`` if given, else the promoted dtype of (x, cos, sin), as the unfused
+expression. ``cos`` and ``sin`` get no gradient: they are tables computed from buffers (the
+``fuse_rope`` pass checks it; the op refuses inputs that require one). The unfused expression
+runs five elementwise kernels per tensor and writes float32 intermediates when the tables are
+float32; the kernel reads x once and writes the result once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from moec.ops.grouped import cuda_kernel
+
+
+def _out_dtype(x: Tensor, cos: Tensor, sin: Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
+    return out_dtype or torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype)
+
+
+def _check(x: Tensor, cos: Tensor, sin: Tensor) -> None:
+    if x.shape[-1] % 2 or torch.broadcast_shapes(x.shape, cos.shape, sin.shape) != x.shape:
+        raise ValueError(
+            f"moec::rope: x {tuple(x.shape)} needs an even last dimension and cos "
+            f"{tuple(cos.shape)} / sin {tuple(sin.shape)} that broadcast to it"
+        )
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> Tensor:
+    """The reference arithmetic in float32 (or wider): the forward rotation, or its transpose
+    (the gradient w.r.t. x) when ``backward``."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    x, cos, sin = x.to(acc), cos.to(acc), sin.to(acc)
+    if backward:  # the transpose: d_lo = g_lo c_lo + g_hi s_hi, d_hi = g_hi c_hi - g_lo s_lo
+        lo, hi = (x * sin).chunk(2, dim=-1)
+        return x * cos + torch.cat((hi, -lo), dim=-1)
+    lo, hi = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-hi, lo), dim=-1) * sin
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor, dtype: torch.dtype, backward: bool) -> Tensor:
+    kernel = cuda_kernel("rope", x)
+    if kernel is not None:
+        return kernel(x, cos, sin, dtype, backward)
+    return rotate(x, cos, sin, backward).to(dtype)
+
+
+@torch.library.custom_op("moec::rope", mutates_args=())
+def rope(x: Tensor, cos: Tensor, sin: Tensor, out_dtype: torch.dtype | None) -> Tensor:
+    _check(x, cos, sin)
+    return _rope(x, cos, sin, _out_dtype(x, cos, sin, out_dtype), backward=False)
+
+
+@rope.register_fake
+def _fake(x, cos, sin, out_dtype):
+    _check(x, cos, sin)
+    return x.new_empty(x.shape, dtype=_out_dtype(x, cos, sin, out_dtype))
+
+
+def _setup(ctx, inputs, output):
+    x, cos, sin, _ = inputs
+    if cos.requires_grad or sin.requires_grad:
+        raise ValueError(
+            "moec::rope: cos and sin must not require grad (the op gives them no gradient); "
+            "compute the tables from buffers, or leave RoPE unfused"
+        )
+    ctx.save_for_backward(cos, sin)
+    ctx.x_dtype = x.dtype
+
+
+def _backward(ctx, d_out):
+    cos, sin = ctx.saved_tensors
+    return _rope(d_out, cos, sin, ctx.x_dtype, backward=True), None, None, None
+
+
+rope.register_autograd(_backward, setup_context=_setup)
