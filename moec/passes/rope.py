@@ -92,8 +92,7 @@ def _match(add: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, list[fx.Node]] | No
     return None
 
 
-def _depends_on_parameter(gm: fx.GraphModule, node: fx.Node) -> bool:
-    params = {name for name, _ in gm.named_parameters()}
+def _depends_on_parameter(node: fx.Node, params: set[str]) -> bool:
     seen, todo = set(), [node]
     while todo:
         n = todo.pop()
@@ -119,6 +118,7 @@ class FuseRopePass:
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         edit = GraphEditor(gm, self.name)
+        params = {name for name, _ in gm.named_parameters()}
         fused = folded = 0
         for add in list(gm.graph.nodes):
             match = _match(add)
@@ -130,7 +130,7 @@ class FuseRopePass:
                 x, cos, sin
             ):
                 continue
-            if _depends_on_parameter(gm, cos) or _depends_on_parameter(gm, sin):
+            if _depends_on_parameter(cos, params) or _depends_on_parameter(sin, params):
                 continue
             readers = list(add.users)
             cast = readers[0] if len(readers) == 1 else None
