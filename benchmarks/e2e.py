@@ -17,7 +17,7 @@ Both step on the same synthetic batches. Printed: steady-state step time, tokens
 (Eq. 95 with the GPU's dense BF16 peak; the same useful FLOPs for both, from moec's cost
 model), peak memory and host syncs per step (CUDA sync debug mode over one step).
 
-    python benchmarks/e2e.py [--steps 10] [--small] [--json out.json]
+    python benchmarks/e2e.py [--steps 10] [--small] [--moec-only] [--json out.json]
 """
 
 from __future__ import annotations
@@ -79,9 +79,10 @@ def dense_model(s: dict) -> Llama:
     return Llama(cfg)
 
 
-def moe_plan(s: dict) -> Plan:
+def moe_plan(s: dict, parallel: dict | None = None) -> Plan:
     return Plan.from_dict(
         {
+            "parallel": parallel or {},
             "moe": {
                 "num_experts": s["experts"],
                 "top_k": s["top_k"],
@@ -191,6 +192,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--small", action="store_true", help="a CPU-sized smoke run")
+    parser.add_argument("--moec-only", action="store_true", help="skip the eager baseline")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     s = SMALL if args.small else FULL
@@ -210,22 +212,14 @@ def main() -> None:
     flops = trainer.train_flops_per_token * tokens
     results = [measure("moec", trainer.train_step, device, args.steps, args.warmup, flops, tokens)]
     del trainer
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    torch.manual_seed(0)
-    eager = EagerTrainer(hand_written(s, dense_model(s)), s, device)
-    results.append(
-        measure(
-            "eager sort+grouped_mm",
-            eager.train_step,
-            device,
-            args.steps,
-            args.warmup,
-            flops,
-            tokens,
-        )
-    )
-    base = results[1]["step_s"]
+    if not args.moec_only:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        torch.manual_seed(0)
+        eager = EagerTrainer(hand_written(s, dense_model(s)), s, device)
+        common = (device, args.steps, args.warmup, flops, tokens)
+        results.append(measure("eager sort+grouped_mm", eager.train_step, *common))
+    base = results[-1]["step_s"]
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(
         f"\ne2e training step, {name}, {tokens} tokens/step, "

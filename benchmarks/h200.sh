@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
 # One device session: the GPU tests and the benchmarks named as arguments, logs and JSON to $OUT.
 #   bash benchmarks/h200.sh tests movement layer e2e profile recompute precision gemm
-# Stages run in the order given; a failing stage is logged and the next one still runs.
+#   bash benchmarks/h200.sh multigpu ep scaling         # machines with several GPUs
+# Stages run in the order given; a failing stage is logged and the next one still runs; each is
+# killed after $STAGE_LIMIT seconds (a hung collective must not eat the session).
 set -u
 export PYTHONPATH=$PWD MOEC_AUTOTUNE=${MOEC_AUTOTUNE:-0}
+# NVLink multicast stays off: it can take a shared host's GPUs out of service
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+GPUS=$(nvidia-smi -L | wc -l)
+RUN="torchrun --standalone --nproc-per-node $GPUS"
+STAGE_LIMIT=${STAGE_LIMIT:-540}
 OUT=${OUT:-/tmp/moec_out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
@@ -11,16 +18,22 @@ git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/device.txt"
 for stage in "$@"; do
   start=$(date +%s)
   case $stage in
-    tests) python -m pytest -q -x tests/gpu ;;
-    kernel-tests) python -m pytest -q tests/gpu/test_kernels_ops.py tests/gpu/test_sync_free.py ;;
-    sync) python -m pytest -q tests/gpu/test_sync_free.py ;;
-    movement) python -m benchmarks.movement --json "$OUT/movement.json" ;;
-    layer) python benchmarks/moe_layer.py --json "$OUT/layer.json" ;;
-    e2e) python benchmarks/e2e.py --steps 6 --warmup 3 --json "$OUT/e2e.json" ;;
-    profile) python -m benchmarks.profile_step --shapes --moec-only --rows 30 ;;
-    recompute) python -m benchmarks.recompute --full --steps 4 --out "$OUT/recompute_full.json" ;;
-    precision) python benchmarks/precision_gemm.py --out "$OUT/precision_gemm.json" ;;
-    gemm) python benchmarks/grouped_gemm.py --json "$OUT/gg.json" ;;
+    tests) timeout $STAGE_LIMIT python -m pytest -q -x tests/gpu ;;
+    kernel-tests) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_kernels_ops.py tests/gpu/test_sync_free.py ;;
+    sync) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_sync_free.py ;;
+    movement) timeout $STAGE_LIMIT python -m benchmarks.movement --json "$OUT/movement.json" ;;
+    layer) timeout $STAGE_LIMIT python benchmarks/moe_layer.py --json "$OUT/layer.json" ;;
+    e2e) timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 6 --warmup 3 --json "$OUT/e2e.json" ;;
+    profile) timeout $STAGE_LIMIT python -m benchmarks.profile_step --shapes --moec-only --rows 30 ;;
+    recompute) timeout $STAGE_LIMIT python -m benchmarks.recompute --full --steps 4 --out "$OUT/recompute_full.json" ;;
+    precision) timeout $STAGE_LIMIT python benchmarks/precision_gemm.py --out "$OUT/precision_gemm.json" ;;
+    gemm) timeout $STAGE_LIMIT python benchmarks/grouped_gemm.py --json "$OUT/gg.json" ;;
+    e2e-moec) timeout $STAGE_LIMIT python benchmarks/e2e.py --moec-only --json "$OUT/e2e.json" ;;
+    multigpu) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_multigpu.py ;;
+    ep) timeout $STAGE_LIMIT $RUN benchmarks/ep.py --json "$OUT/ep.json" ;;
+    scaling) single=$([ -f "$OUT/e2e.json" ] && echo "--single $OUT/e2e.json")
+      for args in "--ep $GPUS --path rowwise" "--pp $GPUS"; do
+        timeout $STAGE_LIMIT $RUN benchmarks/scaling.py $args $single; done ;;
     *) echo "unknown stage $stage"; continue ;;
   esac > "$OUT/$stage.log" 2>&1
   echo "== $stage rc=$? $(( $(date +%s) - start ))s"

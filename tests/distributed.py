@@ -1,4 +1,5 @@
-"""Multi-process test harness: run ``worker(rank, world, *args)`` on ``world`` gloo ranks."""
+"""Multi-process test harness: run ``worker(rank, world, *args)`` on ``world`` ranks, gloo on
+CPUs or NCCL with one GPU per rank."""
 
 import os
 import socket
@@ -6,6 +7,13 @@ import socket
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+NO_MULTICAST = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+"""NVLink multicast stays off on the shared GPU hosts (it can take their GPUs out of service)."""
 
 
 def free_port() -> int:
@@ -15,15 +23,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, worker, world: int, port: int, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _entry(rank: int, worker, world: int, port: int, backend: str, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **NO_MULTICAST)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         worker(rank, world, *args)
     finally:
         dist.destroy_process_group()
 
 
-def spawn(worker, world: int, *args) -> None:
-    mp.spawn(_entry, args=(worker, world, free_port(), args), nprocs=world, join=True)
+def spawn(worker, world: int, *args, backend: str = "gloo") -> None:
+    mp.spawn(_entry, args=(worker, world, free_port(), backend, args), nprocs=world, join=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 from moec.kernels import (  # noqa: E402
     activation,
@@ -114,6 +114,41 @@ def test_dispatch_combine_and_backward_ignore_poisoned_rows(dtype):
     torch.testing.assert_close(d_w, w_ref.grad)
     ones = torch.ones_like(weights)
     torch.testing.assert_close(movement.combine(y, None, rows), combine_reference(y, ones, rows))
+
+
+@interpreted
+@pytest.mark.parametrize("weighted", [False, True])
+def test_rowwise_push_pull_between_two_peer_buffers(weighted):
+    """The EP rowwise copy kernels with two host buffers standing in for two ranks' symmetric
+    memory: every kept route lands at ``dest * cap + row``, dropped ones nowhere; pulling reads
+    them back and gives zeros for dropped routes."""
+    from moec.runtime import ep_rowwise
+
+    tokens, top_k, dim, cap = 7, 2, 40, 6
+    x = torch.randn(tokens, dim)
+    weights = torch.rand(tokens * top_k)
+    address = torch.randperm(2 * cap)[: tokens * top_k - 2]
+    address = torch.cat([address, torch.full((2,), -1)])[torch.randperm(tokens * top_k)]
+    peers_rows = [torch.full((cap, dim), float("nan")) for _ in range(2)]
+    peers = torch.tensor([b.data_ptr() for b in peers_rows])
+    routes, meta = address.numel(), {"ROUTES": 4, "COLS": 16}
+    grid = (triton.cdiv(routes, 4), triton.cdiv(dim, 16))
+    ep_rowwise._push_rows_kernel[grid](
+        x, weights, address, peers, routes, cap, dim,
+        TOP_K=top_k, HAS_WEIGHTS=weighted, **meta,
+    )  # fmt: skip
+    buffer = torch.cat(peers_rows)
+    for route, at in enumerate(address.tolist()):
+        if at >= 0:
+            row = x[route // top_k] * (weights[route] if weighted else 1)
+            torch.testing.assert_close(buffer[at], row)
+    written = torch.zeros(2 * cap, dtype=torch.bool)
+    written[address[address >= 0]] = True
+    assert buffer[~written].isnan().all()
+    picked = torch.empty(routes, dim)
+    ep_rowwise._pull_rows_kernel[grid](picked, address, peers, routes, cap, dim, **meta)
+    expected = torch.where((address >= 0)[:, None], buffer[address.clamp(min=0)], 0)
+    assert torch.equal(picked, expected)
 
 
 @interpreted

@@ -125,7 +125,27 @@ def kernel_specs(capability: int) -> list[KernelSpec]:
             {"x_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": "*bf16"},
             {"BACKWARD": False, "BLOCK_R": rope.BLOCK_R, "HALF_P2": 64}, {"num_warps": 4},
         ),
+        *_ep_specs(),
         *_gmm_specs(family),
+    ]  # fmt: skip
+
+
+def _ep_specs() -> list[KernelSpec]:
+    """The EP rowwise transport's copy kernels (they live with the runtime that owns the
+    symmetric memory they write)."""
+    from moec.runtime import ep_rowwise
+
+    ptrs = {
+        "src_ptr": "*bf16", "dst_ptr": "*bf16", "weights_ptr": "*fp32", "address_ptr": "*i64",
+        "peers_ptr": "*i64",
+    }  # fmt: skip
+    tile = {"ROUTES": ep_rowwise.ROUTES, "COLS": ep_rowwise.COLS}
+    return [
+        KernelSpec(
+            "ep_push_rows", ep_rowwise._push_rows_kernel, ptrs,
+            tile | {"TOP_K": 8, "HAS_WEIGHTS": True},
+        ),
+        KernelSpec("ep_pull_rows", ep_rowwise._pull_rows_kernel, ptrs, tile),
     ]  # fmt: skip
 
 

@@ -271,9 +271,10 @@ def _ep_layout_fake(rows, offsets, group, ep_size, capacity_factor, path):
 
 
 # --- transports --------------------------------------------------------------------------------
-# ``_send(values[T*K, D], slots, recv_rows, sent, counts, ...) -> buffer[R, D]`` moves each route's
-# row to its expert's rank; ``_fetch(buffer, ...) -> [T*K, D]`` brings each route's row back
-# (zero for routes without a row). Dispatch, combine and both backwards are built from them.
+# ``_send(x[T, D], top_k, weights, slots, recv_rows, sent, counts, ...) -> buffer[R, D]`` moves
+# each route's row (its token's row, times its weight if given) to its expert's rank;
+# ``_fetch(buffer, ...) -> [T*K, D]`` brings each route's row back (zero for routes without a
+# row). Dispatch, combine and both backwards are built from them.
 
 
 def _exchange(buffer: Tensor, pg, out_rows, out_splits=None, in_splits=None) -> Tensor:
@@ -288,6 +289,7 @@ def _host_splits(sent: Tensor, counts: Tensor) -> tuple[list[int], list[int]]:
 
 
 def _send_a2a(values, slots, recv_rows, sent, counts, pg, path):
+    """``values[T*K, D]``: one row per route."""
     num_rows = recv_rows.shape[0]
     if path == "a2a_capacity":
         source = _place(values, slots, num_rows)  # [N*C, D], slot e*C + j
@@ -309,10 +311,11 @@ def _fetch_a2a(buffer, slots, recv_rows, sent, counts, pg, path):
     return _take(returned, slots)  # accepted rows come first: every slot < sum(send)
 
 
-def _send(values, slots, recv_rows, sent, counts, group, ep_size, path):
+def _send(x, top_k, weights, slots, recv_rows, sent, counts, group, ep_size, path):
     pg = resolve_group(group, ep_size)
     if path == "rowwise":
-        return _rowwise().send(values, slots, recv_rows.shape[0], pg)
+        return _rowwise().send(x, slots, recv_rows.shape[0], pg, top_k, weights)
+    values = _route_rows(x, top_k, weights)
     return _send_a2a(values, slots, recv_rows, sent, counts, pg, path)
 
 
@@ -371,8 +374,9 @@ def ep_dispatch(
     path: str,
 ) -> Tensor:
     _check_path(path)
-    values = _route_rows(x, slots.shape[-1])
-    return _send(values, slots.reshape(-1), recv_rows, sent, counts, group, ep_size, path)
+    flat = x.reshape(-1, x.shape[-1])
+    comm = (recv_rows, sent, counts, group, ep_size, path)
+    return _send(flat, slots.shape[-1], None, slots.reshape(-1), *comm)
 
 
 @ep_dispatch.register_fake
@@ -432,8 +436,8 @@ def _combine_backward(ctx, d_out, d_picked_unused):
     weights, slots, recv_rows, sent, counts, picked = ctx.saved_tensors
     top_k = slots.shape[-1]
     flat_slots = slots.reshape(-1)
-    d_rows = _route_rows(d_out.reshape(-1, d_out.shape[-1]), top_k, weights)
-    d_y = _send(d_rows, flat_slots, recv_rows, sent, counts, *ctx.args)
+    flat_d_out = d_out.reshape(-1, d_out.shape[-1])
+    d_y = _send(flat_d_out, top_k, weights, flat_slots, recv_rows, sent, counts, *ctx.args)
     acc = _acc(picked)
     routes = d_out.reshape(-1, 1, d_out.shape[-1]).to(acc)
     d_weights = (picked.view(-1, top_k, picked.shape[-1]).to(acc) * routes).sum(-1)

@@ -6,8 +6,11 @@ peers' buffer pointers lets one Triton kernel address any peer's rows over NVLin
 from :func:`moec.ops.ep.rowwise_route_map` (``dest * Cr + row``, -1 dropped), computed on the
 device, so neither direction copies anything to the host::
 
-    send(values[T*K, D], address[T*K], Cr, pg) -> buffer[Cr, D]   # push each route's row
-    fetch(buffer[Cr, D], address[T*K], pg) -> picked[T*K, D]       # pull each route's row back
+    send(x[T, D], address[T*K], Cr, pg, K, weights) -> buffer[Cr, D]  # push each route's row
+    fetch(buffer[Cr, D], address[T*K], pg) -> picked[T*K, D]          # pull each route's row back
+
+``send`` reads route ``i``'s row straight from the token row ``x[i // K]`` (scaled by the route
+weight in combine's backward): the ``[T*K, D]`` copy of the tokens is never written.
 
 Ordering uses the handle's device-side barrier: ``send`` = barrier, push, barrier, copy out (the
 first barrier keeps a fast peer from overwriting a buffer still being copied); ``fetch`` = copy
@@ -26,34 +29,43 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from moec.ops import ep as ep_ops
 from moec.ops.ep import EPPathError
 
-BLOCK_D = 256
+ROUTES, COLS = 4, 512
+"""Tile of the copy kernels: 4 routes x 512 columns (16-byte accesses per thread in bf16)."""
 
 
 @triton.jit
 def _push_rows_kernel(
     # pointers
-    src_ptr,  # [routes, dim] rows to send, one per route
+    src_ptr,  # [routes / TOP_K, dim] source rows: route i sends row i // TOP_K
+    weights_ptr,  # [routes] row scales, float32 or wider (read when HAS_WEIGHTS)
     address_ptr,  # [routes] int64: dest * rank_cap + row, -1 dropped
     peers_ptr,  # [ep_size] int64: base pointer of every peer's buffer
     # sizes
+    routes,
     rank_cap,
     dim,
     # meta-parameters
-    BLOCK: tl.constexpr,
+    TOP_K: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    ROUTES: tl.constexpr,
+    COLS: tl.constexpr,
 ):
-    route = tl.program_id(0)
-    address = tl.load(address_ptr + route)
-    if address >= 0:
-        dest = address // rank_cap
-        row = address % rank_cap
-        base = tl.load(peers_ptr + dest).to(tl.pointer_type(src_ptr.dtype.element_ty))
-        for start in range(0, dim, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            mask = cols < dim
-            values = tl.load(src_ptr + route * dim + cols, mask=mask)
-            tl.store(base + row * dim + cols, values, mask=mask)
+    route = tl.program_id(0) * ROUTES + tl.arange(0, ROUTES)
+    cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
+    address = tl.load(address_ptr + route, mask=route < routes, other=-1)
+    keep = address >= 0
+    safe = tl.where(keep, address, 0)
+    base = tl.load(peers_ptr + safe // rank_cap).to(tl.pointer_type(src_ptr.dtype.element_ty))
+    mask = keep[:, None] & (cols < dim)[None, :]
+    token = (route // TOP_K).to(tl.int64)
+    values = tl.load(src_ptr + token[:, None] * dim + cols[None, :], mask=mask)
+    if HAS_WEIGHTS:
+        scale = tl.load(weights_ptr + route, mask=keep, other=0.0)
+        values = (values.to(scale.dtype) * scale[:, None]).to(src_ptr.dtype.element_ty)
+    tl.store(base[:, None] + (safe % rank_cap)[:, None] * dim + cols[None, :], values, mask=mask)
 
 
 @triton.jit
@@ -63,22 +75,25 @@ def _pull_rows_kernel(
     address_ptr,  # [routes] int64
     peers_ptr,  # [ep_size] int64
     # sizes
+    routes,
     rank_cap,
     dim,
     # meta-parameters
-    BLOCK: tl.constexpr,
+    ROUTES: tl.constexpr,
+    COLS: tl.constexpr,
 ):
-    route = tl.program_id(0)
-    address = tl.load(address_ptr + route)
+    route = tl.program_id(0) * ROUTES + tl.arange(0, ROUTES)
+    cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
+    inside = route < routes
+    address = tl.load(address_ptr + route, mask=inside, other=-1)
     valid = address >= 0
     safe = tl.where(valid, address, 0)
     base = tl.load(peers_ptr + safe // rank_cap).to(tl.pointer_type(dst_ptr.dtype.element_ty))
-    row = safe % rank_cap
-    for start in range(0, dim, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < dim
-        values = tl.load(base + row * dim + cols, mask=mask & valid, other=0.0)
-        tl.store(dst_ptr + route * dim + cols, values, mask=mask)
+    in_dim = (cols < dim)[None, :]
+    source = base[:, None] + (safe % rank_cap)[:, None] * dim + cols[None, :]
+    values = tl.load(source, mask=valid[:, None] & in_dim, other=0.0)
+    target = dst_ptr + route.to(tl.int64)[:, None] * dim + cols[None, :]
+    tl.store(target, values, mask=inside[:, None] & in_dim)
 
 
 def check_available(t: Tensor) -> None:
@@ -108,16 +123,35 @@ def _workspace_for(rows: int, like: Tensor, pg: dist.ProcessGroup):
     return _workspace(rows, like.shape[-1], like.dtype, like.device, pg.group_name)
 
 
-def send(values: Tensor, address: Tensor, rank_cap: int, pg: dist.ProcessGroup) -> Tensor:
-    """Push ``values[i]`` to ``address[i]``; return this rank's ``[rank_cap, D]`` buffer."""
-    check_available(values)
-    buffer, handle, peers = _workspace_for(rank_cap, values, pg)
-    values = values.contiguous()
+def _grid(routes: int, dim: int) -> tuple[int, int]:
+    return triton.cdiv(routes, ROUTES), triton.cdiv(dim, COLS)
+
+
+def send(
+    x: Tensor,
+    address: Tensor,
+    rank_cap: int,
+    pg: dist.ProcessGroup,
+    top_k: int = 1,
+    weights: Tensor | None = None,
+) -> Tensor:
+    """Push route ``i``'s row ``x[i // top_k]`` (times ``weights[i]`` if given) to
+    ``address[i]``; return this rank's ``[rank_cap, D]`` buffer (rows no route wrote:
+    unspecified)."""
+    check_available(x)
+    buffer, handle, peers = _workspace_for(rank_cap, x, pg)
+    x = x.contiguous()
+    if ep_ops._POISON is not None:  # tests: rows no route writes hold garbage
+        buffer.fill_(ep_ops._POISON)
     handle.barrier(channel=0)
-    if values.shape[0]:
-        _push_rows_kernel[(values.shape[0],)](
-            values, address, peers, rank_cap, values.shape[1], BLOCK=BLOCK_D
-        )
+    routes = address.shape[0]
+    if routes:
+        acc = torch.promote_types(x.dtype, torch.float32)  # as the other paths weight rows
+        scales = x if weights is None else weights.reshape(-1).to(acc).contiguous()
+        _push_rows_kernel[_grid(routes, x.shape[1])](
+            x, scales, address, peers, routes, rank_cap, x.shape[1],
+            TOP_K=top_k, HAS_WEIGHTS=weights is not None, ROUTES=ROUTES, COLS=COLS,
+        )  # fmt: skip
     handle.barrier(channel=0)
     return buffer.clone()
 
@@ -129,10 +163,11 @@ def fetch(buffer: Tensor, address: Tensor, pg: dist.ProcessGroup) -> Tensor:
     shared, handle, peers = _workspace_for(rank_cap, buffer, pg)
     shared.copy_(buffer)
     handle.barrier(channel=0)
-    picked = buffer.new_empty(address.shape[0], buffer.shape[1])
-    if address.shape[0]:
-        _pull_rows_kernel[(address.shape[0],)](
-            picked, address, peers, rank_cap, buffer.shape[1], BLOCK=BLOCK_D
+    routes = address.shape[0]
+    picked = buffer.new_empty(routes, buffer.shape[1])
+    if routes:
+        _pull_rows_kernel[_grid(routes, buffer.shape[1])](
+            picked, address, peers, routes, rank_cap, buffer.shape[1], ROUTES=ROUTES, COLS=COLS
         )
     handle.barrier(channel=0)
     return picked
