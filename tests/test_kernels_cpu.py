@@ -118,37 +118,42 @@ def test_dispatch_combine_and_backward_ignore_poisoned_rows(dtype):
 
 @interpreted
 @pytest.mark.parametrize("weighted", [False, True])
-def test_rowwise_push_pull_between_two_peer_buffers(weighted):
-    """The EP rowwise copy kernels with two host buffers standing in for two ranks' symmetric
-    memory: every kept route lands at ``dest * cap + row``, dropped ones nowhere; pulling reads
-    them back and gives zeros for dropped routes."""
+def test_rowwise_push_and_push_back_between_two_peer_buffers(weighted):
+    """The EP rowwise copy kernel with host buffers standing in for two ranks' symmetric memory:
+    every kept route's (weighted) token row lands at ``dest * cap + row``, dropped ones nowhere;
+    the routes' ids pushed the same way give each row its origin, and pushing the rows back to
+    their origins restores every kept route's row (zeros for dropped ones)."""
     from moec.runtime import ep_rowwise
 
     tokens, top_k, dim, cap = 7, 2, 40, 6
+    routes = tokens * top_k
     x = torch.randn(tokens, dim)
-    weights = torch.rand(tokens * top_k)
-    address = torch.randperm(2 * cap)[: tokens * top_k - 2]
-    address = torch.cat([address, torch.full((2,), -1)])[torch.randperm(tokens * top_k)]
-    peers_rows = [torch.full((cap, dim), float("nan")) for _ in range(2)]
-    peers = torch.tensor([b.data_ptr() for b in peers_rows])
-    routes, meta = address.numel(), {"ROUTES": 4, "COLS": 16}
-    grid = (triton.cdiv(routes, 4), triton.cdiv(dim, 16))
-    ep_rowwise._push_rows_kernel[grid](
-        x, weights, address, peers, routes, cap, dim,
-        TOP_K=top_k, HAS_WEIGHTS=weighted, **meta,
-    )  # fmt: skip
-    buffer = torch.cat(peers_rows)
-    for route, at in enumerate(address.tolist()):
-        if at >= 0:
-            row = x[route // top_k] * (weights[route] if weighted else 1)
-            torch.testing.assert_close(buffer[at], row)
+    weights = torch.rand(routes)
+    address = torch.randperm(2 * cap)[: routes - 2]
+    address = torch.cat([address, torch.full((2,), -1)])[torch.randperm(routes)]
+    meta = {"ROUTES": 4, "COLS": 16}
+
+    def push(src, at, rows, fill, k=1, scales=None):
+        peers_rows = [torch.full((rows, src.shape[1]), fill, dtype=src.dtype) for _ in range(2)]
+        peers = torch.tensor([b.data_ptr() for b in peers_rows])
+        grid = (triton.cdiv(at.numel(), 4), triton.cdiv(src.shape[1], 16))
+        ep_rowwise._push_rows_kernel[grid](
+            src, src if scales is None else scales, at, peers, at.numel(), rows, src.shape[1],
+            TOP_K=k, HAS_WEIGHTS=scales is not None, **meta,
+        )  # fmt: skip
+        return torch.cat(peers_rows)
+
+    buffer = push(x, address, cap, float("nan"), top_k, weights if weighted else None)
+    sent = x.repeat_interleave(top_k, 0) * (weights[:, None] if weighted else 1)
+    kept = address >= 0
+    torch.testing.assert_close(buffer[address[kept]], sent[kept])
     written = torch.zeros(2 * cap, dtype=torch.bool)
-    written[address[address >= 0]] = True
+    written[address[kept]] = True
     assert buffer[~written].isnan().all()
-    picked = torch.empty(routes, dim)
-    ep_rowwise._pull_rows_kernel[grid](picked, address, peers, routes, cap, dim, **meta)
-    expected = torch.where((address >= 0)[:, None], buffer[address.clamp(min=0)], 0)
-    assert torch.equal(picked, expected)
+    origins = push(torch.arange(routes)[:, None], address, cap, -1).view(-1)  # one source
+    assert torch.equal(origins[address[kept]], torch.arange(routes)[kept])
+    back = push(buffer, origins, routes, 0.0)[:routes]
+    torch.testing.assert_close(back, torch.where(kept[:, None], sent, 0))
 
 
 @interpreted

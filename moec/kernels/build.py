@@ -131,21 +131,20 @@ def kernel_specs(capability: int) -> list[KernelSpec]:
 
 
 def _ep_specs() -> list[KernelSpec]:
-    """The EP rowwise transport's copy kernels (they live with the runtime that owns the
-    symmetric memory they write)."""
+    """The EP rowwise transport's copy kernel (it lives with the runtime that owns the
+    symmetric memory it writes)."""
     from moec.runtime import ep_rowwise
 
     ptrs = {
-        "src_ptr": "*bf16", "dst_ptr": "*bf16", "weights_ptr": "*fp32", "address_ptr": "*i64",
-        "peers_ptr": "*i64",
+        "src_ptr": "*bf16", "weights_ptr": "*fp32", "address_ptr": "*i64", "peers_ptr": "*i64",
     }  # fmt: skip
     tile = {"ROUTES": ep_rowwise.ROUTES, "COLS": ep_rowwise.COLS}
     return [
         KernelSpec(
-            "ep_push_rows", ep_rowwise._push_rows_kernel, ptrs,
-            tile | {"TOP_K": 8, "HAS_WEIGHTS": True},
-        ),
-        KernelSpec("ep_pull_rows", ep_rowwise._pull_rows_kernel, ptrs, tile),
+            f"ep_push_rows_k{top_k}", ep_rowwise._push_rows_kernel, ptrs,
+            tile | {"TOP_K": top_k, "HAS_WEIGHTS": top_k > 1},
+        )
+        for top_k in (8, 1)  # dispatch (weighted in combine's backward); combine
     ]  # fmt: skip
 
 

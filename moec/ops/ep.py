@@ -38,9 +38,10 @@ Paths (``path``):
   step 1). The receive buffer is padded to ``R = N * C`` so the graph keeps static shapes.
 - ``rowwise`` (sync-free, CUDA + symmetric memory): counts all-gathered on the device; each
   route's destination rank and row computed on the device (:func:`rowwise_route_map`); a Triton
-  kernel writes rows straight into the peers' symmetric-memory buffers (``R = Cr``), and the
-  combine kernel pulls each route's row back from the owner. Without CUDA/symmetric memory it
-  raises :class:`EPPathError` naming ``a2a_capacity``.
+  kernel writes rows straight into the peers' symmetric-memory buffers (``R = Cr``), the layout
+  sends each row's origin along (``recv_rows[r] = source * T*K + route``, -1 for no route), and
+  combine pushes every expert-output row back to its origin (:mod:`moec.runtime.ep_rowwise`).
+  Without CUDA/symmetric memory it raises :class:`EPPathError` naming ``a2a_capacity``.
 
 Backward: dispatch's is the reverse exchange plus an unweighted sum (a combine); combine's is a
 weighted dispatch plus ``d_weights = <picked, d_out>``. All three every rank of the group must
@@ -217,13 +218,15 @@ def _layout(rows, offsets, group, ep_size, capacity_factor, path):
     sent = accepted.view(ep_size, -1).sum(1)
     num_rows = buffer_rows(tokens, top_k, num_experts, ep_size, capacity_factor, path)
     if path == "rowwise":
-        _rowwise().check_available(rows)
+        transport = _rowwise()
+        transport.check_available(rows)
         all_counts = accepted.new_empty(ep_size, num_experts)
         dist.all_gather_into_tensor(all_counts, accepted, group=pg)
         rank = dist.get_rank(pg)
         slots, dropped = rowwise_route_map(rows, offsets, all_counts, rank, num_rows)
         counts = all_counts.view(ep_size, ep_size, -1)[:, rank]
-        recv = torch.arange(num_rows, device=rows.device)
+        route_ids = rank * slots.numel() + torch.arange(slots.numel(), device=rows.device)
+        recv = transport.send(route_ids[:, None], slots, num_rows, pg, fill=-1).view(-1)
         offs = local_offsets(counts, num_rows)
         return slots.view(rows.shape), recv, offs, counts, sent, dropped
     counts = torch.empty_like(accepted)
@@ -322,7 +325,7 @@ def _send(x, top_k, weights, slots, recv_rows, sent, counts, group, ep_size, pat
 def _fetch(buffer, slots, recv_rows, sent, counts, group, ep_size, path):
     pg = resolve_group(group, ep_size)
     if path == "rowwise":
-        return _rowwise().fetch(buffer, slots, pg)
+        return _rowwise().send(buffer, recv_rows, slots.numel(), pg, fill=0)
     return _fetch_a2a(buffer, slots, recv_rows, sent, counts, pg, path)
 
 

@@ -13,7 +13,7 @@ import collections
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from moec.plan import Plan
 from moec.train import DEMO_PLAN, TrainConfig, Trainer, demo_model
@@ -48,14 +48,20 @@ def test_ep_equals_ep1_on_every_path(world):
 
 
 def host_waits(step) -> collections.Counter:
-    """Synchronizing CUDA runtime calls and device-to-host copies in the profiler trace of one
-    ``step`` (the device is drained before the trace starts and after it ends)."""
+    """Synchronizing CUDA runtime calls made while ``step`` runs, and device-to-host copies, in
+    the profiler trace of one ``step``. Calls outside the step's window are the profiler's own
+    (it synchronizes the device when it stops)."""
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
-        step()
-    torch.cuda.synchronize()
+        with record_function("moec_step"):
+            step()
+    events = trace.events()
+    window = next(e.time_range for e in events if e.name == "moec_step")
     return collections.Counter(
-        e.name for e in trace.events() if e.name in HOST_WAITS or "DtoH" in e.name
+        e.name
+        for e in events
+        if "DtoH" in e.name
+        or (e.name in HOST_WAITS and window.start <= e.time_range.start <= window.end)
     )
 
 
