@@ -24,6 +24,7 @@ from moec.passes.manager import PassContext
 from moec.passes.pipeline import (
     PipelinePass,
     PipelinePassError,
+    _size_from_inputs,
     balance,
     block_units,
     check_splittable,
@@ -353,3 +354,13 @@ def test_tied_embeddings_are_rejected_by_name():
     )
     with pytest.raises(Exception, match="lm_head.weight.*tied"):
         _compiled(tied, MOE, {"pp": 2, "microbatches": 2})
+
+
+def test_stage_reads_a_specialized_size_as_its_value():
+    """A size the capture specialized (the H200 e2e model's batch of 3 was) is a constant in
+    the stage, not a size to find among the stage's inputs."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    size = graph.call_function(torch.ops.aten.sym_size.int, (x, 0))
+    size.meta["val"] = 3
+    assert _size_from_inputs(torch.fx.Graph(), size, [], {}, 1) == 3

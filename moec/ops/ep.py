@@ -355,11 +355,12 @@ def _route_rows(x: Tensor, top_k: int, weights: Tensor | None = None) -> Tensor:
 
 
 def _sum_routes(picked: Tensor, top_k: int, weights: Tensor | None = None) -> Tensor:
-    """(T*K, D) -> (T, D), accumulated in :func:`_acc`: sum over k of weights * picked."""
-    routes = picked.reshape(-1, top_k, picked.shape[-1]).to(_acc(picked))
-    if weights is not None:
-        routes = routes * weights.reshape(-1, top_k, 1).to(_acc(picked))
-    return routes.sum(1).to(picked.dtype)
+    """(T*K, D) -> (T, D): sum over k of weights * picked, accumulated in :func:`_acc`. It is
+    ``moec::combine`` over the identity rows, so CUDA runs the combine kernel."""
+    routes = torch.arange(picked.shape[0], device=picked.device).view(-1, top_k)
+    if weights is None:
+        weights = torch.ones(routes.shape, dtype=_acc(picked), device=picked.device)
+    return torch.ops.moec.combine(picked, weights.reshape(routes.shape), routes)
 
 
 # --- ep_dispatch -------------------------------------------------------------------------------

@@ -549,7 +549,7 @@ def _stage_graph(
         env[node] = graph.placeholder(node.name)
         env[node].meta = dict(node.meta)
 
-    def lookup(arg: fx.Node) -> fx.Node:
+    def lookup(arg: fx.Node) -> fx.Node | int:
         if arg in env:
             return env[arg]
         if arg.op == "get_attr":
@@ -583,14 +583,17 @@ def _stage_graph(
 
 def _size_from_inputs(
     graph: fx.Graph, node: fx.Node, inputs: list[fx.Node], env: dict, index: int
-) -> fx.Node:
-    """``sym_size`` of the same symbol, read from one of this stage's own inputs."""
+) -> fx.Node | int:
+    """``sym_size`` of the same symbol, read from one of this stage's own inputs; a size the
+    capture specialized (its value is an int) is that int."""
     source, dim = node.args
     if source in env:
         new = graph.call_function(aten.sym_size.int, (env[source], dim))
         new.meta = dict(node.meta)
         return new
     want = node.meta["val"]
+    if isinstance(want, int):
+        return want
     for inp in inputs:
         val = inp.meta.get("val")
         for d, size in enumerate(getattr(val, "shape", ())):
