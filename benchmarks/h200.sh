@@ -30,7 +30,7 @@ for stage in "$@"; do
     gemm) timeout $STAGE_LIMIT python benchmarks/grouped_gemm.py --json "$OUT/gg.json" ;;
     e2e-moec) timeout $STAGE_LIMIT python benchmarks/e2e.py --moec-only --json "$OUT/e2e.json" ;;
     multigpu) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_multigpu.py ;;
-    ep) timeout $STAGE_LIMIT $RUN benchmarks/ep.py --json "$OUT/ep.json" ;;
+    ep) timeout $STAGE_LIMIT $RUN benchmarks/ep.py --json "$OUT/ep.json" $([ "$GPUS" -gt 1 ] || echo --no-step) ;;
     scaling) single=$([ -f "$OUT/e2e.json" ] && echo "--single $OUT/e2e.json")
       for args in "--ep $GPUS --path rowwise" "--pp $GPUS"; do
         timeout $STAGE_LIMIT $RUN benchmarks/scaling.py $args $single; done ;;

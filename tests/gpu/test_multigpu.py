@@ -4,7 +4,8 @@ rowwise path never waits for the device: CUDA's sync debug mode raises nothing, 
 trace of the step holds no stream/event/device synchronize and no device-to-host copy (the
 report's B.6 check), while the same trace of ``sync_1d`` shows its per-block waits.
 
-Runs for every world of 2, 4 and 8 that the machine's GPUs allow; skipped below 2 GPUs.
+Runs for every world of 2, 4 and 8 that the machine's GPUs allow; on one GPU only the rowwise
+transport with a group of one rank (every route pushed to itself through symmetric memory).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from tests.distributed import spawn
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 WORLDS = [w for w in (2, 4, 8) if w <= GPUS] or [2]
-pytestmark = pytest.mark.skipif(GPUS < 2, reason="needs 2 or more CUDA devices")
+multigpu = pytest.mark.skipif(GPUS < 2, reason="needs 2 or more CUDA devices")
 
 OPS_CASES = [  # (path, capacity factor, poison); cf = 4.0 = N/K never binds, 0.6 binds
     ("rowwise", 4.0, True),
@@ -40,6 +41,18 @@ def _equal_worker(rank: int, world: int) -> None:
     test_ep._llama_worker(rank, world, ("rowwise", "a2a_capacity", "sync_1d"), device)
 
 
+def _one_gpu_worker(rank: int, world: int) -> None:
+    for case in OPS_CASES[:2]:
+        test_ep._ops_worker(rank, world, *case, device=torch.device("cuda", rank))
+
+
+@pytest.mark.skipif(GPUS < 1, reason="needs a CUDA device")
+def test_rowwise_transport_on_one_gpu():
+    """Ops at EP = 1 through the rowwise transport equal the plain ops (drops included)."""
+    spawn(_one_gpu_worker, 1, backend="nccl")
+
+
+@multigpu
 @pytest.mark.parametrize("world", WORLDS)
 def test_ep_equals_ep1_on_every_path(world):
     """Ops (outputs, drops, every gradient; poisoned buffers) and the compiled Llama (outputs,
@@ -104,6 +117,7 @@ def _sync_worker(rank: int, world: int, out: str) -> None:
     assert sum(n for name, n in waits.items() if "DtoH" in name) >= 2 * blocks, dict(waits)
 
 
+@multigpu
 @pytest.mark.parametrize("world", WORLDS[-1:])
 def test_rowwise_ep_step_is_sync_free_and_sync_1d_is_not(world, tmp_path):
     spawn(_sync_worker, world, str(tmp_path), backend="nccl")
