@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import moec
-from moec.analysis.cost import graph_cost, node_cost
+from moec.analysis.cost import backward_workspace, graph_cost, node_cost
 from moec.models import Llama, LlamaConfig
 
 aten = torch.ops.aten
@@ -52,6 +52,9 @@ def test_linear_flops_are_2mnk_and_save_the_input(sizes):
     assert cost.value(node_cost(linear).saved_bytes, **sizes) == 4 * b * s * 16
     assert cost.value(node_cost(linear).bytes_out, **sizes) == 4 * b * s * 32
     assert report.params == 16 * 32 + 32
+    # backward: d_out, d_x, d_weight, d_bias live together
+    workspace = 4 * (b * s * 32 + b * s * 16 + 16 * 32 + 32)
+    assert cost.value(backward_workspace(linear), **sizes) == workspace
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -105,6 +108,10 @@ def test_moe_graph_counts_routed_rows_and_active_params():
     (mlp,) = _nodes(gm, torch.ops.moec.expert_mlp.default)
     b, s, k, d, h = 3, 10, 2, cfg.dim, cfg.ffn_hidden
     assert cost.value(node_cost(mlp).flops, batch=b, seq=s) == 2 * b * s * k * (d * 2 * h + h * d)
+    # d_y, d_buffer, d_w_up, d_w_down, and inside: d_h [R, 2H] and the activation [R, H]
+    rows, e = b * s * k, 4
+    grads = rows * d * 2 + e * (d * 2 * h + h * d) + rows * 3 * h
+    assert cost.value(backward_workspace(mlp), batch=b, seq=s) == 4 * grads
     expert = sum(p.numel() for name, p in gm.named_parameters()
                  if gm.meta["moec_param_roles"].get(name) == "expert")
     assert cost.params == sum(p.numel() for p in gm.parameters())

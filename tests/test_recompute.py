@@ -155,7 +155,7 @@ def floor(base) -> int:
 
 def _budget_between(base, floor) -> int:
     stats = _with_policy(base, "selective").pass_results["recompute"].stats
-    return (floor + stats["predicted_saved_bytes_before"]) // 2
+    return (floor + stats["predicted_peak_bytes_before"]) // 2
 
 
 def test_compile_registers_the_pass_after_moe():

@@ -59,22 +59,26 @@ ZERO = sympy.Integer(0)
 MATMUL_KINDS = frozenset({"matmul", "attention", "experts"})
 """Node kinds whose FLOPs are tensor-core GEMM work (the report's model FLOPs)."""
 
-VIEW_LIKE = VIEW_OPS | TRANSPOSE_OPS | {
-    aten.expand.default,
-    aten.unsqueeze.default,
-    aten.squeeze.dim,
-    aten.squeeze.dims,
-    aten.slice.Tensor,
-    aten.select.int,
-    aten.split.Tensor,
-    aten.split_with_sizes.default,
-    aten.chunk.default,
-    aten.unbind.int,
-    aten.detach.default,
-    aten.sym_size.int,
-    aten._assert_tensor_metadata.default,
-    operator.getitem,
-}
+VIEW_LIKE = (
+    VIEW_OPS
+    | TRANSPOSE_OPS
+    | {
+        aten.expand.default,
+        aten.unsqueeze.default,
+        aten.squeeze.dim,
+        aten.squeeze.dims,
+        aten.slice.Tensor,
+        aten.select.int,
+        aten.split.Tensor,
+        aten.split_with_sizes.default,
+        aten.chunk.default,
+        aten.unbind.int,
+        aten.detach.default,
+        aten.sym_size.int,
+        aten._assert_tensor_metadata.default,
+        operator.getitem,
+    }
+)
 LINEAR_POINTWISE = {
     aten.add.Tensor,
     aten.add.Scalar,
@@ -195,8 +199,10 @@ Rule = Callable[[fx.Node], tuple[Expr, str, list[SavedRef]]]
 
 
 def _matmul(node: fx.Node) -> tuple[Expr, str, list[SavedRef]]:
-    operands = node.args[1:3] if node.target in (aten.addmm.default, aten.baddbmm.default) else (
-        node.args[:2]
+    operands = (
+        node.args[1:3]
+        if node.target in (aten.addmm.default, aten.baddbmm.default)
+        else (node.args[:2])
     )
     k = sym(_val(operands[0]).shape[-1])
     return 2 * numel(_val(node)) * k, "matmul", _refs(operands)
@@ -352,6 +358,36 @@ def node_cost(node: fx.Node) -> NodeCost:
     saved = tuple(dict.fromkeys(saved))
     saved_bytes = sympy.Add(*(ref.nbytes() for ref in saved))
     return NodeCost(sympy.sympify(flops), bytes_out, saved_bytes, kind, saved)
+
+
+def _grad_bytes(val: Any) -> Expr:
+    """Bytes of the gradients of ``val``'s floating-point tensors (integers get none)."""
+    if isinstance(val, (tuple, list)):
+        return sympy.Add(*(_grad_bytes(v) for v in val))
+    if isinstance(val, torch.Tensor) and val.dtype.is_floating_point:
+        return nbytes(val)
+    return ZERO
+
+
+def backward_workspace(node: fx.Node) -> Expr:
+    """Bytes live together while ``node``'s backward runs, besides saved tensors: the gradients
+    of its outputs and of its floating inputs (a parameter's arrives in the dtype the op read
+    before it is accumulated), plus what the backward allocates inside: ``moec.expert_mlp``
+    holds the pre-activation's gradient [R, U] and the recomputed activation [R, H] as well."""
+    if node.op != "call_function" or node_cost(node).kind == "view":
+        return ZERO
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):  # only the outputs something reads get a gradient
+        read = {u.args[1] for u in node.users if u.target is operator.getitem}
+        val = [v for i, v in enumerate(val) if i in read]
+    grads = _grad_bytes(val) + sympy.Add(
+        *(_grad_bytes(_val(a)) for a in dict.fromkeys(node.all_input_nodes))
+    )
+    if node.target is torch.ops.moec.expert_mlp.default:
+        x, w_up, w_down = (_val(a) for a in node.args[:3])
+        rows = sym(x.shape[0])
+        grads += rows * (sym(w_up.shape[-1]) + sym(w_down.shape[1])) * x.element_size()
+    return grads
 
 
 # --- totals ------------------------------------------------------------------------------------
@@ -541,8 +577,9 @@ def _example_sizes(gm: fx.GraphModule) -> dict[sympy.Symbol, Any]:
 
 
 def tokens(gm: fx.GraphModule) -> Expr:
-    inputs = [v for v in map(_val, gm.graph.find_nodes(op="placeholder"))
-              if isinstance(v, torch.Tensor)]
+    inputs = [
+        v for v in map(_val, gm.graph.find_nodes(op="placeholder")) if isinstance(v, torch.Tensor)
+    ]
     if not inputs:
         return sympy.Integer(1)
     integer = [v for v in inputs if not v.is_floating_point() and not v.is_complex()]
@@ -554,8 +591,9 @@ def tokens(gm: fx.GraphModule) -> Expr:
 def _friendly_dims(gm: fx.GraphModule) -> dict[str, sympy.Symbol]:
     """``batch``/``seq``: the size symbols of dims 0/1 of the first input with symbolic sizes
     (integer inputs first: token ids)."""
-    inputs = [v for v in map(_val, gm.graph.find_nodes(op="placeholder"))
-              if isinstance(v, torch.Tensor)]
+    inputs = [
+        v for v in map(_val, gm.graph.find_nodes(op="placeholder")) if isinstance(v, torch.Tensor)
+    ]
     inputs.sort(key=lambda v: v.is_floating_point())
     for value in inputs:
         names = {}
@@ -583,8 +621,13 @@ def _ffns(gm: fx.GraphModule) -> list[FFNInfo]:
     """Dense FFN regions still in the graph and the MoE layers the ``moe`` pass made."""
     moe = {
         m.path.removesuffix(".moe"): FFNInfo(
-            m.path.removesuffix(".moe"), m.activation, m.dim, m.expert_width,
-            m.num_experts, m.top_k, m.shared_expert,
+            m.path.removesuffix(".moe"),
+            m.activation,
+            m.dim,
+            m.expert_width,
+            m.num_experts,
+            m.top_k,
+            m.shared_expert,
         )
         for m in gm.meta.get("moec_moe_layers", [])
     }
@@ -618,9 +661,7 @@ def _blocks(
         if path is not None:
             members[path].append(node)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    paths = sorted(
-        (p for p in members if members[p]), key=lambda p: order[members[p][0]]
-    )
+    paths = sorted((p for p in members if members[p]), key=lambda p: order[members[p][0]])
     blocks = []
     for index, path in enumerate(paths):
         ffn = ffns[path]

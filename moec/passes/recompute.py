@@ -37,8 +37,10 @@ preserved RNG state.
 Prediction (from the cost model's saved-tensor refs, at the example sizes): a block left
 alone keeps what ``node_cost(n).saved`` says (with the corrections of :func:`saved_refs`); a
 recomputed block keeps its activation inputs (the checkpoint holds them) and every output of its
-MUST_SAVE ops. ``predicted_peak_bytes`` adds the largest transient of recomputing one block in
-backward (what it saves without recompute and not at its level).
+MUST_SAVE ops. ``predicted_peak_bytes`` adds, for the block whose backward needs most, the
+transient of recomputing it (what it saves without recompute and not at its level) and the
+gradients live at once in its backward (:func:`moec.analysis.cost.backward_workspace`; on the
+H200 e2e model ~3 GiB, mostly the expert MLP's [R, 2H] gradient).
 
 Preconditions: no node between a block's first and last node reads a value of the block
 without belonging to it; a block that breaks this is left alone and named in
@@ -49,7 +51,8 @@ has no tensor value); user and aux outputs are unchanged; no parameter is added 
 Options: ``plan.recompute.policy``, ``plan.recompute.budget_bytes``.
 Statistics: ``policy``, ``blocks_recomputed``, ``block_policies`` (path -> policy),
 ``predicted_saved_bytes_before`` / ``predicted_saved_bytes_after`` (bytes kept for backward),
-``predicted_peak_bytes``, ``recompute_flops`` (forward FLOPs run again in backward),
+``predicted_peak_bytes_before`` / ``predicted_peak_bytes`` (without recompute / with it),
+``recompute_flops`` (forward FLOPs run again in backward),
 ``memory_table`` (per block and policy: saved bytes and recompute FLOPs), ``blocks_skipped``.
 """
 
@@ -71,7 +74,15 @@ from torch.utils.checkpoint import (
 )
 
 import moec.ops.ep  # noqa: F401  (registers the moec::ep_* ops)
-from moec.analysis.cost import VIEW_LIKE, GraphCost, SavedRef, graph_cost, node_cost
+from moec.analysis.cost import (
+    VIEW_LIKE,
+    GraphCost,
+    SavedRef,
+    backward_workspace,
+    graph_cost,
+    nbytes,
+    node_cost,
+)
 from moec.analysis.structure import module_path
 from moec.passes.manager import PassContext, PassResult
 from moec.plan import PlanError
@@ -158,6 +169,9 @@ class BlockRegion:
     transient: dict[str, int]
     """Per level, bytes a recompute of the block materializes in backward: what it saves at
     level ``none`` and not at this level."""
+    workspace: int
+    """Gradient bytes live at once in the block's backward: the gradient of its inputs (the
+    residual stream's, live throughout) and the largest :func:`backward_workspace` of a node."""
     skipped: str | None = None
     """Why the block cannot be recomputed, or None."""
 
@@ -235,6 +249,11 @@ def _bytes(refs: Iterable[SavedRef], cost: GraphCost) -> int:
     return cost.value(sum((ref.nbytes() for ref in refs), 0))
 
 
+def _workspace(nodes: list[fx.Node], cost: GraphCost) -> int:
+    inputs = sum((nbytes(i.meta["val"]) for i in _region_inputs(nodes) if _is_activation(i)), 0)
+    return cost.value(inputs) + max((cost.value(backward_workspace(n)) for n in nodes), default=0)
+
+
 def _interleaved(nodes: list[fx.Node]) -> fx.Node | None:
     """A node outside ``nodes`` placed before their last one that reads one of them, if any
     (the region would have to be called before its own inputs exist)."""
@@ -260,7 +279,8 @@ def block_regions(gm: fx.GraphModule, cost: GraphCost | None = None) -> list[Blo
         user = _interleaved(nodes)
         skipped = None if user is None else f"{user.name}, between its nodes, reads the block"
         transient = {level: _bytes(saved["none"] - saved[level], cost) for level in LEVELS}
-        regions.append(BlockRegion(block.path, nodes, saved, flops, transient, skipped))
+        workspace = _workspace(nodes, cost)
+        regions.append(BlockRegion(block.path, nodes, saved, flops, transient, workspace, skipped))
     return regions
 
 
@@ -284,10 +304,10 @@ def predict(
     refs = set(outside)
     for region in regions:
         refs |= region.saved[levels[region.path]]
-    transients = [r.transient[levels[r.path]] for r in regions]
+    backward = [r.transient[levels[r.path]] + r.workspace for r in regions]
     saved = _bytes(refs, cost)
     flops = sum(r.recompute_flops[levels[r.path]] for r in regions)
-    return Prediction(saved, saved + max(transients, default=0), flops)
+    return Prediction(saved, saved + max(backward, default=0), flops)
 
 
 def outside_refs(gm: fx.GraphModule, regions: list[BlockRegion]) -> set[SavedRef]:
@@ -410,6 +430,7 @@ class RecomputePass:
             "block_policies": levels,
             "predicted_saved_bytes_before": before.saved_bytes,
             "predicted_saved_bytes_after": after.saved_bytes,
+            "predicted_peak_bytes_before": before.peak_bytes,
             "predicted_peak_bytes": after.peak_bytes,
             "recompute_flops": after.recompute_flops,
             "memory_table": memory_table(regions, levels, cost),
