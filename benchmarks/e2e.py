@@ -162,15 +162,22 @@ class EagerTrainer:
         return loss.detach()
 
 
-def measure(
-    name: str, step, device: torch.device, steps: int, warmup: int, flops: float, tokens: int
-) -> dict:
+def warm_up(step, device: torch.device, warmup: int) -> int | None:
+    """Run ``warmup`` steps, count the host syncs of one more, then drain the device and reset
+    its peak-memory counter: the timed window starts clean."""
     for _ in range(warmup):
         step()
     syncs = count_host_syncs(step, device)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    return syncs
+
+
+def measure(
+    name: str, step, device: torch.device, steps: int, warmup: int, flops: float, tokens: int
+) -> dict:
+    syncs = warm_up(step, device, warmup)
     start = time.perf_counter()
     losses = [step() for _ in range(steps)]
     final = float(losses[-1])  # reads the device: the end of the timed window

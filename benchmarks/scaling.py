@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 
 import moec
-from benchmarks.e2e import FULL, SMALL, dense_model, moe_plan
+from benchmarks.e2e import FULL, SMALL, dense_model, moe_plan, warm_up
 from moec.analysis.cost import graph_cost
-from moec.runtime.metrics import bf16_peak_tflops, count_host_syncs, useful_mfu
+from moec.runtime.metrics import bf16_peak_tflops, useful_mfu
 from moec.runtime.pipeline import build_pipeline_mesh, runtime_for
 from moec.train import TrainConfig, Trainer
 
@@ -68,12 +68,7 @@ def pipeline_step(s: dict, plan, device: torch.device) -> tuple[Callable, float,
 
 def measure(step: Callable, device: torch.device, steps: int, warmup: int) -> dict:
     """Steady-state step time (the slowest rank's), host syncs, peak memory of this rank."""
-    for _ in range(warmup):
-        step()
-    syncs = count_host_syncs(step, device)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+    syncs = warm_up(step, device, warmup)
     dist.barrier()
     start = time.perf_counter()
     for _ in range(steps):

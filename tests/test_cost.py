@@ -66,18 +66,28 @@ def test_attention_flops_are_4bhssd_halved_when_causal(causal):
 
 
 def _tiny_llama(layers=2, dim=32, heads=4, kv_heads=2, ffn=64, vocab=256):
-    cfg = LlamaConfig(vocab_size=vocab, dim=dim, n_layers=layers, n_heads=heads,
-                      n_kv_heads=kv_heads, ffn_hidden=ffn)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        dim=dim,
+        n_layers=layers,
+        n_heads=heads,
+        n_kv_heads=kv_heads,
+        ffn_hidden=ffn,
+    )
     return Llama(cfg), cfg
 
 
 def _llama_matmul_flops(cfg: LlamaConfig, b: int, s: int) -> int:
     d, dh = cfg.dim, cfg.dim // cfg.n_heads
-    per_token = cfg.n_layers * (
-        2 * d * d * 2  # q and o projections
-        + 2 * d * cfg.n_kv_heads * dh * 2  # k and v
-        + 2 * d * cfg.ffn_hidden * 3  # gate, up, down
-    ) + 2 * d * cfg.vocab_size  # lm head
+    per_token = (
+        cfg.n_layers
+        * (
+            2 * d * d * 2  # q and o projections
+            + 2 * d * cfg.n_kv_heads * dh * 2  # k and v
+            + 2 * d * cfg.ffn_hidden * 3  # gate, up, down
+        )
+        + 2 * d * cfg.vocab_size
+    )  # lm head
     attention = cfg.n_layers * 2 * b * cfg.n_heads * s * s * dh  # causal: half of 4*B*H*S*S*Dh
     return b * s * per_token + attention
 
@@ -112,8 +122,11 @@ def test_moe_graph_counts_routed_rows_and_active_params():
     rows, e = b * s * k, 4
     grads = rows * d * 2 + e * (d * 2 * h + h * d) + rows * 3 * h
     assert cost.value(backward_workspace(mlp), batch=b, seq=s) == 4 * grads
-    expert = sum(p.numel() for name, p in gm.named_parameters()
-                 if gm.meta["moec_param_roles"].get(name) == "expert")
+    expert = sum(
+        p.numel()
+        for name, p in gm.named_parameters()
+        if gm.meta["moec_param_roles"].get(name) == "expert"
+    )
     assert cost.params == sum(p.numel() for p in gm.parameters())
     assert cost.active_params == cost.params - expert + expert * 2 // 4
     kinds = [b.ffn.num_experts for b in cost.blocks]

@@ -29,7 +29,6 @@ N, K = 8, 2
 # --- harness -----------------------------------------------------------------------------------
 
 
-
 def _route(logits: torch.Tensor, cf: float):
     _, weights, rows, offsets, _ = ops.route(logits, K, cf, "softmax", True, "learned")
     return weights, rows, offsets

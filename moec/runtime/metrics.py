@@ -58,3 +58,14 @@ def count_host_syncs(step: Callable[[], object], device: torch.device | str) -> 
         finally:
             torch.cuda.set_sync_debug_mode(previous)
     return sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)
+
+
+def run_without_host_sync(step: Callable[[], object], steps: int) -> list[object]:
+    """Run ``step`` ``steps`` times with CUDA's sync debug mode at "error": any synchronizing call
+    it sees raises (the device is drained first, so nothing pending is blamed on the steps)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return [step() for _ in range(steps)]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
