@@ -29,7 +29,7 @@ def test_debug_writes_every_artifact_for_every_pass(tmp_path, plan_file, model, 
     out = tmp_path / "dump"
     assert main(["debug", model, "--plan", str(plan_file), "--out", str(out)]) == 0
     stages = sorted(p.name for p in out.iterdir() if p.is_dir())
-    assert stages == ["00_capture", "01_moe", "02_fused_loss", "03_fuse_rope"]
+    assert stages == ["00_capture", "01_moe", "02_fused_loss", "03_fuse_rope", "04_fuse_glu"]
     for stage in stages:
         for name in ARTIFACTS:
             assert (out / stage / name).stat().st_size > 0, f"{stage}/{name} is empty"
@@ -47,7 +47,7 @@ def test_debug_writes_every_artifact_for_every_pass(tmp_path, plan_file, model, 
     assert stats["active_params"] < stats["params"]
     assert stats["flops_per_token"] > 0
     summary = (out / "summary.txt").read_text().splitlines()
-    expected = ["[capture]", "[moe]", "[fused_loss]", "[fuse_rope]"]
+    expected = ["[capture]", "[moe]", "[fused_loss]", "[fuse_rope]", "[fuse_glu]"]
     assert [line.split()[0] for line in summary] == expected
 
 

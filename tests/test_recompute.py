@@ -160,7 +160,8 @@ def _budget_between(base, floor) -> int:
 
 def test_compile_registers_the_pass_after_moe():
     compiled = moec.compile(tiny_llama(layers=2), _plan("block"), (tokens(),))
-    assert list(compiled.pass_results) == ["moe", "fused_loss", "fuse_rope", "recompute"]
+    passes = ["moe", "fused_loss", "fuse_rope", "fuse_glu", "recompute"]
+    assert list(compiled.pass_results) == passes
     assert compiled.pass_results["recompute"].stats["blocks_recomputed"] == 2
 
 

@@ -9,8 +9,7 @@ import moec
 from moec.ops.rope import rotate
 from moec.passes.manager import PassContext
 from moec.passes.rope import FuseRopePass
-from moec.runtime import compiled as compiled_module
-from tests.models import hf_model, tiny_llama, tokens
+from tests.models import compile_without, hf_model, tiny_llama, tokens
 
 
 def _unfused(x, cos, sin):
@@ -42,23 +41,15 @@ def test_op_gradcheck_and_refuses_tables_that_need_a_gradient():
         torch.ops.moec.rope(torch.randn(2, 5), torch.randn(5), torch.randn(5), None)
 
 
-def _compile(monkeypatch, model, args, plan, fuse: bool):
-    passes = compiled_module.default_passes
-    monkeypatch.setattr(
-        compiled_module,
-        "default_passes",
-        lambda p, mesh=None: [x for x in passes(p, mesh) if fuse or x.name != "fuse_rope"],
-    )
-    return moec.compile(model, plan, args)
-
-
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_pass_fuses_llama_rope_and_keeps_the_step(monkeypatch, dtype):
     torch.manual_seed(0)
     model, ids = tiny_llama(), tokens(2, 17)
     plan = {"moe": {"num_experts": 4, "top_k": 2, "dense_first": 1},
             "precision": {"compute_dtype": dtype}}  # fmt: skip
-    fused, plain = (_compile(monkeypatch, model, (ids,), plan, f) for f in (True, False))
+    fused, plain = (
+        compile_without(monkeypatch, model, (ids,), plan, s) for s in (None, "fuse_rope")
+    )
     stats = fused.pass_results["fuse_rope"].stats
     assert stats["fused"] == 6  # q and k of 3 blocks
     assert stats["casts_folded"] == (3 if dtype == "bf16" else 0)  # q's cast before attention

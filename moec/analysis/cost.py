@@ -20,7 +20,8 @@ Rules (forward pass; a FLOP is a multiply or an add):
   pre-activation h; ``moec.route`` and ``moec.router_losses``: a few FLOPs per logit;
   ``moec.dispatch``/``moec.combine``: data movement (combine's weighted sum is 2*T*K*D);
   ``moec.linear_cross_entropy``: the head's 2*N*D*V, saving the gradients it computed;
-  ``moec.rope``: 3 FLOPs per element, saving nothing but its (buffer) tables;
+  ``moec.rope``: 3 FLOPs per element, saving nothing but its (buffer) tables; ``moec.glu``:
+  2 FLOPs per output element, saving its input;
 - pointwise ops: numel(out), saving their floating-point inputs unless the op is linear (add,
   sub, neg, copies); norms: a few FLOPs per element, saving the input; reductions: numel(in);
 - views, getitem and shape ops: nothing.
@@ -105,6 +106,7 @@ SOFTMAX_FLOPS = 5
 ROUTE_FLOPS_PER_LOGIT = 4
 LOSSES_FLOPS_PER_LOGIT = 6
 ROPE_FLOPS = 3  # two products and a sum per element
+GLU_FLOPS = 2  # as the unfused act and product count (one FLOP per element each)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,6 +267,10 @@ def _rope(node: fx.Node) -> tuple[Expr, str, list[SavedRef]]:
     return ROPE_FLOPS * numel(_val(node)), "elementwise", []  # saves only the (buffer) tables
 
 
+def _glu(node: fx.Node) -> tuple[Expr, str, list[SavedRef]]:
+    return GLU_FLOPS * numel(_val(node)), "elementwise", _refs(node.args[:1])
+
+
 def _embedding(node: fx.Node) -> tuple[Expr, str, list[SavedRef]]:
     return ZERO, "movement", _refs(node.args[1:2], floating=False)
 
@@ -289,6 +295,7 @@ def _moec_rules() -> dict[Any, Rule]:
         ops.combine.default: _combine,
         ops.linear_cross_entropy.default: _linear_cross_entropy,
         ops.rope.default: _rope,
+        ops.glu.default: _glu,
     }
 
 

@@ -2,12 +2,15 @@
 
 - A **linear site** is a matmul by a parameter: ``aten.linear(x, W[out, in], b?)``,
   ``aten.addmm(b, x, W[in, out])`` (transformers' Conv1D), ``aten.mm/matmul(x, W[in, out])`` or
-  by ``aten.t(W)``. Views between the activation and the matmul are looked through.
+  by ``aten.t(W)``. Views between the activation and the matmul, and dtype casts of the
+  parameter (``shared_casts``' bf16 copies), are looked through.
 - An **FFN region** is one or two "up" linear sites reading the same input X, joined by
   elementwise ops (the activation, the gate multiply) into one tensor that is the input of one
   "down" linear site, with no value of the region used outside it. The activation is identified
   by evaluating the joining subgraph on sample values against known activations, so any
   decomposition (``gelu_new`` as tanh/pow/mul, ``silu`` as ``x * sigmoid(x)``) is recognised.
+  A ``moec.glu`` fed by one linear of concatenated [gate; up] weights (the ``fuse_glu`` pass's
+  form) is the same region with the activation the op names.
 - A **block** ends at the residual add that consumes an FFN output; blocks are numbered in
   topological order, so "the first N blocks" is well defined.
 
@@ -48,6 +51,8 @@ MATMUL_OPS = frozenset(
     }
 )
 IDENTITY_ELEMENTWISE = {aten.dropout.default, aten.clone.default, aten.contiguous.default}
+CASTS = frozenset({aten._to_copy.default, aten.to.dtype})
+"""Dtype casts: a parameter read through one (``shared_casts``' bf16 copies) is that parameter."""
 
 
 @dataclasses.dataclass
@@ -77,7 +82,8 @@ class LinearSite:
 class FFNRegion:
     input: fx.Node
     ups: list[LinearSite]
-    """The up linears; for gated activations ``[gate, up]``."""
+    """The up linears; for gated activations ``[gate, up]`` (after ``fuse_glu`` both name the
+    one matmul that computes them)."""
     down: LinearSite
     interior: list[fx.Node]
     """Elementwise and view nodes strictly between the ups and the down linear."""
@@ -102,7 +108,7 @@ class FFNRegion:
         while node is not self.output:
             (node,) = node.users
             owned.append(node)
-        return owned
+        return list(dict.fromkeys(owned))  # a fused gate/up pair shares its matmul
 
     def param_targets(self) -> list[str]:
         targets = []
@@ -137,17 +143,51 @@ def strip_views(node: fx.Node) -> fx.Node:
     return node
 
 
+def _uncast(node: object) -> object:
+    while (
+        isinstance(node, fx.Node) and _target(node) in CASTS and isinstance(node.args[0], fx.Node)
+    ):
+        node = node.args[0]
+    return node
+
+
 def _param_target(node: object) -> tuple[str, bool] | None:
-    """(get_attr target, transposed?) if ``node`` is a parameter, maybe through a transpose."""
+    """(get_attr target, transposed?) if ``node`` is a parameter, maybe through a transpose and
+    dtype casts."""
+    node = _uncast(node)
     if not isinstance(node, fx.Node):
         return None
     if node.op == "get_attr":
         return str(node.target), False
     if _target(node) in TRANSPOSE_OPS and isinstance(node.args[0], fx.Node):
-        inner = node.args[0]
+        inner = _uncast(node.args[0])
         if inner.op == "get_attr" and inner.meta["val"].dim() == 2:
             return str(inner.target), True
     return None
+
+
+def _fused_glu_ups(glu: fx.Node) -> list[LinearSite] | None:
+    """[gate, up] of a ``moec.glu`` fed by ``linear(x, cat([W_gate, W_up]), cat([b_gate, b_up])?)``
+    (the ``fuse_glu`` pass's form): two sites sharing the fused matmul node."""
+    h = strip_views(glu.args[0])
+    if _target(h) != aten.linear.default:
+        return None
+
+    def halves(arg: object) -> list[str] | None:
+        if _target(arg) != aten.cat.default or (arg.args[1:] or (0,))[0] != 0:
+            return None
+        params = [_param_target(p) for p in arg.args[0]]
+        if len(params) != 2 or any(p is None or p[1] for p in params):
+            return None
+        return [p[0] for p in params]
+
+    weights = halves(h.args[1])
+    biases = halves(h.args[2]) if len(h.args) > 2 else [None, None]
+    if weights is None or biases is None:
+        return None
+    out_f, in_f = h.args[1].args[0][0].meta["val"].shape
+    x = strip_views(h.args[0])
+    return [LinearSite(h, x, w, b, "out_in", in_f, out_f) for w, b in zip(weights, biases)]
 
 
 def linear_site(node: fx.Node) -> LinearSite | None:
@@ -234,6 +274,7 @@ def _region_for(
         [down.node.args[1] if _target(down.node) == aten.addmm.default else down.node.args[0]],
         set(),
     )
+    fused: list[LinearSite] | None = None
     while stack:
         node = stack.pop()
         if not isinstance(node, fx.Node) or node in seen:
@@ -242,11 +283,18 @@ def _region_for(
         if node in by_node:
             ups[node] = by_node[node]
             continue
+        if _target(node) == torch.ops.moec.glu.default:  # a fused gated FFN: one matmul up
+            fused = _fused_glu_ups(node)
+            if fused is None:
+                return None
+            interior.append(node)
+            ups[fused[0].node] = fused[0]
+            continue
         if not is_elementwise(node):
             return None  # fed by something else (attention, norm): not an FFN down projection
         interior.append(node)
         stack.extend(a for a in node.args if isinstance(a, fx.Node))
-    if not interior or not 1 <= len(ups) <= 2:
+    if not interior or not 1 <= len(ups) <= 2 or (fused is not None and len(ups) != 1):
         return None
     inputs = {site.input for site in ups.values()}
     name = module_path(down.node) or down.node.name
@@ -262,12 +310,15 @@ def _region_for(
     if any(n.op == "get_attr" for n in interior):
         rejected.append(f"{name}: the activation reads a parameter")
         return None
-    ordered_ups = list(ups.values())
-    activation = _identify_activation(interior, ordered_ups)
-    if activation is None:
-        rejected.append(f"{name}: activation not recognised")
-        return None
-    activation, ordered_ups = activation
+    if fused is not None:
+        glu = next(n for n in interior if _target(n) == torch.ops.moec.glu.default)
+        activation, ordered_ups = glu.args[1], fused
+    else:
+        identified = _identify_activation(interior, list(ups.values()))
+        if identified is None:
+            rejected.append(f"{name}: activation not recognised")
+            return None
+        activation, ordered_ups = identified
     x = ordered_ups[0].input
     output = _output_like(down.node, x)
     if output is None:

@@ -29,7 +29,7 @@ def register() -> bool:
     import torch
 
     import moec.ops  # noqa: F401  (defines the op schemas)
-    from moec.kernels import cross_entropy, cuda_ops, rope
+    from moec.kernels import activation, cross_entropy, cuda_ops, rope
     from moec.ops import grouped
 
     torch.library.register_kernel("moec::route", "cuda")(cuda_ops.route)
@@ -38,7 +38,12 @@ def register() -> bool:
     torch.library.register_kernel("moec::expert_mlp", "cuda")(cuda_ops.expert_mlp)
     grouped.register_cuda_kernels(cuda_ops.BACKWARD_HOOKS)
     grouped.register_cuda_kernels(
-        {"cross_entropy_rows": cross_entropy.cross_entropy_rows, "rope": rope.rope}
+        {
+            "cross_entropy_rows": cross_entropy.cross_entropy_rows,
+            "rope": rope.rope,
+            "act_forward": activation.act_forward,
+            "act_backward": activation.act_backward,
+        }
     )
     _REGISTERED = True
     return True

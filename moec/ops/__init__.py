@@ -1,12 +1,13 @@
 """The ``moec::`` custom ops: MoE semantics as opaque, autograd-aware graph nodes.
 
 Importing this package registers ``torch.ops.moec.{route, router_losses, dispatch, combine,
-expert_mlp, linear_cross_entropy, rope}``. Each op's Python body is the pure-PyTorch reference,
+expert_mlp, glu, linear_cross_entropy, rope}``. Each op's Python body is the pure-PyTorch reference,
 the oracle for every faster implementation; :mod:`moec.kernels` registers CUDA implementations
 over the same schemas.
 """
 
 from moec.ops.experts import expert_mlp
+from moec.ops.glu import glu
 from moec.ops.loss import linear_cross_entropy
 from moec.ops.movement import combine, dispatch
 from moec.ops.rope import rope
@@ -17,6 +18,7 @@ __all__ = [
     "combine",
     "dispatch",
     "expert_mlp",
+    "glu",
     "linear_cross_entropy",
     "rope",
     "route",

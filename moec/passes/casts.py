@@ -27,14 +27,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from moec.analysis.structure import MATMUL_OPS
+from moec.analysis.structure import CASTS, MATMUL_OPS
 from moec.passes.manager import PassContext, PassResult
 from moec.passes.rewrite import GraphEditor, fake_mode, refresh_meta
 
 aten = torch.ops.aten
 AUTOCAST_BF16 = MATMUL_OPS | {aten.scaled_dot_product_attention.default}
 """Ops on autocast's lower-precision list for both CUDA and CPU: they cast float inputs."""
-CASTS = {aten._to_copy.default, aten.to.dtype}
 
 
 class _RuntimeDtypes(fx.Interpreter):

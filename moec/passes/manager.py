@@ -78,6 +78,7 @@ def default_passes(plan: Plan, mesh: Any = None) -> list[Pass]:
     :class:`moec.runtime.distributed.MoEMesh`) places this rank when ``parallel.ep > 1``."""
     from moec.passes.casts import SharedCastsPass
     from moec.passes.expert_parallel import ExpertParallelPass
+    from moec.passes.glu import FuseGluPass
     from moec.passes.loss import FusedLossPass
     from moec.passes.moe import MoEPass
     from moec.passes.precision import PrecisionPass
@@ -95,6 +96,7 @@ def default_passes(plan: Plan, mesh: Any = None) -> list[Pass]:
     if plan.precision.compute_dtype == "bf16":
         passes.append(SharedCastsPass())
     passes.append(FuseRopePass())  # after shared_casts: it folds their cast before attention
+    passes.append(FuseGluPass())  # after shared_casts: it concatenates the weights' bf16 casts
     if plan.recompute.policy != "none":
         passes.append(RecomputePass())
     if plan.parallel.pp > 1:

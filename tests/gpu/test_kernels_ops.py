@@ -286,3 +286,17 @@ def test_rope_kernel_equals_reference(backward):
         assert got.dtype == dtype and got.is_contiguous()
         torch.testing.assert_close(got, want, atol=1e-5 if dtype == torch.float32 else 2e-2,
                                    rtol=1e-5 if dtype == torch.float32 else 1e-2)  # fmt: skip
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "geglu_tanh"])
+def test_glu_op_runs_the_kernel_and_equals_reference(activation):
+    from moec.ops.activations import activate
+
+    h = torch.randn(3, 1000, 2 * 700, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    got = torch.ops.moec.glu(h, activation)
+    want = activate(h.float().reshape(-1, 1400), activation).view(3, 1000, 700)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
+    d_a = torch.randn_like(got)
+    (d_h,) = torch.autograd.grad(got, h, d_a)
+    (ref,) = torch.autograd.grad(want, h, d_a.float())
+    assert d_h.dtype == torch.bfloat16 and _rel(d_h.float(), ref) < 1e-2

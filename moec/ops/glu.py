@@ -1,0 +1,64 @@
+"""``moec::glu``: a gated activation of a pre-activation ``h = [gate | up]`` in one op.
+
+glu(h[..., 2H], activation) -> a[..., H]        a = act(gate) * up   (activation: swiglu, ...)
+
+The ``fuse_glu`` pass produces it for dense gated FFNs, whose gate and up projections become one
+GEMM. Unfused, ``act(gate) * up`` runs one kernel forward per op and three backward, writing
+and reading [T, H] intermediates; on CUDA this op runs the activation kernel the expert MLPs
+use (one read of h, one write of a; backward reads h and d_a and writes d_h). The math is in
+float32 (or wider) on values read in the storage dtype, as the reference
+:func:`moec.ops.activations.activate`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from moec.ops.activations import activate, activate_backward, is_gated
+from moec.ops.grouped import cuda_kernel
+
+
+def _check(h: Tensor, activation: str) -> None:
+    if not is_gated(activation) or h.shape[-1] % 2:
+        raise ValueError(
+            f"moec::glu: needs a gated activation (swiglu, geglu, geglu_tanh, reglu) and an "
+            f"even last dimension; got {activation!r} on h {tuple(h.shape)}"
+        )
+
+
+def _rows(t: Tensor) -> Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+@torch.library.custom_op("moec::glu", mutates_args=())
+def glu(h: Tensor, activation: str) -> Tensor:
+    _check(h, activation)
+    kernel = cuda_kernel("act_forward", h)
+    a = kernel(_rows(h), activation) if kernel is not None else activate(_rows(h), activation)
+    return a.view(*h.shape[:-1], h.shape[-1] // 2)
+
+
+@glu.register_fake
+def _fake(h, activation):
+    _check(h, activation)
+    return h.new_empty((*h.shape[:-1], h.shape[-1] // 2))
+
+
+def _setup(ctx, inputs, output):
+    h, activation = inputs
+    ctx.save_for_backward(h)
+    ctx.activation = activation
+
+
+def _backward(ctx, d_a):
+    (h,) = ctx.saved_tensors
+    kernel = cuda_kernel("act_backward", h)
+    if kernel is not None:
+        d_h = kernel(_rows(h), _rows(d_a), ctx.activation)[0]
+    else:
+        d_h = activate_backward(_rows(h), _rows(d_a), ctx.activation)
+    return d_h.view(h.shape), None
+
+
+glu.register_autograd(_backward, setup_context=_setup)
