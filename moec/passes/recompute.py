@@ -38,9 +38,9 @@ Prediction (from the cost model's saved-tensor refs, at the example sizes): a bl
 alone keeps what ``node_cost(n).saved`` says (with the corrections of :func:`saved_refs`); a
 recomputed block keeps its activation inputs (the checkpoint holds them) and every output of its
 MUST_SAVE ops. ``predicted_peak_bytes`` adds, for the block whose backward needs most, the
-transient of recomputing it (what it saves without recompute and not at its level) and the
-gradients live at once in its backward (:func:`moec.analysis.cost.backward_workspace`; on the
-H200 e2e model ~3 GiB, mostly the expert MLP's [R, 2H] gradient).
+bytes live at its worst node (:attr:`BlockRegion.backward_peak`: the residual gradient, the
+recomputed tensors saved up to that node, that node's gradients from
+:func:`moec.analysis.cost.backward_workspace`).
 
 Preconditions: no node between a block's first and last node reads a value of the block
 without belonging to it; a block that breaks this is left alone and named in
@@ -166,12 +166,12 @@ class BlockRegion:
     saved: dict[str, set[SavedRef]]
     """Per level, the stored tensors the block's backward keeps."""
     recompute_flops: dict[str, int]
-    transient: dict[str, int]
-    """Per level, bytes a recompute of the block materializes in backward: what it saves at
-    level ``none`` and not at this level."""
-    workspace: int
-    """Gradient bytes live at once in the block's backward: the gradient of its inputs (the
-    residual stream's, live throughout) and the largest :func:`backward_workspace` of a node."""
+    backward_peak: dict[str, int]
+    """Per level, bytes the block's backward adds at its worst node ``n``: the gradient of the
+    block's inputs (the residual stream's, live throughout), what the recompute holds when
+    ``n``'s backward runs (the tensors nodes up to ``n`` save at level ``none`` and the level does
+    not keep anyway: later nodes' are freed by then) and ``n``'s gradients
+    (:func:`backward_workspace`)."""
     skipped: str | None = None
     """Why the block cannot be recomputed, or None."""
 
@@ -249,9 +249,18 @@ def _bytes(refs: Iterable[SavedRef], cost: GraphCost) -> int:
     return cost.value(sum((ref.nbytes() for ref in refs), 0))
 
 
-def _workspace(nodes: list[fx.Node], cost: GraphCost) -> int:
+def _backward_peak(nodes: list[fx.Node], kept: set[SavedRef], cost: GraphCost) -> int:
+    """See :attr:`BlockRegion.backward_peak`; ``kept``: what the level keeps for backward."""
     inputs = sum((nbytes(i.meta["val"]) for i in _region_inputs(nodes) if _is_activation(i)), 0)
-    return cost.value(inputs) + max((cost.value(backward_workspace(n)) for n in nodes), default=0)
+    sizes: dict[SavedRef, int] = {}
+    held, peak = 0, 0
+    for node in nodes:
+        for ref in saved_refs(node):
+            if ref not in kept and ref not in sizes:
+                sizes[ref] = cost.value(ref.nbytes())
+                held += sizes[ref]
+        peak = max(peak, held + cost.value(backward_workspace(node)))
+    return cost.value(inputs) + peak
 
 
 def _interleaved(nodes: list[fx.Node]) -> fx.Node | None:
@@ -278,9 +287,8 @@ def block_regions(gm: fx.GraphModule, cost: GraphCost | None = None) -> list[Blo
         flops = {level: _level_flops(nodes, level, cost) for level in LEVELS}
         user = _interleaved(nodes)
         skipped = None if user is None else f"{user.name}, between its nodes, reads the block"
-        transient = {level: _bytes(saved["none"] - saved[level], cost) for level in LEVELS}
-        workspace = _workspace(nodes, cost)
-        regions.append(BlockRegion(block.path, nodes, saved, flops, transient, workspace, skipped))
+        peak = {level: _backward_peak(nodes, saved[level], cost) for level in LEVELS}
+        regions.append(BlockRegion(block.path, nodes, saved, flops, peak, skipped))
     return regions
 
 
@@ -304,7 +312,7 @@ def predict(
     refs = set(outside)
     for region in regions:
         refs |= region.saved[levels[region.path]]
-    backward = [r.transient[levels[r.path]] + r.workspace for r in regions]
+    backward = [r.backward_peak[levels[r.path]] for r in regions]
     saved = _bytes(refs, cost)
     flops = sum(r.recompute_flops[levels[r.path]] for r in regions)
     return Prediction(saved, saved + max(backward, default=0), flops)
