@@ -53,8 +53,9 @@ def test_debug_writes_every_artifact_for_every_pass(tmp_path, plan_file, model, 
 
 def test_print_after_all_prints_to_the_terminal(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    gm = moec.trace(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)),
-                    (torch.randn(2, 3, 8),))
+    gm = moec.trace(
+        nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)), (torch.randn(2, 3, 8),)
+    )
     dump = DebugDump(None, moec.Plan(), print_after_all=True)
     dump("capture", gm, {})
     dump("moe", gm, {"ffns_replaced": 1})
@@ -66,14 +67,16 @@ def test_print_after_all_prints_to_the_terminal(tmp_path, capsys, monkeypatch):
 
 def test_inspect_accepts_a_factory_file(tmp_path, capsys):
     factory = tmp_path / "tiny.py"
-    factory.write_text(textwrap.dedent("""
+    factory.write_text(
+        textwrap.dedent("""
         import torch
         from moec.models import Llama, LlamaConfig
 
         def make():
             cfg = LlamaConfig(dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=64)
             return Llama(cfg), (torch.randint(0, 256, (2, 16)),)
-    """))
+    """)
+    )
     assert main(["inspect", f"{factory}:make", "--seq", "32"]) == 0
     out = capsys.readouterr().out
     assert "3 FFN regions" in out and "seq=32" in out
