@@ -1,9 +1,11 @@
-"""Checkpoints that load at any expert-parallel degree (``torch.distributed.checkpoint``).
+"""Checkpoints that load at any expert- or pipeline-parallel degree (DCP).
 
-What is saved: the compiled model's parameters and its optimizer's state, as returned by
-``get_state_dict(compiled, optimizers)`` (keys are fully qualified parameter names, e.g.
-``graph_module.layers.0.ffn.moe.w_up``; optimizer state per name, e.g. AdamW's ``step``,
-``exp_avg``, ``exp_avg_sq``; plus ``param_groups``), under ``{"model": ..., "optim": ...}``.
+Written with ``torch.distributed.checkpoint``. What is saved: the compiled model's parameters and
+its optimizer's state, as returned by
+``get_state_dict(compiled, optimizers, flatten_optimizer_state_dict=True)``, under ``{"model":
+..., "optim": ...}``. Every key names a parameter by its fully qualified name in the full graph
+(e.g. ``graph_module.layers.0.ffn.moe.w_up``; optimizer entries ``state.<name>.exp_avg``,
+``param_groups.<name>.lr``), which depends on neither the EP nor the pipeline degree.
 
 Layout: every tensor is stored in its *global* (EP = 1) shape. Under EP = n each rank holds the
 experts ``[rank*N/n, (rank+1)*N/n)`` of every ``expert`` parameter (dim 0, see
@@ -12,7 +14,10 @@ shape, are wrapped as ``DTensor`` on the (edp, ep) mesh with placements
 ``[Replicate(), Shard(0)]``, so DCP writes each expert once with its global offset. Loading
 wraps the reader's tensors in the reader's layout and DCP reads the overlapping chunks: a
 checkpoint written at EP = a loads at EP = b for any a, b dividing N (EP = 1: ``mesh=None``,
-plain DCP, also without a process group).
+plain DCP, also without a process group). Under pipeline parallelism a rank holds only its
+stages' parameters (and their optimizer state): it writes and reads those keys alone, so a
+checkpoint written at PP = a loads at PP = b (``mesh`` is then the pipeline mesh's ``moe``
+part; the optimizer is the pipeline runtime's).
 
 Invariants: the reader compiles the same model and plan apart from ``parallel`` (same parameter
 names and global shapes) and builds the same optimizer class; after ``load`` every parameter and
@@ -32,10 +37,18 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from moec.runtime.distributed import MoEMesh
+
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+"""One key per parameter and state entry: ranks holding different parameters (pipeline stages)
+write disjoint keys, where nested ``param_groups`` lists would collide."""
 
 
 def save(
@@ -55,36 +68,35 @@ def load(
     state = _state(compiled, optimizer, mesh)
     with _quiet():
         dcp.load(state, checkpoint_id=str(path))
-    model, optim = state["model"], state["optim"]
     set_state_dict(
         compiled,
         _optimizers(optimizer),
-        model_state_dict={k: _local(v) for k, v in model.items()},
-        optim_state_dict={
-            **optim,
-            "state": {k: {s: _local(t) for s, t in v.items()} for k, v in optim["state"].items()},
-        },
+        model_state_dict={k: _local(v) for k, v in state["model"].items()},
+        optim_state_dict={k: _local(v) for k, v in state["optim"].items()},
+        options=FLAT,
     )
 
 
 def _state(compiled: nn.Module, optimizer: Any, mesh: MoEMesh | None) -> dict[str, Any]:
     """The state dict in the global layout: expert tensors as DTensors when EP > 1."""
-    model, optim = get_state_dict(compiled, _optimizers(optimizer))
+    model, optim = get_state_dict(compiled, _optimizers(optimizer), options=FLAT)
     if mesh is None or mesh.ep_info.size == 1:
         return {"model": model, "optim": optim}
     roles = compiled.graph_module.meta.get("moec_param_roles", {})
     experts = {n for n in model if roles.get(n.removeprefix("graph_module.")) == "expert"}
 
-    def wrap(name: str, value: Any) -> Any:
-        """New containers only: ``optim``'s inner dicts may be the optimizer's own state."""
+    def wrap(value: Any, name: str) -> Any:
         if name in experts and isinstance(value, torch.Tensor) and value.dim() > 0:
             return _global(value, mesh)
         return value
 
-    model = {k: wrap(k, v) for k, v in model.items()}
-    state = {k: {s: wrap(k, t) for s, t in v.items()} for k, v in optim["state"].items()}
-    optim = {**optim, "state": state}
-    return {"model": model, "optim": optim}
+    def param_of(key: str) -> str:  # "state.<param>.<entry>" -> "<param>"
+        return key.removeprefix("state.").rpartition(".")[0] if key.startswith("state.") else ""
+
+    return {
+        "model": {k: wrap(v, k) for k, v in model.items()},
+        "optim": {k: wrap(v, param_of(k)) for k, v in optim.items()},
+    }
 
 
 def _global(local: torch.Tensor, mesh: MoEMesh) -> DTensor:

@@ -102,7 +102,8 @@ def build_pipeline_mesh(plan: Plan, device_type: str | None = None) -> PipelineM
     pp_rank = mesh.get_local_rank("pp")
     ep_group = mesh.get_group("ep")
     info = EPGroupInfo(mesh.get_local_rank("ep"), p.ep, ep_group.group_name, device_type)
-    moe = MoEMesh(mesh, dp_groups[pp_rank], ep_group, mesh.get_group("edp"), info)
+    # this pipeline rank's (edp, ep) slice: what a PP = 1 job's mesh is (checkpoints shard on it)
+    moe = MoEMesh(mesh["edp", "ep"], dp_groups[pp_rank], ep_group, mesh.get_group("edp"), info)
     return PipelineMesh(mesh, mesh.get_group("pp"), pp_rank, moe)
 
 
