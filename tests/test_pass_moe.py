@@ -129,3 +129,21 @@ def test_capacity_drops_are_reported():
         assert layer["accepted"] <= layer["offered"] == 4 * 32 * 2
         assert layer["drop_rate"] >= 0.5 - 1e-9
         assert 0 < layer["capacity_use"] <= 1
+
+
+def test_compiled_model_lets_go_of_the_replaced_dense_weights():
+    """After capture the compiled model holds no reference to its source: once the caller drops
+    the dense model, the FFN weights the moe pass replaced are freed."""
+    import gc
+    import weakref
+
+    model = tiny_llama()
+    replaced = weakref.ref(model.layers[1].ffn.up_proj.weight)
+    kept = model.embed.weight  # the program reads it: it stays
+    compiled = moec.compile(model, {"moe": {"num_experts": 4, "top_k": 2}}, (tokens(),))
+    del model
+    gc.collect()
+    assert replaced() is None
+    assert any(p is kept for p in compiled.parameters())
+    with pytest.raises(RuntimeError, match="captured already"):
+        compiled.capture((tokens(),), {})

@@ -50,7 +50,7 @@ def _with_policy(
     copied = fx.GraphModule(gm, graph)
     copied.meta.update(gm.meta)
     plan = _plan(policy, base.plan.moe.routing, budget)
-    compiled = moec.CompiledModel(base._source[0], plan)
+    compiled = moec.CompiledModel(base, plan)  # a shell: its graph is set below
     result = RecomputePass().run(copied, PassContext(plan))
     if verify:
         verify_graph(result.gm, "recompute", expected_params=parameter_count(gm))

@@ -47,12 +47,17 @@ class CompiledModel(nn.Module):
             self.capture(args, example_kwargs or {})
 
     def capture(self, args: tuple, kwargs: dict) -> None:
-        """Trace the source model on these inputs and run the passes (done once)."""
+        """Trace the source model on these inputs and run the passes (done once). The source
+        model is let go afterwards: the program holds the tensors it reads, and what the passes
+        replaced (a dense FFN's weights) is freed once the caller drops the model too."""
+        if not self._source:
+            raise RuntimeError("this CompiledModel was captured already; compile the model again")
         gm = trace(self._source[0], args, kwargs)
         passes = default_passes(self.plan, self.mesh)
         manager = PassManager(passes, verify=self._verify, dump=self._dump)
         self.graph_module, ctx = manager.run(gm, self.plan)
         self.pass_results = ctx.results
+        self._source = ()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.graph_module is None:
