@@ -41,6 +41,15 @@ def test_op_equals_reference_over_several_chunks(monkeypatch, reduction, bias):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)  # float32 sums in another order
 
 
+def test_op_without_grads_gives_the_loss_alone():
+    h, weight, b, targets = _inputs(300, 24, 70, True)
+    full = torch.ops.moec.linear_cross_entropy(h, weight, b, targets, -100, "mean")
+    loss, *grads = torch.ops.moec.linear_cross_entropy(h, weight, b, targets, -100, "mean", False)
+    assert torch.equal(loss, full[0]) and all(g.numel() == 0 for g in grads)
+    with pytest.raises(RuntimeError, match="with_grads=False"):
+        loss.backward()
+
+
 def test_op_gradcheck_float64():
     h, weight, b, targets = _inputs(7, 5, 11, True, torch.float64)
 
@@ -90,6 +99,22 @@ def test_pass_fuses_the_head_and_keeps_loss_and_gradients():
              zip(losses, (fused, unfused))]  # fmt: skip
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_no_grad_calls_run_the_loss_without_head_gradients(monkeypatch):
+    torch.manual_seed(0)
+    ids = tokens(2, 17)
+    fused = _compiled(True, LanguageModelWithLoss(tiny_llama()), ids)
+    seen = []
+    original = loss_op._grad_buffers
+    monkeypatch.setattr(loss_op, "_grad_buffers", lambda *a: seen.append(a[-1]) or original(*a))
+    training = fused(ids[:, :-1], ids[:, 1:])
+    with torch.no_grad():
+        evaluation = fused(ids[:, :-1], ids[:, 1:])
+    assert seen == [True, False]  # the training forward computed gradients, the other did not
+    torch.testing.assert_close(evaluation, training.detach())
+    training.backward()  # the training graph is untouched
+    assert all(p.grad is not None for p in fused.parameters() if p.requires_grad)
 
 
 class _LossAndLogits(torch.nn.Module):

@@ -1,6 +1,7 @@
 """``moec::linear_cross_entropy``: an LM head and its cross-entropy loss as one op, in row chunks.
 
-linear_cross_entropy(h[N, D], weight[V, D], bias[V]?, targets[N], ignore_index, reduction)
+linear_cross_entropy(h[N, D], weight[V, D], bias[V]?, targets[N], ignore_index, reduction,
+                     with_grads=True)
     -> (loss[], d_h[N, D], d_weight[V, D], d_bias[V] or [0])   (loss and d_weight/d_bias in
        float32, or float64 for float64 inputs)
 
@@ -12,8 +13,9 @@ training step): rows go through in chunks, each chunk's logits are turned in pla
 gradient of the summed loss (softmax - onehot, zero on ignored rows) and multiplied straight into
 ``d_h`` and ``d_weight``. So the op computes the head's gradients during the forward, in one pass
 over the logits instead of log-softmax, its backward and the casts between them; the backward
-only scales them by ``d_loss`` (and 1 / count for "mean"). A forward without a backward still
-pays for those two GEMMs: compile with ``loss.fused = false`` for evaluation-only programs.
+only scales them by ``d_loss`` (and 1 / count for "mean"). ``with_grads=False`` computes the
+loss alone (the same chunks, no gradient GEMMs; the three gradients come back empty and the op
+has no backward): ``CompiledModel`` runs its graph so under ``torch.no_grad()``.
 
 Logits are computed in h's dtype (the op casts the weight to it; under autocast it casts its
 inputs to the autocast dtype, as ``linear`` does); softmax statistics and the loss in float32.
@@ -104,21 +106,23 @@ def linear_cross_entropy_reference(
 @torch.library.custom_op("moec::linear_cross_entropy", mutates_args=())
 def linear_cross_entropy(
     h: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, ignore_index: int,
-    reduction: str,
+    reduction: str, with_grads: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     _check(h, weight, bias, targets, reduction)
     weight = weight.to(h.dtype)
     bias = None if bias is None else bias.to(h.dtype)
     rows, acc = h.shape[0], _accumulation_dtype(h)
     loss = torch.zeros((), dtype=acc, device=h.device)
-    d_h = torch.empty_like(h)
-    d_weight = torch.zeros(weight.shape, dtype=acc, device=h.device)
-    d_bias = h.new_zeros(0 if bias is None else weight.shape[0], dtype=acc)
+    d_h, d_weight, d_bias = _grad_buffers(h, weight, bias, with_grads)
+    d_weight.zero_()
+    d_bias.zero_()
     step = chunk_rows(rows, weight.shape[0])
     for start in range(0, rows, step):
         h_chunk = h[start : start + step]
         grad = F.linear(h_chunk, weight, bias)  # the logits, then (in place) their gradient
         loss += _cross_entropy_rows(grad, targets[start : start + step], ignore_index).sum()
+        if not with_grads:
+            continue
         torch.mm(grad, weight, out=d_h[start : start + step])
         d_weight += _mm_accumulate(grad.t(), h_chunk)
         if bias is not None:
@@ -128,28 +132,38 @@ def linear_cross_entropy(
     return loss, d_h, d_weight, d_bias
 
 
+def _grad_buffers(h: Tensor, weight: Tensor, bias: Tensor | None, with_grads: bool):
+    """Uninitialised (d_h, d_weight, d_bias), empty without ``with_grads`` (or without bias)."""
+    acc = _accumulation_dtype(h)
+    if not with_grads:
+        return h.new_empty((0,)), h.new_empty((0,), dtype=acc), h.new_empty((0,), dtype=acc)
+    vocab = 0 if bias is None else weight.shape[0]
+    d_weight = h.new_empty(weight.shape, dtype=acc)
+    return h.new_empty(h.shape), d_weight, h.new_empty((vocab,), dtype=acc)
+
+
 @linear_cross_entropy.register_fake
-def _fake(h, weight, bias, targets, ignore_index, reduction):
+def _fake(h, weight, bias, targets, ignore_index, reduction, with_grads=True):
     _check(h, weight, bias, targets, reduction)
-    vocab, acc = 0 if bias is None else weight.shape[0], _accumulation_dtype(h)
-    return (
-        h.new_empty((), dtype=acc),
-        h.new_empty(h.shape),
-        h.new_empty(weight.shape, dtype=acc),
-        h.new_empty((vocab,), dtype=acc),
-    )
+    loss = h.new_empty((), dtype=_accumulation_dtype(h))
+    return loss, *_grad_buffers(h, weight, bias, with_grads)
 
 
 def _setup(ctx, inputs, output):
-    h, weight, bias, targets, ignore_index, reduction = inputs
+    h, weight, bias, targets, ignore_index, reduction, with_grads = inputs
     _, d_h, d_weight, d_bias = output
     ctx.save_for_backward(d_h, d_weight, d_bias, targets)
     ctx.mark_non_differentiable(d_h, d_weight, d_bias)
     ctx.dtypes = (h.dtype, weight.dtype, None if bias is None else bias.dtype)
-    ctx.ignore_index, ctx.mean = ignore_index, reduction == "mean"
+    ctx.ignore_index, ctx.mean, ctx.with_grads = ignore_index, reduction == "mean", with_grads
 
 
 def _backward(ctx, d_loss, *unused):
+    if not ctx.with_grads:
+        raise RuntimeError(
+            "moec::linear_cross_entropy ran with with_grads=False (a forward-only program, e.g. "
+            "a CompiledModel called under torch.no_grad()); it has no gradients to give"
+        )
     d_h, d_weight, d_bias, targets = ctx.saved_tensors
     scale = d_loss.to(d_weight.dtype)
     if ctx.mean:
@@ -159,6 +173,7 @@ def _backward(ctx, d_loss, *unused):
         (d_h * scale).to(h_dtype),
         (d_weight * scale).to(weight_dtype),
         None if bias_dtype is None else (d_bias * scale).to(bias_dtype),
+        None,
         None,
         None,
         None,

@@ -18,6 +18,7 @@ from torch import nn
 
 from moec.frontend import signature, trace
 from moec.ops.routing import capacity
+from moec.passes.loss import forward_only
 from moec.passes.manager import DumpHook, PassManager, PassResult, default_passes
 from moec.plan import Plan
 
@@ -42,6 +43,7 @@ class CompiledModel(nn.Module):
         self.graph_module: fx.GraphModule | None = None
         self.pass_results: dict[str, PassResult] = {}
         self.aux_outputs: dict[tuple[str, str], torch.Tensor] = {}
+        self._forward_only: tuple[Any, Any] = (None, None)
         if example_inputs is not None:
             args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
             self.capture(args, example_kwargs or {})
@@ -65,9 +67,20 @@ class CompiledModel(nn.Module):
         sig = signature(self.graph_module)
         flat = sig.flatten_inputs(args, kwargs)
         with self._autocast(flat):
-            outputs = self.graph_module(*flat)
+            outputs = self._program()(*flat)
         self.aux_outputs = dict(zip(sig.aux_outputs, outputs[sig.num_user_outputs :]))
         return sig.unflatten_outputs(outputs)
+
+    def _program(self) -> fx.GraphModule:
+        """The graph to run: under ``torch.no_grad()`` one whose fused LM-head losses skip the
+        head's gradients (:func:`moec.passes.loss.forward_only`, built once per graph)."""
+        if torch.is_grad_enabled():
+            return self.graph_module
+        built_for, program = self._forward_only
+        if built_for is not self.graph_module:
+            program = forward_only(self.graph_module)
+            self._forward_only = (self.graph_module, program)
+        return program
 
     def _autocast(self, flat: list[Any]) -> contextlib.AbstractContextManager:
         if self.plan.precision.compute_dtype != "bf16":
