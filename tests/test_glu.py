@@ -71,3 +71,28 @@ def test_pass_fuses_hf_llama_and_leaves_gpt2():
     torch.testing.assert_close(gm(ids)[0], want, rtol=1e-5, atol=1e-5)
     gpt2 = moec.trace(tiny_gpt2(), (tokens(),))
     assert FuseGluPass().run(gpt2, PassContext(moec.Plan())).stats["fused"] == 0
+
+
+class _BiasedGeGLU(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up, self.down = (torch.nn.Linear(8, 16), torch.nn.Linear(8, 16),
+                                         torch.nn.Linear(16, 8))  # fmt: skip
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.gate(x), approximate="tanh") * self.up(x))
+
+
+def test_pass_concatenates_biases_and_keeps_gradients():
+    model, x = _BiasedGeGLU(), torch.randn(3, 5, 8)
+    gm = moec.trace(model, (x,))
+    stats = FuseGluPass().run(gm, PassContext(moec.Plan())).stats
+    assert stats == {"fused": 1, "activations": {"geglu_tanh": 1}}
+    want = model(x)
+    got = gm(x)[0]
+    torch.testing.assert_close(got, want)
+    grads = torch.autograd.grad(got.square().sum(), list(gm.parameters()))
+    reference = torch.autograd.grad(want.square().sum(), list(model.parameters()))
+    expected = dict(zip([n for n, _ in model.named_parameters()], reference, strict=True))
+    for (name, _), grad in zip(gm.named_parameters(), grads, strict=True):
+        torch.testing.assert_close(grad, expected[name], msg=name)
