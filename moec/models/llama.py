@@ -61,7 +61,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         rep = self.n_heads // self.n_kv_heads
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if rep > 1:  # grouped-query attention: each k/v head serves `rep` query heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, S, hd)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
