@@ -249,18 +249,21 @@ def _bytes(refs: Iterable[SavedRef], cost: GraphCost) -> int:
     return cost.value(sum((ref.nbytes() for ref in refs), 0))
 
 
-def _backward_peak(nodes: list[fx.Node], kept: set[SavedRef], cost: GraphCost) -> int:
-    """See :attr:`BlockRegion.backward_peak`; ``kept``: what the level keeps for backward."""
-    inputs = sum((nbytes(i.meta["val"]) for i in _region_inputs(nodes) if _is_activation(i)), 0)
-    sizes: dict[SavedRef, int] = {}
+def _backward_peak(
+    nodes: list[fx.Node], workspace: list[int], kept: set[SavedRef], cost: GraphCost
+) -> int:
+    """The largest, over the block's nodes, of what the recompute holds when the node's backward
+    runs plus the node's ``workspace`` (see :attr:`BlockRegion.backward_peak`, less the input
+    gradient); ``kept``: what the level keeps for backward anyway."""
+    seen: set[SavedRef] = set()
     held, peak = 0, 0
-    for node in nodes:
+    for node, own in zip(nodes, workspace, strict=True):
         for ref in saved_refs(node):
-            if ref not in kept and ref not in sizes:
-                sizes[ref] = cost.value(ref.nbytes())
-                held += sizes[ref]
-        peak = max(peak, held + cost.value(backward_workspace(node)))
-    return cost.value(inputs) + peak
+            if ref not in kept and ref not in seen:
+                seen.add(ref)
+                held += cost.value(ref.nbytes())
+        peak = max(peak, held + own)
+    return peak
 
 
 def _interleaved(nodes: list[fx.Node]) -> fx.Node | None:
@@ -287,7 +290,11 @@ def block_regions(gm: fx.GraphModule, cost: GraphCost | None = None) -> list[Blo
         flops = {level: _level_flops(nodes, level, cost) for level in LEVELS}
         user = _interleaved(nodes)
         skipped = None if user is None else f"{user.name}, between its nodes, reads the block"
-        peak = {level: _backward_peak(nodes, saved[level], cost) for level in LEVELS}
+        inputs = cost.value(
+            sum((nbytes(i.meta["val"]) for i in _region_inputs(nodes) if _is_activation(i)), 0)
+        )  # their gradient (the residual stream's) lives through the block's backward
+        workspace = [cost.value(backward_workspace(n)) for n in nodes]
+        peak = {lv: inputs + _backward_peak(nodes, workspace, saved[lv], cost) for lv in LEVELS}
         regions.append(BlockRegion(block.path, nodes, saved, flops, peak, skipped))
     return regions
 

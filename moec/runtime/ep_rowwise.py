@@ -127,8 +127,7 @@ def send(
     if routes:
         acc = torch.promote_types(x.dtype, torch.float32)  # as the other paths weight rows
         scales = x if weights is None else weights.reshape(-1).to(acc).contiguous()
-        grid = (triton.cdiv(routes, ROUTES), triton.cdiv(x.shape[1], COLS))
-        _push_rows_kernel[grid](
+        _push_rows_kernel[_grid(routes, x.shape[1])](
             x, scales, address, peers, routes, rows, x.shape[1],
             TOP_K=top_k, HAS_WEIGHTS=weights is not None, ROUTES=ROUTES, COLS=COLS,
         )  # fmt: skip
