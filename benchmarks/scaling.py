@@ -27,6 +27,7 @@ import torch.distributed as dist
 import moec
 from benchmarks.e2e import FULL, SMALL, dense_model, moe_plan, warm_up
 from moec.analysis.cost import graph_cost
+from moec.runtime.distributed import NO_MULTICAST_ENV, join_process_group
 from moec.runtime.metrics import bf16_peak_tflops, useful_mfu
 from moec.runtime.pipeline import build_pipeline_mesh, runtime_for
 from moec.train import TrainConfig, Trainer
@@ -128,12 +129,9 @@ def single_gpu(path: str | None) -> dict | None:
 
 
 def init() -> None:
-    for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                        ("NVSHMEM_DISABLE_NVLS", "1")):  # fmt: skip
-        os.environ.setdefault(name, value)  # NVLink multicast stays off (shared hosts)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    for name, value in NO_MULTICAST_ENV.items():
+        os.environ.setdefault(name, value)
+    join_process_group()
 
 
 def main() -> None:

@@ -8,12 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-NO_MULTICAST = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
-"""NVLink multicast stays off on the shared GPU hosts (it can take their GPUs out of service)."""
+from moec.runtime.distributed import NO_MULTICAST_ENV
 
 
 def free_port() -> int:
@@ -24,7 +19,7 @@ def free_port() -> int:
 
 
 def _entry(rank: int, worker, world: int, port: int, backend: str, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **NO_MULTICAST)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **NO_MULTICAST_ENV)
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)

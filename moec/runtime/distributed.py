@@ -54,20 +54,37 @@ class MoEMesh:
         return dist.get_world_size(self.dp_group)
 
 
+NO_MULTICAST_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+"""Environment that keeps NVLink multicast off in NCCL, symmetric memory and NVSHMEM (needed on
+shared hosts, where a program using it can take the host's GPUs out of service); the tests and
+benchmarks set it, :func:`join_process_group` does not."""
+
+
+def join_process_group(backend: str | None = None) -> None:
+    """Join the torchrun job (if not joined yet): this process's GPU is ``LOCAL_RANK``'s, NCCL on
+    GPUs, gloo on CPUs."""
+    if dist.is_initialized():
+        return
+    missing = [name for name in TORCHRUN_VARS if name not in os.environ]
+    if missing:
+        raise DistributedError(
+            f"joining the job needs the torchrun environment ({', '.join(missing)} unset): "
+            "launch with `torchrun --nproc-per-node N script.py`, or call "
+            "torch.distributed.init_process_group yourself and then build_mesh(plan)"
+        )
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend or ("nccl" if cuda else "gloo"))
+
+
 def init_from_env(plan: Plan, backend: str | None = None) -> MoEMesh:
     """Join the torchrun job (if not joined yet) and build the mesh for ``plan``."""
-    if not dist.is_initialized():
-        missing = [name for name in TORCHRUN_VARS if name not in os.environ]
-        if missing:
-            raise DistributedError(
-                f"init_from_env needs the torchrun environment ({', '.join(missing)} unset): "
-                "launch with `torchrun --nproc-per-node N script.py`, or call "
-                "torch.distributed.init_process_group yourself and then build_mesh(plan)"
-            )
-        cuda = torch.cuda.is_available()
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend or ("nccl" if cuda else "gloo"))
+    join_process_group(backend)
     return build_mesh(plan)
 
 

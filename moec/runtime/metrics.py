@@ -9,8 +9,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -39,6 +40,17 @@ def useful_mfu(
     return flops_per_step / (gpus * step_seconds * peak_tflops * 1e12)
 
 
+@contextlib.contextmanager
+def sync_debug_mode(mode: str) -> Iterator[None]:
+    """CUDA's sync debug mode set to ``mode`` ("warn", "error") inside, the previous one after."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
 def count_host_syncs(step: Callable[[], object], device: torch.device | str) -> int | None:
     """Run ``step`` once and count the synchronizing CUDA calls it makes (None on CPU).
 
@@ -49,23 +61,14 @@ def count_host_syncs(step: Callable[[], object], device: torch.device | str) -> 
     if torch.device(device).type != "cuda":
         step()
         return None
-    previous = torch.cuda.get_sync_debug_mode()
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, sync_debug_mode("warn"):
         warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            step()
-        finally:
-            torch.cuda.set_sync_debug_mode(previous)
+        step()
     return sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)
 
 
 def run_without_host_sync(step: Callable[[], object], steps: int) -> list[object]:
-    """Run ``step`` ``steps`` times with CUDA's sync debug mode at "error": any synchronizing call
-    it sees raises (the device is drained first, so nothing pending is blamed on the steps)."""
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    """Run ``step`` ``steps`` times with CUDA's sync debug mode at "error": any synchronizing
+    call it sees raises."""
+    with sync_debug_mode("error"):
         return [step() for _ in range(steps)]
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
