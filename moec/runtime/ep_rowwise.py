@@ -13,8 +13,9 @@ rowwise_route_map`), so nothing is copied to the host. One primitive serves ever
 Dispatch reads route ``i``'s row straight from the token row ``x[i // K]`` (scaled by the route
 weight in combine's backward): the ``[T*K, D]`` copy of the tokens is never written. Combine
 pushes each expert-output row back to the route that sent it (``origins``), zeros where no row
-came back (dropped routes): NVLink writes are posted while reads wait a round trip (a pulling
-combine ran at 160 GB/s against 380 for the pushing dispatch on two H200s).
+came back (dropped routes). One kernel for both directions; pushing instead of pulling did not by
+itself speed the combine up on two H200s (159 GB/s pulling, 151 pushing, dispatch 351): its time
+was the route sum and copies around the transfer (``benchmarks/RESULTS.md``, multi-GPU).
 
 Ordering uses the handle's device-side barrier: fill, barrier, push, barrier, copy out (the first
 barrier keeps a fast peer from writing into a buffer still being copied out). Inside one node
