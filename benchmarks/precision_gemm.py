@@ -5,7 +5,9 @@ One up projection 1536 -> 3072 over 16 balanced expert groups at M = 128 / 4096 
 in eager submission (25 ms warm-up, 100 ms timed window) and CUDA-graph replay (32 captured
 copies, 3 warm-up and 5 timed replays). Variants:
 
-- ``fp8_rowwise``: Triton row quantizer + ``torch._scaled_grouped_mm`` (sm90 only);
+- ``fp8_rowwise``: Triton row quantizer + ``torch._scaled_grouped_mm`` (sm90 only), with
+  exact and with fast accumulation (``fast_accum``: what the ops run for forward GEMMs), and
+  the quantizer alone (``quantize_only``, its share of "including Q");
 - ``mxfp8``: the Triton ``tl.dot_scaled`` kernels of :mod:`moec.kernels.mxfp8` (native
   block-scaled MMA on sm100+, emulated on sm90); "including Q" as a separate quantize kernel
   (``q+gemm``) and fused in the GEMM (``fused``).
@@ -89,16 +91,25 @@ def variants(m: int, k: int, n: int, groups: int) -> dict[str, Callable[[], obje
         calls["fp8_rowwise/with_q"] = lambda: fp8_rowwise.rowwise_gmm(
             fp8_rowwise.rowwise_quantize(x), wr, offsets
         )
+        # what the ops run for forward GEMMs (dgrad keeps exact accumulation)
+        calls["fp8_rowwise/prequantized,fast_accum"] = lambda: fp8_rowwise.rowwise_gmm(
+            xr, wr, offsets, fast_accum=True
+        )
+        calls["fp8_rowwise/with_q,fast_accum"] = lambda: fp8_rowwise.rowwise_gmm(
+            fp8_rowwise.rowwise_quantize(x), wr, offsets, fast_accum=True
+        )
+        calls["fp8_rowwise/quantize_only"] = lambda: fp8_rowwise.rowwise_quantize(x)
     return calls
 
 
 def check(calls: dict[str, Callable[[], object]]) -> dict[str, float]:
-    """Relative error of every variant against bf16 (a wrong kernel must not look fast)."""
+    """Relative error of every GEMM variant against bf16 (a wrong kernel must not look fast)."""
     ref = calls["bf16"]().float()
+    outputs = {name: fn() for name, fn in calls.items() if name != "bf16"}
     return {
-        name: float((fn().float() - ref).norm() / ref.norm())
-        for name, fn in calls.items()
-        if name != "bf16"
+        name: float((out.float() - ref).norm() / ref.norm())
+        for name, out in outputs.items()
+        if isinstance(out, torch.Tensor)  # not the quantizer alone
     }
 
 
@@ -165,13 +176,16 @@ def print_row(row: dict) -> None:
 
 def print_table(results: dict) -> None:
     names = sorted({k.split("@")[0] for r in results["rows"] for k in r["seconds"]} - {"bf16"})
-    print(f"\nSpeed vs bf16 torch._grouped_mm on {results['device']} "
-          f"({results['shape']['k']} -> {results['shape']['n']}, {results['shape']['groups']} "
-          "groups); eager | graph")
+    print(
+        f"\nSpeed vs bf16 torch._grouped_mm on {results['device']} "
+        f"({results['shape']['k']} -> {results['shape']['n']}, {results['shape']['groups']} "
+        "groups); eager | graph"
+    )
     print(f"{'variant':<28}" + "".join(f"{'M=' + str(r['m']):>20}" for r in results["rows"]))
     for name in names:
-        cells = [f"{_speedup(r, name, 'eager')} | {_speedup(r, name, 'graph')}"
-                 for r in results["rows"]]
+        cells = [
+            f"{_speedup(r, name, 'eager')} | {_speedup(r, name, 'graph')}" for r in results["rows"]
+        ]
         print(f"{name:<28}" + "".join(f"{c:>20}" for c in cells))
     for r in results["rows"]:
         errors = ", ".join(f"{k} {v:.4f}" for k, v in r.get("rel_error_vs_bf16", {}).items())

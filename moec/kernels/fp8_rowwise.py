@@ -5,7 +5,10 @@
 :func:`moec.ops.quantized.rowwise_quantize_reference`. ``rowwise_gmm`` runs
 ``torch._scaled_grouped_mm`` (row scales for the activations, per output channel for the
 weights) where torch ships it for this device: sm90 only here, checked from the capability,
-so no call ever reaches a kernel built for another architecture.
+so no call ever reaches a kernel built for another architecture. ``fast_accum=True`` lets
+Hopper's FP8 MMA accumulate without the periodic promotion to fp32 (and torch then picks a
+256 x 128 tile for large groups): faster, a little less exact; the ops use it for the forward
+GEMMs only, as torchao's float8 training does, and keep dgrad exact.
 """
 
 from __future__ import annotations
@@ -82,10 +85,17 @@ def rowwise_gmm(
     b: tuple[torch.Tensor, torch.Tensor],
     offsets: torch.Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """``out[r] = (a[r] * sa[r]) @ (b[e(r)] * sb[e(r)])`` from :func:`rowwise_quantize` /
     :func:`quantize_weight` outputs."""
     (a_codes, a_scales), (b_codes, b_scales) = a, b
     return torch._scaled_grouped_mm(
-        a_codes, b_codes, a_scales, b_scales, offs=offsets, out_dtype=out_dtype
+        a_codes,
+        b_codes,
+        a_scales,
+        b_scales,
+        offs=offsets,
+        out_dtype=out_dtype,
+        use_fast_accum=fast_accum,
     )

@@ -120,9 +120,13 @@ def _rowwise_fast_path(a: Tensor, b: Tensor, recipe: str) -> bool:
     return aligned and fp8_rowwise.scaled_grouped_mm_available(a.device)
 
 
-def quantized_gmm(a: Tensor, b: Tensor, offsets: Tensor, recipe: str) -> Tensor:
+def quantized_gmm(
+    a: Tensor, b: Tensor, offsets: Tensor, recipe: str, forward: bool = False
+) -> Tensor:
     """``out[r] = a[r] @ b[e(r)]`` with a (R, K), b (G, K, N) each quantized along K from its
-    own dtype (fp32 masters are not rounded to bf16 first); the result in a's dtype."""
+    own dtype (fp32 masters are not rounded to bf16 first); the result in a's dtype.
+    ``forward``: a forward GEMM, which the sm90 fp8_rowwise path accumulates fast
+    (:func:`moec.kernels.fp8_rowwise.rowwise_gmm`); dgrad accumulates exactly."""
     if _kernels_apply(a, b, recipe):
         from moec.kernels.mxfp8 import mx_gmm
 
@@ -131,7 +135,11 @@ def quantized_gmm(a: Tensor, b: Tensor, offsets: Tensor, recipe: str) -> Tensor:
         from moec.kernels import fp8_rowwise
 
         out = fp8_rowwise.rowwise_gmm(
-            fp8_rowwise.rowwise_quantize(a), fp8_rowwise.quantize_weight(b), offsets, a.dtype
+            fp8_rowwise.rowwise_quantize(a),
+            fp8_rowwise.quantize_weight(b),
+            offsets,
+            a.dtype,
+            fast_accum=forward,
         )
         return _valid_rows(out, offsets)
     if recipe == "mxfp8":
@@ -198,10 +206,10 @@ def _check_mlp(x, w_up, w_down, offsets, activation, recipe) -> None:
 
 def quantized_expert_mlp_reference(x, w_up, w_down, offsets, b_up, b_down, activation, recipe):
     experts = row_experts(offsets, x.shape[0])
-    h = quantized_gmm(x, w_up, offsets, recipe)
+    h = quantized_gmm(x, w_up, offsets, recipe, forward=True)
     if b_up is not None:
         h = add_row_bias(h, b_up, experts)
-    y = quantized_gmm(activate(h, activation), w_down, offsets, recipe)
+    y = quantized_gmm(activate(h, activation), w_down, offsets, recipe, forward=True)
     if b_down is not None:
         y = add_row_bias(y, b_down, experts)
     return y, h
@@ -267,7 +275,7 @@ def _one_group(rows: int, device: torch.device) -> Tensor:
 def quantized_linear_reference(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: str):
     x2 = x.reshape(-1, x.shape[-1])
     w = weight.t().unsqueeze(0)  # (1, K, N)
-    y = quantized_gmm(x2, w, _one_group(x2.shape[0], x.device), recipe)
+    y = quantized_gmm(x2, w, _one_group(x2.shape[0], x.device), recipe, forward=True)
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*x.shape[:-1], weight.shape[0])

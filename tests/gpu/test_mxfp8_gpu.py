@@ -114,7 +114,10 @@ def test_fp8_rowwise_quantize_and_gemm():
         pytest.skip("torch._scaled_grouped_mm rowwise is used on sm90 only")
     w = torch.randn(4, 256, 512, device=CUDA, dtype=torch.bfloat16) / 16
     offsets = torch.tensor([64, 128, 256, 288], device=CUDA, dtype=torch.int32)
-    out = fp8_rowwise.rowwise_gmm((codes, scales), fp8_rowwise.quantize_weight(w), offsets)
-    ref = torch._grouped_mm(x, w, offs=offsets)
-    err = (out[:288].float() - ref[:288].float()).norm() / ref[:288].float().norm()
-    assert err < 0.06, err
+    wq = fp8_rowwise.quantize_weight(w)
+    ref = torch._grouped_mm(x, w, offs=offsets)[:288].float()
+    exact = fp8_rowwise.rowwise_gmm((codes, scales), wq, offsets)[:288].float()
+    fast = fp8_rowwise.rowwise_gmm((codes, scales), wq, offsets, fast_accum=True)[:288].float()
+    assert (exact - ref).norm() / ref.norm() < 0.06
+    # fast accumulation changes the sums, not the quantization: far closer to exact than to bf16
+    assert (fast - exact).norm() / exact.norm() < 5e-3
