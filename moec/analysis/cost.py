@@ -51,6 +51,7 @@ from moec.analysis.structure import (
     find_structure,
     module_path,
 )
+from moec.ops.working_weights import working_copy
 from moec.passes.rewrite import fake_mode
 
 aten = torch.ops.aten
@@ -78,6 +79,7 @@ VIEW_LIKE = (
         aten.sym_size.int,
         aten._assert_tensor_metadata.default,
         operator.getitem,
+        working_copy,  # an alias of its first argument, the persistent copy
     }
 )
 LINEAR_POINTWISE = {

@@ -3,14 +3,15 @@
 - A **linear site** is a matmul by a parameter: ``aten.linear(x, W[out, in], b?)``,
   ``aten.addmm(b, x, W[in, out])`` (transformers' Conv1D), ``aten.mm/matmul(x, W[in, out])`` or
   by ``aten.t(W)``. Views between the activation and the matmul, and dtype casts of the
-  parameter (``shared_casts``' bf16 copies), are looked through.
+  parameter (``shared_casts``' bf16 copies, ``working_weights``' persistent ones), are looked
+  through.
 - An **FFN region** is one or two "up" linear sites reading the same input X, joined by
   elementwise ops (the activation, the gate multiply) into one tensor that is the input of one
   "down" linear site, with no value of the region used outside it. The activation is identified
   by evaluating the joining subgraph on sample values against known activations, so any
   decomposition (``gelu_new`` as tanh/pow/mul, ``silu`` as ``x * sigmoid(x)``) is recognised.
   A ``moec.glu`` fed by one linear of concatenated [gate; up] weights (the ``fuse_glu`` pass's
-  form) is the same region with the activation the op names.
+  form, or one working copy of both) is the same region with the activation the op names.
 - A **block** ends at the residual add that consumes an FFN output; blocks are numbered in
   topological order, so "the first N blocks" is well defined.
 
@@ -27,6 +28,7 @@ import torch
 import torch.fx as fx
 
 from moec.ops.activations import gated_from_unary, unary_candidates
+from moec.ops.working_weights import working_copy
 
 aten = torch.ops.aten
 
@@ -143,11 +145,24 @@ def strip_views(node: fx.Node) -> fx.Node:
     return node
 
 
+def _joined(node: object) -> list[fx.Node] | None:
+    """The parameter reads a node joins along dim 0: a ``cat``'s pieces, a working copy's
+    masters."""
+    target = _target(node) if isinstance(node, fx.Node) else None
+    if target == aten.cat.default and (node.args[1:] or (0,))[0] == 0:
+        return list(node.args[0])
+    return list(node.args[1]) if target is working_copy else None
+
+
 def _uncast(node: object) -> object:
-    while (
-        isinstance(node, fx.Node) and _target(node) in CASTS and isinstance(node.args[0], fx.Node)
-    ):
-        node = node.args[0]
+    """The tensor a cast (or a working copy of one parameter) reads."""
+    while isinstance(node, fx.Node):
+        if _target(node) in CASTS and isinstance(node.args[0], fx.Node):
+            node = node.args[0]
+        elif _target(node) is working_copy and len(node.args[1]) == 1:
+            node = node.args[1][0]
+        else:
+            break
     return node
 
 
@@ -174,9 +189,7 @@ def _fused_glu_ups(glu: fx.Node) -> list[LinearSite] | None:
         return None
 
     def halves(arg: object) -> list[str] | None:
-        if _target(arg) != aten.cat.default or (arg.args[1:] or (0,))[0] != 0:
-            return None
-        params = [_param_target(p) for p in arg.args[0]]
+        params = [_param_target(p) for p in _joined(arg) or []]
         if len(params) != 2 or any(p is None or p[1] for p in params):
             return None
         return [p[0] for p in params]
@@ -185,7 +198,7 @@ def _fused_glu_ups(glu: fx.Node) -> list[LinearSite] | None:
     biases = halves(h.args[2]) if len(h.args) > 2 else [None, None]
     if weights is None or biases is None:
         return None
-    out_f, in_f = h.args[1].args[0][0].meta["val"].shape
+    out_f, in_f = _joined(h.args[1])[0].meta["val"].shape
     x = strip_views(h.args[0])
     return [LinearSite(h, x, w, b, "out_in", in_f, out_f) for w, b in zip(weights, biases)]
 

@@ -6,15 +6,18 @@ is cast back to float32 and the copies are added in float32: at 3 x 8192 x 1536 
 per cast or add, a few per block and direction.
 
 Matches  ops autocast runs in bf16 (linear, mm, matmul, bmm, addmm, baddbmm,
-         scaled_dot_product_attention) and explicit casts to bf16, reading a source whose
+         scaled_dot_product_attention, moec.linear_cross_entropy) and explicit casts to bf16, reading a source whose
          *runtime* dtype is float32 (found by propagating fake tensors through the graph under
-         bf16 autocast; the captured ``meta["val"]`` is autocast-free).
+         bf16 autocast; the captured ``meta["val"]`` is autocast-free); and the weights of the
+         moec ops that cast their weights to their bf16 activation's dtype themselves
+         (``expert_mlp``: in the forward and again in the backward, and it cast the weight
+         gradients back, every step).
 Emits    one ``aten._to_copy(source, dtype=bfloat16)`` per such source, right after it; every
          such reader reads it (explicit casts of the same source are merged into it). The
          matmuls are then all-bf16, so the graph means the same with and without autocast;
          ``meta["val"]`` is re-propagated (autocast-free semantics, as before).
-Keeps    forward values bit for bit (the same round-to-nearest casts autocast does, and autocast
-         leaves bf16 inputs alone); gradients up to the order of their summation: the readers'
+Keeps    forward values bit for bit (the same round-to-nearest casts autocast and the ops do,
+         and both leave bf16 inputs alone); gradients up to the order of their summation: the readers'
          bf16 gradients are summed in bf16 before the one cast back, as frameworks with bf16
          activations do. Parameters are cast once per forward, as autocast's cache does.
 Runs only when ``precision.compute_dtype`` is bf16.
@@ -27,13 +30,19 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+import moec.ops  # noqa: F401  (registers torch.ops.moec)
 from moec.analysis.structure import CASTS, MATMUL_OPS
 from moec.passes.manager import PassContext, PassResult
 from moec.passes.rewrite import GraphEditor, fake_mode, refresh_meta
 
 aten = torch.ops.aten
-AUTOCAST_BF16 = MATMUL_OPS | {aten.scaled_dot_product_attention.default}
+AUTOCAST_BF16 = MATMUL_OPS | {
+    aten.scaled_dot_product_attention.default,
+    torch.ops.moec.linear_cross_entropy.default,  # registered with autocast by moec.ops.loss
+}
 """Ops on autocast's lower-precision list for both CUDA and CPU: they cast float inputs."""
+SELF_CASTING = {torch.ops.moec.expert_mlp.default: (1, 2)}
+"""moec ops that cast the float inputs at these positions to their first input's dtype."""
 
 
 class _RuntimeDtypes(fx.Interpreter):
@@ -53,7 +62,8 @@ def runtime_dtypes(gm: fx.GraphModule, device_type: str) -> dict[fx.Node, torch.
     return {n: v.dtype for n, v in interp.env.items() if isinstance(v, torch.Tensor)}
 
 
-def _is_bf16_cast(node: fx.Node) -> bool:
+def is_bf16_cast(node: fx.Node) -> bool:
+    """A dtype-only cast to bf16 (``_to_copy`` / ``to.dtype``)."""
     if node.target not in CASTS or len(node.args) > 2:
         return False
     return node.kwargs.get("dtype", node.args[1] if len(node.args) > 1 else None) == torch.bfloat16
@@ -69,6 +79,17 @@ def _device_type(gm: fx.GraphModule) -> str:
         if isinstance(val, torch.Tensor):
             return val.device.type
     return "cpu"
+
+
+def _cast_inputs(node: fx.Node, dtypes: dict[fx.Node, torch.dtype]) -> list[fx.Node]:
+    """The float32 inputs ``node`` reads in bf16 at runtime."""
+    if node.target in AUTOCAST_BF16:
+        inputs = node.all_input_nodes
+    elif node.target in SELF_CASTING and dtypes.get(node.args[0]) == torch.bfloat16:
+        inputs = [node.args[i] for i in SELF_CASTING[node.target]]
+    else:
+        return []
+    return [s for s in dict.fromkeys(inputs) if dtypes.get(s) == torch.float32]
 
 
 class SharedCastsPass:
@@ -89,7 +110,7 @@ class SharedCastsPass:
             return casts[source]
 
         for node in list(gm.graph.nodes):
-            if _is_bf16_cast(node) and dtypes.get(node.args[0]) == torch.float32:
+            if is_bf16_cast(node) and dtypes.get(node.args[0]) == torch.float32:
                 source = node.args[0]
                 if source in casts:
                     node.replace_all_uses_with(casts[source])
@@ -97,11 +118,10 @@ class SharedCastsPass:
                     merged += 1
                 else:
                     casts[source] = node
-            elif node.target in AUTOCAST_BF16:
-                for source in node.all_input_nodes:
-                    if dtypes.get(source) == torch.float32:
-                        node.replace_input_with(source, cast_of(source))
-                        readers += 1
+            else:
+                for source in _cast_inputs(node, dtypes):
+                    node.replace_input_with(source, cast_of(source))
+                    readers += 1
         refresh_meta(gm)
         gm.recompile()
         stats = {"sources_cast": len(casts), "readers": readers, "casts_merged": merged}

@@ -84,6 +84,7 @@ def default_passes(plan: Plan, mesh: Any = None) -> list[Pass]:
     from moec.passes.precision import PrecisionPass
     from moec.passes.recompute import RecomputePass
     from moec.passes.rope import FuseRopePass
+    from moec.passes.working_weights import WorkingWeightsPass
 
     passes: list[Pass] = [MoEPass()]
     if plan.parallel.ep > 1:
@@ -97,6 +98,8 @@ def default_passes(plan: Plan, mesh: Any = None) -> list[Pass]:
         passes.append(SharedCastsPass())
     passes.append(FuseRopePass())  # after shared_casts: it folds their cast before attention
     passes.append(FuseGluPass())  # after shared_casts: it concatenates the weights' bf16 casts
+    if plan.precision.compute_dtype == "bf16" and plan.parallel.pp == 1:
+        passes.append(WorkingWeightsPass())  # after fuse_glu: it keeps the concatenation too
     if plan.recompute.policy != "none":
         passes.append(RecomputePass())
     if plan.parallel.pp > 1:

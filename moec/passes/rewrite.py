@@ -70,6 +70,17 @@ class GraphEditor:
         self._stamp(node, like)
         return node
 
+    def buffer(self, name: str, value: torch.Tensor, like: fx.Node) -> fx.Node:
+        """Register ``value`` as a non-persistent buffer ``name`` of the root module (state the
+        runtime keeps, not a parameter, not in ``state_dict``) and read it with a get_attr."""
+        if hasattr(self.gm, name):
+            raise RuntimeError(f"pass {self.pass_name}: attribute {name!r} already exists")
+        self.gm.register_buffer(name, value, persistent=False)
+        node = self.graph.get_attr(name)
+        node.meta["val"] = self.mode.from_tensor(value, static_shapes=True)
+        self._stamp(node, like)
+        return node
+
     def _stamp(self, node: fx.Node, like: fx.Node) -> None:
         node.meta["nn_module_stack"] = dict(like.meta.get("nn_module_stack") or {})
         node.meta["from_pass"] = self.pass_name

@@ -21,6 +21,7 @@ from moec.ops.routing import capacity
 from moec.passes.loss import forward_only
 from moec.passes.manager import DumpHook, PassManager, PassResult, default_passes
 from moec.plan import Plan
+from moec.runtime.working_weights import WorkingWeights
 
 
 class CompiledModel(nn.Module):
@@ -44,6 +45,7 @@ class CompiledModel(nn.Module):
         self.pass_results: dict[str, PassResult] = {}
         self.aux_outputs: dict[tuple[str, str], torch.Tensor] = {}
         self._forward_only: tuple[Any, Any] = (None, None)
+        self.working_weights: WorkingWeights | None = None
         if example_inputs is not None:
             args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
             self.capture(args, example_kwargs or {})
@@ -60,12 +62,20 @@ class CompiledModel(nn.Module):
         self.graph_module, ctx = manager.run(gm, self.plan)
         self.pass_results = ctx.results
         self._source = ()
+        copies = self.graph_module.meta.get("moec_working_weights")
+        if copies:
+            # one microbatch per step: gradients stay bf16; several: accumulated in float32
+            single = self.plan.parallel.microbatches == 1
+            grad_dtype = torch.bfloat16 if single else torch.float32
+            self.working_weights = WorkingWeights(self.graph_module, copies, grad_dtype)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.graph_module is None:
             self.capture(args, kwargs)
         sig = signature(self.graph_module)
         flat = sig.flatten_inputs(args, kwargs)
+        if self.working_weights is not None:
+            self.working_weights.refresh()
         with self._autocast(flat):
             outputs = self._program()(*flat)
         self.aux_outputs = dict(zip(sig.aux_outputs, outputs[sig.num_user_outputs :]))
