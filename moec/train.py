@@ -1,8 +1,9 @@
 """Training a compiled model: ``moec.train(model, plan, config)``, ``moec train``, ``moec demo``.
 
 One optimizer step = ``plan.parallel.microbatches`` forward/backward passes (gradient
-accumulation), gradient clipping, AdamW with separate dense and expert parameter groups (no
-weight decay on embeddings, norms and biases), a warmup-stable-decay learning rate. The step
+accumulation), gradient clipping, AdamW (:class:`moec.optim.AdamW`, which also writes the
+program's bf16 working weights) with separate dense and expert parameter groups (no weight
+decay on embeddings, norms and biases), a warmup-stable-decay learning rate. The step
 itself never reads the device: losses and routing statistics stay on the device and are read
 every ``log_every`` steps, which is also where step time is measured.
 
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 
 from moec.analysis.cost import graph_cost
 from moec.data import TextBatches
+from moec.optim import AdamW
 from moec.plan import Plan, PlanError
 from moec.runtime import checkpoint
 from moec.runtime.compiled import CompiledModel, compile
@@ -170,11 +172,11 @@ class Trainer:
         example = tuple(t[: cfg.batch_size // micro].to(self.device) for t in self.data.batch(0))
         self.compiled = compile(LanguageModelWithLoss(model), plan, example, mesh=self.mesh)
         self.reducer = GradientReducer(self.compiled, self.mesh) if self.mesh else None
-        self.optimizer = torch.optim.AdamW(
+        self.optimizer = AdamW(
             parameter_groups(self.compiled, cfg.weight_decay),
             lr=cfg.lr,
             betas=cfg.betas,
-            fused=self.device.type == "cuda",
+            working_weights=self.compiled.working_weights,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, wsd_schedule(cfg))
         self.step = 0

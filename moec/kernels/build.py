@@ -18,7 +18,7 @@ from typing import Any
 import triton
 from triton.backends.compiler import GPUTarget
 
-from moec.kernels import activation, cross_entropy, grouped_gemm, movement, rope, router
+from moec.kernels import activation, adamw, cross_entropy, grouped_gemm, movement, rope, router
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,13 @@ def kernel_specs(capability: int) -> list[KernelSpec]:
             "rope", rope._rope_kernel,
             {"x_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": "*bf16"},
             {"BACKWARD": False, "BLOCK_R": rope.BLOCK_R, "HALF_P2": 64}, {"num_warps": 4},
+        ),
+        KernelSpec(
+            "adamw", adamw._adamw_kernel,
+            {"param_ptr": "*fp32", "grad_ptr": "*bf16", "exp_avg_ptr": "*fp32",
+             "exp_avg_sq_ptr": "*fp32", "copy_ptr": "*bf16", "grad_scale_ptr": "*fp32",
+             **dict.fromkeys(adamw._adamw_kernel.arg_names[7:14], "fp32")},
+            {"HAS_COPY": True, "HAS_SCALE": True, "BLOCK": adamw.BLOCK},
         ),
         *_ep_specs(),
         *_gmm_specs(family),

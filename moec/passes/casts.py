@@ -6,20 +6,21 @@ is cast back to float32 and the copies are added in float32: at 3 x 8192 x 1536 
 per cast or add, a few per block and direction.
 
 Matches  ops autocast runs in bf16 (linear, mm, matmul, bmm, addmm, baddbmm,
-         scaled_dot_product_attention, moec.linear_cross_entropy) and explicit casts to bf16, reading a source whose
-         *runtime* dtype is float32 (found by propagating fake tensors through the graph under
-         bf16 autocast; the captured ``meta["val"]`` is autocast-free); and the weights of the
-         moec ops that cast their weights to their bf16 activation's dtype themselves
-         (``expert_mlp``: in the forward and again in the backward, and it cast the weight
-         gradients back, every step).
+         scaled_dot_product_attention, moec.linear_cross_entropy) and explicit casts to bf16,
+         reading a source whose *runtime* dtype is float32 (found by propagating fake tensors
+         through the graph under bf16 autocast; the captured ``meta["val"]`` is
+         autocast-free); and the weights of moec ops that cast their weights to their bf16
+         activation's dtype themselves (``expert_mlp``: in the forward and again in the
+         backward, and it cast the weight gradients back, every step).
 Emits    one ``aten._to_copy(source, dtype=bfloat16)`` per such source, right after it; every
          such reader reads it (explicit casts of the same source are merged into it). The
          matmuls are then all-bf16, so the graph means the same with and without autocast;
          ``meta["val"]`` is re-propagated (autocast-free semantics, as before).
 Keeps    forward values bit for bit (the same round-to-nearest casts autocast and the ops do,
-         and both leave bf16 inputs alone); gradients up to the order of their summation: the readers'
-         bf16 gradients are summed in bf16 before the one cast back, as frameworks with bf16
-         activations do. Parameters are cast once per forward, as autocast's cache does.
+         and both leave bf16 inputs alone); gradients up to the order of their summation: the
+         readers' bf16 gradients are summed in bf16 before the one cast back, as frameworks
+         with bf16 activations do. A parameter's cast is left for ``working_weights`` to turn
+         into a persistent copy.
 Runs only when ``precision.compute_dtype`` is bf16.
 """
 

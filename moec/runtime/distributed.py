@@ -159,7 +159,8 @@ def _squared_grad_norm(params: list[nn.Parameter], device: torch.device) -> torc
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros((), device=device)
-    return torch.stack(torch._foreach_norm(grads)).float().square().sum()
+    # norms accumulated in float32 whatever the gradients' dtype (working weights': bf16)
+    return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
 
 
 def _roles(module: nn.Module) -> dict[str, str]:
@@ -227,11 +228,12 @@ class GradientReducer:
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
+        # reduced in float32 whatever the gradients' dtype (working weights': bf16)
         grads = [
-            torch.zeros_like(p).reshape(-1) if p.grad is None else p.grad.reshape(-1)
+            torch.zeros(p.numel(), device=p.device) if p.grad is None else p.grad.reshape(-1)
             for p in bucket.params
         ]
-        bucket.flat = torch.cat(grads).mul_(self.scale)
+        bucket.flat = torch.cat([g.float() for g in grads]).mul_(self.scale)
         if dist.get_world_size(bucket.group) > 1:
             bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
 
@@ -246,7 +248,10 @@ class GradientReducer:
             offset = 0
             for param in bucket.params:
                 grad = bucket.flat[offset : offset + param.numel()].view_as(param)
-                param.grad = grad.clone() if param.grad is None else param.grad.copy_(grad)
+                if param.grad is None:
+                    param.grad = grad.to(param.grad_dtype or param.dtype, copy=True)
+                else:
+                    param.grad.copy_(grad)
                 offset += param.numel()
         self._reset()
 

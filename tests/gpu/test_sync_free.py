@@ -24,3 +24,6 @@ def test_steady_state_step_has_no_host_sync(tmp_path, routing):
     losses = run_without_host_sync(trainer.train_step, 2)
     assert all(torch.isfinite(loss) for loss in losses)
     assert trainer.compiled.pass_results["fused_loss"].stats["fused"] == 1  # the fused head ran
+    # the program read bf16 working weights and moec's AdamW wrote every one of them
+    assert len(trainer.compiled.working_weights) > 0
+    assert trainer.compiled.working_weights.refresh() == 0

@@ -1,0 +1,125 @@
+"""One AdamW update of one parameter in a single pass, writing its bf16 working copy too.
+
+adamw_step_(param fp32, grad fp32|bf16, exp_avg, exp_avg_sq, copy bf16 | None, grad_scale | None,
+            lr, beta1, beta2, eps, weight_decay, step)
+    grad      /= grad_scale                      (the clip factor, a device scalar: no host read)
+    param     *= 1 - lr * weight_decay
+    exp_avg    = exp_avg + (1 - beta1) * (grad - exp_avg)
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * grad * grad
+    param     -= lr / (1 - beta1^step) * exp_avg / (sqrt(exp_avg_sq) / sqrt(1 - beta2^step) + eps)
+    copy       = bf16(param)
+
+torch's single-tensor AdamW in the same order (its ``lerp`` for weights below 1/2 is the
+exp_avg line), with IEEE division and square root, so results agree to float32 rounding (the
+compiler may fuse a multiply-add). Reads 14 bytes per element (bf16 gradients) and writes 14;
+torch's fused AdamW over float32 gradients plus the cast of the working copy and of the
+gradient from bf16 move 40.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+BLOCK = 1024
+
+
+@triton.jit
+def _adamw_kernel(
+    # pointers
+    param_ptr,
+    grad_ptr,
+    exp_avg_ptr,
+    exp_avg_sq_ptr,
+    copy_ptr,
+    grad_scale_ptr,
+    # sizes and hyper-parameters (host floats: bias corrections are computed on the host)
+    n,
+    decay,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    step_size,
+    bias_correction2_sqrt,
+    eps,
+    # meta-parameters
+    HAS_COPY: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    grad = tl.load(grad_ptr + offs, mask=mask).to(tl.float32)
+    if HAS_SCALE:
+        grad = tl.div_rn(grad, tl.load(grad_scale_ptr))
+    param = tl.load(param_ptr + offs, mask=mask) * decay
+    exp_avg = tl.load(exp_avg_ptr + offs, mask=mask)
+    exp_avg = exp_avg + one_minus_beta1 * (grad - exp_avg)
+    exp_avg_sq = tl.load(exp_avg_sq_ptr + offs, mask=mask) * beta2
+    exp_avg_sq = exp_avg_sq + one_minus_beta2 * grad * grad
+    denom = tl.div_rn(tl.sqrt_rn(exp_avg_sq), bias_correction2_sqrt) + eps
+    param = param - step_size * tl.div_rn(exp_avg, denom)
+    tl.store(param_ptr + offs, param, mask=mask)
+    tl.store(exp_avg_ptr + offs, exp_avg, mask=mask)
+    tl.store(exp_avg_sq_ptr + offs, exp_avg_sq, mask=mask)
+    if HAS_COPY:
+        rounded = param.to(copy_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        tl.store(copy_ptr + offs, rounded, mask=mask)
+
+
+def adamw_step_(
+    param: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    copy: Tensor | None,
+    grad_scale: Tensor | None,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: float,
+) -> None:
+    """Update ``param``, ``exp_avg``, ``exp_avg_sq`` (and ``copy``) in place; all contiguous,
+    of one shape; ``step`` counts this update (1 for the first)."""
+    n = param.numel()
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    _adamw_kernel[(triton.cdiv(n, BLOCK),)](
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        param if copy is None else copy,
+        param if grad_scale is None else grad_scale,
+        n,
+        1 - lr * weight_decay,
+        1 - beta1,
+        beta2,
+        1 - beta2,
+        lr / bias_correction1,
+        bias_correction2**0.5,
+        eps,
+        HAS_COPY=copy is not None,
+        HAS_SCALE=grad_scale is not None,
+        BLOCK=BLOCK,
+    )
+
+
+def kernel_applies(param: Tensor, grad: Tensor) -> bool:
+    """Whether :func:`adamw_step_` takes this parameter (else torch's AdamW does)."""
+    from moec.kernels import arch
+
+    return (
+        arch.supported(param, grad)
+        and param.dtype == torch.float32
+        and grad.dtype in (torch.float32, torch.bfloat16)
+        and not grad.is_sparse
+        and param.is_contiguous()
+        and grad.is_contiguous()
+        and grad.shape == param.shape
+    )
