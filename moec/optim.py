@@ -1,18 +1,19 @@
 """``moec.optim.AdamW``: torch's AdamW that also writes the compiled program's working weights.
 
-Same constructor arguments (bar ``amsgrad`` / ``maximize`` / ``fused`` / ``capturable`` /
-``differentiable``), parameter
-groups, state (``step`` on the host, ``exp_avg``, ``exp_avg_sq``) and ``state_dict`` as
-``torch.optim.AdamW``, so checkpoints and LR schedulers work unchanged. Where every parameter
-with a gradient is a contiguous float32 tensor on a CUDA device (or the Triton interpreter
-runs), the step is one pass per parameter (:mod:`moec.kernels.adamw`) that reads the gradient
-in its own dtype (the bf16 gradients of working weights are not cast first), divides it by
-the clip factor ``grad_scale`` (:func:`moec.runtime.distributed.clip_gradients_` sets it; no
-pass over the gradients for clipping) and writes the parameter's bf16 working copy
-(:class:`moec.runtime.working_weights.WorkingWeights`) from the updated value. Otherwise
-torch's implementation runs and the program refreshes the copies itself on its next forward.
-
-The results equal torch's single-tensor AdamW to float32 rounding (tests compare them).
+The constructor takes torch's AdamW arguments but ``amsgrad``, ``maximize``, ``fused``,
+``capturable`` and ``differentiable``; parameter groups, the state (``step`` on the host,
+``exp_avg``, ``exp_avg_sq``) and ``state_dict`` are torch's, so checkpoints and LR schedulers
+work unchanged. Each parameter is updated in one pass that reads its gradient in the dtype it
+has (a working weight's bf16 gradient is not cast first), divides it by the clip factor
+``grad_scale`` (:func:`moec.runtime.distributed.clip_gradients_` sets it, so clipping makes no
+pass over the gradients) and writes the parameter's bf16 working copy
+(:class:`moec.runtime.working_weights.WorkingWeights`) from the updated value: the Triton
+kernel of :mod:`moec.kernels.adamw` for contiguous float32 parameters on CUDA (or under the
+Triton interpreter), else :func:`adamw_reference_` in torch ops. Results equal torch's
+single-tensor AdamW: bit for bit for the reference on float32 gradients, to float32 rounding
+for the kernel (tests compare both). Options set on a parameter group that only torch's
+implementation has (amsgrad, maximize, a tensor lr) run torch's step; the program then
+refreshes its copies on the next forward.
 """
 
 from __future__ import annotations
@@ -24,6 +25,36 @@ import torch
 from torch import Tensor
 
 from moec.runtime.working_weights import WorkingWeights
+
+
+def adamw_reference_(
+    param: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    copy: Tensor | None,
+    grad_scale: Tensor | None,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: float,
+) -> None:
+    """:func:`moec.kernels.adamw.adamw_step_` in torch ops, in the order of torch's
+    single-tensor AdamW (bit for bit equal to it on float32 gradients)."""
+    grad = grad.to(param.dtype)
+    if grad_scale is not None:
+        grad = grad / grad_scale
+    param.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    step_size = lr / (1 - beta1**step)
+    denom = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)
+    if copy is not None:
+        copy.copy_(param)
 
 
 class AdamW(torch.optim.AdamW):
@@ -51,59 +82,78 @@ class AdamW(torch.optim.AdamW):
             with torch.enable_grad():
                 loss = closure()
         grad_scale, self.grad_scale = self.grad_scale, None  # for this step only
-        if self._kernel_applies():
-            self._kernel_step(grad_scale)
-        else:
+        if self._torch_only():
+            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
             if grad_scale is not None:
-                grads = [
-                    p.grad for g in self.param_groups for p in g["params"] if p.grad is not None
-                ]
                 torch._foreach_div_(grads, grad_scale)
             super().step()
+        else:
+            self._step(grad_scale)
         return loss
 
-    def _kernel_applies(self) -> bool:
-        from moec.kernels.adamw import kernel_applies
+    def ensure_state(self) -> None:
+        """Create every parameter's state now (zero moments, step 0), as its first step would.
+        ``torch.distributed.checkpoint`` builds missing state with a zero-lr step on float32
+        zero gradients, which a working weight (bf16 gradients) does not accept."""
+        for group in self.param_groups:
+            for param in group["params"]:
+                self._state_of(param)
 
-        if getattr(self, "found_inf", None) is not None:
-            return False
-        return all(
-            not (group["amsgrad"] or group["maximize"]) and isinstance(group["lr"], float | int)
-            and all(kernel_applies(p, p.grad) for p in group["params"] if p.grad is not None)
+    def _state_of(self, param: Tensor) -> dict[str, Tensor]:
+        state = self.state[param]
+        if not state:  # torch's layout: a host step counter, moments like the parameter
+            state["step"] = torch.tensor(0.0)
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        return state
+
+    def _torch_only(self) -> bool:
+        """Options only torch's implementation has (it needs gradients in the params' dtype)."""
+        options = [
+            group["amsgrad"] or group["maximize"] or isinstance(group["lr"], Tensor)
             for group in self.param_groups
-        )  # fmt: skip
+        ]
+        if not (any(options) or getattr(self, "found_inf", None) is not None):
+            return False
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.grad.dtype != p.dtype:
+                    raise ValueError(
+                        "moec.optim.AdamW: amsgrad, maximize, a tensor lr and found_inf run "
+                        f"torch's AdamW, which needs gradients in the parameters' dtype; a "
+                        f"{tuple(p.shape)} parameter has a {p.grad.dtype} gradient (a working "
+                        "weight's): drop the option"
+                    )
+        return True
 
-    def _kernel_step(self, grad_scale: Tensor | None) -> None:
-        from moec.kernels.adamw import adamw_step_
+    def _step(self, grad_scale: Tensor | None) -> None:
+        from moec.kernels.adamw import adamw_step_, kernel_applies
 
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for param in group["params"]:
                 if param.grad is None:
                     continue
-                state = self.state[param]
-                if not state:  # torch's layout: a host step counter, moments like the param
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(
-                        param, memory_format=torch.preserve_format
-                    )
+                state = self._state_of(param)
                 state["step"] += 1
                 copy = self.working_weights.copy_of(param) if self.working_weights else None
-                adamw_step_(
+                kernel = kernel_applies(param, param.grad)
+                update = adamw_step_ if kernel else adamw_reference_
+                update(
                     param,
                     param.grad,
                     state["exp_avg"],
                     state["exp_avg_sq"],
                     copy,
                     grad_scale,
-                    lr=float(group["lr"]),
+                    lr=group["lr"],
                     beta1=beta1,
                     beta2=beta2,
                     eps=group["eps"],
                     weight_decay=group["weight_decay"],
                     step=float(state["step"]),
                 )
-                torch.autograd.graph.increment_version(param)  # written through a raw pointer
+                if kernel:  # written through a raw pointer: tell autograd, as in-place ops do
+                    torch.autograd.graph.increment_version(param)
                 if copy is not None:
                     self.working_weights.mark_fresh(param)

@@ -59,8 +59,12 @@ def test_transformers_models_compile_and_train_one_step(name):
     assert language_model_loss(compiled(ids), ids).item() < before
 
 
-def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path):
-    plan = {"moe": {"num_experts": 4, "top_k": 2, "routing": "random", "dense_first": 1}}
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])  # bf16: working weights refresh on load
+def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path, dtype):
+    plan = {
+        "moe": {"num_experts": 4, "top_k": 2, "routing": "random", "dense_first": 1},
+        "precision": {"compute_dtype": dtype},
+    }
     cfg = dict(steps=12, log_every=3, checkpoint_every=6)
     full = train(tiny_llama(2), plan, _cfg(tmp_path, **cfg))
     shutil.rmtree(tmp_path / "checkpoints" / "step_12")  # as if the run died after step 6

@@ -101,17 +101,20 @@ def test_working_copy_checks_shapes():
 
 
 @pytest.mark.parametrize("with_scale", [False, True])
-def test_adamw_equals_torch_on_the_cpu(with_scale):
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_adamw_equals_torch_on_the_cpu(with_scale, grad_dtype):
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(2)]
     twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for p in params:
+        p.grad_dtype = grad_dtype  # bf16: a working weight's gradient
     kwargs = {"lr": 1e-2, "betas": (0.8, 0.95), "weight_decay": 0.1}
     ours, theirs = AdamW(params, **kwargs), torch.optim.AdamW(twins, foreach=False, **kwargs)
     for _ in range(3):
-        grads = [torch.randn(5, 3) for _ in params]
         scale = torch.tensor(2.5)
-        for p, t, g in zip(params, twins, grads, strict=True):
-            p.grad, t.grad = g.clone(), g / scale if with_scale else g.clone()
+        for p, t in zip(params, twins, strict=True):
+            g = torch.randn(5, 3).to(grad_dtype)
+            p.grad, t.grad = g, g.float() / scale if with_scale else g.float()
         if with_scale:
             ours.grad_scale = scale  # what clip_gradients_ hands over
         ours.step()
@@ -120,3 +123,12 @@ def test_adamw_equals_torch_on_the_cpu(with_scale):
     for p, t in zip(params, twins, strict=True):
         assert torch.equal(p, t)
     assert ours.state_dict()["state"][0].keys() == theirs.state_dict()["state"][0].keys()
+
+
+def test_adamw_torch_only_options_need_gradients_in_the_parameter_dtype():
+    param = torch.nn.Parameter(torch.randn(4))
+    param.grad_dtype = torch.bfloat16
+    param.grad = torch.randn(4).bfloat16()
+    optimizer = AdamW([{"params": [param], "amsgrad": True}])
+    with pytest.raises(ValueError, match="amsgrad, maximize"):
+        optimizer.step()

@@ -79,6 +79,9 @@ def load(
 
 def _state(compiled: nn.Module, optimizer: Any, mesh: MoEMesh | None) -> dict[str, Any]:
     """The state dict in the global layout: expert tensors as DTensors when EP > 1."""
+    for opt in _optimizers(optimizer):
+        if hasattr(opt, "ensure_state"):  # moec.optim.AdamW: state made its own way
+            opt.ensure_state()
     model, optim = get_state_dict(compiled, _optimizers(optimizer), options=FLAT)
     if mesh is None or mesh.ep_info.size == 1:
         return {"model": model, "optim": optim}
