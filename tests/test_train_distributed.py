@@ -1,8 +1,11 @@
 """The Trainer in a data + expert parallel job (2 gloo ranks, EP = 2): it trains, keeps the
-dense parameters identical across ranks, and writes one set of logs."""
+dense parameters identical across ranks, and writes one set of logs. In float32 with two
+microbatches (local accumulation, then one reduction), and in bf16 with one (working weights:
+bf16 gradients reduced in float32)."""
 
 import json
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -11,15 +14,34 @@ from moec.train import TrainConfig, Trainer
 from tests.distributed import spawn
 from tests.models import tiny_llama
 
-PLAN = {"moe": {"num_experts": 4, "top_k": 2, "init": "random", "capacity_factor": None},
-        "parallel": {"dp": 2, "ep": 2, "microbatches": 2}}
+PLAN = {
+    "moe": {"num_experts": 4, "top_k": 2, "init": "random", "capacity_factor": None},
+    "parallel": {"dp": 2, "ep": 2, "microbatches": 2},
+}
 
 
-def _worker(rank: int, world: int, out: str) -> None:
+BF16 = {
+    **PLAN,
+    "parallel": {**PLAN["parallel"], "microbatches": 1},
+    "precision": {"compute_dtype": "bf16"},
+}
+
+
+def _worker(rank: int, world: int, out: str, plan: dict) -> None:
     torch.manual_seed(0)  # the same dense init on every rank
-    cfg = TrainConfig(steps=16, batch_size=8, seq_len=32, lr=3e-3, warmup_steps=2, log_every=4,
-                      out=out, plots=False, device="cpu")
-    trainer = Trainer(tiny_llama(2), Plan.from_dict(PLAN), cfg)
+    cfg = TrainConfig(
+        steps=16,
+        batch_size=8,
+        seq_len=32,
+        lr=3e-3,
+        warmup_steps=2,
+        log_every=4,
+        out=out,
+        plots=False,
+        device="cpu",
+    )
+    trainer = Trainer(tiny_llama(2), Plan.from_dict(plan), cfg)
+    assert (trainer.compiled.working_weights is not None) == ("precision" in plan)
     result = trainer.run()
     assert sum(result.losses[-4:]) / 4 < sum(result.losses[:4]) / 4 - 0.3, result.losses
     roles = trainer.compiled.graph_module.meta["moec_param_roles"]
@@ -30,8 +52,9 @@ def _worker(rank: int, world: int, out: str) -> None:
         assert same == (roles.get(name) != "expert"), name  # experts differ: each rank its own
 
 
-def test_trainer_runs_a_dp2_ep2_job(tmp_path):
-    spawn(_worker, 2, str(tmp_path))
+@pytest.mark.parametrize("plan", [PLAN, BF16], ids=["fp32", "bf16"])
+def test_trainer_runs_a_dp2_ep2_job(tmp_path, plan):
+    spawn(_worker, 2, str(tmp_path), plan)
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 4 and json.loads(lines[-1])["step"] == 16
     assert (tmp_path / "checkpoints" / "step_16" / "trainer_rank1.pt").exists()

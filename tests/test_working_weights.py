@@ -76,6 +76,8 @@ def test_copies_follow_their_parameters_and_accumulate_in_float32(monkeypatch):
     with torch.no_grad():  # a parameter without a copy changes: no copy is rewritten
         ours.graph_module.get_parameter("model.embed.weight").mul_(1.0)
     assert ours.working_weights.refresh() == 0
+    ours.working_weights.invalidate()  # e.g. after writes through .data
+    assert ours.working_weights.refresh() == len(ours.working_weights)
     for layer in (ours, plain):
         with torch.no_grad():
             layer.graph_module.get_parameter("model.lm_head.weight").mul_(0.5)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -228,12 +229,16 @@ class GradientReducer:
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
-        # reduced in float32 whatever the gradients' dtype (working weights': bf16)
+        # reduced in float32 at least, whatever the gradients' dtype (working weights': bf16)
+        dtype = functools.reduce(torch.promote_types, [p.dtype for p in bucket.params])
+        dtype = torch.promote_types(dtype, torch.float32)
         grads = [
-            torch.zeros(p.numel(), device=p.device) if p.grad is None else p.grad.reshape(-1)
+            torch.zeros(p.numel(), dtype=dtype, device=p.device)
+            if p.grad is None
+            else p.grad.reshape(-1).to(dtype)
             for p in bucket.params
         ]
-        bucket.flat = torch.cat([g.float() for g in grads]).mul_(self.scale)
+        bucket.flat = torch.cat(grads).mul_(self.scale)
         if dist.get_world_size(bucket.group) > 1:
             bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
 

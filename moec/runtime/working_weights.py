@@ -10,6 +10,8 @@ This object keeps every copy equal to its parameter:
   edit), so any optimizer works; after torch's AdamW it costs what the cast cost.
 - ``moec.optim.AdamW`` writes the copy in its update pass (``copy_of``) and then calls
   ``mark_fresh``: no separate pass over the weights at all.
+- Writes torch does not count (through ``param.data``, or a raw kernel) are not seen: call
+  ``invalidate()`` after them and every copy is rewritten on the next forward.
 
 It also sets each parameter's ``grad_dtype``: gradients arrive in bf16 (the dtype the GEMMs
 made them in) and stay bf16 when a step has one microbatch; with several, the engine
@@ -51,6 +53,10 @@ class WorkingWeights:
     def mark_fresh(self, param: nn.Parameter) -> None:
         """``param``'s copy was just written from it."""
         self._versions[param] = param._version
+
+    def invalidate(self) -> None:
+        """Treat every copy as stale (after writes to the parameters torch does not count)."""
+        self._versions.clear()
 
     @torch.no_grad()
     def refresh(self) -> int:
