@@ -361,11 +361,18 @@ def test_tied_embeddings_are_rejected_by_name():
 def test_stage_reads_a_specialized_size_as_its_value():
     """A size the capture specialized (the H200 e2e model's batch of 3 was) is a constant in
     the stage, not a size to find among the stage's inputs."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    env = ShapeEnv()
+    pinned = env.create_symintnode(env.create_symbol(3, ConstantSource("batch")), hint=3)
+    assert pinned == 3  # a guard pins the symbol: what the capture of the e2e model did
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
     size = graph.call_function(torch.ops.aten.sym_size.int, (x, 0))
-    size.meta["val"] = 3
-    assert _size_from_inputs(torch.fx.Graph(), size, [], {}, 1) == 3
+    for val in (3, pinned):
+        size.meta["val"] = val
+        assert _size_from_inputs(torch.fx.Graph(), size, [], {}, 1) == 3
 
 
 # --- checkpoints -------------------------------------------------------------------------------

@@ -77,6 +77,7 @@ import sympy
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from moec.analysis.cost import CostTotals, GraphCost, graph_cost, nbytes, node_cost
 from moec.analysis.structure import module_path
@@ -592,8 +593,8 @@ def _size_from_inputs(
         new.meta = dict(node.meta)
         return new
     want = node.meta["val"]
-    if isinstance(want, int):
-        return want
+    if is_concrete_int(want):  # an int, or a symbol a guard pinned to one value
+        return int(want)
     for inp in inputs:
         val = inp.meta.get("val")
         for d, size in enumerate(getattr(val, "shape", ())):
