@@ -199,7 +199,7 @@ class StageModule(nn.Module):
         total = torch.zeros((), device=like.device) if acc is None else acc
         for (_, kind), value in aux.items():
             if kind == "router_losses":
-                total = total + (value * self.coefs.to(value.dtype)).sum()
+                total = total + (value * self.coefs.to(value.device, value.dtype)).sum()
         return total
 
 
