@@ -276,7 +276,8 @@ class PipelineRuntime:
         microbatches and data-parallel ranks. Returns the mean cross-entropy on ranks holding
         the last stage, else None."""
         self._ce.clear()
-        args = (inputs,) if self.is_first else ()
+        # torch's stages check each microbatch's strides against the traced contiguous ones
+        args = (inputs.contiguous(),) if self.is_first else ()
         kwargs = {"target": targets, "losses": []} if self.is_last else {}
         if _STEP_TAKES_RETURN_OUTPUTS:
             kwargs["return_outputs"] = False  # the loss is all we need of the last stage
