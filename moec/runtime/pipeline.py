@@ -171,7 +171,7 @@ class StageModule(nn.Module):
     def __init__(self, gm: Any, index: int, carries_aux: bool, coefs: tuple[float, float]):
         super().__init__()
         self.graph_module, self.index, self.carries_aux = gm, index, carries_aux
-        self.register_buffer("coefs", torch.tensor(coefs), persistent=False)
+        self.coefs = coefs  # host floats: a tensor here would be copied to the device (a sync)
         self.aux_outputs: dict[tuple[str, str], torch.Tensor] = {}
         self.meter: SavedTensorMeter | None = None
 
@@ -199,7 +199,8 @@ class StageModule(nn.Module):
         total = torch.zeros((), device=like.device) if acc is None else acc
         for (_, kind), value in aux.items():
             if kind == "router_losses":
-                total = total + (value * self.coefs.to(value.device, value.dtype)).sum()
+                lbl_coef, z_coef = self.coefs
+                total = total + lbl_coef * value[0] + z_coef * value[1]
         return total
 
 
