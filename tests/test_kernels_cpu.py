@@ -280,32 +280,15 @@ def test_activation_kernels_match_reference():
 
 @interpreted
 def test_adamw_kernel_equals_torch_adamw_and_writes_the_working_copies():
-    from moec.optim import AdamW
     from moec.runtime.working_weights import WorkingWeights
+    from tests.adamw_check import step_both_and_compare
 
     module = torch.nn.Module()
     module.a = torch.nn.Parameter(torch.randn(37, 5))  # one block
     module.b = torch.nn.Parameter(torch.randn(400, 5))  # crosses the 1024-element block edge
     # an fp16 copy: the interpreter truncates float32 -> bf16 (the GPU rounds to nearest even)
     module.register_buffer("copy", torch.full((437, 5), float("nan"), dtype=torch.float16))
-    copies = WorkingWeights(module, {"copy": ["a", "b"]}, torch.bfloat16)
-    params = [module.a, module.b]
-    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    kwargs = {"lr": 3e-3, "betas": (0.9, 0.95), "weight_decay": 0.1, "eps": 1e-6}
-    ours = AdamW(params, working_weights=copies, **kwargs)
-    theirs = torch.optim.AdamW(twins, foreach=False, **kwargs)
-    scale = torch.tensor(1.7)
-    for _ in range(3):
-        for p, t in zip(params, twins, strict=True):
-            g = torch.randn(p.shape).bfloat16()  # a working weight's gradient
-            p.grad, t.grad = g, g.float() / scale
-        ours.grad_scale = scale
-        ours.step()
-        theirs.step()
-    for p, t in zip(params, twins, strict=True):
-        torch.testing.assert_close(p, t, rtol=2e-6, atol=1e-7)
-        for key in ("exp_avg", "exp_avg_sq"):
-            mine, torch_s = ours.state[p][key], theirs.state[t][key]
-            torch.testing.assert_close(mine, torch_s, rtol=2e-6, atol=1e-7)
+    copies = WorkingWeights(module, {"copy": ["a", "b"]}, torch.bfloat16)  # bf16 gradients
+    step_both_and_compare([module.a, module.b], copies, torch.tensor(1.7))
+    for p in (module.a, module.b):
         assert torch.equal(copies.copy_of(p), p.detach().half())
-    assert copies.refresh() == 0  # the step left every copy fresh

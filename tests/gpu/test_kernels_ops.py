@@ -7,6 +7,7 @@ buffer tails poisoned with NaN / 1e4. Also: a steady-state layer step raises no 
 
 from __future__ import annotations
 
+import functools
 import time
 
 import pytest
@@ -303,32 +304,15 @@ def test_glu_op_runs_the_kernel_and_equals_reference(activation):
 
 
 def test_adamw_kernel_equals_torch_adamw_and_writes_bf16_copies():
-    from moec.kernels.adamw import kernel_applies
-    from moec.optim import AdamW
     from moec.runtime.working_weights import WorkingWeights
+    from tests.adamw_check import step_both_and_compare
 
     module = torch.nn.Module()
-    module.w = torch.nn.Parameter(torch.randn(3000, 1000, device="cuda"))
-    module.b = torch.nn.Parameter(torch.randn(77, device="cuda"))
+    module.w = torch.nn.Parameter(torch.randn(3000, 1000, device="cuda"))  # bf16 gradients
+    module.b = torch.nn.Parameter(torch.randn(77, device="cuda"))  # float32, no copy
     module.register_buffer("copy", torch.full_like(module.w, float("nan"), dtype=torch.bfloat16))
     copies = WorkingWeights(module, {"copy": ["w"]}, torch.bfloat16)
-    params = [module.w, module.b]
-    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    kwargs = {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.1}
-    ours = AdamW(params, working_weights=copies, **kwargs)
-    theirs = torch.optim.AdamW(twins, foreach=False, **kwargs)
     scale = torch.tensor(3.0, device="cuda")
-    for _ in range(3):
-        grads = [torch.randn_like(p).to(p.grad_dtype) for p in params]  # bf16 for w
-        for p, t, g in zip(params, twins, grads, strict=True):
-            p.grad, t.grad = g, g.float() / scale
-        ours.grad_scale = scale
-        assert all(kernel_applies(p, p.grad) for p in params)
-        run_without_host_sync(ours.step, 1)
-        theirs.step()
-    for p, t in zip(params, twins, strict=True):
-        torch.testing.assert_close(p, t, rtol=2e-6, atol=1e-7)
-        for key in ("exp_avg", "exp_avg_sq"):
-            mine, torch_s = ours.state[p][key], theirs.state[t][key]
-            torch.testing.assert_close(mine, torch_s, rtol=2e-6, atol=1e-7)
+    synced = functools.partial(run_without_host_sync, steps=1)
+    step_both_and_compare([module.w, module.b], copies, scale, synced)
     assert torch.equal(copies.copy_of(module.w), module.w.detach().bfloat16())
