@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import moec
+from moec.analysis.structure import find_structure
 from moec.ops.working_weights import working_copy
 from moec.optim import AdamW
 from moec.train import LanguageModelWithLoss
@@ -54,6 +55,10 @@ def test_copies_replace_every_cast_parameter_and_keep_the_step(monkeypatch):
         for n in gm.graph.nodes
     )
     assert sum(n.target is working_copy for n in gm.graph.nodes) == len(copies)
+    # the analyses see the parameters through their copies (recompute and pipeline use them)
+    found = [find_structure(c.graph_module) for c in (ours, plain)]
+    assert [len(f.blocks) for f in found] == [2, 2]
+    assert [s.weight for s in found[0].linears] == [s.weight for s in found[1].linears]
     losses = []
     for compiled in (ours, plain):
         loss = compiled(*args)
