@@ -98,7 +98,7 @@ def default_passes(plan: Plan, mesh: Any = None) -> list[Pass]:
         passes.append(SharedCastsPass())
     passes.append(FuseRopePass())  # after shared_casts: it folds their cast before attention
     passes.append(FuseGluPass())  # after shared_casts: it concatenates the weights' bf16 casts
-    if plan.precision.compute_dtype == "bf16" and plan.parallel.pp == 1:
+    if plan.precision.compute_dtype == "bf16":
         passes.append(WorkingWeightsPass())  # after fuse_glu: it keeps the concatenation too
     if plan.recompute.policy != "none":
         passes.append(RecomputePass())

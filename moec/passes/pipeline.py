@@ -624,6 +624,10 @@ def _stage_meta(
         list(aux),
     )
     stage.meta["moec_stage"] = index
+    copies = gm.meta.get("moec_working_weights", {})
+    stage.meta["moec_working_weights"] = {b: ps for b, ps in copies.items() if hasattr(stage, b)}
+    for buffer in stage.meta["moec_working_weights"]:  # GraphModule copied it as persistent
+        stage.register_buffer(buffer, stage.get_buffer(buffer), persistent=False)
 
 
 # --- statistics --------------------------------------------------------------------------------

@@ -15,8 +15,8 @@ Keeps    forward values bit for bit (the buffer holds the same round-to-nearest 
          its rows; they stay in bf16, the dtype they were computed in, unless the runtime asks
          the engine to accumulate them in float32); parameters unchanged (buffers are not
          parameters); a parameter read any other way is left alone.
-Runs only when ``precision.compute_dtype`` is bf16 and ``parallel.pp == 1`` (the copies are
-refreshed by ``CompiledModel.forward``, which pipelined programs do not go through).
+Runs only when ``precision.compute_dtype`` is bf16; before ``pipeline``, which hands each stage
+the copies its nodes read (as non-persistent buffers, with the stage's part of the meta).
 
 Why: a cast reads 4 and writes 2 bytes per parameter every forward and its backward casts the
 gradient back (2 + 4 bytes); at the e2e model's ~2e9 parameters that was ~24 GB of traffic,

@@ -21,7 +21,7 @@ from moec.ops.routing import capacity
 from moec.passes.loss import forward_only
 from moec.passes.manager import DumpHook, PassManager, PassResult, default_passes
 from moec.plan import Plan
-from moec.runtime.working_weights import WorkingWeights
+from moec.runtime.working_weights import WorkingWeights, gradient_dtype
 
 
 class CompiledModel(nn.Module):
@@ -64,9 +64,7 @@ class CompiledModel(nn.Module):
         self._source = ()
         copies = self.graph_module.meta.get("moec_working_weights")
         if copies:
-            # one microbatch per step: gradients stay bf16; several: accumulated in float32
-            single = self.plan.parallel.microbatches == 1
-            grad_dtype = torch.bfloat16 if single else torch.float32
+            grad_dtype = gradient_dtype(self.plan.parallel.microbatches)
             self.working_weights = WorkingWeights(self.graph_module, copies, grad_dtype)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -76,7 +74,7 @@ class CompiledModel(nn.Module):
         flat = sig.flatten_inputs(args, kwargs)
         if self.working_weights is not None:
             self.working_weights.refresh()
-        with self._autocast(flat):
+        with compute_autocast(self.plan, flat):
             outputs = self._program()(*flat)
         self.aux_outputs = dict(zip(sig.aux_outputs, outputs[sig.num_user_outputs :]))
         return sig.unflatten_outputs(outputs)
@@ -91,12 +89,6 @@ class CompiledModel(nn.Module):
             program = forward_only(self.graph_module)
             self._forward_only = (self.graph_module, program)
         return program
-
-    def _autocast(self, flat: list[Any]) -> contextlib.AbstractContextManager:
-        if self.plan.precision.compute_dtype != "bf16":
-            return contextlib.nullcontext()
-        device = next((t.device.type for t in flat if isinstance(t, torch.Tensor)), "cpu")
-        return torch.autocast(device, dtype=torch.bfloat16)
 
     @property
     def moe_layers(self) -> list:
@@ -147,6 +139,15 @@ class CompiledModel(nn.Module):
         from moec.runtime.pipeline import runtime_for
 
         return runtime_for(self).train_step(*batch)
+
+
+def compute_autocast(plan: Plan, inputs: list[Any]) -> contextlib.AbstractContextManager:
+    """bf16 autocast around a bf16 plan's program (pipeline stages too), on the device of its
+    first tensor input: ops on autocast's float32 list then compute as they were captured."""
+    if plan.precision.compute_dtype != "bf16":
+        return contextlib.nullcontext()
+    device = next((t.device.type for t in inputs if isinstance(t, torch.Tensor)), "cpu")
+    return torch.autocast(device, dtype=torch.bfloat16)
 
 
 def compile(

@@ -45,9 +45,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from moec.frontend import signature
+from moec.optim import AdamW
 from moec.passes.expert_parallel import EPGroupInfo
 from moec.passes.pipeline import MULTI_STAGE, PipelineSplit, schedule_class
 from moec.plan import Plan
+from moec.runtime.compiled import compute_autocast
 from moec.runtime.distributed import (
     DistributedError,
     GradientReducer,
@@ -56,6 +58,7 @@ from moec.runtime.distributed import (
     global_grad_norm,
     parameter_groups,
 )
+from moec.runtime.working_weights import WorkingWeights, gradient_dtype
 
 
 @dataclasses.dataclass
@@ -168,10 +171,9 @@ class StageModule(nn.Module):
     outputs (+ accumulator), which the loss function reads.
     """
 
-    def __init__(self, gm: Any, index: int, carries_aux: bool, coefs: tuple[float, float]):
+    def __init__(self, gm: Any, index: int, carries_aux: bool, plan: Plan):
         super().__init__()
-        self.graph_module, self.index, self.carries_aux = gm, index, carries_aux
-        self.coefs = coefs  # host floats: a tensor here would be copied to the device (a sync)
+        self.graph_module, self.index, self.carries_aux, self.plan = gm, index, carries_aux, plan
         self.aux_outputs: dict[tuple[str, str], torch.Tensor] = {}
         self.meter: SavedTensorMeter | None = None
 
@@ -180,7 +182,8 @@ class StageModule(nn.Module):
         if self.carries_aux and self.index > 0:
             *received, acc = received
         with self.meter.track() if self.meter else contextlib.nullcontext():
-            outputs = self.graph_module(*received)
+            with compute_autocast(self.plan, received):
+                outputs = self.graph_module(*received)
             sig = signature(self.graph_module)
             sends = list(outputs[: sig.num_user_outputs])
             aux = dict(zip(sig.aux_outputs, outputs[sig.num_user_outputs :]))
@@ -199,13 +202,16 @@ class StageModule(nn.Module):
         total = torch.zeros((), device=like.device) if acc is None else acc
         for (_, kind), value in aux.items():
             if kind == "router_losses":
-                lbl_coef, z_coef = self.coefs
+                # host floats: a coefficient tensor would be copied to the device (a sync)
+                lbl_coef, z_coef = self.plan.moe.lbl_coef, self.plan.moe.z_loss_coef
                 total = total + lbl_coef * value[0] + z_coef * value[1]
         return total
 
 
 class PipelineRuntime:
-    """The local stages of a compiled pipelined program, their schedule, reducers, optimizer."""
+    """The local stages of a compiled pipelined program, their schedule, reducers, optimizer
+    (by default ``moec.optim.AdamW`` over the local parameters, which also writes the stages'
+    bf16 working copies; any other optimizer works, the copies are then refreshed each step)."""
 
     def __init__(
         self,
@@ -230,8 +236,7 @@ class PipelineRuntime:
         elif missing := [(n, s) for n, s in split.freed.items() if s in self.local]:
             raise DistributedError(_not_held(split, *missing[0]))
         carries_aux = bool(graph_module.meta.get("moec_moe_layers"))
-        coefs = (plan.moe.lbl_coef, plan.moe.z_loss_coef)
-        self.modules = [StageModule(split.stages[s], s, carries_aux, coefs) for s in self.local]
+        self.modules = [StageModule(split.stages[s], s, carries_aux, plan) for s in self.local]
         if measure_memory:
             for module in self.modules:
                 module.meter = SavedTensorMeter(module)
@@ -242,8 +247,10 @@ class PipelineRuntime:
         groups = [parameter_groups(m) for m in self.modules]
         self._dense = [p for dense, _ in groups for p in dense]
         self._expert = [p for _, expert in groups for p in expert]
+        self.working_weights = _working_weights(self.modules, plan)
         params = [p for m in self.modules for p in m.parameters() if p.requires_grad]
-        self.optimizer = (optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-3)))(params)
+        default = lambda ps: AdamW(ps, lr=1e-3, working_weights=self.working_weights)  # noqa: E731
+        self.optimizer = (optimizer or default)(params)
         self._ce: list[torch.Tensor] = []
 
     def _schedule(self, split: PipelineSplit, mesh: PipelineMesh) -> Any:
@@ -277,6 +284,8 @@ class PipelineRuntime:
         microbatches and data-parallel ranks. Returns the mean cross-entropy on ranks holding
         the last stage, else None."""
         self._ce.clear()
+        if self.working_weights is not None:  # the optimizer may not have written them
+            self.working_weights.refresh()
         # torch's stages check each microbatch's strides against the traced contiguous ones
         args = (inputs.contiguous(),) if self.is_first else ()
         kwargs = {"target": targets, "losses": []} if self.is_last else {}
@@ -314,6 +323,18 @@ class PipelineRuntime:
     def measured_peak_bytes(self) -> dict[int, int]:
         """Peak saved-activation bytes per local stage (``measure_memory=True``)."""
         return {m.index: m.meter.peak for m in self.modules if m.meter is not None}
+
+
+def _working_weights(modules: list[StageModule], plan: Plan) -> WorkingWeights | None:
+    """One registry over the local stages' working copies (names prefixed by stage slot)."""
+    graphs = nn.ModuleList([m.graph_module for m in modules])
+    copies = {
+        f"{i}.{buffer}": [f"{i}.{name}" for name in names]
+        for i, graph in enumerate(graphs)
+        for buffer, names in graph.meta.get("moec_working_weights", {}).items()
+    }
+    grad_dtype = gradient_dtype(plan.parallel.microbatches)
+    return WorkingWeights(graphs, copies, grad_dtype) if copies else None
 
 
 def _free_other_stages(graph_module: Any, split: PipelineSplit, pp_rank: int) -> None:
@@ -392,4 +413,7 @@ def runtime_for(compiled: Any, **options: Any) -> PipelineRuntime:
             )
         runtime = PipelineRuntime(compiled.graph_module, compiled.plan, compiled.mesh, **options)
         compiled._pipeline_runtime = runtime
+        # the full graph no longer runs (other ranks' stages are freed); the runtime keeps the
+        # copies of its own stages
+        compiled.working_weights = None
     return runtime

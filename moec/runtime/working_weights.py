@@ -4,7 +4,8 @@ The ``working_weights`` pass leaves, per float32 parameter the graph read only t
 cast, a buffer holding that cast (several parameters may share one buffer, row-concatenated).
 This object keeps every copy equal to its parameter:
 
-- ``refresh()`` (called by ``CompiledModel.forward`` before each run) rewrites the copy of
+- ``refresh()`` (called by ``CompiledModel.forward`` before each run, and by the pipeline
+  runtime before each step over its local stages) rewrites the copy of
   every parameter changed since its copy was last written. A parameter's ``_version`` moves
   with every in-place write torch makes (an optimizer step, ``load_state_dict``, a manual
   edit), so any optimizer works; after torch's AdamW it costs what the cast cost.
@@ -22,6 +23,11 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+
+
+def gradient_dtype(microbatches: int) -> torch.dtype:
+    """bf16 gradients when a step has one microbatch, float32 accumulation with several."""
+    return torch.bfloat16 if microbatches == 1 else torch.float32
 
 
 class WorkingWeights:
