@@ -18,6 +18,7 @@ refreshes its copies on the next forward.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -27,6 +28,32 @@ from torch import Tensor
 from moec.runtime.working_weights import WorkingWeights
 
 
+@dataclasses.dataclass(frozen=True)
+class AdamWStep:
+    """One parameter's update: its group's hyper-parameters and ``step``, the count of this
+    update (1 for the first); the host-side factors both implementations use, as torch's
+    single-tensor AdamW computes them."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    step: float
+
+    @property
+    def decay(self) -> float:
+        return 1 - self.lr * self.weight_decay
+
+    @property
+    def step_size(self) -> float:
+        return self.lr / (1 - self.beta1**self.step)
+
+    @property
+    def bias_correction2_sqrt(self) -> float:
+        return (1 - self.beta2**self.step) ** 0.5
+
+
 def adamw_reference_(
     param: Tensor,
     grad: Tensor,
@@ -34,25 +61,18 @@ def adamw_reference_(
     exp_avg_sq: Tensor,
     copy: Tensor | None,
     grad_scale: Tensor | None,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    step: float,
+    update: AdamWStep,
 ) -> None:
     """:func:`moec.kernels.adamw.adamw_step_` in torch ops, in the order of torch's
     single-tensor AdamW (bit for bit equal to it on float32 gradients)."""
     grad = grad.to(param.dtype)
     if grad_scale is not None:
         grad = grad / grad_scale
-    param.mul_(1 - lr * weight_decay)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    step_size = lr / (1 - beta1**step)
-    denom = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-step_size)
+    param.mul_(update.decay)
+    exp_avg.lerp_(grad, 1 - update.beta1)
+    exp_avg_sq.mul_(update.beta2).addcmul_(grad, grad, value=1 - update.beta2)
+    denom = (exp_avg_sq.sqrt() / update.bias_correction2_sqrt).add_(update.eps)
+    param.addcdiv_(exp_avg, denom, value=-update.step_size)
     if copy is not None:
         copy.copy_(param)
 
@@ -131,28 +151,18 @@ class AdamW(torch.optim.AdamW):
 
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
+            hyper = (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
             for param in group["params"]:
                 if param.grad is None:
                     continue
                 state = self._state_of(param)
                 state["step"] += 1
                 copy = self.working_weights.copy_of(param) if self.working_weights else None
+                update = AdamWStep(*hyper, step=float(state["step"]))
                 kernel = kernel_applies(param, param.grad)
-                update = adamw_step_ if kernel else adamw_reference_
-                update(
-                    param,
-                    param.grad,
-                    state["exp_avg"],
-                    state["exp_avg_sq"],
-                    copy,
-                    grad_scale,
-                    lr=group["lr"],
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                    step=float(state["step"]),
-                )
+                moments = state["exp_avg"], state["exp_avg_sq"]
+                step_ = adamw_step_ if kernel else adamw_reference_
+                step_(param, param.grad, *moments, copy, grad_scale, update)
                 if kernel:  # written through a raw pointer: tell autograd, as in-place ops do
                     torch.autograd.graph.increment_version(param)
                 if copy is not None:

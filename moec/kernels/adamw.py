@@ -1,7 +1,7 @@
 """One AdamW update of one parameter in a single pass, writing its bf16 working copy too.
 
 adamw_step_(param fp32, grad fp32|bf16, exp_avg, exp_avg_sq, copy bf16 | None, grad_scale | None,
-            lr, beta1, beta2, eps, weight_decay, step)
+            update: moec.optim.AdamWStep (lr, beta1, beta2, eps, weight_decay, step))
     grad      /= grad_scale                      (the clip factor, a device scalar: no host read)
     param     *= 1 - lr * weight_decay
     exp_avg    = exp_avg + (1 - beta1) * (grad - exp_avg)
@@ -18,10 +18,15 @@ gradient from bf16 move 40.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from moec.optim import AdamWStep
 
 BLOCK = 1024
 
@@ -76,19 +81,11 @@ def adamw_step_(
     exp_avg_sq: Tensor,
     copy: Tensor | None,
     grad_scale: Tensor | None,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    step: float,
+    update: AdamWStep,
 ) -> None:
     """Update ``param``, ``exp_avg``, ``exp_avg_sq`` (and ``copy``) in place; all contiguous,
-    of one shape; ``step`` counts this update (1 for the first)."""
+    of one shape."""
     n = param.numel()
-    bias_correction1 = 1 - beta1**step
-    bias_correction2 = 1 - beta2**step
     _adamw_kernel[(triton.cdiv(n, BLOCK),)](
         param,
         grad,
@@ -97,13 +94,13 @@ def adamw_step_(
         param if copy is None else copy,
         param if grad_scale is None else grad_scale,
         n,
-        1 - lr * weight_decay,
-        1 - beta1,
-        beta2,
-        1 - beta2,
-        lr / bias_correction1,
-        bias_correction2**0.5,
-        eps,
+        update.decay,
+        1 - update.beta1,
+        update.beta2,
+        1 - update.beta2,
+        update.step_size,
+        update.bias_correction2_sqrt,
+        update.eps,
         HAS_COPY=copy is not None,
         HAS_SCALE=grad_scale is not None,
         BLOCK=BLOCK,

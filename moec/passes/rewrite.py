@@ -13,11 +13,13 @@ Invariants (checked by :mod:`moec.passes.verify` after every pass):
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch import nn
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
@@ -60,24 +62,27 @@ class GraphEditor:
 
     def parameter(self, path: str, value: torch.Tensor, like: fx.Node) -> fx.Node:
         """Register ``value`` as a Parameter at dotted ``path`` and read it with a get_attr."""
+        return self._attribute(
+            path, like, lambda owner, name: owner.register_parameter(name, nn.Parameter(value))
+        )
+
+    def buffer(self, path: str, value: torch.Tensor, like: fx.Node) -> fx.Node:
+        """Register ``value`` as a non-persistent buffer at dotted ``path`` (state the runtime
+        keeps, not a parameter, not in ``state_dict``) and read it with a get_attr."""
+        return self._attribute(
+            path, like, lambda owner, name: owner.register_buffer(name, value, persistent=False)
+        )
+
+    def _attribute(
+        self, path: str, like: fx.Node, register: Callable[[nn.Module, str], None]
+    ) -> fx.Node:
         owner_path, _, name = path.rpartition(".")
         owner = _ensure_module(self.gm, owner_path)
         if hasattr(owner, name):
             raise RuntimeError(f"pass {self.pass_name}: attribute {path!r} already exists")
-        owner.register_parameter(name, torch.nn.Parameter(value))
+        register(owner, name)
         node = self.graph.get_attr(path)
-        node.meta["val"] = self.mode.from_tensor(owner.get_parameter(name), static_shapes=True)
-        self._stamp(node, like)
-        return node
-
-    def buffer(self, name: str, value: torch.Tensor, like: fx.Node) -> fx.Node:
-        """Register ``value`` as a non-persistent buffer ``name`` of the root module (state the
-        runtime keeps, not a parameter, not in ``state_dict``) and read it with a get_attr."""
-        if hasattr(self.gm, name):
-            raise RuntimeError(f"pass {self.pass_name}: attribute {name!r} already exists")
-        self.gm.register_buffer(name, value, persistent=False)
-        node = self.graph.get_attr(name)
-        node.meta["val"] = self.mode.from_tensor(value, static_shapes=True)
+        node.meta["val"] = self.mode.from_tensor(getattr(owner, name), static_shapes=True)
         self._stamp(node, like)
         return node
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -249,8 +250,9 @@ class PipelineRuntime:
         self._expert = [p for _, expert in groups for p in expert]
         self.working_weights = _working_weights(self.modules, plan)
         params = [p for m in self.modules for p in m.parameters() if p.requires_grad]
-        default = lambda ps: AdamW(ps, lr=1e-3, working_weights=self.working_weights)  # noqa: E731
-        self.optimizer = (optimizer or default)(params)
+        if optimizer is None:
+            optimizer = functools.partial(AdamW, lr=1e-3, working_weights=self.working_weights)
+        self.optimizer = optimizer(params)
         self._ce: list[torch.Tensor] = []
 
     def _schedule(self, split: PipelineSplit, mesh: PipelineMesh) -> Any:
