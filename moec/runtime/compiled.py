@@ -81,13 +81,19 @@ class CompiledModel(nn.Module):
 
     def _program(self) -> fx.GraphModule:
         """The graph to run: under ``torch.no_grad()`` one whose fused LM-head losses skip the
-        head's gradients (:func:`moec.passes.loss.forward_only`, built once per graph)."""
+        head's gradients (:func:`moec.passes.loss.forward_only`), built once per graph and set
+        of buffers (the copy holds the buffers it was built with: ``.to()`` replaces them)."""
         if torch.is_grad_enabled():
             return self.graph_module
         built_for, program = self._forward_only
-        if built_for is not self.graph_module:
+        key = (self.graph_module, *self.graph_module.buffers())
+        if (
+            built_for is None
+            or len(built_for) != len(key)
+            or any(a is not b for a, b in zip(built_for, key, strict=True))
+        ):
             program = forward_only(self.graph_module)
-            self._forward_only = (self.graph_module, program)
+            self._forward_only = (key, program)
         return program
 
     @property
