@@ -26,6 +26,7 @@ def _entry(rank: int, worker, world: int, port: int, backend: str, args: tuple) 
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         worker(rank, world, *args)
+        dist.barrier()  # no rank tears its group down while another still talks to it
     finally:
         dist.destroy_process_group()
 
