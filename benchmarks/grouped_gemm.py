@@ -1,22 +1,25 @@
-"""Grouped GEMM: moec's Triton kernels vs ``torch._grouped_mm`` (the report's Table 48 shape).
+"""Grouped GEMM: moec's kernels vs ``torch._grouped_mm`` (the report's Table 48 shape).
 
 x (M, 1536) bf16 split into 16 balanced groups, w (16, 1536, 3072):
-  gmm        out = x @ w[e]                       moec vs torch._grouped_mm
-  gmm+swiglu h = x @ w[e], a = silu(h_g) * h_u    moec vs _grouped_mm + moec act kernel
-  wgrad      dw[e] = x_e^T @ dy_e                 moec vs torch._grouped_mm
-"triton" forces moec's Triton kernels; "moec" is the default policy, which sends a piece to
-``torch._grouped_mm`` where that measured faster (so there it equals the baseline). Each Triton
-result is checked against ``torch._grouped_mm`` before timing.
+  gmm        out = x @ w[e]                          vs torch._grouped_mm
+  gmm+swiglu h = x @ w[e], a = silu(h_g) * h_u       vs _grouped_mm + moec's activation kernel
+  dgrad      d_x = dy @ w[e]^T (transposed view)     vs torch._grouped_mm
+  dgrad+act  d_a = dy @ w_down[e]^T, SwiGLU backward vs _grouped_mm + moec's activation backward
+  wgrad      dw[e] = x_e^T @ dy_e                    vs torch._grouped_mm
+Columns: "pointer" and "tma" force moec's pointer-based and persistent TMA Triton kernels (the
+TMA kernel has no wgrad), "moec" is the shipped policy (:data:`GEMM_BACKENDS`, which may pick
+``_grouped_mm`` itself), "dense" is one cuBLAS GEMM of the same total size (M x 1536 x 3072, a
+single weight): a ceiling for what a grouped GEMM of 16 weights can reach. Every forced result
+is checked against the baseline before timing; speedups are baseline time / moec time.
 
-    python benchmarks/grouped_gemm.py [--json out.json]
+    python benchmarks/grouped_gemm.py [--m 128 4096 32768] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import torch
 from triton.testing import do_bench
@@ -24,81 +27,78 @@ from triton.testing import do_bench
 from moec.kernels import activation, grouped_gemm
 
 GROUPS, K, N = 16, 1536, 3072
+FORCED = ("pointer", "tma")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12)).item()
 
 
-def _check(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
-    err = _rel(a, b)
-    if err > 1e-2:
-        raise AssertionError(f"{name}: relative error {err:.3g} vs torch._grouped_mm")
+def _first(out: torch.Tensor | tuple) -> torch.Tensor:
+    return out[-1] if isinstance(out, tuple) else out
+
+
+def cases(m: int) -> dict[str, tuple[Callable, Callable]]:
+    """name -> (moec call, baseline call); each returns the tensor to compare."""
+    torch.manual_seed(m)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, K, **bf)
+    w = torch.randn(GROUPS, K, N, **bf) / K**0.5
+    dy = torch.randn(m, N, **bf)
+    d_y = torch.randn(m, K, **bf)  # the down projection's output gradient (K wide)
+    w_down = torch.randn(GROUPS, N // 2, K, **bf) / K**0.5
+    h = torch.randn(m, N, **bf)
+    offs = torch.arange(1, GROUPS + 1, device="cuda", dtype=torch.int32) * (m // GROUPS)
+    gg = grouped_gemm
+
+    def base_act() -> torch.Tensor:
+        return activation.act_forward(torch._grouped_mm(x, w, offs=offs), "swiglu")
+
+    def base_act_backward() -> torch.Tensor:
+        d_a = torch._grouped_mm(d_y, w_down.transpose(-1, -2), offs=offs)
+        return activation.act_backward(h, d_a, "swiglu")[0]
+
+    return {
+        "gmm": (lambda: gg.gmm(x, w, offs), lambda: torch._grouped_mm(x, w, offs=offs)),
+        "gmm+swiglu": (lambda: gg.gmm_act(x, w, offs, None, "swiglu")[1], base_act),
+        "dgrad": (
+            lambda: gg.gmm(dy, w.transpose(-1, -2), offs, piece="dgrad"),
+            lambda: torch._grouped_mm(dy, w.transpose(-1, -2), offs=offs),
+        ),
+        "dgrad+act": (
+            lambda: gg.gmm_act_backward(d_y, w_down, offs, h, "swiglu")[0],
+            base_act_backward,
+        ),
+        "wgrad": (
+            lambda: gg.gmm_wgrad(x, dy, offs),
+            lambda: torch._grouped_mm(x.t(), dy, offs=offs),
+        ),
+    }
 
 
 def run(m: int) -> list[dict]:
-    torch.manual_seed(m)
-    dev = "cuda"
-    x = torch.randn(m, K, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(GROUPS, K, N, device=dev, dtype=torch.bfloat16) / K**0.5
-    dy = torch.randn(m, N, device=dev, dtype=torch.bfloat16)
-    offs = torch.arange(1, GROUPS + 1, device=dev, dtype=torch.int32) * (m // GROUPS)
-
-    def base_act() -> tuple[torch.Tensor, torch.Tensor]:
-        h = torch._grouped_mm(x, w, offs=offs)
-        return h, activation.act_forward(h, "swiglu")
-
-    cases = {
-        "gmm": (
-            lambda: grouped_gemm.gmm(x, w, offs),
-            lambda: torch._grouped_mm(x, w, offs=offs),
-            2 * m * K * N,
-        ),
-        "gmm+swiglu": (
-            lambda: grouped_gemm.gmm_act(x, w, offs, None, "swiglu")[1],
-            lambda: base_act()[1],
-            2 * m * K * N,
-        ),
-        "wgrad": (
-            lambda: grouped_gemm.gmm_wgrad(x, dy, offs),
-            lambda: torch._grouped_mm(x.t(), dy, offs=offs),
-            2 * m * K * N,
-        ),
-    }
+    flops = 2 * m * K * N
+    a = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
+    dense_ms = do_bench(lambda: a @ b)
     out = []
-    for name, (moec_fn, base_fn, flops) in cases.items():
-        with triton_only():
-            _check(f"{name} M={m}", moec_fn(), base_fn())
-            t_triton = do_bench(moec_fn)
-        t_moec = do_bench(moec_fn)
-        t_base = do_bench(base_fn)
-        out.append(
-            {
-                "op": name,
-                "M": m,
-                "triton_ms": t_triton,
-                "moec_ms": t_moec,
-                "grouped_mm_ms": t_base,
-                "moec_tflops": flops / t_moec / 1e9,
-                "grouped_mm_tflops": flops / t_base / 1e9,
-                "triton_speedup": t_base / t_triton,
-                "speedup": t_base / t_moec,
-            }
-        )
+    for name, (moec_fn, base_fn) in cases(m).items():
+        row = {"op": name, "M": m, "dense_tflops": flops / dense_ms / 1e9}
+        want = base_fn()
+        for backend in FORCED:
+            if backend == "tma" and name == "wgrad":
+                continue
+            with grouped_gemm.forced_backend(backend):
+                err = _rel(_first(moec_fn()), want)
+                if err > 1e-2:
+                    raise AssertionError(f"{name} M={m} {backend}: relative error {err:.3g}")
+                row[f"{backend}_ms"] = do_bench(moec_fn)
+        row["moec_ms"] = do_bench(moec_fn)
+        row["grouped_mm_ms"] = do_bench(base_fn)
+        row["moec_tflops"] = flops / row["moec_ms"] / 1e9
+        row["speedup"] = row["grouped_mm_ms"] / row["moec_ms"]
+        out.append(row)
     return out
-
-
-@contextlib.contextmanager
-def triton_only() -> Iterator[None]:
-    """Force the Triton kernels (moec's default policy picks _grouped_mm where it is faster)."""
-    saved = dict(grouped_gemm.GROUPED_MM_PIECES), grouped_gemm.GROUPED_MM_MIN_ROWS
-    grouped_gemm.GROUPED_MM_PIECES.update(sm90=frozenset(), sm100=frozenset())
-    grouped_gemm.GROUPED_MM_MIN_ROWS = 0
-    try:
-        yield
-    finally:
-        grouped_gemm.GROUPED_MM_PIECES.update(saved[0])
-        grouped_gemm.GROUPED_MM_MIN_ROWS = saved[1]
 
 
 def main() -> None:
@@ -107,14 +107,16 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    print(f"policy: {grouped_gemm.GEMM_BACKENDS}")
     rows = [r for m in args.m for r in run(m)]
-    print(f"{'op':<12}{'M':>7}{'triton ms':>11}{'moec ms':>10}{'_grouped_mm ms':>16}"
-          f"{'moec TF/s':>11}{'gmm TF/s':>10}{'triton':>8}{'moec':>8}")  # fmt: skip
+    print(f"{'op':<11}{'M':>6}{'pointer':>9}{'tma':>9}{'moec':>9}{'_grouped_mm':>12}"
+          f"{'moec TF/s':>10}{'dense TF/s':>11}{'speedup':>9}")  # fmt: skip
     for r in rows:
-        times = f"{r['triton_ms']:>11.4f}{r['moec_ms']:>10.4f}{r['grouped_mm_ms']:>16.4f}"
-        rates = f"{r['moec_tflops']:>11.1f}{r['grouped_mm_tflops']:>10.1f}"
-        ratios = f"{r['triton_speedup']:>7.2f}x{r['speedup']:>7.2f}x"
-        print(f"{r['op']:<12}{r['M']:>7}{times}{rates}{ratios}")
+        forced_ms = "".join(f"{r.get(f'{b}_ms', float('nan')) * 1e3:>9.1f}" for b in FORCED)
+        print(f"{r['op']:<11}{r['M']:>6}{forced_ms}{r['moec_ms'] * 1e3:>9.1f}"
+              f"{r['grouped_mm_ms'] * 1e3:>12.1f}{r['moec_tflops']:>10.0f}"
+              f"{r['dense_tflops']:>11.0f}{r['speedup']:>8.2f}x")  # fmt: skip
+    print("(times in us)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -9,8 +9,9 @@ width 1536, one shared SwiGLU expert of width 1536, capacity factor 1.25, bf16 w
   reference the ops' *_reference functions under autograd (the oracle all three must match)
 
 Prints the layer time, the expert-path TFLOP/s (expert_mlp forward + backward alone, FLOPs of
-the accepted routes) and ratios; ``--pieces`` also times each expert GEMM on Triton and on
-``torch._grouped_mm``, which is how :data:`moec.kernels.grouped_gemm.GROUPED_MM_PIECES` is set.
+the accepted routes) and ratios; ``--pieces`` also times each expert GEMM on every backend
+(moec's pointer and TMA kernels, ``torch._grouped_mm``), which is how
+:data:`moec.kernels.grouped_gemm.GEMM_BACKENDS` is set.
 
     python benchmarks/moe_layer.py [--pieces] [--json out.json]
 """
@@ -167,7 +168,7 @@ def expert_path(buf: Tensor, offsets: Tensor, p: dict[str, Tensor], dy: Tensor) 
 
 
 def pieces(buf: Tensor, offsets: Tensor, p: dict[str, Tensor]) -> list[dict]:
-    """Each expert GEMM on Triton and on torch._grouped_mm (ms)."""
+    """Each expert GEMM on every backend (ms); how :data:`GEMM_BACKENDS` is set."""
     w_up, w_down = p["w_up"].detach(), p["w_down"].detach()
     x = buf.detach()
     h, a = grouped_gemm.gmm_act(x, w_up, offsets, None, "swiglu")
@@ -177,28 +178,20 @@ def pieces(buf: Tensor, offsets: Tensor, p: dict[str, Tensor]) -> list[dict]:
     cases = {
         "up": lambda: gg.gmm_act(x, w_up, offsets, None, "swiglu"),
         "down": lambda: gg.gmm(a, w_down, offsets, piece="down"),
-        "dgrad": lambda: gg.gmm_act_backward(dy, w_down, offsets, h, "swiglu"),
-        "dgrad_x": lambda: gg.gmm(d_h, w_up.transpose(-1, -2), offsets, piece="dgrad"),
+        "dgrad_act": lambda: gg.gmm_act_backward(dy, w_down, offsets, h, "swiglu"),
+        "dgrad": lambda: gg.gmm(d_h, w_up.transpose(-1, -2), offsets, piece="dgrad"),
         "wgrad_down": lambda: gg.gmm_wgrad(a, dy, offsets),
         "wgrad_up": lambda: gg.gmm_wgrad(x, d_h, offsets),
     }
-    piece_of = {"up": "up", "down": "down", "dgrad": "dgrad", "dgrad_x": "dgrad"}
-    saved = dict(gg.GROUPED_MM_PIECES)
     out = []
-    try:
-        for name, fn in cases.items():
-            times = {}
-            for backend in ("triton", "grouped_mm"):
-                chosen = (
-                    frozenset({piece_of.get(name, "wgrad")})
-                    if backend == "grouped_mm"
-                    else frozenset()
-                )
-                gg.GROUPED_MM_PIECES["sm90"] = gg.GROUPED_MM_PIECES["sm100"] = chosen
+    for name, fn in cases.items():
+        times = {}
+        for backend in ("pointer", "tma", "grouped_mm"):
+            if backend == "tma" and name.startswith("wgrad"):
+                continue
+            with gg.forced_backend(backend):
                 times[backend] = do_bench(fn)
-            out.append({"piece": name, **times})
-    finally:
-        gg.GROUPED_MM_PIECES.update(saved)
+        out.append({"piece": name, **times})
     return out
 
 
@@ -219,7 +212,7 @@ def main() -> None:
     x = torch.randn(T, D, device=dev, dtype=torch.bfloat16).requires_grad_()
     grad = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
-    print(f"policy: torch._grouped_mm for {dict(grouped_gemm.GROUPED_MM_PIECES)}")
+    print(f"policy: {grouped_gemm.GEMM_BACKENDS}")
 
     _, _, rows, offsets, _ = torch.ops.moec.route(
         x @ p["router"], K, CF, "softmax", True, "learned"
@@ -228,8 +221,7 @@ def main() -> None:
     expert_flops = 6 * accepted * D * 3 * H  # up (D x 2H) + down (H x D), fwd + 2x bwd
     print(f"accepted routes {accepted} of {T * K}; expert-path GFLOP {expert_flops / 1e9:.0f}")
 
-    results: dict = {"accepted": accepted, "layers": {}, "policy": {
-        k: sorted(v) for k, v in grouped_gemm.GROUPED_MM_PIECES.items()}}  # fmt: skip
+    results: dict = {"accepted": accepted, "layers": {}, "policy": grouped_gemm.GEMM_BACKENDS}
     names = [n for n in LAYERS if not (args.skip_loop and n == "loop")]
     want = reference(x, p, grad)
     for name in names:
@@ -261,8 +253,8 @@ def main() -> None:
     if args.pieces:
         results["pieces"] = pieces(buf, offsets, p)
         for r in results["pieces"]:
-            print(f"piece {r['piece']:<11} triton {r['triton']:7.3f} ms   "
-                  f"_grouped_mm {r['grouped_mm']:7.3f} ms")  # fmt: skip
+            times = "  ".join(f"{b} {ms:6.3f}" for b, ms in r.items() if b != "piece")
+            print(f"piece {r['piece']:<11} {times} ms")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -22,6 +22,7 @@ from moec.kernels import (  # noqa: E402
     cross_entropy,
     experts,
     grouped_gemm,
+    grouped_tma,
     movement,
     rope,
     router,
@@ -223,6 +224,50 @@ def test_gmm_and_wgrad(case, dtype):
         want = x[start:end].float().t() @ dy[start:end].float()
         torch.testing.assert_close(dw[e], want, **tol)
         start = end
+
+
+def _per_expert(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    out, start = torch.zeros(x.shape[0], w.shape[-1]), 0
+    for e, end in enumerate(offsets.tolist()):
+        out[start:end] = x[start:end] @ w[e]
+        start = end
+    return out
+
+
+@interpreted
+@pytest.mark.parametrize("case", list(OFFSET_CASES))
+def test_tma_gmm_epilogues(case):
+    """The persistent TMA kernel (float32): plain product through a weight and a transposed
+    view, the fused SwiGLU forward and backward; K, width and rows not multiples of the tiles,
+    poisoned rows past the offsets and outputs pre-filled with 1e4 there must stay untouched."""
+    from moec.ops.activations import activate, activate_backward
+
+    offsets = _offsets(OFFSET_CASES[case])
+    rows, depth, hidden, used = 48, 40, 24, int(offsets[-1])
+    x = torch.randn(rows, depth)
+    x[used:] = float("nan")
+    w = torch.randn(4, depth, 2 * hidden) / depth**0.5
+    w_t = torch.randn(4, 2 * hidden, depth).transpose(-1, -2)
+    for weights in (w, w_t):
+        out = torch.full((rows, 2 * hidden), 1e4)
+        grouped_tma.launch_gmm(x, weights, offsets, out, None, None, 0, None)
+        torch.testing.assert_close(out[:used], _per_expert(x, weights, offsets)[:used])
+        assert (out[used:] == 1e4).all()
+    h, a = torch.full((rows, 2 * hidden), 1e4), torch.full((rows, hidden), 1e4)
+    grouped_tma.launch_gmm(x, w, offsets, a, h, None, 1, "swiglu")
+    h_ref = _per_expert(x, w, offsets)
+    torch.testing.assert_close(h[:used], h_ref[:used])
+    torch.testing.assert_close(a[:used], activate(h_ref, "swiglu")[:used])
+    assert (h[used:] == 1e4).all() and (a[used:] == 1e4).all()
+    d_y = torch.randn(rows, depth)
+    w_down = torch.randn(4, hidden, depth) / hidden**0.5
+    d_h, a = torch.full_like(h, 1e4), torch.full_like(a, 1e4)
+    grouped_tma.launch_gmm(d_y, w_down.transpose(-1, -2), offsets, a, h, d_h, 2, "swiglu")
+    d_a = _per_expert(d_y, w_down.transpose(-1, -2), offsets)
+    want = activate_backward(h_ref, d_a, "swiglu")
+    torch.testing.assert_close(d_h[:used], want[:used], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(a[:used], activate(h_ref, "swiglu")[:used])
+    assert (d_h[used:] == 1e4).all()
 
 
 @interpreted

@@ -18,7 +18,16 @@ from typing import Any
 import triton
 from triton.backends.compiler import GPUTarget
 
-from moec.kernels import activation, adamw, cross_entropy, grouped_gemm, movement, rope, router
+from moec.kernels import (
+    activation,
+    adamw,
+    cross_entropy,
+    grouped_gemm,
+    grouped_tma,
+    movement,
+    rope,
+    router,
+)
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,24 @@ def _gmm_specs(family: str) -> list[KernelSpec]:
         specs.append(
             KernelSpec(
                 name, grouped_gemm._gmm_kernel, ptrs, base | extra | config.kwargs,
+                {"num_warps": config.num_warps, "num_stages": config.num_stages}, mma=True,
+            )
+        )  # fmt: skip
+    tma_base = {
+        "NUM_EXPERTS": 32, "E_P2": 32, "ACT": 2, "IEEE": False, "NUM_SMS": 132,
+    }  # fmt: skip
+    tma_ptrs = {n: "*bf16" for n in ("x_ptr", "w_ptr", "h_ptr", "out_ptr", "d_h_ptr")} | {
+        "offsets_ptr": "*i32"
+    }
+    for name, kind, extra in [
+        ("gmm_tma_dgrad", "gmm", {"EPILOGUE": 0, "GATED": False, "W_TRANSPOSED": True}),
+        ("gmm_tma_swiglu", "gmm2", {"EPILOGUE": 1, "GATED": True, "W_TRANSPOSED": False}),
+        ("gmm_tma_swiglu_backward", "gmm", {"EPILOGUE": 2, "GATED": True, "W_TRANSPOSED": True}),
+    ]:
+        config = grouped_tma.configs(kind, family)[0]
+        specs.append(
+            KernelSpec(
+                name, grouped_tma._gmm_tma_kernel, tma_ptrs, tma_base | extra | config.kwargs,
                 {"num_warps": config.num_warps, "num_stages": config.num_stages}, mma=True,
             )
         )  # fmt: skip

@@ -18,65 +18,88 @@ counts) and surplus programs exit. The wgrad kernel runs one program per (expert
 tile) and loops over that expert's rows. Pointer loads are software-pipelined by Triton (wgmma
 on sm90, tcgen05 on sm100+); the configs per arch are in :func:`configs`.
 
-``torch._grouped_mm`` (CUTLASS) is used instead of a Triton GEMM for the pieces listed in
-:data:`GROUPED_MM_PIECES` for the arch, where it measured faster (bf16, sm90+), with the
-activation forward/backward then run by :mod:`moec.kernels.activation`.
+Which implementation runs a piece is :func:`backend`'s choice from :data:`GEMM_BACKENDS`: these
+pointer kernels, the persistent TMA kernel of :mod:`moec.kernels.grouped_tma` (same epilogues),
+or ``torch._grouped_mm`` (CUTLASS) with the activation forward/backward run by
+:mod:`moec.kernels.activation`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
+from typing import Literal
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from moec.kernels.activation import act_backward, act_code, act_derivative, act_forward, act_value
+from moec.kernels import grouped_tma
+from moec.kernels.activation import act_backward, act_code, act_forward
 from moec.kernels.arch import arch, interpreting
+from moec.kernels.gemm_tiles import (
+    EPILOGUE_ACT,
+    EPILOGUE_ACT_BACKWARD,
+    EPILOGUE_PLAIN,
+    epilogue,
+    expert_table,
+    expert_tile,
+)
 
-EPILOGUE_PLAIN, EPILOGUE_ACT, EPILOGUE_ACT_BACKWARD = 0, 1, 2
+Backend = Literal["grouped_mm", "tma", "pointer"]
 
-_ALL_PIECES = frozenset({"up", "down", "dgrad", "wgrad"})
-GROUPED_MM_PIECES: dict[str, frozenset[str]] = {"sm90": _ALL_PIECES, "sm100": _ALL_PIECES}
-"""Per arch, the bf16 GEMMs that go to ``torch._grouped_mm``: "up" (gmm_act), "down" (gmm),
-"dgrad" (gmm and gmm_act_backward with transposed weights), "wgrad". On an H200 (see
-benchmarks/RESULTS.md) ``torch._grouped_mm`` was faster than these Triton kernels for every
-piece at >= 4096 rows (1.05-1.45x), so all of them use it; sm100 follows until measured."""
+_SM90_BACKENDS: dict[str, Backend] = {
+    "up": "grouped_mm",
+    "down": "grouped_mm",
+    "dgrad": "tma",
+    "dgrad_act": "grouped_mm",
+    "wgrad": "grouped_mm",
+}
+GEMM_BACKENDS: dict[str, dict[str, Backend]] = {"sm90": _SM90_BACKENDS, "sm100": _SM90_BACKENDS}
+"""Per arch, which implementation runs each bf16 expert GEMM of at least
+:data:`GROUPED_MM_MIN_ROWS` rows: "up" (gmm_act), "down" (gmm), "dgrad" (gmm with transposed
+weights: the input gradient of the up projection), "dgrad_act" (gmm_act_backward), "wgrad".
+"grouped_mm" is ``torch._grouped_mm`` (CUTLASS; the activation then runs on its own), "tma" the
+persistent TMA kernel of :mod:`moec.kernels.grouped_tma`, "pointer" the kernels of this file.
+Set from same-run measurements on an H200 (benchmarks/RESULTS.md, session 5): the TMA kernel
+beat ``_grouped_mm`` on the dgrad in three runs (1.04-1.14x) and was at parity or behind on the
+others (0.9-1.06x; its fused activation epilogues 0.95-0.99x of ``_grouped_mm`` plus the separate
+activation kernel); the pointer kernels were behind on all at this size. sm100 follows until
+measured. Anything that is not bf16 on CUDA (float32, the interpreter) uses "pointer"."""
 
 GROUPED_MM_MIN_ROWS = 1024
-"""Below this many buffer rows (a static shape) the forward-style pieces stay on Triton: in the
-weight-bandwidth-bound regime the Triton kernels measured 1.2x (gmm) and 1.3x (gmm + SwiGLU)
+"""Below this many buffer rows (a static shape) the forward-style pieces stay on the pointer
+kernels: in the weight-bandwidth-bound regime they measured 1.2x (gmm) and 1.3x (gmm + SwiGLU)
 faster than ``torch._grouped_mm`` at 128 rows in 16 groups on an H200."""
 
 
-def use_grouped_mm(piece: str, *tensors: Tensor) -> bool:
-    """Whether ``piece`` runs on ``torch._grouped_mm`` for these tensors (bf16, CUDA, listed)."""
-    first = tensors[0]
-    if not first.is_cuda or any(t.dtype != torch.bfloat16 for t in tensors):
-        return False
-    if piece != "wgrad" and first.shape[0] < GROUPED_MM_MIN_ROWS:
-        return False
-    return piece in GROUPED_MM_PIECES.get(arch(first.device), frozenset())
+@contextlib.contextmanager
+def forced_backend(chosen: Backend) -> Iterator[None]:
+    """Run every piece at every size on ``chosen`` (benchmarks, tests); restores the policy."""
+    saved, min_rows = dict(GEMM_BACKENDS), GROUPED_MM_MIN_ROWS
+    every = dict.fromkeys(_SM90_BACKENDS, chosen)
+    GEMM_BACKENDS.update(sm90=every, sm100=every)
+    globals()["GROUPED_MM_MIN_ROWS"] = 0
+    try:
+        yield
+    finally:
+        GEMM_BACKENDS.update(saved)
+        globals()["GROUPED_MM_MIN_ROWS"] = min_rows
 
 
-@triton.jit
-def _expert_tile(
-    offsets_ptr, pid_m, NUM_EXPERTS: tl.constexpr, E_P2: tl.constexpr, BLOCK_M: tl.constexpr
-):
-    """(expert, first row, end row) of row tile ``pid_m``; expert >= NUM_EXPERTS past the last."""
-    e = tl.arange(0, E_P2)
-    ends = tl.load(offsets_ptr + e, mask=e < NUM_EXPERTS, other=0)
-    starts = tl.load(offsets_ptr + e - 1, mask=(e > 0) & (e < NUM_EXPERTS), other=0)
-    tiles = tl.where(e < NUM_EXPERTS, tl.cdiv(ends - starts, BLOCK_M), 0)
-    cum = tl.cumsum(tiles, axis=0)
-    expert = tl.sum((cum <= pid_m).to(tl.int32), axis=0)
-    sel = e == expert
-    first = tl.sum(tl.where(sel, cum - tiles, 0), axis=0)
-    start = tl.sum(tl.where(sel, starts, 0), axis=0)
-    end = tl.sum(tl.where(sel, ends, 0), axis=0)
-    return expert, start + (pid_m - first) * BLOCK_M, end
+def backend(piece: str, x: Tensor, w: Tensor) -> Backend:
+    """The implementation that runs ``piece`` for these operands (see :data:`GEMM_BACKENDS`)."""
+    if not x.is_cuda or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        return "pointer"
+    if piece != "wgrad" and x.shape[0] < GROUPED_MM_MIN_ROWS:
+        return "pointer"
+    chosen = GEMM_BACKENDS.get(arch(x.device), {}).get(piece, "pointer")
+    if chosen == "tma" and not grouped_tma.applies(x, w):
+        return "pointer"
+    return chosen
 
 
 @triton.jit
@@ -118,7 +141,8 @@ def _gmm_kernel(
     num_n = tl.cdiv(N_OUT, BLOCK_N)
     pid_m = pid // num_n
     pid_n = pid % num_n
-    expert, row0, end = _expert_tile(offsets_ptr, pid_m, NUM_EXPERTS, E_P2, BLOCK_M)
+    starts, ends, tiles, cum = expert_table(offsets_ptr, NUM_EXPERTS, E_P2, BLOCK_M)
+    expert, row0, end = expert_tile(starts, ends, tiles, cum, pid_m, E_P2, BLOCK_M)
     if expert >= NUM_EXPERTS:
         return
     rows = row0 + tl.arange(0, BLOCK_M)
@@ -161,40 +185,16 @@ def _gmm_kernel(
         w_ptrs += BLOCK_K * stride_wk
 
     mask = (rows < end)[:, None] & (cols < N_OUT)[None, :]
-    row_off = rows[:, None].to(tl.int64)
     dtype = out_ptr.dtype.element_ty
     if HAS_BIAS:
         bias_ptrs = bias_ptr + expert.to(tl.int64) * stride_be + cols_in
         acc += tl.load(bias_ptrs).to(dtype).to(tl.float32)[None, :]
         if two:
             acc_up += tl.load(bias_ptrs + N_OUT).to(dtype).to(tl.float32)[None, :]
-    if EPILOGUE == 0:
-        tl.store(out_ptr + row_off * stride_or + cols[None, :], acc.to(dtype), mask=mask)
-    elif EPILOGUE == 1:
-        h = acc.to(dtype)  # the stored pre-activation; a is computed from it
-        h_ptrs = h_ptr + row_off * stride_hr + cols[None, :]
-        tl.store(h_ptrs, h, mask=mask)
-        a = act_value(h.to(tl.float32), ACT)
-        if GATED:
-            up = acc_up.to(dtype)
-            tl.store(h_ptrs + N_OUT, up, mask=mask)
-            a = a * up.to(tl.float32)
-        tl.store(out_ptr + row_off * stride_or + cols[None, :], a.to(dtype), mask=mask)
-    else:
-        h_ptrs = h_ptr + row_off * stride_hr + cols[None, :]
-        d_h_ptrs = d_h_ptr + row_off * stride_hr + cols[None, :]
-        g = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
-        d_a = acc.to(dtype).to(tl.float32)
-        if GATED:
-            up = tl.load(h_ptrs + N_OUT, mask=mask, other=0.0).to(tl.float32)
-            act = act_value(g, ACT)
-            tl.store(d_h_ptrs, (d_a * up * act_derivative(g, ACT)).to(dtype), mask=mask)
-            tl.store(d_h_ptrs + N_OUT, (d_a * act).to(dtype), mask=mask)
-            a = act * up
-        else:
-            tl.store(d_h_ptrs, (d_a * act_derivative(g, ACT)).to(dtype), mask=mask)
-            a = act_value(g, ACT)
-        tl.store(out_ptr + row_off * stride_or + cols[None, :], a.to(dtype), mask=mask)
+    epilogue(
+        acc, acc_up, rows, cols, mask, h_ptr, out_ptr, d_h_ptr, stride_hr, stride_or, N_OUT,
+        EPILOGUE, ACT, GATED,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -289,6 +289,16 @@ def _family(t: Tensor) -> str:
     return "interpreter" if interpreting() and not t.is_cuda else arch(t.device)
 
 
+def _check_operands(x: Tensor, w: Tensor, offsets: Tensor) -> None:
+    if x.dim() != 2 or w.dim() != 3 or w.shape[1] != x.shape[1] or offsets.shape != w.shape[:1]:
+        raise ValueError(
+            f"gmm: x {tuple(x.shape)}, w {tuple(w.shape)}, offsets {tuple(offsets.shape)}: "
+            "expected x (R, K), w (N, K, M), offsets (N,)"
+        )
+    if offsets.dtype != torch.int32:
+        raise ValueError(f"gmm: offsets must be int32, got {offsets.dtype}")
+
+
 def _launch_gmm(
     x: Tensor,
     w: Tensor,
@@ -302,12 +312,6 @@ def _launch_gmm(
 ) -> None:
     rows, depth = x.shape
     num_experts = w.shape[0]
-    if w.shape[1] != depth or offsets.shape != (num_experts,):
-        raise ValueError(
-            f"gmm: x {tuple(x.shape)}, w {tuple(w.shape)}, offsets {tuple(offsets.shape)}"
-        )
-    if offsets.dtype != torch.int32:
-        raise ValueError(f"gmm: offsets must be int32, got {offsets.dtype}")
     code, gated = act_code(activation) if activation is not None else (0, False)
     n_out = out.shape[1]
     if rows == 0 or n_out == 0:
@@ -337,10 +341,11 @@ def gmm(
     x: Tensor, w: Tensor, offsets: Tensor, bias: Tensor | None = None, piece: str = "down"
 ) -> Tensor:
     """``out[r] = x[r] @ w[e(r)] (+ bias[e(r)])``; ``w`` may be a transposed view."""
-    if bias is None and use_grouped_mm(piece, x, w):
+    chosen = backend(piece, x, w) if bias is None else "pointer"
+    if chosen == "grouped_mm":
         return torch._grouped_mm(x.contiguous(), w, offs=offsets)
     out = x.new_empty(x.shape[0], w.shape[-1])
-    _launch_gmm(x, w, offsets, bias, out, None, None, EPILOGUE_PLAIN, None)
+    _launch(chosen, x, w, offsets, bias, out, None, None, EPILOGUE_PLAIN, None)
     return out
 
 
@@ -350,12 +355,13 @@ def gmm_act(
     """(h, a): the up projection with the activation fused into its epilogue."""
     _, gated = act_code(activation)
     width = w_up.shape[-1]
-    if bias is None and use_grouped_mm("up", x, w_up):
+    chosen = backend("up", x, w_up) if bias is None else "pointer"
+    if chosen == "grouped_mm":
         h = torch._grouped_mm(x.contiguous(), w_up, offs=offsets)
         return h, act_forward(h, activation)
     h = x.new_empty(x.shape[0], width)
     a = x.new_empty(x.shape[0], width // 2 if gated else width)
-    _launch_gmm(x, w_up, offsets, bias, a, h, None, EPILOGUE_ACT, activation)
+    _launch(chosen, x, w_up, offsets, bias, a, h, None, EPILOGUE_ACT, activation)
     return h, a
 
 
@@ -364,14 +370,34 @@ def gmm_act_backward(
 ) -> tuple[Tensor, Tensor]:
     """(d_h, a): ``d_a = d_y @ w_down[e]^T`` then the activation backward, in one kernel."""
     w_t = w_down.transpose(-1, -2)
-    if use_grouped_mm("dgrad", d_y, w_down):
+    chosen = backend("dgrad_act", d_y, w_t)
+    if chosen == "grouped_mm":
         d_a = torch._grouped_mm(d_y.contiguous(), w_t, offs=offsets)
         return act_backward(h, d_a, activation)
     h = h.contiguous()
     a = d_y.new_empty(d_y.shape[0], w_t.shape[-1])
     d_h = torch.empty_like(h)
-    _launch_gmm(d_y, w_t, offsets, None, a, h, d_h, EPILOGUE_ACT_BACKWARD, activation)
+    _launch(chosen, d_y, w_t, offsets, None, a, h, d_h, EPILOGUE_ACT_BACKWARD, activation)
     return d_h, a
+
+
+def _launch(
+    chosen: Backend,
+    x: Tensor,
+    w: Tensor,
+    offsets: Tensor,
+    bias: Tensor | None,
+    out: Tensor,
+    h: Tensor | None,
+    d_h: Tensor | None,
+    epilogue: int,
+    activation: str | None,
+) -> None:
+    _check_operands(x, w, offsets)
+    if chosen == "tma":
+        grouped_tma.launch_gmm(x, w, offsets, out, h, d_h, epilogue, activation)
+    else:
+        _launch_gmm(x, w, offsets, bias, out, h, d_h, epilogue, activation)
 
 
 def gmm_wgrad(
@@ -379,7 +405,7 @@ def gmm_wgrad(
 ) -> Tensor:
     """``dw[e] = x_e^T @ dy_e`` -> (N, K, M) in ``out_dtype`` (default x's); empty experts get 0."""
     out_dtype = out_dtype or x.dtype
-    if use_grouped_mm("wgrad", x, dy):
+    if backend("wgrad", x, dy) == "grouped_mm":
         return torch._grouped_mm(x.t(), dy.contiguous(), offs=offsets).to(out_dtype)
     x, dy = x.contiguous(), dy.contiguous()
     if x.shape[0] != dy.shape[0]:
