@@ -82,14 +82,19 @@ def _gmm_tma_kernel(
         x_ptr, shape=[R, K], strides=[stride_xr, 1], block_shape=[BLOCK_M, BLOCK_K]
     )
     if W_TRANSPOSED:
-        w_block: tl.constexpr = [1, BLOCK_N, BLOCK_K]
-        w_shape = [NUM_EXPERTS, W, K]
+        w_desc = tl.make_tensor_descriptor(
+            w_ptr,
+            shape=[NUM_EXPERTS, W, K],
+            strides=[stride_we, stride_wr, 1],
+            block_shape=[1, BLOCK_N, BLOCK_K],
+        )
     else:
-        w_block: tl.constexpr = [1, BLOCK_K, BLOCK_N]
-        w_shape = [NUM_EXPERTS, K, W]
-    w_desc = tl.make_tensor_descriptor(
-        w_ptr, shape=w_shape, strides=[stride_we, stride_wr, 1], block_shape=w_block
-    )
+        w_desc = tl.make_tensor_descriptor(
+            w_ptr,
+            shape=[NUM_EXPERTS, K, W],
+            strides=[stride_we, stride_wr, 1],
+            block_shape=[1, BLOCK_K, BLOCK_N],
+        )
     two = GATED and EPILOGUE == 1
     per_group = GROUP_M * tiles_n
     for tile in tl.range(tl.program_id(0), total_m * tiles_n, NUM_SMS, flatten=FLATTEN):
