@@ -19,7 +19,7 @@ activation, fused activation backward); what differs is how operands move:
 
 :func:`applies` says when the kernel takes the operands (sm90+, TMA-ready strides); the policy
 in :mod:`moec.kernels.grouped_gemm` says which pieces use it. Descriptors made on the device
-need Triton's global scratch allocator: :func:`_ensure_allocator` points it at torch's.
+need Triton's global scratch allocator: :func:`_set_allocator` points it at torch's.
 """
 
 from __future__ import annotations
@@ -164,16 +164,16 @@ def _tuned(kind: str, family: str) -> triton.runtime.Autotuner:
     return triton.autotune(configs=candidates, key=key)(_gmm_tma_kernel)
 
 
-@functools.cache
-def _ensure_allocator() -> None:
-    """Descriptors made on the device live in a per-launch global scratch: torch allocates it
-    (the caching allocator, so no host sync)."""
+def _scratch(size: int, alignment: int, stream: int | None) -> Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
-    def alloc(size: int, alignment: int, stream: int | None) -> Tensor:
-        return torch.empty(size, dtype=torch.int8, device="cuda")
 
+def _set_allocator() -> None:
+    """Descriptors made on the device live in a per-launch global scratch that torch's caching
+    allocator gives (no host sync). Triton keeps the allocator in a context variable, which a
+    new thread (autograd's backward worker) does not inherit: it is set before every launch."""
     if not interpreting():  # the interpreter keeps descriptors on the host
-        triton.set_allocator(alloc)
+        triton.set_allocator(_scratch)
 
 
 @functools.cache
@@ -221,7 +221,7 @@ def launch_gmm(
 ) -> None:
     """Run the kernel: ``out`` (and ``h`` / ``d_h`` as ``epilogue`` says) written in place;
     the caller has checked shapes and :func:`applies`."""
-    _ensure_allocator()
+    _set_allocator()
     rows, depth = x.shape
     num_experts, _, width = w.shape
     code, gated = act_code(activation) if activation is not None else (0, False)
