@@ -64,10 +64,10 @@ GEMM_BACKENDS: dict[str, dict[str, Backend]] = {"sm90": _SM90_BACKENDS, "sm100":
 weights: the input gradient of the up projection), "dgrad_act" (gmm_act_backward), "wgrad".
 "grouped_mm" is ``torch._grouped_mm`` (CUTLASS; the activation then runs on its own), "tma" the
 persistent TMA kernel of :mod:`moec.kernels.grouped_tma`, "pointer" the kernels of this file.
-Set from same-run measurements on an H200 (benchmarks/RESULTS.md, session 5): the TMA kernel
-beat ``_grouped_mm`` on the dgrad in three runs (1.04-1.14x) and was at parity or behind on the
-others (0.9-1.06x; its fused activation epilogues 0.95-0.99x of ``_grouped_mm`` plus the separate
-activation kernel); the pointer kernels were behind on all at this size. sm100 follows until
+Set from same-run measurements on an H200 (benchmarks/RESULTS.md, session 5): at the layer's
+size (131072 rows) the TMA kernel beat ``_grouped_mm`` on the dgrad in four runs (1.02-1.14x)
+and was within 0.9-1.06x on the others (its fused activation epilogues lose to ``_grouped_mm``
+plus the separate activation kernel); the pointer kernels were behind on all. sm100 follows until
 measured. Anything that is not bf16 on CUDA (float32, the interpreter) uses "pointer"."""
 
 GROUPED_MM_MIN_ROWS = 1024
@@ -79,15 +79,16 @@ faster than ``torch._grouped_mm`` at 128 rows in 16 groups on an H200."""
 @contextlib.contextmanager
 def forced_backend(chosen: Backend) -> Iterator[None]:
     """Run every piece at every size on ``chosen`` (benchmarks, tests); restores the policy."""
+    global GROUPED_MM_MIN_ROWS
     saved, min_rows = dict(GEMM_BACKENDS), GROUPED_MM_MIN_ROWS
     every = dict.fromkeys(_SM90_BACKENDS, chosen)
     GEMM_BACKENDS.update(sm90=every, sm100=every)
-    globals()["GROUPED_MM_MIN_ROWS"] = 0
+    GROUPED_MM_MIN_ROWS = 0
     try:
         yield
     finally:
         GEMM_BACKENDS.update(saved)
-        globals()["GROUPED_MM_MIN_ROWS"] = min_rows
+        GROUPED_MM_MIN_ROWS = min_rows
 
 
 def backend(piece: str, x: Tensor, w: Tensor) -> Backend:
