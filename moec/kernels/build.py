@@ -52,43 +52,33 @@ class KernelSpec:
 
 
 def _gmm_specs(family: str) -> list[KernelSpec]:
-    base = {
-        "NUM_EXPERTS": 32, "E_P2": 32, "ACT": 2, "HAS_BIAS": False, "IEEE": False, "EVEN_K": True,
-    }  # fmt: skip
-    ptrs = {n: "*bf16" for n in ("x_ptr", "w_ptr", "bias_ptr", "h_ptr", "out_ptr", "d_h_ptr")} | {
-        "offsets_ptr": "*i32"
-    }
+    common = {"NUM_EXPERTS": 32, "E_P2": 32, "ACT": 2, "IEEE": False}
+    operands = ("x_ptr", "w_ptr", "h_ptr", "out_ptr", "d_h_ptr")
+    pointer = (
+        grouped_gemm._gmm_kernel, grouped_gemm.configs, "bias_ptr",
+        {"HAS_BIAS": False, "EVEN_K": True},
+        [("gmm", "gmm", {"EPILOGUE": 0, "GATED": False}),
+         ("gmm_swiglu", "gmm2", {"EPILOGUE": 1, "GATED": True}),
+         ("gmm_swiglu_backward", "gmm", {"EPILOGUE": 2, "GATED": True})],
+    )  # fmt: skip
+    tma = (
+        grouped_tma._gmm_tma_kernel, grouped_tma.configs, None, {"NUM_SMS": 132},
+        [("gmm_tma_dgrad", "gmm", {"EPILOGUE": 0, "GATED": False, "W_TRANSPOSED": True}),
+         ("gmm_tma_swiglu", "gmm2", {"EPILOGUE": 1, "GATED": True, "W_TRANSPOSED": False}),
+         ("gmm_tma_swiglu_backward", "gmm", {"EPILOGUE": 2, "GATED": True,
+                                             "W_TRANSPOSED": True})],
+    )  # fmt: skip
     specs = []
-    for name, kind, extra in [
-        ("gmm", "gmm", {"EPILOGUE": 0, "GATED": False}),
-        ("gmm_swiglu", "gmm2", {"EPILOGUE": 1, "GATED": True}),
-        ("gmm_swiglu_backward", "gmm", {"EPILOGUE": 2, "GATED": True}),
-    ]:
-        config = grouped_gemm.configs(kind, family)[0]
-        specs.append(
-            KernelSpec(
-                name, grouped_gemm._gmm_kernel, ptrs, base | extra | config.kwargs,
-                {"num_warps": config.num_warps, "num_stages": config.num_stages}, mma=True,
-            )
-        )  # fmt: skip
-    tma_base = {
-        "NUM_EXPERTS": 32, "E_P2": 32, "ACT": 2, "IEEE": False, "NUM_SMS": 132,
-    }  # fmt: skip
-    tma_ptrs = {n: "*bf16" for n in ("x_ptr", "w_ptr", "h_ptr", "out_ptr", "d_h_ptr")} | {
-        "offsets_ptr": "*i32"
-    }
-    for name, kind, extra in [
-        ("gmm_tma_dgrad", "gmm", {"EPILOGUE": 0, "GATED": False, "W_TRANSPOSED": True}),
-        ("gmm_tma_swiglu", "gmm2", {"EPILOGUE": 1, "GATED": True, "W_TRANSPOSED": False}),
-        ("gmm_tma_swiglu_backward", "gmm", {"EPILOGUE": 2, "GATED": True, "W_TRANSPOSED": True}),
-    ]:
-        config = grouped_tma.configs(kind, family)[0]
-        specs.append(
-            KernelSpec(
-                name, grouped_tma._gmm_tma_kernel, tma_ptrs, tma_base | extra | config.kwargs,
-                {"num_warps": config.num_warps, "num_stages": config.num_stages}, mma=True,
-            )
-        )  # fmt: skip
+    for fn, configs, bias, extra_base, variants in (pointer, tma):
+        ptrs = {n: "*bf16" for n in (*operands, bias) if n} | {"offsets_ptr": "*i32"}
+        for name, kind, extra in variants:
+            config = configs(kind, family)[0]
+            specs.append(
+                KernelSpec(
+                    name, fn, ptrs, common | extra_base | extra | config.kwargs,
+                    {"num_warps": config.num_warps, "num_stages": config.num_stages}, mma=True,
+                )
+            )  # fmt: skip
     config = grouped_gemm.configs("wgrad", family)[0]
     specs.append(
         KernelSpec(

@@ -301,6 +301,7 @@ def _check_operands(x: Tensor, w: Tensor, offsets: Tensor) -> None:
 
 
 def _launch_gmm(
+    chosen: Backend,
     x: Tensor,
     w: Tensor,
     offsets: Tensor,
@@ -311,6 +312,11 @@ def _launch_gmm(
     epilogue: int,
     activation: str | None,
 ) -> None:
+    """Run the pointer kernels, or the TMA kernel when ``chosen`` says so (no bias there)."""
+    _check_operands(x, w, offsets)
+    if chosen == "tma":
+        grouped_tma.launch_gmm(x, w, offsets, out, h, d_h, epilogue, activation)
+        return
     rows, depth = x.shape
     num_experts = w.shape[0]
     code, gated = act_code(activation) if activation is not None else (0, False)
@@ -346,7 +352,7 @@ def gmm(
     if chosen == "grouped_mm":
         return torch._grouped_mm(x.contiguous(), w, offs=offsets)
     out = x.new_empty(x.shape[0], w.shape[-1])
-    _launch(chosen, x, w, offsets, bias, out, None, None, EPILOGUE_PLAIN, None)
+    _launch_gmm(chosen, x, w, offsets, bias, out, None, None, EPILOGUE_PLAIN, None)
     return out
 
 
@@ -362,7 +368,7 @@ def gmm_act(
         return h, act_forward(h, activation)
     h = x.new_empty(x.shape[0], width)
     a = x.new_empty(x.shape[0], width // 2 if gated else width)
-    _launch(chosen, x, w_up, offsets, bias, a, h, None, EPILOGUE_ACT, activation)
+    _launch_gmm(chosen, x, w_up, offsets, bias, a, h, None, EPILOGUE_ACT, activation)
     return h, a
 
 
@@ -378,27 +384,8 @@ def gmm_act_backward(
     h = h.contiguous()
     a = d_y.new_empty(d_y.shape[0], w_t.shape[-1])
     d_h = torch.empty_like(h)
-    _launch(chosen, d_y, w_t, offsets, None, a, h, d_h, EPILOGUE_ACT_BACKWARD, activation)
+    _launch_gmm(chosen, d_y, w_t, offsets, None, a, h, d_h, EPILOGUE_ACT_BACKWARD, activation)
     return d_h, a
-
-
-def _launch(
-    chosen: Backend,
-    x: Tensor,
-    w: Tensor,
-    offsets: Tensor,
-    bias: Tensor | None,
-    out: Tensor,
-    h: Tensor | None,
-    d_h: Tensor | None,
-    epilogue: int,
-    activation: str | None,
-) -> None:
-    _check_operands(x, w, offsets)
-    if chosen == "tma":
-        grouped_tma.launch_gmm(x, w, offsets, out, h, d_h, epilogue, activation)
-    else:
-        _launch_gmm(x, w, offsets, bias, out, h, d_h, epilogue, activation)
 
 
 def gmm_wgrad(
