@@ -6,14 +6,14 @@ x (M, 1536) bf16 split into 16 balanced groups, w (16, 1536, 3072):
   dgrad      d_x = dy @ w[e]^T (transposed view)     vs torch._grouped_mm
   dgrad+act  d_a = dy @ w_down[e]^T, SwiGLU backward vs _grouped_mm + moec's activation backward
   wgrad      dw[e] = x_e^T @ dy_e                    vs torch._grouped_mm
-Columns: "pointer" and "tma" force moec's pointer-based and persistent TMA Triton kernels (the
-TMA kernel has no wgrad), "moec" is the shipped policy (:data:`GEMM_BACKENDS`, which may pick
-``_grouped_mm`` itself), "dense" is one cuBLAS GEMM of the same total size (M x 1536 x 3072, a
-single weight): a ceiling for what a grouped GEMM of 16 weights can reach. Every forced result
-is checked against the baseline before timing; speedups are baseline time / moec time, "eager"
-timed launch by launch (``do_bench``), "graph" replayed from a CUDA graph
-(``do_bench_cudagraph``): the GPU time alone, which is what a run-ahead training step sees when a
-kernel's host launch (~25 us for a Triton launch) is longer than its GPU time, as at M = 128.
+Columns: "pointer" and "tma" force moec's pointer-based and persistent TMA Triton kernels
+(graph-timed; the TMA kernel has no wgrad), "moec" is the shipped policy (:data:`GEMM_BACKENDS`,
+which may pick ``_grouped_mm`` itself), "dense" is one cuBLAS GEMM of the same total size
+(M x 1536 x 3072, a single weight): a ceiling for what a grouped GEMM of 16 weights can reach.
+Every forced result is checked against the baseline before timing; speedups are baseline time /
+moec time, "eager" timed launch by launch (``do_bench``), "graph" replayed from a CUDA graph
+(``do_bench_cudagraph``): the GPU time alone, which is what a run-ahead training step sees when
+a kernel's host launch (~25 us for a Triton launch) is longer than its GPU time, as at M = 128.
 
     python benchmarks/grouped_gemm.py [--m 128 4096 32768] [--json out.json]
 """
@@ -95,7 +95,7 @@ def run(m: int) -> list[dict]:
                 err = _rel(_first(moec_fn()), want)
                 if err > 1e-2:
                     raise AssertionError(f"{name} M={m} {backend}: relative error {err:.3g}")
-                row[f"{backend}_ms"] = do_bench(moec_fn)
+                row[f"{backend}_ms"] = do_bench_cudagraph(moec_fn)
         row["moec_ms"] = do_bench(moec_fn)
         row["grouped_mm_ms"] = do_bench(base_fn)
         row["moec_graph_ms"] = do_bench_cudagraph(moec_fn)

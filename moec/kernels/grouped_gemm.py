@@ -258,18 +258,27 @@ def configs(kind: str, family: str) -> list[triton.Config]:
             return [triton.Config({"BLOCK_K": 32, "BLOCK_N": 32, "BLOCK_R": 32})]
         return [_config(32, 32, 32, 1, 4)]
     big = family == "sm100"
+    # the last candidates of each kind have few rows per tile, for the weight-bandwidth-bound
+    # buffers of a few rows per expert these kernels run on (GROUPED_MM_MIN_ROWS)
     if kind == "gmm":
         return [
             _config(128, 256 if big else 128, 64, 4, 8),
             _config(128, 256, 64, 3, 8),
             _config(128, 256, 64, 4, 8),
             _config(64, 128, 64, 4, 4),
+            _config(16, 64, 256, 4, 4),
+            _config(32, 128, 128, 4, 4),
         ]
     if kind == "gmm2":
-        return [_config(128, 128, 64, 3, 8), _config(64, 128, 64, 4, 4)]
+        return [
+            _config(128, 128, 64, 3, 8),
+            _config(64, 128, 64, 4, 4),
+            _config(16, 64, 128, 4, 4),
+        ]
     return [
         triton.Config({"BLOCK_K": 128, "BLOCK_N": 128, "BLOCK_R": 64}, num_stages=4, num_warps=8),
         triton.Config({"BLOCK_K": 128, "BLOCK_N": 256, "BLOCK_R": 64}, num_stages=3, num_warps=8),
+        triton.Config({"BLOCK_K": 64, "BLOCK_N": 128, "BLOCK_R": 16}, num_stages=2, num_warps=4),
     ]
 
 
