@@ -71,9 +71,10 @@ plus the separate activation kernel); the pointer kernels were behind on all. sm
 measured. Anything that is not bf16 on CUDA (float32, the interpreter) uses "pointer"."""
 
 GROUPED_MM_MIN_ROWS = 1024
-"""Below this many buffer rows (a static shape) the forward-style pieces stay on the pointer
-kernels: in the weight-bandwidth-bound regime they measured 1.2x (gmm) and 1.3x (gmm + SwiGLU)
-faster than ``torch._grouped_mm`` at 128 rows in 16 groups on an H200."""
+"""Below this many buffer rows (a static shape) every piece runs on the pointer kernels, whose
+small-row tiles suit the weight-read-bound (wgrad: write-bound) GEMMs of a few rows per expert:
+at 128 rows in 16 groups on an H200 they measured 1.49-1.62x (forward-style pieces) and 1.77x
+(wgrad) faster than ``torch._grouped_mm`` on the GPU (CUDA-graph timing, RESULTS.md session 5)."""
 
 
 @contextlib.contextmanager
@@ -95,7 +96,7 @@ def backend(piece: str, x: Tensor, w: Tensor) -> Backend:
     """The implementation that runs ``piece`` for these operands (see :data:`GEMM_BACKENDS`)."""
     if not x.is_cuda or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
         return "pointer"
-    if piece != "wgrad" and x.shape[0] < GROUPED_MM_MIN_ROWS:
+    if x.shape[0] < GROUPED_MM_MIN_ROWS:
         return "pointer"
     chosen = GEMM_BACKENDS.get(arch(x.device), {}).get(piece, "pointer")
     if chosen == "tma" and not grouped_tma.applies(x, w):
@@ -114,6 +115,7 @@ def _gmm_kernel(
     d_h_ptr,  # (R, U): written by EPILOGUE_ACT_BACKWARD
     offsets_ptr,  # (N,) int32
     # sizes
+    R,  # buffer rows: only an autotune key (a few rows per expert want other tiles)
     K,
     N_OUT,
     # strides
@@ -206,6 +208,7 @@ def _gmm_wgrad_kernel(
     dw_ptr,  # (N, K, M) contiguous, any float dtype
     offsets_ptr,  # (N,) int32
     # sizes
+    R,  # buffer rows: only an autotune key
     K,
     M,
     # strides
@@ -286,7 +289,7 @@ def configs(kind: str, family: str) -> list[triton.Config]:
 def _tuned(kind: str, family: str) -> triton.runtime.Autotuner:
     """The autotuned kernel; ``MOEC_AUTOTUNE=0`` keeps only the first config (tests, CI)."""
     kernel = _gmm_wgrad_kernel if kind == "wgrad" else _gmm_kernel
-    key = ["K", "M"] if kind == "wgrad" else ["K", "N_OUT", "EPILOGUE", "NUM_EXPERTS"]
+    key = ["R", "K", "M"] if kind == "wgrad" else ["R", "K", "N_OUT", "EPILOGUE", "NUM_EXPERTS"]
     candidates = configs(kind, family)
     if os.environ.get("MOEC_AUTOTUNE", "1") == "0":
         candidates = candidates[:1]
@@ -344,7 +347,7 @@ def _launch_gmm(
 
     kernel[grid](
         x, w, bias if bias is not None else w, aux, out, d_h if d_h is not None else aux, offsets,
-        depth, n_out,
+        rows, depth, n_out,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
         bias.stride(0) if bias is not None else 0, aux.stride(0), out.stride(0),
         NUM_EXPERTS=num_experts, E_P2=triton.next_power_of_2(num_experts),
@@ -419,7 +422,7 @@ def gmm_wgrad(
         )
 
     kernel[grid](
-        x, dy, dw, offsets, depth, width, x.stride(0), dy.stride(0),
+        x, dy, dw, offsets, x.shape[0], depth, width, x.stride(0), dy.stride(0),
         IEEE=x.dtype == torch.float32,
     )  # fmt: skip
     return dw
