@@ -39,7 +39,7 @@ from torch import Tensor
 
 from moec.kernels import grouped_tma
 from moec.kernels.activation import act_backward, act_code, act_forward
-from moec.kernels.arch import arch, interpreting
+from moec.kernels.arch import arch
 from moec.kernels.gemm_tiles import (
     EPILOGUE_ACT,
     EPILOGUE_ACT_BACKWARD,
@@ -298,10 +298,6 @@ def _tuned(kind: str, family: str) -> triton.runtime.Autotuner:
     return triton.autotune(configs=candidates, key=key)(kernel)
 
 
-def _family(t: Tensor) -> str:
-    return "interpreter" if interpreting() and not t.is_cuda else arch(t.device)
-
-
 def _check_operands(x: Tensor, w: Tensor, offsets: Tensor) -> None:
     if x.dim() != 2 or w.dim() != 3 or w.shape[1] != x.shape[1] or offsets.shape != w.shape[:1]:
         raise ValueError(
@@ -336,7 +332,7 @@ def _launch_gmm(
     if rows == 0 or n_out == 0:
         return
     kind = "gmm2" if gated and epilogue == EPILOGUE_ACT else "gmm"
-    kernel = _tuned(kind, _family(x))
+    kernel = _tuned(kind, arch(x.device))
     aux = h if h is not None else out
 
     def grid(meta: dict) -> tuple[int]:
@@ -414,7 +410,7 @@ def gmm_wgrad(
     dw = torch.empty(num_experts, depth, width, dtype=out_dtype, device=x.device)
     if dw.numel() == 0:
         return dw
-    kernel = _tuned("wgrad", _family(x))
+    kernel = _tuned("wgrad", arch(x.device))
 
     def grid(meta: dict) -> tuple[int]:
         return (

@@ -233,7 +233,7 @@ def launch_gmm(
     aux = h if h is not None else out
     sms = _programs(x)
     kind = "gmm2" if gated and epilogue == EPILOGUE_ACT else "gmm"
-    _tuned(kind, _family(x))[(sms,)](
+    _tuned(kind, arch(x.device))[(sms,)](
         x, base, aux, out, d_h if d_h is not None else aux, offsets,
         rows, depth, n_out, width,
         x.stride(0), base.stride(0), base.stride(1), aux.stride(0), out.stride(0),
@@ -241,7 +241,3 @@ def launch_gmm(
         EPILOGUE=epilogue, ACT=code, GATED=gated, W_TRANSPOSED=transposed,
         IEEE=x.dtype == torch.float32, NUM_SMS=sms,
     )  # fmt: skip
-
-
-def _family(t: Tensor) -> str:
-    return "interpreter" if interpreting() and not t.is_cuda else arch(t.device)
