@@ -199,6 +199,14 @@ OFFSET_CASES = {
 }
 
 
+def _per_expert(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    out, start = torch.zeros(x.shape[0], w.shape[-1]), 0
+    for e, end in enumerate(offsets.tolist()):
+        out[start:end] = x[start:end].float() @ w[e].float()
+        start = end
+    return out
+
+
 @interpreted
 @pytest.mark.parametrize("case", list(OFFSET_CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -209,11 +217,7 @@ def test_gmm_and_wgrad(case, dtype):
     x = torch.randn(rows, depth).to(dtype)
     x[used:] = float("nan")
     w = (torch.randn(4, depth, width) / 4).to(dtype)
-    ref = torch.zeros(rows, width)
-    start = 0
-    for e, end in enumerate(offsets.tolist()):
-        ref[start:end] = x[start:end].float() @ w[e].float()
-        start = end
+    ref = _per_expert(x, w, offsets)
     tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     torch.testing.assert_close(grouped_gemm.gmm(x, w, offsets)[:used].float(), ref[:used], **tol)
     dy = torch.randn(rows, width).to(dtype)
@@ -224,14 +228,6 @@ def test_gmm_and_wgrad(case, dtype):
         want = x[start:end].float().t() @ dy[start:end].float()
         torch.testing.assert_close(dw[e], want, **tol)
         start = end
-
-
-def _per_expert(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    out, start = torch.zeros(x.shape[0], w.shape[-1]), 0
-    for e, end in enumerate(offsets.tolist()):
-        out[start:end] = x[start:end] @ w[e]
-        start = end
-    return out
 
 
 @interpreted

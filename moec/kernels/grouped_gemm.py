@@ -99,7 +99,8 @@ def backend(piece: str, x: Tensor, w: Tensor) -> Backend:
     if x.shape[0] < GROUPED_MM_MIN_ROWS:
         return "pointer"
     chosen = GEMM_BACKENDS.get(arch(x.device), {}).get(piece, "pointer")
-    if chosen == "tma" and not grouped_tma.applies(x, w):
+    # the TMA kernel is forward-style only: no wgrad
+    if chosen == "tma" and (piece == "wgrad" or not grouped_tma.applies(x, w)):
         return "pointer"
     return chosen
 
@@ -322,15 +323,15 @@ def _launch_gmm(
 ) -> None:
     """Run the pointer kernels, or the TMA kernel when ``chosen`` says so (no bias there)."""
     _check_operands(x, w, offsets)
-    if chosen == "tma":
-        grouped_tma.launch_gmm(x, w, offsets, out, h, d_h, epilogue, activation)
-        return
     rows, depth = x.shape
-    num_experts = w.shape[0]
-    code, gated = act_code(activation) if activation is not None else (0, False)
     n_out = out.shape[1]
     if rows == 0 or n_out == 0:
         return
+    if chosen == "tma":
+        grouped_tma.launch_gmm(x, w, offsets, out, h, d_h, epilogue, activation)
+        return
+    num_experts = w.shape[0]
+    code, gated = act_code(activation) if activation is not None else (0, False)
     kind = "gmm2" if gated and epilogue == EPILOGUE_ACT else "gmm"
     kernel = _tuned(kind, arch(x.device))
     aux = h if h is not None else out
@@ -401,7 +402,7 @@ def gmm_wgrad(
 ) -> Tensor:
     """``dw[e] = x_e^T @ dy_e`` -> (N, K, M) in ``out_dtype`` (default x's); empty experts get 0."""
     out_dtype = out_dtype or x.dtype
-    if backend("wgrad", x, dy) == "grouped_mm":
+    if backend("wgrad", x, dy) == "grouped_mm":  # else "pointer"
         return torch._grouped_mm(x.t(), dy.contiguous(), offs=offsets).to(out_dtype)
     x, dy = x.contiguous(), dy.contiguous()
     if x.shape[0] != dy.shape[0]:
