@@ -1,0 +1,102 @@
+"""What a pass is: its result, its context, and the registry the pass manager builds pipelines from.
+
+A pass is a class registered with :func:`register_pass`. It declares
+
+- ``name``: how pipeline strings and dumps call it;
+- ``after``: passes that, when they run, run before it (an ordering constraint only);
+- ``requires``: passes that must run before it (it reads what they made);
+- ``applies(plan)``: whether the default pipeline of ``plan`` runs it;
+- ``options(plan)``: its settings as they appear in the pipeline string (``""`` for none);
+- ``run(gm, ctx) -> PassResult``: the rewrite. A pass edits ``gm`` (``ctx.program.graph``) and
+  records what the runtime must know in ``ctx.program``; everything else it learned goes into
+  its result's ``stats``, nothing into globals or ``gm.meta``.
+
+Passes are constructed without arguments; what they need beyond the plan (this rank's EP
+group) is in the context.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, ClassVar, Protocol, TypeVar
+
+import torch.fx as fx
+
+from moec.errors import MoecError
+from moec.plan import Plan
+from moec.program import EPGroup, Program
+
+
+class PassPipelineError(MoecError):
+    """A pipeline string or pass selection names an unknown pass or breaks an ordering rule."""
+
+
+@dataclasses.dataclass
+class PassResult:
+    gm: fx.GraphModule
+    modified: bool
+    stats: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Counters tests assert on (``ffns_replaced``) and ``params_added``/``params_removed``."""
+
+
+@dataclasses.dataclass
+class PassContext:
+    plan: Plan
+    program: Program | None = None
+    """The program being compiled (its ``graph`` is the ``gm`` a pass receives); None when a
+    pass is run alone on a bare graph, which passes that record nothing accept."""
+    ep_group: EPGroup | None = None
+    """This rank's expert-parallel group, when ``plan.parallel.ep > 1``."""
+    results: dict[str, PassResult] = dataclasses.field(default_factory=dict)
+    """Results of the passes that already ran, by name."""
+    _analyses: dict[Callable[..., Any], Any] = dataclasses.field(default_factory=dict)
+
+    def analysis(self, compute: Callable[[fx.GraphModule], Any], gm: fx.GraphModule) -> Any:
+        """``compute(gm)``, cached until a pass reports that it modified the graph."""
+        key = compute
+        if key not in self._analyses or self._analyses[key][0] is not gm:
+            self._analyses[key] = (gm, compute(gm))
+        return self._analyses[key][1]
+
+    def invalidate_analyses(self) -> None:
+        self._analyses.clear()
+
+    def require_program(self, pass_name: str) -> Program:
+        if self.program is None:
+            raise PassPipelineError(
+                f"pass {pass_name} records its result in the program: run it on a captured "
+                "program (moec.frontend.capture) through PassContext(plan, program)"
+            )
+        return self.program
+
+
+class Pass(Protocol):
+    name: ClassVar[str]
+    after: ClassVar[tuple[str, ...]]
+    requires: ClassVar[tuple[str, ...]]
+
+    @staticmethod
+    def applies(plan: Plan) -> bool: ...
+
+    @staticmethod
+    def options(plan: Plan) -> str: ...
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult: ...
+
+
+REGISTRY: dict[str, type] = {}
+"""Every registered pass class by name, in registration order."""
+
+P = TypeVar("P", bound=type)
+
+
+def register_pass(cls: P) -> P:
+    """Class decorator: add a pass to :data:`REGISTRY` (names are unique)."""
+    for attr in ("name", "after", "requires", "applies", "options", "run"):
+        if not hasattr(cls, attr):
+            raise TypeError(f"pass class {cls.__name__} lacks {attr!r} (see moec.passes.base)")
+    if cls.name in REGISTRY and REGISTRY[cls.name] is not cls:
+        raise TypeError(f"two passes named {cls.name!r}: {REGISTRY[cls.name]} and {cls}")
+    REGISTRY[cls.name] = cls
+    return cls
