@@ -23,13 +23,21 @@ from typing import Any, Literal
 
 import yaml
 
+from moec.errors import MoecError
+from moec.imports import load_object
 
-class PlanError(ValueError):
+FILE_FIELD = "<file>"
+"""The ``field`` of a :class:`PlanError` about the plan file itself (its ``value`` is the path)."""
+
+
+class PlanError(MoecError, ValueError):
     """An impossible or malformed plan. ``field`` is the dotted path of the offending field."""
 
     def __init__(self, field: str, value: Any, allowed: str):
         self.field, self.value, self.allowed = field, value, allowed
-        super().__init__(f"plan field '{field}' = {value!r} is invalid: {allowed}")
+        where = f"plan file {str(value)!r}" if field == FILE_FIELD else f"plan field '{field}'"
+        shown = "" if field == FILE_FIELD else f" = {value!r}"
+        super().__init__(f"{where}{shown} is invalid: {allowed}")
 
 
 Gating = Literal["softmax", "sigmoid"]
@@ -40,6 +48,7 @@ Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"]
 GemmPrecision = Literal["bf16", "mxfp8", "fp8_rowwise"]
 GemmScope = Literal["routed_experts", "shared_expert", "attn_qkv", "attn_out"]
 RecomputePolicy = Literal["none", "block", "selective", "budget"]
+FFNDropout = Literal["error", "drop"]
 
 
 @dataclass
@@ -76,6 +85,13 @@ class MoEPlan:
     """Std of the router's normal init (``split`` starts the router at zero instead)."""
     seed: int = 0
     """Seed of the expert/router initialisation, so a compile is reproducible."""
+    activations: dict[str, str] = field(default_factory=dict)
+    """Extra plain activations by name, each ``module.path:function`` or ``file.py:function``
+    (see :func:`moec.register_activation`); the ``moe`` pass registers them, then recognises
+    FFNs that compute them (and their gated forms ``<name>_glu``) by value."""
+    ffn_dropout: FFNDropout = "error"
+    """A dropout with p > 0 on an FFN's hidden activation has no counterpart in the routed
+    experts: ``error`` refuses to convert that FFN, ``drop`` converts it without the dropout."""
 
     def validate(self) -> None:
         _require(self.num_experts >= 1, "moe.num_experts", self.num_experts, "an integer >= 1")
@@ -100,6 +116,21 @@ class MoEPlan:
             _require(
                 math.isfinite(value) and value >= 0, f"moe.{name}", value, "a finite number >= 0"
             )
+        for name, ref in self.activations.items():
+            activation_function(name, ref)
+
+
+def activation_function(name: str, ref: str) -> Any:
+    """The callable ``moe.activations[name] = ref`` names (its value is checked on registration)."""
+    where = f"moe.activations.{name}"
+    try:
+        fn = load_object(ref)
+    except ValueError as exc:
+        raise PlanError(
+            where, ref, f"'module.path:function' or 'file.py:function' ({exc})"
+        ) from exc
+    _require(callable(fn), where, ref, f"a callable (it names a {type(fn).__name__})")
+    return fn
 
 
 @dataclass
@@ -245,13 +276,27 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        text = Path(path).read_text()
+        """The plan in the YAML file ``path``; a file that cannot be read or is not a YAML
+        mapping raises :class:`PlanError` naming it."""
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise PlanError(
+                FILE_FIELD, str(path), f"a UTF-8 YAML text file, not binary ({exc})"
+            ) from exc
+        except OSError as exc:
+            raise PlanError(
+                FILE_FIELD, str(path), f"a readable file ({exc.strerror or exc})"
+            ) from exc
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
-            raise PlanError("<file>", str(path), f"valid YAML ({exc})") from exc
+            problem = " ".join(str(exc).split())
+            raise PlanError(FILE_FIELD, str(path), f"valid YAML ({problem})") from exc
         if data is not None and not isinstance(data, dict):
-            raise PlanError("<file>", str(path), "a YAML mapping with sections moe/parallel/...")
+            raise PlanError(
+                FILE_FIELD, str(path), f"a YAML mapping with sections {', '.join(_SECTIONS)}"
+            )
         return cls.from_dict(data)
 
     def save(self, path: str | Path) -> None:
@@ -320,6 +365,11 @@ def _matches(value: Any, tp: Any) -> bool:
     if origin is list:
         (item,) = typing.get_args(tp)
         return isinstance(value, list) and all(_matches(v, item) for v in value)
+    if origin is dict:
+        key_type, value_type = typing.get_args(tp)
+        return isinstance(value, dict) and all(
+            _matches(k, key_type) and _matches(v, value_type) for k, v in value.items()
+        )
     if tp is type(None):
         return value is None
     if tp is float:
@@ -337,4 +387,7 @@ def _describe(tp: Any) -> str:
         return " or ".join(_describe(a) for a in typing.get_args(tp))
     if origin is list:
         return f"list of ({_describe(typing.get_args(tp)[0])})"
+    if origin is dict:
+        key_type, value_type = typing.get_args(tp)
+        return f"mapping of ({_describe(key_type)}) to ({_describe(value_type)})"
     return "None" if tp is type(None) else tp.__name__

@@ -62,7 +62,7 @@ def test_yaml_round_trip(tmp_path):
 
 def test_bad_yaml_file(tmp_path):
     (tmp_path / "p.yaml").write_text("- just\n- a list\n")
-    with pytest.raises(PlanError, match="<file>"):
+    with pytest.raises(PlanError, match="plan file .*p.yaml"):
         Plan.load(tmp_path / "p.yaml")
 
 

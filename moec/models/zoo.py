@@ -15,13 +15,14 @@ The example input of the named models is random token ids of shape (2, 64).
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from moec.errors import MoecError
+from moec.imports import load_object
 
 VOCAB = 256
 EXAMPLE_SHAPE = (2, 64)
@@ -29,7 +30,7 @@ EXAMPLE_SHAPE = (2, 64)
 Loaded = tuple[nn.Module, tuple, dict]
 
 
-class ModelSpecError(ValueError):
+class ModelSpecError(MoecError, ValueError):
     """A model spec that names no known model or no loadable factory."""
 
 
@@ -53,8 +54,14 @@ def _hf(name: str) -> Callable[[], nn.Module]:
         common = dict(vocab_size=VOCAB, use_cache=False, bos_token_id=1, eos_token_id=2)
         if name == "gpt2":
             config = tf.GPT2Config(
-                n_embd=64, n_layer=2, n_head=4, n_positions=128,
-                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common,
+                n_embd=64,
+                n_layer=2,
+                n_head=4,
+                n_positions=128,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+                **common,
             )
             model_cls = tf.GPT2LMHeadModel
         else:
@@ -90,24 +97,18 @@ def load_model(spec: str) -> Loaded:
     """The model ``spec`` names, with its example positional and keyword inputs (see module)."""
     if spec in SHORT_NAMES:
         return SHORT_NAMES[spec](), (example_tokens(),), {}
-    path, sep, factory = spec.rpartition(":")
+    path, sep, _ = spec.rpartition(":")
     if not sep or not path.endswith(".py"):
         raise ModelSpecError(
             f"unknown model {spec!r}: use one of {sorted(SHORT_NAMES)} or path/to/file.py:factory"
         )
-    return _from_factory(_load_factory(Path(path), factory), spec)
-
-
-def _load_factory(path: Path, name: str) -> Callable[[], Any]:
-    if not path.is_file():
-        raise ModelSpecError(f"model file {str(path)!r} does not exist")
-    module_spec = importlib.util.spec_from_file_location(f"moec_user_{path.stem}", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    factory = getattr(module, name, None)
+    try:
+        factory = load_object(spec)
+    except ValueError as exc:
+        raise ModelSpecError(f"model {spec!r}: {exc}") from exc
     if not callable(factory):
-        raise ModelSpecError(f"{path} has no callable {name!r}")
-    return factory
+        raise ModelSpecError(f"model {spec!r}: {type(factory).__name__} is not callable")
+    return _from_factory(factory, spec)
 
 
 def _from_factory(factory: Callable[[], Any], spec: str) -> Loaded:
