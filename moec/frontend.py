@@ -7,19 +7,29 @@ calling convention to a flat one: ``forward(*flat_inputs) -> tuple(flat_outputs)
 specs that map the user's ``(args, kwargs)`` and outputs to and from that flat form are kept in
 ``gm.meta`` (see :class:`GraphSignature`); passes may append extra outputs after the user's.
 
+Every ``call_function`` node is an ATen (or moec) op with a fake ``meta["val"]``: export's region
+ops (``wrap_with_set_grad_enabled``, ``wrap_with_autocast``) are inlined with their semantics
+made explicit (detached outputs, explicit casts), a region op that cannot be inlined is a
+:class:`CaptureError`, and export's ``_assert_tensor_metadata`` dtype checks are dropped so
+passes may change dtypes upstream of a ``.to``.
+
 ``method="symbolic_trace"`` first runs ``torch.fx.symbolic_trace`` (for plain modules that
 should be checked for FX traceability) and exports the result, so the IR is the same.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
+import operator
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export import Dim
 
 
@@ -93,6 +103,8 @@ def trace(
     in_spec, out_spec = gm._in_spec, gm._out_spec
     gm._forward_pre_hooks.clear()
     _drop_input_guards(gm)
+    _inline_higher_order_ops(gm)
+    _drop_metadata_asserts(gm)
     gm.graph._codegen = fx.graph.CodeGen()
     output = gm.graph.output_node()
     flat_outputs = tuple(output.args[0])
@@ -111,6 +123,166 @@ def _drop_input_guards(gm: fx.GraphModule) -> None:
         if node.op == "call_module" and node.target == "_guards_fn":
             gm.graph.erase_node(node)
             delattr(gm, "_guards_fn")
+
+
+def _drop_metadata_asserts(gm: fx.GraphModule) -> None:
+    """Remove export's ``aten._assert_tensor_metadata`` checks. Export puts one before every
+    ``.to(dtype)`` to pin its input's captured dtype; passes change dtypes (bf16 casts, bf16 MoE
+    outputs) and autocast changes them at run time, and the ``.to`` after the check is what
+    converts. The checks read nothing downstream, so removing them changes no value."""
+    for node in gm.graph.find_nodes(
+        op="call_function", target=torch.ops.aten._assert_tensor_metadata.default
+    ):
+        gm.graph.erase_node(node)
+
+
+def _inline_higher_order_ops(gm: fx.GraphModule) -> None:
+    """Inline export's region ops into the flat graph, innermost last, each inlined node with
+    a fresh ``meta["val"]``:
+
+    - ``wrap_with_set_grad_enabled(enabled, body, *args)``: the body's nodes; with grad disabled
+      each tensor output is ``aten.detach``-ed, so no gradient flows out of the region (as in
+      the eager ``no_grad`` block);
+    - ``wrap_with_autocast(device, dtype, enabled, cache, body, *args)``: the body's nodes; when
+      enabled, every node whose floating output dtype autocast would change reads its floating
+      inputs cast to that dtype (explicit ``_to_copy``), so the graph computes what the
+      autocast region did without running under autocast.
+
+    Any other higher-order op (``cond``, ``map``, ...) is a :class:`CaptureError`."""
+    mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")])
+    while True:
+        regions = [
+            n
+            for n in gm.graph.nodes
+            if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator)
+        ]
+        if not regions:
+            return
+        for node in regions:
+            _inline_region(gm, node, mode)
+
+
+def _inline_region(gm: fx.GraphModule, node: fx.Node, mode: FakeTensorMode | None) -> None:
+    name = getattr(node.target, "__name__", str(node.target))
+    if name == "wrap_with_set_grad_enabled":
+        (grad_enabled, body_node, *args), autocast = node.args, None
+    elif name == "wrap_with_autocast":
+        device, dtype, enabled, _cache, body_node, *args = node.args
+        autocast = (device, dtype) if enabled else None
+        grad_enabled = True
+    else:
+        raise CaptureError(
+            f"the captured graph has a {name} region (node {node.name}, module "
+            f"{_module_path(node)}); moec inlines only wrap_with_set_grad_enabled and "
+            "wrap_with_autocast regions: rewrite that part of the model without it "
+            "(e.g. torch.where instead of torch.cond)"
+        )
+    body = getattr(gm, str(body_node.target))
+    env: dict[fx.Node, Any] = {}
+    placeholders = body.graph.find_nodes(op="placeholder")
+    env.update(zip(placeholders, args, strict=True))
+    with gm.graph.inserting_before(node):
+        for inner in body.graph.nodes:
+            if inner.op == "call_function":
+                env[inner] = _inline_node(gm.graph, inner, env, node, mode, autocast)
+            elif inner.op == "get_attr":
+                env[inner] = gm.graph.get_attr(str(inner.target))
+                env[inner].meta.update(inner.meta)
+        outputs = [
+            env[o] if isinstance(o, fx.Node) else o for o in body.graph.output_node().args[0]
+        ]
+        if not grad_enabled:
+            outputs = [_detached(gm.graph, o, node, mode) for o in outputs]
+    for user in list(node.users):
+        if user.target is not operator.getitem:
+            raise CaptureError(f"{name} node {node.name} is read by {user.name} directly")
+        user.replace_all_uses_with(outputs[user.args[1]])
+        gm.graph.erase_node(user)
+    gm.graph.erase_node(node)
+    if not body_node.users:
+        gm.graph.erase_node(body_node)
+        if not gm.graph.find_nodes(op="get_attr", target=body_node.target):
+            delattr(gm, str(body_node.target))
+
+
+def _inline_node(
+    graph: fx.Graph,
+    inner: fx.Node,
+    env: dict[fx.Node, Any],
+    region: fx.Node,
+    mode: FakeTensorMode | None,
+    autocast: tuple[str, torch.dtype] | None,
+) -> fx.Node:
+    """A copy of body node ``inner`` in ``graph``, its inputs cast as ``autocast`` would."""
+    args, kwargs = pytree.tree_map_only(fx.Node, env.__getitem__, (inner.args, inner.kwargs))
+    if autocast is not None and isinstance(inner.target, torch._ops.OpOverload):
+        dtype = _autocast_dtype(inner.target, args, kwargs, mode, autocast)
+        if dtype is not None:
+            args, kwargs = pytree.tree_map_only(
+                fx.Node,
+                lambda n: _cast(graph, n, dtype, region, mode),
+                (args, kwargs),
+            )
+    node = graph.call_function(inner.target, args, kwargs)
+    node.meta.update(inner.meta)
+    node.meta.setdefault("nn_module_stack", region.meta.get("nn_module_stack", {}))
+    node.meta["val"] = _fake_call(inner.target, args, kwargs, mode)
+    return node
+
+
+def _autocast_dtype(
+    op: Any, args: tuple, kwargs: dict, mode: FakeTensorMode | None, autocast: tuple
+) -> torch.dtype | None:
+    """The dtype autocast gives ``op``'s floating output where it differs from plain dtype
+    rules (the dtype autocast casts its floating inputs to), else None."""
+    plain = _fake_call(op, args, kwargs, mode)
+    with torch.autocast(autocast[0], dtype=autocast[1]):
+        cast = _fake_call(op, args, kwargs, mode)
+    if not (isinstance(plain, torch.Tensor) and isinstance(cast, torch.Tensor)):
+        return None
+    if plain.dtype == cast.dtype or not cast.dtype.is_floating_point:
+        return None
+    return cast.dtype
+
+
+def _fake_call(op: Any, args: tuple, kwargs: dict, mode: FakeTensorMode | None) -> Any:
+    fake_args, fake_kwargs = pytree.tree_map_only(
+        fx.Node, lambda n: n.meta.get("val"), (args, kwargs)
+    )
+    with mode if mode is not None else contextlib.nullcontext():
+        return op(*fake_args, **fake_kwargs)
+
+
+def _cast(
+    graph: fx.Graph, node: fx.Node, dtype: torch.dtype, region: fx.Node, mode: Any
+) -> fx.Node:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or not val.is_floating_point() or val.dtype == dtype:
+        return node
+    return _derived(graph, torch.ops.aten._to_copy.default, node, {"dtype": dtype}, region, mode)
+
+
+def _detached(graph: fx.Graph, value: Any, region: fx.Node, mode: Any) -> Any:
+    if not (isinstance(value, fx.Node) and isinstance(value.meta.get("val"), torch.Tensor)):
+        return value
+    return _derived(graph, torch.ops.aten.detach.default, value, {}, region, mode)
+
+
+def _derived(
+    graph: fx.Graph, op: Any, source: fx.Node, kwargs: dict, region: fx.Node, mode: Any
+) -> fx.Node:
+    node = graph.call_function(op, (source,), kwargs)
+    node.meta["nn_module_stack"] = dict(
+        source.meta.get("nn_module_stack") or region.meta.get("nn_module_stack") or {}
+    )
+    node.meta["val"] = _fake_call(op, (source,), kwargs, mode)
+    return node
+
+
+def _module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    path = next(reversed(stack.values()))[0] if stack else ""
+    return path or "<root>"
 
 
 def _auto_dims(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:

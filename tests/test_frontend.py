@@ -3,6 +3,7 @@ import torch
 
 import moec
 from moec.frontend import CaptureError, signature
+from moec.passes.verify import verify_graph
 from tests.models import hf_model, tiny_gpt2, tiny_llama, tokens
 
 
@@ -72,3 +73,49 @@ def test_capture_on_first_call_then_other_sizes_reuse_the_graph():
         compiled.graph_module is graph and out.shape == (5, 9, 256) and first.shape == (2, 16, 256)
     )
     torch.testing.assert_close(out, model(other), rtol=1e-4, atol=1e-5)  # upcycled: equals dense
+
+
+class _Regions(torch.nn.Module):
+    """A no_grad region reading a parameter, a bf16 autocast region and a disabled one."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        with torch.no_grad():
+            frozen = self.proj(x) * 2
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = self.proj(x).softmax(-1) + x
+        with torch.autocast("cpu", enabled=False):
+            plain = self.proj(x.float()) + 1
+        return self.proj(x) + low + plain + frozen
+
+
+def test_grad_and_autocast_regions_are_inlined_with_their_semantics():
+    model, x = _Regions(), torch.randn(2, 3, 8)
+    exported = torch.export.export(model, (x,), strict=False).graph_module
+    regions = {str(n.target) for n in exported.graph.nodes if n.op == "call_function"}
+    assert {"wrap_with_set_grad_enabled", "wrap_with_autocast"} <= regions  # export makes them
+    gm = moec.trace(model, (x,))
+    verify_graph(gm, "capture")
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert not [n for n in calls if isinstance(n.target, torch._ops.HigherOrderOperator)]
+    assert any(n.kwargs.get("dtype") == torch.bfloat16 for n in calls)  # autocast made explicit
+    other = torch.randn(3, 5, 8, requires_grad=True)
+    (out,) = gm(other)
+    torch.testing.assert_close(out, model(other))
+    weight = model.proj.weight
+    grads = torch.autograd.grad(out.sum(), [other, weight])
+    expected = torch.autograd.grad(model(other).sum(), [other, weight])
+    for got, want in zip(grads, expected, strict=True):  # nothing flows out of the no_grad block
+        torch.testing.assert_close(got, want)
+
+
+def test_a_region_capture_cannot_inline_is_a_clear_error():
+    class Branch(torch.nn.Module):
+        def forward(self, x):
+            return torch.cond(x.sum() > 0, lambda t: t * 2, lambda t: t - 1, (x,))
+
+    with pytest.raises(CaptureError, match="cond region .* wrap_with_set_grad_enabled"):
+        moec.trace(Branch(), (torch.randn(2, 3),))
