@@ -25,12 +25,12 @@ from moec.passes.manager import PassContext
 from moec.passes.pipeline import (
     PipelinePass,
     PipelinePassError,
-    _size_from_inputs,
     balance,
     block_units,
     check_splittable,
     unit_costs,
 )
+from moec.passes.pipeline.stages import size_from_inputs
 from moec.plan import ParallelPlan, PlanError
 from moec.runtime import checkpoint
 from moec.runtime import distributed as mdist
@@ -412,7 +412,7 @@ def test_stage_reads_a_specialized_size_as_its_value():
     size = graph.call_function(torch.ops.aten.sym_size.int, (x, 0))
     for val in (3, pinned):
         size.meta["val"] = val
-        assert _size_from_inputs(torch.fx.Graph(), size, [], {}, 1) == 3
+        assert size_from_inputs(torch.fx.Graph(), size, [], {}, 1) == 3
 
 
 # --- checkpoints -------------------------------------------------------------------------------

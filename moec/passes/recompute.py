@@ -74,16 +74,10 @@ from torch.utils.checkpoint import (
 )
 
 import moec.ops.ep  # noqa: F401  (registers the moec::ep_* ops)
-from moec.analysis.cost import (
-    VIEW_LIKE,
-    GraphCost,
-    SavedRef,
-    backward_workspace,
-    graph_cost,
-    nbytes,
-    node_cost,
-)
+from moec.analysis.cost import GraphCost, SavedRef, backward_workspace, graph_cost, node_cost
+from moec.analysis.cost.memory import is_activation, stored_ref
 from moec.analysis.structure import module_path
+from moec.fx import external_inputs, nbytes, node_order, placeholders_for, under
 from moec.passes.manager import PassContext, PassResult
 from moec.plan import PlanError
 
@@ -176,24 +170,7 @@ class BlockRegion:
     """Why the block cannot be recomputed, or None."""
 
     def inputs(self) -> list[fx.Node]:
-        return _region_inputs(self.nodes)
-
-
-def _stored(node: fx.Node) -> SavedRef:
-    """The tensor ``node`` is a view of (views and split pieces resolve to their base)."""
-    while node.op == "call_function" and node.target in VIEW_LIKE:
-        if node.target is operator.getitem:
-            producer, index = node.args
-            if producer.target not in VIEW_LIKE:
-                return SavedRef(producer, index)
-            node = producer.args[0]
-        else:
-            node = node.args[0]
-    return SavedRef(node)
-
-
-def _is_activation(node: fx.Node) -> bool:
-    return isinstance(node.meta.get("val"), torch.Tensor) and _stored(node).node.op != "get_attr"
+        return external_inputs(self.nodes)
 
 
 def _outputs(node: fx.Node) -> list[SavedRef]:
@@ -201,12 +178,6 @@ def _outputs(node: fx.Node) -> list[SavedRef]:
     if isinstance(val, (tuple, list)):
         return [SavedRef(node, i) for i, v in enumerate(val) if isinstance(v, torch.Tensor)]
     return [SavedRef(node)] if isinstance(val, torch.Tensor) else []
-
-
-def _region_inputs(nodes: list[fx.Node]) -> list[fx.Node]:
-    member = set(nodes)
-    inputs = (a for n in nodes for a in n.all_input_nodes if a not in member)
-    return list(dict.fromkeys(inputs))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,7 +193,7 @@ def saved_refs(node: fx.Node) -> tuple[SavedRef, ...]:
     also keeps the normalized input (output-sized)."""
     refs = node_cost(node).saved
     if node.target in SCALE_OPS and any(
-        isinstance(a, fx.Node) and not _is_activation(a) for a in node.args[:2]
+        isinstance(a, fx.Node) and not is_activation(a, floating=False) for a in node.args[:2]
     ):
         return ()
     if node.target == aten.rms_norm.default and len(node.args) > 2 and node.args[2] is not None:
@@ -233,7 +204,7 @@ def saved_refs(node: fx.Node) -> tuple[SavedRef, ...]:
 def _level_saved(nodes: list[fx.Node], level: str) -> set[SavedRef]:
     if level == "none":
         return {ref for n in nodes for ref in saved_refs(n)}
-    kept = {_stored(i) for i in _region_inputs(nodes) if _is_activation(i)}
+    kept = {stored_ref(i) for i in external_inputs(nodes) if is_activation(i, floating=False)}
     cached = _saved_ops(level)
     return kept | {ref for n in nodes if cached(n.target) for ref in _outputs(n)}
 
@@ -270,7 +241,7 @@ def _interleaved(nodes: list[fx.Node]) -> fx.Node | None:
     """A node outside ``nodes`` placed before their last one that reads one of them, if any
     (the region would have to be called before its own inputs exist)."""
     member = set(nodes)
-    order = {n: i for i, n in enumerate(nodes[0].graph.nodes)}
+    order = node_order(nodes[0].graph)
     last = max(order[n] for n in nodes)
     users = (u for n in nodes for u in n.users if u not in member and order[u] < last)
     return next(users, None)
@@ -284,23 +255,19 @@ def block_regions(gm: fx.GraphModule, cost: GraphCost | None = None) -> list[Blo
         nodes = [
             n
             for n in gm.graph.nodes
-            if n.op == "call_function" and _under(module_path(n), block.path)
+            if n.op == "call_function" and under(module_path(n), block.path)
         ]
         saved = {level: _level_saved(nodes, level) for level in LEVELS}
         flops = {level: _level_flops(nodes, level, cost) for level in LEVELS}
         user = _interleaved(nodes)
         skipped = None if user is None else f"{user.name}, between its nodes, reads the block"
-        inputs = cost.value(
-            sum((nbytes(i.meta["val"]) for i in _region_inputs(nodes) if _is_activation(i)), 0)
-        )  # their gradient (the residual stream's) lives through the block's backward
+        # the inputs' gradient (the residual stream's) lives through the block's backward
+        activations = [i for i in external_inputs(nodes) if is_activation(i, floating=False)]
+        inputs = cost.value(sum((nbytes(i.meta["val"]) for i in activations), 0))
         workspace = [cost.value(backward_workspace(n)) for n in nodes]
         peak = {lv: inputs + _backward_peak(nodes, workspace, saved[lv], cost) for lv in LEVELS}
         regions.append(BlockRegion(block.path, nodes, saved, flops, peak, skipped))
     return regions
-
-
-def _under(path: str, prefix: str) -> bool:
-    return path == prefix or path.startswith(prefix + ".")
 
 
 @dataclasses.dataclass
@@ -394,10 +361,7 @@ def _wrap(gm: fx.GraphModule, region: BlockRegion, level: str) -> None:
     inputs = region.inputs()
     outputs = [n for n in nodes if any(u not in member for u in n.users)]
     sub = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for node in inputs:
-        env[node] = sub.placeholder(node.name)
-        env[node].meta = dict(node.meta)
+    env = placeholders_for(sub, inputs)
     for node in nodes:
         env[node] = sub.node_copy(node, env.__getitem__)
     sub.output(tuple(env[n] for n in outputs))

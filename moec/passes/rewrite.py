@@ -20,19 +20,11 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
-from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from moec.fx import fake_mode, node_order
 
-def fake_mode(gm: fx.GraphModule) -> FakeTensorMode:
-    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
-    if mode is None:
-        raise RuntimeError(
-            "graph placeholders carry no FakeTensor meta['val']; capture with moec.trace"
-        )
-    return mode
+__all__ = ["GraphEditor", "delete_attribute", "erase_unused", "fake_mode", "refresh_meta"]
 
 
 class GraphEditor:
@@ -116,7 +108,7 @@ def erase_unused(gm: fx.GraphModule, nodes: list[fx.Node]) -> list[str]:
     """Erase ``nodes`` (in reverse order) and any get_attr left without users; return the
     parameter targets whose attributes were deleted."""
     removed_params: list[str] = []
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    order = node_order(gm.graph)
     for node in sorted(nodes, key=order.__getitem__, reverse=True):
         inputs = [a for a in node.all_input_nodes]
         gm.graph.erase_node(node)

@@ -45,10 +45,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from moec.analysis.pipeline_schedule import MULTI_STAGE, schedule_class
 from moec.frontend import signature
 from moec.optim import AdamW
 from moec.passes.expert_parallel import EPGroupInfo
-from moec.passes.pipeline import MULTI_STAGE, PipelineSplit, schedule_class
+from moec.passes.pipeline import PipelineSplit
 from moec.plan import Plan
 from moec.runtime.compiled import compute_autocast
 from moec.runtime.distributed import (

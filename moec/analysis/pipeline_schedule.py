@@ -1,0 +1,114 @@
+"""Pipeline schedules, simulated: stage placement and in-flight microbatches per stage.
+
+For a plan's ``parallel`` section (pp ranks, v stages per rank, a ``pp_schedule``):
+
+- :func:`stage_rank`: the rank holding a stage: loop placement (stage % pp), or V-shaped for
+  ``zbv``/``dualpipev`` (0..pp-1, then pp-1..0);
+- :func:`inflight_microbatches`: per stage, the most microbatches whose saved activations it
+  holds at once: GPipe all of them, 1F1B ``pp - rank``; multi-stage schedules replay each
+  rank's action order as torch's schedule class computes it (F adds one; a full backward B, or
+  the weight backward W of zero-bubble schedules, after which the retained graph is freed,
+  removes one);
+- :func:`schedule_class`: the ``torch.distributed.pipelining`` class that runs the schedule.
+
+Nothing here needs a process group: the action order comes from the schedule class's own planner
+run on a stand-in.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from moec.plan import ParallelPlan, PlanError
+
+V_SHAPED = ("zbv", "dualpipev")
+"""Schedules placing stage s and 2*pp-1-s on one rank."""
+MULTI_STAGE = ("interleaved_1f1b", *V_SHAPED)
+"""Schedules holding several stages per rank."""
+SCHEDULE_CLASSES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+"""The ``torch.distributed.pipelining.schedules`` class name of each ``pp_schedule``."""
+
+
+def stage_rank(stage: int, pp: int, schedule: str) -> int:
+    """The pipeline rank holding ``stage``: loop placement, or V-shaped (0..pp-1, pp-1..0)."""
+    if schedule in V_SHAPED:
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
+def inflight_microbatches(p: ParallelPlan) -> list[int]:
+    """Per stage, the most microbatches whose saved activations it holds at once (see module)."""
+    if p.pp_schedule == "gpipe":
+        return [p.microbatches] * p.pp
+    if p.pp_schedule == "1f1b":  # warmup of pp - rank forwards, then one backward per forward
+        return [min(p.microbatches, p.pp - rank) for rank in range(p.pp)]
+    try:
+        order = _pipeline_order(p)
+    except AttributeError:  # another torch's planner needs other state: all in flight (bound)
+        return [p.microbatches] * (p.pp * p.virtual_stages)
+    peak = [0] * (p.pp * p.virtual_stages)
+    for actions in order.values():
+        live = [0] * len(peak)
+        for action in _flatten(actions):
+            kind = action.computation_type.name
+            if kind == "FORWARD":
+                live[action.stage_index] += 1
+            elif kind in ("FULL_BACKWARD", "BACKWARD_WEIGHT"):
+                live[action.stage_index] -= 1
+            peak[action.stage_index] = max(peak[action.stage_index], live[action.stage_index])
+    return peak
+
+
+def _flatten(actions: list) -> list:
+    flat = []
+    for action in actions:
+        if action is None:
+            continue
+        subs = getattr(action, "sub_actions", None)
+        flat += list(subs) if subs else [action]
+    return flat
+
+
+def schedule_class(name: str) -> type:
+    """The ``torch.distributed.pipelining`` schedule class for a plan's ``pp_schedule``."""
+    from torch.distributed.pipelining import schedules
+
+    cls = getattr(schedules, SCHEDULE_CLASSES[name], None)
+    if cls is None:
+        raise PlanError(
+            "parallel.pp_schedule",
+            name,
+            f"a schedule this torch {torch.__version__} provides "
+            f"({SCHEDULE_CLASSES[name]} is missing)",
+        )
+    return cls
+
+
+def _pipeline_order(p: ParallelPlan) -> dict[int, list]:
+    """Every rank's action list, computed by the schedule class's own planner on a stand-in
+    (no process group needed)."""
+    cls = schedule_class(p.pp_schedule)
+    stages = p.pp * p.virtual_stages
+    microbatches_per_round = p.pp
+    me = types.SimpleNamespace(
+        pp_group_size=p.pp,
+        _n_microbatches=p.microbatches,
+        _num_stages=stages,
+        num_stages=stages,
+        n_local_stages=p.virtual_stages,
+        microbatches_per_round=microbatches_per_round,
+        number_of_rounds=max(1, p.microbatches // microbatches_per_round),
+    )
+    order = {}
+    for rank in range(p.pp):
+        me.rank = rank
+        order[rank] = cls._calculate_single_rank_operations(me, rank)
+    return order

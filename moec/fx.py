@@ -1,0 +1,140 @@
+"""FX graph utilities the analyses and the passes share; nothing here edits a graph.
+
+Graphs are the ones :func:`moec.trace` captures: placeholders and ``call_function`` nodes carry
+``meta["val"]`` (FakeTensors whose sizes may be SymInts of one ShapeEnv), so sizes are sympy
+expressions in the size symbols until evaluated at concrete values::
+
+    order = node_order(gm.graph)                  # {node: position}, to sort nodes
+    region = called_graph(node)                   # a recompute region's sub-GraphModule, or None
+    env = placeholders_for(sub, external_inputs(nodes))   # start a sub-graph of nodes
+    nbytes(node.meta["val"])                      # 4*s0*s1*128 for f32[s0, s1, 128]
+    evaluate(expr, example_sizes(gm))             # that expression at the example's sizes
+
+Layer: imports torch and sympy only (no moec module), so kernels aside every layer may use it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container
+from typing import Any
+
+import sympy
+import torch
+import torch.fx as fx
+from torch import nn
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+# --- graphs ------------------------------------------------------------------------------------
+
+
+def fake_mode(gm: fx.GraphModule) -> FakeTensorMode:
+    """The FakeTensorMode of ``gm``'s placeholders' ``meta["val"]``."""
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    if mode is None:
+        raise RuntimeError(
+            "graph placeholders carry no FakeTensor meta['val']; capture with moec.trace"
+        )
+    return mode
+
+
+def node_order(graph: fx.Graph) -> dict[fx.Node, int]:
+    """The position of every node of ``graph`` (a sort key for graph order)."""
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def called_graph(node: fx.Node) -> fx.GraphModule | None:
+    """The sub-GraphModule a ``call_function`` node runs as its first argument (a ``get_attr``
+    of its owning module, e.g. a recompute region), else None."""
+    first = node.args[0] if node.op == "call_function" and node.args else None
+    if not (isinstance(first, fx.Node) and first.op == "get_attr"):
+        return None
+    sub = node.graph.owning_module
+    for part in str(first.target).split("."):
+        sub = getattr(sub, part, None)
+    return sub if isinstance(sub, fx.GraphModule) else None
+
+
+def external_inputs(nodes: list[fx.Node]) -> list[fx.Node]:
+    """The nodes outside ``nodes`` that they read, in first-read order: the inputs of a
+    sub-graph made of ``nodes``."""
+    member = set(nodes)
+    inputs = (a for n in nodes for a in n.all_input_nodes if a not in member)
+    return list(dict.fromkeys(inputs))
+
+
+def placeholders_for(graph: fx.Graph, inputs: list[fx.Node]) -> dict[fx.Node, fx.Node]:
+    """A placeholder in ``graph`` for each of ``inputs`` (same name and meta), by input: the
+    start of a sub-graph's ``node_copy`` environment."""
+    env = {}
+    for node in inputs:
+        env[node] = graph.placeholder(node.name)
+        env[node].meta = dict(node.meta)
+    return env
+
+
+def parameter_count(module: nn.Module) -> int:
+    """Elements of ``module``'s parameters (each shared parameter once)."""
+    return sum(p.numel() for p in module.parameters())
+
+
+# --- module paths ------------------------------------------------------------------------------
+
+
+def under(path: str, prefix: str) -> bool:
+    """``path`` is the dotted module path ``prefix`` or one inside it (``layers.1`` holds
+    ``layers.1.ffn``, not ``layers.10``)."""
+    return path == prefix or path.startswith(prefix + ".")
+
+
+def owning_path(path: str, prefixes: Container[str]) -> str | None:
+    """The member of ``prefixes`` that is ``path`` or its nearest dotted prefix, else None."""
+    while path:
+        if path in prefixes:
+            return path
+        path = path.rpartition(".")[0]
+    return None
+
+
+# --- symbolic sizes ----------------------------------------------------------------------------
+
+
+def sym(size: Any) -> sympy.Expr:
+    """A size (int or SymInt) as a sympy expression."""
+    if isinstance(size, torch.SymInt):
+        return size.node.expr
+    return sympy.Integer(int(size))
+
+
+def numel(val: torch.Tensor) -> sympy.Expr:
+    """Elements of a (fake) tensor as an expression in the size symbols."""
+    return sympy.Mul(*(sym(s) for s in val.shape)) if val.dim() else sympy.Integer(1)
+
+
+def nbytes(val: Any) -> sympy.Expr:
+    """Bytes of a tensor, or of every tensor in a tuple/list of them (0 for anything else)."""
+    if isinstance(val, torch.Tensor):
+        return numel(val) * val.element_size()
+    if isinstance(val, (tuple, list)):
+        return sympy.Add(*(nbytes(v) for v in val))
+    return sympy.Integer(0)
+
+
+def example_sizes(gm: fx.GraphModule) -> dict[sympy.Symbol, int]:
+    """The value of every size symbol at the example inputs ``gm`` was captured with."""
+    shape_env = fake_mode(gm).shape_env
+    if shape_env is None:
+        return {}
+    values = getattr(shape_env, "backed_var_to_val", None) or shape_env.var_to_val
+    return {s: int(v) for s, v in values.items()}
+
+
+def evaluate(expr: Any, values: dict[sympy.Symbol, int]) -> int:
+    """``expr`` (an expression in size symbols, or a number) at the symbol ``values``; a
+    ValueError names the symbols left without a value."""
+    result = sympy.sympify(expr).xreplace({s: sympy.Integer(v) for s, v in values.items()})
+    if result.free_symbols:
+        missing = sorted(map(str, result.free_symbols))
+        raise ValueError(f"cannot evaluate {expr}: no value for {missing}")
+    return int(result)

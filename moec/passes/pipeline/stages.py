@@ -1,0 +1,212 @@
+"""Stage graphs: the full graph cut into ``S`` ``fx.GraphModule`` stages at unit boundaries.
+
+Stage s holds the units ``[starts[s], starts[s+1])`` (:mod:`~moec.passes.pipeline.units`).
+Values crossing a boundary become stage outputs and the next stage's inputs (threaded through
+intermediate stages when used further on); stage 0 receives the graph's inputs and the last
+stage sends the user outputs. Nodes that depend on no input data (``sym_size``, slices of
+buffers such as RoPE tables) are recomputed in every stage that reads them, with sizes re-read
+from the stage's own inputs; parameters live in the one stage that reads them (a parameter read
+by two stages, e.g. tied embeddings, is a :class:`PipelinePassError` naming it). Aux outputs
+(router losses, expert counts/offsets, EP drops) stay with the stage that makes them, after its
+boundary outputs.
+
+Each stage carries the ``gm.meta`` entries the runtime reads, restricted to its parameters and
+buffers (``moec_param_roles``, ``moec_moe_layers``, ``moec_working_weights``, whose copies stay
+non-persistent), its own ``moec_signature`` and ``moec_stage`` (its index).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+from moec.analysis.cost import CostTotals, GraphCost
+from moec.analysis.pipeline_schedule import stage_rank
+from moec.frontend import GraphSignature, signature
+from moec.fx import evaluate, node_order, parameter_count, placeholders_for, under
+from moec.passes.pipeline.split import PipelinePassError, PipelineSplit, StageInfo
+from moec.passes.pipeline.units import block_paths, loss_flops, unit_saved_bytes
+from moec.plan import Plan
+
+aten = torch.ops.aten
+
+
+def build_split(
+    gm: fx.GraphModule,
+    cost: GraphCost,
+    units: list[list[fx.Node]],
+    starts: list[int],
+    plan: Plan,
+    in_flight: list[int],
+    verify: bool,
+) -> PipelineSplit:
+    """The stage graphs of ``units`` split at ``starts``, with their placement and costs at the
+    example sizes; ``verify`` runs the verifier on every stage."""
+    p = plan.parallel
+    values = cost.sizes()
+    num_stages = len(starts)
+    ends = starts[1:] + [len(units)]
+    paths = block_paths(gm, cost)
+    stage_of: dict[fx.Node, int] = {}
+    for s, (i, j) in enumerate(zip(starts, ends, strict=True)):
+        for unit in units[i:j]:
+            stage_of.update(dict.fromkeys(unit, s))
+    for node in gm.graph.find_nodes(op="placeholder"):
+        stage_of[node] = -1  # defined before stage 0: stage 0's inputs
+    sig = signature(gm)
+    outputs = list(gm.graph.output_node().args[0])
+    user_outputs, aux = outputs[: sig.num_user_outputs], outputs[sig.num_user_outputs :]
+    last_use = _last_use(stage_of, user_outputs, num_stages)
+    order = node_order(gm.graph)
+    live = [
+        sorted(
+            (n for n in stage_of if stage_of[n] < s <= last_use.get(n, -1)), key=order.__getitem__
+        )
+        for s in range(num_stages + 1)
+    ]
+    live[0] = list(gm.graph.find_nodes(op="placeholder"))
+    stages, infos = [], []
+    owners: dict[str, int] = {}
+    for s in range(num_stages):
+        mine = [n for n in gm.graph.nodes if stage_of.get(n) == s]
+        stage_aux = [
+            (a, key) for a, key in zip(aux, sig.aux_outputs, strict=True) if stage_of.get(a) == s
+        ]
+        sends = user_outputs if s == num_stages - 1 else live[s + 1]
+        stage = _stage_graph(gm, s, live[s], mine, sends, stage_aux, set(stage_of), verify)
+        for name, _ in stage.named_parameters():
+            if owners.setdefault(name, s) != s:
+                raise PipelinePassError(
+                    f"parameter {name!r} is read by stages {owners[name]} and {s} (tied "
+                    "weights?); untie it (e.g. tie_embeddings=False) to pipeline this model"
+                )
+        stages.append(stage)
+        infos.append(
+            StageInfo(
+                index=s,
+                rank=stage_rank(s, p.pp, p.pp_schedule),
+                blocks=paths[starts[s] : ends[s]],
+                inputs=[n.name for n in live[s]],
+                outputs=[n.name for n in sends],
+                aux_outputs=[key for _, key in stage_aux],
+                flops=evaluate(CostTotals.of(cost.nodes, mine).flops, values)
+                + (evaluate(loss_flops(gm), values) if s == num_stages - 1 else 0),
+                saved_bytes=evaluate(CostTotals.of(cost.nodes, mine).saved_bytes, values),
+                transient_bytes=max(
+                    unit_saved_bytes(cost, u, values)[1] for u in units[starts[s] : ends[s]]
+                ),
+                in_flight=in_flight[s],
+                params=parameter_count(stage),
+            )
+        )
+    return PipelineSplit(stages, infos, p.pp, p.virtual_stages, p.pp_schedule, p.microbatches)
+
+
+def _last_use(
+    stage_of: dict[fx.Node, int], user_outputs: list, num_stages: int
+) -> dict[fx.Node, int]:
+    """The last stage that reads each staged value (user outputs count for the last stage)."""
+    last: dict[fx.Node, int] = {}
+    for node, s in stage_of.items():
+        readers = [stage_of[u] for u in node.users if u in stage_of]
+        if node in user_outputs:
+            readers.append(num_stages - 1)
+        last[node] = max(readers, default=s)
+    return last
+
+
+def _stage_graph(
+    gm: fx.GraphModule,
+    index: int,
+    inputs: list[fx.Node],
+    mine: list[fx.Node],
+    sends: list[fx.Node],
+    aux: list[tuple[fx.Node, tuple[str, str]]],
+    staged: set[fx.Node],
+    verify: bool,
+) -> fx.GraphModule:
+    """The stage's graph: ``inputs`` as placeholders, its own ``mine`` nodes, data-independent
+    nodes (``staged`` are the data-dependent ones of every stage) recomputed where read."""
+    graph = fx.Graph()
+    env = placeholders_for(graph, inputs)
+
+    def lookup(arg: fx.Node) -> fx.Node | int:
+        if arg in env:
+            return env[arg]
+        if arg.op == "get_attr":
+            new = graph.get_attr(arg.target)
+            new.meta = dict(arg.meta)
+        elif arg.op == "call_function" and arg.target is aten.sym_size.int:
+            new = size_from_inputs(graph, arg, inputs, env, index)
+        elif arg.op == "call_function" and arg not in staged:
+            new = graph.node_copy(arg, lookup)
+        else:
+            raise PipelinePassError(
+                f"stage {index}: {arg.name} ({arg.target}) is computed in another stage but "
+                "was not sent to this one"
+            )
+        env[arg] = new
+        return new
+
+    for node in mine:
+        env[node] = graph.node_copy(node, lookup)
+    outs = [lookup(n) for n in sends] + [env[a] for a, _ in aux]
+    graph.output(tuple(outs))
+    stage = fx.GraphModule(gm, graph, class_name=f"PipelineStage{index}")
+    _stage_meta(gm, stage, len(inputs), len(sends), [key for _, key in aux], index)
+    stage.graph.lint()
+    if verify:
+        from moec.passes.verify import verify_graph
+
+        verify_graph(stage, f"pipeline (stage {index})")
+    return stage
+
+
+def size_from_inputs(
+    graph: fx.Graph, node: fx.Node, inputs: list[fx.Node], env: dict, index: int
+) -> fx.Node | int:
+    """``sym_size`` of the same symbol, read from one of this stage's own inputs; a size the
+    capture specialized (its value is an int) is that int."""
+    source, dim = node.args
+    if source in env:
+        new = graph.call_function(aten.sym_size.int, (env[source], dim))
+        new.meta = dict(node.meta)
+        return new
+    want = node.meta["val"]
+    if is_concrete_int(want):  # an int, or a symbol a guard pinned to one value
+        return int(want)
+    for inp in inputs:
+        val = inp.meta.get("val")
+        for d, size in enumerate(getattr(val, "shape", ())):
+            if isinstance(size, torch.SymInt) and str(size) == str(want):
+                new = graph.call_function(aten.sym_size.int, (env[inp], d))
+                new.meta = dict(node.meta)
+                return new
+    raise PipelinePassError(
+        f"stage {index}: size {node.name} = {want} of {source.name} cannot be read from the "
+        f"stage's inputs {[n.name for n in inputs]}"
+    )
+
+
+def _stage_meta(
+    gm: fx.GraphModule, stage: fx.GraphModule, n_in: int, n_out: int, aux: list, index: int
+) -> None:
+    names = {name for name, _ in stage.named_parameters()}
+    roles = gm.meta.get("moec_param_roles", {})
+    stage.meta["moec_param_roles"] = {k: v for k, v in roles.items() if k in names}
+    stage.meta["moec_moe_layers"] = [
+        m for m in gm.meta.get("moec_moe_layers", []) if any(under(n, m.path) for n in names)
+    ]
+    stage.meta["moec_signature"] = GraphSignature(
+        pytree.tree_flatten(((0,) * n_in, {}))[1],
+        pytree.tree_flatten((0,) * n_out)[1],
+        n_out,
+        list(aux),
+    )
+    stage.meta["moec_stage"] = index
+    copies = gm.meta.get("moec_working_weights", {})
+    stage.meta["moec_working_weights"] = {b: ps for b, ps in copies.items() if hasattr(stage, b)}
+    for buffer in stage.meta["moec_working_weights"]:  # GraphModule copied it as persistent
+        stage.register_buffer(buffer, stage.get_buffer(buffer), persistent=False)
