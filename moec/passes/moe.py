@@ -45,7 +45,7 @@ from moec.analysis.structure import FFNRegion, find_structure
 from moec.frontend import signature
 from moec.ops.activations import is_gated
 from moec.passes.manager import PassContext, PassResult
-from moec.passes.rewrite import GraphEditor, erase_unused
+from moec.passes.rewrite import GraphEditor, erase_unused, refresh_meta
 from moec.plan import MoEPlan, PlanError
 
 aten = torch.ops.aten
@@ -140,6 +140,8 @@ class MoEPass:
         output = gm.graph.output_node()
         output.args = (tuple(output.args[0]) + tuple(aux),)
         gm.graph.eliminate_dead_code()
+        if compute_dtype is not None:  # bf16 expert outputs re-type the nodes reading them
+            refresh_meta(gm)
         gm.recompile()
         stats = {
             "ffns_replaced": len(blocks) - plan.dense_first,
