@@ -28,6 +28,7 @@ import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
 from moec.kernels import activation, grouped_gemm
+from moec.ops.cuda import kernel_activation
 
 GROUPS, K, N = 16, 1536, 3072
 FORCED = ("pointer", "tma")
@@ -53,23 +54,24 @@ def cases(m: int) -> dict[str, tuple[Callable, Callable]]:
     h = torch.randn(m, N, **bf)
     offs = torch.arange(1, GROUPS + 1, device="cuda", dtype=torch.int32) * (m // GROUPS)
     gg = grouped_gemm
+    swiglu = kernel_activation("swiglu")
 
     def base_act() -> torch.Tensor:
-        return activation.act_forward(torch._grouped_mm(x, w, offs=offs), "swiglu")
+        return activation.act_forward(torch._grouped_mm(x, w, offs=offs), swiglu)
 
     def base_act_backward() -> torch.Tensor:
         d_a = torch._grouped_mm(d_y, w_down.transpose(-1, -2), offs=offs)
-        return activation.act_backward(h, d_a, "swiglu")[0]
+        return activation.act_backward(h, d_a, swiglu)[0]
 
     return {
         "gmm": (lambda: gg.gmm(x, w, offs), lambda: torch._grouped_mm(x, w, offs=offs)),
-        "gmm+swiglu": (lambda: gg.gmm_act(x, w, offs, None, "swiglu")[1], base_act),
+        "gmm+swiglu": (lambda: gg.gmm_act(x, w, offs, None, swiglu)[1], base_act),
         "dgrad": (
             lambda: gg.gmm(dy, w.transpose(-1, -2), offs, piece="dgrad"),
             lambda: torch._grouped_mm(dy, w.transpose(-1, -2), offs=offs),
         ),
         "dgrad+act": (
-            lambda: gg.gmm_act_backward(d_y, w_down, offs, h, "swiglu")[0],
+            lambda: gg.gmm_act_backward(d_y, w_down, offs, h, swiglu)[0],
             base_act_backward,
         ),
         "wgrad": (

@@ -3,7 +3,7 @@
 The report's profiling workload: tokens 2 x 8192, d 1536, 32 routed experts top-8 with SwiGLU
 width 1536, one shared SwiGLU expert of width 1536, capacity factor 1.25, bf16 weights.
 
-  moec      torch.ops.moec.{route, dispatch, expert_mlp, combine} with moec.kernels registered
+  moec      torch.ops.moec.{route, dispatch, expert_mlp, combine} with the CUDA kernels registered
   loop      (a) torch routing, then per expert: nonzero -> gather -> two matmuls -> index_add
   sorted    (b) torch routing (stable sort ranks), gather, torch._grouped_mm x2, bmm combine
   reference the ops' *_reference functions under autograd (the oracle all three must match)
@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from triton.testing import do_bench
 
-import moec.kernels
 from moec.kernels import grouped_gemm
 from moec.ops import grouped
+from moec.ops.cuda import kernel_activation, register_kernels
 from moec.ops.experts import expert_mlp_reference
 from moec.ops.movement import combine_reference, dispatch_reference
 from moec.ops.routing import assign_rows, capacity, route_reference
@@ -171,14 +171,15 @@ def pieces(buf: Tensor, offsets: Tensor, p: dict[str, Tensor]) -> list[dict]:
     """Each expert GEMM on every backend (ms); how :data:`GEMM_BACKENDS` is set."""
     w_up, w_down = p["w_up"].detach(), p["w_down"].detach()
     x = buf.detach()
-    h, a = grouped_gemm.gmm_act(x, w_up, offsets, None, "swiglu")
+    swiglu = kernel_activation("swiglu")
+    h, a = grouped_gemm.gmm_act(x, w_up, offsets, None, swiglu)
     dy = torch.randn_like(x)
     d_h = torch.randn_like(h)
     gg = grouped_gemm
     cases = {
-        "up": lambda: gg.gmm_act(x, w_up, offsets, None, "swiglu"),
+        "up": lambda: gg.gmm_act(x, w_up, offsets, None, swiglu),
         "down": lambda: gg.gmm(a, w_down, offsets, piece="down"),
-        "dgrad_act": lambda: gg.gmm_act_backward(dy, w_down, offsets, h, "swiglu"),
+        "dgrad_act": lambda: gg.gmm_act_backward(dy, w_down, offsets, h, swiglu),
         "dgrad": lambda: gg.gmm(d_h, w_up.transpose(-1, -2), offsets, piece="dgrad"),
         "wgrad_down": lambda: gg.gmm_wgrad(a, dy, offsets),
         "wgrad_up": lambda: gg.gmm_wgrad(x, d_h, offsets),
@@ -205,7 +206,7 @@ def main() -> None:
     parser.add_argument("--skip-loop", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    moec.kernels.register()
+    register_kernels()
     dev = "cuda"
     torch.manual_seed(0)
     p = make_params(dev)

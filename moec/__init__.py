@@ -14,7 +14,7 @@ from moec.plan import Plan, PlanError
 from moec.runtime.compiled import CompiledModel, compile
 
 if torch.cuda.is_available():  # the ops pick the Triton kernels on CUDA automatically
-    from moec.kernels import register as _register_kernels
+    from moec.ops.cuda import register_kernels as _register_kernels
 
     _register_kernels()
 

@@ -20,12 +20,23 @@ triton = pytest.importorskip("triton")
 from moec.kernels import (  # noqa: E402
     activation,
     cross_entropy,
-    experts,
+    ep_push,
     grouped_gemm,
     grouped_tma,
     movement,
     rope,
-    router,
+)
+from moec.ops import cuda  # noqa: E402
+from moec.ops.activations import (  # noqa: E402
+    ACTIVATIONS,
+    activate,
+    activate_backward,
+    is_gated,
+)
+from moec.ops.experts import (  # noqa: E402
+    bias_grads,
+    expert_mlp_backward_reference,
+    expert_mlp_reference,
 )
 from moec.ops.loss import cross_entropy_rows_reference  # noqa: E402
 from moec.ops.movement import combine_reference, dispatch_reference  # noqa: E402
@@ -74,7 +85,7 @@ def _logits(tokens: int, num_experts: int, case: str, dtype: torch.dtype) -> tor
 )
 def test_route_equals_reference(tokens, num_experts, top_k, cf, gating, normalize, case, dtype):
     logits = _logits(tokens, num_experts, case, dtype)
-    got = router.route(logits, top_k, cf, gating, normalize, "learned")
+    got = cuda.route(logits, top_k, cf, gating, normalize, "learned")
     want = route_reference(logits, top_k, cf, gating, normalize, "learned")
     for name, a, b in zip(["ids", "weights", "rows", "offsets", "counts"], got, want, strict=True):
         if name == "weights":
@@ -86,7 +97,7 @@ def test_route_equals_reference(tokens, num_experts, top_k, cf, gating, normaliz
 @interpreted
 def test_route_uniform_policy_and_lead_dims():
     logits = torch.randn(3, 20, 8)
-    got = router.route(logits, 2, 1.0, "softmax", True, "uniform")
+    got = cuda.route(logits, 2, 1.0, "softmax", True, "uniform")
     want = route_reference(logits, 2, 1.0, "softmax", True, "uniform")
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b)
@@ -124,24 +135,17 @@ def test_rowwise_push_and_push_back_between_two_peer_buffers(weighted):
     every kept route's (weighted) token row lands at ``dest * cap + row``, dropped ones nowhere;
     the routes' ids pushed the same way give each row its origin, and pushing the rows back to
     their origins restores every kept route's row (zeros for dropped ones)."""
-    from moec.runtime import ep_rowwise
-
     tokens, top_k, dim, cap = 7, 2, 40, 6
     routes = tokens * top_k
     x = torch.randn(tokens, dim)
     weights = torch.rand(routes)
     address = torch.randperm(2 * cap)[: routes - 2]
     address = torch.cat([address, torch.full((2,), -1)])[torch.randperm(routes)]
-    meta = {"ROUTES": 4, "COLS": 16}
 
     def push(src, at, rows, fill, k=1, scales=None):
         peers_rows = [torch.full((rows, src.shape[1]), fill, dtype=src.dtype) for _ in range(2)]
         peers = torch.tensor([b.data_ptr() for b in peers_rows])
-        grid = (triton.cdiv(at.numel(), 4), triton.cdiv(src.shape[1], 16))
-        ep_rowwise._push_rows_kernel[grid](
-            src, src if scales is None else scales, at, peers, at.numel(), rows, src.shape[1],
-            TOP_K=k, HAS_WEIGHTS=scales is not None, **meta,
-        )  # fmt: skip
+        ep_push.push_rows(src, at, peers, rows, k, scales)
         return torch.cat(peers_rows)
 
     buffer = push(x, address, cap, float("nan"), top_k, weights if weighted else None)
@@ -236,8 +240,7 @@ def test_tma_gmm_epilogues(case):
     """The persistent TMA kernel (float32): plain product through a weight and a transposed
     view, the fused SwiGLU forward and backward; K, width and rows not multiples of the tiles,
     poisoned rows past the offsets and outputs pre-filled with 1e4 there must stay untouched."""
-    from moec.ops.activations import activate, activate_backward
-
+    swiglu = cuda.kernel_activation("swiglu")
     offsets = _offsets(OFFSET_CASES[case])
     rows, depth, hidden, used = 48, 40, 24, int(offsets[-1])
     x = torch.randn(rows, depth)
@@ -250,7 +253,7 @@ def test_tma_gmm_epilogues(case):
         torch.testing.assert_close(out[:used], _per_expert(x, weights, offsets)[:used])
         assert (out[used:] == 1e4).all()
     h, a = torch.full((rows, 2 * hidden), 1e4), torch.full((rows, hidden), 1e4)
-    grouped_tma.launch_gmm(x, w, offsets, a, h, None, 1, "swiglu")
+    grouped_tma.launch_gmm(x, w, offsets, a, h, None, 1, swiglu)
     h_ref = _per_expert(x, w, offsets)
     torch.testing.assert_close(h[:used], h_ref[:used])
     torch.testing.assert_close(a[:used], activate(h_ref, "swiglu")[:used])
@@ -258,7 +261,7 @@ def test_tma_gmm_epilogues(case):
     d_y = torch.randn(rows, depth)
     w_down = torch.randn(4, hidden, depth) / hidden**0.5
     d_h, a = torch.full_like(h, 1e4), torch.full_like(a, 1e4)
-    grouped_tma.launch_gmm(d_y, w_down.transpose(-1, -2), offsets, a, h, d_h, 2, "swiglu")
+    grouped_tma.launch_gmm(d_y, w_down.transpose(-1, -2), offsets, a, h, d_h, 2, swiglu)
     d_a = _per_expert(d_y, w_down.transpose(-1, -2), offsets)
     want = activate_backward(h_ref, d_a, "swiglu")
     torch.testing.assert_close(d_h[:used], want[:used], atol=1e-4, rtol=1e-4)
@@ -283,7 +286,7 @@ def test_expert_mlp_forward_backward(activation_name, bias):
     w_down = torch.randn(num_experts, hidden, dim) / hidden**0.5
     b_up = torch.randn(num_experts, width) if bias else None
     b_down = torch.randn(num_experts, dim) if bias else None
-    y, h = experts.expert_mlp(x, w_up, w_down, offsets, b_up, b_down, activation_name)
+    y, h = cuda.expert_mlp(x, w_up, w_down, offsets, b_up, b_down, activation_name)
     leaves = [t.double().requires_grad_() for t in (x, w_up, w_down, b_up, b_down) if t is not None]
     rb = (leaves[3], leaves[4]) if bias else (None, None)
     y_ref, h_ref = torch.ops.moec.expert_mlp(*leaves[:3], offsets, *rb, activation_name)
@@ -292,9 +295,8 @@ def test_expert_mlp_forward_backward(activation_name, bias):
     dy = torch.randn(rows, dim)
     dy[used:] = 1e4
     bias_dtypes = (torch.float32, torch.float32) if bias else (None, None)
-    grads = experts.expert_mlp_backward(
-        x, w_up, w_down, offsets, h, dy, activation_name, bias_dtypes
-    )
+    *grads, d_h = cuda.expert_mlp_backward(x, w_up, w_down, offsets, h, dy, activation_name)
+    grads += bias_grads(d_h, dy, offsets, bias_dtypes)
     want = torch.autograd.grad(y_ref, leaves, dy.double())
     names = ["x", "w_up", "w_down", "b_up", "b_down"]
     for name, g, r in zip(names, grads, [*want, None, None][:5], strict=True):
@@ -308,15 +310,57 @@ def test_expert_mlp_forward_backward(activation_name, bias):
 
 @interpreted
 def test_activation_kernels_match_reference():
-    from moec.ops.activations import activate, activate_backward
-
+    """Every activation with a kernel form: the kernels' forward and backward equal the
+    reference (plain ones on h, gated ones on h = [gate | up])."""
+    with_kernel = [name for name in ACTIVATIONS if cuda.kernel_activation(name) is not None]
+    assert {"gelu", "gelu_tanh", "silu", "relu", "swiglu", "geglu", "geglu_tanh", "reglu"} <= set(
+        with_kernel
+    )
     h = torch.randn(20, 2 * 33) * 3
-    d_a = torch.randn(20, 33)
-    for name in ("swiglu", "geglu", "geglu_tanh", "reglu"):
-        torch.testing.assert_close(activation.act_forward(h, name), activate(h, name))
-        d_h, a = activation.act_backward(h, d_a, name)
-        torch.testing.assert_close(d_h, activate_backward(h, d_a, name), atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(a, activate(h, name))
+    for name in with_kernel:
+        act = cuda.kernel_activation(name)
+        d_a = torch.randn(20, 33 if act.gated else 66)
+        torch.testing.assert_close(activation.act_forward(h, act), activate(h, name), msg=name)
+        d_h, a = activation.act_backward(h, d_a, act)
+        torch.testing.assert_close(
+            d_h, activate_backward(h, d_a, name), atol=1e-5, rtol=1e-5, msg=name
+        )
+        torch.testing.assert_close(a, activate(h, name), msg=name)
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("a kernel ran on inputs it does not take")
+
+
+@interpreted
+def test_inputs_without_a_kernel_run_the_reference(monkeypatch):
+    """The CUDA implementations run the op's reference for every activation without a kernel
+    code (quick_gelu, relu2 and their gated forms today) and for a 5-D rope input: no kernel
+    runs, and the results are the reference's."""
+    without_code = [name for name in ACTIVATIONS if cuda.kernel_activation(name) is None]
+    assert without_code, "every built-in has a kernel code: withdraw one here to test this"
+    for name in ("act_forward", "act_backward"):
+        monkeypatch.setattr(cuda, name, _refuse)
+    for name in ("expert_mlp", "expert_mlp_backward"):
+        monkeypatch.setattr(cuda.experts, name, _refuse)
+    offsets = _offsets([3, 0, 6])
+    x, w_down, d_y = torch.randn(9, 8), torch.randn(3, 12, 8), torch.randn(9, 8)
+    for name in without_code:
+        gated = is_gated(name)
+        w_up = torch.randn(3, 8, 24 if gated else 12)
+        y, h = cuda.expert_mlp(x, w_up, w_down, offsets, None, None, name)
+        y_ref, h_ref = expert_mlp_reference(x, w_up, w_down, offsets, None, None, name)
+        assert torch.equal(y, y_ref) and torch.equal(h, h_ref), name
+        grads = cuda.expert_mlp_backward(x, w_up, w_down, offsets, h, d_y, name)
+        want = expert_mlp_backward_reference(x, w_up, w_down, offsets, h, d_y, name)
+        assert all(torch.equal(g, r) for g, r in zip(grads, want, strict=True)), name
+        if gated:
+            d_a = torch.randn(9, 12)
+            assert torch.equal(cuda.glu_forward(h, name), activate(h, name)), name
+            assert torch.equal(cuda.glu_backward(h, d_a, name), activate_backward(h, d_a, name))
+    monkeypatch.setattr(rope, "_rope_kernel", None)  # launching it would raise
+    x5, cos, sin = torch.randn(2, 2, 3, 5, 8), torch.randn(5, 8), torch.randn(5, 8)
+    assert torch.equal(cuda.rope(x5, cos, sin, torch.float32, False), rotate(x5, cos, sin, False))
 
 
 @interpreted

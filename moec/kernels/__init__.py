@@ -1,52 +1,19 @@
-"""Triton kernels behind the ``moec::`` ops, chosen per device (sm90 / sm100+), with fallbacks.
+"""Triton kernels behind the ``moec::`` ops, configured per device (sm90 / sm100+).
 
-:func:`register` installs CUDA implementations over the op schemas (``torch.library``) and the
-backward hooks of :mod:`moec.ops.grouped`; it is idempotent, and a no-op without Triton. Every
-implementation falls back to the op's reference for what the kernels do not take (float64,
-non-CUDA devices); the reference stays the oracle the tests compare against.
+Kernels take plain tensors and numbers (an activation as a code and a gated flag, a capacity as
+a row count) and know nothing of the ops: :mod:`moec.ops.cuda` checks the ops' arguments, picks
+a kernel or the op's reference, and registers the CUDA implementations. Each kernel family
+documents the inputs it takes; :data:`~moec.kernels.arch.HAVE_TRITON` says whether any can run.
 
 Families: :mod:`~moec.kernels.router` (route), :mod:`~moec.kernels.movement` (dispatch,
-combine), :mod:`~moec.kernels.grouped_gemm` (grouped GEMMs with activation epilogues),
-:mod:`~moec.kernels.activation`, :mod:`~moec.kernels.experts` (expert_mlp forward/backward),
-:mod:`~moec.kernels.cross_entropy` (the in-place loss rows of ``linear_cross_entropy``),
-:mod:`~moec.kernels.rope` (rotary embedding).
+combine), :mod:`~moec.kernels.grouped_gemm` and :mod:`~moec.kernels.grouped_tma` (grouped GEMMs
+with activation epilogues), :mod:`~moec.kernels.activation`, :mod:`~moec.kernels.experts` (the
+expert MLP forward/backward), :mod:`~moec.kernels.cross_entropy` (the in-place loss rows of
+``linear_cross_entropy``), :mod:`~moec.kernels.rope` (rotary embedding),
+:mod:`~moec.kernels.ep_push` (the rowwise EP copy), :mod:`~moec.kernels.adamw`,
+:mod:`~moec.kernels.mxfp8` and :mod:`~moec.kernels.fp8_rowwise` (quantized GEMMs).
 """
-
-from __future__ import annotations
 
 from moec.kernels.arch import HAVE_TRITON
 
-_REGISTERED = False
-
-
-def register() -> bool:
-    """Register the CUDA kernels (once); returns whether they are active (Triton importable)."""
-    global _REGISTERED
-    if not HAVE_TRITON:
-        return False
-    if _REGISTERED:
-        return True
-    import torch
-
-    import moec.ops  # noqa: F401  (defines the op schemas)
-    from moec.kernels import activation, cross_entropy, cuda_ops, rope
-    from moec.ops import grouped
-
-    torch.library.register_kernel("moec::route", "cuda")(cuda_ops.route)
-    torch.library.register_kernel("moec::dispatch", "cuda")(cuda_ops.dispatch)
-    torch.library.register_kernel("moec::combine", "cuda")(cuda_ops.combine)
-    torch.library.register_kernel("moec::expert_mlp", "cuda")(cuda_ops.expert_mlp)
-    grouped.register_cuda_kernels(cuda_ops.BACKWARD_HOOKS)
-    grouped.register_cuda_kernels(
-        {
-            "cross_entropy_rows": cross_entropy.cross_entropy_rows,
-            "rope": rope.rope,
-            "act_forward": activation.act_forward,
-            "act_backward": activation.act_backward,
-        }
-    )
-    _REGISTERED = True
-    return True
-
-
-__all__ = ["HAVE_TRITON", "register"]
+__all__ = ["HAVE_TRITON"]

@@ -1,8 +1,11 @@
 """Expert activations in Triton: the math shared by the GEMM epilogues, and elementwise kernels.
 
-act_forward(h[R, U]) -> a[R, H]                 a = act(h), or act(h[:, :H]) * h[:, H:] if gated
-act_backward(h[R, U], d_a[R, H]) -> d_h[R, U], a[R, H]
-    the gradient of :func:`moec.ops.activations.activate` at h, and a recomputed for the wgrad.
+An activation reaches the kernels as a :class:`KernelActivation`: the ``ACT`` code of its unary
+function (:data:`UNARY_CODES`) and whether it is gated::
+
+    act_forward(h[R, U], act) -> a[R, H]        a = f(h), or f(h[:, :H]) * h[:, H:] if gated
+    act_backward(h[R, U], d_a[R, H], act) -> d_h[R, U], a[R, H]
+        the gradient of that map at h, and a recomputed for the wgrad.
 
 Math runs in float32 on values read in the storage dtype (so a fused epilogue that rounds h
 first computes exactly what these kernels compute from the stored h).
@@ -10,23 +13,25 @@ first computes exactly what these kernels compute from the stored h).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from moec.ops.activations import gated_from_unary, is_gated
-
 UNARY_CODES = {"gelu": 0, "gelu_tanh": 1, "silu": 2, "relu": 3}
-"""Activation codes of the kernels' ``ACT`` constexpr."""
+"""The unary functions the kernels compute, by name, and their code in the ``ACT`` constexpr
+(gelu: erf form; gelu_tanh: tanh approximation; silu: x sigmoid(x); relu)."""
 
 
-def act_code(activation: str) -> tuple[int, bool]:
-    """(ACT code of the unary part, gated) for an activation name of :mod:`moec.ops.activations`."""
-    if is_gated(activation):
-        unary = next(u for u in UNARY_CODES if gated_from_unary(u) == activation)
-        return UNARY_CODES[unary], True
-    return UNARY_CODES[activation], False
+class KernelActivation(NamedTuple):
+    """An activation as the kernels take it."""
+
+    code: int
+    """``ACT``: the code of the unary function f (a value of :data:`UNARY_CODES`)."""
+    gated: bool
+    """True: h = [gate | up] of width 2H and a = f(gate) * up; False: a = f(h)."""
 
 
 @triton.jit
@@ -120,8 +125,8 @@ def _act_kernel(
             )
 
 
-def _launch(h: Tensor, d_a: Tensor | None, activation: str) -> tuple[Tensor, Tensor | None]:
-    code, gated = act_code(activation)
+def _launch(h: Tensor, d_a: Tensor | None, act: KernelActivation) -> tuple[Tensor, Tensor | None]:
+    code, gated = act
     h = h.contiguous()
     rows, width = h.shape
     hidden = width // 2 if gated else width
@@ -142,13 +147,14 @@ def _launch(h: Tensor, d_a: Tensor | None, activation: str) -> tuple[Tensor, Ten
     return a, d_h
 
 
-def act_forward(h: Tensor, activation: str) -> Tensor:
-    """``activate(h, activation)`` in one kernel."""
-    return _launch(h, None, activation)[0]
+def act_forward(h: Tensor, act: KernelActivation) -> Tensor:
+    """a: the activation of h (R, U) in one kernel."""
+    return _launch(h, None, act)[0]
 
 
-def act_backward(h: Tensor, d_a: Tensor, activation: str) -> tuple[Tensor, Tensor]:
-    """(d_h, a): ``activate_backward(h, d_a)`` and ``activate(h)`` in one kernel."""
-    a, d_h = _launch(h, d_a, activation)
+def act_backward(h: Tensor, d_a: Tensor, act: KernelActivation) -> tuple[Tensor, Tensor]:
+    """(d_h, a): the activation's gradient at h for the output gradient d_a, and a, in one
+    kernel."""
+    a, d_h = _launch(h, d_a, act)
     assert d_h is not None
     return d_h, a

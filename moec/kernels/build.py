@@ -22,6 +22,7 @@ from moec.kernels import (
     activation,
     adamw,
     cross_entropy,
+    ep_push,
     grouped_gemm,
     grouped_tma,
     movement,
@@ -155,17 +156,14 @@ def kernel_specs(capability: int) -> list[KernelSpec]:
 
 
 def _ep_specs() -> list[KernelSpec]:
-    """The EP rowwise transport's copy kernel (it lives with the runtime that owns the
-    symmetric memory it writes)."""
-    from moec.runtime import ep_rowwise
-
+    """The EP rowwise transport's copy kernel."""
     ptrs = {
         "src_ptr": "*bf16", "weights_ptr": "*fp32", "address_ptr": "*i64", "peers_ptr": "*i64",
     }  # fmt: skip
-    tile = {"ROUTES": ep_rowwise.ROUTES, "COLS": ep_rowwise.COLS}
+    tile = {"ROUTES": ep_push.ROUTES, "COLS": ep_push.COLS}
     return [
         KernelSpec(
-            f"ep_push_rows_k{top_k}", ep_rowwise._push_rows_kernel, ptrs,
+            f"ep_push_rows_k{top_k}", ep_push._push_rows_kernel, ptrs,
             tile | {"TOP_K": top_k, "HAS_WEIGHTS": top_k > 1},
         )
         for top_k in (8, 1)  # dispatch (weighted in combine's backward); combine

@@ -38,7 +38,7 @@ import triton.language as tl
 from torch import Tensor
 
 from moec.kernels import grouped_tma
-from moec.kernels.activation import act_backward, act_code, act_forward
+from moec.kernels.activation import KernelActivation, act_backward, act_forward
 from moec.kernels.arch import arch
 from moec.kernels.gemm_tiles import (
     EPILOGUE_ACT,
@@ -319,19 +319,20 @@ def _launch_gmm(
     h: Tensor | None,
     d_h: Tensor | None,
     epilogue: int,
-    activation: str | None,
+    act: KernelActivation | None,
 ) -> None:
-    """Run the pointer kernels, or the TMA kernel when ``chosen`` says so (no bias there)."""
+    """Run the pointer kernels, or the TMA kernel when ``chosen`` says so (no bias there);
+    ``act`` is read by the activation epilogues only."""
     _check_operands(x, w, offsets)
     rows, depth = x.shape
     n_out = out.shape[1]
     if rows == 0 or n_out == 0:
         return
     if chosen == "tma":
-        grouped_tma.launch_gmm(x, w, offsets, out, h, d_h, epilogue, activation)
+        grouped_tma.launch_gmm(x, w, offsets, out, h, d_h, epilogue, act)
         return
     num_experts = w.shape[0]
-    code, gated = act_code(activation) if activation is not None else (0, False)
+    code, gated = act if act is not None else (0, False)
     kind = "gmm2" if gated and epilogue == EPILOGUE_ACT else "gmm"
     kernel = _tuned(kind, arch(x.device))
     aux = h if h is not None else out
@@ -366,34 +367,33 @@ def gmm(
 
 
 def gmm_act(
-    x: Tensor, w_up: Tensor, offsets: Tensor, bias: Tensor | None, activation: str
+    x: Tensor, w_up: Tensor, offsets: Tensor, bias: Tensor | None, act: KernelActivation
 ) -> tuple[Tensor, Tensor]:
     """(h, a): the up projection with the activation fused into its epilogue."""
-    _, gated = act_code(activation)
     width = w_up.shape[-1]
     chosen = backend("up", x, w_up) if bias is None else "pointer"
     if chosen == "grouped_mm":
         h = torch._grouped_mm(x.contiguous(), w_up, offs=offsets)
-        return h, act_forward(h, activation)
+        return h, act_forward(h, act)
     h = x.new_empty(x.shape[0], width)
-    a = x.new_empty(x.shape[0], width // 2 if gated else width)
-    _launch_gmm(chosen, x, w_up, offsets, bias, a, h, None, EPILOGUE_ACT, activation)
+    a = x.new_empty(x.shape[0], width // 2 if act.gated else width)
+    _launch_gmm(chosen, x, w_up, offsets, bias, a, h, None, EPILOGUE_ACT, act)
     return h, a
 
 
 def gmm_act_backward(
-    d_y: Tensor, w_down: Tensor, offsets: Tensor, h: Tensor, activation: str
+    d_y: Tensor, w_down: Tensor, offsets: Tensor, h: Tensor, act: KernelActivation
 ) -> tuple[Tensor, Tensor]:
     """(d_h, a): ``d_a = d_y @ w_down[e]^T`` then the activation backward, in one kernel."""
     w_t = w_down.transpose(-1, -2)
     chosen = backend("dgrad_act", d_y, w_t)
     if chosen == "grouped_mm":
         d_a = torch._grouped_mm(d_y.contiguous(), w_t, offs=offsets)
-        return act_backward(h, d_a, activation)
+        return act_backward(h, d_a, act)
     h = h.contiguous()
     a = d_y.new_empty(d_y.shape[0], w_t.shape[-1])
     d_h = torch.empty_like(h)
-    _launch_gmm(chosen, d_y, w_t, offsets, None, a, h, d_h, EPILOGUE_ACT_BACKWARD, activation)
+    _launch_gmm(chosen, d_y, w_t, offsets, None, a, h, d_h, EPILOGUE_ACT_BACKWARD, act)
     return d_h, a
 
 

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from moec.kernels.activation import act_code
+from moec.kernels.activation import KernelActivation
 from moec.kernels.arch import arch, interpreting
 from moec.kernels.gemm_tiles import EPILOGUE_ACT, epilogue, expert_table, expert_tile
 
@@ -217,14 +217,14 @@ def launch_gmm(
     h: Tensor | None,
     d_h: Tensor | None,
     epilogue: int,
-    activation: str | None,
+    act: KernelActivation | None,
 ) -> None:
     """Run the kernel: ``out`` (and ``h`` / ``d_h`` as ``epilogue`` says) written in place;
     the caller has checked shapes (none empty) and :func:`applies`."""
     _set_allocator()
     rows, depth = x.shape
     num_experts, _, width = w.shape
-    code, gated = act_code(activation) if activation is not None else (0, False)
+    code, gated = act if act is not None else (0, False)
     n_out = out.shape[1]
     transposed = w.stride(-1) != 1
     base = w.transpose(-1, -2) if transposed else w

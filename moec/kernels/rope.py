@@ -6,7 +6,8 @@ rope(x[..., D], cos, sin, dtype, backward) -> out[..., D] (contiguous, ``dtype``
               out_lo = x_lo cos_lo + x_hi sin_hi,  out_hi = x_hi cos_hi - x_lo sin_lo
 where lo / hi are the halves of the last dimension. x has up to 4 dimensions and any strides
 (q and k arrive as transposed views of the projections); cos / sin are broadcast by stride-0
-expansion, so a (S, D) table is read, never materialised at x's size. Arithmetic in float32.
+expansion, so a (S, D) table is read, never materialised at x's size. Arithmetic in float32;
+x float32/16/bf16 (wider inputs are the caller's to handle).
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from moec.ops.rope import rotate
-
 BLOCK_R = 32
+MAX_DIMS = 4
+"""Dimensions of x the kernel takes."""
 
 
 @triton.jit
@@ -79,10 +80,11 @@ def _leading_strides(t: Tensor) -> list[int]:
 
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor, dtype: torch.dtype, backward: bool) -> Tensor:
-    """``moec::rope`` (forward, or the gradient w.r.t. x when ``backward``)."""
-    if x.dim() > 4 or x.dtype == torch.float64:
-        return rotate(x, cos, sin, backward).to(dtype)
-    given, shape = x.shape, (1,) * (4 - x.dim()) + tuple(x.shape)
+    """The rotation of x (forward, or its transpose, the gradient w.r.t. x, when ``backward``),
+    written in ``dtype``."""
+    if x.dim() > MAX_DIMS:
+        raise ValueError(f"rope kernel: x has {x.dim()} dimensions, at most {MAX_DIMS} supported")
+    given, shape = x.shape, (1,) * (MAX_DIMS - x.dim()) + tuple(x.shape)
     x, cos, sin = (t.expand(given).reshape(shape) for t in (x, cos, sin))
     x, cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, cos, sin))
     out = torch.empty(x.shape, dtype=dtype, device=x.device)

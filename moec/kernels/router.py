@@ -1,7 +1,10 @@
 """Router kernels: fused gating + top-k + capacity slot assignment for ``moec::route``.
 
-route(logits[T, N]) -> expert_ids[T, K] i64, weights[T, K] f32, rows[T, K] i64, offsets[N] i32,
-counts[N] i64, equal to :func:`moec.ops.routing.route_reference` (integers exactly).
+route(logits[*, N], top_k, cap, gating, normalize, chosen?) -> expert_ids[*, K] i64,
+weights[*, K] f32, rows[*, K] i64, offsets[N] i32, counts[N] i64, as the op's reference computes
+them (integers exactly): top-k of the gate scores (``chosen`` None), or the given expert ids and
+weights; an expert accepts its first ``cap`` routes in token-major order, the rest are dropped
+(row -1); accepted routes of expert e fill rows ``[offsets[e-1], offsets[e])``.
 
 Three launches, all static-shaped and sync-free (T tokens in blocks of BLOCK_T, B blocks):
 
@@ -23,8 +26,6 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-
-from moec.ops.routing import capacity, choose_experts, route_weights
 
 GATING_CODES = {"softmax": 0, "sigmoid": 1}
 
@@ -171,12 +172,14 @@ def _block_tokens(n_p2: int) -> int:
 def route(
     logits: Tensor,
     top_k: int,
-    capacity_factor: float,
+    cap: int,
     gating: str,
     normalize: bool,
-    routing: str,
+    chosen: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``moec::route`` with the kernels above; same arguments and results as the reference."""
+    """The routes of every token (see module). ``gating``: a key of :data:`GATING_CODES`;
+    ``chosen``: (expert_ids, weights) of shape (T, K) for T = the tokens of ``logits``, when a
+    policy other than top-k picked the experts (the kernels then only rank the routes)."""
     lead, num_experts = logits.shape[:-1], logits.shape[-1]
     flat = logits.reshape(-1, num_experts)
     if flat.stride(-1) != 1:
@@ -187,14 +190,12 @@ def route(
     k_p2 = triton.next_power_of_2(top_k)
     block_t = _block_tokens(n_p2)
     num_blocks = max(1, triton.cdiv(tokens, block_t))
-    cap = capacity(tokens, top_k, num_experts, capacity_factor)
-    learned = routing == "learned"
+    learned = chosen is None
     if learned:
         ids = torch.empty(tokens, top_k, dtype=torch.int64, device=device)
         weights = torch.empty(tokens, top_k, dtype=torch.float32, device=device)
     else:
-        ids = choose_experts(flat, top_k, routing).contiguous()
-        weights = route_weights(flat, ids, gating, normalize)
+        ids, weights = chosen[0].contiguous(), chosen[1]
     before = torch.empty(tokens, n_p2, dtype=torch.int32, device=device)
     hist = torch.empty(num_blocks, n_p2, dtype=torch.int32, device=device)
     _route_topk_kernel[(num_blocks,)](

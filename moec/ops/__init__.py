@@ -2,8 +2,8 @@
 
 Importing this package registers ``torch.ops.moec.{route, router_losses, dispatch, combine,
 expert_mlp, glu, linear_cross_entropy, rope}``. Each op's Python body is the pure-PyTorch reference,
-the oracle for every faster implementation; :mod:`moec.kernels` registers CUDA implementations
-over the same schemas.
+the oracle for every faster implementation; :func:`moec.ops.cuda.register_kernels` registers CUDA
+implementations on the Triton kernels of :mod:`moec.kernels` over the same schemas.
 """
 
 from moec.ops.experts import expert_mlp

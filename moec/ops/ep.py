@@ -40,8 +40,10 @@ Paths (``path``):
   route's destination rank and row computed on the device (:func:`rowwise_route_map`); a Triton
   kernel writes rows straight into the peers' symmetric-memory buffers (``R = Cr``), the layout
   sends each row's origin along (``recv_rows[r] = source * T*K + route``, -1 for no route), and
-  combine pushes every expert-output row back to its origin (:mod:`moec.runtime.ep_rowwise`).
-  Without CUDA/symmetric memory it raises :class:`EPPathError` naming ``a2a_capacity``.
+  combine pushes every expert-output row back to its origin. The transport is the runtime's
+  (it owns the symmetric-memory workspaces): importing ``moec.runtime`` registers it with
+  :func:`register_rowwise_transport`. Without CUDA/symmetric memory, or with no transport
+  registered, it raises :class:`EPPathError` naming ``a2a_capacity``.
 
 Backward: dispatch's is the reverse exchange plus an unweighted sum (a combine); combine's is a
 weighted dispatch plus ``d_weights = <picked, d_out>``. All three every rank of the group must
@@ -51,10 +53,14 @@ call in the same order, like any collective. The index math is plain functions t
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from moec.errors import MoecError
 
 PATHS = ("a2a_capacity", "sync_1d", "rowwise")
 
@@ -62,7 +68,7 @@ _POISON: float | None = None
 """Tests set this to fill every buffer slot no route writes (tails, padding) with garbage."""
 
 
-class EPPathError(RuntimeError):
+class EPPathError(MoecError, RuntimeError):
     """The chosen EP path cannot run here; the message names the path to use instead."""
 
 
@@ -329,16 +335,54 @@ def _fetch(buffer, slots, recv_rows, sent, counts, group, ep_size, path):
     return _fetch_a2a(buffer, slots, recv_rows, sent, counts, pg, path)
 
 
-def _rowwise():
-    """The CUDA symmetric-memory transport, or :class:`EPPathError` naming the fallback."""
+class RowwiseTransport(Protocol):
+    """What the ``rowwise`` path needs of its transport."""
+
+    def check_available(self, t: Tensor) -> None:
+        """Raise :class:`EPPathError` (naming ``a2a_capacity``) unless ``t`` can travel."""
+
+    def send(
+        self,
+        x: Tensor,
+        address: Tensor,
+        rows: int,
+        pg: dist.ProcessGroup,
+        top_k: int = 1,
+        weights: Tensor | None = None,
+        fill: float | None = None,
+    ) -> Tensor:
+        """Push route ``i``'s row ``x[i // top_k]`` (times ``weights[i]``) to ``address[i] =
+        dest * rows + row`` (-1: nowhere); return this rank's ``[rows, D]`` buffer, rows no route
+        wrote holding ``fill`` (:data:`_POISON` when None and set, else unspecified)."""
+
+
+_load_rowwise: Callable[[], RowwiseTransport] | None = None
+"""The registered loader of the rowwise transport."""
+
+
+def register_rowwise_transport(load: Callable[[], RowwiseTransport]) -> None:
+    """Install the ``rowwise`` transport: ``load()`` returns it when the path first runs, or
+    raises ImportError where its dependencies (triton, symmetric memory) are missing. Registering
+    again replaces the loader."""
+    global _load_rowwise
+    _load_rowwise = load
+
+
+def _rowwise() -> RowwiseTransport:
+    """The registered transport, or :class:`EPPathError` naming the fallback."""
+    if _load_rowwise is None:
+        raise EPPathError(
+            "ep_path='rowwise' needs the runtime's symmetric-memory transport, registered by "
+            "`import moec.runtime`; import it, or use ep_path='a2a_capacity' (sync-free on any "
+            "backend)"
+        )
     try:
-        from moec.runtime import ep_rowwise
+        return _load_rowwise()
     except ImportError as exc:
         raise EPPathError(
             f"ep_path='rowwise' needs triton and torch.distributed._symmetric_memory ({exc}); "
             "use ep_path='a2a_capacity' (sync-free on any backend)"
         ) from exc
-    return ep_rowwise
 
 
 def _acc(t: Tensor) -> torch.dtype:

@@ -88,28 +88,52 @@ def _setup(ctx, inputs, output):
     )
 
 
-def _backward(ctx, d_y, d_h_unused):
-    x, w_up, w_down, offsets, h = ctx.saved_tensors
-    kernel = cuda_kernel("expert_mlp_backward", x)
-    if kernel is not None:
-        d_x, d_w_up, d_w_down, d_b_up, d_b_down = kernel(
-            x, w_up, w_down, offsets, h, d_y, ctx.activation, ctx.bias_dtypes
-        )
-        return d_x, d_w_up, d_w_down, None, d_b_up, d_b_down, None
-    experts = row_experts(offsets, x.shape[0])
-    num_experts = offsets.shape[0]
-    d_y = d_y.to(x.dtype)
-    act = activate(h, ctx.activation)
+def expert_mlp_backward_reference(
+    x: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    offsets: Tensor,
+    h: Tensor,
+    d_y: Tensor,
+    activation: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The oracle backward of ``moec::expert_mlp`` without biases: (d_x, d_w_up, d_w_down, d_h)
+    for ``d_y`` in x's dtype; weight gradients in the weights' dtype."""
+    act = activate(h, activation)
     d_w_down = gmm_wgrad(act, d_y, offsets).to(w_down.dtype)
     d_act = gmm(d_y, w_down.to(x.dtype).transpose(-1, -2), offsets)
-    d_h = activate_backward(h, d_act, ctx.activation)
+    d_h = activate_backward(h, d_act, activation)
     d_w_up = gmm_wgrad(x, d_h, offsets).to(w_up.dtype)
     d_x = gmm(d_h, w_up.to(x.dtype).transpose(-1, -2), offsets)
-    up_dtype, down_dtype = ctx.bias_dtypes
+    return d_x, d_w_up, d_w_down, d_h
+
+
+def bias_grads(
+    d_h: Tensor,
+    d_y: Tensor,
+    offsets: Tensor,
+    bias_dtypes: tuple[torch.dtype | None, torch.dtype | None],
+) -> tuple[Tensor | None, Tensor | None]:
+    """(d_b_up, d_b_down): the per-expert row sums of d_h and d_y in the biases' dtypes (None
+    for a missing bias)."""
+    up_dtype, down_dtype = bias_dtypes
+    if up_dtype is None and down_dtype is None:
+        return None, None
+    experts = row_experts(offsets, d_h.shape[0])
+    num_experts = offsets.shape[0]
     d_b_up = None if up_dtype is None else row_bias_grad(d_h, experts, num_experts).to(up_dtype)
     d_b_down = (
         None if down_dtype is None else row_bias_grad(d_y, experts, num_experts).to(down_dtype)
     )
+    return d_b_up, d_b_down
+
+
+def _backward(ctx, d_y, d_h_unused):
+    x, w_up, w_down, offsets, h = ctx.saved_tensors
+    d_y = d_y.to(x.dtype)
+    backward = cuda_kernel("expert_mlp_backward", x) or expert_mlp_backward_reference
+    d_x, d_w_up, d_w_down, d_h = backward(x, w_up, w_down, offsets, h, d_y, ctx.activation)
+    d_b_up, d_b_down = bias_grads(d_h, d_y, offsets, ctx.bias_dtypes)
     return d_x, d_w_up, d_w_down, None, d_b_up, d_b_down, None
 
 

@@ -5,7 +5,8 @@ glu(h[..., 2H], activation) -> a[..., H]        a = act(gate) * up   (activation
 The ``fuse_glu`` pass produces it for dense gated FFNs, whose gate and up projections become one
 GEMM. Unfused, ``act(gate) * up`` runs one kernel forward per op and three backward, writing
 and reading [T, H] intermediates; on CUDA this op runs the activation kernel the expert MLPs
-use (one read of h, one write of a; backward reads h and d_a and writes d_h). The math is in
+use (one read of h, one write of a; backward reads h and d_a and writes d_h) for the
+activations the kernels compute, the reference for others. The math is in
 float32 (or wider) on values read in the storage dtype, as the reference
 :func:`moec.ops.activations.activate`.
 """
@@ -34,8 +35,8 @@ def _rows(t: Tensor) -> Tensor:
 @torch.library.custom_op("moec::glu", mutates_args=())
 def glu(h: Tensor, activation: str) -> Tensor:
     _check(h, activation)
-    kernel = cuda_kernel("act_forward", h)
-    a = kernel(_rows(h), activation) if kernel is not None else activate(_rows(h), activation)
+    forward = cuda_kernel("glu_forward", h) or activate
+    a = forward(_rows(h), activation)
     return a.view(*h.shape[:-1], h.shape[-1] // 2)
 
 
@@ -53,11 +54,8 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, d_a):
     (h,) = ctx.saved_tensors
-    kernel = cuda_kernel("act_backward", h)
-    if kernel is not None:
-        d_h = kernel(_rows(h), _rows(d_a), ctx.activation)[0]
-    else:
-        d_h = activate_backward(_rows(h), _rows(d_a), ctx.activation)
+    backward = cuda_kernel("glu_backward", h) or activate_backward
+    d_h = backward(_rows(h), _rows(d_a), ctx.activation)
     return d_h.view(h.shape), None
 
 

@@ -6,8 +6,9 @@ the device: nothing here reads it on the host, so every function is sync-free.
 
 Implementations, chosen per call:
 
-- on CUDA, the kernels :func:`moec.kernels.register` installs through :func:`register_cuda_kernels`
-  (Triton, or ``torch._grouped_mm`` where that measured faster) for float32/16 and bf16;
+- on CUDA, the kernels :func:`moec.ops.cuda.register_kernels` installs through
+  :func:`register_cuda_kernels` (Triton, or ``torch._grouped_mm`` where that measured faster) for
+  float32/16 and bf16;
 
 - ``torch._grouped_mm`` where it is fast and sync-free: bf16 on CUDA sm90+, fp32/bf16 on CPU
   with 16-byte aligned rows;
@@ -26,14 +27,15 @@ _FORCE_LOOP = False
 """Tests set this to compare the two implementations."""
 
 _CUDA_KERNELS: dict[str, Callable[..., Any]] = {}
-"""Kernels for CUDA tensors by name (``gmm``, ``gmm_wgrad``, and the ops' backward hooks
-``dispatch_backward``, ``combine_backward``, ``expert_mlp_backward``); empty until registered."""
+"""Kernels for CUDA tensors by name (``gmm``, ``gmm_wgrad``, and the hooks of the other ops:
+``dispatch_backward``, ``combine_backward``, ``expert_mlp_backward``, ``cross_entropy_rows``,
+``rope``, ``glu_forward``, ``glu_backward``); empty until registered."""
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def register_cuda_kernels(kernels: dict[str, Callable[..., Any]]) -> None:
-    """Install CUDA kernels (called by :func:`moec.kernels.register`)."""
+    """Install CUDA kernels (called by :func:`moec.ops.cuda.register_kernels`)."""
     _CUDA_KERNELS.update(kernels)
 
 

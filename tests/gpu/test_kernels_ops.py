@@ -13,9 +13,10 @@ import time
 import pytest
 import torch
 
-import moec.kernels
 from moec.kernels import grouped_gemm
 from moec.ops import grouped
+from moec.ops.activations import is_gated
+from moec.ops.cuda import kernel_activation, register_kernels
 from moec.ops.movement import combine_reference, dispatch_reference
 from moec.ops.routing import route_reference
 from moec.runtime.metrics import run_without_host_sync
@@ -34,8 +35,8 @@ TOL = {
 
 @pytest.fixture(scope="module", autouse=True)
 def _registered():
-    assert moec.kernels.register()
-    assert moec.kernels.register()  # idempotent
+    assert register_kernels()
+    assert register_kernels()  # idempotent
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -162,7 +163,7 @@ def test_expert_mlp_forward_backward(dtype, activation, case, backend, bias):
 
 def _check_expert_mlp(dtype, activation, case, bias):
     experts, rows, dim, hidden = 8, 1000, 128, 96
-    gated = activation in ("swiglu", "geglu_tanh")
+    gated = is_gated(activation)
     width = 2 * hidden if gated else hidden
     offsets = _expert_case(case, experts, rows)
     used = int(offsets[-1])
@@ -197,6 +198,14 @@ def _check_expert_mlp(dtype, activation, case, bias):
         assert torch.isfinite(g).all(), name
         assert _rel(g.cpu(), r) < tol, name
     assert grads[1].dtype == torch.float32
+
+
+@pytest.mark.parametrize("activation", ["quick_gelu", "relu2_glu"])
+def test_expert_mlp_without_a_kernel_code_runs_the_reference(activation):
+    """An activation the kernels do not compute runs the op's reference on CUDA, forward and
+    backward, instead of failing in the kernels."""
+    assert kernel_activation(activation) is None
+    _check_expert_mlp(torch.float32, activation, "random", bias=True)
 
 
 def test_gmm_hooks_in_reference_module():
@@ -294,8 +303,9 @@ def test_rope_kernel_equals_reference(backward):
                                    rtol=1e-5 if dtype == torch.float32 else 1e-2)  # fmt: skip
 
 
-@pytest.mark.parametrize("activation", ["swiglu", "geglu_tanh"])
+@pytest.mark.parametrize("activation", ["swiglu", "geglu_tanh", "quick_gelu_glu"])
 def test_glu_op_runs_the_kernel_and_equals_reference(activation):
+    """On the kernel when it computes the activation (quick_gelu_glu: on the reference)."""
     from moec.ops.activations import activate
 
     h = torch.randn(3, 1000, 2 * 700, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -1,0 +1,195 @@
+"""The CUDA implementations of the ``moec::`` ops on the Triton kernels of :mod:`moec.kernels`.
+
+:func:`register_kernels` installs them over the op schemas (``torch.library``, dispatch key
+CUDA) and as the backward hooks of :mod:`moec.ops.grouped`; it is idempotent, and a no-op that
+returns False without Triton. Each implementation checks the op's arguments like the op does,
+runs the kernel when the kernel takes the inputs, and the op's reference otherwise, so results
+match the reference whatever the inputs:
+
+- float32/16/bf16 data on the kernels' device (:func:`moec.kernels.arch.float_supported`);
+- for the expert MLP, int32 offsets;
+- for the expert MLP and ``moec::glu``, an activation the kernels compute
+  (:func:`kernel_activation`): other activations (user-registered ones, built-ins without a
+  kernel code) run the reference on CUDA too;
+- for ``moec::rope``, x of at most :data:`moec.kernels.rope.MAX_DIMS` dimensions.
+
+The decisions and the op-level arithmetic (capacity, the experts of the ``random`` / ``uniform``
+routing policies, bias gradients) live here and in the ops; the kernels take plain tensors and
+numbers.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from moec.kernels.arch import HAVE_TRITON, float_supported
+from moec.ops import grouped
+from moec.ops.activations import activate, activate_backward, gated_from_unary, is_gated
+from moec.ops.experts import _check as _check_expert_mlp
+from moec.ops.experts import expert_mlp_backward_reference, expert_mlp_reference
+from moec.ops.movement import combine_reference, dispatch_reference
+from moec.ops.rope import rotate
+from moec.ops.routing import (
+    _check_route_args,
+    capacity,
+    choose_experts,
+    route_reference,
+    route_weights,
+)
+
+if HAVE_TRITON:
+    from moec.kernels import cross_entropy, experts, grouped_gemm, movement, router
+    from moec.kernels import rope as rope_kernel
+    from moec.kernels.activation import UNARY_CODES, KernelActivation, act_backward, act_forward
+
+
+def kernel_activation(activation: str) -> KernelActivation | None:
+    """The kernels' form of ``activation`` (a name of :mod:`moec.ops.activations`): the code of
+    its unary function and whether it is gated; None when no kernel computes it."""
+    gated = is_gated(activation)
+    for unary, code in UNARY_CODES.items():
+        if (gated_from_unary(unary) if gated else unary) == activation:
+            return KernelActivation(code, gated)
+    return None
+
+
+# --- forward implementations of the ops --------------------------------------------------------
+
+
+def route(
+    logits: Tensor, top_k: int, capacity_factor: float, gating: str, normalize: bool, routing: str
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``moec::route``: the router kernels rank the routes (and choose them when learned)."""
+    _check_route_args(logits, top_k, gating, routing)
+    if not float_supported(logits):
+        return route_reference(logits, top_k, capacity_factor, gating, normalize, routing)
+    num_experts = logits.shape[-1]
+    flat = logits.reshape(-1, num_experts)
+    cap = capacity(flat.shape[0], top_k, num_experts, capacity_factor)
+    chosen = None
+    if routing != "learned":
+        expert_ids = choose_experts(flat, top_k, routing)
+        chosen = expert_ids, route_weights(flat, expert_ids, gating, normalize)
+    return router.route(logits, top_k, cap, gating, normalize, chosen)
+
+
+def dispatch(x: Tensor, rows: Tensor) -> Tensor:
+    """``moec::dispatch``."""
+    if float_supported(x, rows):
+        return movement.dispatch(x, rows)
+    return dispatch_reference(x, rows)
+
+
+def combine(y: Tensor, weights: Tensor, rows: Tensor) -> Tensor:
+    """``moec::combine``."""
+    if float_supported(y, weights, rows):
+        return movement.combine(y, weights, rows)
+    return combine_reference(y, weights, rows)
+
+
+def expert_mlp(
+    x: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    offsets: Tensor,
+    b_up: Tensor | None,
+    b_down: Tensor | None,
+    activation: str,
+) -> tuple[Tensor, Tensor]:
+    """``moec::expert_mlp``: (y, h)."""
+    _check_expert_mlp(x, w_up, w_down, offsets, activation)
+    act = kernel_activation(activation)
+    if act is None or not float_supported(x, w_up, w_down, offsets) or offsets.dtype != torch.int32:
+        return expert_mlp_reference(x, w_up, w_down, offsets, b_up, b_down, activation)
+    return experts.expert_mlp(x, w_up, w_down, offsets, b_up, b_down, act)
+
+
+_OPS: dict[str, Callable[..., Any]] = {
+    "route": route,
+    "dispatch": dispatch,
+    "combine": combine,
+    "expert_mlp": expert_mlp,
+}
+"""The CUDA implementations by op name (``moec::<name>``)."""
+
+
+# --- hooks: what the ops' Python bodies and backwards call on CUDA tensors ---------------------
+
+
+def expert_mlp_backward(
+    x: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    offsets: Tensor,
+    h: Tensor,
+    d_y: Tensor,
+    activation: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(d_x, d_w_up, d_w_down, d_h) of ``moec::expert_mlp``."""
+    act = kernel_activation(activation)
+    if act is None:
+        return expert_mlp_backward_reference(x, w_up, w_down, offsets, h, d_y, activation)
+    return experts.expert_mlp_backward(x, w_up, w_down, offsets, h, d_y, act)
+
+
+def glu_forward(h: Tensor, activation: str) -> Tensor:
+    """The gated activation of h (R, 2H) -> (R, H)."""
+    act = kernel_activation(activation)
+    if act is None:
+        return activate(h, activation)
+    return act_forward(h, act)
+
+
+def glu_backward(h: Tensor, d_a: Tensor, activation: str) -> Tensor:
+    """d_h (R, 2H) of the gated activation at h for the output gradient d_a (R, H)."""
+    act = kernel_activation(activation)
+    if act is None:
+        return activate_backward(h, d_a, activation)
+    return act_backward(h, d_a, act)[0]
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor, dtype: torch.dtype, backward: bool) -> Tensor:
+    """``moec::rope``'s rotation (or its transpose when ``backward``) in ``dtype``."""
+    if x.dim() > rope_kernel.MAX_DIMS:
+        return rotate(x, cos, sin, backward).to(dtype)
+    return rope_kernel.rope(x, cos, sin, dtype, backward)
+
+
+def _gmm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
+    return grouped_gemm.gmm(x, w, offsets, piece="dgrad" if w.stride(-1) != 1 else "down")
+
+
+def _dispatch_backward(d_buffer: Tensor, rows: Tensor) -> Tensor:
+    return movement.combine(d_buffer, None, rows)
+
+
+def _hooks() -> dict[str, Callable[..., Any]]:
+    """The hooks by the names the ops look them up with (:func:`moec.ops.grouped.cuda_kernel`)."""
+    return {
+        "gmm": _gmm,
+        "gmm_wgrad": grouped_gemm.gmm_wgrad,
+        "dispatch_backward": _dispatch_backward,
+        "combine_backward": movement.combine_backward,
+        "expert_mlp_backward": expert_mlp_backward,
+        "cross_entropy_rows": cross_entropy.cross_entropy_rows,
+        "rope": rope,
+        "glu_forward": glu_forward,
+        "glu_backward": glu_backward,
+    }
+
+
+@functools.cache
+def register_kernels() -> bool:
+    """Register the CUDA implementations (once); returns whether they are active (Triton
+    importable)."""
+    if not HAVE_TRITON:
+        return False
+    for name, implementation in _OPS.items():
+        torch.library.register_kernel(f"moec::{name}", "cuda")(implementation)
+    grouped.register_cuda_kernels(_hooks())
+    return True
