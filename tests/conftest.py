@@ -1,10 +1,49 @@
+"""Fixtures every test shares: fresh random inputs from a seed a failure report prints.
+
+Each test seeds torch and Python's ``random`` with a new seed (a different one each run), so
+randomized tests see fresh inputs; when a test fails, its report has a ``random seed`` section
+naming the seed. Replay it with ``MOEC_TEST_SEED``::
+
+    MOEC_TEST_SEED=1234567 python3 -m pytest -q tests/test_recompute.py -k gradients
+"""
+
+import os
+import random
+
 import pytest
 import torch
 
+SEED_ENV = "MOEC_TEST_SEED"
+
+
+def _test_seed() -> int:
+    """``MOEC_TEST_SEED`` when set, else a fresh seed."""
+    value = os.environ.get(SEED_ENV)
+    if value is None:
+        return torch.seed() % (2**31)
+    try:
+        return int(value)
+    except ValueError:
+        raise pytest.UsageError(f"{SEED_ENV}={value!r}: expected an integer seed") from None
+
 
 @pytest.fixture(autouse=True)
-def _fresh_seed():
-    """Every test draws fresh random inputs (a different seed each run), printed on failure."""
-    seed = torch.seed() % (2**31)
+def _fresh_seed(request: pytest.FixtureRequest) -> int:
+    """Seed torch and ``random`` for this test; the seed is recorded on the test item."""
+    seed = _test_seed()
     torch.manual_seed(seed)
-    yield seed
+    random.seed(seed)
+    request.node.user_properties.append(("seed", seed))
+    return seed
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """Add the test's seed to the report of a failed setup, call or teardown."""
+    outcome = yield
+    report = outcome.get_result()
+    seeds = [value for name, value in item.user_properties if name == "seed"]
+    if report.failed and seeds:
+        report.sections.append(
+            ("random seed", f"{SEED_ENV}={seeds[-1]} replays this test's random inputs")
+        )

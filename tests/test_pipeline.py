@@ -187,6 +187,7 @@ def _bf16_worker(rank: int, world: int) -> None:
     assert runtime.working_weights.refresh() == 0
 
 
+@pytest.mark.slow
 def test_bf16_stages_read_their_working_copies():
     spawn(_bf16_worker, 2)
 
@@ -279,6 +280,7 @@ def _pp2_ep2(unsplit) -> None:
     torch.testing.assert_close(runtime.optimizer.grad_scale, (norm + 1e-6) / CLIP)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4], ids=["pp2", "pp4_and_pp2xep2"])
 def test_every_schedule_equals_pp1_and_memory_prediction(world):
     """GPipe, 1F1B, Interleaved1F1B, ZBV and DualPipeV at PP = world give the loss and gradients
@@ -459,5 +461,6 @@ def _checkpoint_worker(rank: int, world: int, path: str) -> None:
     assert len(state) == len(loaded) and len(mine) < len(loaded)  # every stage's state read
 
 
+@pytest.mark.slow
 def test_checkpoint_resumes_pp2_x_ep2_exactly_and_loads_at_pp1(tmp_path):
     spawn(_checkpoint_worker, 4, str(tmp_path / "ckpt"))

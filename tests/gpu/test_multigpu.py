@@ -24,6 +24,7 @@ from tests.distributed import spawn
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 WORLDS = [w for w in (2, 4, 8) if w <= GPUS] or [2]
+pytestmark = pytest.mark.gpu
 multigpu = pytest.mark.skipif(GPUS < 2, reason="needs 2 or more CUDA devices")
 
 OPS_CASES = [  # (path, capacity factor, poison); cf = 4.0 = N/K never binds, 0.6 binds

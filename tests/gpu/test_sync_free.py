@@ -7,7 +7,10 @@ from moec.plan import Plan
 from moec.runtime.metrics import run_without_host_sync
 from moec.train import DEMO_PLAN, TrainConfig, Trainer, demo_model
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 
 @pytest.mark.parametrize("routing", ["learned", "random"])

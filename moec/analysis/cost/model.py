@@ -21,7 +21,7 @@ from moec.analysis.cost.report import CostReport, block_report
 from moec.analysis.cost.rules import NodeCost, node_cost
 from moec.analysis.cost.sizes import friendly_dims, tokens
 from moec.analysis.structure import find_structure, module_path
-from moec.fx import evaluate, example_sizes, node_order, owning_path
+from moec.fx import evaluate, example_sizes, node_order, owning_path, under
 
 Expr = sympy.Expr
 
@@ -152,7 +152,7 @@ def _active_param_sizes(gm: fx.GraphModule, sizes: dict[str, int]) -> dict[str, 
     layers = gm.meta.get("moec_moe_layers", [])
     active = {}
     for name, size in sizes.items():
-        layer = next((m for m in layers if name.startswith(m.path + ".")), None)
+        layer = next((m for m in layers if under(name, m.path)), None)
         share = layer.top_k / layer.num_experts if layer and roles.get(name) == "expert" else 1.0
         active[name] = size * share
     return active
