@@ -6,23 +6,28 @@
     moec demo / moec train ...                training (moec.train)
 
 MODEL is a short name (``llama``, ``gpt2``, ``hf-llama``, ``hf-qwen2``, ``hf-gpt2``) or
-``path/to/file.py:factory`` (see :mod:`moec.models.zoo`). Exit status: 0 on success, 2 for a bad
-plan or model spec, 1 when the model cannot be captured or compiled.
+``path/to/file.py:factory`` (see :mod:`moec.models.zoo`).
+
+Errors: a :class:`~moec.errors.MoecError` (a bad plan, model, input, file or environment) is
+printed as one line ``moec: error: ...`` and the exit status is its ``exit_code`` (2); ``moec
+--debug ...`` prints its traceback too. Any other exception is a bug in moec and keeps its
+traceback (exit status 1). Exit status 0 on success.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from collections.abc import Sequence
 from types import SimpleNamespace
 
 from rich.console import Console
 from rich.table import Table
 
-from moec.frontend import CaptureError
-from moec.models.zoo import SHORT_NAMES, ModelSpecError, load_model
-from moec.plan import Plan, PlanError
+from moec.errors import MoecError, one_line
+from moec.models.zoo import SHORT_NAMES, load_model
+from moec.plan import Plan
 
 
 def _console() -> Console:
@@ -128,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moec", description="Compile dense PyTorch models into MoE training programs."
     )
+    parser.add_argument(
+        "--debug", action="store_true", help="print the traceback of an error, not just its line"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     model_help = f"one of {', '.join(SHORT_NAMES)} or path/to/file.py:factory"
 
@@ -178,12 +186,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command ``argv``; a :class:`MoecError` becomes one line on stderr and its exit
+    code (with its traceback under ``--debug``)."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (PlanError, ModelSpecError, FileNotFoundError) as exc:
-        print(f"moec: error: {exc}", file=sys.stderr)
-        return 2
-    except CaptureError as exc:
-        print(f"moec: error: {exc}", file=sys.stderr)
-        return 1
+    except MoecError as exc:
+        if args.debug:
+            traceback.print_exc(file=sys.stderr)
+        print(f"moec: error: {one_line(str(exc))}", file=sys.stderr)
+        return exc.exit_code

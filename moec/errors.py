@@ -13,3 +13,8 @@ class MoecError(Exception):
     """An error in what the user gave moec (model, plan, inputs, files, environment)."""
 
     exit_code: int = 2
+
+
+def one_line(message: str) -> str:
+    """``message`` folded onto one line (its lines joined, runs of blanks made one space)."""
+    return " ".join(message.split())

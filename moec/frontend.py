@@ -32,8 +32,10 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export import Dim
 
+from moec.errors import MoecError
 
-class CaptureError(RuntimeError):
+
+class CaptureError(MoecError, RuntimeError):
     """The model could not be captured; the message says why and what to try."""
 
 

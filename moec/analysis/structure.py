@@ -2,14 +2,17 @@
 
 - A **linear site** is a matmul by a parameter: ``aten.linear(x, W[out, in], b?)``,
   ``aten.addmm(b, x, W[in, out])`` (transformers' Conv1D), ``aten.mm/matmul(x, W[in, out])`` or
-  by ``aten.t(W)``. Views between the activation and the matmul, and dtype casts of the
-  parameter (``shared_casts``' bf16 copies, ``working_weights``' persistent ones), are looked
-  through.
+  by ``aten.t(W)``; or a pointwise convolution ``aten.conv1d/conv2d(x, W[out, in, 1(, 1)], b?)``
+  (kernel 1, stride 1, one group), a linear over the channel dim 1 of ``x``. Views between the
+  activation and the matmul, and dtype casts of the parameter (``shared_casts``' bf16 copies,
+  ``working_weights``' persistent ones), are looked through.
 - An **FFN region** is one or two "up" linear sites reading the same input X, joined by
   elementwise ops (the activation, the gate multiply) into one tensor that is the input of one
   "down" linear site, with no value of the region used outside it. The activation is identified
-  by evaluating the joining subgraph on sample values against known activations, so any
-  decomposition (``gelu_new`` as tanh/pow/mul, ``silu`` as ``x * sigmoid(x)``) is recognised.
+  by evaluating the joining subgraph on sample values against the activations of
+  :mod:`moec.ops.activations` (built-in and registered), so any decomposition (``gelu_new`` as
+  tanh/pow/mul, ``silu`` as ``x * sigmoid(x)``, QuickGELU, ``relu(x) ** 2``) is recognised. A
+  region's sites are all linears or all pointwise convolutions (its ``channel_dim``).
   A ``moec.glu`` fed by one linear of concatenated [gate; up] weights (the ``fuse_glu`` pass's
   form, or one working copy of both) is the same region with the activation the op names.
 - A **block** ends at the residual add that consumes an FFN output; blocks are numbered in
@@ -52,6 +55,9 @@ MATMUL_OPS = frozenset(
         aten.baddbmm.default,
     }
 )
+POINTWISE_CONV_OPS = frozenset(
+    {aten.conv1d.default, aten.conv2d.default, aten.conv1d.padding, aten.conv2d.padding}
+)
 IDENTITY_ELEMENTWISE = {aten.dropout.default, aten.clone.default, aten.contiguous.default}
 CASTS = frozenset({aten._to_copy.default, aten.to.dtype})
 """Dtype casts: a parameter read through one (``shared_casts``' bf16 copies) is that parameter."""
@@ -70,10 +76,12 @@ class LinearSite:
     """``out_in`` (nn.Linear) or ``in_out`` (Conv1D / x @ W)."""
     in_features: int
     out_features: int
+    channel_dim: int = -1
+    """The dim of the input holding the features: -1 for a matmul, 1 for a pointwise conv."""
 
     def weight_in_out(self, gm: fx.GraphModule) -> torch.Tensor:
-        """The weight as (in, out), detached."""
-        w = gm.get_parameter(self.weight).detach()
+        """The weight as (in, out), detached (a conv's trailing kernel dims of size 1 dropped)."""
+        w = gm.get_parameter(self.weight).detach().flatten(1)
         return w.t() if self.weight_layout == "out_in" else w
 
     def bias_tensor(self, gm: fx.GraphModule) -> torch.Tensor | None:
@@ -102,6 +110,15 @@ class FFNRegion:
     @property
     def dim(self) -> int:
         return self.ups[0].in_features
+
+    @property
+    def channel_dim(self) -> int:
+        """The dim of ``input`` (and ``output``) holding the features: -1, or 1 for convs."""
+        return self.down.channel_dim
+
+    def dropouts(self) -> list[fx.Node]:
+        """The ``aten.dropout`` nodes between the up and down linears with a rate p > 0."""
+        return [n for n in self.interior if _target(n) == aten.dropout.default and n.args[1] > 0]
 
     def nodes(self) -> list[fx.Node]:
         """Every node the region owns (ups, interior, down and trailing views)."""
@@ -205,6 +222,8 @@ def _fused_glu_ups(glu: fx.Node) -> list[LinearSite] | None:
 
 def linear_site(node: fx.Node) -> LinearSite | None:
     target = _target(node)
+    if target in POINTWISE_CONV_OPS:
+        return _pointwise_conv_site(node)
     if target == aten.linear.default:
         weight = _param_target(node.args[1])
         bias = _param_target(node.args[2]) if len(node.args) > 2 else None
@@ -231,6 +250,30 @@ def linear_site(node: fx.Node) -> LinearSite | None:
     return None
 
 
+def _pointwise_conv_site(node: fx.Node) -> LinearSite | None:
+    """A batched convolution with kernel size 1, stride 1 and one group, as a linear site over
+    the channel dim 1 (any padding mode of a size-1 kernel pads nothing)."""
+    schema = node.target._schema.arguments
+    bound = {a.name: a.default_value for a in schema if a.has_default_value()}
+    bound.update(zip((a.name for a in schema), node.args))
+    bound.update(node.kwargs)
+    weight, bias = _param_target(bound["weight"]), bound.get("bias")
+    bias = _param_target(bias) if bias is not None else None
+    if weight is None or weight[1] or (bound.get("bias") is not None and bias is None):
+        return None
+    w_shape, x = bound["weight"].meta["val"].shape, bound["input"]
+    stride = bound["stride"] if isinstance(bound["stride"], (list, tuple)) else [bound["stride"]]
+    pointwise = all(k == 1 for k in w_shape[2:]) and all(s == 1 for s in stride)
+    if not pointwise or bound["groups"] != 1 or x.meta["val"].dim() != len(w_shape):
+        return None
+    if isinstance(bound["padding"], (list, tuple)) and any(bound["padding"]):
+        return None
+    out_f, in_f = w_shape[:2]
+    return LinearSite(
+        node, strip_views(x), weight[0], bias[0] if bias else None, "out_in", in_f, out_f, 1
+    )
+
+
 def is_elementwise(node: fx.Node) -> bool:
     target = _target(node)
     if target in IDENTITY_ELEMENTWISE or target in VIEW_OPS:
@@ -244,6 +287,17 @@ def module_path(node: fx.Node) -> str:
         return ""
     path = list(stack.values())[-1][0]
     return path.removeprefix("L['self'].").removeprefix("L__self__.")
+
+
+def model_name(gm: fx.GraphModule) -> str:
+    """The class name of the captured model (from the root entry of ``nn_module_stack``)."""
+    for node in gm.graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if stack:
+            path, kind = next(iter(stack.values()))
+            if path == "":
+                return str(getattr(kind, "__name__", kind)).rpartition(".")[2]
+    return "the model"
 
 
 def _common_path(paths: Iterable[str]) -> str:
@@ -313,6 +367,9 @@ def _region_for(
     name = module_path(down.node) or down.node.name
     if len(inputs) != 1:
         rejected.append(f"{name}: up linears read different inputs")
+        return None
+    if len({site.channel_dim for site in [*ups.values(), down]}) != 1:
+        rejected.append(f"{name}: mixes linears and pointwise convolutions")
         return None
     region_nodes = set(interior) | set(ups)
     for node in region_nodes:

@@ -65,10 +65,10 @@ def known_activations() -> tuple[str, ...]:
 
 
 def supported_text() -> str:
-    """One line naming the supported plain activations and how to add another (for messages)."""
+    """One line naming the supported activations and how to add another (for messages)."""
     return (
-        f"supported: {', '.join(_unary)} and their gated forms "
-        f"({', '.join(_gated)}); {REGISTER_HINT}"
+        f"supported: {', '.join(_unary)} and their gated forms ({', '.join(_gated)}); "
+        f"{REGISTER_HINT}"
     )
 
 

@@ -41,6 +41,7 @@ import torch
 import torch.fx as fx
 
 import moec.ops.ep  # noqa: F401  (registers the moec::ep_* ops)
+from moec.errors import MoecError
 from moec.frontend import signature
 from moec.passes.manager import PassContext, PassResult
 from moec.passes.rewrite import GraphEditor
@@ -52,7 +53,7 @@ EXPERT_ARGS = {1: "w_up", 2: "w_down", 4: "b_up", 5: "b_down"}
 """expert_mlp argument positions that hold [N, ...] expert parameters."""
 
 
-class ExpertParallelError(RuntimeError):
+class ExpertParallelError(MoecError, RuntimeError):
     """The pass cannot apply; the message names the node, module or setting that stopped it."""
 
 
@@ -93,8 +94,9 @@ class ExpertParallelPass:
         """The pass for ``mesh`` (anything with an ``ep_info: EPGroupInfo``)."""
         if mesh is None:
             raise ExpertParallelError(
-                f"plan.parallel.ep={plan.parallel.ep} needs a process group: call "
-                "moec.runtime.distributed.init_from_env(plan) (under torchrun) and pass its mesh "
+                f"plan.parallel.ep={plan.parallel.ep} needs a process group: launch with "
+                f"`torchrun --nproc-per-node {plan.parallel.dp} script.py`, call "
+                "moec.runtime.distributed.init_from_env(plan) there and pass its mesh "
                 "to moec.compile(model, plan, example_inputs, mesh=mesh)"
             )
         return cls(mesh.ep_info)

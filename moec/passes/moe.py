@@ -28,10 +28,20 @@ becomes the shared expert. Init (``plan.moe.init``), all keeping the dense funct
 With a shared expert under ``upcycle``/``split`` both branches' output projections are halved,
 so the sum still equals the dense FFN at init.
 
+An FFN of pointwise convolutions (channels-first, features in dim 1) is routed channels-last:
+``X`` is permuted to put its features last before the router and dispatch, and the combined
+output permuted back. The activations named in ``plan.moe.activations`` are registered (see
+:func:`moec.ops.activations.register_activation`) before the FFNs are looked for.
+
+Refuses (:class:`MoEPassError`, naming the model or module): a model with no FFN region (the
+message lists the rejected candidates and the supported activations), and an FFN to convert
+with a dropout of rate p > 0 on its hidden activation, which the fused expert op cannot apply,
+unless ``plan.moe.ffn_dropout`` is ``drop``. FFNs kept dense keep their dropout.
+
 Options: everything in ``plan.moe``. Statistics: ``ffns_replaced``, ``ffns_kept_dense``,
-``params_added``, ``params_removed``. Invariants: those of :mod:`moec.passes.rewrite`; the
-graph's user outputs are unchanged; per MoE block three aux outputs are appended
-(``router_losses``, ``expert_counts``, ``expert_offsets``).
+``params_added``, ``params_removed``, ``ffn_dropouts_dropped``. Invariants: those of
+:mod:`moec.passes.rewrite`; the graph's user outputs are unchanged; per MoE block three aux
+outputs are appended (``router_losses``, ``expert_counts``, ``expert_offsets``).
 """
 
 from __future__ import annotations
@@ -41,19 +51,31 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from moec.analysis.structure import FFNRegion, find_structure
+from moec.analysis.structure import (
+    FFNRegion,
+    Structure,
+    find_structure,
+    model_name,
+    module_path,
+)
+from moec.errors import MoecError
 from moec.frontend import signature
-from moec.ops.activations import is_gated
+from moec.ops.activations import (
+    ActivationError,
+    is_gated,
+    register_activation,
+    supported_text,
+)
 from moec.passes.manager import PassContext, PassResult
 from moec.passes.rewrite import GraphEditor, erase_unused, refresh_meta
-from moec.plan import MoEPlan, PlanError
+from moec.plan import MoEPlan, PlanError, activation_function
 
 aten = torch.ops.aten
 moec_ops = torch.ops.moec
 
 
-class MoEPassError(RuntimeError):
-    pass
+class MoEPassError(MoecError, RuntimeError):
+    """The model has nothing the pass can convert, or an FFN it cannot convert faithfully."""
 
 
 @dataclasses.dataclass
@@ -85,11 +107,11 @@ class MoEPass:
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         plan = ctx.plan.moe
+        _register_plan_activations(plan)
         structure = find_structure(gm)
         blocks = structure.blocks
         if not blocks:
-            reasons = "; ".join(structure.rejected) or "no linear -> activation -> linear chain"
-            raise MoEPassError(f"pass moe found no FFN region to convert ({reasons})")
+            raise MoEPassError(_no_ffn_message(gm, structure))
         if plan.dense_first >= len(blocks):
             raise PlanError(
                 "moe.dense_first",
@@ -104,6 +126,7 @@ class MoEPass:
         layers = gm.meta.setdefault("moec_moe_layers", [])
         added = removed = 0
         aux: list[fx.Node] = []
+        dropouts = [_check_dropout(b.ffn, plan) for b in blocks[plan.dense_first :]]
         for block in blocks[plan.dense_first :]:
             region = block.ffn
             weights = build_expert_weights(gm, region, plan, generator)
@@ -148,6 +171,7 @@ class MoEPass:
             "ffns_kept_dense": plan.dense_first,
             "params_added": added,
             "params_removed": removed,
+            "ffn_dropouts_dropped": sum(dropouts),
         }
         return PassResult(gm, True, stats)
 
@@ -161,7 +185,10 @@ class MoEPass:
         compute_dtype: torch.dtype | None,
     ) -> list[fx.Node]:
         out, x = region.output, region.input
+        to_last = _features_last(x, region.channel_dim)
         with editor.graph.inserting_before(out.next):
+            if to_last is not None:  # pointwise convs: tokens as rows, features last
+                x = editor.call(aten.permute.default, (x, to_last), like=out)
             param = {
                 name: None
                 if value is None
@@ -182,6 +209,8 @@ class MoEPass:
                 like=out,
             )
             route_weights, rows, offsets, counts = (editor.getitem(route, i) for i in range(1, 5))
+            if to_last is not None:
+                x = editor.call(aten.clone.default, (x,), like=out, kwargs=_CONTIGUOUS)
             if compute_dtype is not None and x.meta["val"].dtype != compute_dtype:
                 # autocast leaves norm outputs in fp32; expert GEMMs run in the compute dtype
                 x = editor.call(
@@ -205,6 +234,9 @@ class MoEPass:
             moe_out = editor.call(
                 moec_ops.combine.default, (expert_out, route_weights, rows), like=out
             )
+            if to_last is not None:
+                back = [to_last.index(d) for d in range(len(to_last))]
+                moe_out = editor.call(aten.permute.default, (moe_out, back), like=out)
             result = moe_out
             if plan.shared_expert:
                 result = editor.call(aten.add.Tensor, (out, moe_out), like=out)
@@ -213,6 +245,57 @@ class MoEPass:
             )
         out.replace_all_uses_with(result, delete_user_cb=lambda user: user is not result)
         return [losses, counts, offsets]
+
+
+_CONTIGUOUS = {"memory_format": torch.contiguous_format}
+
+
+def _features_last(x: fx.Node, channel_dim: int) -> list[int] | None:
+    """The permutation moving ``channel_dim`` of ``x`` last, or None if it is last already."""
+    rank = x.meta["val"].dim()
+    if channel_dim in (-1, rank - 1):
+        return None
+    return [d for d in range(rank) if d != channel_dim] + [channel_dim]
+
+
+def _register_plan_activations(plan: MoEPlan) -> None:
+    for name, ref in plan.activations.items():
+        try:
+            register_activation(name, activation_function(name, ref))
+        except ActivationError as exc:
+            raise PlanError(f"moe.activations.{name}", ref, str(exc)) from exc
+
+
+def _no_ffn_message(gm: fx.GraphModule, structure: Structure) -> str:
+    rejected = "; ".join(structure.rejected) or "none"
+    return (
+        f"no FFN region found in {model_name(gm)}: looked for linear (or pointwise conv) -> "
+        f"activation -> linear chains among its {len(structure.linears)} linears; candidates "
+        f"rejected: {rejected}; activations {supported_text()}; `moec inspect MODEL` lists "
+        "the FFN regions found and the candidates rejected"
+    )
+
+
+def ffn_name(region: FFNRegion) -> str:
+    """The FFN's module path, or its linears' paths for an FFN of the model's root module."""
+    sites = [*region.ups, region.down]
+    paths = dict.fromkeys(module_path(s.node) or s.node.name for s in sites)
+    return region.module_path or " -> ".join(paths)
+
+
+def _check_dropout(region: FFNRegion, plan: MoEPlan) -> int:
+    """The number of dropouts (p > 0) on the hidden activation of ``region`` the routed experts
+    go without; refused unless ``plan.ffn_dropout`` is ``drop``."""
+    dropouts = region.dropouts()
+    if dropouts and plan.ffn_dropout == "error":
+        node = dropouts[0]
+        raise MoEPassError(
+            f"FFN {ffn_name(region)} applies dropout p={node.args[1]} "
+            f"({module_path(node) or node.name}) to its hidden activation, which the routed "
+            "experts cannot apply: set that dropout to 0 in the model, or set "
+            "moe.ffn_dropout: drop in the plan to train the experts without it"
+        )
+    return len(dropouts)
 
 
 def build_expert_weights(
@@ -229,7 +312,7 @@ def build_expert_weights(
     zeros = torch.zeros(hidden, dtype=w_down.dtype, device=w_down.device)
     up_biases = [zeros if b is None else b for b in up_biases]
     shared_scale = 0.5 if plan.shared_expert and plan.init in ("upcycle", "split") else 1.0
-    where = f"FFN {region.module_path or region.output.name}"
+    where = f"FFN {ffn_name(region)}"
 
     if plan.init == "upcycle":
         _check_width(plan, hidden, where, "the dense width for init='upcycle'")

@@ -30,13 +30,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from moec.errors import MoecError
 from moec.passes.expert_parallel import EPGroupInfo
 from moec.plan import Plan
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-class DistributedError(RuntimeError):
+class DistributedError(MoecError, RuntimeError):
     """A process-group or mesh setup that cannot work; the message says what to change."""
 
 
@@ -85,6 +86,16 @@ def join_process_group(backend: str | None = None) -> None:
 
 def init_from_env(plan: Plan, backend: str | None = None) -> MoEMesh:
     """Join the torchrun job (if not joined yet) and build the mesh for ``plan``."""
+    missing = [name for name in TORCHRUN_VARS if name not in os.environ]
+    if missing and not dist.is_initialized():
+        p = plan.parallel
+        ranks = p.dp * p.pp
+        raise DistributedError(
+            f"plan parallel.dp={p.dp}, parallel.ep={p.ep} runs {ranks} processes, but this one "
+            f"was not started by torchrun ({', '.join(missing)} unset): launch with "
+            f"`torchrun --nproc-per-node {ranks} -m moec train ...` (or your script in place of "
+            "`-m moec ...`), or set parallel.dp and parallel.ep to 1 for one process"
+        )
     join_process_group(backend)
     return build_mesh(plan)
 
