@@ -1,0 +1,302 @@
+"""Each pass on a minimal graph (a few ops): one it must rewrite and one it must leave alone.
+
+The whole-model tests (``test_pass_moe.py``, ``test_recompute.py``, ``test_pipeline.py``...)
+check numerics on real models; these pin down each pass's match on the smallest graph that
+shows it, through the pass's public ``run``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+import moec
+from moec.passes.casts import SharedCastsPass
+from moec.passes.expert_parallel import EPGroupInfo, ExpertParallelError, ExpertParallelPass
+from moec.passes.loss import FusedLossPass
+from moec.passes.manager import PassContext, PassResult
+from moec.passes.moe import MoEPass
+from moec.passes.pipeline import PipelinePass, PipelinePassError
+from moec.passes.precision import PrecisionPass
+from moec.passes.recompute import RecomputePass, recompute_region
+from moec.passes.rope import FuseRopePass
+from moec.passes.verify import verify_graph
+from moec.passes.working_weights import WorkingWeightsPass
+from moec.plan import Plan
+
+aten = torch.ops.aten
+moec_ops = torch.ops.moec
+DIM, HIDDEN = 16, 32
+MOE = {"num_experts": 4, "top_k": 2}
+
+
+class FFN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(DIM, HIDDEN), nn.Linear(HIDDEN, DIM)
+
+    def forward(self, x):
+        return self.down(F.silu(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ffn = FFN()
+
+    def forward(self, x):
+        return x + self.ffn(x)
+
+
+class Blocks(nn.Module):
+    """``n`` residual FFN blocks: the smallest graph with blocks (x: [B, S, DIM])."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.layers = nn.ModuleList(Block() for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class OneLinear(nn.Module):
+    """A graph with no FFN: nothing for the block-level passes to find."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(2, 5, DIM)
+
+
+def _run(p, gm: fx.GraphModule, plan: dict) -> PassResult:
+    result = p.run(gm, PassContext(Plan.from_dict(plan)))
+    verify_graph(result.gm, p.name)
+    return result
+
+
+def _count(gm: fx.GraphModule, target) -> int:
+    return sum(1 for n in gm.graph.nodes if n.target == target)
+
+
+# --- moe ---------------------------------------------------------------------------------------
+
+
+def test_moe_replaces_the_ffn_past_dense_first_and_keeps_the_first():
+    gm = moec.trace(Blocks(2), (_x(),))
+    result = _run(MoEPass(), gm, {"moe": {**MOE, "dense_first": 1}})
+    assert result.stats["ffns_replaced"] == 1 and result.stats["ffns_kept_dense"] == 1
+    assert _count(result.gm, moec_ops.expert_mlp.default) == 1
+    assert _count(result.gm, aten.linear.default) == 2 + 1  # the dense FFN's two, the router
+
+
+# --- expert_parallel ---------------------------------------------------------------------------
+
+
+def _moe_graph(n: int = 1) -> fx.GraphModule:
+    gm = moec.trace(Blocks(n), (_x(),))
+    return _run(MoEPass(), gm, {"moe": MOE}).gm
+
+
+def test_expert_parallel_rewrites_the_moe_block_to_ep_ops_with_this_ranks_experts():
+    gm = _moe_graph()
+    plan = {"moe": MOE, "parallel": {"ep": 2, "dp": 2, "ep_path": "a2a_capacity"}}
+    result = _run(ExpertParallelPass(EPGroupInfo(rank=1, size=2, group="g")), gm, plan)
+    assert result.stats["blocks_rewritten"] == 1 and result.stats["experts_per_rank"] == 2
+    assert _count(result.gm, moec_ops.dispatch.default) == 0
+    assert _count(result.gm, moec_ops.ep_dispatch.default) == 1
+    (mlp,) = result.gm.graph.find_nodes(op="call_function", target=moec_ops.expert_mlp.default)
+    assert mlp.args[1].meta["val"].shape[0] == 2  # w_up: [L = N / ep, D, U]
+
+
+def test_expert_parallel_refuses_a_dense_graph_and_leaves_it_unchanged():
+    gm = moec.trace(OneLinear(), (_x(),))
+    before = [n.target for n in gm.graph.nodes]
+    plan = {"moe": MOE, "parallel": {"ep": 2, "dp": 2, "ep_path": "a2a_capacity"}}
+    with pytest.raises(ExpertParallelError, match="run moe first"):
+        _run(ExpertParallelPass(EPGroupInfo(rank=0, size=2, group="g")), gm, plan)
+    assert [n.target for n in gm.graph.nodes] == before
+
+
+# --- precision ---------------------------------------------------------------------------------
+
+
+def test_precision_quantizes_the_routed_experts_in_scope():
+    gm = _moe_graph()
+    plan = {"moe": MOE, "precision": {"gemm": "fp8_rowwise", "scope": ["routed_experts"]}}
+    result = _run(PrecisionPass(), gm, plan)
+    assert result.stats["experts_quantized"] == 1
+    assert _count(result.gm, moec_ops.expert_mlp.default) == 0
+    assert _count(result.gm, moec_ops.quantized_expert_mlp.default) == 1
+
+
+def test_precision_leaves_linears_outside_its_scope():
+    gm = moec.trace(OneLinear(), (_x(),))  # no attention: attn_out finds no linear
+    plan = {"precision": {"gemm": "fp8_rowwise", "scope": ["attn_out"]}}
+    result = _run(PrecisionPass(), gm, plan)
+    assert result.stats["out_linears_quantized"] == 0
+    assert _count(result.gm, aten.linear.default) == 1
+
+
+# --- fused_loss --------------------------------------------------------------------------------
+
+
+class Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(DIM, 10)
+
+    def forward(self, h, targets):
+        return F.cross_entropy(self.head(h), targets)
+
+
+def test_fused_loss_fuses_a_head_and_its_cross_entropy():
+    h, targets = torch.randn(6, DIM), torch.randint(0, 10, (6,))
+    gm = moec.trace(Head(), (h, targets))
+    want = gm(h, targets)[0]
+    result = _run(FusedLossPass(), gm, {})
+    assert result.stats["fused"] == 1
+    assert _count(result.gm, aten.linear.default) == 0
+    torch.testing.assert_close(result.gm(h, targets)[0], want)
+
+
+# --- shared_casts and working_weights ----------------------------------------------------------
+
+BF16 = {"precision": {"compute_dtype": "bf16"}}
+
+
+class TwoReaders(nn.Module):
+    """x read by two linears: under bf16 autocast each casts x itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(DIM, DIM, bias=False), nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x):
+        return self.a(x) + self.b(x)
+
+
+def _casts_of(gm: fx.GraphModule, name: str) -> list[fx.Node]:
+    (source,) = (n for n in gm.graph.nodes if n.name == name)
+    return [u for u in source.users if u.target is aten._to_copy.default]
+
+
+def test_shared_casts_casts_a_source_once_for_all_its_readers():
+    gm = moec.trace(TwoReaders(), (_x(),))
+    x = next(iter(gm.graph.find_nodes(op="placeholder"))).name
+    result = _run(SharedCastsPass(), gm, BF16)
+    (cast,) = _casts_of(result.gm, x)
+    assert len(cast.users) == 2 and cast.meta["val"].dtype == torch.bfloat16
+    assert result.stats["sources_cast"] == 3  # x and the two weights
+
+
+def test_shared_casts_leaves_a_graph_without_autocast_ops():
+    class Elementwise(nn.Module):
+        def forward(self, x):
+            return x * 2 + 1
+
+    gm = moec.trace(Elementwise(), (_x(),))
+    result = _run(SharedCastsPass(), gm, BF16)
+    assert not result.modified and result.stats["sources_cast"] == 0
+    assert _count(result.gm, aten._to_copy.default) == 0
+
+
+def test_working_weights_turn_a_parameters_cast_into_a_persistent_copy():
+    gm = moec.trace(TwoReaders(), (_x(),))
+    gm = _run(SharedCastsPass(), gm, BF16).gm
+    result = _run(WorkingWeightsPass(), gm, BF16)
+    assert result.stats["copies"] == 2
+    copies = result.gm.meta["moec_working_weights"]
+    assert sorted(p for ps in copies.values() for p in ps) == ["a.weight", "b.weight"]
+    assert all(result.gm.get_buffer(b).dtype == torch.bfloat16 for b in copies)
+
+
+def test_working_weights_leave_parameters_read_without_a_cast():
+    gm = moec.trace(TwoReaders(), (_x(),))  # no shared_casts: the linears read f32 weights
+    result = _run(WorkingWeightsPass(), gm, BF16)
+    assert not result.modified and result.stats["copies"] == 0
+
+
+# --- fuse_rope ---------------------------------------------------------------------------------
+
+
+class BufferTables(nn.Module):
+    """The Llama rotary expression with cos/sin tables held in buffers."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cos", torch.randn(DIM))
+        self.register_buffer("sin", torch.randn(DIM))
+
+    def forward(self, x):
+        lo, hi = x.chunk(2, dim=-1)
+        return x * self.cos + torch.cat((-hi, lo), dim=-1) * self.sin
+
+
+def test_fuse_rope_replaces_the_rotary_expression_with_buffer_tables():
+    x = _x()
+    gm = moec.trace(BufferTables(), (x,))
+    want = gm(x)[0]
+    result = _run(FuseRopePass(), gm, {})
+    assert result.stats["fused"] == 1
+    assert _count(result.gm, moec_ops.rope.default) == 1
+    assert _count(result.gm, aten.cat.default) == 0
+    torch.testing.assert_close(result.gm(x)[0], want)
+
+
+# --- recompute ---------------------------------------------------------------------------------
+
+
+def test_recompute_wraps_every_block_in_a_region():
+    x = _x()
+    gm = moec.trace(Blocks(2), (x,))
+    want = gm(x)[0]
+    result = _run(RecomputePass(), gm, {"recompute": {"policy": "block"}})
+    assert result.stats["blocks_recomputed"] == 2
+    assert _count(result.gm, recompute_region) == 2
+    assert _count(result.gm, aten.linear.default) == 0  # moved into the regions
+    torch.testing.assert_close(result.gm(x)[0], want)
+
+
+def test_recompute_leaves_a_graph_without_blocks():
+    gm = moec.trace(OneLinear(), (_x(),))
+    result = _run(RecomputePass(), gm, {"recompute": {"policy": "block"}})
+    assert not result.modified and result.stats["blocks_recomputed"] == 0
+    assert _count(result.gm, aten.linear.default) == 1
+
+
+# --- pipeline ----------------------------------------------------------------------------------
+
+PP2 = {"parallel": {"pp": 2, "microbatches": 2, "pp_schedule": "1f1b"}}
+
+
+def test_pipeline_splits_two_blocks_into_two_stages_that_compose_to_the_graph():
+    x = _x()
+    gm = moec.trace(Blocks(2), (x,))
+    want = gm(x)[0]
+    result = _run(PipelinePass(), gm, PP2)
+    split = result.gm.meta["moec_pipeline"]
+    assert result.stats["blocks_per_stage"] == [1, 1]
+    (boundary,) = split.stages[0](x)
+    torch.testing.assert_close(split.stages[1](boundary)[0], want)
+    names = [{n for n, _ in s.named_parameters()} for s in split.stages]
+    assert names[0] == {f"layers.0.ffn.{m}.{p}" for m in ("up", "down") for p in ("weight", "bias")}
+    assert not names[0] & names[1]
+
+
+def test_pipeline_refuses_a_graph_without_blocks_and_leaves_it_unchanged():
+    gm = moec.trace(OneLinear(), (_x(),))
+    before = [n.target for n in gm.graph.nodes]
+    with pytest.raises(PipelinePassError, match="no residual blocks"):
+        _run(PipelinePass(), gm, PP2)
+    assert [n.target for n in gm.graph.nodes] == before and "moec_pipeline" not in gm.meta
