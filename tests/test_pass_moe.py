@@ -5,6 +5,7 @@ import moec
 from moec.passes.moe import MoEPassError
 from moec.passes.verify import VerificationError, verify_graph
 from tests.models import hf_model, tiny_gpt2, tiny_llama, tokens
+from tests.test_structure import PlainFFN, PointwiseConvFFN
 
 
 def _rel(a, b):
@@ -147,3 +148,85 @@ def test_compiled_model_lets_go_of_the_replaced_dense_weights():
     assert any(p is kept for p in compiled.parameters())
     with pytest.raises(RuntimeError, match="captured already"):
         compiled.capture((tokens(),), {})
+
+
+def _quick_gelu(x):
+    return x * torch.sigmoid(1.702 * x)
+
+
+def _squared_relu(x):
+    return torch.relu(x) ** 2
+
+
+@pytest.mark.parametrize(
+    "make, shape",
+    [
+        (lambda: PointwiseConvFFN(torch.nn.Conv1d), (2, 8, 6)),
+        (lambda: PointwiseConvFFN(torch.nn.Conv2d), (2, 8, 3, 4)),
+        (lambda: PlainFFN(_quick_gelu), (2, 6, 8)),
+        (lambda: PlainFFN(_squared_relu, gated=True), (2, 6, 8)),
+    ],
+)
+def test_broader_ffns_upcycle_to_the_dense_function_and_train(make, shape):
+    model = make()
+    plan = {"moe": {"num_experts": 3, "top_k": 3, "capacity_factor": None}}
+    compiled = moec.compile(model, plan, (torch.randn(shape),))
+    x = torch.randn(shape)
+    out = compiled(x)
+    assert out.shape == x.shape and _rel(out, model(x)) <= 1e-5
+    out.square().sum().backward()
+    grads = [p.grad for name, p in compiled.named_parameters() if "moe.w_" in name]
+    assert len(grads) == 2 and all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
+class DropoutFFNs(torch.nn.Module):
+    """Two residual FFN blocks, each ``down(dropout(relu(up(x))))`` with its own rate."""
+
+    def __init__(self, rates: tuple[float, float]):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.ModuleDict(
+                {
+                    "up": torch.nn.Linear(8, 16),
+                    "drop": torch.nn.Dropout(p),
+                    "down": torch.nn.Linear(16, 8),
+                }
+            )
+            for p in rates
+        )
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + b["down"](b["drop"](torch.relu(b["up"](x))))
+        return x
+
+
+def _dropout_rates(compiled) -> list[float]:
+    graph = compiled.graph_module.graph
+    return [n.args[1] for n in graph.nodes if n.target == torch.ops.aten.dropout.default]
+
+
+def test_ffn_dropout_is_refused_naming_the_module_and_rate():
+    model = DropoutFFNs((0.0, 0.1)).train()
+    with pytest.raises(
+        MoEPassError, match=r"FFN blocks\.1 applies dropout p=0\.1 \(blocks\.1\.drop\)"
+    ):
+        moec.compile(model, {"moe": {"num_experts": 2}}, (torch.randn(2, 5, 8),))
+
+
+def test_ffn_dropout_dropped_only_on_request_and_counted():
+    model = DropoutFFNs((0.0, 0.1)).train()
+    plan = {"moe": {"num_experts": 2, "ffn_dropout": "drop"}}
+    compiled = moec.compile(model, plan, (torch.randn(2, 5, 8),))
+    assert compiled.pass_results["moe"].stats["ffn_dropouts_dropped"] == 1
+    assert all(p == 0 for p in _dropout_rates(compiled))
+
+
+def test_dense_first_ffn_keeps_its_dropout():
+    model = DropoutFFNs((0.1, 0.0)).train()
+    plan = {"moe": {"num_experts": 2, "top_k": 2, "dense_first": 1, "capacity_factor": None}}
+    compiled = moec.compile(model, plan, (torch.randn(2, 5, 8),))
+    assert compiled.pass_results["moe"].stats["ffn_dropouts_dropped"] == 0
+    assert 0.1 in _dropout_rates(compiled)
+    x = torch.randn(4, 16, 8)
+    assert not torch.equal(compiled(x), compiled(x))  # the dense block still drops units

@@ -36,6 +36,16 @@ from moec.plan import Plan, PlanError
         ({"recompute": {"policy": "budget"}}, "recompute.budget_bytes"),
         ({"recompute": {"policy": "all"}}, "recompute.policy"),
         ({"moe": {"experts": 8}}, "moe.experts"),
+        ({"moe": {"ffn_dropout": "keep"}}, "moe.ffn_dropout"),
+        ({"moe": {"activations": ["mish"]}}, "moe.activations"),
+        ({"moe": {"activations": {"mish": 3}}}, "moe.activations"),
+        (
+            {"moe": {"activations": {"mish": "no_such_module_for_moec:mish"}}},
+            "moe.activations.mish",
+        ),
+        ({"moe": {"activations": {"mish": "math"}}}, "moe.activations.mish"),
+        ({"moe": {"activations": {"mish": "math:pi"}}}, "moe.activations.mish"),
+        ({"moe": {"activations": {"mish": "math:no_such_function"}}}, "moe.activations.mish"),
         ({"moes": {}}, "plan.moes"),
     ],
 )
@@ -58,6 +68,23 @@ def test_yaml_round_trip(tmp_path):
     again = Plan.load(tmp_path / "p.yaml")
     assert again == plan
     assert "expert_parallel{ep=8" in again.pipeline_string()
+
+
+def test_activations_round_trip_through_yaml(tmp_path):
+    (tmp_path / "acts.py").write_text(
+        "import torch\n\ndef mish(x):\n    return x * torch.tanh(x)\n"
+    )
+    activations = {"mish": f"{tmp_path / 'acts.py'}:mish", "erf": "torch:erf"}
+    plan = Plan.from_dict({"moe": {"activations": activations, "ffn_dropout": "drop"}})
+    plan.save(tmp_path / "p.yaml")
+    assert Plan.load(tmp_path / "p.yaml") == plan
+
+
+def test_a_registered_activation_that_is_not_elementwise_names_the_plan_field():
+    plan = {"moe": {"activations": {"rownorm": "torch.nn.functional:normalize"}}}
+    with pytest.raises(PlanError, match="moe.activations.rownorm.*not elementwise") as info:
+        moec.compile(_MODEL, plan, (_TOKENS,))
+    assert info.value.field == "moe.activations.rownorm"
 
 
 def test_bad_yaml_file(tmp_path):

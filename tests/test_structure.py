@@ -1,8 +1,11 @@
+import math
+
 import pytest
 import torch
 
 import moec
 from moec.analysis.structure import find_structure
+from moec.ops.activations import ActivationError, activate, known_activations
 from tests.models import hf_model, tiny_gpt2, tiny_llama, tokens
 
 
@@ -62,3 +65,112 @@ def test_escaping_values_are_rejected_with_a_reason():
     structure = find_structure(moec.trace(NotAnFFN(), (torch.randn(2, 4, 8),)))
     assert structure.blocks == []
     assert any("also used by" in r for r in structure.rejected)
+
+
+@pytest.fixture
+def fresh_activations(monkeypatch):
+    """Activations registered by the test are forgotten after it."""
+    from moec.ops import activations
+
+    monkeypatch.setattr(activations, "_unary", dict(activations._unary))
+    monkeypatch.setattr(activations, "_gated", dict(activations._gated))
+
+
+class PlainFFN(torch.nn.Module):
+    def __init__(self, act, gated: bool = False):
+        super().__init__()
+        self.act = act
+        self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+        self.gate = torch.nn.Linear(8, 16) if gated else None
+
+    def forward(self, x):
+        h = self.act(self.up(x) if self.gate is None else self.gate(x))
+        return x + self.down(h if self.gate is None else h * self.up(x))
+
+
+def _gelu_tanh_formula(x):
+    return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x.pow(3))))
+
+
+@pytest.mark.parametrize(
+    "act, gated, name",
+    [
+        (lambda x: x * torch.sigmoid(1.702 * x), False, "quick_gelu"),  # QuickGELU (CLIP)
+        (_gelu_tanh_formula, False, "gelu_tanh"),
+        (
+            lambda x: x * torch.sigmoid(1.5957691216057308 * (x + 0.044715 * x**3)),
+            False,
+            "gelu_tanh",
+        ),
+        (lambda x: torch.relu(x) ** 2, False, "relu2"),
+        (lambda x: torch.square(torch.relu(x)), True, "relu2_glu"),
+        (lambda x: x * torch.sigmoid(1.702 * x), True, "quick_gelu_glu"),
+    ],
+)
+def test_written_out_activations_are_recognised_by_value(act, gated, name):
+    gm = moec.trace(PlainFFN(act, gated), (torch.randn(2, 4, 8),))
+    (block,) = find_structure(gm).blocks
+    assert block.ffn.activation == name
+
+
+class PointwiseConvFFN(torch.nn.Module):
+    def __init__(self, conv):
+        super().__init__()
+        self.up, self.down = conv(8, 16, 1), conv(16, 8, 1)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+@pytest.mark.parametrize(
+    "conv, shape", [(torch.nn.Conv1d, (2, 8, 5)), (torch.nn.Conv2d, (2, 8, 3, 3))]
+)
+def test_pointwise_convolutions_are_linears_over_the_channel_dim(conv, shape):
+    model = PointwiseConvFFN(conv)
+    gm = moec.trace(model, (torch.randn(shape),))
+    (block,) = find_structure(gm).blocks
+    ffn = block.ffn
+    assert ffn.activation == "gelu" and ffn.channel_dim == 1 and (ffn.dim, ffn.hidden) == (8, 16)
+    expected = model.up.weight.detach().flatten(1).t()
+    torch.testing.assert_close(ffn.ups[0].weight_in_out(gm), expected)
+
+
+def test_a_conv_with_a_wider_kernel_is_not_a_linear():
+    model = PointwiseConvFFN(torch.nn.Conv1d)
+    model.up = torch.nn.Conv1d(8, 16, 3, padding=1)
+    structure = find_structure(moec.trace(model, (torch.randn(2, 8, 5),)))
+    assert structure.blocks == [] and len(structure.linears) == 1
+
+
+def _mish(x):
+    return x * torch.tanh(torch.nn.functional.softplus(x))
+
+
+def test_registered_activation_is_recognised_by_value(fresh_activations):
+    gm = moec.trace(PlainFFN(_mish, gated=True), (torch.randn(2, 4, 8),))
+    structure = find_structure(gm)
+    assert structure.blocks == [] and "activation not recognised" in structure.rejected[0]
+    moec.register_activation("mish", lambda x: x * torch.tanh(torch.log1p(torch.exp(x))))
+    (block,) = find_structure(gm).blocks
+    assert block.ffn.activation == "mish_glu" and block.ffn.ups[0].weight == "gate.weight"
+    h = torch.randn(3, 4)
+    torch.testing.assert_close(activate(h, "mish"), _mish(h))
+
+
+@pytest.mark.parametrize(
+    "name, fn, message",
+    [
+        ("silu", torch.sigmoid, "taken by a built-in"),
+        ("swiglu", torch.sigmoid, "taken by a built-in"),
+        ("not a name", torch.sigmoid, "identifier"),
+        ("rowsoftmax", lambda x: torch.softmax(x, -1), "not elementwise"),
+        ("halfwidth", lambda x: x[..., ::2], "input's shape"),
+        ("detached", lambda x: x.detach().sign(), "differentiable"),
+        ("broken", lambda x: x.no_such_method(), "failed on a float64 tensor"),
+    ],
+)
+def test_register_activation_refuses_what_it_cannot_use(fresh_activations, name, fn, message):
+    before = known_activations()
+    with pytest.raises(ActivationError, match=message):
+        moec.register_activation(name, fn)
+    assert known_activations() == before
