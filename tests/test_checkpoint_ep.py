@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -113,6 +114,7 @@ def _ep2_worker(rank: int, world: int, root: Path) -> None:
     torch.save(_snapshot(model, optimizer), root / f"ep2_rank{rank}.pt")
 
 
+@pytest.mark.slow
 def test_checkpoint_moves_between_ep1_and_ep2(tmp_path):
     writer = _compile(None)
     optimizer = _step(writer, None, 0)

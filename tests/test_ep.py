@@ -124,6 +124,7 @@ def _ops_cases_worker(rank: int, world: int) -> None:
         _errors_worker(rank, world)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_ep_ops_equal_ep1_binding_or_not_and_poisoned(world):
     """EP = world equals EP = 1 for both sync-free and synced paths; with a binding capacity the
@@ -204,6 +205,7 @@ def _check_equal(rank, world, path, ref, ep, mesh1, mesh_ep, device, tol) -> Non
         torch.testing.assert_close(param.grad, expected, **tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.slow
 def test_llama_ep2_equals_ep1_outputs_loss_reduced_grads():
     spawn(_llama_worker, 2)
 
@@ -229,6 +231,7 @@ def _train_worker(rank: int, world: int) -> None:
     assert all(math.isclose(a, b, rel_tol=2e-3) for a, b in zip(ep1, ep2, strict=True)), curves
 
 
+@pytest.mark.slow
 def test_training_ep2_lowers_loss_like_ep1():
     spawn(_train_worker, 2)
 

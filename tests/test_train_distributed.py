@@ -52,6 +52,7 @@ def _worker(rank: int, world: int, out: str, plan: dict) -> None:
         assert same == (roles.get(name) != "expert"), name  # experts differ: each rank its own
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("plan", [PLAN, BF16], ids=["fp32", "bf16"])
 def test_trainer_runs_a_dp2_ep2_job(tmp_path, plan):
     spawn(_worker, 2, str(tmp_path), plan)

@@ -66,7 +66,7 @@ from typing import Any
 import torch.fx as fx
 
 from moec.analysis.cost import graph_cost
-from moec.analysis.pipeline_schedule import MULTI_STAGE, V_SHAPED, inflight_microbatches
+from moec.analysis.pipeline_schedule import inflight_microbatches
 from moec.passes.manager import PassContext, PassResult
 from moec.passes.pipeline.balance import balance
 from moec.passes.pipeline.legality import check_splittable
@@ -81,8 +81,6 @@ from moec.passes.pipeline.stages import build_split
 from moec.passes.pipeline.units import block_units, find_units, unit_costs
 
 __all__ = [
-    "MULTI_STAGE",
-    "V_SHAPED",
     "PipelinePass",
     "PipelinePassError",
     "PipelineSplit",
