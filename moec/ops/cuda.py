@@ -30,13 +30,16 @@ from torch import Tensor
 from moec.kernels.arch import HAVE_TRITON, float_supported
 from moec.ops import grouped
 from moec.ops.activations import activate, activate_backward, gated_from_unary, is_gated
-from moec.ops.experts import _check as _check_expert_mlp
-from moec.ops.experts import expert_mlp_backward_reference, expert_mlp_reference
+from moec.ops.experts import (
+    check_expert_mlp_args,
+    expert_mlp_backward_reference,
+    expert_mlp_reference,
+)
 from moec.ops.movement import combine_reference, dispatch_reference
 from moec.ops.rope import rotate
 from moec.ops.routing import (
-    _check_route_args,
     capacity,
+    check_route_args,
     choose_experts,
     route_reference,
     route_weights,
@@ -65,7 +68,7 @@ def route(
     logits: Tensor, top_k: int, capacity_factor: float, gating: str, normalize: bool, routing: str
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``moec::route``: the router kernels rank the routes (and choose them when learned)."""
-    _check_route_args(logits, top_k, gating, routing)
+    check_route_args(logits, top_k, gating, routing)
     if not float_supported(logits):
         return route_reference(logits, top_k, capacity_factor, gating, normalize, routing)
     num_experts = logits.shape[-1]
@@ -102,7 +105,7 @@ def expert_mlp(
     activation: str,
 ) -> tuple[Tensor, Tensor]:
     """``moec::expert_mlp``: (y, h)."""
-    _check_expert_mlp(x, w_up, w_down, offsets, activation)
+    check_expert_mlp_args(x, w_up, w_down, offsets, activation)
     act = kernel_activation(activation)
     if act is None or not float_supported(x, w_up, w_down, offsets) or offsets.dtype != torch.int32:
         return expert_mlp_reference(x, w_up, w_down, offsets, b_up, b_down, activation)

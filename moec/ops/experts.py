@@ -23,7 +23,10 @@ from moec.ops.activations import activate, activate_backward, check_activation, 
 from moec.ops.grouped import add_row_bias, cuda_kernel, gmm, gmm_wgrad, row_bias_grad, row_experts
 
 
-def _check(x: Tensor, w_up: Tensor, w_down: Tensor, offsets: Tensor, activation: str) -> None:
+def check_expert_mlp_args(
+    x: Tensor, w_up: Tensor, w_down: Tensor, offsets: Tensor, activation: str
+) -> None:
+    """Raise ValueError unless the shapes fit the op (see module) and the activation is known."""
     check_activation(activation)
     n, d, u = w_up.shape
     hidden = u // 2 if is_gated(activation) else u
@@ -68,13 +71,13 @@ def expert_mlp(
     b_down: Tensor | None,
     activation: str,
 ) -> tuple[Tensor, Tensor]:
-    _check(x, w_up, w_down, offsets, activation)
+    check_expert_mlp_args(x, w_up, w_down, offsets, activation)
     return expert_mlp_reference(x, w_up, w_down, offsets, b_up, b_down, activation)
 
 
 @expert_mlp.register_fake
 def _expert_mlp_fake(x, w_up, w_down, offsets, b_up, b_down, activation):
-    _check(x, w_up, w_down, offsets, activation)
+    check_expert_mlp_args(x, w_up, w_down, offsets, activation)
     return x.new_empty(x.shape), x.new_empty((x.shape[0], w_up.shape[-1]))
 
 

@@ -81,7 +81,8 @@ def assign_rows(expert_ids: Tensor, num_experts: int, cap: int) -> tuple[Tensor,
     return rows, offsets.to(torch.int32), counts
 
 
-def _check_route_args(logits: Tensor, top_k: int, gating: str, routing: str) -> None:
+def check_route_args(logits: Tensor, top_k: int, gating: str, routing: str) -> None:
+    """Raise ValueError unless top_k, gating and routing are ones ``moec::route`` takes."""
     if not 1 <= top_k <= logits.shape[-1]:
         raise ValueError(f"moec::route: top_k={top_k} must be in [1, {logits.shape[-1]}]")
     if gating not in GATINGS:
@@ -119,13 +120,13 @@ def route(
     normalize: bool,
     routing: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    _check_route_args(logits, top_k, gating, routing)
+    check_route_args(logits, top_k, gating, routing)
     return route_reference(logits, top_k, capacity_factor, gating, normalize, routing)
 
 
 @route.register_fake
 def _route_fake(logits, top_k, capacity_factor, gating, normalize, routing):
-    _check_route_args(logits, top_k, gating, routing)
+    check_route_args(logits, top_k, gating, routing)
     shape = (*logits.shape[:-1], top_k)
     n = logits.shape[-1]
     new = logits.new_empty
