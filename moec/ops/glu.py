@@ -16,15 +16,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from moec.ops.activations import activate, activate_backward, is_gated
+from moec.ops.activations import activate, activate_backward, is_gated, known_activations
 from moec.ops.grouped import cuda_kernel
 
 
 def _check(h: Tensor, activation: str) -> None:
     if not is_gated(activation) or h.shape[-1] % 2:
+        gated = ", ".join(filter(is_gated, known_activations()))
         raise ValueError(
-            f"moec::glu: needs a gated activation (swiglu, geglu, geglu_tanh, reglu) and an "
-            f"even last dimension; got {activation!r} on h {tuple(h.shape)}"
+            f"moec::glu: needs a gated activation ({gated}) and an even last dimension; got "
+            f"{activation!r} on h {tuple(h.shape)}"
         )
 
 
