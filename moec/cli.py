@@ -167,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=0, help="training steps (0: auto)")
     demo.add_argument("--device", default="auto", help="auto, cpu or cuda")
     demo.add_argument("--out", default="runs/demo", help="run directory")
+    _add_run_arguments(demo)
     demo.set_defaults(func=cmd_demo)
 
     train = sub.add_parser("train", help="train a compiled model")
@@ -174,15 +175,37 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--plan", help="plan YAML file")
     train.add_argument("--steps", type=int, default=100)
     train.add_argument("--out", default="runs/train", help="run directory")
-    train.add_argument("--resume", action="store_true", help="resume from the latest checkpoint")
     train.add_argument("--device", default="auto", help="auto, cpu or cuda")
     train.add_argument("--batch-size", type=int, default=8)
     train.add_argument("--seq-len", type=int, default=128)
     train.add_argument("--log-every", type=int, default=10)
     train.add_argument("--checkpoint-every", type=int, default=0, help="0: only at the end")
+    train.add_argument(
+        "--keep-checkpoints", type=int, default=3, help="committed checkpoints kept (newest)"
+    )
+    train.add_argument(
+        "--on-checkpoint-error",
+        choices=("stop", "continue"),
+        default="stop",
+        help="a checkpoint that cannot be written: stop the run, or report it and continue",
+    )
     train.add_argument("--synthetic", action="store_true", help="random tokens instead of text")
+    _add_run_arguments(train)
     train.set_defaults(func=cmd_train)
     return parser
+
+
+def _add_run_arguments(sub: argparse.ArgumentParser) -> None:
+    """The flags ``moec demo`` and ``moec train`` share: seed and run-directory policy."""
+    sub.add_argument("--seed", type=int, default=0, help="seeds the model, data and routing")
+    sub.add_argument(
+        "--resume", action="store_true", help="continue this run from its newest checkpoint"
+    )
+    sub.add_argument(
+        "--force",
+        action="store_true",
+        help="resume a run whose settings differ, or start over another run's checkpoints",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

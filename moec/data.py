@@ -1,9 +1,11 @@
 """Training data that needs no download: English text from the Python standard library.
 
 The corpus is the docstrings of ~100 standard-library modules and their public classes and
-functions (about 0.7 MB of real prose and examples), tokenized as bytes (vocabulary 256).
-Batches are a pure function of (seed, step), so a resumed run sees exactly the batches the
-uninterrupted run would have seen.
+functions (about 0.7 MB of real prose and examples), tokenized as bytes (token ids 0-255, so
+any model with a vocabulary of at least 256 reads it; a smaller one is a :class:`DataError`).
+Synthetic batches draw uniform tokens over the model's whole vocabulary. Batches are a pure
+function of (seed, step), so a resumed run sees exactly the batches the uninterrupted run would
+have seen.
 """
 
 from __future__ import annotations
@@ -13,6 +15,10 @@ import inspect
 from functools import lru_cache
 
 import torch
+
+from moec.errors import MoecError
+
+BYTE_VOCAB = 256
 
 _MODULES = (
     "argparse abc array asyncio base64 bisect bz2 calendar cmath cmd codecs collections colorsys "
@@ -53,6 +59,10 @@ def corpus_bytes() -> torch.Tensor:
     return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).clone()
 
 
+class DataError(MoecError):
+    """Data that does not fit the model (its vocabulary)."""
+
+
 class TextBatches:
     """Random windows of the corpus (or uniform random tokens with ``synthetic=True``).
 
@@ -66,8 +76,14 @@ class TextBatches:
         seq_len: int,
         seed: int = 0,
         synthetic: bool = False,
-        vocab_size: int = 256,
+        vocab_size: int = BYTE_VOCAB,
     ):
+        if not synthetic and vocab_size < BYTE_VOCAB:
+            raise DataError(
+                f"the offline text is byte tokens (ids 0-{BYTE_VOCAB - 1}) but the model's "
+                f"vocabulary has {vocab_size}: train it on synthetic data (--synthetic), or "
+                f"give the model a vocabulary of at least {BYTE_VOCAB}"
+            )
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
         self.synthetic, self.vocab_size = synthetic, vocab_size
         if not synthetic:

@@ -14,6 +14,14 @@ single-tensor AdamW: bit for bit for the reference on float32 gradients, to floa
 for the kernel (tests compare both). Options set on a parameter group that only torch's
 implementation has (amsgrad, maximize, a tensor lr) run torch's step; the program then
 refreshes its copies on the next forward.
+
+Skipping a step on the device: with ``device_step=True`` every parameter's ``step`` counter is
+a float32 tensor on its device (torch's capturable layout) and the bias corrections are computed
+from it there. ``found_inf`` (set before a step, like ``grad_scale``; a float32 device scalar,
+nonzero when the gradients are not finite) then makes that step a no-op without a host read:
+parameters, moments, working copies and step counters keep their values, and the next step is
+the one the skipped step would have been. Without a skipped step the results equal the
+host-counter path to float32 rounding (the bias corrections are float32 there).
 """
 
 from __future__ import annotations
@@ -39,7 +47,8 @@ class AdamWStep:
     beta2: float
     eps: float
     weight_decay: float
-    step: float
+    step: float | Tensor
+    """A host float, or a device tensor (``device_step``): the factors below are then tensors."""
 
     @property
     def decay(self) -> float:
@@ -62,17 +71,28 @@ def adamw_reference_(
     copy: Tensor | None,
     grad_scale: Tensor | None,
     update: AdamWStep,
+    found_inf: Tensor | None = None,
 ) -> None:
     """:func:`moec.kernels.adamw.adamw_step_` in torch ops, in the order of torch's
-    single-tensor AdamW (bit for bit equal to it on float32 gradients)."""
+    single-tensor AdamW (bit for bit equal to it on float32 gradients and a host step)."""
     grad = grad.to(param.dtype)
     if grad_scale is not None:
         grad = grad / grad_scale
+    state = (param, exp_avg, exp_avg_sq)
+    if found_inf is not None:  # update copies; keep the old values where found_inf is set
+        param, exp_avg, exp_avg_sq = (t.clone() for t in state)
     param.mul_(update.decay)
     exp_avg.lerp_(grad, 1 - update.beta1)
     exp_avg_sq.mul_(update.beta2).addcmul_(grad, grad, value=1 - update.beta2)
     denom = (exp_avg_sq.sqrt() / update.bias_correction2_sqrt).add_(update.eps)
-    param.addcdiv_(exp_avg, denom, value=-update.step_size)
+    if isinstance(update.step_size, Tensor):
+        param.sub_(exp_avg / denom * update.step_size)
+    else:
+        param.addcdiv_(exp_avg, denom, value=-update.step_size)
+    if found_inf is not None:
+        for old, new in zip(state, (param, exp_avg, exp_avg_sq), strict=True):
+            old.copy_(torch.where(found_inf != 0, old, new))
+        param = state[0]
     if copy is not None:
         copy.copy_(param)
 
@@ -88,12 +108,15 @@ class AdamW(torch.optim.AdamW):
         *,
         working_weights: WorkingWeights | None = None,
         foreach: bool | None = None,
+        device_step: bool = False,
     ):
         super().__init__(params, lr, betas, eps, weight_decay, foreach=foreach)
         self.working_weights = working_weights
+        self.device_step = device_step
         # clip_gradients_ hands the clip factor over as grad_scale instead of scaling gradients
         self._step_supports_amp_scaling = True
         self.grad_scale: Tensor | None = None
+        self.found_inf: Tensor | None = None
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -102,13 +125,19 @@ class AdamW(torch.optim.AdamW):
             with torch.enable_grad():
                 loss = closure()
         grad_scale, self.grad_scale = self.grad_scale, None  # for this step only
+        found_inf, self.found_inf = self.found_inf, None
+        if found_inf is not None and not self.device_step:
+            raise ValueError(
+                "moec.optim.AdamW: found_inf skips a step on the device, which needs the step "
+                "counters there: build the optimizer with device_step=True"
+            )
         if self._torch_only():
             grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
             if grad_scale is not None:
                 torch._foreach_div_(grads, grad_scale)
             super().step()
         else:
-            self._step(grad_scale)
+            self._step(grad_scale, found_inf)
         return loss
 
     def ensure_state(self) -> None:
@@ -121,10 +150,13 @@ class AdamW(torch.optim.AdamW):
 
     def _state_of(self, param: Tensor) -> dict[str, Tensor]:
         state = self.state[param]
-        if not state:  # torch's layout: a host step counter, moments like the parameter
+        if not state:  # torch's layout: a step counter, moments like the parameter
             state["step"] = torch.tensor(0.0)
             for key in ("exp_avg", "exp_avg_sq"):
                 state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        step_device = param.device if self.device_step else torch.device("cpu")
+        if state["step"].device != step_device:  # a loaded state of the other layout
+            state["step"] = state["step"].to(step_device, torch.float32)
         return state
 
     def _torch_only(self) -> bool:
@@ -133,37 +165,50 @@ class AdamW(torch.optim.AdamW):
             group["amsgrad"] or group["maximize"] or isinstance(group["lr"], Tensor)
             for group in self.param_groups
         ]
-        if not (any(options) or getattr(self, "found_inf", None) is not None):
+        if not any(options):
             return False
+        if self.device_step:
+            raise ValueError(
+                "moec.optim.AdamW: amsgrad, maximize and a tensor lr run torch's AdamW, which "
+                "has no device_step: drop the option or device_step"
+            )
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None and p.grad.dtype != p.dtype:
                     raise ValueError(
-                        "moec.optim.AdamW: amsgrad, maximize, a tensor lr and found_inf run "
-                        f"torch's AdamW, which needs gradients in the parameters' dtype; a "
+                        "moec.optim.AdamW: amsgrad, maximize and a tensor lr run torch's AdamW, "
+                        "which needs gradients in the parameters' dtype; a "
                         f"{tuple(p.shape)} parameter has a {p.grad.dtype} gradient (a working "
                         "weight's): drop the option"
                     )
         return True
 
-    def _step(self, grad_scale: Tensor | None) -> None:
+    def _step(self, grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
         from moec.kernels.adamw import adamw_step_, kernel_applies
 
-        for group in self.param_groups:
+        stepped = [
+            (group, param)
+            for group in self.param_groups
+            for param in group["params"]
+            if param.grad is not None
+        ]
+        counters = [self._state_of(param)["step"] for _, param in stepped]
+        if counters:  # as torch's fused AdamW: count first, un-count the skipped step after
+            torch._foreach_add_(counters, 1)
+        for group, param in stepped:
+            state = self.state[param]
             beta1, beta2 = group["betas"]
+            step = state["step"] if self.device_step else float(state["step"])
             hyper = (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                state = self._state_of(param)
-                state["step"] += 1
-                copy = self.working_weights.copy_of(param) if self.working_weights else None
-                update = AdamWStep(*hyper, step=float(state["step"]))
-                kernel = kernel_applies(param, param.grad)
-                moments = state["exp_avg"], state["exp_avg_sq"]
-                step_ = adamw_step_ if kernel else adamw_reference_
-                step_(param, param.grad, *moments, copy, grad_scale, update)
-                if kernel:  # written through a raw pointer: tell autograd, as in-place ops do
-                    torch.autograd.graph.increment_version(param)
-                if copy is not None:
-                    self.working_weights.mark_fresh(param)
+            update = AdamWStep(*hyper, step=step)
+            copy = self.working_weights.copy_of(param) if self.working_weights else None
+            kernel = kernel_applies(param, param.grad)
+            moments = state["exp_avg"], state["exp_avg_sq"]
+            step_ = adamw_step_ if kernel else adamw_reference_
+            step_(param, param.grad, *moments, copy, grad_scale, update, found_inf)
+            if kernel:  # written through a raw pointer: tell autograd, as in-place ops do
+                torch.autograd.graph.increment_version(param)
+            if copy is not None:
+                self.working_weights.mark_fresh(param)
+        if counters and found_inf is not None:
+            torch._foreach_add_(counters, found_inf, alpha=-1)

@@ -1,5 +1,6 @@
 """The Trainer in a data + expert parallel job (2 gloo ranks, EP = 2): it trains, keeps the
-dense parameters identical across ranks, and writes one set of logs. In float32 with two
+dense parameters identical across ranks, writes one set of logs and commits one checkpoint
+whose manifest lists every rank's files. In float32 with two
 microbatches (local accumulation, then one reduction), and in bf16 with one (working weights:
 bf16 gradients reduced in float32)."""
 
@@ -58,4 +59,7 @@ def test_trainer_runs_a_dp2_ep2_job(tmp_path, plan):
     spawn(_worker, 2, str(tmp_path), plan)
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 4 and json.loads(lines[-1])["step"] == 16
-    assert (tmp_path / "checkpoints" / "step_16" / "trainer_rank1.pt").exists()
+    step_16 = tmp_path / "checkpoints" / "step_16"
+    files = json.loads((step_16 / "manifest.json").read_text())["files"]
+    assert {"trainer_rank0.pt", "trainer_rank1.pt", ".metadata"} <= set(files)
+    assert sorted(p.name for p in step_16.iterdir()) == sorted([*files, "manifest.json"])

@@ -1,7 +1,8 @@
 """One AdamW update of one parameter in a single pass, writing its bf16 working copy too.
 
 adamw_step_(param fp32, grad fp32|bf16, exp_avg, exp_avg_sq, copy bf16 | None, grad_scale | None,
-            update: moec.optim.AdamWStep (lr, beta1, beta2, eps, weight_decay, step))
+            update: moec.optim.AdamWStep (lr, beta1, beta2, eps, weight_decay, step),
+            found_inf | None)
     grad      /= grad_scale                      (the clip factor, a device scalar: no host read)
     param     *= 1 - lr * weight_decay
     exp_avg    = exp_avg + (1 - beta1) * (grad - exp_avg)
@@ -9,6 +10,10 @@ adamw_step_(param fp32, grad fp32|bf16, exp_avg, exp_avg_sq, copy bf16 | None, g
     param     -= lr / (1 - beta1^step) * exp_avg / (sqrt(exp_avg_sq) / sqrt(1 - beta2^step) + eps)
     copy       = bf16(param)
 
+``update.step`` is a host float, or the parameter's step counter as a float32 device tensor
+(the count of this update, torch's capturable layout): the kernel then computes the
+bias corrections from it. ``found_inf`` (a float32 device scalar, nonzero to skip) masks every
+load and store: a skipped update leaves the parameter, its moments and its copy as they were.
 torch's single-tensor AdamW in the same order (its ``lerp`` for weights below 1/2 is the
 exp_avg line), with IEEE division and square root, so results agree to float32 rounding (the
 compiler may fuse a multiply-add). Reads 14 bytes per element (bf16 gradients) and writes 14;
@@ -18,6 +23,7 @@ gradient from bf16 move 40.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,9 +46,13 @@ def _adamw_kernel(
     exp_avg_sq_ptr,
     copy_ptr,
     grad_scale_ptr,
+    step_ptr,
+    found_inf_ptr,
     # sizes and hyper-parameters (host floats: bias corrections are computed on the host)
     n,
     decay,
+    lr,
+    beta1,
     one_minus_beta1,
     beta2,
     one_minus_beta2,
@@ -52,10 +62,18 @@ def _adamw_kernel(
     # meta-parameters
     HAS_COPY: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    DEVICE_STEP: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    if HAS_FOUND_INF:  # a skipped step touches no element
+        n = tl.where(tl.load(found_inf_ptr) == 0, n, 0)
     mask = offs < n
+    if DEVICE_STEP:
+        step = tl.load(step_ptr)
+        step_size = tl.div_rn(lr, 1.0 - tl.exp2(step * tl.log2(beta1)))
+        bias_correction2_sqrt = tl.sqrt_rn(1.0 - tl.exp2(step * tl.log2(beta2)))
     grad = tl.load(grad_ptr + offs, mask=mask).to(tl.float32)
     if HAS_SCALE:
         grad = tl.div_rn(grad, tl.load(grad_scale_ptr))
@@ -82,10 +100,13 @@ def adamw_step_(
     copy: Tensor | None,
     grad_scale: Tensor | None,
     update: AdamWStep,
+    found_inf: Tensor | None = None,
 ) -> None:
     """Update ``param``, ``exp_avg``, ``exp_avg_sq`` (and ``copy``) in place; all contiguous,
     of one shape."""
     n = param.numel()
+    device_step = isinstance(update.step, Tensor)
+    host = update if not device_step else dataclasses.replace(update, step=1.0)
     _adamw_kernel[(triton.cdiv(n, BLOCK),)](
         param,
         grad,
@@ -93,16 +114,22 @@ def adamw_step_(
         exp_avg_sq,
         param if copy is None else copy,
         param if grad_scale is None else grad_scale,
+        update.step if device_step else param,
+        param if found_inf is None else found_inf,
         n,
         update.decay,
+        update.lr,
+        update.beta1,
         1 - update.beta1,
         update.beta2,
         1 - update.beta2,
-        update.step_size,
-        update.bias_correction2_sqrt,
+        host.step_size,
+        host.bias_correction2_sqrt,
         update.eps,
         HAS_COPY=copy is not None,
         HAS_SCALE=grad_scale is not None,
+        DEVICE_STEP=device_step,
+        HAS_FOUND_INF=found_inf is not None,
         BLOCK=BLOCK,
     )
 
