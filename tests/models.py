@@ -39,6 +39,39 @@ def hf_model(name: str) -> torch.nn.Module:
     return tf.GPT2LMHeadModel(cfg)
 
 
+HF_FAMILIES = {
+    "llama": "Llama",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "mistral": "Mistral",
+    "olmo2": "Olmo2",
+    "phi": "Phi",
+    "gpt_neox": "GPTNeoX",
+    "gemma": "Gemma",
+}
+"""transformers decoder families (their class-name prefix) built by :func:`hf_family`."""
+
+
+def hf_family(name: str) -> torch.nn.Module:
+    """A tiny ``name`` causal LM: hidden 64, FFN 128, 2 layers, 4 heads of 16, vocab 256."""
+    prefix = HF_FAMILIES[name]
+    config = getattr(tf, f"{prefix}Config")(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    for field, value in (("num_key_value_heads", 2), ("head_dim", 16)):
+        if hasattr(config, field):  # grouped-query families; explicit head widths
+            setattr(config, field, value)
+    return getattr(tf, f"{prefix}ForCausalLM")(config)
+
+
 def tokens(batch: int = 2, seq: int = 16) -> torch.Tensor:
     return torch.randint(0, 256, (batch, seq))
 
