@@ -103,7 +103,7 @@ def trace(
         raise CaptureError(_explain(model, exc, dynamic)) from exc
     gm = program.module()
     in_spec, out_spec = gm._in_spec, gm._out_spec
-    gm._forward_pre_hooks.clear()
+    _drop_export_wrappers(gm)
     _drop_input_guards(gm)
     _inline_higher_order_ops(gm)
     _drop_metadata_asserts(gm)
@@ -115,6 +115,18 @@ def trace(
     gm.meta["moec_signature"] = GraphSignature(in_spec, out_spec, len(flat_outputs))
     gm.meta["moec_param_roles"] = {}
     return gm
+
+
+def _drop_export_wrappers(gm: fx.GraphModule) -> None:
+    """Remove what ``ExportedProgram.module()`` sets on the module besides its graph: the input
+    check and nn.Module-input hooks (local lambdas, which cannot be pickled; the flat calling
+    convention bypasses them) and the instance ``train``/``eval`` that raise. The module then
+    pickles and switches modes as any ``nn.Module`` does."""
+    gm._forward_pre_hooks.clear()
+    gm._forward_hooks.clear()
+    gm._forward_hooks_always_called.clear()
+    for name in ("train", "eval"):
+        gm.__dict__.pop(name, None)
 
 
 def _drop_input_guards(gm: fx.GraphModule) -> None:
