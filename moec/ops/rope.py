@@ -54,7 +54,8 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor, dtype: torch.dtype, backward: boo
 @torch.library.custom_op("moec::rope", mutates_args=())
 def rope(x: Tensor, cos: Tensor, sin: Tensor, out_dtype: torch.dtype | None) -> Tensor:
     _check(x, cos, sin)
-    return _rope(x, cos, sin, _out_dtype(x, cos, sin, out_dtype), backward=False)
+    out = _rope(x, cos, sin, _out_dtype(x, cos, sin, out_dtype), backward=False)
+    return out.contiguous()  # the layout the fake impl promises
 
 
 @rope.register_fake
