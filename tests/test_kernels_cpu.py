@@ -50,6 +50,7 @@ this module re-runs itself in a subprocess that has it, and its tests here are s
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET subprocess")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(INTERPRETED, reason="already interpreting")
 def test_kernels_under_the_interpreter():
     root = Path(__file__).resolve().parents[1]

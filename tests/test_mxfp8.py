@@ -240,6 +240,7 @@ def _train(gemm: str, steps: int = 50) -> list[float]:
     return losses
 
 
+@pytest.mark.slow
 def test_mxfp8_training_tracks_bf16_loss():
     bf16, mx = _train("bf16"), _train("mxfp8")
     end_bf16, end_mx = sum(bf16[-5:]) / 5, sum(mx[-5:]) / 5

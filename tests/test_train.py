@@ -35,6 +35,7 @@ def _cfg(tmp_path, **kw):
     return TrainConfig(**{**base, **kw})
 
 
+@pytest.mark.slow
 def test_compiled_tiny_model_loss_falls_over_50_steps(tmp_path):
     result = train(tiny_llama(), TINY_PLAN, _cfg(tmp_path))
     first, last = sum(result.losses[:5]) / 5, sum(result.losses[-5:]) / 5
@@ -59,6 +60,7 @@ def test_transformers_models_compile_and_train_one_step(name):
     assert language_model_loss(compiled(ids), ids).item() < before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])  # bf16: working weights refresh on load
 def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path, dtype):
     plan = {
@@ -121,6 +123,7 @@ def test_metrics_equal_hand_computed_values(tmp_path):
     assert useful_mfu(1.0, 1.0, 1, None) is None
 
 
+@pytest.mark.slow
 def test_moec_train_cli_30_steps_lowers_loss_and_writes_everything(tmp_path):
     from moec.cli import main
 
