@@ -72,6 +72,7 @@ def test_copies_replace_every_cast_parameter_and_keep_the_step(monkeypatch):
         assert torch.equal(param.grad.float(), by_name[name].grad), name
 
 
+@pytest.mark.slow
 def test_copies_follow_their_parameters_and_accumulate_in_float32(monkeypatch):
     ours, plain, args = _pair(monkeypatch)
     for compiled in (ours, plain):  # any optimizer: torch's own writes the parameters in place
