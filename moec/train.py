@@ -76,7 +76,7 @@ class NonFiniteError(MoecError):
 
 
 class CheckpointLoadError(MoecError):
-    """No checkpoint to resume from could be read."""
+    """A resume whose checkpoints do not verify or do not load into this program."""
 
 
 @dataclasses.dataclass
@@ -141,9 +141,17 @@ class TrainConfig:
         resolve_device(self.device)
 
 
+_CLI_FIELDS = frozenset(
+    "steps batch_size seq_len log_every checkpoint_every keep_checkpoints on_checkpoint_error "
+    "device seed".split()
+)
+"""TrainConfig fields that ``moec train`` sets from a flag of the same name."""
+
+
 def _flag(field: str) -> str:
-    """A TrainConfig field with the ``moec train`` flag that sets it."""
-    return f"TrainConfig.{field} (--{field.replace('_', '-')})"
+    """A TrainConfig field, with the ``moec train`` flag that sets it where there is one."""
+    flag = f" (--{field.replace('_', '-')})" if field in _CLI_FIELDS else ""
+    return f"TrainConfig.{field}{flag}"
 
 
 @dataclasses.dataclass
@@ -408,13 +416,6 @@ class Trainer:
             if name in extra:
                 setattr(self, name, extra[name].to(self.device))
 
-    def load_latest_checkpoint(self) -> bool:
-        """Load the newest checkpoint that verifies (reporting the ones skipped)."""
-        committed = self.store.newest_verified()
-        if committed is not None:
-            self._load_checkpoint(committed)
-        return committed is not None
-
     # --- the run directory ---------------------------------------------------------------------
 
     def _prepare_out(self) -> Committed | None:
@@ -423,6 +424,11 @@ class Trainer:
         cfg = self.cfg
         resume_from = self.store.newest_verified() if cfg.resume else None
         if cfg.resume and resume_from is None:
+            if (self.store.committed() or self.store.uncommitted()) and not cfg.force:
+                raise CheckpointLoadError(
+                    f"--resume: no checkpoint in {self.store.root} matches its manifest (the "
+                    "reasons are above): restore one, or start over with --force"
+                )
             self._say(f"nothing to resume in {self.out}: starting at step 0")
         if self.rank == 0:
             if not cfg.resume and cfg.force:

@@ -27,6 +27,7 @@ from moec.runtime import checkpoint_store
 from moec.runtime.checkpoint_store import CheckpointSpaceError, CheckpointWriteError
 from moec.runtime.run_identity import RunIdentityError
 from moec.train import (
+    CheckpointLoadError,
     NonFiniteError,
     TrainConfig,
     TrainConfigError,
@@ -202,6 +203,10 @@ def test_resume_skips_damaged_checkpoints_and_uses_the_newest_good_one(tmp_path,
     ):
         assert reason in err, err
     assert resumed.losses == full.losses[4:]
+    for trainer_file in root.glob("step_*/trainer.pt"):  # none verifies: refused
+        trainer_file.write_bytes(b"")
+    with pytest.raises(CheckpointLoadError, match=r"no checkpoint .* matches.*--force"):
+        train(tiny_llama(), PLAN, _cfg(tmp_path, resume=True, **cfg))
 
 
 # --- 5. seeds ----------------------------------------------------------------------------------
@@ -277,7 +282,7 @@ def test_a_resumed_runs_metrics_summary_and_plots_cover_the_whole_run(
     assert summary["first_loss"] == first_loss == full.losses[0]
     assert summary["tokens_per_s_per_gpu"] > 0 and "too few" in summary["throughput_from"]
     assert [r["step"] for r in plotted[0]] == [1, 2, 3, 4, 5, 6]
-    _resume_of_a_finished_run_writes_nothing(tmp_path, cfg, capsys)  # 4.
+    _resume_of_a_finished_run_writes_nothing(tmp_path, cfg, capsys)  # item 4 of the issue
 
 
 def _resume_of_a_finished_run_writes_nothing(out: Path, cfg: TrainConfig, capsys) -> None:
@@ -385,18 +390,33 @@ def test_kill_9_at_random_points_then_resume_equals_the_uninterrupted_run(tmp_pa
 
     subprocess.run(command(tmp_path / "whole"), env=env, check=True, capture_output=True)
     killed, rng = tmp_path / "killed", random.Random()
-    for attempt in range(3):
+    kills = 0
+    for attempt in range(3):  # the i-th kill after a random step in [4i + 1, 4i + 3]
         proc = subprocess.Popen(
             command(killed, *(["--resume"] if attempt else [])),
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        time.sleep(rng.uniform(2.0, 6.0))
+        _wait_for_step(
+            proc, killed / "metrics.jsonl", rng.randint(4 * attempt + 1, 4 * attempt + 3)
+        )
+        time.sleep(rng.uniform(0.0, 0.05))  # anywhere in a step or a checkpoint write
         proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        kills += proc.wait() == -signal.SIGKILL
+    assert kills == 3
     subprocess.run(command(killed, "--resume"), env=env, check=True, capture_output=True)
     want = _params(tmp_path / "whole" / "checkpoints" / "step_12", tmp_path)
     got = _params(killed / "checkpoints" / "step_12", tmp_path)
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     assert [r["step"] for r in _metrics(killed)] == list(range(1, 13))
+
+
+def _wait_for_step(proc: subprocess.Popen, metrics: Path, step: int) -> None:
+    """Until ``proc`` has logged ``step`` (or ended)."""
+    deadline = time.time() + 120
+    while proc.poll() is None and time.time() < deadline:
+        lines = metrics.read_text().splitlines() if metrics.exists() else []
+        if any(f'"step": {step},' in line for line in lines):
+            return
+        time.sleep(0.005)
