@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 import moec
-from moec.passes.casts import AUTOCAST_BF16, runtime_dtypes
+from moec.passes.casts import AUTOCAST_BF16, SharedCastsPass, runtime_dtypes
+from moec.passes.manager import PassContext
+from moec.plan import Plan
 from moec.runtime import compiled as compiled_module
 from moec.train import LanguageModelWithLoss
 from tests.models import tiny_llama, tokens
@@ -57,3 +59,26 @@ def test_float32_plans_are_left_alone():
     plan = {**PLAN, "precision": {"compute_dtype": "fp32"}}
     compiled = moec.compile(LanguageModelWithLoss(tiny_llama(2)), plan, (ids[:, :-1], ids[:, 1:]))
     assert "shared_casts" not in compiled.pass_results
+
+
+class _PositionTable(torch.nn.Module):
+    """transformers' rotary table (5.17): an outer product of frequencies and positions."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 8, 2) / 8))
+
+    def forward(self, positions):
+        inv_freq = self.inv_freq[None, :, None].expand(positions.shape[0], -1, 1)
+        return (inv_freq @ positions[:, None, :].float()).transpose(1, 2).cos()
+
+
+def test_outer_products_stay_float32_under_bf16():
+    model, positions = _PositionTable(), torch.randint(0, 4096, (2, 64))
+    gm = moec.trace(model, (positions,))
+    plan = Plan.from_dict({"precision": {"compute_dtype": "bf16"}})
+    result = SharedCastsPass().run(gm, PassContext(plan))
+    assert result.stats["outer_products"] == 1
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as the runtime runs a bf16 program
+        (table,) = gm(positions)
+    torch.testing.assert_close(table, model(positions))  # positions above 256 kept exact

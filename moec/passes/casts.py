@@ -21,6 +21,11 @@ Keeps    forward values bit for bit (the same round-to-nearest casts autocast an
          readers' bf16 gradients are summed in bf16 before the one cast back, as frameworks
          with bf16 activations do. A parameter's cast is left for ``working_weights`` to turn
          into a persistent copy.
+Also    rewrites every outer product written as a matmul (``matmul`` / ``mm`` / ``bmm`` whose
+         contraction has size 1, e.g. transformers' rotary table ``inv_freq @ positions``)
+         as the broadcast ``mul`` it is: the same float32 values, which autocast does not
+         cast. Eager code computes such tables with autocast disabled; capture, run without
+         autocast, does not record that, and in bf16 positions above 256 would round.
 Runs only when ``precision.compute_dtype`` is bf16.
 """
 
@@ -93,14 +98,43 @@ def _cast_inputs(node: fx.Node, dtypes: dict[fx.Node, torch.dtype]) -> list[fx.N
     return [s for s in dict.fromkeys(inputs) if dtypes.get(s) == torch.float32]
 
 
+OUTER_PRODUCT_OPS = {aten.matmul.default, aten.mm.default, aten.bmm.default}
+
+
+def _outer_products_as_mul(gm: fx.GraphModule, edit: GraphEditor) -> int:
+    """Replace ``a @ b`` with ``a * b`` where a is [..., M, 1] and b is [..., 1, N]."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.target not in OUTER_PRODUCT_OPS or len(node.args) != 2 or node.kwargs:
+            continue
+        a, b = (arg.meta["val"] for arg in node.args)
+        if (
+            a.dim() < 2
+            or b.dim() < 2
+            or not (_static_one(a.shape[-1]) and _static_one(b.shape[-2]))
+        ):
+            continue
+        with gm.graph.inserting_before(node):
+            product = edit.call(aten.mul.Tensor, node.args, node)
+        node.replace_all_uses_with(product)
+        gm.graph.erase_node(node)
+        count += 1
+    return count
+
+
+def _static_one(size: int | torch.SymInt) -> bool:
+    return isinstance(size, int) and size == 1
+
+
 class SharedCastsPass:
     name = "shared_casts"
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if ctx.plan.precision.compute_dtype != "bf16":
             return PassResult(gm, False, {"sources_cast": 0})
-        dtypes = runtime_dtypes(gm, _device_type(gm))
         edit = GraphEditor(gm, self.name)
+        outer = _outer_products_as_mul(gm, edit)
+        dtypes = runtime_dtypes(gm, _device_type(gm))
         casts: dict[fx.Node, fx.Node] = {}  # float32 source -> its one bf16 cast
         readers = merged = 0
 
@@ -125,5 +159,10 @@ class SharedCastsPass:
                     readers += 1
         refresh_meta(gm)
         gm.recompile()
-        stats = {"sources_cast": len(casts), "readers": readers, "casts_merged": merged}
-        return PassResult(gm, readers + merged > 0, stats)
+        stats = {
+            "sources_cast": len(casts),
+            "readers": readers,
+            "casts_merged": merged,
+            "outer_products": outer,
+        }
+        return PassResult(gm, readers + merged + outer > 0, stats)
