@@ -501,7 +501,8 @@ class Trainer:
                 f"the run in {self.out} is finished ({resume_from.path.name} of "
                 f"{cfg.steps} steps): nothing to do"
             )
-            return TrainResult([], self._recorded_summary(), self.compiled, self.out, [], True)
+            summary = self._recorded_summary()
+            return TrainResult([], summary, self.compiled, self.out, finished=True)
         if resume_from is not None:
             self._load_checkpoint(resume_from)
             self._say(f"resumed from step {self.step} ({resume_from.path})")
