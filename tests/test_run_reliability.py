@@ -141,14 +141,18 @@ def test_a_non_finite_step_changes_no_parameter_nor_optimizer_state(tmp_path, dt
 
 
 def test_device_step_adamw_skip_then_step_equals_one_step():
+    skip_then_step_equals_torch((7, 3))  # the torch-op reference on the CPU
+
+
+def skip_then_step_equals_torch(shape: tuple[int, ...]) -> None:
     """Skipping a step leaves moec's AdamW where it was: the step after it equals torch's."""
-    params = [torch.nn.Parameter(torch.randn(7, 3)) for _ in range(2)]
+    params = [torch.nn.Parameter(torch.randn(shape)) for _ in range(2)]
     twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
     kwargs = {"lr": 1e-2, "betas": (0.8, 0.95), "weight_decay": 0.1}
     ours = AdamW(params, device_step=True, **kwargs)
     theirs = torch.optim.AdamW(twins, foreach=False, **kwargs)
     for skip in (False, True, False, False):
-        grads = [torch.randn(7, 3) for _ in params]
+        grads = [torch.randn(shape) for _ in params]
         for p, t, g in zip(params, twins, grads, strict=True):
             p.grad = g * float("nan") if skip else g.clone()
             t.grad = g.clone()
@@ -159,6 +163,18 @@ def test_device_step_adamw_skip_then_step_equals_one_step():
     for p, t in zip(params, twins, strict=True):
         torch.testing.assert_close(p, t, rtol=1e-6, atol=1e-7)
         assert float(ours.state[p]["step"]) == 3
+
+
+def test_device_step_adamw_kernel_skips_under_the_interpreter():
+    """The Triton kernel's device step and found_inf (the Triton interpreter on the CPU)."""
+    script = (
+        "from moec.kernels.adamw import kernel_applies; import torch; "
+        "assert kernel_applies(torch.zeros(3000), torch.zeros(3000)); "
+        "from tests.test_run_reliability import "
+        "skip_then_step_equals_torch; skip_then_step_equals_torch((3000,))"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, cwd=ROOT)
 
 
 def test_non_finite_steps_are_counted_then_stop_the_run(tmp_path):
