@@ -2,7 +2,7 @@
 
     moec plan show plan.yaml                  the resolved plan as YAML + its pipeline string
     moec inspect llama                        blocks and FFN regions, parameters, FLOPs/token
-    moec debug llama --plan p.yaml --out dbg  the graph after every pass (see moec.debug)
+    moec debug llama --plan p.yaml --out dbg  the graph after every pass, and dbg/repro.py
     moec demo / moec train ...                training (moec.train)
 
 MODEL is a short name (``llama``, ``gpt2``, ``hf-llama``, ``hf-qwen2``, ``hf-gpt2``) or
@@ -90,19 +90,31 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_debug(args: argparse.Namespace) -> int:
     import moec
-    from moec.debug import DebugDump
+    from moec.debug import DebugDump, with_next_token_loss
 
     if args.out is None and not args.print_after_all:
         print("moec debug: error: give --out DIR or --print-after-all", file=sys.stderr)
         return 2
     plan = _load_plan(args.plan)
     model, inputs, kwargs = load_model(args.model)
+    if not args.no_loss:
+        model, inputs = with_next_token_loss(model, inputs, kwargs, args.model)
+        kwargs = {}
     console = _console()
     console.print(f"pipeline: {plan.pipeline_string()}", markup=False)
     dump = DebugDump(args.out, plan, print_after_all=args.print_after_all, console=console)
-    moec.compile(model, plan, inputs, kwargs, dump=dump, mesh=_debug_mesh(plan, args.ep_rank))
-    if args.out is not None and not args.print_after_all:
-        console.print(f"wrote {len(dump.stages)} stages to {args.out}", markup=False)
+    mesh = _debug_mesh(plan, args.ep_rank)
+    compiled = moec.compile(model, plan, inputs, kwargs, dump=dump, mesh=mesh)
+    if args.out is None or args.print_after_all:
+        return 0
+    console.print(f"wrote {len(dump.stages)} stages to {args.out}", markup=False)
+    if mesh is not None:
+        console.print("no repro.py: an expert-parallel program needs its process group")
+    else:
+        title = f"moec debug {args.model}" + (" --no-loss" if args.no_loss else "")
+        script = dump.write_repro(compiled, inputs, kwargs, title)
+        if script is not None:
+            console.print(f"wrote {script} (python3 {script})", markup=False)
     return 0
 
 
@@ -160,6 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     debug.add_argument(
         "--ep-rank", type=int, default=0, help="with parallel.ep > 1: the EP rank to show"
+    )
+    debug.add_argument(
+        "--no-loss",
+        action="store_true",
+        help="compile the bare model, without the next-token loss moec train adds",
     )
     debug.set_defaults(func=cmd_debug)
 

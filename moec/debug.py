@@ -11,9 +11,16 @@
                                     line when the pass changed nothing)
     out_dir/NN_<stage>/stats.json   nodes, parameters, active parameters, FLOPs/token, pass stats
 
+and, after the compile, ``dump.write_repro(compiled, args, kwargs)`` adds ``out_dir/repro.py``:
+the final program as a standalone script with random weights (see :mod:`moec.repro`).
+
 With ``print_after_all=True`` (``moec debug --print-after-all``) the code, op table, diff and
 stats line go to the terminal (rich) instead of files. Writers never raise: a failure is logged
 and the dump goes on, so debugging output can never break a compile.
+
+``moec debug`` compiles what ``moec train`` runs: the model with its next-token loss
+(:func:`with_next_token_loss`), so the loss passes (``fused_loss``) show; ``--no-loss`` dumps
+the bare model.
 """
 
 from __future__ import annotations
@@ -33,7 +40,9 @@ from rich.table import Table
 
 from moec.analysis.cost import format_count, graph_cost
 from moec.analysis.structure import module_path
+from moec.errors import MoecError
 from moec.plan import Plan
+from moec.repro import write_repro
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +111,17 @@ class DebugDump:
         self._safely("summary.txt", lambda: self._append_summary(line))
         self.console.print(line, markup=False, highlight=False, soft_wrap=True)
 
+    def write_repro(self, compiled: Any, args: tuple, kwargs: dict, title: str) -> Path | None:
+        """``out_dir/repro.py`` (and its ``repro_state.pt``) for ``compiled``'s final program,
+        captured from the example ``(args, kwargs)``; None when there is no output directory or
+        the writer failed (logged)."""
+        if self.out is None:
+            return None
+        return self._safely(
+            "repro.py",
+            lambda: write_repro(compiled.graph_module, self.plan, args, kwargs, self.out, title),
+        )
+
     # --- output ------------------------------------------------------------------------------
 
     def _start(self) -> None:
@@ -145,6 +165,29 @@ class DebugDump:
 
 
 # --- the pieces, usable on their own -----------------------------------------------------------
+
+
+class DebugInputError(MoecError):
+    """The model's example inputs do not fit what ``moec debug`` compiles."""
+
+
+def with_next_token_loss(
+    model: torch.nn.Module, args: tuple, kwargs: dict, spec: str
+) -> tuple[torch.nn.Module, tuple]:
+    """What ``moec train`` compiles for ``model``: ``LanguageModelWithLoss(model)`` on the
+    example ``(tokens, targets)``, the targets being the tokens shifted by one (ids the model
+    accepts). ``model`` (named ``spec``) must take one integer token tensor."""
+    from moec.train import LanguageModelWithLoss
+
+    tokens = args[0] if len(args) == 1 and not kwargs else None
+    if not isinstance(tokens, torch.Tensor) or tokens.dtype.is_floating_point or tokens.dim() != 2:
+        given = [describe_value(a) or type(a).__name__ for a in args] + sorted(kwargs)
+        raise DebugInputError(
+            f"moec debug: {spec}'s example inputs are {given}; the next-token loss that "
+            "moec train adds needs one integer token tensor [batch, seq]. Pass --no-loss to "
+            "dump the bare model"
+        )
+    return LanguageModelWithLoss(model), (tokens, tokens.roll(-1, dims=1))
 
 
 def readable_code(gm: fx.GraphModule, plan: Plan | None = None) -> str:

@@ -1,8 +1,12 @@
-"""The ``moec`` CLI run in-process: debug dumps, inspect, plan show, and the dump hook's safety."""
+"""The ``moec`` CLI run in-process: debug dumps (with the loss moec train adds, and a runnable
+repro.py), inspect, plan show, and the dump hook's safety."""
 
 import json
 import logging
+import math
 import re
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -49,6 +53,68 @@ def test_debug_writes_every_artifact_for_every_pass(tmp_path, plan_file, model, 
     summary = (out / "summary.txt").read_text().splitlines()
     expected = ["[capture]", "[moe]", "[fused_loss]", "[fuse_rope]", "[fuse_glu]"]
     assert [line.split()[0] for line in summary] == expected
+    # captured with moec train's next-token loss, which the fused_loss pass fuses with the head
+    fused = json.loads((out / "02_fused_loss" / "stats.json").read_text())
+    assert fused["pass_stats"]["fused"] == 1
+    assert "moec.linear_cross_entropy" in (out / "02_fused_loss" / "diff.patch").read_text()
+
+
+def test_debug_no_loss_dumps_the_bare_model(tmp_path, plan_file):
+    out = tmp_path / "dump"
+    assert main(["debug", "llama", "--plan", str(plan_file), "--out", str(out), "--no-loss"]) == 0
+    fused = json.loads((out / "02_fused_loss" / "stats.json").read_text())
+    assert fused["pass_stats"]["fused"] == 0
+    assert "targets" not in (out / "00_capture" / "graph.py").read_text()
+
+
+MLP_FACTORY = """
+import torch
+from torch import nn
+
+def make():
+    return nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8)), (torch.randn(2, 3, 8),)
+"""
+
+
+def run_repro(out) -> float:
+    """Run ``out/repro.py`` in a fresh interpreter from another directory; its loss."""
+    done = subprocess.run(
+        [sys.executable, str(out / "repro.py")],
+        cwd=out.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    loss = float(re.search(r"^loss (\S+)$", done.stdout, re.MULTILINE).group(1))
+    assert math.isfinite(loss)
+    parameters = re.search(r"^(\d+) of (\d+) parameters have gradients$", done.stdout, re.M)
+    assert parameters.group(1) == parameters.group(2)
+    return loss
+
+
+def test_repro_reruns_the_final_program(tmp_path):
+    """bf16 working-weight copies, recompute regions (nested classes) and the fused loss."""
+    plan = tmp_path / "plan.yaml"
+    moec.Plan.from_dict(
+        {**PLAN, "precision": {"compute_dtype": "bf16"}, "recompute": {"policy": "block"}}
+    ).save(plan)
+    out = tmp_path / "dump"
+    assert main(["debug", "llama", "--plan", str(plan), "--out", str(out)]) == 0
+    script = (out / "repro.py").read_text()
+    assert "moec.linear_cross_entropy" in script and "recompute_region" in script
+    assert "working_copy" in script
+    assert 0 < run_repro(out) < 10  # near ln(256) = 5.5 for random weights
+
+
+def test_debug_of_a_model_without_token_inputs_needs_no_loss(tmp_path, capsys):
+    factory = tmp_path / "mlp.py"
+    factory.write_text(MLP_FACTORY)
+    out = tmp_path / "dump"
+    assert main(["debug", f"{factory}:make", "--out", str(out)]) == 2
+    assert "--no-loss" in capsys.readouterr().err
+    assert main(["debug", f"{factory}:make", "--out", str(out), "--no-loss"]) == 0
+    run_repro(out)
 
 
 def test_print_after_all_prints_to_the_terminal(tmp_path, capsys, monkeypatch):
