@@ -7,9 +7,10 @@ x (M, 1536) bf16 split into 16 balanced groups, w (16, 1536, 3072):
   dgrad+act  d_a = dy @ w_down[e]^T, SwiGLU backward vs _grouped_mm + moec's activation backward
   wgrad      dw[e] = x_e^T @ dy_e                    vs torch._grouped_mm
 Columns: "pointer" and "tma" force moec's pointer-based and persistent TMA Triton kernels
-(graph-timed; the TMA kernel has no wgrad), "moec" is the shipped policy (:data:`GEMM_BACKENDS`,
-which may pick ``_grouped_mm`` itself), "dense" is one cuBLAS GEMM of the same total size
-(M x 1536 x 3072, a single weight): a ceiling for what a grouped GEMM of 16 weights can reach.
+(graph-timed; the TMA kernel has no wgrad), "moec" is the shipped policy
+(:mod:`moec.kernels.gemm_backend`, which may pick ``_grouped_mm`` itself), "dense" is one
+cuBLAS GEMM of the same total size (M x 1536 x 3072, a single weight): a ceiling for what a
+grouped GEMM of 16 weights can reach.
 Every forced result is checked against the baseline before timing; speedups are baseline time /
 moec time, "eager" timed launch by launch (``do_bench``), "graph" replayed from a CUDA graph
 (``do_bench_cudagraph``): the GPU time alone, which is what a run-ahead training step sees when
@@ -27,7 +28,7 @@ from collections.abc import Callable
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
-from moec.kernels import activation, grouped_gemm
+from moec.kernels import activation, gemm_backend, grouped_gemm
 from moec.ops.cuda import kernel_activation
 
 GROUPS, K, N = 16, 1536, 3072
@@ -93,7 +94,7 @@ def run(m: int) -> list[dict]:
         for backend in FORCED:
             if backend == "tma" and name == "wgrad":
                 continue
-            with grouped_gemm.forced_backend(backend):
+            with gemm_backend.forced_backend(backend):
                 err = _rel(_first(moec_fn()), want)
                 if err > 1e-2:
                     raise AssertionError(f"{name} M={m} {backend}: relative error {err:.3g}")
@@ -115,7 +116,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
-    print(f"policy: {grouped_gemm.GEMM_BACKENDS}")
+    print(f"policy: {gemm_backend.GEMM_BACKENDS}")
     rows = [r for m in args.m for r in run(m)]
     print(f"{'op':<11}{'M':>6}{'pointer':>9}{'tma':>9}{'moec':>9}{'_grouped_mm':>12}"
           f"{'graph moec':>11}{'graph gmm':>10}{'TF/s':>6}{'dense':>6}"

@@ -11,7 +11,7 @@ width 1536, one shared SwiGLU expert of width 1536, capacity factor 1.25, bf16 w
 Prints the layer time, the expert-path TFLOP/s (expert_mlp forward + backward alone, FLOPs of
 the accepted routes) and ratios; ``--pieces`` also times each expert GEMM on every backend
 (moec's pointer and TMA kernels, ``torch._grouped_mm``), which is how
-:data:`moec.kernels.grouped_gemm.GEMM_BACKENDS` is set.
+:data:`moec.kernels.gemm_backend.GEMM_BACKENDS` is set.
 
     python benchmarks/moe_layer.py [--pieces] [--json out.json]
 """
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from triton.testing import do_bench
 
-from moec.kernels import grouped_gemm
+from moec.kernels import gemm_backend, grouped_gemm
 from moec.ops import grouped
 from moec.ops.cuda import kernel_activation, register_kernels
 from moec.ops.experts import expert_mlp_reference
@@ -190,7 +190,7 @@ def pieces(buf: Tensor, offsets: Tensor, p: dict[str, Tensor]) -> list[dict]:
         for backend in ("pointer", "tma", "grouped_mm"):
             if backend == "tma" and name.startswith("wgrad"):
                 continue
-            with gg.forced_backend(backend):
+            with gemm_backend.forced_backend(backend):
                 times[backend] = do_bench(fn)
         out.append({"piece": name, **times})
     return out
@@ -213,7 +213,7 @@ def main() -> None:
     x = torch.randn(T, D, device=dev, dtype=torch.bfloat16).requires_grad_()
     grad = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
-    print(f"policy: {grouped_gemm.GEMM_BACKENDS}")
+    print(f"policy: {gemm_backend.GEMM_BACKENDS}")
 
     _, _, rows, offsets, _ = torch.ops.moec.route(
         x @ p["router"], K, CF, "softmax", True, "learned"
@@ -222,7 +222,7 @@ def main() -> None:
     expert_flops = 6 * accepted * D * 3 * H  # up (D x 2H) + down (H x D), fwd + 2x bwd
     print(f"accepted routes {accepted} of {T * K}; expert-path GFLOP {expert_flops / 1e9:.0f}")
 
-    results: dict = {"accepted": accepted, "layers": {}, "policy": grouped_gemm.GEMM_BACKENDS}
+    results: dict = {"accepted": accepted, "layers": {}, "policy": gemm_backend.GEMM_BACKENDS}
     names = [n for n in LAYERS if not (args.skip_loop and n == "loop")]
     want = reference(x, p, grad)
     for name in names:

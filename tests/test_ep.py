@@ -301,11 +301,6 @@ def test_receive_maps_match_python_loop():
     assert packed_map == expected_packed
 
 
-@pytest.mark.parametrize("tokens,cf", [(16, 1.25), (7, 0.3), (5, 0.0), (9, 100.0)])
-def test_expert_capacity_equals_route_capacity(tokens, cf):
-    assert ep_ops.expert_capacity(tokens, K, N, cf) == capacity(tokens, K, N, cf)
-
-
 # --- errors ------------------------------------------------------------------------------------
 
 

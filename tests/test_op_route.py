@@ -4,7 +4,13 @@ import math
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.autograd import gradcheck
+from torch.fx.experimental.symbolic_shapes import (
+    DimDynamic,
+    ShapeEnv,
+    StatelessSymbolicContext,
+)
 
 import moec.ops  # noqa: F401
 from moec.ops.routing import capacity
@@ -123,3 +129,19 @@ def test_router_losses_gradcheck_and_balanced_value(gating):
     assert float(lbl) == pytest.approx(1.0)
     expected_z = math.log(4) ** 2
     assert float(z) == pytest.approx(expected_z)
+
+
+@pytest.mark.parametrize("tokens,cf", [(16, 1.25), (7, 0.3), (5, 0.0), (9, 100.0)])
+def test_capacity_of_a_symbolic_token_count_adds_no_guard(tokens, cf):
+    """Fake impls (``moec::ep_layout``'s buffer rows) size by ``capacity`` of a traced token
+    count: the result stays symbolic, specializes nothing, and equals the integer rule."""
+    env = ShapeEnv()
+    dynamic = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
+    fake = FakeTensorMode(shape_env=env).from_tensor(
+        torch.empty(tokens, 2), symbolic_context=dynamic
+    )
+    symbol = fake.shape[0].node.expr
+    cap = capacity(fake.shape[0], 2, 8, cf)
+    assert isinstance(cap, torch.SymInt)
+    assert not env.guards
+    assert int(cap.node.expr.subs(symbol, tokens)) == capacity(tokens, 2, 8, cf)

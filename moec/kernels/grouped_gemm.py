@@ -18,7 +18,7 @@ counts) and surplus programs exit. The wgrad kernel runs one program per (expert
 tile) and loops over that expert's rows. Pointer loads are software-pipelined by Triton (wgmma
 on sm90, tcgen05 on sm100+); the configs per arch are in :func:`configs`.
 
-Which implementation runs a piece is :func:`backend`'s choice from :data:`GEMM_BACKENDS`: these
+Which implementation runs a piece is :func:`moec.kernels.gemm_backend.backend`'s choice: these
 pointer kernels, the persistent TMA kernel of :mod:`moec.kernels.grouped_tma` (same epilogues),
 or ``torch._grouped_mm`` (CUTLASS) with the activation forward/backward run by
 :mod:`moec.kernels.activation`.
@@ -26,11 +26,8 @@ or ``torch._grouped_mm`` (CUTLASS) with the activation forward/backward run by
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-from collections.abc import Iterator
-from typing import Literal
 
 import torch
 import triton
@@ -40,6 +37,7 @@ from torch import Tensor
 from moec.kernels import grouped_tma
 from moec.kernels.activation import KernelActivation, act_backward, act_forward
 from moec.kernels.arch import arch
+from moec.kernels.gemm_backend import KernelBackend, backend
 from moec.kernels.gemm_tiles import (
     EPILOGUE_ACT,
     EPILOGUE_ACT_BACKWARD,
@@ -48,61 +46,6 @@ from moec.kernels.gemm_tiles import (
     expert_table,
     expert_tile,
 )
-
-Backend = Literal["grouped_mm", "tma", "pointer"]
-
-_SM90_BACKENDS: dict[str, Backend] = {
-    "up": "grouped_mm",
-    "down": "grouped_mm",
-    "dgrad": "tma",
-    "dgrad_act": "grouped_mm",
-    "wgrad": "grouped_mm",
-}
-GEMM_BACKENDS: dict[str, dict[str, Backend]] = {"sm90": _SM90_BACKENDS, "sm100": _SM90_BACKENDS}
-"""Per arch, which implementation runs each bf16 expert GEMM of at least
-:data:`GROUPED_MM_MIN_ROWS` rows: "up" (gmm_act), "down" (gmm), "dgrad" (gmm with transposed
-weights: the input gradient of the up projection), "dgrad_act" (gmm_act_backward), "wgrad".
-"grouped_mm" is ``torch._grouped_mm`` (CUTLASS; the activation then runs on its own), "tma" the
-persistent TMA kernel of :mod:`moec.kernels.grouped_tma`, "pointer" the kernels of this file.
-Set from same-run measurements on an H200 (benchmarks/RESULTS.md, session 5): at the layer's
-size (131072 rows) the TMA kernel beat ``_grouped_mm`` on the dgrad in four runs (1.02-1.14x)
-and was within 0.9-1.06x on the others (its fused activation epilogues lose to ``_grouped_mm``
-plus the separate activation kernel); the pointer kernels were behind on all. sm100 follows until
-measured. Anything that is not bf16 on CUDA (float32, the interpreter) uses "pointer"."""
-
-GROUPED_MM_MIN_ROWS = 1024
-"""Below this many buffer rows (a static shape) every piece runs on the pointer kernels, whose
-small-row tiles suit the weight-read-bound (wgrad: write-bound) GEMMs of a few rows per expert:
-at 128 rows in 16 groups on an H200 they measured 1.49-1.62x (forward-style pieces) and 1.77x
-(wgrad) faster than ``torch._grouped_mm`` on the GPU (CUDA-graph timing, RESULTS.md session 5)."""
-
-
-@contextlib.contextmanager
-def forced_backend(chosen: Backend) -> Iterator[None]:
-    """Run every piece at every size on ``chosen`` (benchmarks, tests); restores the policy."""
-    global GROUPED_MM_MIN_ROWS
-    saved, min_rows = dict(GEMM_BACKENDS), GROUPED_MM_MIN_ROWS
-    every = dict.fromkeys(_SM90_BACKENDS, chosen)
-    GEMM_BACKENDS.update(sm90=every, sm100=every)
-    GROUPED_MM_MIN_ROWS = 0
-    try:
-        yield
-    finally:
-        GEMM_BACKENDS.update(saved)
-        GROUPED_MM_MIN_ROWS = min_rows
-
-
-def backend(piece: str, x: Tensor, w: Tensor) -> Backend:
-    """The implementation that runs ``piece`` for these operands (see :data:`GEMM_BACKENDS`)."""
-    if not x.is_cuda or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
-        return "pointer"
-    if x.shape[0] < GROUPED_MM_MIN_ROWS:
-        return "pointer"
-    chosen = GEMM_BACKENDS.get(arch(x.device), {}).get(piece, "pointer")
-    # the TMA kernel is forward-style only: no wgrad
-    if chosen == "tma" and (piece == "wgrad" or not grouped_tma.applies(x, w)):
-        return "pointer"
-    return chosen
 
 
 @triton.jit
@@ -263,7 +206,8 @@ def configs(kind: str, family: str) -> list[triton.Config]:
         return [_config(32, 32, 32, 1, 4)]
     big = family == "sm100"
     # the last candidates of each kind have few rows per tile, for the weight-bandwidth-bound
-    # buffers of a few rows per expert these kernels run on (GROUPED_MM_MIN_ROWS)
+    # buffers of a few rows per expert these kernels run on (below
+    # gemm_backend.GROUPED_MM_MIN_ROWS)
     if kind == "gmm":
         return [
             _config(128, 256 if big else 128, 64, 4, 8),
@@ -310,7 +254,7 @@ def _check_operands(x: Tensor, w: Tensor, offsets: Tensor) -> None:
 
 
 def _launch_gmm(
-    chosen: Backend,
+    chosen: KernelBackend,
     x: Tensor,
     w: Tensor,
     offsets: Tensor,

@@ -17,9 +17,10 @@ activation, fused activation backward); what differs is how operands move:
   stores through shared memory on the H200, and the fused-activation tiles do not fit beside
   the operand pipeline there).
 
-:func:`applies` says when the kernel takes the operands (sm90+, TMA-ready strides); the policy
-in :mod:`moec.kernels.grouped_gemm` says which pieces use it. Descriptors made on the device
-need Triton's global scratch allocator: :func:`_set_allocator` points it at torch's.
+:func:`moec.kernels.gemm_backend.tma_applies` says when the kernel takes the operands (sm90+,
+TMA-ready strides) and :func:`moec.kernels.gemm_backend.backend` which pieces use it.
+Descriptors made on the device need Triton's global scratch allocator: :func:`_set_allocator`
+points it at torch's.
 """
 
 from __future__ import annotations
@@ -188,27 +189,6 @@ def _programs(t: Tensor) -> int:
     return _num_sms(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
-def _tma_ready(t: Tensor) -> bool:
-    """Unit inner stride, other strides and the base 16-byte aligned (what TMA takes)."""
-    size = t.element_size()
-    return (
-        t.stride(-1) == 1
-        and all((s * size) % 16 == 0 for s in t.stride()[:-1])
-        and t.data_ptr() % 16 == 0
-    )
-
-
-def applies(x: Tensor, w: Tensor) -> bool:
-    """Whether the TMA kernel takes these operands: sm90+ (or the interpreter), x TMA-ready,
-    w TMA-ready as given or as a transposed view."""
-    if x.is_cuda:
-        if arch(x.device) not in ("sm90", "sm100"):
-            return False
-    elif not interpreting():
-        return False
-    return _tma_ready(x) and (_tma_ready(w) or _tma_ready(w.transpose(-1, -2)))
-
-
 def launch_gmm(
     x: Tensor,
     w: Tensor,
@@ -220,7 +200,8 @@ def launch_gmm(
     act: KernelActivation | None,
 ) -> None:
     """Run the kernel: ``out`` (and ``h`` / ``d_h`` as ``epilogue`` says) written in place;
-    the caller has checked shapes (none empty) and :func:`applies`."""
+    the caller has checked shapes (none empty) and
+    :func:`~moec.kernels.gemm_backend.tma_applies`."""
     _set_allocator()
     rows, depth = x.shape
     num_experts, _, width = w.shape

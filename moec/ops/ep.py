@@ -20,7 +20,8 @@ its route-rank order; rows past ``local_offsets[-1]`` are garbage (never read fo
 Capacity and drops (the reference policy, exactly):
 
 1. ``moec::route`` on the source's own T tokens: expert ``e`` accepts the first
-   ``C = ceil(cf * T * K / N)`` routes in token-major order (dropless: ``C = T``). This is the
+   ``C = min(T, ceil(cf * T * K / N))`` routes in token-major order (dropless: ``C = T``;
+   :func:`moec.ops.routing.capacity`, the one home of that rule). This is the
    EP = 1 policy on the same local batch, so ``a2a_capacity`` and ``sync_1d`` (which add no
    drops) compute exactly what EP = 1 computes on each rank's batch, capacity binding or not.
 2. ``rowwise`` only: a rank receives at most ``Cr = ceil(cf * T * K)`` rows (dropless:
@@ -61,6 +62,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moec.errors import MoecError
+from moec.ops.routing import capacity
 
 PATHS = ("a2a_capacity", "sync_1d", "rowwise")
 
@@ -75,13 +77,6 @@ class EPPathError(MoecError, RuntimeError):
 # --- sizes -------------------------------------------------------------------------------------
 
 
-def expert_capacity(tokens, top_k: int, num_experts: int, capacity_factor: float):
-    """``C``: accepted routes per (source, expert); equals ``moec.ops.routing.capacity``."""
-    if capacity_factor <= 0:
-        return tokens
-    return torch.sym_min(tokens, math.ceil(capacity_factor * tokens * top_k / num_experts))
-
-
 def rank_capacity(tokens, top_k: int, num_experts: int, ep_size: int, capacity_factor: float):
     """``Cr``: rows one rank receives on the ``rowwise`` path (see module)."""
     if capacity_factor <= 0:
@@ -93,7 +88,7 @@ def buffer_rows(tokens, top_k: int, num_experts: int, ep_size: int, cf: float, p
     """``R``: rows of the expert buffer a rank receives (see module)."""
     if path == "rowwise":
         return rank_capacity(tokens, top_k, num_experts, ep_size, cf)
-    return num_experts * expert_capacity(tokens, top_k, num_experts, cf)
+    return num_experts * capacity(tokens, top_k, num_experts, cf)
 
 
 # --- index math (pure, device-side, static shapes) ---------------------------------------------
@@ -238,7 +233,7 @@ def _layout(rows, offsets, group, ep_size, capacity_factor, path):
     counts = torch.empty_like(accepted)
     dist.all_to_all_single(counts, accepted, group=pg)
     counts = counts.view(ep_size, -1)  # [n, L]: from each source to my experts
-    cap = expert_capacity(tokens, top_k, num_experts, capacity_factor)
+    cap = capacity(tokens, top_k, num_experts, capacity_factor)
     if path == "a2a_capacity":
         slots = capacity_slots(rows, offsets, cap).view(rows.shape)
         recv = capacity_receive_map(counts, cap)

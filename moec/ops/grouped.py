@@ -7,13 +7,12 @@ the device: nothing here reads it on the host, so every function is sync-free.
 Implementations, chosen per call:
 
 - on CUDA, the kernels :func:`moec.ops.cuda.register_kernels` installs through
-  :func:`register_cuda_kernels` (Triton, or ``torch._grouped_mm`` where that measured faster) for
-  float32/16 and bf16;
-
-- ``torch._grouped_mm`` where it is fast and sync-free: bf16 on CUDA sm90+, fp32/bf16 on CPU
-  with 16-byte aligned rows;
-- a masked loop over experts otherwise (float64 for gradcheck, fp32 on CUDA): N times the FLOPs,
-  static shapes, still sync-free.
+  :func:`register_cuda_kernels` for float32/16 and bf16 (Triton, or ``torch._grouped_mm``, per
+  :func:`moec.kernels.gemm_backend.backend`);
+- otherwise the pure-PyTorch path, where ``backend(..., kernels=False)`` picks
+  ``torch._grouped_mm`` if it takes the operands sync-free (bf16 on CUDA sm90+, fp32/bf16 on CPU
+  with 16-byte aligned rows), else a masked loop over experts (float64 for gradcheck, fp32 on
+  CUDA): N times the FLOPs, static shapes, still sync-free.
 """
 
 from __future__ import annotations
@@ -22,7 +21,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
+
+from moec.kernels.gemm_backend import Backend, backend
 
 _FORCE_LOOP = False
 """Tests set this to compare the two implementations."""
@@ -53,19 +53,9 @@ def row_experts(offsets: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.searchsorted(offsets, positions, right=True)
 
 
-def _use_grouped_mm(*tensors: torch.Tensor) -> bool:
-    if _FORCE_LOOP:
-        return False
-    first = tensors[0]
-    if first.dtype == torch.float32 and is_fake(first):
-        return False  # torch's fake _grouped_mm takes bf16 only (its CPU kernel takes float32)
-    if first.device.type == "cuda":
-        return (
-            first.dtype == torch.bfloat16 and torch.cuda.get_device_capability(first.device)[0] >= 9
-        )
-    if first.device.type != "cpu" or first.dtype not in (torch.float32, torch.bfloat16):
-        return False
-    return all(t.shape[-1] * t.element_size() % 16 == 0 for t in tensors)
+def _backend(piece: str, x: torch.Tensor, w: torch.Tensor) -> Backend:
+    """The pure-PyTorch path's implementation: ``"loop"`` when tests force it."""
+    return "loop" if _FORCE_LOOP else backend(piece, x, w, kernels=False)
 
 
 def gmm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -73,7 +63,7 @@ def gmm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor
     kernel = cuda_kernel("gmm", x)
     if kernel is not None:
         return kernel(x, w, offsets)
-    if _use_grouped_mm(x, w, w.transpose(-1, -2)):
+    if _backend("down", x, w) == "grouped_mm":
         return torch._grouped_mm(x.contiguous(), w, offs=offsets)
     experts = row_experts(offsets, x.shape[0])
     out = x.new_zeros(x.shape[0], w.shape[-1])
@@ -88,7 +78,7 @@ def gmm_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor) -> torch
     if kernel is not None:
         return kernel(x, dy, offsets)
     num_experts = offsets.shape[0]
-    if _use_grouped_mm(x, dy):
+    if _backend("wgrad", x, dy) == "grouped_mm":
         return torch._grouped_mm(x.t(), dy.contiguous(), offs=offsets)
     experts = row_experts(offsets, x.shape[0])
     grads = []

@@ -23,15 +23,19 @@ import math
 import torch
 from torch import Tensor
 
+IntLike = int | torch.SymInt
+"""A size: a Python int, or a symbolic one while tracing with fake tensors."""
+
 GATINGS = ("softmax", "sigmoid")
 ROUTINGS = ("learned", "random", "uniform")
 
 
-def capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
-    """Routes one expert accepts per batch; ``capacity_factor <= 0`` means dropless."""
+def capacity(tokens: IntLike, top_k: int, num_experts: int, capacity_factor: float) -> IntLike:
+    """``C``: routes one expert accepts from ``tokens`` tokens (see module); ``capacity_factor
+    <= 0`` means dropless (``C = tokens``). ``tokens`` may be symbolic (a fake impl's size)."""
     if capacity_factor <= 0:
         return tokens
-    return min(tokens, math.ceil(capacity_factor * tokens * top_k / num_experts))
+    return torch.sym_min(tokens, math.ceil(capacity_factor * tokens * top_k / num_experts))
 
 
 def score_dtype(logits: Tensor) -> torch.dtype:

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from moec.kernels import grouped_gemm
+from moec.kernels import gemm_backend
 from moec.ops import grouped
 from moec.ops.activations import is_gated
 from moec.ops.cuda import kernel_activation, register_kernels
@@ -157,7 +157,7 @@ def test_expert_mlp_forward_backward(dtype, activation, case, backend, bias):
     kernels) against the float64 reference, with NaN rows past the offsets."""
     if backend != "pointer" and dtype == torch.float32:
         pytest.skip("float32 GEMMs run the pointer kernels whatever the policy")
-    with grouped_gemm.forced_backend(backend):
+    with gemm_backend.forced_backend(backend):
         _check_expert_mlp(dtype, activation, case, bias)
 
 

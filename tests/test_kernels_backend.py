@@ -1,0 +1,101 @@
+"""moec.kernels.gemm_backend: which grouped-GEMM implementation runs for which operands.
+
+CUDA operands are fake tensors (no GPU needed) and the arch is set by monkeypatching, so every
+branch of the one decision is checked on the CPU: dtype, device, arch, row count, piece, and
+whether moec's kernels or the ops' pure-PyTorch path asks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from moec.kernels import gemm_backend as gb
+
+
+def _fake_cuda(rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    with FakeTensorMode():
+        x = torch.empty(rows, 64, device="cuda", dtype=dtype)
+        w = torch.empty(4, 64, 32, device="cuda", dtype=dtype)
+    return x, w
+
+
+@pytest.fixture
+def sm(monkeypatch: pytest.MonkeyPatch):
+    """Set the arch every CUDA tensor reports; the TMA kernel takes any operands."""
+    monkeypatch.setattr(gb, "tma_applies", lambda x, w: True)
+
+    def set_arch(name: str) -> None:
+        monkeypatch.setattr(gb, "arch", lambda device: name)
+
+    return set_arch
+
+
+@pytest.mark.parametrize("piece", gb.PIECES)
+def test_kernels_bf16_on_sm90_follow_the_table_from_the_minimum_rows(sm, piece):
+    sm("sm90")
+    x, w = _fake_cuda(gb.GROUPED_MM_MIN_ROWS, torch.bfloat16)
+    assert gb.backend(piece, x, w) == gb.GEMM_BACKENDS["sm90"][piece]
+    small, w = _fake_cuda(gb.GROUPED_MM_MIN_ROWS - 1, torch.bfloat16)
+    assert gb.backend(piece, small, w) == "pointer"
+
+
+@pytest.mark.parametrize("arch,dtype", [("sm90", torch.float32), ("sm90", torch.float16),
+                                        ("other", torch.bfloat16)])  # fmt: skip
+def test_kernels_run_the_pointer_kernels_off_the_table(sm, arch, dtype):
+    sm(arch)
+    x, w = _fake_cuda(4 * gb.GROUPED_MM_MIN_ROWS, dtype)
+    assert {gb.backend(piece, x, w) for piece in gb.PIECES} == {"pointer"}
+
+
+def test_tma_never_runs_wgrad_nor_operands_it_does_not_take(sm, monkeypatch):
+    sm("sm90")
+    x, w = _fake_cuda(gb.GROUPED_MM_MIN_ROWS, torch.bfloat16)
+    with gb.forced_backend("tma"):
+        assert gb.backend("dgrad", x, w) == "tma"
+        assert gb.backend("wgrad", x, w) == "pointer"
+        monkeypatch.setattr(gb, "tma_applies", lambda x, w: False)
+        assert gb.backend("dgrad", x, w) == "pointer"
+
+
+@pytest.mark.parametrize("chosen", ["pointer", "tma", "grouped_mm"])
+def test_forced_backend_covers_every_piece_and_size_then_restores(sm, chosen):
+    sm("sm100")
+    x, w = _fake_cuda(8, torch.bfloat16)
+    before = {piece: gb.backend(piece, x, w) for piece in gb.PIECES}
+    with gb.forced_backend(chosen):
+        for piece in gb.PIECES:
+            want = "pointer" if chosen == "tma" and piece == "wgrad" else chosen
+            assert gb.backend(piece, x, w) == want
+    assert {piece: gb.backend(piece, x, w) for piece in gb.PIECES} == before
+
+
+def test_kernels_on_the_cpu_interpreter_run_the_pointer_kernels():
+    x, w = torch.randn(4 * gb.GROUPED_MM_MIN_ROWS, 64), torch.randn(4, 64, 32)
+    assert {gb.backend(piece, x.bfloat16(), w.bfloat16()) for piece in gb.PIECES} == {"pointer"}
+
+
+@pytest.mark.parametrize("arch,want", [("sm90", "grouped_mm"), ("sm100", "grouped_mm"),
+                                       ("other", "loop")])  # fmt: skip
+def test_reference_path_on_cuda_takes_grouped_mm_for_bf16_on_sm90_and_later(sm, arch, want):
+    sm(arch)
+    x, w = _fake_cuda(16, torch.bfloat16)  # any row count
+    assert gb.backend("down", x, w, kernels=False) == want
+    x, w = _fake_cuda(16, torch.float32)
+    assert gb.backend("down", x, w, kernels=False) == "loop"
+
+
+def test_reference_path_on_the_cpu_needs_float32_or_bf16_aligned_rows():
+    x, w = torch.randn(16, 64), torch.randn(4, 64, 32)
+    assert gb.backend("down", x, w, kernels=False) == "grouped_mm"
+    assert gb.backend("down", x.bfloat16(), w.bfloat16(), kernels=False) == "grouped_mm"
+    assert gb.backend("down", x.double(), w.double(), kernels=False) == "loop"
+    odd = torch.randn(4, 64, 3)  # 12-byte rows
+    assert gb.backend("down", x, odd, kernels=False) == "loop"
+    narrow = torch.randn(4, 6, 32)  # its transpose has 24-byte rows: not for gmm, fine for wgrad
+    assert gb.backend("down", torch.randn(16, 6), narrow, kernels=False) == "loop"
+    assert gb.backend("wgrad", x, torch.randn(16, 32), kernels=False) == "grouped_mm"
+    with FakeTensorMode():  # torch's fake _grouped_mm takes bf16 only
+        fake_x, fake_w = torch.empty(16, 64), torch.empty(4, 64, 32)
+    assert gb.backend("down", fake_x, fake_w, kernels=False) == "loop"
