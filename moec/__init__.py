@@ -9,11 +9,13 @@ loss = loss_fn(compiled(tokens)) + compiled.aux_loss()
 import torch
 
 import moec.ops  # noqa: F401  (registers the moec:: ops)
+from moec.compiler import compile
 from moec.errors import MoecError
 from moec.frontend import CaptureError, trace
 from moec.ops.activations import register_activation
 from moec.plan import Plan, PlanError
-from moec.runtime.compiled import CompiledModel, compile
+from moec.program import Program
+from moec.runtime.compiled import CompiledModel
 
 if torch.cuda.is_available():  # the ops pick the Triton kernels on CUDA automatically
     from moec.ops.cuda import register_kernels as _register_kernels
@@ -26,6 +28,7 @@ __all__ = [
     "MoecError",
     "Plan",
     "PlanError",
+    "Program",
     "compile",
     "register_activation",
     "trace",

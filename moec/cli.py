@@ -27,7 +27,9 @@ from rich.table import Table
 
 from moec.errors import MoecError, one_line
 from moec.models.zoo import SHORT_NAMES, load_model
+from moec.passes.manager import pipeline_string, select
 from moec.plan import Plan
+from moec.program import EPGroup
 
 
 def _console() -> Console:
@@ -45,7 +47,7 @@ def cmd_plan_show(args: argparse.Namespace) -> int:
     plan = _load_plan(args.file)
     console = _console()
     console.print(plan.to_yaml(), end="", markup=False)
-    console.print(f"pipeline: {plan.pipeline_string()}", markup=False)
+    console.print(f"passes: {pipeline_string(plan)}", markup=False)
     return 0
 
 
@@ -101,10 +103,27 @@ def cmd_debug(args: argparse.Namespace) -> int:
         model, inputs = with_next_token_loss(model, inputs, kwargs, args.model)
         kwargs = {}
     console = _console()
-    console.print(f"pipeline: {plan.pipeline_string()}", markup=False)
-    dump = DebugDump(args.out, plan, print_after_all=args.print_after_all, console=console)
+    names = select(plan, args.passes, args.disable)
+    pass_pipeline = pipeline_string(plan, names)
+    console.print(f"passes: {pass_pipeline}", markup=False)
+    dump = DebugDump(
+        args.out,
+        plan,
+        pass_pipeline=pass_pipeline,
+        print_after_all=args.print_after_all,
+        console=console,
+    )
     mesh = _debug_mesh(plan, args.ep_rank)
-    compiled = moec.compile(model, plan, inputs, kwargs, dump=dump, mesh=mesh)
+    compiled = moec.compile(
+        model,
+        plan,
+        inputs,
+        kwargs,
+        dump=dump,
+        mesh=mesh,
+        passes=pass_pipeline,
+        print_after=args.print_after,
+    )
     if args.out is None or args.print_after_all:
         return 0
     console.print(f"wrote {len(dump.stages)} stages to {args.out}", markup=False)
@@ -120,13 +139,11 @@ def cmd_debug(args: argparse.Namespace) -> int:
 
 def _debug_mesh(plan: Plan, ep_rank: int) -> SimpleNamespace | None:
     """Without a process group, show the graph EP rank ``ep_rank`` would run (it is not run)."""
-    from moec.passes.expert_parallel import EPGroupInfo
-
     if plan.parallel.ep == 1:
         return None
     if not 0 <= ep_rank < plan.parallel.ep:
         raise SystemExit(f"moec debug: --ep-rank {ep_rank} not in [0, {plan.parallel.ep})")
-    return SimpleNamespace(ep_info=EPGroupInfo(ep_rank, plan.parallel.ep, "moec-debug"))
+    return SimpleNamespace(ep_info=EPGroup(ep_rank, plan.parallel.ep, "moec-debug"))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -172,6 +189,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     debug.add_argument(
         "--ep-rank", type=int, default=0, help="with parallel.ep > 1: the EP rank to show"
+    )
+    debug.add_argument(
+        "--passes",
+        help="the passes to run, as a pass-pipeline string ('moe,fused_loss' or what "
+        "'moec plan show' prints; options in braces must match the plan); default: the plan's",
+    )
+    debug.add_argument(
+        "--disable", action="append", default=[], metavar="PASS", help="skip this pass"
+    )
+    debug.add_argument(
+        "--print-after",
+        action="append",
+        metavar="PASS",
+        help="dump only after these passes ('capture' for the captured graph); default: all",
     )
     debug.add_argument(
         "--no-loss",

@@ -41,6 +41,7 @@ from rich.table import Table
 from moec.analysis.cost import format_count, graph_cost
 from moec.analysis.structure import module_path
 from moec.errors import MoecError
+from moec.passes.manager import pipeline_string
 from moec.plan import Plan
 from moec.repro import write_repro
 
@@ -69,13 +70,17 @@ class DebugDump:
         out_dir: str | Path | None,
         plan: Plan,
         *,
+        pass_pipeline: str | None = None,
         print_after_all: bool = False,
         console: Console | None = None,
     ):
+        """``pass_pipeline``: the pass-pipeline string of the passes that will run (default:
+        the plan's pipeline)."""
         if out_dir is None and not print_after_all:
             raise ValueError("DebugDump needs an output directory unless print_after_all is set")
         self.out = None if out_dir is None else Path(out_dir)
         self.plan, self.print_after_all = plan, print_after_all
+        self.pass_pipeline = pass_pipeline or pipeline_string(plan)
         self.console = console or Console()
         self.stages: list[str] = []
         self.summaries: list[str] = []
@@ -85,12 +90,12 @@ class DebugDump:
     def __call__(self, stage: str, gm: fx.GraphModule, stats: dict[str, Any]) -> None:
         name = f"{len(self.stages):02d}_{stage}"
         self.stages.append(name)
-        code = self._safely("graph.py", lambda: readable_code(gm, self.plan)) or ""
+        code = self._safely("graph.py", lambda: readable_code(gm, self.pass_pipeline)) or ""
         ops = self._safely("ops", lambda: op_rows(gm)) or []
         diff = unified_diff(self._previous, (name, code))
         self._previous = (name, code)
         record = self._safely("stats", lambda: stage_stats(stage, gm, stats)) or {"stage": stage}
-        record["pipeline"] = self.plan.pipeline_string()
+        record["pipeline"] = self.pass_pipeline
         line = summary_line(record)
         self.summaries.append(line)
         if self.print_after_all:
@@ -119,13 +124,13 @@ class DebugDump:
             return None
         return self._safely(
             "repro.py",
-            lambda: write_repro(compiled.graph_module, self.plan, args, kwargs, self.out, title),
+            lambda: write_repro(compiled.program, self.plan, args, kwargs, self.out, title),
         )
 
     # --- output ------------------------------------------------------------------------------
 
     def _start(self) -> None:
-        text = f"{self.plan.pipeline_string()}\n\n{self.plan.to_yaml()}"
+        text = f"{self.pass_pipeline}\n\n{self.plan.to_yaml()}"
         if self.print_after_all:
             self.console.rule("pipeline")
             self.console.print(text, markup=False, highlight=False)
@@ -190,8 +195,8 @@ def with_next_token_loss(
     return LanguageModelWithLoss(model), (tokens, tokens.roll(-1, dims=1))
 
 
-def readable_code(gm: fx.GraphModule, plan: Plan | None = None) -> str:
-    header = f"# moec pipeline: {plan.pipeline_string()}\n" if plan is not None else ""
+def readable_code(gm: fx.GraphModule, pass_pipeline: str | None = None) -> str:
+    header = f"# moec passes: {pass_pipeline}\n" if pass_pipeline is not None else ""
     return header + gm.print_readable(print_output=False)
 
 

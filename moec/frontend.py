@@ -3,9 +3,10 @@
 ``trace(model, example_inputs)`` runs ``torch.export.export(strict=False)`` with every input
 dimension marked ``Dim.AUTO`` (so batch and sequence lengths stay symbolic), takes the exported
 program's ``.module()`` (parameters as ``get_attr`` nodes, shared with ``model``) and rewrites its
-calling convention to a flat one: ``forward(*flat_inputs) -> tuple(flat_outputs)``. The pytree
-specs that map the user's ``(args, kwargs)`` and outputs to and from that flat form are kept in
-``gm.meta`` (see :class:`GraphSignature`); passes may append extra outputs after the user's.
+calling convention to a flat one: ``forward(*flat_inputs) -> tuple(flat_outputs)``.
+``capture(...)`` returns it as a :class:`moec.program.Program` whose
+:class:`~moec.program.GraphSignature` maps the user's ``(args, kwargs)`` and outputs to and from
+that flat form; passes may append extra outputs after the user's.
 
 Every ``call_function`` node is an ATen (or moec) op with a fake ``meta["val"]``: export's region
 ops (``wrap_with_set_grad_enabled``, ``wrap_with_autocast``) are inlined with their semantics
@@ -20,7 +21,6 @@ should be checked for FX traceability) and exports the result, so the IR is the 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import operator
 from typing import Any
@@ -33,41 +33,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export import Dim
 
 from moec.errors import MoecError
+from moec.program import GraphSignature, Program
 
 
 class CaptureError(MoecError, RuntimeError):
     """The model could not be captured; the message says why and what to try."""
-
-
-@dataclasses.dataclass
-class GraphSignature:
-    """How user inputs/outputs map to the flat graph. Stored as ``gm.meta["moec_signature"]``."""
-
-    in_spec: pytree.TreeSpec
-    out_spec: pytree.TreeSpec
-    num_user_outputs: int
-    aux_outputs: list[tuple[str, str]] = dataclasses.field(default_factory=list)
-    """(module path, kind) of every output past the user's, in order, added by passes."""
-
-    def flatten_inputs(self, args: tuple, kwargs: dict) -> list[Any]:
-        flat, spec = pytree.tree_flatten((args, kwargs))
-        if spec != self.in_spec:
-            raise CaptureError(
-                "inputs do not have the structure the model was captured with:\n"
-                f"  captured: {self.in_spec}\n  called:   {spec}\n"
-                "call with the same arguments (tensor sizes may differ) or compile again"
-            )
-        return flat
-
-    def unflatten_outputs(self, flat: tuple) -> Any:
-        return pytree.tree_unflatten(list(flat[: self.num_user_outputs]), self.out_spec)
-
-
-def signature(gm: fx.GraphModule) -> GraphSignature:
-    sig = gm.meta.get("moec_signature")
-    if sig is None:
-        raise CaptureError("this GraphModule was not made by moec.trace (no moec_signature)")
-    return sig
 
 
 def trace(
@@ -78,7 +48,20 @@ def trace(
     method: str = "export",
     dynamic: bool = True,
 ) -> fx.GraphModule:
-    """Capture ``model(*example_inputs, **example_kwargs)`` as a flat ATen graph (see module)."""
+    """The flat ATen graph of ``model(*example_inputs, **example_kwargs)`` (see module)."""
+    return capture(model, example_inputs, example_kwargs, method=method, dynamic=dynamic).graph
+
+
+def capture(
+    model: torch.nn.Module,
+    example_inputs: tuple | Any,
+    example_kwargs: dict | None = None,
+    *,
+    method: str = "export",
+    dynamic: bool = True,
+) -> Program:
+    """Capture ``model(*example_inputs, **example_kwargs)`` as a program: the flat graph and its
+    signature, in the mode ``model`` is in (see module)."""
     if not isinstance(model, torch.nn.Module):
         raise CaptureError(f"moec.trace needs an nn.Module, got {type(model).__name__}")
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
@@ -112,9 +95,8 @@ def trace(
     flat_outputs = tuple(output.args[0])
     output.args = (flat_outputs,)
     gm.recompile()
-    gm.meta["moec_signature"] = GraphSignature(in_spec, out_spec, len(flat_outputs))
-    gm.meta["moec_param_roles"] = {}
-    return gm
+    signature = GraphSignature(in_spec, out_spec, len(flat_outputs))
+    return Program(gm, signature, captured_training=model.training)
 
 
 def _drop_export_wrappers(gm: fx.GraphModule) -> None:

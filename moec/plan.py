@@ -305,25 +305,6 @@ class Plan:
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
-    def pipeline_string(self) -> str:
-        """One line that names every enabled pass with its options, for logs and dumps."""
-        m, p = self.moe, self.parallel
-        parts = [
-            f"moe{{experts={m.num_experts},top_k={m.top_k},init={m.init},gating={m.gating},"
-            f"capacity={m.capacity_factor},shared={int(m.shared_expert)},dense_first={m.dense_first}}}"
-        ]
-        if p.ep > 1:
-            parts.append(f"expert_parallel{{ep={p.ep},path={p.ep_path}}}")
-        if self.precision.gemm != "bf16":
-            parts.append(f"precision{{{self.precision.gemm},{'+'.join(self.precision.scope)}}}")
-        if self.loss.fused:
-            parts.append("fused_loss")
-        if self.recompute.policy != "none":
-            parts.append(f"recompute{{{self.recompute.policy}}}")
-        if p.pp > 1:
-            parts.append(f"pipeline{{pp={p.pp},v={p.virtual_stages},schedule={p.pp_schedule}}}")
-        return ",".join(parts)
-
 
 _SECTIONS: dict[str, type] = {
     "moe": MoEPlan,

@@ -26,12 +26,15 @@ from typing import Any, Literal
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from moec.errors import MoecError
+from moec.fx import under
+
 ParamRole = Literal["dense", "router", "expert"]
 """``expert``: sliced over the EP group and reduced over the expert-data-parallel group;
 ``router`` and ``dense``: replicated over every data-parallel rank."""
 
 
-class SignatureError(ValueError):
+class SignatureError(MoecError, ValueError):
     """Inputs do not have the structure the program was captured with."""
 
 
@@ -164,6 +167,12 @@ class Program:
     pipeline: Pipeline | None = None
     stage_index: int | None = None
     """Set on a pipeline stage's own program: its index in ``Pipeline.stages``."""
+    captured_training: bool = True
+    """The mode the source model was captured in (its dropouts are in the graph when True)."""
+    pass_pipeline: str = ""
+    """The pass-pipeline string of the passes that made this program (``moe{...},...``)."""
+    pass_results: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """What each pass that ran reported (``moec.passes.base.PassResult`` by pass name)."""
 
     def role(self, name: str) -> ParamRole:
         """The role of parameter ``name`` (a name in ``graph``)."""
@@ -177,14 +186,12 @@ class Program:
             graph=graph,
             signature=signature,
             param_roles={k: v for k, v in self.param_roles.items() if k in params},
-            moe_layers=[m for m in self.moe_layers if any(_under(n, m.path) for n in params)],
+            moe_layers=[m for m in self.moe_layers if any(under(n, m.path) for n in params)],
             working_weights={
                 b: names for b, names in self.working_weights.items() if hasattr(graph, b)
             },
             expert_parallel=self.expert_parallel,
             stage_index=index,
+            captured_training=self.captured_training,
+            pass_pipeline=self.pass_pipeline,
         )
-
-
-def _under(name: str, path: str) -> bool:
-    return name == path or name.startswith(path + ".")

@@ -1,4 +1,4 @@
-"""``write_repro(compiled, args, kwargs, out_dir)``: a standalone script that reruns a program.
+"""``write_repro(program, plan, args, kwargs, out_dir, title)``: a script that reruns a program.
 
 Writes::
 
@@ -31,8 +31,8 @@ import torch.fx as fx
 from torch.fx.graph_module import _format_import_block
 from torch.package import sys_importer
 
-from moec.frontend import signature
 from moec.plan import Plan
+from moec.program import Program
 
 SCRIPT = '''\
 """moec repro: {title}
@@ -142,11 +142,12 @@ if __name__ == "__main__":
 
 
 def write_repro(
-    gm: fx.GraphModule, plan: Plan, args: tuple, kwargs: dict, out_dir: Path, title: str
+    program: Program, plan: Plan, args: tuple, kwargs: dict, out_dir: Path, title: str
 ) -> Path:
-    """Write ``repro.py`` and ``repro_state.pt`` for program ``gm`` (compiled under ``plan`` from
+    """Write ``repro.py`` and ``repro_state.pt`` for ``program`` (compiled under ``plan`` from
     the example ``(args, kwargs)``) into ``out_dir``; the script's path."""
-    flat = signature(gm).flatten_inputs(args, kwargs)
+    gm = program.graph
+    flat = program.signature.flatten_inputs(args, kwargs)
     buffers = _tensor_attributes(gm)
     saved = [x for x in flat if _drawn_as(x) == "saved"]
     specs = [_input_spec(x, saved) for x in flat]
@@ -154,7 +155,7 @@ def write_repro(
     root = gm._get_name()
     text = SCRIPT.format(
         title=title,
-        pipeline=plan.pipeline_string(),
+        pipeline=program.pass_pipeline,
         imports=_imports(modules.values()),
         code=gm.print_readable(print_output=False),
         root=root,
@@ -165,7 +166,7 @@ def write_repro(
         ),
         tied=repr(_tied(gm)),
         inputs=repr(specs),
-        working_copies=repr(gm.meta.get("moec_working_weights") or {}),
+        working_copies=repr(program.working_weights),
         autocast=plan.precision.compute_dtype == "bf16",
     )
     out_dir.mkdir(parents=True, exist_ok=True)

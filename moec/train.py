@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from moec.analysis.cost import graph_cost
+from moec.compiler import compile
 from moec.data import TextBatches
 from moec.errors import MoecError
 from moec.optim import AdamW
@@ -53,7 +54,7 @@ from moec.runtime.checkpoint_store import (
     CheckpointWriteError,
     Committed,
 )
-from moec.runtime.compiled import CompiledModel, compile
+from moec.runtime.compiled import CompiledModel
 from moec.runtime.distributed import (
     GradientReducer,
     MoEMesh,
@@ -208,22 +209,20 @@ class LanguageModelWithLoss(torch.nn.Module):
 
 
 def parameter_groups(compiled: CompiledModel, weight_decay: float) -> list[dict[str, Any]]:
-    """Dense and expert groups, each split into decayed matrices and undecayed
-    embeddings/norms/biases."""
+    """The optimizer's groups: the dense and expert parameters
+    (:func:`moec.runtime.distributed.parameter_groups`), each split into decayed matrices and
+    undecayed embeddings/norms/biases."""
     gm = compiled.graph_module
-    roles = gm.meta.get("moec_param_roles", {})
     embeddings = {
-        str(n.args[0].target)
+        id(gm.get_parameter(str(n.args[0].target)))
         for n in gm.graph.nodes
         if n.op == "call_function" and n.target == torch.ops.aten.embedding.default
     }
     groups: dict[tuple[str, bool], list[torch.nn.Parameter]] = {}
-    for name, param in gm.named_parameters():
-        if not param.requires_grad:
-            continue
-        kind = "expert" if roles.get(name) == "expert" else "dense"
-        decay = param.dim() >= 2 and name not in embeddings
-        groups.setdefault((kind, decay), []).append(param)
+    for kind, params in zip(("dense", "expert"), dist_parameter_groups(compiled), strict=True):
+        for param in params:
+            decay = param.dim() >= 2 and id(param) not in embeddings
+            groups.setdefault((kind, decay), []).append(param)
     return [
         {
             "name": f"{kind}{'' if decay else '_no_decay'}",
@@ -292,7 +291,7 @@ class Trainer:
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, wsd_schedule(cfg))
         self.step = 0
-        cost = graph_cost(self.compiled.graph_module).evaluate()
+        cost = graph_cost(self.compiled.program).evaluate()
         self.train_flops_per_token = cost.train_flops_per_token
         self.params, self.active_params = cost.params, cost.active_params
         self.store = CheckpointStore(
@@ -455,12 +454,11 @@ class Trainer:
     def _checkpoint_bytes(self) -> int:
         """Predicted size of one checkpoint: every parameter in its global shape (experts of
         all EP ranks), with AdamW's two moments for the trained ones."""
-        gm = self.compiled.graph_module
-        roles = gm.meta.get("moec_param_roles", {})
+        program = self.compiled.program
         ep = self.mesh.ep_info.size if self.mesh else 1
         total = 0
-        for name, param in gm.named_parameters():
-            copies = ep if roles.get(name) == "expert" else 1
+        for name, param in program.graph.named_parameters():
+            copies = ep if program.role(name) == "expert" else 1
             tensors = 3 if param.requires_grad else 1
             total += param.numel() * param.element_size() * copies * tensors
         return total
@@ -651,7 +649,7 @@ class _Loop:
         step_time = throughput["step_time_s"]
         first = t.first_loss
         summary = {
-            "plan": t.plan.pipeline_string(),
+            "plan": t.compiled.program.pass_pipeline,
             "device": torch.cuda.get_device_name(t.device) if t.device.type == "cuda" else "cpu",
             "steps": t.step,
             "first_loss": None if first is None else float(first),

@@ -38,8 +38,9 @@ import torch.fx as fx
 
 import moec.ops  # noqa: F401  (registers torch.ops.moec)
 from moec.analysis.structure import CASTS, MATMUL_OPS
-from moec.passes.manager import PassContext, PassResult
+from moec.passes.base import PassContext, PassResult, register_pass
 from moec.passes.rewrite import GraphEditor, fake_mode, refresh_meta
+from moec.plan import Plan
 
 aten = torch.ops.aten
 AUTOCAST_BF16 = MATMUL_OPS | {
@@ -126,8 +127,20 @@ def _static_one(size: int | torch.SymInt) -> bool:
     return isinstance(size, int) and size == 1
 
 
+@register_pass
 class SharedCastsPass:
     name = "shared_casts"
+    after: tuple[str, ...] = ("moe", "expert_parallel", "precision", "fused_loss")
+    requires: tuple[str, ...] = ()
+
+    @staticmethod
+    def applies(plan: Plan) -> bool:
+        """precision.compute_dtype is bf16"""
+        return plan.precision.compute_dtype == "bf16"
+
+    @staticmethod
+    def options(plan: Plan) -> str:
+        return ""
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if ctx.plan.precision.compute_dtype != "bf16":

@@ -20,32 +20,30 @@ The expert parameters are replaced by this rank's slice ``[rank*L, (rank+1)*L)``
 (seeded, identical on every rank) tensors, so EP = n holds exactly the experts EP = 1 holds.
 
 Precondition: every rank of the EP group runs the same graph on local batches of the same shape
-(the exchanged buffers have static, equal sizes). The rank comes from the :class:`EPGroupInfo`
-given to the constructor, never from global state, so the pass stays a pure function.
+(the exchanged buffers have static, equal sizes). The rank comes from the context's
+:class:`~moec.program.EPGroup`, never from global state, so the pass stays a pure function.
 
 Options: ``plan.parallel.ep``, ``plan.parallel.ep_path`` (``auto``: ``rowwise`` on CUDA, else
 ``a2a_capacity``), the group. Invariants: those of :mod:`moec.passes.rewrite`; the user outputs
-are unchanged; one aux output ``(block, "ep_dropped")`` per block is appended; every parameter is
-tagged in ``gm.meta["moec_param_roles"]``: ``expert`` (reduced over the expert-data-parallel
-group), ``router`` or ``dense`` (reduced over the whole data-parallel group);
-``gm.meta["moec_ep"]`` records the group and the resolved path for the runtime and dumps.
+are unchanged; one aux output ``(block, "ep_dropped")`` per block is appended; the program's
+``expert_parallel`` records the group and the resolved path for the runtime and dumps (its
+``param_roles`` from ``moe`` say which parameters are expert slices).
 Statistics: ``blocks_rewritten``, ``experts_per_rank``, ``path``, ``params_removed``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 import torch.fx as fx
 
 import moec.ops.ep  # noqa: F401  (registers the moec::ep_* ops)
 from moec.errors import MoecError
-from moec.frontend import signature
-from moec.passes.manager import PassContext, PassResult
+from moec.passes.base import PassContext, PassResult, register_pass
 from moec.passes.rewrite import GraphEditor
 from moec.plan import Plan
+from moec.program import EPGroup, ExpertParallelLayout
 
 moec_ops = torch.ops.moec
 
@@ -55,17 +53,6 @@ EXPERT_ARGS = {1: "w_up", 2: "w_down", 4: "b_up", 5: "b_down"}
 
 class ExpertParallelError(MoecError, RuntimeError):
     """The pass cannot apply; the message names the node, module or setting that stopped it."""
-
-
-@dataclasses.dataclass(frozen=True)
-class EPGroupInfo:
-    """This rank's place in its EP group: what the pass needs, nothing global."""
-
-    rank: int
-    size: int
-    group: str
-    """Process group name (``ProcessGroup.group_name``), resolved by the EP ops at run time."""
-    device_type: str = "cpu"
 
 
 def resolve_path(path: str, device_type: str) -> str:
@@ -83,46 +70,50 @@ class _Site:
     prefix: str
 
 
+@register_pass
 class ExpertParallelPass:
     name = "expert_parallel"
+    after: tuple[str, ...] = ()
+    requires: tuple[str, ...] = ("moe",)
 
-    def __init__(self, group: EPGroupInfo):
-        self.group = group
+    @staticmethod
+    def applies(plan: Plan) -> bool:
+        """parallel.ep > 1"""
+        return plan.parallel.ep > 1
 
-    @classmethod
-    def for_mesh(cls, plan: Plan, mesh: Any) -> ExpertParallelPass:
-        """The pass for ``mesh`` (anything with an ``ep_info: EPGroupInfo``)."""
-        if mesh is None:
+    @staticmethod
+    def options(plan: Plan) -> str:
+        return f"ep={plan.parallel.ep},path={plan.parallel.ep_path}"
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        program = ctx.require_program(self.name)
+        ep = ctx.plan.parallel.ep
+        group = ctx.ep_group
+        if group is None:
             raise ExpertParallelError(
-                f"plan.parallel.ep={plan.parallel.ep} needs a process group: launch with "
-                f"`torchrun --nproc-per-node {plan.parallel.dp} script.py`, call "
+                f"plan.parallel.ep={ep} needs a process group: launch with "
+                f"`torchrun --nproc-per-node {ctx.plan.parallel.dp} script.py`, call "
                 "moec.runtime.distributed.init_from_env(plan) there and pass its mesh "
                 "to moec.compile(model, plan, example_inputs, mesh=mesh)"
             )
-        return cls(mesh.ep_info)
-
-    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-        ep = ctx.plan.parallel.ep
-        if self.group.size != ep:
+        if group.size != ep:
             raise ExpertParallelError(
-                f"EP group {self.group.group!r} has {self.group.size} ranks but "
-                f"plan.parallel.ep={ep}"
+                f"EP group {group.group!r} has {group.size} ranks but plan.parallel.ep={ep}"
             )
-        sites = [self._match(gm, node) for node in gm.graph.nodes if _is(node, "dispatch")]
+        sites = [self._match(gm, node, group) for node in gm.graph.nodes if _is(node, "dispatch")]
         if not sites:
             raise ExpertParallelError("pass expert_parallel found no moec.dispatch: run moe first")
-        path = resolve_path(ctx.plan.parallel.ep_path, self.group.device_type)
+        path = resolve_path(ctx.plan.parallel.ep_path, group.device_type)
         editor = GraphEditor(gm, self.name)
         removed = 0
         dropped: list[fx.Node] = []
         for site in sites:
-            removed += self._shard_params(editor, site)
-            dropped.append(self._rewrite(editor, site, path))
+            removed += self._shard_params(editor, site, group)
+            dropped.append(self._rewrite(editor, site, group, path))
         output = gm.graph.output_node()
         output.args = (tuple(output.args[0]) + tuple(dropped),)
-        signature(gm).aux_outputs += [(site.prefix, "ep_dropped") for site in sites]
-        _tag_roles(gm)
-        gm.meta["moec_ep"] = {"info": self.group, "path": path}
+        program.signature.aux_outputs += [(site.prefix, "ep_dropped") for site in sites]
+        program.expert_parallel = ExpertParallelLayout(group, path)
         gm.graph.eliminate_dead_code()
         gm.recompile()
         stats = {
@@ -135,7 +126,7 @@ class ExpertParallelPass:
 
     # --- legality ----------------------------------------------------------------------------
 
-    def _match(self, gm: fx.GraphModule, dispatch: fx.Node) -> _Site:
+    def _match(self, gm: fx.GraphModule, dispatch: fx.Node, group: EPGroup) -> _Site:
         mlps = [u for u in dispatch.users if _is(u, "expert_mlp")]
         if len(dispatch.users) != 1 or len(mlps) != 1:
             raise ExpertParallelError(
@@ -149,9 +140,9 @@ class ExpertParallelPass:
                 f"{dispatch.name}"
             )
         num_experts = mlp.args[3].meta["val"].shape[0]
-        if num_experts % self.group.size:
+        if num_experts % group.size:
             raise ExpertParallelError(
-                f"{num_experts} experts of {mlp.name} cannot be split over ep={self.group.size}"
+                f"{num_experts} experts of {mlp.name} cannot be split over ep={group.size}"
             )
         for index in EXPERT_ARGS:
             param = mlp.args[index]
@@ -165,7 +156,7 @@ class ExpertParallelPass:
 
     # --- rewrite -----------------------------------------------------------------------------
 
-    def _shard_params(self, editor: GraphEditor, site: _Site) -> int:
+    def _shard_params(self, editor: GraphEditor, site: _Site, group: EPGroup) -> int:
         """Keep this rank's experts of every expert parameter; return the elements removed."""
         removed = 0
         for index in EXPERT_ARGS:
@@ -175,24 +166,24 @@ class ExpertParallelPass:
             owner_path, _, name = str(node.target).rpartition(".")
             owner = editor.gm.get_submodule(owner_path)
             full = getattr(owner, name)
-            local = full.shape[0] // self.group.size
-            part = full.detach()[self.group.rank * local : (self.group.rank + 1) * local].clone()
+            local = full.shape[0] // group.size
+            part = full.detach()[group.rank * local : (group.rank + 1) * local].clone()
             setattr(owner, name, torch.nn.Parameter(part, full.requires_grad))
             node.meta["val"] = editor.mode.from_tensor(getattr(owner, name), static_shapes=True)
             removed += full.numel() - part.numel()
         return removed
 
-    def _rewrite(self, editor: GraphEditor, site: _Site, path: str) -> fx.Node:
+    def _rewrite(self, editor: GraphEditor, site: _Site, group: EPGroup, path: str) -> fx.Node:
         x, rows = site.dispatch.args
         buffer, _, _, offsets, *rest = site.mlp.args
         weights = site.combine.args[1]
         route = rows.args[0]
         cf = float(route.args[2])
-        comm = (self.group.group, self.group.size, path)
+        comm = (group.group, group.size, path)
         with editor.graph.inserting_before(site.dispatch):
             layout = editor.call(
                 moec_ops.ep_layout.default,
-                (rows, offsets, self.group.group, self.group.size, cf, path),
+                (rows, offsets, group.group, group.size, cf, path),
                 like=site.dispatch,
             )
             slots, recv, local_offsets, counts, sent, dropped = (
@@ -228,9 +219,3 @@ class ExpertParallelPass:
 
 def _is(node: fx.Node, op: str) -> bool:
     return node.op == "call_function" and node.target is getattr(moec_ops, op).default
-
-
-def _tag_roles(gm: fx.GraphModule) -> None:
-    roles = gm.meta.setdefault("moec_param_roles", {})
-    for name, _ in gm.named_parameters():
-        roles.setdefault(name, "dense")

@@ -13,12 +13,12 @@ Keeps    the loss (float32 softmax statistics, as the upcast original) and its g
          elsewhere (returned, sliced, logged) is left alone and reported in ``stats["skipped"]``:
          fusing it would not remove the logits.
 
-:func:`forward_only` gives the graph ``CompiledModel`` runs under ``torch.no_grad()``: the op
-then skips the head's gradients, which a training forward computes ahead of the backward.
+Under ``torch.no_grad()`` the runtime runs a variant whose ops skip the head's gradients, which
+a training forward computes ahead of the backward (:func:`moec.runtime.variants.forward_only`).
 
-Why: at a 100k vocabulary the fp32 logits, their log-softmax and its gradient are the largest
-tensors of a step (~25 GB at 3 x 8192 tokens) and three full passes over memory; the fused op
-streams row chunks and never holds more than one chunk of logits.
+Why: at a large vocabulary the fp32 logits, their log-softmax and its gradient are the largest
+tensors of a step and three full passes over memory; the fused op streams row chunks and never
+holds more than one chunk of logits.
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ import torch.fx as fx
 
 import moec.ops  # noqa: F401  (registers torch.ops.moec)
 from moec.analysis.structure import VIEW_OPS
+from moec.passes.base import PassContext, PassResult, register_pass
 from moec.passes.casts import CASTS
-from moec.passes.manager import PassContext, PassResult
 from moec.passes.rewrite import GraphEditor
+from moec.plan import Plan
 
 aten = torch.ops.aten
 REDUCTIONS = {1: "mean", 2: "sum"}  # ATen's Reduction enum; 0 ("none") is not fused
@@ -79,8 +80,20 @@ def _loss_args(loss: fx.Node) -> tuple[int, str] | str:
     return args["ignore_index"], REDUCTIONS[args["reduction"]]
 
 
+@register_pass
 class FusedLossPass:
     name = "fused_loss"
+    after: tuple[str, ...] = ("moe", "expert_parallel", "precision")
+    requires: tuple[str, ...] = ()
+
+    @staticmethod
+    def applies(plan: Plan) -> bool:
+        """loss.fused and parallel.pp = 1 (pipelined programs compute the loss in the last stage)"""
+        return plan.loss.fused and plan.parallel.pp == 1
+
+    @staticmethod
+    def options(plan: Plan) -> str:
+        return ""
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         edit = GraphEditor(gm, self.name)
@@ -110,20 +123,3 @@ class FusedLossPass:
             fused += 1
         gm.recompile()
         return PassResult(gm, fused > 0, {"fused": fused, "skipped": skipped})
-
-
-def forward_only(gm: fx.GraphModule) -> fx.GraphModule:
-    """``gm`` for calls that need no gradients (``torch.no_grad()``): a copy whose fused losses
-    run with ``with_grads=False`` (no head-gradient GEMMs), sharing ``gm``'s parameters and
-    meta; ``gm`` itself when it has no fused loss."""
-    fused = torch.ops.moec.linear_cross_entropy.default
-    if not any(n.target is fused for n in gm.graph.nodes):
-        return gm
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    for node in graph.nodes:
-        if node.target is fused:
-            node.args = (*node.args[:6], False)
-    copy = fx.GraphModule(gm, graph)
-    copy.meta.update(gm.meta)
-    return copy

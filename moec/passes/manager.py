@@ -1,109 +1,214 @@
-"""The pass manager: runs the passes a plan enables, verifies after each, calls dump hooks.
+"""The pass manager: builds the pass pipeline from the registry, runs it, verifies after each pass.
 
-A pass is an object with a ``name``, a docstring (what it matches, what it emits, which
-invariants it keeps) and ``run(gm, ctx) -> PassResult``. Passes are pure functions of the graph
-and the plan: everything they learn goes into their result's ``stats``, nothing into globals.
+The pipeline is data. Every pass declares its ordering (``after``), what it needs (``requires``)
+and when it applies (see :mod:`moec.passes.base`); :func:`default_pipeline` is every registered
+pass whose ``applies(plan)`` holds, in the one order those declarations allow (ties broken by
+the order of :data:`PASS_MODULES`). A pipeline string (``"moe{...},expert_parallel{...}"``) is
+generated from the passes that will run, and the same string, or a subset of it, can be given
+back to run exactly those passes (:func:`parse_pipeline`), as MLIR's ``--pass-pipeline`` does;
+options in braces are printed from the plan and, when given back, must match it.
+
+After each pass the manager runs the verifier (graph lint, fake-tensor propagation, parameter
+bookkeeping) when asked, and calls the dump hook for the stages selected by ``print_after``.
+Analyses cached in the :class:`PassContext` are dropped when a pass reports ``modified``.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import importlib
+import re
 import time
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch.fx as fx
 
+from moec.passes.base import REGISTRY, PassContext, PassPipelineError
+from moec.passes.verify import parameter_count, verify_graph
 from moec.plan import Plan
+from moec.program import Program
 
-
-@dataclasses.dataclass
-class PassResult:
-    gm: fx.GraphModule
-    modified: bool
-    stats: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """Counters tests assert on (``ffns_replaced``) and ``params_added``/``params_removed``."""
-
-
-@dataclasses.dataclass
-class PassContext:
-    plan: Plan
-    results: dict[str, PassResult] = dataclasses.field(default_factory=dict)
-    """Results of the passes that already ran, by name."""
-
-
-class Pass(Protocol):
-    name: str
-
-    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult: ...
-
+PASS_MODULES = (
+    "moec.passes.moe",
+    "moec.passes.expert_parallel",
+    "moec.passes.precision",
+    "moec.passes.loss",
+    "moec.passes.casts",
+    "moec.passes.rope",
+    "moec.passes.glu",
+    "moec.passes.working_weights",
+    "moec.passes.recompute",
+    "moec.passes.pipeline",
+)
+"""The modules whose import registers moec's passes; their order breaks ordering ties."""
 
 DumpHook = Callable[[str, fx.GraphModule, dict[str, Any]], None]
-"""``hook(stage_name, gm, stats)``: called once for the captured graph and after every pass."""
+"""``hook(stage_name, gm, stats)``: called for the captured graph and after the passes."""
+
+
+def registered() -> dict[str, type]:
+    """Every pass class by name, in pipeline order."""
+    for module in PASS_MODULES:
+        importlib.import_module(module)
+    return {name: REGISTRY[name] for name in _ordered(REGISTRY)}
+
+
+def _ordered(passes: dict[str, type]) -> list[str]:
+    """A topological order of ``passes`` under their ``after``/``requires`` edges; among the
+    passes free to go next, the first registered goes first."""
+    before = {n: set(c.after) | set(c.requires) for n, c in passes.items()}
+    for name, needs in before.items():
+        if unknown := needs - set(passes):
+            raise PassPipelineError(f"pass {name} is ordered after unknown passes {unknown}")
+    order: list[str] = []
+    while len(order) < len(passes):
+        ready = [n for n in passes if n not in order and before[n] <= set(order)]
+        if not ready:
+            stuck = [n for n in passes if n not in order]
+            raise PassPipelineError(f"the ordering declarations of passes {stuck} form a cycle")
+        order.append(ready[0])
+    return order
+
+
+def default_pipeline(plan: Plan) -> list[str]:
+    """The names of the passes ``plan`` enables, in pipeline order."""
+    return [name for name, cls in registered().items() if cls.applies(plan)]
+
+
+def pipeline_string(plan: Plan, names: Iterable[str] | None = None) -> str:
+    """``name{options},...`` for ``names`` (default: the plan's pipeline)."""
+    passes = registered()
+    names = default_pipeline(plan) if names is None else list(names)
+    parts = []
+    for name in names:
+        options = passes[name].options(plan)
+        parts.append(f"{name}{{{options}}}" if options else name)
+    return ",".join(parts)
+
+
+_ITEM = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?:\{([^{}]*)\})?\s*(?:,|$)")
+
+
+def parse_pipeline(text: str, plan: Plan) -> list[str]:
+    """The pass names of a pipeline string, checked (see :func:`check_pipeline`); options in
+    braces must equal what the plan gives that pass."""
+    passes = registered()
+    names, pos = [], 0
+    text = text.strip()
+    while pos < len(text):
+        match = _ITEM.match(text, pos)
+        if match is None or match.end() == pos:
+            raise PassPipelineError(
+                f"cannot read the pass pipeline at {text[pos:]!r}: expected "
+                "'name' or 'name{options}', separated by commas"
+            )
+        name, options = match.group(1), match.group(2)
+        _known(name, passes)
+        if options is not None and options != passes[name].options(plan):
+            raise PassPipelineError(
+                f"pass {name}: options {{{options}}} differ from the plan's "
+                f"{{{passes[name].options(plan)}}}; options come from the plan, change it there"
+            )
+        names.append(name)
+        pos = match.end()
+    check_pipeline(names, plan)
+    return names
+
+
+def select(plan: Plan, passes: str | None = None, disable: Iterable[str] = ()) -> list[str]:
+    """The passes to run: ``passes`` (a pipeline string) or the plan's default pipeline, less
+    the ``disable``d ones; checked."""
+    names = parse_pipeline(passes, plan) if passes else default_pipeline(plan)
+    known = registered()
+    for name in disable:
+        _known(name, known)
+    names = [n for n in names if n not in set(disable)]
+    check_pipeline(names, plan)
+    return names
+
+
+def check_pipeline(names: list[str], plan: Plan) -> None:
+    """Each name is a registered pass that applies to ``plan``, at most once, in an order its
+    ``after`` declarations allow, with every pass it ``requires`` earlier in the list."""
+    passes = registered()
+    order = list(passes)
+    for i, name in enumerate(names):
+        _known(name, passes)
+        cls = passes[name]
+        if name in names[:i]:
+            raise PassPipelineError(f"pass {name} appears twice in the pipeline")
+        if not cls.applies(plan):
+            raise PassPipelineError(
+                f"pass {name} does not apply to this plan ({_why_not(cls)}); drop it from "
+                "the pipeline or change the plan"
+            )
+        missing = [r for r in cls.requires if r not in names[:i]]
+        if missing:
+            raise PassPipelineError(f"pass {name} requires {missing} to run before it")
+        late = [n for n in names[:i] if order.index(n) > order.index(name)]
+        if late:
+            raise PassPipelineError(
+                f"pass {name} must run before {late}: the pipeline order is "
+                f"{','.join(n for n in order if n in names)}"
+            )
+
+
+def _known(name: str, passes: dict[str, type]) -> None:
+    if name not in passes:
+        raise PassPipelineError(f"unknown pass {name!r}; the passes are: {', '.join(passes)}")
+
+
+def _why_not(cls: type) -> str:
+    doc = (cls.applies.__doc__ or "").strip()
+    return doc or "its applies(plan) is false"
 
 
 class PassManager:
-    def __init__(self, passes: list[Pass], *, verify: bool = True, dump: DumpHook | None = None):
-        self.passes, self.verify, self.dump = passes, verify, dump
+    """Runs ``names`` (registered passes) over a program."""
 
-    def run(self, gm: fx.GraphModule, plan: Plan) -> tuple[fx.GraphModule, PassContext]:
-        from moec.passes.verify import parameter_count, verify_graph
+    def __init__(
+        self,
+        names: list[str],
+        *,
+        verify: bool = True,
+        dump: DumpHook | None = None,
+        print_after: Iterable[str] | None = None,
+    ):
+        passes = registered()
+        for name in names:
+            _known(name, passes)
+        self.names = list(names)
+        self.passes = [passes[name]() for name in names]
+        self.verify, self.dump = verify, dump
+        self.print_after = None if print_after is None else set(print_after)
+        if self.print_after is not None:
+            for name in self.print_after - {"capture"}:
+                _known(name, passes)
 
-        ctx = PassContext(plan)
+    def run(self, program: Program, ctx: PassContext) -> Program:
+        gm = program.graph
         if self.verify:
-            verify_graph(gm, "capture")
-        if self.dump:
-            self.dump("capture", gm, {})
+            verify_graph(gm, "capture", program.signature)
+        self._dump("capture", gm, {})
         for p in self.passes:
             before = parameter_count(gm)
             start = time.perf_counter()
             result = p.run(gm, ctx)
             result.stats["seconds"] = round(time.perf_counter() - start, 3)
-            gm = result.gm
+            gm = program.graph = result.gm
+            if result.modified:
+                ctx.invalidate_analyses()
             if self.verify:
                 expected = (
                     before
                     + result.stats.get("params_added", 0)
                     - result.stats.get("params_removed", 0)
                 )
-                verify_graph(gm, p.name, expected_params=expected)
+                verify_graph(gm, p.name, program.signature, expected_params=expected)
             ctx.results[p.name] = result
-            if self.dump:
-                self.dump(p.name, gm, result.stats)
-        return gm, ctx
+            self._dump(p.name, gm, result.stats)
+        return program
 
-
-def default_passes(plan: Plan, mesh: Any = None) -> list[Pass]:
-    """The passes ``plan`` enables, in pipeline order; ``mesh`` (a
-    :class:`moec.runtime.distributed.MoEMesh`) places this rank when ``parallel.ep > 1``."""
-    from moec.passes.casts import SharedCastsPass
-    from moec.passes.expert_parallel import ExpertParallelPass
-    from moec.passes.glu import FuseGluPass
-    from moec.passes.loss import FusedLossPass
-    from moec.passes.moe import MoEPass
-    from moec.passes.precision import PrecisionPass
-    from moec.passes.recompute import RecomputePass
-    from moec.passes.rope import FuseRopePass
-    from moec.passes.working_weights import WorkingWeightsPass
-
-    passes: list[Pass] = [MoEPass()]
-    if plan.parallel.ep > 1:
-        passes.append(ExpertParallelPass.for_mesh(plan, mesh))
-    if plan.precision.gemm != "bf16":
-        passes.append(PrecisionPass())
-    if plan.loss.fused and plan.parallel.pp == 1:
-        # pipelined programs compute the loss outside the graph, in the last stage's loss_fn
-        passes.append(FusedLossPass())
-    if plan.precision.compute_dtype == "bf16":
-        passes.append(SharedCastsPass())
-    passes.append(FuseRopePass())  # after shared_casts: it folds their cast before attention
-    passes.append(FuseGluPass())  # after shared_casts: it concatenates the weights' bf16 casts
-    if plan.precision.compute_dtype == "bf16":
-        passes.append(WorkingWeightsPass())  # after fuse_glu: it keeps the concatenation too
-    if plan.recompute.policy != "none":
-        passes.append(RecomputePass())
-    if plan.parallel.pp > 1:
-        from moec.passes.pipeline import PipelinePass
-
-        passes.append(PipelinePass())
-    return passes
+    def _dump(self, stage: str, gm: fx.GraphModule, stats: dict[str, Any]) -> None:
+        if self.dump is not None and (self.print_after is None or stage in self.print_after):
+            self.dump(stage, gm, stats)

@@ -41,7 +41,9 @@ unless ``plan.moe.ffn_dropout`` is ``drop``. FFNs kept dense keep their dropout.
 Options: everything in ``plan.moe``. Statistics: ``ffns_replaced``, ``ffns_kept_dense``,
 ``params_added``, ``params_removed``, ``ffn_dropouts_dropped``. Invariants: those of
 :mod:`moec.passes.rewrite`; the graph's user outputs are unchanged; per MoE block three aux
-outputs are appended (``router_losses``, ``expert_counts``, ``expert_offsets``).
+outputs are appended (``router_losses``, ``expert_counts``, ``expert_offsets``); the program
+records each block as a :class:`~moec.program.MoELayer` and its parameters' roles (``router``,
+``expert``).
 """
 
 from __future__ import annotations
@@ -59,16 +61,17 @@ from moec.analysis.structure import (
     module_path,
 )
 from moec.errors import MoecError
-from moec.frontend import signature
+from moec.fx import parameter_count
 from moec.ops.activations import (
     ActivationError,
     is_gated,
     register_activation,
     supported_text,
 )
-from moec.passes.manager import PassContext, PassResult
+from moec.passes.base import PassContext, PassResult, register_pass
 from moec.passes.rewrite import GraphEditor, erase_unused, refresh_meta
-from moec.plan import MoEPlan, PlanError, activation_function
+from moec.plan import MoEPlan, Plan, PlanError, activation_function
+from moec.program import MoELayer
 
 aten = torch.ops.aten
 moec_ops = torch.ops.moec
@@ -87,25 +90,28 @@ class ExpertWeights:
     b_down: torch.Tensor | None  # [N, D]
 
 
-@dataclasses.dataclass
-class MoELayerInfo:
-    """What the runtime and the cost model need to know about one MoE block."""
-
-    path: str
-    block: int
-    dim: int
-    expert_width: int
-    num_experts: int
-    top_k: int
-    capacity_factor: float | None
-    activation: str
-    shared_expert: bool
-
-
+@register_pass
 class MoEPass:
     name = "moe"
+    after: tuple[str, ...] = ()
+    requires: tuple[str, ...] = ()
+
+    @staticmethod
+    def applies(plan: Plan) -> bool:
+        """always"""
+        return True
+
+    @staticmethod
+    def options(plan: Plan) -> str:
+        m = plan.moe
+        return (
+            f"experts={m.num_experts},top_k={m.top_k},init={m.init},gating={m.gating},"
+            f"capacity={m.capacity_factor},shared={int(m.shared_expert)},"
+            f"dense_first={m.dense_first}"
+        )
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        program = ctx.require_program(self.name)
         plan = ctx.plan.moe
         _register_plan_activations(plan)
         structure = find_structure(gm)
@@ -121,9 +127,7 @@ class MoEPass:
         editor = GraphEditor(gm, self.name)
         compute_dtype = torch.bfloat16 if ctx.plan.precision.compute_dtype == "bf16" else None
         generator = torch.Generator().manual_seed(plan.seed)
-        sig = signature(gm)
-        roles = gm.meta.setdefault("moec_param_roles", {})
-        layers = gm.meta.setdefault("moec_moe_layers", [])
+        sig, roles, layers = program.signature, program.param_roles, program.moe_layers
         added = removed = 0
         aux: list[fx.Node] = []
         dropouts = [_check_dropout(b.ffn, plan) for b in blocks[plan.dense_first :]]
@@ -138,9 +142,9 @@ class MoEPass:
             if plan.shared_expert:
                 _scale_shared(gm, region, 0.5 if plan.init in ("upcycle", "split") else 1.0)
             else:
-                params_before = sum(p.numel() for p in gm.parameters())
+                params_before = parameter_count(gm)
                 erase_unused(gm, region.nodes())
-                removed += params_before - sum(p.numel() for p in gm.parameters())
+                removed += params_before - parameter_count(gm)
             aux += nodes
             sig.aux_outputs += [
                 (prefix, "router_losses"),
@@ -148,7 +152,7 @@ class MoEPass:
                 (prefix, "expert_offsets"),
             ]
             layers.append(
-                MoELayerInfo(
+                MoELayer(
                     prefix,
                     block.index,
                     region.dim,

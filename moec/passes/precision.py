@@ -37,8 +37,9 @@ import torch.fx as fx
 
 import moec.ops.quantized  # noqa: F401  (registers moec::quantized_*)
 from moec.analysis.structure import TRANSPOSE_OPS, VIEW_OPS, linear_site
-from moec.passes.manager import PassContext, PassResult
+from moec.passes.base import PassContext, PassResult, register_pass
 from moec.passes.rewrite import GraphEditor
+from moec.plan import Plan
 
 aten = torch.ops.aten
 moec_ops = torch.ops.moec
@@ -125,8 +126,20 @@ def attention_out_linears(gm: fx.GraphModule) -> list[fx.Node]:
     return linears
 
 
+@register_pass
 class PrecisionPass:
     name = "precision"
+    after: tuple[str, ...] = ("moe", "expert_parallel")
+    requires: tuple[str, ...] = ()
+
+    @staticmethod
+    def applies(plan: Plan) -> bool:
+        """precision.gemm is not bf16"""
+        return plan.precision.gemm != "bf16"
+
+    @staticmethod
+    def options(plan: Plan) -> str:
+        return f"{plan.precision.gemm},{'+'.join(plan.precision.scope)}"
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         precision = ctx.plan.precision
@@ -138,8 +151,7 @@ class PrecisionPass:
         scope = set(precision.scope)
         experts = routed_expert_nodes(gm) if "routed_experts" in scope else []
         for node in experts:
-            self._replace(editor, node, moec_ops.quantized_expert_mlp.default,
-                          (*node.args, recipe))
+            self._replace(editor, node, moec_ops.quantized_expert_mlp.default, (*node.args, recipe))
         stats["experts_quantized"] = len(experts)
         finders = {
             "shared_expert": ("shared_linears_quantized", shared_expert_linears),
@@ -148,11 +160,19 @@ class PrecisionPass:
         }
         done: set[fx.Node] = set()
         for key, (stat, finder) in finders.items():
-            found = [n for n in dict.fromkeys(finder(gm)) if n not in done and
-                     linear_site(n) is not None] if key in scope else []
+            found = (
+                [
+                    n
+                    for n in dict.fromkeys(finder(gm))
+                    if n not in done and linear_site(n) is not None
+                ]
+                if key in scope
+                else []
+            )
             for node in found:
-                self._replace(editor, node, moec_ops.quantized_linear.default,
-                              _linear_args(node, recipe))
+                self._replace(
+                    editor, node, moec_ops.quantized_linear.default, _linear_args(node, recipe)
+                )
             done.update(found)
             stats[stat] = len(found)
         gm.graph.lint()

@@ -78,8 +78,8 @@ from moec.analysis.cost import GraphCost, SavedRef, backward_workspace, graph_co
 from moec.analysis.cost.memory import is_activation, stored_ref
 from moec.analysis.structure import module_path
 from moec.fx import external_inputs, nbytes, node_order, placeholders_for, under
-from moec.passes.manager import PassContext, PassResult
-from moec.plan import PlanError
+from moec.passes.base import PassContext, PassResult, register_pass
+from moec.plan import Plan, PlanError
 
 aten = torch.ops.aten
 moec_ops = torch.ops.moec
@@ -385,12 +385,33 @@ def _wrap(gm: fx.GraphModule, region: BlockRegion, level: str) -> None:
         gm.graph.erase_node(node)
 
 
+@register_pass
 class RecomputePass:
     name = "recompute"
+    after: tuple[str, ...] = (
+        "moe",
+        "expert_parallel",
+        "precision",
+        "fused_loss",
+        "shared_casts",
+        "fuse_rope",
+        "fuse_glu",
+        "working_weights",
+    )
+    requires: tuple[str, ...] = ()
+
+    @staticmethod
+    def applies(plan: Plan) -> bool:
+        """recompute.policy is not none"""
+        return plan.recompute.policy != "none"
+
+    @staticmethod
+    def options(plan: Plan) -> str:
+        return plan.recompute.policy
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         plan = ctx.plan.recompute
-        cost = graph_cost(gm)
+        cost = graph_cost(ctx.program or gm)
         regions = block_regions(gm, cost)
         outside = outside_refs(gm, regions)
         if plan.policy == "budget":

@@ -6,8 +6,8 @@ Matches  a float32 parameter whose only reader is ``aten._to_copy(P, dtype=bfloa
          concatenated gate/up weights).
 Emits    a non-persistent bf16 buffer ``working_bf16_<i>`` on the root module holding the cast
          (or the concatenation) and ``working_copy(buffer, [P1, ...])`` in place of the cast or
-         the cat; ``gm.meta["moec_working_weights"] = {buffer: [parameter targets]}`` (in row
-         order) for the runtime (:class:`moec.runtime.working_weights.WorkingWeights`), which
+         the cat; the program's ``working_weights`` gains ``{buffer: [parameter targets]}`` (in
+         row order) for the runtime (:class:`moec.runtime.working_weights.WorkingWeights`), which
          refreshes a copy whenever its parameter changed and lets ``moec.optim.AdamW`` write
          it in its update pass.
 Keeps    forward values bit for bit (the buffer holds the same round-to-nearest casts);
@@ -16,7 +16,7 @@ Keeps    forward values bit for bit (the buffer holds the same round-to-nearest 
          the engine to accumulate them in float32); parameters unchanged (buffers are not
          parameters); a parameter read any other way is left alone.
 Runs only when ``precision.compute_dtype`` is bf16; before ``pipeline``, which hands each stage
-the copies its nodes read (as non-persistent buffers, with the stage's part of the meta).
+the copies its nodes read (as non-persistent buffers, in the stage's program).
 
 Why: a cast reads 4 and writes 2 bytes per parameter every forward and its backward casts the
 gradient back (2 + 4 bytes); at the e2e model's ~2e9 parameters that was ~24 GB of traffic,
@@ -29,9 +29,10 @@ import torch
 import torch.fx as fx
 
 from moec.ops.working_weights import working_copy
+from moec.passes.base import PassContext, PassResult, register_pass
 from moec.passes.casts import is_bf16_cast
-from moec.passes.manager import PassContext, PassResult
 from moec.passes.rewrite import GraphEditor
+from moec.plan import Plan
 
 aten = torch.ops.aten
 
@@ -61,8 +62,20 @@ def _cat_of_casts(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node] | None:
     return list(pieces) if ok else None
 
 
+@register_pass
 class WorkingWeightsPass:
     name = "working_weights"
+    after: tuple[str, ...] = ("fuse_glu",)
+    requires: tuple[str, ...] = ("shared_casts",)
+
+    @staticmethod
+    def applies(plan: Plan) -> bool:
+        """precision.compute_dtype is bf16"""
+        return plan.precision.compute_dtype == "bf16"
+
+    @staticmethod
+    def options(plan: Plan) -> str:
+        return ""
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         edit = GraphEditor(gm, self.name)
@@ -89,7 +102,8 @@ class WorkingWeightsPass:
             for node in dict.fromkeys([old, *casts]):
                 gm.graph.erase_node(node)
             copies[name] = [str(p.target) for p in params]
-        gm.meta["moec_working_weights"] = copies
+        if ctx.program is not None:
+            ctx.program.working_weights.update(copies)
         gm.recompile()
         parameters = sum(len(v) for v in copies.values())
         return PassResult(gm, bool(copies), {"copies": len(copies), "parameters": parameters})

@@ -1,7 +1,8 @@
-"""Execution of compiled programs: the CompiledModel and (later) distributed runtimes."""
+"""Execution of compiled programs: the CompiledModel, the distributed and pipeline runtimes,
+checkpoints. Receives :class:`moec.program.Program` objects; imports no pass."""
 
 from moec.ops.ep import RowwiseTransport, register_rowwise_transport
-from moec.runtime.compiled import CompiledModel, compile
+from moec.runtime.compiled import CompiledModel
 
 
 def _rowwise_transport() -> RowwiseTransport:
@@ -13,4 +14,4 @@ def _rowwise_transport() -> RowwiseTransport:
 
 register_rowwise_transport(_rowwise_transport)
 
-__all__ = ["CompiledModel", "compile"]
+__all__ = ["CompiledModel"]

@@ -4,20 +4,20 @@ Written with ``torch.distributed.checkpoint``. What is saved: the compiled model
 its optimizer's state, as returned by
 ``get_state_dict(compiled, optimizers, flatten_optimizer_state_dict=True)``, under ``{"model":
 ..., "optim": ...}``. Every key names a parameter by its fully qualified name in the full graph
-(e.g. ``graph_module.layers.0.ffn.moe.w_up``; optimizer entries ``state.<name>.exp_avg``,
+(e.g. ``layers.0.ffn.moe.w_up``; optimizer entries ``state.<name>.exp_avg``,
 ``param_groups.<name>.lr``), which depends on neither the EP nor the pipeline degree.
 
 Layout: every tensor is stored in its *global* (EP = 1) shape. Under EP = n each rank holds the
 experts ``[rank*N/n, (rank+1)*N/n)`` of every ``expert`` parameter (dim 0, see
-:mod:`moec.passes.expert_parallel`); those slices, and the optimizer state tensors of the same
-shape, are wrapped as ``DTensor`` on the (edp, ep) mesh with placements
-``[Replicate(), Shard(0)]``, so DCP writes each expert once with its global offset. Loading
-wraps the reader's tensors in the reader's layout and DCP reads the overlapping chunks: a
-checkpoint written at EP = a loads at EP = b for any a, b dividing N (EP = 1: ``mesh=None``,
+:mod:`moec.passes.expert_parallel`; the program's ``param_roles``); those slices, and the
+optimizer state tensors of the same shape, are wrapped as ``DTensor`` on the (edp, ep) mesh with
+placements ``[Replicate(), Shard(0)]``, so DCP writes each expert once with its global offset.
+Loading wraps the reader's tensors in the reader's layout and DCP reads the overlapping chunks:
+a checkpoint written at EP = a loads at EP = b for any a, b dividing N (EP = 1: ``mesh=None``,
 plain DCP, also without a process group). Under pipeline parallelism a rank holds only its
 stages' parameters (and their optimizer state): it writes and reads those keys alone, so a
-checkpoint written at PP = a loads at PP = b (``mesh`` is then the pipeline mesh's ``moe``
-part; the optimizer is the pipeline runtime's).
+checkpoint written at PP = a loads at PP = b (``mesh`` is then the pipeline mesh's ``moe`` part;
+the optimizer is the pipeline runtime's).
 
 Invariants: the reader compiles the same model and plan apart from ``parallel`` (same parameter
 names and global shapes) and builds the same optimizer class; after ``load`` every parameter and
@@ -85,8 +85,7 @@ def _state(compiled: nn.Module, optimizer: Any, mesh: MoEMesh | None) -> dict[st
     model, optim = get_state_dict(compiled, _optimizers(optimizer), options=FLAT)
     if mesh is None or mesh.ep_info.size == 1:
         return {"model": model, "optim": optim}
-    roles = compiled.graph_module.meta.get("moec_param_roles", {})
-    experts = {n for n in model if roles.get(n.removeprefix("graph_module.")) == "expert"}
+    experts = {n for n in model if compiled.program.role(n) == "expert"}
 
     def wrap(value: Any, name: str) -> Any:
         if name in experts and isinstance(value, torch.Tensor) and value.dim() > 0:

@@ -31,8 +31,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from moec.errors import MoecError
-from moec.passes.expert_parallel import EPGroupInfo
 from moec.plan import Plan
+from moec.program import EPGroup
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -49,7 +49,7 @@ class MoEMesh:
     dp_group: dist.ProcessGroup
     ep_group: dist.ProcessGroup
     edp_group: dist.ProcessGroup
-    ep_info: EPGroupInfo
+    ep_info: EPGroup
 
     @property
     def dp(self) -> int:
@@ -118,17 +118,24 @@ def build_mesh(plan: Plan, device_type: str | None = None) -> MoEMesh:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     mesh = init_device_mesh(device_type, (world // p.ep, p.ep), mesh_dim_names=("edp", "ep"))
     ep_group = mesh.get_group("ep")
-    info = EPGroupInfo(mesh.get_local_rank("ep"), p.ep, ep_group.group_name, device_type)
+    info = EPGroup(mesh.get_local_rank("ep"), p.ep, ep_group.group_name, device_type)
     return MoEMesh(mesh, dist.group.WORLD, ep_group, mesh.get_group("edp"), info)
 
 
 def parameter_groups(module: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """(dense, expert) trainable parameters of ``module`` by their role tag (see the EP pass)."""
-    roles = _roles(module)
+    """(dense, expert) trainable parameters of ``module`` (a module running a program: the
+    ``CompiledModel`` or a pipeline stage) by their role in its program."""
+    program = getattr(module, "program", None)
+    if program is None:
+        raise DistributedError(
+            "parameter roles are unknown: compile with example inputs (or run one forward) "
+            "before building the reducer or optimizer"
+        )
     dense, expert = [], []
     for name, param in module.named_parameters():
         if param.requires_grad:
-            (expert if roles.get(_graph_name(name)) == "expert" else dense).append(param)
+            role = program.role(name.removeprefix("graph_module."))
+            (expert if role == "expert" else dense).append(param)
     return dense, expert
 
 
@@ -173,20 +180,6 @@ def _squared_grad_norm(params: list[nn.Parameter], device: torch.device) -> torc
         return torch.zeros((), device=device)
     # norms accumulated in float32 whatever the gradients' dtype (working weights': bf16)
     return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
-
-
-def _roles(module: nn.Module) -> dict[str, str]:
-    gm = getattr(module, "graph_module", module)
-    if gm is None or not hasattr(gm, "meta"):
-        raise DistributedError(
-            "parameter roles are unknown: compile with example inputs (or run one forward) "
-            "before building the reducer or optimizer"
-        )
-    return gm.meta.get("moec_param_roles", {})
-
-
-def _graph_name(name: str) -> str:
-    return name.removeprefix("graph_module.")
 
 
 @dataclasses.dataclass

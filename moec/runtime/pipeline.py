@@ -1,10 +1,10 @@
 """Pipelined training on ``torch.distributed.pipelining``: stages, schedules, mesh, one step.
 
-The ``pipeline`` pass leaves ``gm.meta["moec_pipeline"]`` (the stage graphs and their ranks);
-this module runs the stages this rank holds. The mesh is ``(pp, dp // ep, ep)`` with names
-``("pp", "edp", "ep")``: rank = pp_index * dp + dp_index, so an EP group (and the data-parallel
-group the gradient reducer uses) lives inside one pipeline rank and runs the same stages in the
-same schedule order. Under torchrun::
+The ``pipeline`` pass leaves the program's ``pipeline`` (:class:`moec.program.Pipeline`: the
+stage programs and their ranks); this module runs the stages this rank holds. The mesh is ``(pp,
+dp // ep, ep)`` with names ``("pp", "edp", "ep")``: rank = pp_index * dp + dp_index, so an EP
+group (and the data-parallel group the gradient reducer uses) lives inside one pipeline rank and
+runs the same stages in the same schedule order. Under torchrun::
 
     mesh = build_pipeline_mesh(plan)                    # after init_process_group
     model = moec.compile(dense, plan, (one_microbatch,), mesh=mesh)
@@ -46,12 +46,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from moec.analysis.pipeline_schedule import MULTI_STAGE, schedule_class
-from moec.frontend import signature
 from moec.optim import AdamW
-from moec.passes.expert_parallel import EPGroupInfo
-from moec.passes.pipeline import PipelineSplit
 from moec.plan import Plan
-from moec.runtime.compiled import compute_autocast
+from moec.program import EPGroup, Pipeline, Program
+from moec.runtime.autocast import compute_autocast
 from moec.runtime.distributed import (
     DistributedError,
     GradientReducer,
@@ -60,6 +58,7 @@ from moec.runtime.distributed import (
     global_grad_norm,
     parameter_groups,
 )
+from moec.runtime.router_losses import router_loss_objective
 from moec.runtime.working_weights import WorkingWeights, gradient_dtype
 
 
@@ -78,7 +77,7 @@ class PipelineMesh:
         return dist.get_world_size(self.pp_group)
 
     @property
-    def ep_info(self) -> EPGroupInfo:
+    def ep_info(self) -> EPGroup:
         """What the ``expert_parallel`` pass needs (so this mesh can go to ``moec.compile``)."""
         return self.moe.ep_info
 
@@ -106,7 +105,7 @@ def build_pipeline_mesh(plan: Plan, device_type: str | None = None) -> PipelineM
     dp_groups = [dist.new_group(list(range(i * p.dp, (i + 1) * p.dp))) for i in range(p.pp)]
     pp_rank = mesh.get_local_rank("pp")
     ep_group = mesh.get_group("ep")
-    info = EPGroupInfo(mesh.get_local_rank("ep"), p.ep, ep_group.group_name, device_type)
+    info = EPGroup(mesh.get_local_rank("ep"), p.ep, ep_group.group_name, device_type)
     # this pipeline rank's (edp, ep) slice: what a PP = 1 job's mesh is (checkpoints shard on it)
     moe = MoEMesh(mesh["edp", "ep"], dp_groups[pp_rank], ep_group, mesh.get_group("edp"), info)
     return PipelineMesh(mesh, mesh.get_group("pp"), pp_rank, moe)
@@ -173,9 +172,10 @@ class StageModule(nn.Module):
     outputs (+ accumulator), which the loss function reads.
     """
 
-    def __init__(self, gm: Any, index: int, carries_aux: bool, plan: Plan):
+    def __init__(self, program: Program, carries_aux: bool, plan: Plan):
         super().__init__()
-        self.graph_module, self.index, self.carries_aux, self.plan = gm, index, carries_aux, plan
+        self.graph_module, self.index = program.graph, program.stage_index
+        self.program, self.carries_aux, self.plan = program, carries_aux, plan
         self.aux_outputs: dict[tuple[str, str], torch.Tensor] = {}
         self.meter: SavedTensorMeter | None = None
 
@@ -186,7 +186,7 @@ class StageModule(nn.Module):
         with self.meter.track() if self.meter else contextlib.nullcontext():
             with compute_autocast(self.plan, received):
                 outputs = self.graph_module(*received)
-            sig = signature(self.graph_module)
+            sig = self.program.signature
             sends = list(outputs[: sig.num_user_outputs])
             aux = dict(zip(sig.aux_outputs, outputs[sig.num_user_outputs :]))
             if self.carries_aux:
@@ -202,12 +202,8 @@ class StageModule(nn.Module):
         self, acc: torch.Tensor | None, aux: dict[tuple[str, str], torch.Tensor], like: torch.Tensor
     ) -> torch.Tensor:
         total = torch.zeros((), device=like.device) if acc is None else acc
-        for (_, kind), value in aux.items():
-            if kind == "router_losses":
-                # host floats: a coefficient tensor would be copied to the device (a sync)
-                lbl_coef, z_coef = self.plan.moe.lbl_coef, self.plan.moe.z_loss_coef
-                total = total + lbl_coef * value[0] + z_coef * value[1]
-        return total
+        losses = router_loss_objective(aux, self.plan.moe)
+        return total if losses is None else total + losses
 
 
 class PipelineRuntime:
@@ -217,7 +213,7 @@ class PipelineRuntime:
 
     def __init__(
         self,
-        graph_module: Any,
+        program: Program,
         plan: Plan,
         mesh: PipelineMesh,
         *,
@@ -225,7 +221,7 @@ class PipelineRuntime:
         grad_clip: float | None = None,
         measure_memory: bool = False,
     ):
-        split: PipelineSplit | None = graph_module.meta.get("moec_pipeline")
+        split = program.pipeline
         if split is None:
             raise DistributedError("no pipeline stages: compile with plan.parallel.pp > 1")
         if mesh.pp != split.pp:
@@ -234,11 +230,11 @@ class PipelineRuntime:
         self.local = split.local_stages(mesh.pp_rank)
         self.num_stages = len(split.stages)
         if split.freed is None:
-            _free_other_stages(graph_module, split, mesh.pp_rank)
+            _free_other_stages(program.graph, split, mesh.pp_rank)
         elif missing := [(n, s) for n, s in split.freed.items() if s in self.local]:
             raise DistributedError(_not_held(split, *missing[0]))
-        carries_aux = bool(graph_module.meta.get("moec_moe_layers"))
-        self.modules = [StageModule(split.stages[s], s, carries_aux, plan) for s in self.local]
+        carries_aux = bool(program.moe_layers)
+        self.modules = [StageModule(split.stages[s], carries_aux, plan) for s in self.local]
         if measure_memory:
             for module in self.modules:
                 module.meter = SavedTensorMeter(module)
@@ -256,7 +252,7 @@ class PipelineRuntime:
         self.optimizer = optimizer(params)
         self._ce: list[torch.Tensor] = []
 
-    def _schedule(self, split: PipelineSplit, mesh: PipelineMesh) -> Any:
+    def _schedule(self, split: Pipeline, mesh: PipelineMesh) -> Any:
         from torch.distributed.pipelining import PipelineStage
 
         device = _device(mesh)
@@ -333,28 +329,29 @@ def _working_weights(modules: list[StageModule], plan: Plan) -> WorkingWeights |
     graphs = nn.ModuleList([m.graph_module for m in modules])
     copies = {
         f"{i}.{buffer}": [f"{i}.{name}" for name in names]
-        for i, graph in enumerate(graphs)
-        for buffer, names in graph.meta.get("moec_working_weights", {}).items()
+        for i, module in enumerate(modules)
+        for buffer, names in module.program.working_weights.items()
     }
     grad_dtype = gradient_dtype(plan.parallel.microbatches)
     return WorkingWeights(graphs, copies, grad_dtype) if copies else None
 
 
-def _free_other_stages(graph_module: Any, split: PipelineSplit, pp_rank: int) -> None:
+def _free_other_stages(graph_module: nn.Module, split: Pipeline, pp_rank: int) -> None:
     """Free every parameter and buffer that no stage of ``pp_rank`` reads: delete it from the
     full graph module and from the other stages' graphs and release its storage (``.data``
     becomes an empty tensor, for the source model that shares it too); record the parameters in
     ``split.freed`` and make the full graph's forward raise naming one."""
     local = set(split.local_stages(pp_rank))
-    kept = {id(t) for s in local for t in _tensors(split.stages[s])}
+    stages = [stage.graph for stage in split.stages]
+    kept = {id(t) for s in local for t in _tensors(stages[s])}
     split.freed = {
         name: s
-        for s, stage in enumerate(split.stages)
+        for s, stage in enumerate(stages)
         if s not in local
         for name, _ in stage.named_parameters()
     }
     freed: dict[int, torch.Tensor] = {}
-    others = [stage for s, stage in enumerate(split.stages) if s not in local]
+    others = [stage for s, stage in enumerate(stages) if s not in local]
     for module in (graph_module, *others):
         for name, tensor in [
             *module.named_parameters(remove_duplicate=False),
@@ -380,7 +377,7 @@ def _tensors(module: nn.Module) -> Iterator[torch.Tensor]:
     yield from module.buffers()
 
 
-def _not_held(split: PipelineSplit, name: str, stage: int) -> str:
+def _not_held(split: Pipeline, name: str, stage: int) -> str:
     return (
         f"parameter {name!r} of pipeline stage {stage} (pipeline rank {split.info[stage].rank}) "
         "was freed on this process, which keeps only the parameters of the stages its pipeline "
@@ -414,7 +411,7 @@ def runtime_for(compiled: Any, **options: Any) -> PipelineRuntime:
                 "train_step needs a pipelined program: compile with plan.parallel.pp > 1 and "
                 "mesh=moec.runtime.pipeline.build_pipeline_mesh(plan)"
             )
-        runtime = PipelineRuntime(compiled.graph_module, compiled.plan, compiled.mesh, **options)
+        runtime = PipelineRuntime(compiled.program, compiled.plan, compiled.mesh, **options)
         compiled._pipeline_runtime = runtime
         # the full graph no longer runs (other ranks' stages are freed); the runtime keeps the
         # copies of its own stages

@@ -22,6 +22,7 @@ from moec.analysis.cost.rules import NodeCost, node_cost
 from moec.analysis.cost.sizes import friendly_dims, tokens
 from moec.analysis.structure import find_structure, module_path
 from moec.fx import evaluate, example_sizes, node_order, owning_path, under
+from moec.program import MoELayer, ParamRole, Program
 
 Expr = sympy.Expr
 
@@ -130,15 +131,20 @@ class GraphCost:
         )
 
 
-def graph_cost(gm: fx.GraphModule) -> GraphCost:
-    """Per-node costs and their totals per graph and per residual block (see module)."""
+def graph_cost(program: Program | fx.GraphModule) -> GraphCost:
+    """Per-node costs and their totals per graph and per residual block (see module). A bare
+    graph has no MoE layers: its FFNs are the dense ones the structure analysis finds."""
+    if isinstance(program, fx.GraphModule):
+        gm, layers, roles = program, [], {}
+    else:
+        gm, layers, roles = program.graph, program.moe_layers, program.param_roles
     costs = {n: node_cost(n) for n in gm.graph.nodes}
     param_sizes = {name: p.numel() for name, p in gm.named_parameters()}
-    active = _active_param_sizes(gm, param_sizes)
+    active = _active_param_sizes(layers, roles, param_sizes)
     return GraphCost(
         nodes=costs,
         total=CostTotals.of(costs, gm.graph.nodes),
-        blocks=_blocks(gm, costs, param_sizes, active),
+        blocks=_blocks(gm, layers, costs, param_sizes, active),
         tokens=tokens(gm),
         params=sum(param_sizes.values()),
         active_params=round(sum(active.values())),
@@ -147,9 +153,10 @@ def graph_cost(gm: fx.GraphModule) -> GraphCost:
     )
 
 
-def _active_param_sizes(gm: fx.GraphModule, sizes: dict[str, int]) -> dict[str, float]:
-    roles = gm.meta.get("moec_param_roles", {})
-    layers = gm.meta.get("moec_moe_layers", [])
+def _active_param_sizes(
+    layers: list[MoELayer], roles: dict[str, ParamRole], sizes: dict[str, int]
+) -> dict[str, float]:
+    """Each parameter's size times the share of tokens that use it (top_k / N for experts)."""
     active = {}
     for name, size in sizes.items():
         layer = next((m for m in layers if under(name, m.path)), None)
@@ -158,7 +165,7 @@ def _active_param_sizes(gm: fx.GraphModule, sizes: dict[str, int]) -> dict[str, 
     return active
 
 
-def _ffns(gm: fx.GraphModule) -> list[FFNInfo]:
+def _ffns(gm: fx.GraphModule, layers: list[MoELayer]) -> list[FFNInfo]:
     """Dense FFN regions still in the graph and the MoE layers the ``moe`` pass made."""
     moe = {
         m.path.removesuffix(".moe"): FFNInfo(
@@ -170,7 +177,7 @@ def _ffns(gm: fx.GraphModule) -> list[FFNInfo]:
             m.top_k,
             m.shared_expert,
         )
-        for m in gm.meta.get("moec_moe_layers", [])
+        for m in layers
     }
     dense = [
         FFNInfo(b.ffn.module_path, b.ffn.activation, b.ffn.dim, b.ffn.hidden)
@@ -182,11 +189,12 @@ def _ffns(gm: fx.GraphModule) -> list[FFNInfo]:
 
 def _blocks(
     gm: fx.GraphModule,
+    layers: list[MoELayer],
     costs: dict[fx.Node, NodeCost],
     param_sizes: dict[str, int],
     active: dict[str, float],
 ) -> list[BlockCost]:
-    ffns = {f.path.rpartition(".")[0] or f.path: f for f in _ffns(gm) if f.path}
+    ffns = {f.path.rpartition(".")[0] or f.path: f for f in _ffns(gm, layers) if f.path}
     members: dict[str, list[fx.Node]] = {path: [] for path in ffns}
     for node in gm.graph.nodes:
         path = owning_path(module_path(node), members)

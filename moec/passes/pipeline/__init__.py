@@ -10,10 +10,10 @@ e.g. for Llama with x: f32[B, S, D]::
     ...
     add_7 = add(add_6, combine_default)   # layers.1 (MoE) ends: boundary 1
 
-Emits ``S = pp * v`` ``fx.GraphModule`` stages, stored as ``gm.meta["moec_pipeline"]``
-(:class:`PipelineSplit`); the full graph itself is returned unchanged (it still runs as one
-program, e.g. for evaluation, until the pipeline runtime frees the parameters of the stages other
-ranks hold: :attr:`PipelineSplit.freed`)::
+Emits ``S = pp * v`` stage programs, recorded as the program's ``pipeline``
+(:class:`moec.program.Pipeline`); the full graph itself is returned unchanged (it still runs as
+one program, e.g. for evaluation, until the pipeline runtime frees the parameters of the stages
+other ranks hold: :attr:`~moec.program.Pipeline.freed`)::
 
     stage 0:   forward(tokens)          -> (add_3, aux...)        # embed, blocks [0, b1)
     stage s:   forward(add_k)           -> (add_m, aux...)        # blocks [bs, bs+1)
@@ -27,7 +27,7 @@ By subject:
   in flight under the schedule (simulated from torch's own schedule planner);
 - :mod:`~moec.passes.pipeline.balance`: blocks to stages, by dynamic programming;
 - :mod:`~moec.passes.pipeline.stages`: the stage graphs;
-- :mod:`~moec.passes.pipeline.split`: what the pass emits (:class:`PipelineSplit`).
+- :mod:`~moec.passes.pipeline.split`: its errors and stage cost table.
 
 Activation memory per stage: ``in_flight`` microbatches of its saved bytes at its peak, plus the
 largest transient of recomputing one block in backward (sizes are the captured example's: one
@@ -67,24 +67,18 @@ import torch.fx as fx
 
 from moec.analysis.cost import graph_cost
 from moec.analysis.pipeline_schedule import inflight_microbatches
-from moec.passes.manager import PassContext, PassResult
+from moec.passes.base import PassContext, PassResult, register_pass
 from moec.passes.pipeline.balance import balance
 from moec.passes.pipeline.legality import check_splittable
-from moec.passes.pipeline.split import (
-    PipelinePassError,
-    PipelineSplit,
-    StageInfo,
-    format_stage_table,
-    stage_row,
-)
+from moec.passes.pipeline.split import PipelinePassError, format_stage_table, stage_row
 from moec.passes.pipeline.stages import build_split
 from moec.passes.pipeline.units import block_units, find_units, unit_costs
+from moec.plan import Plan
+from moec.program import Pipeline
 
 __all__ = [
     "PipelinePass",
     "PipelinePassError",
-    "PipelineSplit",
-    "StageInfo",
     "balance",
     "block_units",
     "check_splittable",
@@ -93,15 +87,39 @@ __all__ = [
 ]
 
 
+@register_pass
 class PipelinePass:
     name = "pipeline"
+    after: tuple[str, ...] = (
+        "moe",
+        "expert_parallel",
+        "precision",
+        "fused_loss",
+        "shared_casts",
+        "fuse_rope",
+        "fuse_glu",
+        "working_weights",
+        "recompute",
+    )
+    requires: tuple[str, ...] = ()
+
+    @staticmethod
+    def applies(plan: Plan) -> bool:
+        """parallel.pp > 1"""
+        return plan.parallel.pp > 1
+
+    @staticmethod
+    def options(plan: Plan) -> str:
+        p = plan.parallel
+        return f"pp={p.pp},v={p.virtual_stages},schedule={p.pp_schedule}"
 
     def __init__(self, verify_stages: bool = True):
         # the verifier's fake propagation of every stage is most of the pass's time
         self.verify_stages = verify_stages
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-        old = gm.meta.get("moec_pipeline")
+        program = ctx.require_program(self.name)
+        old = program.pipeline
         if old is not None and old.freed:
             name, stage = next(iter(old.freed.items()))
             raise PipelinePassError(
@@ -110,18 +128,18 @@ class PipelinePass:
                 "compile the model again for another split"
             )
         parallel = ctx.plan.parallel
-        cost = graph_cost(gm)
+        cost = graph_cost(program)
         units = find_units(gm, cost)
         check_splittable(parallel, len(units))
         flops, saved = unit_costs(gm, cost, units)
         in_flight = inflight_microbatches(parallel)
         starts = balance(flops, saved, parallel.pp * parallel.virtual_stages, in_flight)
-        split = build_split(gm, cost, units, starts, ctx.plan, in_flight, self.verify_stages)
-        gm.meta["moec_pipeline"] = split
+        split = build_split(program, cost, units, starts, ctx.plan, in_flight, self.verify_stages)
+        program.pipeline = split
         return PassResult(gm, True, _stats(split))
 
 
-def _stats(split: PipelineSplit) -> dict[str, Any]:
+def _stats(split: Pipeline) -> dict[str, Any]:
     info = split.info
     flops = [s.flops for s in info]
     mean_flops = sum(flops) / len(flops)

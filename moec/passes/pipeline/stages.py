@@ -10,40 +10,41 @@ by two stages, e.g. tied embeddings, is a :class:`PipelinePassError` naming it).
 (router losses, expert counts/offsets, EP drops) stay with the stage that makes them, after its
 boundary outputs.
 
-Each stage carries the ``gm.meta`` entries the runtime reads, restricted to its parameters and
-buffers (``moec_param_roles``, ``moec_moe_layers``, ``moec_working_weights``, whose copies stay
-non-persistent), its own ``moec_signature`` and ``moec_stage`` (its index).
+Each stage is a :class:`moec.program.Program` of its own (``Program.stage``): the roles, MoE
+layers and working-weight copies (kept non-persistent) of its parameters and buffers, a
+positional signature and its index.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from moec.analysis.cost import CostTotals, GraphCost
 from moec.analysis.pipeline_schedule import stage_rank
-from moec.frontend import GraphSignature, signature
-from moec.fx import evaluate, node_order, parameter_count, placeholders_for, under
-from moec.passes.pipeline.split import PipelinePassError, PipelineSplit, StageInfo
+from moec.fx import evaluate, node_order, parameter_count, placeholders_for
+from moec.passes.pipeline.split import PipelinePassError
 from moec.passes.pipeline.units import block_paths, loss_flops, unit_saved_bytes
+from moec.passes.verify import verify_graph
 from moec.plan import Plan
+from moec.program import GraphSignature, Pipeline, Program, StageInfo
 
 aten = torch.ops.aten
 
 
 def build_split(
-    gm: fx.GraphModule,
+    program: Program,
     cost: GraphCost,
     units: list[list[fx.Node]],
     starts: list[int],
     plan: Plan,
     in_flight: list[int],
     verify: bool,
-) -> PipelineSplit:
-    """The stage graphs of ``units`` split at ``starts``, with their placement and costs at the
-    example sizes; ``verify`` runs the verifier on every stage."""
+) -> Pipeline:
+    """The stage programs of ``units`` split at ``starts``, with their placement and costs at
+    the example sizes; ``verify`` runs the verifier on every stage."""
+    gm, sig = program.graph, program.signature
     p = plan.parallel
     values = cost.sizes()
     num_stages = len(starts)
@@ -55,7 +56,6 @@ def build_split(
             stage_of.update(dict.fromkeys(unit, s))
     for node in gm.graph.find_nodes(op="placeholder"):
         stage_of[node] = -1  # defined before stage 0: stage 0's inputs
-    sig = signature(gm)
     outputs = list(gm.graph.output_node().args[0])
     user_outputs, aux = outputs[: sig.num_user_outputs], outputs[sig.num_user_outputs :]
     last_use = _last_use(stage_of, user_outputs, num_stages)
@@ -75,8 +75,10 @@ def build_split(
             (a, key) for a, key in zip(aux, sig.aux_outputs, strict=True) if stage_of.get(a) == s
         ]
         sends = user_outputs if s == num_stages - 1 else live[s + 1]
-        stage = _stage_graph(gm, s, live[s], mine, sends, stage_aux, set(stage_of), verify)
-        for name, _ in stage.named_parameters():
+        stage = _stage_program(program, s, live[s], mine, sends, stage_aux, set(stage_of))
+        if verify:
+            verify_graph(stage.graph, f"pipeline (stage {s})", stage.signature)
+        for name, _ in stage.graph.named_parameters():
             if owners.setdefault(name, s) != s:
                 raise PipelinePassError(
                     f"parameter {name!r} is read by stages {owners[name]} and {s} (tied "
@@ -98,10 +100,10 @@ def build_split(
                     unit_saved_bytes(cost, u, values)[1] for u in units[starts[s] : ends[s]]
                 ),
                 in_flight=in_flight[s],
-                params=parameter_count(stage),
+                params=parameter_count(stage.graph),
             )
         )
-    return PipelineSplit(stages, infos, p.pp, p.virtual_stages, p.pp_schedule, p.microbatches)
+    return Pipeline(stages, infos, p.pp, p.virtual_stages, p.pp_schedule, p.microbatches)
 
 
 def _last_use(
@@ -117,17 +119,16 @@ def _last_use(
     return last
 
 
-def _stage_graph(
-    gm: fx.GraphModule,
+def _stage_program(
+    program: Program,
     index: int,
     inputs: list[fx.Node],
     mine: list[fx.Node],
     sends: list[fx.Node],
     aux: list[tuple[fx.Node, tuple[str, str]]],
     staged: set[fx.Node],
-    verify: bool,
-) -> fx.GraphModule:
-    """The stage's graph: ``inputs`` as placeholders, its own ``mine`` nodes, data-independent
+) -> Program:
+    """The stage's program: ``inputs`` as placeholders, its own ``mine`` nodes, data-independent
     nodes (``staged`` are the data-dependent ones of every stage) recomputed where read."""
     graph = fx.Graph()
     env = placeholders_for(graph, inputs)
@@ -154,14 +155,13 @@ def _stage_graph(
         env[node] = graph.node_copy(node, lookup)
     outs = [lookup(n) for n in sends] + [env[a] for a, _ in aux]
     graph.output(tuple(outs))
-    stage = fx.GraphModule(gm, graph, class_name=f"PipelineStage{index}")
-    _stage_meta(gm, stage, len(inputs), len(sends), [key for _, key in aux], index)
+    stage = fx.GraphModule(program.graph, graph, class_name=f"PipelineStage{index}")
     stage.graph.lint()
-    if verify:
-        from moec.passes.verify import verify_graph
-
-        verify_graph(stage, f"pipeline (stage {index})")
-    return stage
+    signature = GraphSignature.positional(len(inputs), len(sends), [key for _, key in aux])
+    result = program.stage(stage, signature, index)
+    for buffer in result.working_weights:  # GraphModule copied it as persistent
+        stage.register_buffer(buffer, stage.get_buffer(buffer), persistent=False)
+    return result
 
 
 def size_from_inputs(
@@ -188,25 +188,3 @@ def size_from_inputs(
         f"stage {index}: size {node.name} = {want} of {source.name} cannot be read from the "
         f"stage's inputs {[n.name for n in inputs]}"
     )
-
-
-def _stage_meta(
-    gm: fx.GraphModule, stage: fx.GraphModule, n_in: int, n_out: int, aux: list, index: int
-) -> None:
-    names = {name for name, _ in stage.named_parameters()}
-    roles = gm.meta.get("moec_param_roles", {})
-    stage.meta["moec_param_roles"] = {k: v for k, v in roles.items() if k in names}
-    stage.meta["moec_moe_layers"] = [
-        m for m in gm.meta.get("moec_moe_layers", []) if any(under(n, m.path) for n in names)
-    ]
-    stage.meta["moec_signature"] = GraphSignature(
-        pytree.tree_flatten(((0,) * n_in, {}))[1],
-        pytree.tree_flatten((0,) * n_out)[1],
-        n_out,
-        list(aux),
-    )
-    stage.meta["moec_stage"] = index
-    copies = gm.meta.get("moec_working_weights", {})
-    stage.meta["moec_working_weights"] = {b: ps for b, ps in copies.items() if hasattr(stage, b)}
-    for buffer in stage.meta["moec_working_weights"]:  # GraphModule copied it as persistent
-        stage.register_buffer(buffer, stage.get_buffer(buffer), persistent=False)

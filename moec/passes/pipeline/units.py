@@ -21,9 +21,9 @@ import torch.fx as fx
 
 from moec.analysis.cost import CostTotals, GraphCost, graph_cost, node_cost
 from moec.analysis.structure import module_path
-from moec.frontend import signature
 from moec.fx import called_graph, evaluate, nbytes, under
 from moec.passes.pipeline.split import PipelinePassError
+from moec.program import Program
 
 aten = torch.ops.aten
 
@@ -31,9 +31,10 @@ CE_FLOPS_PER_LOGIT = 6
 """Cross-entropy on the last stage: max, subtract, exp, sum, log, gather per logit."""
 
 
-def block_units(gm: fx.GraphModule) -> tuple[GraphCost, list[list[fx.Node]]]:
-    """The cost model of ``gm`` and its blocks' nodes, as the pass splits them."""
-    cost = graph_cost(gm)
+def block_units(program: Program | fx.GraphModule) -> tuple[GraphCost, list[list[fx.Node]]]:
+    """The cost model of ``program`` and its blocks' nodes, as the pass splits them."""
+    cost = graph_cost(program)
+    gm = program if isinstance(program, fx.GraphModule) else program.graph
     return cost, find_units(gm, cost)
 
 
@@ -95,8 +96,9 @@ def unit_costs(
 
 
 def loss_flops(gm: fx.GraphModule) -> sympy.Expr:
-    """FLOPs of the cross-entropy the runtime applies to the first user output (the logits)."""
-    outputs = gm.graph.output_node().args[0][: signature(gm).num_user_outputs]
+    """FLOPs of the cross-entropy the runtime applies to the first user output (the logits;
+    user outputs come before the passes' aux outputs)."""
+    outputs = gm.graph.output_node().args[0]
     val = outputs[0].meta.get("val") if outputs and isinstance(outputs[0], fx.Node) else None
     if not isinstance(val, torch.Tensor):
         return sympy.Integer(0)

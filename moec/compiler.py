@@ -1,0 +1,117 @@
+"""The driver: ``moec.compile(model, plan)`` = capture -> passes -> the runtime's ``CompiledModel``.
+
+:func:`build_program` is the compiler proper: it captures the model
+(:func:`moec.frontend.capture`) in the mode the program must run in, runs the selected passes
+(:mod:`moec.passes.manager`) over the captured :class:`~moec.program.Program` and returns the
+final program. :func:`compile` checks the pass selection, then hands the runtime either that
+program (example inputs given) or a function that builds it on the first call; the runtime
+(:mod:`moec.runtime`) only ever receives programs and imports no pass.
+
+Mode: the model is captured in train mode, so its dropouts are in the graph and the runtime can
+switch them off for ``eval()``; a model holding batch norm (running statistics have no switch)
+is captured in the mode it is in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from torch import nn
+
+from moec.frontend import capture
+from moec.passes.base import PassContext
+from moec.passes.manager import DumpHook, PassManager, pipeline_string, select
+from moec.plan import Plan
+from moec.program import Program
+from moec.runtime.compiled import CompiledModel
+
+
+def compile(
+    model: nn.Module,
+    plan: Plan | dict | None = None,
+    example_inputs: tuple | Any = None,
+    example_kwargs: dict | None = None,
+    *,
+    mesh: Any = None,
+    dump: DumpHook | None = None,
+    verify: bool = True,
+    passes: str | None = None,
+    disable: Iterable[str] = (),
+    print_after: Iterable[str] | None = None,
+) -> CompiledModel:
+    """Compile a dense model into the MoE training program ``plan`` describes.
+
+    ``mesh``: the process groups (``moec.runtime.distributed.init_from_env`` or
+    ``moec.runtime.pipeline.build_pipeline_mesh``) when the plan is expert or pipeline
+    parallel. ``passes`` (a pass-pipeline string), ``disable`` and ``print_after`` select
+    passes and dumps (see :func:`moec.passes.manager.select`); ``dump`` is called with the
+    graph after capture and after each selected pass.
+    """
+    plan = Plan.from_dict(plan) if isinstance(plan, dict) else plan or Plan()
+    names = select(plan, passes, disable)
+
+    def build(args: tuple, kwargs: dict, training: bool) -> Program:
+        return build_program(
+            model,
+            plan,
+            args,
+            kwargs,
+            training=training,
+            mesh=mesh,
+            names=names,
+            dump=dump,
+            verify=verify,
+            print_after=print_after,
+        )
+
+    compiled = CompiledModel(plan, build=build, mesh=mesh, training=model.training)
+    if example_inputs is not None:
+        args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+        compiled.capture(args, example_kwargs or {})
+    return compiled
+
+
+def build_program(
+    model: nn.Module,
+    plan: Plan,
+    args: tuple,
+    kwargs: dict,
+    *,
+    training: bool = True,
+    mesh: Any = None,
+    names: list[str] | None = None,
+    dump: DumpHook | None = None,
+    verify: bool = True,
+    print_after: Iterable[str] | None = None,
+) -> Program:
+    """Capture ``model(*args, **kwargs)`` and run the passes ``names`` (default: the plan's
+    pipeline) over it; ``training`` is the mode the program will first run in."""
+    mode = training if has_batch_norm(model) else True
+    with in_mode(model, mode):
+        program = capture(model, args, kwargs)
+    names = select(plan) if names is None else names
+    ctx = PassContext(plan, program, ep_group=getattr(mesh, "ep_info", None))
+    PassManager(names, verify=verify, dump=dump, print_after=print_after).run(program, ctx)
+    program.pass_results = ctx.results
+    program.pass_pipeline = pipeline_string(plan, names)
+    return program
+
+
+def has_batch_norm(model: nn.Module) -> bool:
+    """Whether ``model`` holds batch or instance norm modules (mode-dependent running stats)."""
+    return any(isinstance(m, nn.modules.batchnorm._NormBase) for m in model.modules())
+
+
+@contextlib.contextmanager
+def in_mode(model: nn.Module, training: bool) -> Iterator[nn.Module]:
+    """``model`` (all its submodules) in ``training`` mode; each module's own mode restored."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.train(training)
+    try:
+        yield model
+    finally:
+        for module, mode in modes:
+            module.training = mode
+
