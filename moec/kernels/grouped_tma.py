@@ -13,9 +13,9 @@ activation, fused activation backward); what differs is how operands move:
   expert that a tail tile reads are computed and dropped by the epilogue's row mask), the
   weights through one 3-D descriptor ``[experts, K, width]`` (``[experts, width, K]`` for a
   transposed view, its tiles transposed in shared memory), which zero-fills K and width tails.
-* The epilogue writes from registers with masked stores (measured faster than staging TMA
-  stores through shared memory on the H200, and the fused-activation tiles do not fit beside
-  the operand pipeline there).
+* The epilogue writes from registers with masked stores: it measured faster than staging TMA
+  stores through shared memory (benchmarks/RESULTS.md, persistent TMA grouped GEMM), and the
+  fused-activation tiles do not fit in shared memory beside the operand pipeline.
 
 :func:`moec.kernels.gemm_backend.tma_applies` says when the kernel takes the operands (sm90+,
 TMA-ready strides) and :func:`moec.kernels.gemm_backend.backend` which pieces use it.
@@ -145,7 +145,8 @@ def configs(kind: str, family: str) -> list[triton.Config]:
             )
         ]
     if kind == "gmm":
-        # first: the best measured for the H200 dgrad (benchmarks/RESULTS.md, session 5)
+        # first: the fastest measured on sm90 for the up projection's dgrad, the piece this kernel
+        # runs (benchmarks/RESULTS.md, persistent TMA grouped GEMM)
         return [
             _config(128, 256, 16, 3, 8, True),
             _config(128, 256, 8, 3, 8, False),

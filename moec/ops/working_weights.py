@@ -6,10 +6,10 @@ working_copy(copy[n1 + n2 + ..., *], [P1[n1, *], P2[n2, *], ...]) -> copy (an al
     backward the incoming gradient's rows for each master (one master: the gradient itself),
              in the gradient's dtype; none for ``copy``
 
-It stands where a graph cast its float32 parameters to bf16 every step (``aten._to_copy``, and
-the ``cat`` of two casts that ``fuse_glu`` makes): the forward no longer reads 4 and writes 2
-bytes per parameter, and the gradient is not cast back to float32 (the engine accumulates it in
-each master's ``grad_dtype``, which the runtime sets). A plain function over an
+It stands where a graph would cast its float32 parameters to bf16 every step (``aten._to_copy``,
+and the ``cat`` of two casts that ``fuse_glu`` makes): the forward does not read 4 and write 2
+bytes per parameter for that cast, and the gradient is not cast back to float32 (the engine
+accumulates it in each master's ``grad_dtype``, which the runtime sets). A plain function over an
 ``autograd.Function``, not a ``torch.library`` op: its output aliases an input, which custom
 ops may not do.
 """
