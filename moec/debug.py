@@ -39,8 +39,8 @@ from rich.syntax import Syntax
 from rich.table import Table
 
 from moec.analysis.cost import format_count, graph_cost
-from moec.analysis.structure import module_path
 from moec.errors import MoecError
+from moec.fx import module_path
 from moec.passes.manager import pipeline_string
 from moec.plan import Plan
 from moec.repro import write_repro

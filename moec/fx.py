@@ -7,6 +7,7 @@ expressions in the size symbols until evaluated at concrete values::
     order = node_order(gm.graph)                  # {node: position}, to sort nodes
     region = called_graph(node)                   # a recompute region's sub-GraphModule, or None
     env = placeholders_for(sub, external_inputs(nodes))   # start a sub-graph of nodes
+    module_path(node)                             # "layers.1.ffn.up", from nn_module_stack
     nbytes(node.meta["val"])                      # 4*s0*s1*128 for f32[s0, s1, 128]
     evaluate(expr, example_sizes(gm))             # that expression at the example's sizes
 
@@ -80,6 +81,16 @@ def parameter_count(module: nn.Module) -> int:
 
 
 # --- module paths ------------------------------------------------------------------------------
+
+
+def module_path(node: fx.Node) -> str:
+    """The dotted path of the innermost module that ran ``node`` (from ``nn_module_stack``,
+    without torch.export's ``L['self'].`` prefix), or "" for a node of no module."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return path.removeprefix("L['self'].").removeprefix("L__self__.")
 
 
 def under(path: str, prefix: str) -> bool:

@@ -30,6 +30,7 @@ from collections.abc import Iterable
 import torch
 import torch.fx as fx
 
+from moec.fx import module_path, node_order
 from moec.ops.activations import gated_from_unary, unary_candidates
 from moec.ops.working_weights import working_copy
 
@@ -281,14 +282,6 @@ def is_elementwise(node: fx.Node) -> bool:
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
 
 
-def module_path(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ""
-    path = list(stack.values())[-1][0]
-    return path.removeprefix("L['self'].").removeprefix("L__self__.")
-
-
 def model_name(gm: fx.GraphModule) -> str:
     """The class name of the captured model (from the root entry of ``nn_module_stack``)."""
     for node in gm.graph.nodes:
@@ -313,7 +306,7 @@ def _common_path(paths: Iterable[str]) -> str:
 
 
 def find_structure(gm: fx.GraphModule) -> Structure:
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    order = node_order(gm.graph)
     linears = [s for s in map(linear_site, gm.graph.nodes) if s is not None]
     by_node = {s.node: s for s in linears}
     rejected: list[str] = []
@@ -463,7 +456,7 @@ def _eval_elementwise(
 
 
 def _topological(nodes: list[fx.Node]) -> list[fx.Node]:
-    order = {n: i for i, n in enumerate(nodes[0].graph.nodes)}
+    order = node_order(nodes[0].graph)
     return sorted(nodes, key=order.__getitem__)
 
 

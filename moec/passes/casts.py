@@ -38,8 +38,9 @@ import torch.fx as fx
 
 import moec.ops  # noqa: F401  (registers torch.ops.moec)
 from moec.analysis.structure import CASTS, MATMUL_OPS
+from moec.fx import fake_mode
 from moec.passes.base import PassContext, PassResult, register_pass
-from moec.passes.rewrite import GraphEditor, fake_mode, refresh_meta
+from moec.passes.rewrite import GraphEditor, refresh_meta
 from moec.plan import Plan
 
 aten = torch.ops.aten
