@@ -57,7 +57,7 @@ def pipeline_step(s: dict, plan, device: torch.device) -> tuple[Callable, float,
     seqs = torch.randint(0, s["vocab"], (batch, s["seq"] + 1), device=device)
     inputs, targets = seqs[:, :-1], seqs[:, 1:]
     compiled = moec.compile(dense_model(s).to(device), plan, (inputs[: s["micro"]],), mesh=mesh)
-    flops_per_token = graph_cost(compiled.graph_module).evaluate().train_flops_per_token
+    flops_per_token = graph_cost(compiled.program).evaluate().train_flops_per_token
     runtime_for(
         compiled,
         optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=device.type == "cuda"),

@@ -40,9 +40,10 @@ from rich.table import Table
 
 from moec.analysis.cost import format_count, graph_cost
 from moec.errors import MoecError
-from moec.fx import module_path
+from moec.fx import module_path, parameter_count
 from moec.passes.manager import pipeline_string
 from moec.plan import Plan
+from moec.program import Program
 from moec.repro import write_repro
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,8 @@ DTYPE_NAMES = {
 
 
 class DebugDump:
-    """A dump hook ``hook(stage_name, gm, stats)`` writing the files listed in the module doc."""
+    """A dump hook ``hook(stage_name, program, stats)`` writing the files listed in the module
+    doc."""
 
     def __init__(
         self,
@@ -87,14 +89,17 @@ class DebugDump:
         self._previous: tuple[str, str] = ("empty", "")
         self._safely("pipeline.txt", self._start)
 
-    def __call__(self, stage: str, gm: fx.GraphModule, stats: dict[str, Any]) -> None:
+    def __call__(self, stage: str, program: Program, stats: dict[str, Any]) -> None:
+        gm = program.graph
         name = f"{len(self.stages):02d}_{stage}"
         self.stages.append(name)
         code = self._safely("graph.py", lambda: readable_code(gm, self.pass_pipeline)) or ""
         ops = self._safely("ops", lambda: op_rows(gm)) or []
         diff = unified_diff(self._previous, (name, code))
         self._previous = (name, code)
-        record = self._safely("stats", lambda: stage_stats(stage, gm, stats)) or {"stage": stage}
+        record = self._safely("stats", lambda: stage_stats(stage, program, stats)) or {
+            "stage": stage
+        }
         record["pipeline"] = self.pass_pipeline
         line = summary_line(record)
         self.summaries.append(line)
@@ -280,18 +285,19 @@ def graphviz_dot(gm: fx.GraphModule, name: str = "graph") -> str:
     return "\n".join(lines) + "\n"
 
 
-def stage_stats(stage: str, gm: fx.GraphModule, pass_stats: dict[str, Any]) -> dict[str, Any]:
+def stage_stats(stage: str, program: Program, pass_stats: dict[str, Any]) -> dict[str, Any]:
     """The numbers behind the stats line; cost numbers at the example input sizes."""
+    gm = program.graph
     record: dict[str, Any] = {
         "stage": stage,
         "nodes": len(gm.graph.nodes),
         "pass_stats": dict(pass_stats),
     }
     try:
-        report = graph_cost(gm).evaluate()
+        report = graph_cost(program).evaluate()
     except Exception as exc:
         log.warning("moec debug: no cost model for %s: %s", stage, exc)
-        record["params"] = sum(p.numel() for p in gm.parameters())
+        record["params"] = parameter_count(gm)
         record["cost_error"] = f"{type(exc).__name__}: {exc}"
         return record
     record.update(

@@ -69,7 +69,7 @@ def _snapshot(model: moec.CompiledModel, optimizer: Any) -> dict[str, Any]:
 
 
 def _expert(model: moec.CompiledModel, name: str) -> bool:
-    roles = model.graph_module.meta["moec_param_roles"]
+    roles = model.program.param_roles
     return roles.get(name.removeprefix("graph_module.")) == "expert"
 
 

@@ -9,7 +9,7 @@ import transformers as tf
 from torch import nn
 
 import moec
-from moec.runtime.compiled import ModeError
+from moec.runtime.variants import ModeError
 from moec.train import LanguageModelWithLoss
 from tests.models import hf_model, tiny_llama, tokens
 

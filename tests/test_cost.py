@@ -114,7 +114,7 @@ def test_moe_graph_counts_routed_rows_and_active_params():
     plan = moec.Plan.from_dict({"moe": {"num_experts": 4, "top_k": 2, "dense_first": 1}})
     compiled = moec.compile(model, plan, example_inputs=(torch.randint(0, 256, (2, 16)),))
     gm = compiled.graph_module
-    cost = graph_cost(gm)
+    cost = graph_cost(compiled.program)
     (mlp,) = _nodes(gm, torch.ops.moec.expert_mlp.default)
     b, s, k, d, h = 3, 10, 2, cfg.dim, cfg.ffn_hidden
     assert cost.value(node_cost(mlp).flops, batch=b, seq=s) == 2 * b * s * k * (d * 2 * h + h * d)
@@ -125,7 +125,7 @@ def test_moe_graph_counts_routed_rows_and_active_params():
     expert = sum(
         p.numel()
         for name, p in gm.named_parameters()
-        if gm.meta["moec_param_roles"].get(name) == "expert"
+        if compiled.program.role(name) == "expert"
     )
     assert cost.params == sum(p.numel() for p in gm.parameters())
     assert cost.active_params == cost.params - expert + expert * 2 // 4

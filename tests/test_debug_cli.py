@@ -16,6 +16,8 @@ from torch import nn
 import moec
 from moec.cli import main
 from moec.debug import DebugDump
+from moec.frontend import capture
+from moec.passes.manager import pipeline_string
 
 ARTIFACTS = ("graph.py", "ops.txt", "graph.dot", "diff.patch", "stats.json")
 PLAN = {"moe": {"num_experts": 4, "top_k": 2, "dense_first": 1}}
@@ -37,7 +39,7 @@ def test_debug_writes_every_artifact_for_every_pass(tmp_path, plan_file, model, 
     for stage in stages:
         for name in ARTIFACTS:
             assert (out / stage / name).stat().st_size > 0, f"{stage}/{name} is empty"
-    pipeline = moec.Plan.from_dict(PLAN).pipeline_string()
+    pipeline = pipeline_string(moec.Plan.from_dict(PLAN))
     assert (out / "pipeline.txt").read_text().startswith(pipeline)
     assert pipeline in (out / "01_moe" / "graph.py").read_text()
     assert "+" in (out / "01_moe" / "diff.patch").read_text()
@@ -119,12 +121,12 @@ def test_debug_of_a_model_without_token_inputs_needs_no_loss(tmp_path, capsys):
 
 def test_print_after_all_prints_to_the_terminal(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    gm = moec.trace(
+    program = capture(
         nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)), (torch.randn(2, 3, 8),)
     )
     dump = DebugDump(None, moec.Plan(), print_after_all=True)
-    dump("capture", gm, {})
-    dump("moe", gm, {"ffns_replaced": 1})
+    dump("capture", program, {})
+    dump("moe", program, {"ffns_replaced": 1})
     out = capsys.readouterr().out
     assert "after 00_capture" in out and "after 01_moe" in out
     assert "aten.linear.default" in out and "[moe] nodes=" in out and "ffns_replaced=1" in out
@@ -163,7 +165,7 @@ def test_plan_show_prints_the_resolved_plan(capsys, plan_file):
     assert main(["plan", "show", str(plan_file)]) == 0
     out = capsys.readouterr().out
     assert "num_experts: 4" in out and "capacity_factor: 1.25" in out
-    assert f"pipeline: {moec.Plan.from_dict(PLAN).pipeline_string()}" in out
+    assert f"passes: {pipeline_string(moec.Plan.from_dict(PLAN))}" in out
 
 
 def test_plan_show_bad_plan_exits_2_naming_the_field(tmp_path, capsys):
@@ -182,10 +184,10 @@ def test_unknown_model_exits_2(capsys):
 def test_dump_hook_never_raises(tmp_path, caplog):
     blocked = tmp_path / "not_a_dir"
     blocked.write_text("a file where the dump directory should go")
-    gm = moec.trace(nn.Linear(8, 8), (torch.randn(2, 3, 8),))
+    program = capture(nn.Linear(8, 8), (torch.randn(2, 3, 8),))
     with caplog.at_level(logging.WARNING, logger="moec.debug"):
         dump = DebugDump(blocked, moec.Plan())
-        dump("capture", gm, {})
+        dump("capture", program, {})
     assert dump.stages == ["00_capture"]
     assert "could not produce" in caplog.text
 

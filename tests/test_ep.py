@@ -18,8 +18,9 @@ import moec
 from moec.models import Llama, LlamaConfig
 from moec.ops import ep as ep_ops
 from moec.ops.routing import capacity
-from moec.passes.expert_parallel import EPGroupInfo, ExpertParallelError, ExpertParallelPass
-from moec.passes.manager import PassContext, default_passes
+from moec.passes.base import PassContext
+from moec.passes.expert_parallel import ExpertParallelError, ExpertParallelPass
+from moec.program import EPGroup
 from moec.runtime import distributed as mdist
 from tests.distributed import spawn
 
@@ -185,7 +186,7 @@ def _check_equal(rank, world, path, ref, ep, mesh1, mesh_ep, device, tol) -> Non
     tokens, targets = _batch(rank, device)
     stats = ep.pass_results["expert_parallel"].stats
     assert stats["blocks_rewritten"] == 2 and stats["path"] == path
-    roles = ep.graph_module.meta["moec_param_roles"]
+    roles = ep.program.param_roles
     assert roles["layers.0.ffn.moe.w_up"] == "expert" and roles["embed.weight"] == "dense"
     reducers = [mdist.GradientReducer(ref, mesh1), mdist.GradientReducer(ep, mesh_ep)]
     results = []
@@ -328,15 +329,15 @@ def test_errors_without_process_group(monkeypatch):
     with pytest.raises(mdist.DistributedError, match="torchrun"):
         mdist.init_from_env(_plan(2, 2))
     with pytest.raises(ExpertParallelError, match="needs a process group"):
-        default_passes(_plan(2, 2))
+        ExpertParallelPass().run(None, PassContext(_plan(2, 2)))
     weights, rows, offsets = _route(torch.randn(6, N), 1.0)
     with pytest.raises(ep_ops.EPPathError, match="initialized process group"):
         ops.ep_layout(rows, offsets, "0", 2, 1.0, "a2a_capacity")
     with pytest.raises(ValueError, match="unknown EP path"):
         ops.ep_layout(rows, offsets, "0", 2, 1.0, "nvshmem")
-    wrong = ExpertParallelPass(EPGroupInfo(rank=0, size=4, group="0"))
+    wrong = PassContext(_plan(2, 2), ep_group=EPGroup(rank=0, size=4, group="0"))
     with pytest.raises(ExpertParallelError, match="has 4 ranks but plan.parallel.ep=2"):
-        wrong.run(None, PassContext(_plan(2, 2)))
+        ExpertParallelPass().run(None, wrong)
 
 
 def test_rowwise_unavailable_names_a2a_capacity():

@@ -2,8 +2,9 @@ import pytest
 import torch
 
 import moec
-from moec.frontend import CaptureError, signature
+from moec.frontend import CaptureError, capture
 from moec.passes.verify import verify_graph
+from moec.program import SignatureError
 from tests.models import hf_model, tiny_gpt2, tiny_llama, tokens
 
 
@@ -36,8 +37,8 @@ def test_symbolic_trace_route_gives_the_same_graph_kind():
 def test_transformers_models_capture_with_kwargs(name):
     model = hf_model(name)
     ids = tokens()
-    gm = moec.trace(model, (), {"input_ids": ids, "labels": ids})
-    sig = signature(gm)
+    program = capture(model, (), {"input_ids": ids, "labels": ids})
+    gm, sig = program.graph, program.signature
     out = sig.unflatten_outputs(gm(*sig.flatten_inputs((), {"input_ids": ids, "labels": ids})))
     torch.testing.assert_close(out.loss, model(input_ids=ids, labels=ids).loss)
 
@@ -57,7 +58,7 @@ def test_capture_errors_say_what_to_try():
 
 def test_wrong_input_structure_is_a_clear_error():
     compiled = moec.compile(tiny_llama(), None, (tokens(),))
-    with pytest.raises(CaptureError, match="structure"):
+    with pytest.raises(SignatureError, match="structure"):
         compiled(tokens(), tokens())
 
 

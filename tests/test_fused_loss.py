@@ -9,8 +9,8 @@ import torch.nn.functional as F
 import moec
 from moec.ops import loss as loss_op
 from moec.ops.loss import linear_cross_entropy_reference
+from moec.passes.base import PassContext
 from moec.passes.loss import FusedLossPass
-from moec.passes.manager import PassContext
 from moec.train import LanguageModelWithLoss
 from tests.models import tiny_llama, tokens
 

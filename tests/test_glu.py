@@ -9,8 +9,8 @@ import torch
 import moec
 from moec.analysis.cost import graph_cost
 from moec.ops.activations import activate
+from moec.passes.base import PassContext
 from moec.passes.glu import FuseGluPass
-from moec.passes.manager import PassContext
 from tests.models import compile_without, hf_model, tiny_gpt2, tiny_llama, tokens
 
 GATED = ["swiglu", "geglu", "geglu_tanh", "reglu"]
@@ -37,18 +37,18 @@ def test_op_gradcheck_and_errors():
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_pass_fuses_dense_blocks_and_shared_experts_and_keeps_the_step(monkeypatch, dtype):
+def test_pass_fuses_dense_blocks_and_shared_experts_and_keeps_the_step(dtype):
     torch.manual_seed(0)
     model, ids = tiny_llama(), tokens(2, 17)
     plan = {"moe": {"num_experts": 4, "top_k": 2, "dense_first": 1, "shared_expert": True},
             "precision": {"compute_dtype": dtype}}  # fmt: skip
     fused, plain = (
-        compile_without(monkeypatch, model, (ids,), plan, s) for s in (None, "fuse_glu")
+        compile_without(model, (ids,), plan, s) for s in (None, "fuse_glu")
     )
     assert fused.pass_results["fuse_glu"].stats["fused"] == 3  # 1 dense FFN + 2 shared experts
     assert sum(n.target == torch.ops.moec.glu.default for n in fused.graph_module.graph.nodes) == 3
     for compiled in (fused, plain):  # blocks still found: through the fused form and bf16 casts
-        blocks = graph_cost(compiled.graph_module).blocks
+        blocks = graph_cost(compiled.program).blocks
         assert [(b.path, b.ffn.activation) for b in blocks] == [
             ("layers.0", "swiglu"), ("layers.1", "swiglu"), ("layers.2", "swiglu")
         ]  # fmt: skip

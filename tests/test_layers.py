@@ -12,8 +12,7 @@ A module's layer is its first name under ``moec`` (``moec.ops.ep`` -> ``ops``, `
 
 and no import cycle between moec modules. Imports count wherever they are written (module level
 or inside a function); those under ``if TYPE_CHECKING:`` do not. A package ``__init__`` importing
-modules under it (re-exporting them) is not an edge of a cycle. A rule still broken is marked
-``xfail(strict=True)``: fixing it turns the test red until the mark is removed.
+modules under it (re-exporting them) is not an edge of a cycle.
 """
 
 from __future__ import annotations
@@ -36,17 +35,6 @@ FORBIDDEN: dict[str, frozenset[str]] = {
     "passes": frozenset({"runtime"}),
     "plan": frozenset({"passes", "runtime", "ops", "kernels", "analysis"}),
 }
-
-STILL_BROKEN = {
-    "runtime": "issue #17: runtime/compiled.py, distributed.py and pipeline.py import passes",
-}
-"""Layer rules known broken, with where; remove an entry when its rule holds."""
-
-CYCLES_STILL_THERE = {
-    "passes": "issue #17: passes.manager and the passes import each other",
-    "runtime": "issue #17: runtime.compiled <-> runtime.pipeline",
-}
-"""Layers whose modules are still on an import cycle, with which."""
 
 
 @dataclass(frozen=True)
@@ -151,21 +139,7 @@ def import_cycles() -> list[set[str]]:
     return components
 
 
-def _cases(layers: list[str], still_broken: dict[str, str]) -> list:
-    """One test parameter per layer, ``xfail(strict=True)`` where its rule is still broken."""
-    return [
-        pytest.param(
-            name,
-            id=name,
-            marks=[pytest.mark.xfail(strict=True, reason=still_broken[name])]
-            if name in still_broken
-            else [],
-        )
-        for name in layers
-    ]
-
-
-@pytest.mark.parametrize("importer", _cases(list(FORBIDDEN), STILL_BROKEN))
+@pytest.mark.parametrize("importer", list(FORBIDDEN))
 def test_layer_imports_none_of_the_forbidden_layers(importer: str):
     broken = [
         f"{edge.where}: {edge.importer} imports {edge.imported}"
@@ -176,9 +150,7 @@ def test_layer_imports_none_of_the_forbidden_layers(importer: str):
     assert not broken, f"{importer} must not import {forbidden}:\n" + "\n".join(broken)
 
 
-@pytest.mark.parametrize(
-    "layer_name", _cases(sorted({layer(m) for m in modules()} - {None}), CYCLES_STILL_THERE)
-)
+@pytest.mark.parametrize("layer_name", sorted({layer(m) for m in modules()} - {None}))
 def test_no_import_cycle_through_layer(layer_name: str):
     cycles = [c for c in import_cycles() if any(layer(m) == layer_name for m in c)]
     assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(sorted(c)) for c in cycles)

@@ -13,11 +13,11 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-import moec
+from moec.frontend import capture
+from moec.passes.base import PassContext, PassResult
 from moec.passes.casts import SharedCastsPass
-from moec.passes.expert_parallel import EPGroupInfo, ExpertParallelError, ExpertParallelPass
+from moec.passes.expert_parallel import ExpertParallelError, ExpertParallelPass
 from moec.passes.loss import FusedLossPass
-from moec.passes.manager import PassContext, PassResult
 from moec.passes.moe import MoEPass
 from moec.passes.pipeline import PipelinePass, PipelinePassError
 from moec.passes.precision import PrecisionPass
@@ -26,6 +26,7 @@ from moec.passes.rope import FuseRopePass
 from moec.passes.verify import verify_graph
 from moec.passes.working_weights import WorkingWeightsPass
 from moec.plan import Plan
+from moec.program import EPGroup, Program
 
 aten = torch.ops.aten
 moec_ops = torch.ops.moec
@@ -79,9 +80,22 @@ def _x() -> torch.Tensor:
     return torch.randn(2, 5, DIM)
 
 
-def _run(p, gm: fx.GraphModule, plan: dict) -> PassResult:
-    result = p.run(gm, PassContext(Plan.from_dict(plan)))
-    verify_graph(result.gm, p.name)
+PROGRAMS: dict[fx.GraphModule, Program] = {}
+"""The program of every graph these tests capture or a pass returns (passes record into it)."""
+
+
+def _trace(module: torch.nn.Module, args: tuple) -> fx.GraphModule:
+    program = capture(module, args)
+    PROGRAMS[program.graph] = program
+    return program.graph
+
+
+def _run(p, gm: fx.GraphModule, plan: dict, ep_group: EPGroup | None = None) -> PassResult:
+    program = PROGRAMS[gm]
+    result = p.run(gm, PassContext(Plan.from_dict(plan), program, ep_group=ep_group))
+    program.graph = result.gm
+    PROGRAMS[result.gm] = program
+    verify_graph(result.gm, p.name, program.signature)
     return result
 
 
@@ -93,7 +107,7 @@ def _count(gm: fx.GraphModule, target) -> int:
 
 
 def test_moe_replaces_the_ffn_past_dense_first_and_keeps_the_first():
-    gm = moec.trace(Blocks(2), (_x(),))
+    gm = _trace(Blocks(2), (_x(),))
     result = _run(MoEPass(), gm, {"moe": {**MOE, "dense_first": 1}})
     assert result.stats["ffns_replaced"] == 1 and result.stats["ffns_kept_dense"] == 1
     assert _count(result.gm, moec_ops.expert_mlp.default) == 1
@@ -104,14 +118,14 @@ def test_moe_replaces_the_ffn_past_dense_first_and_keeps_the_first():
 
 
 def _moe_graph(n: int = 1) -> fx.GraphModule:
-    gm = moec.trace(Blocks(n), (_x(),))
+    gm = _trace(Blocks(n), (_x(),))
     return _run(MoEPass(), gm, {"moe": MOE}).gm
 
 
 def test_expert_parallel_rewrites_the_moe_block_to_ep_ops_with_this_ranks_experts():
     gm = _moe_graph()
     plan = {"moe": MOE, "parallel": {"ep": 2, "dp": 2, "ep_path": "a2a_capacity"}}
-    result = _run(ExpertParallelPass(EPGroupInfo(rank=1, size=2, group="g")), gm, plan)
+    result = _run(ExpertParallelPass(), gm, plan, EPGroup(rank=1, size=2, group="g"))
     assert result.stats["blocks_rewritten"] == 1 and result.stats["experts_per_rank"] == 2
     assert _count(result.gm, moec_ops.dispatch.default) == 0
     assert _count(result.gm, moec_ops.ep_dispatch.default) == 1
@@ -120,11 +134,11 @@ def test_expert_parallel_rewrites_the_moe_block_to_ep_ops_with_this_ranks_expert
 
 
 def test_expert_parallel_refuses_a_dense_graph_and_leaves_it_unchanged():
-    gm = moec.trace(OneLinear(), (_x(),))
+    gm = _trace(OneLinear(), (_x(),))
     before = [n.target for n in gm.graph.nodes]
     plan = {"moe": MOE, "parallel": {"ep": 2, "dp": 2, "ep_path": "a2a_capacity"}}
     with pytest.raises(ExpertParallelError, match="run moe first"):
-        _run(ExpertParallelPass(EPGroupInfo(rank=0, size=2, group="g")), gm, plan)
+        _run(ExpertParallelPass(), gm, plan, EPGroup(rank=0, size=2, group="g"))
     assert [n.target for n in gm.graph.nodes] == before
 
 
@@ -141,7 +155,7 @@ def test_precision_quantizes_the_routed_experts_in_scope():
 
 
 def test_precision_leaves_linears_outside_its_scope():
-    gm = moec.trace(OneLinear(), (_x(),))  # no attention: attn_out finds no linear
+    gm = _trace(OneLinear(), (_x(),))  # no attention: attn_out finds no linear
     plan = {"precision": {"gemm": "fp8_rowwise", "scope": ["attn_out"]}}
     result = _run(PrecisionPass(), gm, plan)
     assert result.stats["out_linears_quantized"] == 0
@@ -162,7 +176,7 @@ class Head(nn.Module):
 
 def test_fused_loss_fuses_a_head_and_its_cross_entropy():
     h, targets = torch.randn(6, DIM), torch.randint(0, 10, (6,))
-    gm = moec.trace(Head(), (h, targets))
+    gm = _trace(Head(), (h, targets))
     want = gm(h, targets)[0]
     result = _run(FusedLossPass(), gm, {})
     assert result.stats["fused"] == 1
@@ -192,7 +206,7 @@ def _casts_of(gm: fx.GraphModule, name: str) -> list[fx.Node]:
 
 
 def test_shared_casts_casts_a_source_once_for_all_its_readers():
-    gm = moec.trace(TwoReaders(), (_x(),))
+    gm = _trace(TwoReaders(), (_x(),))
     x = next(iter(gm.graph.find_nodes(op="placeholder"))).name
     result = _run(SharedCastsPass(), gm, BF16)
     (cast,) = _casts_of(result.gm, x)
@@ -205,24 +219,24 @@ def test_shared_casts_leaves_a_graph_without_autocast_ops():
         def forward(self, x):
             return x * 2 + 1
 
-    gm = moec.trace(Elementwise(), (_x(),))
+    gm = _trace(Elementwise(), (_x(),))
     result = _run(SharedCastsPass(), gm, BF16)
     assert not result.modified and result.stats["sources_cast"] == 0
     assert _count(result.gm, aten._to_copy.default) == 0
 
 
 def test_working_weights_turn_a_parameters_cast_into_a_persistent_copy():
-    gm = moec.trace(TwoReaders(), (_x(),))
+    gm = _trace(TwoReaders(), (_x(),))
     gm = _run(SharedCastsPass(), gm, BF16).gm
     result = _run(WorkingWeightsPass(), gm, BF16)
     assert result.stats["copies"] == 2
-    copies = result.gm.meta["moec_working_weights"]
+    copies = PROGRAMS[result.gm].working_weights
     assert sorted(p for ps in copies.values() for p in ps) == ["a.weight", "b.weight"]
     assert all(result.gm.get_buffer(b).dtype == torch.bfloat16 for b in copies)
 
 
 def test_working_weights_leave_parameters_read_without_a_cast():
-    gm = moec.trace(TwoReaders(), (_x(),))  # no shared_casts: the linears read f32 weights
+    gm = _trace(TwoReaders(), (_x(),))  # no shared_casts: the linears read f32 weights
     result = _run(WorkingWeightsPass(), gm, BF16)
     assert not result.modified and result.stats["copies"] == 0
 
@@ -245,7 +259,7 @@ class BufferTables(nn.Module):
 
 def test_fuse_rope_replaces_the_rotary_expression_with_buffer_tables():
     x = _x()
-    gm = moec.trace(BufferTables(), (x,))
+    gm = _trace(BufferTables(), (x,))
     want = gm(x)[0]
     result = _run(FuseRopePass(), gm, {})
     assert result.stats["fused"] == 1
@@ -259,7 +273,7 @@ def test_fuse_rope_replaces_the_rotary_expression_with_buffer_tables():
 
 def test_recompute_wraps_every_block_in_a_region():
     x = _x()
-    gm = moec.trace(Blocks(2), (x,))
+    gm = _trace(Blocks(2), (x,))
     want = gm(x)[0]
     result = _run(RecomputePass(), gm, {"recompute": {"policy": "block"}})
     assert result.stats["blocks_recomputed"] == 2
@@ -269,7 +283,7 @@ def test_recompute_wraps_every_block_in_a_region():
 
 
 def test_recompute_leaves_a_graph_without_blocks():
-    gm = moec.trace(OneLinear(), (_x(),))
+    gm = _trace(OneLinear(), (_x(),))
     result = _run(RecomputePass(), gm, {"recompute": {"policy": "block"}})
     assert not result.modified and result.stats["blocks_recomputed"] == 0
     assert _count(result.gm, aten.linear.default) == 1
@@ -282,21 +296,21 @@ PP2 = {"parallel": {"pp": 2, "microbatches": 2, "pp_schedule": "1f1b"}}
 
 def test_pipeline_splits_two_blocks_into_two_stages_that_compose_to_the_graph():
     x = _x()
-    gm = moec.trace(Blocks(2), (x,))
+    gm = _trace(Blocks(2), (x,))
     want = gm(x)[0]
     result = _run(PipelinePass(), gm, PP2)
-    split = result.gm.meta["moec_pipeline"]
+    split = PROGRAMS[result.gm].pipeline
     assert result.stats["blocks_per_stage"] == [1, 1]
-    (boundary,) = split.stages[0](x)
-    torch.testing.assert_close(split.stages[1](boundary)[0], want)
-    names = [{n for n, _ in s.named_parameters()} for s in split.stages]
+    (boundary,) = split.stages[0].graph(x)
+    torch.testing.assert_close(split.stages[1].graph(boundary)[0], want)
+    names = [{n for n, _ in s.graph.named_parameters()} for s in split.stages]
     assert names[0] == {f"layers.0.ffn.{m}.{p}" for m in ("up", "down") for p in ("weight", "bias")}
     assert not names[0] & names[1]
 
 
 def test_pipeline_refuses_a_graph_without_blocks_and_leaves_it_unchanged():
-    gm = moec.trace(OneLinear(), (_x(),))
+    gm = _trace(OneLinear(), (_x(),))
     before = [n.target for n in gm.graph.nodes]
     with pytest.raises(PipelinePassError, match="no residual blocks"):
         _run(PipelinePass(), gm, PP2)
-    assert [n.target for n in gm.graph.nodes] == before and "moec_pipeline" not in gm.meta
+    assert [n.target for n in gm.graph.nodes] == before and PROGRAMS[gm].pipeline is None

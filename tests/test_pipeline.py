@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import moec
 from moec.models import Llama, LlamaConfig
 from moec.optim import AdamW
-from moec.passes.manager import PassContext
+from moec.passes.base import PassContext
 from moec.passes.pipeline import (
     PipelinePass,
     PipelinePassError,
@@ -82,10 +82,9 @@ def _unsplit(model, x, y, microbatches: int) -> tuple[torch.Tensor, dict[str, to
 def _check_grads(runtime: PipelineRuntime, expected: dict, where: str, expert_slice=None) -> None:
     checked = 0
     for module in runtime.modules:
-        roles = module.graph_module.meta["moec_param_roles"]
         for name, param in module.graph_module.named_parameters():
             want = expected[name]
-            if expert_slice is not None and roles.get(name) == "expert":
+            if expert_slice is not None and module.program.role(name) == "expert":
                 want = want[expert_slice]
             torch.testing.assert_close(param.grad, want, msg=lambda m, n=name: f"{where} {n}: {m}")
             checked += 1
@@ -100,19 +99,20 @@ def _run_schedule(
 ) -> list[str]:
     """Split a copy of ``unsplit``'s graph (the runtime frees the other ranks' parameters of the
     graph it runs) for ``schedule`` and compare one step with ``ref`` and the prediction."""
-    gm = copy.deepcopy(unsplit.graph_module)
+    program = dataclasses.replace(unsplit.program, graph=copy.deepcopy(unsplit.graph_module))
+    gm = program.graph
     plan = _plan(pp=mesh.pp, virtual_stages=v, pp_schedule=schedule, microbatches=micro)
-    result = PipelinePass(verify_stages=False).run(gm, PassContext(plan))
+    result = PipelinePass(verify_stages=False).run(gm, PassContext(plan, program))
     assert result.stats["stages"] == mesh.pp * v
     everything = {n for n, _ in gm.named_parameters()}
-    runtime = PipelineRuntime(gm, plan, mesh, measure_memory=True)
+    runtime = PipelineRuntime(program, plan, mesh, measure_memory=True)
     _check_ownership(gm, runtime, everything)
     loss = runtime.forward_backward(x, y)
     where = f"{schedule} pp={mesh.pp}{label}"
     _check_grads(runtime, ref[1], where)
     if runtime.is_last:
         torch.testing.assert_close(loss, ref[0], msg=lambda m: f"{where} loss: {m}")
-    info = gm.meta["moec_pipeline"].info
+    info = program.pipeline.info
     misses = []
     for stage, measured in runtime.measured_peak_bytes().items():
         predicted = info[stage].peak_activation_bytes
@@ -172,7 +172,7 @@ def _bf16_worker(rank: int, world: int) -> None:
     runtime = runtime_for(compiled)
     assert compiled.working_weights is None and isinstance(runtime.optimizer, AdamW)
     for module in runtime.modules:
-        copies = module.graph_module.meta["moec_working_weights"]
+        copies = module.program.working_weights
         assert copies and not copies.keys() & module.graph_module.state_dict().keys()
     loss = runtime.forward_backward(x, y)
     # bf16 compute: a stage's input gradient sums its readers' in another order, and the
@@ -248,7 +248,7 @@ def _train_steps(compiled, x, y, micro: int) -> None:
     with pytest.raises(DistributedError, match="of pipeline stage .* was freed"):
         compiled(x[:MB])
     with pytest.raises(PipelinePassError, match="cannot split again"):
-        PipelinePass().run(compiled.graph_module, PassContext(compiled.plan))
+        PipelinePass().run(compiled.graph_module, PassContext(compiled.plan, compiled.program))
 
 
 def _pp2_ep2(unsplit) -> None:
@@ -318,7 +318,7 @@ def test_partition_is_best_at_block_granularity(pp, v, schedule):
     parallel = {"pp": pp, "virtual_stages": v, "pp_schedule": schedule, "microbatches": 2 * pp}
     compiled, _ = _compiled(cfg, moe, parallel)
     stats = compiled.pass_results["pipeline"].stats
-    cost, units = block_units(compiled.graph_module)
+    cost, units = block_units(compiled.program)
     flops, _ = unit_costs(compiled.graph_module, cost, units)
     stages = pp * v
     best = min(
@@ -346,11 +346,11 @@ def test_heavy_lm_head_shortens_the_last_stage():
 def test_stages_partition_parameters_and_keep_aux_with_their_stage():
     compiled, _ = _compiled(CFG, MOE, {"pp": 2, "microbatches": 2})
     gm = compiled.graph_module
-    split = gm.meta["moec_pipeline"]
-    names = [n for stage in split.stages for n, _ in stage.named_parameters()]
+    split = compiled.program.pipeline
+    names = [n for stage in split.stages for n, _ in stage.graph.named_parameters()]
     assert sorted(names) == sorted(n for n, _ in gm.named_parameters())
     for stage, info in zip(split.stages, split.info, strict=True):
-        layers = {m.path for m in stage.meta["moec_moe_layers"]}
+        layers = {m.path for m in stage.moe_layers}
         assert {path for path, _ in info.aux_outputs} == layers
         assert all(kind != "router_losses" or path in layers for path, kind in info.aux_outputs)
     assert split.info[0].inputs == ["tokens"]

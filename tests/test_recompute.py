@@ -2,6 +2,7 @@
 memory, budgets met or refused."""
 
 import copy
+import dataclasses
 import gc
 
 import pytest
@@ -12,7 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import moec
 from moec.analysis.cost import graph_cost
-from moec.passes.manager import PassContext
+from moec.fx import parameter_count
+from moec.passes.base import PassContext
 from moec.passes.recompute import (
     RecomputePass,
     block_regions,
@@ -20,7 +22,7 @@ from moec.passes.recompute import (
     policy_levels,
     predict,
 )
-from moec.passes.verify import parameter_count, verify_graph
+from moec.passes.verify import verify_graph
 from moec.plan import Plan, PlanError
 from tests.models import tiny_llama, tokens
 
@@ -47,15 +49,13 @@ def _with_policy(
     gm = base.graph_module
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
-    copied = fx.GraphModule(gm, graph)
-    copied.meta.update(gm.meta)
+    program = dataclasses.replace(base.program, graph=fx.GraphModule(gm, graph))
     plan = _plan(policy, base.plan.moe.routing, budget)
-    compiled = moec.CompiledModel(base, plan)  # a shell: its graph is set below
-    result = RecomputePass().run(copied, PassContext(plan))
+    result = RecomputePass().run(program.graph, PassContext(plan, program))
     if verify:
         verify_graph(result.gm, "recompute", expected_params=parameter_count(gm))
-    compiled.graph_module, compiled.pass_results = result.gm, {"recompute": result}
-    return compiled
+    program.graph, program.pass_results = result.gm, {"recompute": result}
+    return moec.CompiledModel(plan, program)
 
 
 def _grads(compiled, ids, seed: int) -> dict[str, torch.Tensor]:
@@ -123,10 +123,10 @@ def hooked_saved_bytes(compiled, ids) -> int:
 
 
 def _predicted_none(compiled) -> int:
-    gm = compiled.graph_module
-    regions = block_regions(gm)
+    gm, cost = compiled.graph_module, graph_cost(compiled.program)
+    regions = block_regions(gm, cost)
     levels = policy_levels("none", regions)
-    return predict(regions, outside_refs(gm, regions), levels, graph_cost(gm)).saved_bytes
+    return predict(regions, outside_refs(gm, regions), levels, cost).saved_bytes
 
 
 @pytest.fixture(scope="module")

@@ -45,7 +45,7 @@ def _worker(rank: int, world: int, out: str, plan: dict) -> None:
     assert (trainer.compiled.working_weights is not None) == ("precision" in plan)
     result = trainer.run()
     assert sum(result.losses[-4:]) / 4 < sum(result.losses[:4]) / 4 - 0.3, result.losses
-    roles = trainer.compiled.graph_module.meta["moec_param_roles"]
+    roles = trainer.compiled.program.param_roles
     for name, param in trainer.compiled.graph_module.named_parameters():
         gathered = [torch.empty_like(param) for _ in range(world)]
         dist.all_gather(gathered, param.detach())

@@ -26,14 +26,14 @@ PLAN = {
 }
 
 
-def _pair(monkeypatch):
+def _pair():
     """(with the pass, without it) on one model and batch."""
     ids = tokens(2, 17)
     args = (ids[:, :-1], ids[:, 1:])
     torch.manual_seed(0)
     model = LanguageModelWithLoss(tiny_llama(2))
     with_copies = moec.compile(copy.deepcopy(model), PLAN, args)
-    without = compile_without(monkeypatch, model, args, PLAN, "working_weights")
+    without = compile_without(model, args, PLAN, "working_weights")
     return with_copies, without, args
 
 
@@ -41,10 +41,10 @@ def _grads(compiled) -> list[torch.Tensor]:
     return [p.grad for p in compiled.parameters()]
 
 
-def test_copies_replace_every_cast_parameter_and_keep_the_step(monkeypatch):
-    ours, plain, args = _pair(monkeypatch)
+def test_copies_replace_every_cast_parameter_and_keep_the_step():
+    ours, plain, args = _pair()
     gm = ours.graph_module
-    copies = gm.meta["moec_working_weights"]
+    copies = ours.program.working_weights
     names = {n for group in copies.values() for n in group}
     # expert weights (cast inside expert_mlp before), the fused head, the fused GLU's pair
     assert any(n.endswith("moe.w_up") for n in names) and any("lm_head" in n for n in names)
@@ -73,8 +73,8 @@ def test_copies_replace_every_cast_parameter_and_keep_the_step(monkeypatch):
 
 
 @pytest.mark.slow
-def test_copies_follow_their_parameters_and_accumulate_in_float32(monkeypatch):
-    ours, plain, args = _pair(monkeypatch)
+def test_copies_follow_their_parameters_and_accumulate_in_float32():
+    ours, plain, args = _pair()
     for compiled in (ours, plain):  # any optimizer: torch's own writes the parameters in place
         compiled(*args).backward()
         torch.optim.SGD(compiled.parameters(), lr=0.5).step()

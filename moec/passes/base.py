@@ -1,12 +1,14 @@
 """What a pass is: its result, its context, and the registry the pass manager builds pipelines from.
 
-A pass is a class registered with :func:`register_pass`. It declares
+A pass is a :class:`Pass` subclass registered with :func:`register_pass`. It declares
 
 - ``name``: how pipeline strings and dumps call it;
 - ``after``: passes that, when they run, run before it (an ordering constraint only);
 - ``requires``: passes that must run before it (it reads what they made);
 - ``applies(plan)``: whether the default pipeline of ``plan`` runs it;
 - ``options(plan)``: its settings as they appear in the pipeline string (``""`` for none);
+
+(the defaults: no ordering, always applies, no options)
 - ``run(gm, ctx) -> PassResult``: the rewrite. A pass edits ``gm`` (``ctx.program.graph``) and
   records what the runtime must know in ``ctx.program``; everything else it learned goes into
   its result's ``stats``, nothing into globals or ``gm.meta``.
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch.fx as fx
 
@@ -71,18 +73,24 @@ class PassContext:
         return self.program
 
 
-class Pass(Protocol):
+class Pass:
+    """Base of every pass: the declarations a pass does not override are these defaults."""
+
     name: ClassVar[str]
-    after: ClassVar[tuple[str, ...]]
-    requires: ClassVar[tuple[str, ...]]
+    after: ClassVar[tuple[str, ...]] = ()
+    requires: ClassVar[tuple[str, ...]] = ()
 
     @staticmethod
-    def applies(plan: Plan) -> bool: ...
+    def applies(plan: Plan) -> bool:
+        """always"""
+        return True
 
     @staticmethod
-    def options(plan: Plan) -> str: ...
+    def options(plan: Plan) -> str:
+        return ""
 
-    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult: ...
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        raise NotImplementedError(f"pass {type(self).__name__} does not define run")
 
 
 REGISTRY: dict[str, type] = {}
@@ -92,10 +100,9 @@ P = TypeVar("P", bound=type)
 
 
 def register_pass(cls: P) -> P:
-    """Class decorator: add a pass to :data:`REGISTRY` (names are unique)."""
-    for attr in ("name", "after", "requires", "applies", "options", "run"):
-        if not hasattr(cls, attr):
-            raise TypeError(f"pass class {cls.__name__} lacks {attr!r} (see moec.passes.base)")
+    """Class decorator: add a :class:`Pass` subclass to :data:`REGISTRY` (names are unique)."""
+    if not (issubclass(cls, Pass) and isinstance(getattr(cls, "name", None), str)):
+        raise TypeError(f"{cls.__name__} is not a Pass subclass with a name (moec.passes.base)")
     if cls.name in REGISTRY and REGISTRY[cls.name] is not cls:
         raise TypeError(f"two passes named {cls.name!r}: {REGISTRY[cls.name]} and {cls}")
     REGISTRY[cls.name] = cls

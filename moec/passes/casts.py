@@ -39,7 +39,7 @@ import torch.fx as fx
 import moec.ops  # noqa: F401  (registers torch.ops.moec)
 from moec.analysis.structure import CASTS, MATMUL_OPS
 from moec.fx import fake_mode
-from moec.passes.base import PassContext, PassResult, register_pass
+from moec.passes.base import Pass, PassContext, PassResult, register_pass
 from moec.passes.rewrite import GraphEditor, refresh_meta
 from moec.plan import Plan
 
@@ -129,19 +129,14 @@ def _static_one(size: int | torch.SymInt) -> bool:
 
 
 @register_pass
-class SharedCastsPass:
+class SharedCastsPass(Pass):
     name = "shared_casts"
     after: tuple[str, ...] = ("moe", "expert_parallel", "precision", "fused_loss")
-    requires: tuple[str, ...] = ()
 
     @staticmethod
     def applies(plan: Plan) -> bool:
         """precision.compute_dtype is bf16"""
         return plan.precision.compute_dtype == "bf16"
-
-    @staticmethod
-    def options(plan: Plan) -> str:
-        return ""
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if ctx.plan.precision.compute_dtype != "bf16":

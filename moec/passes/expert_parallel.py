@@ -40,7 +40,7 @@ import torch.fx as fx
 
 import moec.ops.ep  # noqa: F401  (registers the moec::ep_* ops)
 from moec.errors import MoecError
-from moec.passes.base import PassContext, PassResult, register_pass
+from moec.passes.base import Pass, PassContext, PassResult, register_pass
 from moec.passes.rewrite import GraphEditor
 from moec.plan import Plan
 from moec.program import EPGroup, ExpertParallelLayout
@@ -71,9 +71,8 @@ class _Site:
 
 
 @register_pass
-class ExpertParallelPass:
+class ExpertParallelPass(Pass):
     name = "expert_parallel"
-    after: tuple[str, ...] = ()
     requires: tuple[str, ...] = ("moe",)
 
     @staticmethod
@@ -86,7 +85,6 @@ class ExpertParallelPass:
         return f"ep={plan.parallel.ep},path={plan.parallel.ep_path}"
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-        program = ctx.require_program(self.name)
         ep = ctx.plan.parallel.ep
         group = ctx.ep_group
         if group is None:
@@ -100,6 +98,7 @@ class ExpertParallelPass:
             raise ExpertParallelError(
                 f"EP group {group.group!r} has {group.size} ranks but plan.parallel.ep={ep}"
             )
+        program = ctx.require_program(self.name)
         sites = [self._match(gm, node, group) for node in gm.graph.nodes if _is(node, "dispatch")]
         if not sites:
             raise ExpertParallelError("pass expert_parallel found no moec.dispatch: run moe first")

@@ -26,9 +26,8 @@ import torch.fx as fx
 
 import moec.ops  # noqa: F401  (registers torch.ops.moec)
 from moec.ops.activations import gated_from_unary
-from moec.passes.base import PassContext, PassResult, register_pass
+from moec.passes.base import Pass, PassContext, PassResult, register_pass
 from moec.passes.rewrite import GraphEditor
-from moec.plan import Plan
 
 aten = torch.ops.aten
 
@@ -77,19 +76,9 @@ def _match(mul: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, str] | None:
 
 
 @register_pass
-class FuseGluPass:
+class FuseGluPass(Pass):
     name = "fuse_glu"
     after: tuple[str, ...] = ("moe", "shared_casts")
-    requires: tuple[str, ...] = ()
-
-    @staticmethod
-    def applies(plan: Plan) -> bool:
-        """always"""
-        return True
-
-    @staticmethod
-    def options(plan: Plan) -> str:
-        return ""
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         edit = GraphEditor(gm, self.name)

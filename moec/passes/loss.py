@@ -28,7 +28,7 @@ import torch.fx as fx
 
 import moec.ops  # noqa: F401  (registers torch.ops.moec)
 from moec.analysis.structure import VIEW_OPS
-from moec.passes.base import PassContext, PassResult, register_pass
+from moec.passes.base import Pass, PassContext, PassResult, register_pass
 from moec.passes.casts import CASTS
 from moec.passes.rewrite import GraphEditor
 from moec.plan import Plan
@@ -81,19 +81,14 @@ def _loss_args(loss: fx.Node) -> tuple[int, str] | str:
 
 
 @register_pass
-class FusedLossPass:
+class FusedLossPass(Pass):
     name = "fused_loss"
     after: tuple[str, ...] = ("moe", "expert_parallel", "precision")
-    requires: tuple[str, ...] = ()
 
     @staticmethod
     def applies(plan: Plan) -> bool:
         """loss.fused and parallel.pp = 1 (pipelined programs compute the loss in the last stage)"""
         return plan.loss.fused and plan.parallel.pp == 1
-
-    @staticmethod
-    def options(plan: Plan) -> str:
-        return ""
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         edit = GraphEditor(gm, self.name)

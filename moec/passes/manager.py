@@ -21,8 +21,6 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import torch.fx as fx
-
 from moec.passes.base import REGISTRY, PassContext, PassPipelineError
 from moec.passes.verify import parameter_count, verify_graph
 from moec.plan import Plan
@@ -42,20 +40,28 @@ PASS_MODULES = (
 )
 """The modules whose import registers moec's passes; their order breaks ordering ties."""
 
-DumpHook = Callable[[str, fx.GraphModule, dict[str, Any]], None]
-"""``hook(stage_name, gm, stats)``: called for the captured graph and after the passes."""
+DumpHook = Callable[[str, Program, dict[str, Any]], None]
+"""``hook(stage_name, program, stats)``: called for the captured program and after the passes."""
 
 
 def registered() -> dict[str, type]:
     """Every pass class by name, in pipeline order."""
     for module in PASS_MODULES:
         importlib.import_module(module)
-    return {name: REGISTRY[name] for name in _ordered(REGISTRY)}
+    by_module = sorted(REGISTRY.items(), key=lambda item: _module_rank(item[1]))
+    return {name: REGISTRY[name] for name in _ordered(dict(by_module))}
+
+
+def _module_rank(cls: type) -> int:
+    """Where ``cls``'s module stands in :data:`PASS_MODULES` (passes registered elsewhere,
+    e.g. by a user, come after moec's)."""
+    module = cls.__module__
+    return PASS_MODULES.index(module) if module in PASS_MODULES else len(PASS_MODULES)
 
 
 def _ordered(passes: dict[str, type]) -> list[str]:
     """A topological order of ``passes`` under their ``after``/``requires`` edges; among the
-    passes free to go next, the first registered goes first."""
+    passes free to go next, the first in ``passes`` goes first."""
     before = {n: set(c.after) | set(c.requires) for n, c in passes.items()}
     for name, needs in before.items():
         if unknown := needs - set(passes):
@@ -189,7 +195,7 @@ class PassManager:
         gm = program.graph
         if self.verify:
             verify_graph(gm, "capture", program.signature)
-        self._dump("capture", gm, {})
+        self._dump("capture", program, {})
         for p in self.passes:
             before = parameter_count(gm)
             start = time.perf_counter()
@@ -206,9 +212,9 @@ class PassManager:
                 )
                 verify_graph(gm, p.name, program.signature, expected_params=expected)
             ctx.results[p.name] = result
-            self._dump(p.name, gm, result.stats)
+            self._dump(p.name, program, result.stats)
         return program
 
-    def _dump(self, stage: str, gm: fx.GraphModule, stats: dict[str, Any]) -> None:
+    def _dump(self, stage: str, program: Program, stats: dict[str, Any]) -> None:
         if self.dump is not None and (self.print_after is None or stage in self.print_after):
-            self.dump(stage, gm, stats)
+            self.dump(stage, program, stats)

@@ -68,7 +68,7 @@ from moec.ops.activations import (
     register_activation,
     supported_text,
 )
-from moec.passes.base import PassContext, PassResult, register_pass
+from moec.passes.base import Pass, PassContext, PassResult, register_pass
 from moec.passes.rewrite import GraphEditor, erase_unused, refresh_meta
 from moec.plan import MoEPlan, Plan, PlanError, activation_function
 from moec.program import MoELayer
@@ -91,15 +91,8 @@ class ExpertWeights:
 
 
 @register_pass
-class MoEPass:
+class MoEPass(Pass):
     name = "moe"
-    after: tuple[str, ...] = ()
-    requires: tuple[str, ...] = ()
-
-    @staticmethod
-    def applies(plan: Plan) -> bool:
-        """always"""
-        return True
 
     @staticmethod
     def options(plan: Plan) -> str:

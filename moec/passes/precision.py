@@ -37,7 +37,7 @@ import torch.fx as fx
 
 import moec.ops.quantized  # noqa: F401  (registers moec::quantized_*)
 from moec.analysis.structure import TRANSPOSE_OPS, VIEW_OPS, linear_site
-from moec.passes.base import PassContext, PassResult, register_pass
+from moec.passes.base import Pass, PassContext, PassResult, register_pass
 from moec.passes.rewrite import GraphEditor
 from moec.plan import Plan
 
@@ -127,10 +127,9 @@ def attention_out_linears(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 @register_pass
-class PrecisionPass:
+class PrecisionPass(Pass):
     name = "precision"
     after: tuple[str, ...] = ("moe", "expert_parallel")
-    requires: tuple[str, ...] = ()
 
     @staticmethod
     def applies(plan: Plan) -> bool:

@@ -78,7 +78,7 @@ from moec.analysis.cost import GraphCost, SavedRef, backward_workspace, graph_co
 from moec.analysis.cost.memory import is_activation, stored_ref
 from moec.analysis.structure import module_path
 from moec.fx import external_inputs, nbytes, node_order, placeholders_for, under
-from moec.passes.base import PassContext, PassResult, register_pass
+from moec.passes.base import Pass, PassContext, PassResult, register_pass
 from moec.plan import Plan, PlanError
 
 aten = torch.ops.aten
@@ -386,7 +386,7 @@ def _wrap(gm: fx.GraphModule, region: BlockRegion, level: str) -> None:
 
 
 @register_pass
-class RecomputePass:
+class RecomputePass(Pass):
     name = "recompute"
     after: tuple[str, ...] = (
         "moe",
@@ -398,7 +398,6 @@ class RecomputePass:
         "fuse_glu",
         "working_weights",
     )
-    requires: tuple[str, ...] = ()
 
     @staticmethod
     def applies(plan: Plan) -> bool:

@@ -24,10 +24,9 @@ import torch
 import torch.fx as fx
 
 import moec.ops  # noqa: F401  (registers torch.ops.moec)
-from moec.passes.base import PassContext, PassResult, register_pass
+from moec.passes.base import Pass, PassContext, PassResult, register_pass
 from moec.passes.casts import CASTS
 from moec.passes.rewrite import GraphEditor
-from moec.plan import Plan
 
 aten = torch.ops.aten
 
@@ -115,19 +114,9 @@ def _broadcasts(x: fx.Node, *tables: fx.Node) -> bool:
 
 
 @register_pass
-class FuseRopePass:
+class FuseRopePass(Pass):
     name = "fuse_rope"
     after: tuple[str, ...] = ("shared_casts",)
-    requires: tuple[str, ...] = ()
-
-    @staticmethod
-    def applies(plan: Plan) -> bool:
-        """always"""
-        return True
-
-    @staticmethod
-    def options(plan: Plan) -> str:
-        return ""
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         edit = GraphEditor(gm, self.name)

@@ -26,6 +26,7 @@ def verify_graph(
     expected_params: int | None = None,
 ) -> None:
     """Check ``gm`` after ``stage``; ``signature`` (when given) must count its outputs."""
+
     def fail(msg: str) -> None:
         raise VerificationError(f"after {stage}: {msg}")
 

@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 
 from moec.ops.working_weights import working_copy
-from moec.passes.base import PassContext, PassResult, register_pass
+from moec.passes.base import Pass, PassContext, PassResult, register_pass
 from moec.passes.casts import is_bf16_cast
 from moec.passes.rewrite import GraphEditor
 from moec.plan import Plan
@@ -63,7 +63,7 @@ def _cat_of_casts(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node] | None:
 
 
 @register_pass
-class WorkingWeightsPass:
+class WorkingWeightsPass(Pass):
     name = "working_weights"
     after: tuple[str, ...] = ("fuse_glu",)
     requires: tuple[str, ...] = ("shared_casts",)
@@ -72,10 +72,6 @@ class WorkingWeightsPass:
     def applies(plan: Plan) -> bool:
         """precision.compute_dtype is bf16"""
         return plan.precision.compute_dtype == "bf16"
-
-    @staticmethod
-    def options(plan: Plan) -> str:
-        return ""
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         edit = GraphEditor(gm, self.name)

@@ -67,7 +67,7 @@ import torch.fx as fx
 
 from moec.analysis.cost import graph_cost
 from moec.analysis.pipeline_schedule import inflight_microbatches
-from moec.passes.base import PassContext, PassResult, register_pass
+from moec.passes.base import Pass, PassContext, PassResult, register_pass
 from moec.passes.pipeline.balance import balance
 from moec.passes.pipeline.legality import check_splittable
 from moec.passes.pipeline.split import PipelinePassError, format_stage_table, stage_row
@@ -88,7 +88,7 @@ __all__ = [
 
 
 @register_pass
-class PipelinePass:
+class PipelinePass(Pass):
     name = "pipeline"
     after: tuple[str, ...] = (
         "moe",
@@ -101,7 +101,6 @@ class PipelinePass:
         "working_weights",
         "recompute",
     )
-    requires: tuple[str, ...] = ()
 
     @staticmethod
     def applies(plan: Plan) -> bool:
