@@ -33,6 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export import Dim
 
 from moec.errors import MoecError
+from moec.fx import module_path
 from moec.program import GraphSignature, Program
 
 
@@ -41,15 +42,11 @@ class CaptureError(MoecError, RuntimeError):
 
 
 def trace(
-    model: torch.nn.Module,
-    example_inputs: tuple | Any,
-    example_kwargs: dict | None = None,
-    *,
-    method: str = "export",
-    dynamic: bool = True,
+    model: torch.nn.Module, example_inputs: tuple | Any, example_kwargs: dict | None = None, **how
 ) -> fx.GraphModule:
-    """The flat ATen graph of ``model(*example_inputs, **example_kwargs)`` (see module)."""
-    return capture(model, example_inputs, example_kwargs, method=method, dynamic=dynamic).graph
+    """The flat ATen graph of ``model(*example_inputs, **example_kwargs)``; ``how``: the
+    keyword options of :func:`capture` (see module)."""
+    return capture(model, example_inputs, example_kwargs, **how).graph
 
 
 def capture(
@@ -169,7 +166,7 @@ def _inline_region(gm: fx.GraphModule, node: fx.Node, mode: FakeTensorMode | Non
     else:
         raise CaptureError(
             f"the captured graph has a {name} region (node {node.name}, module "
-            f"{_module_path(node)}); moec inlines only wrap_with_set_grad_enabled and "
+            f"{module_path(node) or '<root>'}); moec inlines only wrap_with_set_grad_enabled and "
             "wrap_with_autocast regions: rewrite that part of the model without it "
             "(e.g. torch.where instead of torch.cond)"
         )
@@ -273,12 +270,6 @@ def _derived(
     )
     node.meta["val"] = _fake_call(op, (source,), kwargs, mode)
     return node
-
-
-def _module_path(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    path = next(reversed(stack.values()))[0] if stack else ""
-    return path or "<root>"
 
 
 def _auto_dims(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:

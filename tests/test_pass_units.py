@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moec.frontend import capture
+from moec.ops.recompute import recompute_region
 from moec.passes.base import PassContext, PassResult
 from moec.passes.casts import SharedCastsPass
 from moec.passes.expert_parallel import ExpertParallelError, ExpertParallelPass
@@ -21,7 +22,7 @@ from moec.passes.loss import FusedLossPass
 from moec.passes.moe import MoEPass
 from moec.passes.pipeline import PipelinePass, PipelinePassError
 from moec.passes.precision import PrecisionPass
-from moec.passes.recompute import RecomputePass, recompute_region
+from moec.passes.recompute import RecomputePass
 from moec.passes.rope import FuseRopePass
 from moec.passes.verify import verify_graph
 from moec.passes.working_weights import WorkingWeightsPass

@@ -13,13 +13,14 @@ Emits, for each block the policy recomputes, one sub-GraphModule holding the blo
 (parameters come in as arguments, so every ``get_attr`` stays in the outer graph)::
 
     recompute_layers_1 = self.recompute_layers_1           # fx.GraphModule of the block
-    recompute_region = moec.passes.recompute.recompute_region(
+    recompute_region = moec.ops.recompute.recompute_region(
         recompute_layers_1, "selective", add_6, slice_1, ..., layers_1_ffn_moe_w_up, ...)
     getitem_30 = recompute_region[0]                       # add_7; then losses, counts, offsets
 
-``recompute_region`` runs the block under ``torch.utils.checkpoint`` (non-reentrant,
-``preserve_rng_state=True``) with a selective-checkpoint policy: an op marked MUST_SAVE is run
-once and its output cached for backward, everything else is recomputed in backward.
+``recompute_region`` (:mod:`moec.ops.recompute`) runs the block under ``torch.utils.checkpoint``
+(non-reentrant, ``preserve_rng_state=True``) with a selective-checkpoint policy: an op marked
+MUST_SAVE is run once and its output cached for backward, everything else is recomputed in
+backward.
 
 - ``block``: MUST_SAVE only for the routing decision (``moec.route``) and the communication ops
   (``moec.ep_*``, ``_c10d_functional``); the rest of the block is recomputed (per-layer AC).
@@ -59,25 +60,19 @@ Statistics: ``policy``, ``blocks_recomputed``, ``block_policies`` (path -> polic
 from __future__ import annotations
 
 import dataclasses
-import functools
 import operator
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    checkpoint,
-    create_selective_checkpoint_contexts,
-)
 
 import moec.ops.ep  # noqa: F401  (registers the moec::ep_* ops)
 from moec.analysis.cost import GraphCost, SavedRef, backward_workspace, graph_cost, node_cost
 from moec.analysis.cost.memory import is_activation, stored_ref
 from moec.analysis.structure import module_path
 from moec.fx import external_inputs, nbytes, node_order, placeholders_for, under
+from moec.ops.recompute import recompute_region, saved_ops
 from moec.passes.base import Pass, PassContext, PassResult, register_pass
 from moec.plan import Plan, PlanError
 
@@ -88,64 +83,7 @@ LEVELS = ("none", "selective", "block")
 """Per-block choices, from least to most recompute."""
 
 
-def _overloads(namespace: Any, names: Iterable[str]) -> frozenset:
-    return frozenset(getattr(namespace, n).default for n in names if hasattr(namespace, n))
-
-
-NEVER_RECOMPUTE = _overloads(moec_ops, ("route", "ep_layout", "ep_dispatch", "ep_combine"))
-"""The routing decision and the EP exchanges: always cached, never run twice."""
-GEMMS = (
-    frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default})
-    | _overloads(
-        aten,
-        (
-            "_scaled_dot_product_flash_attention",
-            "_scaled_dot_product_flash_attention_for_cpu",
-            "_scaled_dot_product_efficient_attention",
-            "_scaled_dot_product_cudnn_attention",
-        ),
-    )
-    | _overloads(moec_ops, ("expert_mlp", "quantized_expert_mlp", "quantized_linear"))
-)
-"""GEMMs as the dispatcher sees them at run time (``linear``/``matmul`` decompose to these)."""
-GRAPH_GEMMS = (
-    frozenset({aten.linear.default, aten.matmul.default, aten.scaled_dot_product_attention.default})
-    | GEMMS
-)
-"""GEMMs as they appear in the captured graph (for the prediction)."""
 SCALE_OPS = frozenset({aten.mul.Tensor, aten.div.Tensor})
-
-
-def _is_communication(func: Any) -> bool:
-    return func in NEVER_RECOMPUTE or getattr(func, "namespace", "") == "_c10d_functional"
-
-
-def _saved_ops(level: str) -> Any:
-    """The predicate "this op's output is cached" of a recompute level."""
-    if level == "block":
-        return _is_communication
-    return lambda func: _is_communication(func) or func in GEMMS or func in GRAPH_GEMMS
-
-
-def _sac_policy(level: str, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    saved = _saved_ops(level)(func)
-    return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def recompute_region(region: fx.GraphModule, level: str, *args: Any) -> tuple:
-    """Run ``region(*args)`` under non-reentrant activation checkpointing at ``level``.
-
-    Outputs of the ops ``level`` saves (routing, collectives, and GEMMs for ``selective``) are
-    cached; the rest is recomputed in backward with the forward's RNG state. Without grad, or on
-    fake tensors (the verifier's shape propagation), it is just ``region(*args)``.
-    """
-    if not torch.is_grad_enabled() or any(isinstance(a, FakeTensor) for a in args):
-        return region(*args)
-    policy = functools.partial(_sac_policy, level)
-    context = functools.partial(create_selective_checkpoint_contexts, policy)
-    return checkpoint(
-        region, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context
-    )
 
 
 # --- prediction --------------------------------------------------------------------------------
@@ -205,14 +143,14 @@ def _level_saved(nodes: list[fx.Node], level: str) -> set[SavedRef]:
     if level == "none":
         return {ref for n in nodes for ref in saved_refs(n)}
     kept = {stored_ref(i) for i in external_inputs(nodes) if is_activation(i, floating=False)}
-    cached = _saved_ops(level)
+    cached = saved_ops(level)
     return kept | {ref for n in nodes if cached(n.target) for ref in _outputs(n)}
 
 
 def _level_flops(nodes: list[fx.Node], level: str, cost: GraphCost) -> int:
     if level == "none":
         return 0
-    cached = _saved_ops(level)
+    cached = saved_ops(level)
     return cost.value(sum((cost.nodes[n].flops for n in nodes if not cached(n.target)), 0))
 
 

@@ -90,17 +90,7 @@ __all__ = [
 @register_pass
 class PipelinePass(Pass):
     name = "pipeline"
-    after: tuple[str, ...] = (
-        "moe",
-        "expert_parallel",
-        "precision",
-        "fused_loss",
-        "shared_casts",
-        "fuse_rope",
-        "fuse_glu",
-        "working_weights",
-        "recompute",
-    )
+    after: tuple[str, ...] = ("recompute",)  # which runs after every other rewrite
 
     @staticmethod
     def applies(plan: Plan) -> bool:
