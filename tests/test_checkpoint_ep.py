@@ -69,8 +69,7 @@ def _snapshot(model: moec.CompiledModel, optimizer: Any) -> dict[str, Any]:
 
 
 def _expert(model: moec.CompiledModel, name: str) -> bool:
-    roles = model.program.param_roles
-    return roles.get(name.removeprefix("graph_module.")) == "expert"
+    return model.program.role(name) == "expert"
 
 
 def _assert_state(got: dict[str, Any], want: dict[str, Any]) -> None:

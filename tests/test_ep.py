@@ -186,8 +186,8 @@ def _check_equal(rank, world, path, ref, ep, mesh1, mesh_ep, device, tol) -> Non
     tokens, targets = _batch(rank, device)
     stats = ep.pass_results["expert_parallel"].stats
     assert stats["blocks_rewritten"] == 2 and stats["path"] == path
-    roles = ep.program.param_roles
-    assert roles["layers.0.ffn.moe.w_up"] == "expert" and roles["embed.weight"] == "dense"
+    role = ep.program.role
+    assert role("layers.0.ffn.moe.w_up") == "expert" and role("embed.weight") == "dense"
     reducers = [mdist.GradientReducer(ref, mesh1), mdist.GradientReducer(ep, mesh_ep)]
     results = []
     for model, reducer in zip((ref, ep), reducers, strict=True):
@@ -201,7 +201,7 @@ def _check_equal(rank, world, path, ref, ep, mesh1, mesh_ep, device, tol) -> Non
     full = dict(ref.graph_module.named_parameters())
     for name, param in ep.graph_module.named_parameters():
         expected = full[name].grad
-        if roles[name] == "expert":
+        if role(name) == "expert":
             expected = expected[rank * local : (rank + 1) * local]
         torch.testing.assert_close(param.grad, expected, **tol, msg=lambda m, n=name: f"{n}: {m}")
 

@@ -52,14 +52,15 @@ class PassContext:
     """This rank's expert-parallel group, when ``plan.parallel.ep > 1``."""
     results: dict[str, PassResult] = dataclasses.field(default_factory=dict)
     """Results of the passes that already ran, by name."""
-    _analyses: dict[Callable[..., Any], Any] = dataclasses.field(default_factory=dict)
+    _analyses: dict[tuple[Callable[..., Any], int], Any] = dataclasses.field(default_factory=dict)
 
-    def analysis(self, compute: Callable[[fx.GraphModule], Any], gm: fx.GraphModule) -> Any:
-        """``compute(gm)``, cached until a pass reports that it modified the graph."""
-        key = compute
-        if key not in self._analyses or self._analyses[key][0] is not gm:
-            self._analyses[key] = (gm, compute(gm))
-        return self._analyses[key][1]
+    def analysis(self, compute: Callable[[Any], Any], subject: Any) -> Any:
+        """``compute(subject)`` (a graph or the program), cached until a pass reports that it
+        modified the graph (the manager checks that report when it verifies)."""
+        key = (compute, id(subject))
+        if key not in self._analyses:
+            self._analyses[key] = compute(subject)
+        return self._analyses[key]
 
     def invalidate_analyses(self) -> None:
         self._analyses.clear()

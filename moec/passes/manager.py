@@ -21,8 +21,9 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from moec.fx import parameter_count
 from moec.passes.base import REGISTRY, PassContext, PassPipelineError
-from moec.passes.verify import parameter_count, verify_graph
+from moec.passes.verify import VerificationError, verify_graph
 from moec.plan import Plan
 from moec.program import Program
 
@@ -198,9 +199,15 @@ class PassManager:
         self._dump("capture", program, {})
         for p in self.passes:
             before = parameter_count(gm)
+            text = str(gm.graph) if self.verify else ""
             start = time.perf_counter()
             result = p.run(gm, ctx)
             result.stats["seconds"] = round(time.perf_counter() - start, 3)
+            if self.verify and not result.modified and str(result.gm.graph) != text:
+                raise VerificationError(
+                    f"after {p.name}: the pass reported modified=False but changed the graph "
+                    "(cached analyses would be stale)"
+                )
             gm = program.graph = result.gm
             if result.modified:
                 ctx.invalidate_analyses()

@@ -348,7 +348,7 @@ class RecomputePass(Pass):
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         plan = ctx.plan.recompute
-        cost = graph_cost(ctx.program or gm)
+        cost = ctx.analysis(graph_cost, ctx.program or gm)
         regions = block_regions(gm, cost)
         outside = outside_refs(gm, regions)
         if plan.policy == "budget":

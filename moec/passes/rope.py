@@ -13,7 +13,7 @@ Keeps    values (float32 arithmetic, as the promoted unfused expression with flo
          rounding to the folded cast's dtype happens once, as before) and x's gradient.
 
 Why: with float32 tables the unfused expression promotes q and k to float32 and runs five
-elementwise kernels each way (11 ms of ``mul`` alone per e2e step); the op reads x once.
+elementwise kernels each way (profile in ``benchmarks/RESULTS.md``); the op reads x once.
 """
 
 from __future__ import annotations

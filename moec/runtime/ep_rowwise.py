@@ -15,8 +15,8 @@ Dispatch reads route ``i``'s row straight from the token row ``x[i // K]`` (scal
 weight in combine's backward): the ``[T*K, D]`` copy of the tokens is never written. Combine
 pushes each expert-output row back to the route that sent it (``origins``), zeros where no row
 came back (dropped routes). One kernel for both directions; pushing instead of pulling did not by
-itself speed the combine up on two H200s (159 GB/s pulling, 151 pushing, dispatch 351): its time
-was the route sum and copies around the transfer (``benchmarks/RESULTS.md``, multi-GPU).
+itself speed the combine up: its time was the route sum and copies around the transfer
+(``benchmarks/RESULTS.md``, multi-GPU).
 
 Ordering uses the handle's device-side barrier: fill, barrier, push, barrier, copy out (the first
 barrier keeps a fast peer from writing into a buffer still being copied out). Inside one node

@@ -117,7 +117,7 @@ class PipelinePass(Pass):
                 "compile the model again for another split"
             )
         parallel = ctx.plan.parallel
-        cost = graph_cost(program)
+        cost = ctx.analysis(graph_cost, program)
         units = find_units(gm, cost)
         check_splittable(parallel, len(units))
         flops, saved = unit_costs(gm, cost, units)
