@@ -62,7 +62,7 @@ def make():
 
 def test_model_without_ffn_is_one_line_naming_the_model_and_what_was_looked_for(tmp_path, capsys):
     spec = _model_file(tmp_path, ATTENTION_ONLY)
-    assert main(["debug", spec, "--out", str(tmp_path / "dbg")]) == 2
+    assert main(["debug", spec, "--no-loss", "--out", str(tmp_path / "dbg")]) == 2
     line = _error_line(capsys)
     assert "no FFN region found in AttentionOnly" in line
     assert "linear (or pointwise conv) -> activation -> linear" in line
@@ -71,7 +71,7 @@ def test_model_without_ffn_is_one_line_naming_the_model_and_what_was_looked_for(
 
 def test_unrecognised_activation_lists_the_supported_ones_and_how_to_register(tmp_path, capsys):
     spec = _model_file(tmp_path, TANH_FFN)
-    assert main(["debug", spec, "--out", str(tmp_path / "dbg")]) == 2
+    assert main(["debug", spec, "--no-loss", "--out", str(tmp_path / "dbg")]) == 2
     line = _error_line(capsys)
     assert "down: activation not recognised" in line
     assert "quick_gelu" in line and "relu2" in line and "swiglu" in line
@@ -85,7 +85,8 @@ def test_plan_activation_makes_the_unrecognised_ffn_convert(tmp_path):
     plan = tmp_path / "plan.yaml"
     acts = f"{tmp_path}/acts.py:tanh"
     plan.write_text(f"moe:\n  num_experts: 2\n  activations:\n    tanh_act: {acts}\n")
-    assert main(["debug", spec, "--plan", str(plan), "--out", str(tmp_path / "dbg")]) == 0
+    argv = ["debug", spec, "--no-loss", "--plan", str(plan), "--out", str(tmp_path / "dbg")]
+    assert main(argv) == 0
 
 
 @pytest.mark.parametrize("command", ["debug", "train"])

@@ -114,12 +114,12 @@ def test_no_grad_calls_run_the_loss_without_head_gradients(monkeypatch):
     assert seen == [True, False]  # the training forward computed gradients, the other did not
     torch.testing.assert_close(evaluation, training.detach())
     with torch.no_grad():  # built once; rebuilt when a buffer is replaced (as .to() does)
-        program = fused._program()
-        assert fused._program() is program
+        program = fused._graph()
+        assert fused._graph() is program
         name, buffer = next(iter(fused.graph_module.named_buffers()))
         owner, _, leaf = name.rpartition(".")
         fused.graph_module.get_submodule(owner).register_buffer(leaf, buffer.clone())
-        assert fused._program().get_buffer(name) is fused.graph_module.get_buffer(name)
+        assert fused._graph().get_buffer(name) is fused.graph_module.get_buffer(name)
     training.backward()  # the training graph is untouched
     assert all(p.grad is not None for p in fused.parameters() if p.requires_grad)
 

@@ -147,12 +147,20 @@ def kernel_specs(capability: int) -> list[KernelSpec]:
             "adamw", adamw._adamw_kernel,
             {"param_ptr": "*fp32", "grad_ptr": "*bf16", "exp_avg_ptr": "*fp32",
              "exp_avg_sq_ptr": "*fp32", "copy_ptr": "*bf16", "grad_scale_ptr": "*fp32",
-             **dict.fromkeys(adamw._adamw_kernel.arg_names[7:14], "fp32")},
-            {"HAS_COPY": True, "HAS_SCALE": True, "BLOCK": adamw.BLOCK},
+             "step_ptr": "*fp32", "found_inf_ptr": "*fp32",
+             **dict.fromkeys(_floats_after("n", "HAS_COPY", adamw._adamw_kernel), "fp32")},
+            {"HAS_COPY": True, "HAS_SCALE": True, "DEVICE_STEP": True, "HAS_FOUND_INF": True,
+             "BLOCK": adamw.BLOCK},
         ),
         *_ep_specs(),
         *_gmm_specs(family),
     ]  # fmt: skip
+
+
+def _floats_after(first: str, stop: str, fn: Any) -> list[str]:
+    """The argument names of ``fn`` after ``first`` and before ``stop`` (host floats)."""
+    names = fn.arg_names
+    return names[names.index(first) + 1 : names.index(stop)]
 
 
 def _ep_specs() -> list[KernelSpec]:
