@@ -32,9 +32,9 @@ from moec.train import (
     TrainConfig,
     TrainConfigError,
     Trainer,
-    _print_summary,
     train,
 )
+from moec.train.cli import print_summary
 
 PLAN = {"moe": {"num_experts": 4, "top_k": 2, "init": "random", "dense_first": 0}}
 ROOT = Path(__file__).resolve().parents[1]
@@ -321,7 +321,7 @@ def test_without_matplotlib_the_run_lists_only_what_it_wrote(tmp_path, monkeypat
     result = train(tiny_llama(), PLAN, _cfg(tmp_path, steps=1, plots=True))
     names = [str(p.relative_to(tmp_path)) for p in result.written]
     assert names == ["metrics.jsonl", "summary.json", str(Path("checkpoints", "step_1"))]
-    _print_summary(result)
+    print_summary(result)
     out = capsys.readouterr().out
     assert "no plots" in out and "matplotlib" in out and ".png" not in out
 

@@ -1,0 +1,186 @@
+"""The training loop around :class:`~moec.train.trainer.Trainer`: log points (the one host read
+per window), metrics, throughput and summary, the non-finite stop, checkpoints on schedule."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from moec.errors import MoecError
+from moec.runtime.compiled import CompiledModel
+from moec.runtime.metrics import bf16_peak_tflops, count_host_syncs, useful_mfu
+
+if TYPE_CHECKING:
+    from moec.train.trainer import Trainer
+
+
+class NonFiniteError(MoecError):
+    """Too many consecutive steps with a non-finite loss or gradient norm."""
+
+
+@dataclasses.dataclass
+class TrainResult:
+    losses: list[float]
+    """Loss of every step this call ran (read at log points, so available for every step)."""
+    summary: dict[str, Any]
+    compiled: CompiledModel
+    out: Path
+    written: list[Path] = dataclasses.field(default_factory=list)
+    """The files and checkpoints this call wrote."""
+    finished: bool = False
+    """The run had already reached ``steps``: nothing was trained or written."""
+
+
+class TrainingLoop:
+    """One call's training loop: steps, log points (the host reads), checkpoints, timing."""
+
+    def __init__(self, trainer: Trainer, history: list[dict[str, Any]]):
+        self.trainer, self.cfg = trainer, trainer.cfg
+        self.history = history
+        self.losses: list[float] = []
+        self.pending: list[torch.Tensor] = []
+        self.tokens_per_step = self.cfg.batch_size * self.cfg.seq_len
+        self.start_step = trainer.step
+        self.steady_from = self.start_step + self.cfg.warmup_log_steps
+        self.steady_start: float | None = None
+        self.steady_steps = 0
+        self.timed_s, self.timed_steps = 0.0, 0
+        self.syncs: int | None = None
+        self.skipped = 0
+        self.longest_streak = 0
+
+    def run(self, log, progress, written: list[Path]) -> None:
+        t, cfg = self.trainer, self.cfg
+        task = (
+            progress.add_task("training", total=cfg.steps, completed=t.step) if progress else None
+        )
+        window_start, window_steps = time.perf_counter(), 0
+        while t.step < cfg.steps:
+            if t.step == self.steady_from and self.syncs is None:
+                self.syncs = count_host_syncs(lambda: self.pending.append(t.train_step()), t.device)
+            else:
+                self.pending.append(t.train_step())
+            window_steps += 1
+            if t.step == self.steady_from:
+                wait_for_device(t.device)
+                self.steady_start, self.steady_steps = time.perf_counter(), 0
+            elif self.steady_start is not None:
+                self.steady_steps += 1
+            done = t.step == cfg.steps
+            if t.step % cfg.log_every == 0 or done:
+                now = time.perf_counter()
+                record = self._log_point((now - window_start) / window_steps)
+                self.timed_s += now - window_start
+                self.timed_steps += window_steps
+                window_start, window_steps = now, 0
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+                self._check_nonfinite()
+                if progress:
+                    progress.update(task, completed=t.step, **_progress_fields(record))
+            if (cfg.checkpoint_every and t.step % cfg.checkpoint_every == 0) or done:
+                committed = t.save_checkpoint()
+                if committed is not None and done:
+                    written.append(committed.path)
+
+    def _log_point(self, step_time: float) -> dict[str, Any]:
+        """Read the window's losses and the non-finite counters (the one host read per log
+        window) and build the record."""
+        t = self.trainer
+        counters = torch.stack([t.skipped_steps, t.longest_streak]).to(torch.float32)
+        values = torch.cat([torch.stack(self.pending), counters]).tolist()
+        losses, (skipped, longest) = values[:-2], values[-2:]
+        self.pending.clear()
+        self.losses += losses
+        self.skipped = int(skipped)
+        record = t._record(losses[-1], step_time, self.tokens_per_step, self.syncs, self.skipped)
+        self.history.append(record)
+        self.longest_streak = int(longest)
+        return record
+
+    def _check_nonfinite(self) -> None:
+        t = self.trainer
+        longest = self.longest_streak
+        if longest >= self.cfg.max_nonfinite_steps:
+            raise NonFiniteError(
+                f"{int(longest)} consecutive steps had a non-finite loss or gradient norm "
+                f"(skipped; by step {t.step}, {self.skipped} skipped in all), "
+                f"TrainConfig.max_nonfinite_steps = {self.cfg.max_nonfinite_steps}: the run "
+                "stopped. Lower the learning rate, check the data and the model's numerics, or "
+                "resume from an earlier checkpoint"
+            )
+
+    def summary(self, error: str | None = None) -> dict[str, Any]:
+        t = self.trainer
+        throughput = self._throughput()
+        peak = bf16_peak_tflops(t.device)
+        step_time = throughput["step_time_s"]
+        first = t.first_loss
+        summary = {
+            "plan": t.compiled.program.pass_pipeline,
+            "device": torch.cuda.get_device_name(t.device) if t.device.type == "cuda" else "cpu",
+            "steps": t.step,
+            "first_loss": None if first is None else float(first),
+            "final_loss": self.losses[-1] if self.losses else None,
+            "skipped_steps": self.skipped,
+            "steady_step_time_s": step_time,
+            "tokens_per_s_per_gpu": throughput["tokens_per_s"],
+            "throughput_from": throughput["source"],
+            "useful_mfu": useful_mfu(
+                t.train_flops_per_token * self.tokens_per_step, step_time or 0, 1, peak
+            )
+            if step_time
+            else None,
+            "bf16_peak_tflops": peak if peak else "unknown for this device",
+            "train_flops_per_token": t.train_flops_per_token,
+            "params": t.params,
+            "active_params": t.active_params,
+            "host_syncs_per_step": self.syncs,
+            "checkpoint_errors": t.checkpoint_errors,
+        }
+        if error is not None:
+            summary["error"] = error
+        return summary
+
+    def _throughput(self) -> dict[str, Any]:
+        """Steady-state step time where this call ran past its warmup steps; else the mean
+        over every step it timed (a short resumed run), saying which."""
+        if self.steady_start is not None and self.steady_steps > 0:
+            wait_for_device(self.trainer.device)
+            step_time = (time.perf_counter() - self.steady_start) / self.steady_steps
+            source = f"{self.steady_steps} steady steps (after {self.cfg.warmup_log_steps} warmup)"
+        elif self.timed_steps:
+            step_time = self.timed_s / self.timed_steps
+            source = f"all {self.timed_steps} steps of this call (too few for a steady window)"
+        else:
+            return {"step_time_s": None, "tokens_per_s": None, "source": "no step was timed"}
+        return {
+            "step_time_s": step_time,
+            "tokens_per_s": self.tokens_per_step / step_time,
+            "source": source,
+        }
+
+
+def wait_for_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def mean_of(values) -> float | None:
+    values = list(values)
+    return sum(values) / len(values) if values else None
+
+
+def _progress_fields(record: dict[str, Any]) -> dict[str, str]:
+    drop = record["drop_rate"]
+    return {
+        "loss": f"{record['loss']:.3f}",
+        "tps": f"{record['tokens_per_s_per_gpu']:,.0f}",
+        "drop": "-" if drop is None else f"{100 * drop:.1f}%",
+        "imb": "-" if record["load_imbalance"] is None else f"{record['load_imbalance']:.2f}",
+    }
