@@ -4,7 +4,8 @@
 (:func:`moec.frontend.capture`) in the mode the program must run in, runs the selected passes
 (:mod:`moec.passes.manager`) over the captured :class:`~moec.program.Program` and returns the
 final program. :func:`compile` checks the pass selection, then hands the runtime either that
-program (example inputs given) or a function that builds it on the first call; the runtime
+program (example inputs given) or a function that builds it on the first call (with
+``init_from``, a program materialized from a dense checkpoint); the runtime
 (:mod:`moec.runtime`) only ever receives programs and imports no pass.
 
 Mode: the model is captured in train mode, so its dropouts are in the graph and the runtime can
@@ -18,6 +19,7 @@ import contextlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
 from moec.frontend import capture
@@ -26,6 +28,7 @@ from moec.passes.manager import DumpHook, PassManager, pipeline_string, select
 from moec.plan import Plan
 from moec.program import Program
 from moec.runtime.compiled import CompiledModel
+from moec.runtime.materialize import Checkpoint, materialize
 
 
 def compile(
@@ -40,6 +43,8 @@ def compile(
     passes: str | None = None,
     disable: Iterable[str] = (),
     print_after: Iterable[str] | None = None,
+    init_from: Checkpoint | None = None,
+    init_device: torch.device | str = "cpu",
 ) -> CompiledModel:
     """Compile a dense model into the MoE training program ``plan`` describes.
 
@@ -48,6 +53,13 @@ def compile(
     parallel. ``passes`` (a pass-pipeline string), ``disable`` and ``print_after`` select
     passes and dumps (see :func:`moec.passes.manager.select`); ``dump`` is called with the
     graph after capture and after each selected pass.
+
+    ``init_from``: a dense checkpoint of ``model`` (a safetensors directory as
+    ``save_pretrained`` writes it, a ``.safetensors`` file, a torch state dict or its file);
+    the model may then be built on the meta device: after the passes each parameter of the
+    program (this rank's part only) is built on ``init_device`` from the checkpoint through
+    its provenance (:func:`moec.runtime.materialize.materialize`), e.g.
+    ``moec.compile(meta_model, plan, example, init_from="llama-1b/")``.
     """
     plan = Plan.from_dict(plan) if isinstance(plan, dict) else plan or Plan()
     names = select(plan, passes, disable)
@@ -64,6 +76,8 @@ def compile(
             dump=dump,
             verify=verify,
             print_after=print_after,
+            init_from=init_from,
+            init_device=init_device,
         )
 
     compiled = CompiledModel(plan, build=build, mesh=mesh, training=model.training)
@@ -85,9 +99,13 @@ def build_program(
     dump: DumpHook | None = None,
     verify: bool = True,
     print_after: Iterable[str] | None = None,
+    init_from: Checkpoint | None = None,
+    init_device: torch.device | str = "cpu",
 ) -> Program:
     """Capture ``model(*args, **kwargs)`` and run the passes ``names`` (default: the plan's
-    pipeline) over it; ``training`` is the mode the program will first run in."""
+    pipeline) over it; ``training`` is the mode the program will first run in. With
+    ``init_from`` (a checkpoint, see :func:`compile`) the program's parameters and buffers are
+    then materialized on ``init_device`` from it."""
     mode = training if has_batch_norm(model) else True
     with in_mode(model, mode):
         program = capture(model, args, kwargs)
@@ -96,6 +114,8 @@ def build_program(
     PassManager(names, verify=verify, dump=dump, print_after=print_after).run(program, ctx)
     program.pass_results = ctx.results
     program.pass_pipeline = pipeline_string(plan, names)
+    if init_from is not None:
+        materialize(program, init_from, init_device, model)
     return program
 
 
@@ -114,4 +134,3 @@ def in_mode(model: nn.Module, training: bool) -> Iterator[nn.Module]:
     finally:
         for module, mode in modes:
             module.training = mode
-

@@ -5,7 +5,8 @@ A :class:`Program` is a flat ATen graph (``fx.GraphModule``, the calling convent
 needs: each parameter's role, the MoE layers, the bf16 working-weight copies, this rank's
 expert-parallel layout and, once the graph is split, the pipeline stages (each a
 :class:`Program` of its own). Capture (:func:`moec.frontend.capture`) makes one; each pass
-edits its graph and records what it did in its fields; the runtime (:mod:`moec.runtime`)
+edits its graph and records what it did in its fields (among them where each parameter's
+initial value comes from: its :data:`ParamSource`); the runtime (:mod:`moec.runtime`)
 receives the final one. Nothing else crosses from the passes to the runtime.
 
 Invariants kept by every pass:
@@ -15,14 +16,19 @@ Invariants kept by every pass:
 - ``signature.num_user_outputs + len(signature.aux_outputs)`` is the number of graph outputs;
 - every buffer of ``working_weights`` is a buffer of ``graph``, and its parameters are
   parameters of ``graph``;
+- every key of ``provenance`` is a parameter of ``graph`` (a parameter without an entry is
+  ``FromSource(its name)``: the source model's tensor of that name);
 - a stage program holds only its stage's parameters, layers and copies.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+from collections.abc import Callable
 from typing import Any, Literal
 
+import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
@@ -153,6 +159,172 @@ class Pipeline:
         return [s.index for s in self.info if s.rank == pp_rank]
 
 
+# --- provenance: where each parameter's initial value comes from ------------------------------
+
+Span = tuple[int, int]
+"""A half-open index range ``[start, stop)``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FromSource:
+    """The source model's (or dense checkpoint's) tensor ``name``, optionally as (in, out) and
+    cut: the value is ``T[rows, cols]`` where ``T`` is the stored tensor, or with ``transpose``
+    the stored ``[out, in, 1...]`` weight flattened to 2-D and transposed."""
+
+    name: str
+    rows: Span | None = None
+    cols: Span | None = None
+    transpose: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class StdOf:
+    """The standard deviation of the float32 concatenation of ``parts`` along dim 1."""
+
+    parts: tuple[ParamSource, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Fresh:
+    """A freshly initialized float32 tensor: zeros, or normal(0, std) drawn on the CPU from a
+    generator seeded with ``seed`` alone (so it does not depend on anything else drawn)."""
+
+    kind: Literal["normal", "zeros"]
+    shape: tuple[int, ...]
+    std: float | StdOf = 0.0
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Scaled:
+    """``of`` times ``scale``."""
+
+    of: ParamSource
+    scale: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Concat:
+    """The concatenation of ``parts`` along ``dim``."""
+
+    parts: tuple[ParamSource, ...]
+    dim: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Repeated:
+    """``count`` copies of ``of`` stacked on a new leading (expert) dim."""
+
+    of: ParamSource
+    count: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Stacked:
+    """``parts`` stacked on a new leading (expert) dim: one source per expert."""
+
+    parts: tuple[ParamSource, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertSlice:
+    """Experts ``[start, stop)`` (leading-dim rows) of the global expert tensor ``of``."""
+
+    start: int
+    stop: int
+    of: ParamSource
+
+
+ParamSource = FromSource | Fresh | Scaled | Concat | Repeated | Stacked | ExpertSlice
+"""Where a parameter's initial value comes from, as a recipe over the source model's tensors."""
+
+SourceReader = Callable[[str, "slice | None", "slice | None"], torch.Tensor]
+"""``read(name, rows, cols)``: the source tensor ``name`` cut to ``[rows, cols]`` (None: all)."""
+
+
+def cut(tensor: torch.Tensor, rows: slice | None, cols: slice | None) -> torch.Tensor:
+    """``tensor[rows, cols]`` (None: the whole dim; ``cols`` needs a tensor of 2 dims or more)."""
+    if rows is not None:
+        tensor = tensor[rows]
+    return tensor if cols is None else tensor[:, cols]
+
+
+def fresh_seed(seed: int, name: str, expert: int | None = None) -> int:
+    """A generator seed that depends only on (``seed``, parameter ``name``, ``expert``)."""
+    key = f"{seed}/{name}/{'' if expert is None else expert}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & (2**63 - 1)
+
+
+class TensorBuilder:
+    """Builds parameters' values from their sources, reading through ``read`` (each distinct
+    read made once per builder); ``Fresh`` tensors are drawn on the CPU in float32 and moved
+    to ``device`` (on ``meta``: only their shape)."""
+
+    def __init__(self, read: SourceReader, device: torch.device | str) -> None:
+        self.read, self.device = read, torch.device(device)
+        self.memo: dict[ParamSource, torch.Tensor] = {}
+
+    def tensor(self, source: ParamSource, dtype: torch.dtype) -> torch.Tensor:
+        """The value of ``source`` as a new contiguous ``dtype`` tensor on the device."""
+        value = self.build(source)
+        return torch.empty(value.shape, dtype=dtype, device=self.device).copy_(value)
+
+    def build(self, source: ParamSource) -> torch.Tensor:
+        if source not in self.memo:
+            self.memo[source] = self._build(source)
+        return self.memo[source]
+
+    def _build(self, source: ParamSource) -> torch.Tensor:
+        if isinstance(source, FromSource):
+            return self._read(source)
+        if isinstance(source, Fresh):
+            return self._fresh(source)
+        if isinstance(source, Scaled):
+            return self.build(source.of) * source.scale
+        if isinstance(source, Concat):
+            return torch.cat([self.build(p) for p in source.parts], dim=source.dim)
+        if isinstance(source, Repeated):
+            one = self.build(source.of)
+            return one.unsqueeze(0).expand(source.count, *one.shape)
+        if isinstance(source, Stacked):
+            return torch.stack([self.build(p) for p in source.parts])
+        return self.build(experts(source.of, source.start, source.stop))
+
+    def _read(self, source: FromSource) -> torch.Tensor:
+        rows, cols = (None if s is None else slice(*s) for s in (source.rows, source.cols))
+        if not source.transpose:
+            return self.read(source.name, rows, cols)
+        return self.read(source.name, cols, rows).flatten(1).t()
+
+    def _fresh(self, source: Fresh) -> torch.Tensor:
+        if source.kind == "zeros":
+            return torch.zeros(source.shape, device=self.device)
+        if self.device.type == "meta":
+            return torch.empty(source.shape, device=self.device)
+        std = source.std
+        if isinstance(std, StdOf):
+            std = float(torch.cat([self.build(p) for p in std.parts], 1).float().std())
+        generator = torch.Generator().manual_seed(source.seed)
+        return (torch.randn(source.shape, generator=generator) * std).to(self.device)
+
+
+def experts(source: ParamSource, start: int, stop: int) -> ParamSource:
+    """The source of experts ``[start, stop)`` of the expert tensor ``source``, built without
+    building the others."""
+    if isinstance(source, Repeated):
+        return Repeated(source.of, stop - start)
+    if isinstance(source, Stacked):
+        return Stacked(source.parts[start:stop])
+    if isinstance(source, Fresh) and source.kind == "zeros":
+        return Fresh("zeros", (stop - start, *source.shape[1:]))
+    if isinstance(source, ExpertSlice):
+        return experts(source.of, source.start + start, source.start + stop)
+    raise MoecError(
+        f"cannot take experts [{start}, {stop}) of {source}: an expert tensor's source must be "
+        "Repeated, Stacked, zeros or an ExpertSlice of one"
+    )
+
+
 @dataclasses.dataclass
 class Program:
     """A graph and what running it needs (see the module's invariants)."""
@@ -164,6 +336,8 @@ class Program:
     working_weights: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     """Buffer name -> the parameters whose bf16 rows it holds, in row order."""
     expert_parallel: ExpertParallelLayout | None = None
+    provenance: dict[str, ParamSource] = dataclasses.field(default_factory=dict)
+    """Parameter name -> where its initial value comes from (default: ``FromSource(name)``)."""
     pipeline: Pipeline | None = None
     stage_index: int | None = None
     """Set on a pipeline stage's own program: its index in ``Pipeline.stages``."""
@@ -178,6 +352,10 @@ class Program:
         """The role of parameter ``name`` (a name in ``graph``)."""
         return self.param_roles.get(name, "dense")
 
+    def source(self, name: str) -> ParamSource:
+        """Where parameter ``name``'s initial value comes from."""
+        return self.provenance.get(name, FromSource(name))
+
     def stage(self, graph: fx.GraphModule, signature: GraphSignature, index: int) -> Program:
         """The program of one pipeline stage cut from this one: ``graph`` holds a subset of
         this program's parameters and buffers under the same names."""
@@ -191,6 +369,7 @@ class Program:
                 b: names for b, names in self.working_weights.items() if hasattr(graph, b)
             },
             expert_parallel=self.expert_parallel,
+            provenance={k: v for k, v in self.provenance.items() if k in params},
             stage_index=index,
             captured_training=self.captured_training,
             pass_pipeline=self.pass_pipeline,

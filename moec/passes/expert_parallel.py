@@ -17,7 +17,9 @@ Emits (``L = N/n`` experts on this rank, ``R`` rows received: see :mod:`moec.ops
     out, _ = moec.ep_combine(y, weights, slots, recv, sent, ep_counts, group, n, path)
 
 The expert parameters are replaced by this rank's slice ``[rank*L, (rank+1)*L)`` of the full
-(seeded, identical on every rank) tensors, so EP = n holds exactly the experts EP = 1 holds.
+(seeded, identical on every rank) tensors, so EP = n holds exactly the experts EP = 1 holds;
+the program's ``provenance`` records each as ``ExpertSlice(rank*L, (rank+1)*L, of=<its global
+source>)`` so a materializer builds only those experts.
 
 Precondition: every rank of the EP group runs the same graph on local batches of the same shape
 (the exchanged buffers have static, equal sizes). The rank comes from the context's
@@ -43,7 +45,7 @@ from moec.errors import MoecError
 from moec.passes.base import Pass, PassContext, PassResult, register_pass
 from moec.passes.rewrite import GraphEditor
 from moec.plan import Plan
-from moec.program import EPGroup, ExpertParallelLayout
+from moec.program import EPGroup, ExpertParallelLayout, ExpertSlice, Program
 
 moec_ops = torch.ops.moec
 
@@ -107,7 +109,7 @@ class ExpertParallelPass(Pass):
         removed = 0
         dropped: list[fx.Node] = []
         for site in sites:
-            removed += self._shard_params(editor, site, group)
+            removed += self._shard_params(editor, site, group, program)
             dropped.append(self._rewrite(editor, site, group, path))
         output = gm.graph.output_node()
         output.args = (tuple(output.args[0]) + tuple(dropped),)
@@ -155,8 +157,11 @@ class ExpertParallelPass(Pass):
 
     # --- rewrite -----------------------------------------------------------------------------
 
-    def _shard_params(self, editor: GraphEditor, site: _Site, group: EPGroup) -> int:
-        """Keep this rank's experts of every expert parameter; return the elements removed."""
+    def _shard_params(
+        self, editor: GraphEditor, site: _Site, group: EPGroup, program: Program
+    ) -> int:
+        """Keep this rank's experts of every expert parameter (and record their source);
+        return the elements removed."""
         removed = 0
         for index in EXPERT_ARGS:
             node = site.mlp.args[index]
@@ -166,7 +171,10 @@ class ExpertParallelPass(Pass):
             owner = editor.gm.get_submodule(owner_path)
             full = getattr(owner, name)
             local = full.shape[0] // group.size
-            part = full.detach()[group.rank * local : (group.rank + 1) * local].clone()
+            start, stop = group.rank * local, (group.rank + 1) * local
+            part = full.detach()[start:stop].clone()
+            target = str(node.target)
+            program.provenance[target] = ExpertSlice(start, stop, program.source(target))
             setattr(owner, name, torch.nn.Parameter(part, full.requires_grad))
             node.meta["val"] = editor.mode.from_tensor(getattr(owner, name), static_shapes=True)
             removed += full.numel() - part.numel()

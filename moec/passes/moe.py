@@ -26,7 +26,16 @@ becomes the shared expert. Init (``plan.moe.init``), all keeping the dense funct
   with top_k = N the MoE equals the dense FFN at init.
 - ``random``: fresh normal init at ``expert_width`` with the std of the dense matrices.
 With a shared expert under ``upcycle``/``split`` both branches' output projections are halved,
-so the sum still equals the dense FFN at init.
+so the sum still equals the dense FFN at init. Every random draw (router, ``random`` experts)
+comes from a generator seeded by (``plan.moe.seed``, parameter name, expert index) alone, so
+any expert range can be drawn by itself and the values do not depend on the layout.
+
+Each new tensor is first described as a :data:`~moec.program.ParamSource` over the dense FFN's
+parameter names (:func:`expert_sources`: upcycle ``Repeated``, split ``Stacked`` cuts with their
+``Scaled`` down projections, ``Fresh`` draws) and then built from the graph's parameters; the
+descriptions go to ``program.provenance`` (with the shared expert's ``Scaled`` down
+projection), so a model captured on the meta device can be materialized from a dense
+checkpoint (:mod:`moec.runtime.materialize`) to the same values.
 
 An FFN of pointwise convolutions (channels-first, features in dim 1) is routed channels-last:
 ``X`` is permuted to put its features last before the router and dispatch, and the combined
@@ -42,8 +51,8 @@ Options: everything in ``plan.moe``. Statistics: ``ffns_replaced``, ``ffns_kept_
 ``params_added``, ``params_removed``, ``ffn_dropouts_dropped``. Invariants: those of
 :mod:`moec.passes.rewrite`; the graph's user outputs are unchanged; per MoE block three aux
 outputs are appended (``router_losses``, ``expert_counts``, ``expert_offsets``); the program
-records each block as a :class:`~moec.program.MoELayer` and its parameters' roles (``router``,
-``expert``).
+records each block as a :class:`~moec.program.MoELayer`, its parameters' roles (``router``,
+``expert``) and their provenance.
 """
 
 from __future__ import annotations
@@ -55,6 +64,7 @@ import torch.fx as fx
 
 from moec.analysis.structure import (
     FFNRegion,
+    LinearSite,
     Structure,
     find_structure,
     model_name,
@@ -71,7 +81,22 @@ from moec.ops.activations import (
 from moec.passes.base import Pass, PassContext, PassResult, register_pass
 from moec.passes.rewrite import GraphEditor, erase_unused, refresh_meta
 from moec.plan import MoEPlan, Plan, PlanError, activation_function
-from moec.program import MoELayer
+from moec.program import (
+    Concat,
+    Fresh,
+    FromSource,
+    MoELayer,
+    ParamSource,
+    Repeated,
+    Scaled,
+    SourceReader,
+    Span,
+    Stacked,
+    StdOf,
+    TensorBuilder,
+    cut,
+    fresh_seed,
+)
 
 aten = torch.ops.aten
 moec_ops = torch.ops.moec
@@ -119,21 +144,22 @@ class MoEPass(Pass):
             )
         editor = GraphEditor(gm, self.name)
         compute_dtype = torch.bfloat16 if ctx.plan.precision.compute_dtype == "bf16" else None
-        generator = torch.Generator().manual_seed(plan.seed)
         sig, roles, layers = program.signature, program.param_roles, program.moe_layers
         added = removed = 0
         aux: list[fx.Node] = []
         dropouts = [_check_dropout(b.ffn, plan) for b in blocks[plan.dense_first :]]
         for block in blocks[plan.dense_first :]:
             region = block.ffn
-            weights = build_expert_weights(gm, region, plan, generator)
             prefix = f"{region.module_path or 'ffn_' + str(block.index)}.moe"
+            weights, sources = build_expert_weights(gm, region, plan, prefix)
+            program.provenance.update(sources)
             nodes = self._rewrite(editor, region, weights, plan, prefix, compute_dtype)
             added += sum(t.numel() for t in dataclasses.astuple(weights) if t is not None)
-            for name in ("router_weight", "w_up", "w_down", "b_up", "b_down"):
+            for name in EXPERT_TENSORS:
                 roles[f"{prefix}.{name}"] = "router" if name == "router_weight" else "expert"
             if plan.shared_expert:
-                _scale_shared(gm, region, 0.5 if plan.init in ("upcycle", "split") else 1.0)
+                scale = 0.5 if plan.init in ("upcycle", "split") else 1.0
+                program.provenance.update(_scale_shared(gm, region, scale))
             else:
                 params_before = parameter_count(gm)
                 erase_unused(gm, region.nodes())
@@ -295,30 +321,69 @@ def _check_dropout(region: FFNRegion, plan: MoEPlan) -> int:
     return len(dropouts)
 
 
+EXPERT_TENSORS = ("router_weight", "w_up", "w_down", "b_up", "b_down")
+"""The parameters of an MoE block under ``<ffn module>.moe``, in ``ExpertWeights`` order."""
+
+
 def build_expert_weights(
-    gm: fx.GraphModule, region: FFNRegion, plan: MoEPlan, generator: torch.Generator
-) -> ExpertWeights:
-    """The initial router and expert tensors for ``region`` under ``plan.init``."""
+    gm: fx.GraphModule, region: FFNRegion, plan: MoEPlan, prefix: str
+) -> tuple[ExpertWeights, dict[str, ParamSource]]:
+    """The initial router and expert tensors for ``region`` under ``plan.init`` (parameters
+    ``<prefix>.<name>``), built from their sources (:func:`expert_sources`) over the dense
+    FFN's parameters in ``gm``, and those sources by parameter name."""
+    sources = expert_sources(gm, region, plan, prefix)
+    w_down = gm.get_parameter(region.down.weight)
+    builder = TensorBuilder(_reader(gm), w_down.device)
+    weights = ExpertWeights(
+        *(
+            None if source is None else builder.tensor(source, w_down.dtype)
+            for source in sources.values()
+        )
+    )
+    named = {f"{prefix}.{name}": s for name, s in sources.items() if s is not None}
+    return weights, named
+
+
+def _reader(gm: fx.GraphModule) -> SourceReader:
+    """Reads the source tensors from ``gm``'s (dense) parameters."""
+    return lambda name, rows, cols: cut(gm.get_parameter(name).detach(), rows, cols)
+
+
+def expert_sources(
+    gm: fx.GraphModule, region: FFNRegion, plan: MoEPlan, prefix: str
+) -> dict[str, ParamSource | None]:
+    """Where each of ``EXPERT_TENSORS`` comes from under ``plan.init`` (None: no such tensor),
+    over the dense FFN's parameter names; every expert of a ``Fresh`` draw is seeded from
+    (``plan.seed``, parameter name, expert index) only."""
     n, dim, hidden = plan.num_experts, region.dim, region.hidden
-    gated = is_gated(region.activation)
-    ups = [site.weight_in_out(gm) for site in region.ups]  # each [D, H]
-    up_biases = [site.bias_tensor(gm) for site in region.ups]
-    w_down = region.down.weight_in_out(gm)  # [H, D]
-    b_down = region.down.bias_tensor(gm)
-    has_up_bias = any(b is not None for b in up_biases)
-    zeros = torch.zeros(hidden, dtype=w_down.dtype, device=w_down.device)
-    up_biases = [zeros if b is None else b for b in up_biases]
+    has_up_bias = any(site.bias is not None for site in region.ups)
+    has_down_bias = region.down.bias is not None
     shared_scale = 0.5 if plan.shared_expert and plan.init in ("upcycle", "split") else 1.0
     where = f"FFN {ffn_name(region)}"
+    router = Fresh(
+        "normal", (n, dim), plan.router_init_std, fresh_seed(plan.seed, f"{prefix}.router_weight")
+    )
+
+    def ups(part: Span | None = None) -> Concat:  # hidden units: the up projections' outputs
+        return Concat(tuple(_in_out(site, cols=part) for site in region.ups), dim=1)
+
+    def up_biases(part: Span | None, width: int) -> Concat:
+        return Concat(tuple(_bias(site, part, width) for site in region.ups), dim=0)
+
+    def down(part: Span | None = None) -> FromSource:  # hidden units: the down's inputs
+        return _in_out(region.down, rows=part)
 
     if plan.init == "upcycle":
         _check_width(plan, hidden, where, "the dense width for init='upcycle'")
-        w_up = torch.cat(ups, dim=1).expand(n, -1, -1).clone()
-        b_up = torch.cat(up_biases).expand(n, -1).clone() if has_up_bias else None
-        w_dn = (w_down * shared_scale).expand(n, -1, -1).clone()
-        b_dn = None if b_down is None else (b_down * shared_scale).expand(n, -1).clone()
-        router = torch.randn(n, dim, generator=generator) * plan.router_init_std
-    elif plan.init == "split":
+        b_down = FromSource(region.down.bias) if has_down_bias else None
+        return {
+            "router_weight": router,
+            "w_up": Repeated(ups(), n),
+            "w_down": Repeated(_scaled(down(), shared_scale), n),
+            "b_up": Repeated(up_biases(None, hidden), n) if has_up_bias else None,
+            "b_down": None if b_down is None else Repeated(_scaled(b_down, shared_scale), n),
+        }
+    if plan.init == "split":
         if hidden % n:
             raise PlanError(
                 "moe.num_experts",
@@ -333,28 +398,52 @@ def build_expert_weights(
             else (1.0 / n if plan.gating == "softmax" else 0.5)
         )
         scale = shared_scale / w0
-        parts = [slice(e * width, (e + 1) * width) for e in range(n)]
-        w_up = torch.stack([torch.cat([u[:, s] for u in ups], dim=1) for s in parts])
-        b_up = (
-            torch.stack([torch.cat([b[s] for b in up_biases]) for s in parts])
-            if has_up_bias
-            else None
+        parts = [(e * width, (e + 1) * width) for e in range(n)]
+        b_down = FromSource(region.down.bias) if has_down_bias else None
+        return {
+            "router_weight": Fresh("zeros", (n, dim)),
+            "w_up": Stacked(tuple(ups(p) for p in parts)),
+            "w_down": Stacked(tuple(Scaled(down(p), scale) for p in parts)),
+            "b_up": Stacked(tuple(up_biases(p, width) for p in parts)) if has_up_bias else None,
+            "b_down": None if b_down is None else Repeated(Scaled(b_down, scale / n), n),
+        }
+    width = plan.expert_width or hidden
+    up_width = 2 * width if is_gated(region.activation) else width
+    stds = {"w_up": StdOf((ups(),)), "w_down": StdOf((down(),))}
+    shapes = {"w_up": (dim, up_width), "w_down": (width, dim)}
+    fresh = {
+        name: Stacked(
+            tuple(
+                Fresh(
+                    "normal", shapes[name], stds[name], fresh_seed(plan.seed, f"{prefix}.{name}", e)
+                )
+                for e in range(n)
+            )
         )
-        w_dn = torch.stack([w_down[s] * scale for s in parts])
-        b_dn = None if b_down is None else (b_down * scale / n).expand(n, -1).clone()
-        router = torch.zeros(n, dim)
-    else:
-        width = plan.expert_width or hidden
-        up_width = 2 * width if gated else width
-        up_std, down_std = float(torch.cat(ups, 1).float().std()), float(w_down.float().std())
-        w_up = torch.randn(n, dim, up_width, generator=generator) * up_std
-        w_dn = torch.randn(n, width, dim, generator=generator) * down_std
-        b_up = torch.zeros(n, up_width) if has_up_bias else None
-        b_dn = None if b_down is None else torch.zeros(n, dim)
-        router = torch.randn(n, dim, generator=generator) * plan.router_init_std
-    like = {"dtype": w_down.dtype, "device": w_down.device}
-    cast = lambda t: None if t is None else t.to(**like).contiguous()  # noqa: E731
-    return ExpertWeights(cast(router), cast(w_up), cast(w_dn), cast(b_up), cast(b_dn))
+        for name in shapes
+    }
+    return {
+        "router_weight": router,
+        **fresh,
+        "b_up": Fresh("zeros", (n, up_width)) if has_up_bias else None,
+        "b_down": Fresh("zeros", (n, dim)) if has_down_bias else None,
+    }
+
+
+def _in_out(site: LinearSite, rows: Span | None = None, cols: Span | None = None) -> FromSource:
+    """``site``'s weight as (in, out) (``LinearSite.weight_in_out``), cut to ``[rows, cols]``."""
+    return FromSource(site.weight, rows, cols, transpose=site.weight_layout == "out_in")
+
+
+def _bias(site: LinearSite, part: Span | None, width: int) -> ParamSource:
+    """``site``'s bias cut to ``part`` (zeros of ``width`` for a linear without one)."""
+    if site.bias is None:
+        return Fresh("zeros", (width,))
+    return FromSource(site.bias, rows=part)
+
+
+def _scaled(source: ParamSource, scale: float) -> ParamSource:
+    return source if scale == 1.0 else Scaled(source, scale)
 
 
 def _check_width(plan: MoEPlan, width: int, where: str, allowed: str) -> None:
@@ -362,12 +451,16 @@ def _check_width(plan: MoEPlan, width: int, where: str, allowed: str) -> None:
         raise PlanError("moe.expert_width", plan.expert_width, f"None or {allowed} ({where})")
 
 
-def _scale_shared(gm: fx.GraphModule, region: FFNRegion, scale: float) -> None:
-    """Give the shared expert its own (scaled) down projection, leaving the user's model alone."""
+def _scale_shared(gm: fx.GraphModule, region: FFNRegion, scale: float) -> dict[str, Scaled]:
+    """Give the shared expert its own (scaled) down projection, leaving the user's model alone;
+    return the new parameters' sources."""
     if scale == 1.0:
-        return
+        return {}
+    sources = {}
     for target in filter(None, (region.down.weight, region.down.bias)):
         owner_path, _, name = target.rpartition(".")
         owner = gm.get_submodule(owner_path)
         old = getattr(owner, name)
         setattr(owner, name, torch.nn.Parameter(old.detach() * scale, old.requires_grad))
+        sources[target] = Scaled(FromSource(target), scale)
+    return sources

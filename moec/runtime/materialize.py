@@ -1,0 +1,318 @@
+"""Materialize a program's parameters and buffers on one rank from a dense checkpoint.
+
+A model built on the meta device is captured and compiled on shapes; :func:`materialize` then
+gives each parameter of ``program.graph`` its real value on ``device`` from the parameter's
+provenance (``program.source(name)``, recorded by the passes: a source tensor, an upcycled /
+split / freshly drawn expert tensor, this rank's ``ExpertSlice`` of one, a scaled shared-expert
+projection). Only what this rank holds is built, and only the parts of the source tensors it
+needs are read: an expert-parallel rank reads the rows (or columns) of its experts, an
+upcycled expert tensor reads its dense tensor once and repeats it.
+
+Sources (:func:`open_source`): a Hugging Face safetensors directory (``model.safetensors``, or
+the shards named by ``model.safetensors.index.json``), one ``.safetensors`` file (read slice
+by slice with ``safe_open(...).get_slice``), a torch state dict, or a file holding one.
+
+Buffers: a persistent buffer is read from the checkpoint. A non-persistent one (RoPE tables)
+is not in a checkpoint, so it is recomputed on the CPU by the source model's own initializer:
+the module owning it is copied, its tensors allocated (``to_empty``) and filled with NaN, then
+the model's ``_init_weights(module)`` (transformers models) or the module's
+``reset_parameters()`` runs; a float buffer still NaN afterwards, or any other buffer that
+neither the checkpoint nor the initializer produces, raises :class:`MaterializeError` naming
+it. A buffer of the graph that is already real is moved to ``device``. The bf16 working-weight
+copies (``program.working_weights``) are rewritten from the materialized parameters, and the
+``meta`` device the capture baked into the graph's calls (``arange``, ``to``) becomes
+``device``.
+
+Errors (:class:`MaterializeError`) name the parameter or buffer, the checkpoint tensor and the
+checkpoint: a tensor the checkpoint lacks, a checkpoint tensor whose shape differs from the
+model's, a built parameter whose shape differs from the program's.
+"""
+
+from __future__ import annotations
+
+import abc
+import copy
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+from safetensors import safe_open
+from torch import nn
+
+from moec.errors import MoecError
+from moec.program import ParamSource, Program, TensorBuilder, cut
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class MaterializeError(MoecError, ValueError):
+    """A parameter or buffer of the program cannot be produced from the given source."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Read:
+    """One read of a source tensor: ``name[rows, cols]`` (None: the whole dim)."""
+
+    name: str
+    rows: slice | None
+    cols: slice | None
+    shape: tuple[int, ...]
+
+
+class TensorSource(abc.ABC):
+    """Named tensors read by parts; ``reads`` logs every read made."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.reads: list[Read] = []
+
+    @abc.abstractmethod
+    def __contains__(self, name: str) -> bool:
+        """Whether the source holds a tensor ``name``."""
+
+    @abc.abstractmethod
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The full shape of tensor ``name``."""
+
+    @abc.abstractmethod
+    def _read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        """Tensor ``name`` indexed by ``index`` (one slice per leading dim)."""
+
+    def read(self, name: str, rows: slice | None, cols: slice | None) -> torch.Tensor:
+        """Tensor ``name`` cut to ``[rows, cols]`` (None: the whole dim)."""
+        if name not in self:
+            raise MaterializeError(
+                f"{self.where} has no tensor {name!r}, which the program needs: pass the "
+                "checkpoint of the model that was compiled (its state-dict names)"
+            )
+        index = (rows or slice(None),) + (() if cols is None else (cols,))
+        value = self._read(name, index)
+        self.reads.append(Read(name, rows, cols, tuple(value.shape)))
+        return value
+
+
+class StateDictSource(TensorSource):
+    def __init__(self, state: Mapping[str, torch.Tensor], where: str = "the state dict") -> None:
+        super().__init__(where)
+        self.state = state
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.state
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.state[name].shape)
+
+    def _read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        rows, cols = index[0], index[1] if len(index) > 1 else None
+        return cut(self.state[name].detach(), rows, cols)
+
+
+class SafetensorsSource(TensorSource):
+    """Safetensors files; a tensor's parts are read with ``get_slice`` (only those bytes)."""
+
+    def __init__(self, files: Mapping[str, Path], where: str) -> None:
+        super().__init__(where)
+        self.files = files
+        """Tensor name -> the file holding it."""
+        self._handles: dict[Path, Any] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def _slice(self, name: str) -> Any:
+        path = self.files[name]
+        if path not in self._handles:
+            self._handles[path] = safe_open(str(path), framework="pt", device="cpu")
+        return self._handles[path].get_slice(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def _read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        return self._slice(name)[index]
+
+
+Checkpoint = str | os.PathLike | Mapping[str, torch.Tensor] | TensorSource
+"""What ``init_from`` accepts: a checkpoint path, a state dict, or an opened source."""
+
+
+def open_source(source: Checkpoint) -> TensorSource:
+    """The :class:`TensorSource` of a checkpoint directory or file, or of a state dict."""
+    if isinstance(source, TensorSource):
+        return source
+    if isinstance(source, Mapping):
+        return StateDictSource(source)
+    path = Path(source)
+    if path.is_dir() and (path / INDEX_FILE).is_file():
+        weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+        where = f"checkpoint {path / INDEX_FILE}"
+        return SafetensorsSource({k: path / v for k, v in weight_map.items()}, where)
+    if path.is_dir() and (path / SINGLE_FILE).is_file():
+        path = path / SINGLE_FILE
+    if path.is_file() and path.suffix == ".safetensors":
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            names = list(handle.keys())
+        return SafetensorsSource(dict.fromkeys(names, path), f"checkpoint {path}")
+    if path.is_file() and path.suffix in (".pt", ".pth", ".bin"):
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        return StateDictSource(state, f"checkpoint {path}")
+    raise MaterializeError(
+        f"cannot read a checkpoint at {path}: expected a directory holding {SINGLE_FILE} or "
+        f"{INDEX_FILE} (save_pretrained's safetensors), a .safetensors file, a torch state "
+        "dict file (.pt, .pth, .bin), or a state dict"
+    )
+
+
+def materialize(
+    program: Program,
+    source: Checkpoint,
+    device: torch.device | str = "cpu",
+    model: nn.Module | None = None,
+) -> TensorSource:
+    """Replace every parameter and buffer of ``program.graph`` by its real value on ``device``
+    (see the module docstring), reading ``source``; return the opened source (its ``reads``).
+
+    ``model``: the source model the program was compiled from (typically on the meta device);
+    when given, every checkpoint tensor read is checked against the shape of the model's
+    tensor of that name, and non-persistent buffers are recomputed by its initializer."""
+    if program.pipeline is not None:
+        raise MaterializeError(
+            "materializing a pipeline-parallel program (its stages' parameters) from a "
+            "checkpoint is not supported: use plan.parallel.pp = 1 with init_from"
+        )
+    tensors = open_source(source)
+    expected = {} if model is None else _shapes(model)
+    builder = TensorBuilder(_checked_reader(tensors, expected), device)
+    gm = program.graph
+    for name, param in gm.named_parameters():
+        value = _build(builder, program.source(name), param, name)
+        _replace_parameter(gm, param, nn.Parameter(value, param.requires_grad))
+    initial = None
+    for name, buffer in gm.named_buffers():
+        if name in program.working_weights:
+            continue
+        if name in tensors:
+            value = tensors.read(name, None, None)
+        elif buffer.device.type != "meta":
+            value = buffer
+        else:
+            initial = initial if initial is not None else _initial_buffers(model)
+            if name not in initial:
+                raise MaterializeError(
+                    f"buffer {name} is neither in {tensors.where} nor recomputed by the "
+                    f"source model's initializer ({_initializer_text(model)}): build the "
+                    "model with it on a real device or save it in the checkpoint"
+                )
+            value = initial[name]
+        _set_buffer(gm, name, value.to(device=device, dtype=buffer.dtype))
+    _refresh_working_weights(gm, program.working_weights)
+    _retarget_devices(gm, torch.device(device))
+    return tensors
+
+
+def _retarget_devices(gm: fx.GraphModule, device: torch.device) -> None:
+    """Point the ``meta`` devices the capture of a meta model baked into the graph's calls
+    (``arange(..., device=meta)``, ``to(x, meta)``) at ``device``."""
+
+    def retarget(value: Any) -> Any:
+        return device if isinstance(value, torch.device) and value.type == "meta" else value
+
+    changed = False
+    for node in gm.graph.nodes:
+        args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), retarget)
+        if (args, kwargs) != (node.args, node.kwargs):
+            node.args, node.kwargs, changed = args, kwargs, True
+    if changed:
+        gm.recompile()
+
+
+def _build(
+    builder: TensorBuilder, source: ParamSource, param: torch.Tensor, name: str
+) -> torch.Tensor:
+    value = builder.tensor(source, param.dtype)
+    if value.shape != param.shape:
+        raise MaterializeError(
+            f"parameter {name}: the program has shape {tuple(param.shape)} but its source "
+            f"{source} gives {tuple(value.shape)}"
+        )
+    return value
+
+
+def _checked_reader(tensors: TensorSource, expected: Mapping[str, torch.Size]):
+    def read(name: str, rows: slice | None, cols: slice | None) -> torch.Tensor:
+        if name in expected and name in tensors and tensors.shape(name) != tuple(expected[name]):
+            raise MaterializeError(
+                f"{tensors.where}: tensor {name} has shape {tensors.shape(name)} but the "
+                f"model's {name} has shape {tuple(expected[name])}: the checkpoint is of "
+                "another model (or configuration)"
+            )
+        return tensors.read(name, rows, cols)
+
+    return read
+
+
+def _shapes(model: nn.Module) -> dict[str, torch.Size]:
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
+    return {name: t.shape for name, t in named}
+
+
+def _replace_parameter(gm: fx.GraphModule, old: nn.Parameter, new: nn.Parameter) -> None:
+    """Set ``new`` at every attribute of ``gm`` holding ``old`` (tied parameters stay tied)."""
+    for name, param in gm.named_parameters(remove_duplicate=False):
+        if param is old:
+            owner_path, _, attr = name.rpartition(".")
+            setattr(gm.get_submodule(owner_path), attr, new)
+
+
+def _set_buffer(gm: fx.GraphModule, name: str, value: torch.Tensor) -> None:
+    owner_path, _, attr = name.rpartition(".")
+    gm.get_submodule(owner_path)._buffers[attr] = value
+
+
+def _refresh_working_weights(gm: fx.GraphModule, copies: Mapping[str, list[str]]) -> None:
+    """Each working-weight buffer: the bf16 rows of its parameters, as the pass made it."""
+    for name, params in copies.items():
+        buffer = gm.get_buffer(name)
+        masters = [gm.get_parameter(p).detach() for p in params]
+        _set_buffer(gm, name, torch.cat(masters).to(device=masters[0].device, dtype=buffer.dtype))
+
+
+def _initializer_text(model: nn.Module | None) -> str:
+    if model is None:
+        return "no source model was given"
+    if callable(getattr(model, "_init_weights", None)):
+        return f"{type(model).__name__}._init_weights"
+    return "the owning module's reset_parameters"
+
+
+def _initial_buffers(model: nn.Module | None) -> dict[str, torch.Tensor]:
+    """The meta buffers of ``model`` its initializer fills, computed on the CPU by name."""
+    if model is None:
+        return {}
+    init_weights = getattr(model, "_init_weights", None)
+    values: dict[str, torch.Tensor] = {}
+    for path, module in model.named_modules():
+        metas = [n for n, b in module.named_buffers(recurse=False) if b.device.type == "meta"]
+        if not metas:
+            continue
+        clone = copy.deepcopy(module).to_empty(device="cpu", recurse=False)
+        for name in metas:
+            buffer = clone.get_buffer(name)
+            if buffer.is_floating_point():
+                buffer.fill_(math.nan)
+        if callable(init_weights):
+            init_weights(clone)
+        elif callable(getattr(clone, "reset_parameters", None)):
+            clone.reset_parameters()
+        for name in metas:
+            buffer = clone.get_buffer(name)
+            if buffer.is_floating_point() and not bool(torch.isnan(buffer).any()):
+                values[f"{path}.{name}" if path else name] = buffer
+    return values

@@ -1,0 +1,142 @@
+"""Materialization from a dense checkpoint: a model built on the meta device, compiled with
+``init_from``, equals the model compiled from the real weights (every init, EP slices included),
+reads only its rank's part, and names what is missing or mismatched."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import moec
+from moec.program import ExpertSlice, Repeated, Scaled, Stacked
+from moec.runtime import distributed as mdist
+from moec.runtime.materialize import MaterializeError, open_source
+from tests.distributed import spawn
+from tests.models import hf_model, tokens
+
+N, K = 4, 2
+FFN = ("gate_proj", "up_proj", "down_proj")
+FFN_WEIGHTS = tuple(f"{p}.weight" for p in FFN)
+
+
+def _plan(init: str, shared: bool = False, ep: int = 1, world: int = 1) -> dict:
+    moe = {"num_experts": N, "top_k": K, "init": init, "shared_expert": shared, "seed": 7}
+    return {"moe": moe, "parallel": {"dp": world, "ep": ep}}
+
+
+def _dense_and_checkpoint(path: Path, max_shard_size: str | None = None) -> torch.nn.Module:
+    torch.manual_seed(0)
+    dense = hf_model("llama")
+    with torch.no_grad():  # no weights that happen to be equal (norms start at one)
+        for p in dense.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    dense.save_pretrained(path, **kwargs)
+    return dense
+
+
+def _meta() -> torch.nn.Module:
+    with torch.device("meta"):
+        return hf_model("llama")
+
+
+def _tensors(model) -> dict[str, torch.Tensor]:
+    gm = model.graph_module
+    return {**dict(gm.named_parameters()), **dict(gm.named_buffers())}
+
+
+def _assert_same(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        assert got[name].device.type == "cpu", name
+        assert got[name].dtype == value.dtype and torch.equal(got[name], value), name
+
+
+@pytest.mark.parametrize(
+    "init,shared", [("upcycle", False), ("upcycle", True), ("split", False), ("random", False)]
+)
+def test_meta_model_from_safetensors_equals_compiling_the_real_model(tmp_path, init, shared):
+    dense = _dense_and_checkpoint(tmp_path)
+    x = tokens()
+    want = moec.compile(copy.deepcopy(dense), _plan(init, shared), (x,))
+    got = moec.compile(_meta(), _plan(init, shared), (x,), init_from=tmp_path)
+    _assert_same(_tensors(got), _tensors(want))
+    provenance = got.program.provenance
+    w_up = provenance["model.layers.0.mlp.moe.w_up"]
+    assert isinstance(w_up, {"upcycle": Repeated, "split": Stacked, "random": Stacked}[init])
+    down = provenance.get("model.layers.0.mlp.down_proj.weight")
+    assert isinstance(down, Scaled) if shared else down is None
+    torch.testing.assert_close(got(x).logits, want(x).logits, rtol=0, atol=0)
+
+
+def test_upcycled_first_loss_equals_dense_loss_from_sharded_checkpoint(tmp_path):
+    dense = _dense_and_checkpoint(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    x = tokens()
+    targets = torch.randint(0, 256, x.shape)
+    model = moec.compile(_meta(), _plan("upcycle"), (x,), init_from=tmp_path)
+
+    def loss(logits: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    torch.testing.assert_close(
+        loss(model(x).logits), loss(dense(x).logits.float()), rtol=1e-5, atol=1e-5
+    )
+
+
+def _ep_worker(rank: int, world: int, path: str) -> None:
+    x = tokens()
+    for init in ("upcycle", "split"):
+        plans = [moec.Plan.from_dict(_plan(init, ep=ep, world=world)) for ep in (1, world)]
+        meshes = [mdist.build_mesh(plan) for plan in plans]
+        sources = [open_source(path) for _ in plans]
+        ref, ep = (
+            moec.compile(_meta(), plan, (x,), mesh=mesh, init_from=source)
+            for plan, mesh, source in zip(plans, meshes, sources, strict=True)
+        )
+        local = N // world
+        experts = slice(rank * local, (rank + 1) * local)
+        full, part = _tensors(ref), _tensors(ep)
+        for name, value in part.items():
+            want = full[name][experts] if ep.program.role(name) == "expert" else full[name]
+            assert torch.equal(value, want), (init, name)
+            if ep.program.role(name) == "expert":
+                assert ep.program.provenance[name].start == experts.start
+                assert isinstance(ep.program.provenance[name], ExpertSlice)
+        ffn_reads = [
+            r for r in sources[1].reads if r.name.endswith(tuple(f"{p}.weight" for p in FFN))
+        ]
+        if init == "upcycle":  # each dense FFN tensor read once, whole
+            assert len(ffn_reads) == len({r.name for r in ffn_reads}) == 2 * len(FFN)
+            assert all(r.rows is None and r.cols is None for r in ffn_reads)
+        else:  # this rank's hidden units only: rows of gate/up, columns of down
+            width = 64 // N
+            mine = (rank * local * width, (rank + 1) * local * width)
+            for read in ffn_reads:
+                cut = read.cols if read.name.endswith("down_proj.weight") else read.rows
+                assert mine[0] <= cut.start < cut.stop <= mine[1], (read, mine)
+            rows = sum(r.shape[0] for r in ffn_reads if "down" not in r.name)
+            assert rows == 2 * 2 * local * width  # gate + up, two layers
+
+
+def test_ep2_ranks_materialize_and_read_only_their_experts(tmp_path):
+    _dense_and_checkpoint(tmp_path)
+    spawn(_ep_worker, 2, str(tmp_path))
+
+
+def test_missing_tensor_and_shape_mismatch_are_named(tmp_path):
+    dense = _dense_and_checkpoint(tmp_path)
+    state = dense.state_dict()
+    x = tokens()
+    missing = {k: v for k, v in state.items() if k != "model.layers.1.mlp.up_proj.weight"}
+    with pytest.raises(MaterializeError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        moec.compile(_meta(), _plan("upcycle"), (x,), init_from=missing)
+    wrong = {**state, "model.norm.weight": torch.ones(48)}
+    with pytest.raises(MaterializeError, match=r"model\.norm\.weight.*\(48,\).*\(32,\)"):
+        moec.compile(_meta(), _plan("upcycle"), (x,), init_from=wrong)
+    with pytest.raises(MaterializeError, match="cannot read a checkpoint"):
+        moec.compile(_meta(), _plan("upcycle"), (x,), init_from=tmp_path / "absent")
