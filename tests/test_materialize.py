@@ -23,9 +23,10 @@ FFN = ("gate_proj", "up_proj", "down_proj")
 FFN_WEIGHTS = tuple(f"{p}.weight" for p in FFN)
 
 
-def _plan(init: str, shared: bool = False, ep: int = 1, world: int = 1) -> dict:
+def _plan(init: str, shared: bool = False, ep: int = 1, world: int = 1, dtype="fp32") -> dict:
     moe = {"num_experts": N, "top_k": K, "init": init, "shared_expert": shared, "seed": 7}
-    return {"moe": moe, "parallel": {"dp": world, "ep": ep}}
+    parallel = {"dp": world, "ep": ep}
+    return {"moe": moe, "parallel": parallel, "precision": {"compute_dtype": dtype}}
 
 
 def _dense_and_checkpoint(path: Path, max_shard_size: str | None = None) -> torch.nn.Module:
@@ -57,13 +58,21 @@ def _assert_same(got: dict, want: dict) -> None:
 
 
 @pytest.mark.parametrize(
-    "init,shared", [("upcycle", False), ("upcycle", True), ("split", False), ("random", False)]
+    "init,shared,dtype",
+    [
+        ("upcycle", False, "fp32"),
+        ("upcycle", True, "bf16"),  # + the working-weight copies
+        ("split", False, "fp32"),
+        ("random", False, "fp32"),
+    ],
 )
-def test_meta_model_from_safetensors_equals_compiling_the_real_model(tmp_path, init, shared):
+def test_meta_model_from_safetensors_equals_compiling_the_real_model(tmp_path, init, shared, dtype):
     dense = _dense_and_checkpoint(tmp_path)
     x = tokens()
-    want = moec.compile(copy.deepcopy(dense), _plan(init, shared), (x,))
-    got = moec.compile(_meta(), _plan(init, shared), (x,), init_from=tmp_path)
+    plan = _plan(init, shared, dtype=dtype)
+    want = moec.compile(copy.deepcopy(dense), plan, (x,))
+    got = moec.compile(_meta(), plan, (x,), init_from=tmp_path)
+    assert bool(got.program.working_weights) == (dtype == "bf16")
     _assert_same(_tensors(got), _tensors(want))
     provenance = got.program.provenance
     w_up = provenance["model.layers.0.mlp.moe.w_up"]
@@ -88,28 +97,27 @@ def test_upcycled_first_loss_equals_dense_loss_from_sharded_checkpoint(tmp_path)
     )
 
 
-def _ep_worker(rank: int, world: int, path: str) -> None:
-    x = tokens()
-    for init in ("upcycle", "split"):
-        plans = [moec.Plan.from_dict(_plan(init, ep=ep, world=world)) for ep in (1, world)]
-        meshes = [mdist.build_mesh(plan) for plan in plans]
-        sources = [open_source(path) for _ in plans]
-        ref, ep = (
-            moec.compile(_meta(), plan, (x,), mesh=mesh, init_from=source)
-            for plan, mesh, source in zip(plans, meshes, sources, strict=True)
+def _ep_worker(rank: int, world: int, path: str, reference: str) -> None:
+    """EP = world from the checkpoint: this rank's experts are its rows of the EP = 1 program's
+    (``reference``: name -> tensor per init), read from only its part of the dense FFNs."""
+    references = torch.load(reference)
+    local = N // world
+    experts = slice(rank * local, (rank + 1) * local)
+    for init in INITS:
+        plan = moec.Plan.from_dict(_plan(init, ep=world, world=world))
+        source = open_source(path)
+        model = moec.compile(
+            _meta(), plan, (tokens(),), mesh=mdist.build_mesh(plan), init_from=source
         )
-        local = N // world
-        experts = slice(rank * local, (rank + 1) * local)
-        full, part = _tensors(ref), _tensors(ep)
-        for name, value in part.items():
-            want = full[name][experts] if ep.program.role(name) == "expert" else full[name]
-            assert torch.equal(value, want), (init, name)
-            if ep.program.role(name) == "expert":
-                assert ep.program.provenance[name].start == experts.start
-                assert isinstance(ep.program.provenance[name], ExpertSlice)
-        ffn_reads = [
-            r for r in sources[1].reads if r.name.endswith(tuple(f"{p}.weight" for p in FFN))
-        ]
+        full = references[init]
+        for name, value in _tensors(model).items():
+            is_expert = model.program.role(name) == "expert"
+            assert torch.equal(value, full[name][experts] if is_expert else full[name]), name
+            if is_expert:
+                source_of = model.program.provenance[name]
+                assert isinstance(source_of, ExpertSlice)
+                assert (source_of.start, source_of.stop) == (experts.start, experts.stop)
+        ffn_reads = [r for r in source.reads if r.name.endswith(FFN_WEIGHTS)]
         if init == "upcycle":  # each dense FFN tensor read once, whole
             assert len(ffn_reads) == len({r.name for r in ffn_reads}) == 2 * len(FFN)
             assert all(r.rows is None and r.cols is None for r in ffn_reads)
@@ -123,9 +131,23 @@ def _ep_worker(rank: int, world: int, path: str) -> None:
             assert rows == 2 * 2 * local * width  # gate + up, two layers
 
 
+INITS = ("upcycle", "split")
+
+
 def test_ep2_ranks_materialize_and_read_only_their_experts(tmp_path):
     _dense_and_checkpoint(tmp_path)
-    spawn(_ep_worker, 2, str(tmp_path))
+    x = tokens()
+    references = {
+        init: {
+            name: t.detach().clone()
+            for name, t in _tensors(
+                moec.compile(_meta(), _plan(init), (x,), init_from=tmp_path)
+            ).items()
+        }
+        for init in INITS
+    }
+    torch.save(references, tmp_path / "reference.pt")
+    spawn(_ep_worker, 2, str(tmp_path), str(tmp_path / "reference.pt"))
 
 
 def test_missing_tensor_and_shape_mismatch_are_named(tmp_path):

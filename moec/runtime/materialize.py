@@ -13,15 +13,15 @@ the shards named by ``model.safetensors.index.json``), one ``.safetensors`` file
 by slice with ``safe_open(...).get_slice``), a torch state dict, or a file holding one.
 
 Buffers: a persistent buffer is read from the checkpoint. A non-persistent one (RoPE tables)
-is not in a checkpoint, so it is recomputed on the CPU by the source model's own initializer:
-the module owning it is copied, its tensors allocated (``to_empty``) and filled with NaN, then
-the model's ``_init_weights(module)`` (transformers models) or the module's
-``reset_parameters()`` runs; a float buffer still NaN afterwards, or any other buffer that
-neither the checkpoint nor the initializer produces, raises :class:`MaterializeError` naming
-it. A buffer of the graph that is already real is moved to ``device``. The bf16 working-weight
-copies (``program.working_weights``) are rewritten from the materialized parameters, and the
-``meta`` device the capture baked into the graph's calls (``arange``, ``to``) becomes
-``device``.
+is not in a checkpoint, so it is recomputed on the CPU by the source model's own code: the
+module owning it is copied, its tensors allocated (``to_empty``) and filled with NaN, then
+the first initializer that leaves no NaN wins: the module rebuilt by its ``__init__`` from its
+``config`` (transformers' rotary embeddings), the model's ``_init_weights(module)``, the
+module's ``reset_parameters()``. A buffer neither the checkpoint nor an initializer produces
+raises :class:`MaterializeError` naming it. A buffer of the graph that is already real is
+moved to ``device``. The bf16 working-weight copies (``program.working_weights``) are
+rewritten from the materialized parameters, and the ``meta`` device the capture baked into
+the graph's calls (``arange``, ``to``) becomes ``device``.
 
 Errors (:class:`MaterializeError`) name the parameter or buffer, the checkpoint tensor and the
 checkpoint: a tensor the checkpoint lacks, a checkpoint tensor whose shape differs from the
@@ -36,7 +36,7 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -189,10 +189,10 @@ def materialize(
         )
     tensors = open_source(source)
     expected = {} if model is None else _shapes(model)
-    builder = TensorBuilder(_checked_reader(tensors, expected), device)
+    read = _checked_reader(tensors, expected)
     gm = program.graph
-    for name, param in gm.named_parameters():
-        value = _build(builder, program.source(name), param, name)
+    for name, param in gm.named_parameters():  # a builder each: nothing read is kept after
+        value = _build(TensorBuilder(read, device), program.source(name), param, name)
         _replace_parameter(gm, param, nn.Parameter(value, param.requires_grad))
     initial = None
     for name, buffer in gm.named_buffers():
@@ -287,32 +287,62 @@ def _refresh_working_weights(gm: fx.GraphModule, copies: Mapping[str, list[str]]
 def _initializer_text(model: nn.Module | None) -> str:
     if model is None:
         return "no source model was given"
-    if callable(getattr(model, "_init_weights", None)):
-        return f"{type(model).__name__}._init_weights"
-    return "the owning module's reset_parameters"
+    return "tried: its owner rebuilt from its config, _init_weights, reset_parameters"
 
 
 def _initial_buffers(model: nn.Module | None) -> dict[str, torch.Tensor]:
-    """The meta buffers of ``model`` its initializer fills, computed on the CPU by name."""
+    """The meta float buffers of ``model`` that an initializer fills, computed on the CPU, by
+    name. Per module owning some, the first of these that fills them all (no NaN left) wins:
+    the module rebuilt by its own ``__init__`` from its ``config`` when it holds no parameters
+    (transformers' rotary embeddings), the model's ``_init_weights(module)``, the module's
+    ``reset_parameters()``."""
     if model is None:
         return {}
-    init_weights = getattr(model, "_init_weights", None)
     values: dict[str, torch.Tensor] = {}
     for path, module in model.named_modules():
         metas = [n for n, b in module.named_buffers(recurse=False) if b.device.type == "meta"]
-        if not metas:
-            continue
-        clone = copy.deepcopy(module).to_empty(device="cpu", recurse=False)
-        for name in metas:
-            buffer = clone.get_buffer(name)
-            if buffer.is_floating_point():
-                buffer.fill_(math.nan)
-        if callable(init_weights):
-            init_weights(clone)
-        elif callable(getattr(clone, "reset_parameters", None)):
-            clone.reset_parameters()
-        for name in metas:
-            buffer = clone.get_buffer(name)
-            if buffer.is_floating_point() and not bool(torch.isnan(buffer).any()):
-                values[f"{path}.{name}" if path else name] = buffer
+        metas = [n for n in metas if module.get_buffer(n).is_floating_point()]
+        for initialize in _initializers(model, module):
+            filled = _filled(initialize, module, metas)
+            if filled is not None:
+                values.update({f"{path}.{n}" if path else n: filled[n] for n in metas})
+                break
     return values
+
+
+def _initializers(model: nn.Module, module: nn.Module) -> list[Callable[[nn.Module], Any]]:
+    """Ways to fill ``module``'s buffers in place of a CPU copy of it (see _initial_buffers)."""
+    found: list[Callable[[nn.Module], Any]] = []
+    has_params = any(True for _ in module.parameters())
+    if getattr(module, "config", None) is not None and not has_params:  # small modules only
+        found.append(_rebuild_from_config)
+    if callable(getattr(model, "_init_weights", None)):
+        found.append(model._init_weights)
+    if callable(getattr(module, "reset_parameters", None)):
+        found.append(lambda clone: clone.reset_parameters())
+    return found
+
+
+def _rebuild_from_config(clone: nn.Module) -> None:
+    with torch.device("cpu"):
+        fresh = type(clone)(clone.config)
+    for name, buffer in clone.named_buffers(recurse=False):
+        buffer.copy_(fresh.get_buffer(name))
+
+
+def _filled(
+    initialize: Callable[[nn.Module], Any], module: nn.Module, names: list[str]
+) -> dict[str, torch.Tensor] | None:
+    """Buffers ``names`` of a CPU copy of ``module`` (allocated, NaN) after ``initialize``
+    ran on it; None if it raised or left a NaN."""
+    if not names:
+        return None
+    clone = copy.deepcopy(module).to_empty(device="cpu", recurse=False)
+    for name in names:
+        clone.get_buffer(name).fill_(math.nan)
+    try:
+        initialize(clone)
+    except (TypeError, ValueError, AttributeError, RuntimeError):
+        return None
+    filled = {name: clone.get_buffer(name) for name in names}
+    return None if any(bool(b.isnan().any()) for b in filled.values()) else filled
