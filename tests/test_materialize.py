@@ -121,7 +121,7 @@ def _ep_worker(rank: int, world: int, path: str, reference: str) -> None:
         if init == "upcycle":  # each dense FFN tensor read once, whole
             assert len(ffn_reads) == len({r.name for r in ffn_reads}) == 2 * len(FFN)
             assert all(r.rows is None and r.cols is None for r in ffn_reads)
-        else:  # this rank's hidden units only: rows of gate/up, columns of down
+        elif init == "split":  # this rank's hidden units only: rows of gate/up, columns of down
             width = 64 // N
             mine = (rank * local * width, (rank + 1) * local * width)
             for read in ffn_reads:
@@ -131,7 +131,7 @@ def _ep_worker(rank: int, world: int, path: str, reference: str) -> None:
             assert rows == 2 * 2 * local * width  # gate + up, two layers
 
 
-INITS = ("upcycle", "split")
+INITS = ("upcycle", "split", "random")  # random: its experts drawn alone, same values
 
 
 def test_ep2_ranks_materialize_and_read_only_their_experts(tmp_path):

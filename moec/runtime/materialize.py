@@ -6,7 +6,8 @@ provenance (``program.source(name)``, recorded by the passes: a source tensor, a
 split / freshly drawn expert tensor, this rank's ``ExpertSlice`` of one, a scaled shared-expert
 projection). Only what this rank holds is built, and only the parts of the source tensors it
 needs are read: an expert-parallel rank reads the rows (or columns) of its experts, an
-upcycled expert tensor reads its dense tensor once and repeats it.
+upcycled expert tensor reads its dense tensor once and repeats it, ``random`` experts draw
+only this rank's experts (reading the dense FFN matrices whole, for their std).
 
 Sources (:func:`open_source`): a Hugging Face safetensors directory (``model.safetensors``, or
 the shards named by ``model.safetensors.index.json``), one ``.safetensors`` file (read slice
