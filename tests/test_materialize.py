@@ -16,7 +16,7 @@ from moec.program import ExpertSlice, Repeated, Scaled, Stacked
 from moec.runtime import distributed as mdist
 from moec.runtime.materialize import MaterializeError, open_source
 from tests.distributed import spawn
-from tests.models import hf_model, tokens
+from tests.models import hf_model, tiny_llama, tokens
 
 N, K = 4, 2
 FFN = ("gate_proj", "up_proj", "down_proj")
@@ -162,3 +162,17 @@ def test_missing_tensor_and_shape_mismatch_are_named(tmp_path):
         moec.compile(_meta(), _plan("upcycle"), (x,), init_from=wrong)
     with pytest.raises(MaterializeError, match="cannot read a checkpoint"):
         moec.compile(_meta(), _plan("upcycle"), (x,), init_from=tmp_path / "absent")
+
+
+def test_buffer_neither_in_checkpoint_nor_recomputable_is_named():
+    """moec's Llama computes its RoPE tables in the model's own __init__ (no config to rebuild
+    a small module from, no initializer): on meta they can come only from the checkpoint."""
+    state = tiny_llama(layers=1).state_dict()
+    with torch.device("meta"):
+        meta = tiny_llama(layers=1)
+    with pytest.raises(MaterializeError, match=r"buffer rope_cos is neither in the state dict"):
+        moec.compile(meta, _plan("upcycle"), (tokens(seq=8),), init_from=state)
+    real = tiny_llama(layers=1)
+    persistent = {**state, "rope_cos": real.rope_cos, "rope_sin": real.rope_sin}
+    model = moec.compile(meta, _plan("upcycle"), (tokens(seq=8),), init_from=persistent)
+    assert torch.equal(model.graph_module.get_buffer("rope_cos"), real.rope_cos)
