@@ -331,7 +331,7 @@ def build_expert_weights(
     """The initial router and expert tensors for ``region`` under ``plan.init`` (parameters
     ``<prefix>.<name>``), built from their sources (:func:`expert_sources`) over the dense
     FFN's parameters in ``gm``, and those sources by parameter name."""
-    sources = expert_sources(gm, region, plan, prefix)
+    sources = expert_sources(region, plan, prefix)
     w_down = gm.get_parameter(region.down.weight)
     builder = TensorBuilder(_reader(gm), w_down.device)
     weights = ExpertWeights(
@@ -349,9 +349,7 @@ def _reader(gm: fx.GraphModule) -> SourceReader:
     return lambda name, rows, cols: cut(gm.get_parameter(name).detach(), rows, cols)
 
 
-def expert_sources(
-    gm: fx.GraphModule, region: FFNRegion, plan: MoEPlan, prefix: str
-) -> dict[str, ParamSource | None]:
+def expert_sources(region: FFNRegion, plan: MoEPlan, prefix: str) -> dict[str, ParamSource | None]:
     """Where each of ``EXPERT_TENSORS`` comes from under ``plan.init`` (None: no such tensor),
     over the dense FFN's parameter names; every expert of a ``Fresh`` draw is seeded from
     (``plan.seed``, parameter name, expert index) only."""
