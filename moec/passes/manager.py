@@ -23,7 +23,7 @@ from typing import Any
 
 from moec.fx import parameter_count
 from moec.passes.base import REGISTRY, PassContext, PassPipelineError
-from moec.passes.verify import VerificationError, verify_graph
+from moec.passes.verify import VerificationError, verify_graph, verify_program
 from moec.plan import Plan
 from moec.program import Program
 
@@ -218,6 +218,7 @@ class PassManager:
                     - result.stats.get("params_removed", 0)
                 )
                 verify_graph(gm, p.name, program.signature, expected_params=expected)
+                verify_program(program, p.name)
             ctx.results[p.name] = result
             self._dump(p.name, program, result.stats)
         return program

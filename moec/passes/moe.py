@@ -155,8 +155,9 @@ class MoEPass(Pass):
             program.provenance.update(sources)
             nodes = self._rewrite(editor, region, weights, plan, prefix, compute_dtype)
             added += sum(t.numel() for t in dataclasses.astuple(weights) if t is not None)
-            for name in EXPERT_TENSORS:
-                roles[f"{prefix}.{name}"] = "router" if name == "router_weight" else "expert"
+            for name, tensor in zip(EXPERT_TENSORS, dataclasses.astuple(weights), strict=True):
+                if tensor is not None:  # no bias parameters for a bias-free FFN
+                    roles[f"{prefix}.{name}"] = "router" if name == "router_weight" else "expert"
             if plan.shared_expert:
                 scale = 0.5 if plan.init in ("upcycle", "split") else 1.0
                 program.provenance.update(_scale_shared(gm, region, scale))

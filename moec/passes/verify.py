@@ -12,7 +12,7 @@ import torch.utils._pytree as pytree
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from moec.fx import fake_mode, parameter_count
-from moec.program import GraphSignature
+from moec.program import GraphSignature, Program
 
 
 class VerificationError(RuntimeError):
@@ -59,6 +59,23 @@ def verify_graph(
             f"user + {len(signature.aux_outputs)} aux"
         )
     _check_fake_propagation(gm, fail)
+
+
+def verify_program(program: Program, stage: str) -> None:
+    """The program's own invariants (:mod:`moec.program`): what it records about parameters
+    and buffers names parameters and buffers its graph has."""
+    gm = program.graph
+    params = {name for name, _ in gm.named_parameters()}
+    buffers = {name for name, _ in gm.named_buffers()}
+    for what, names in (("param_roles", program.param_roles), ("provenance", program.provenance)):
+        if unknown := sorted(set(names) - params):
+            raise VerificationError(f"after {stage}: {what} names no parameter: {unknown[:5]}")
+    for buffer, masters in program.working_weights.items():
+        if buffer not in buffers or not set(masters) <= params:
+            raise VerificationError(
+                f"after {stage}: working copy {buffer!r} of {masters} is not a buffer of the "
+                "graph holding its parameters' rows"
+            )
 
 
 def _is_attr(gm: fx.GraphModule, target: str) -> bool:
