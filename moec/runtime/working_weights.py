@@ -33,7 +33,7 @@ def gradient_dtype(microbatches: int) -> torch.dtype:
 class WorkingWeights:
     def __init__(self, module: nn.Module, copies: dict[str, list[str]], grad_dtype: torch.dtype):
         """``copies``: buffer name -> the parameter names whose rows it holds, in order (the
-        pass's ``gm.meta["moec_working_weights"]``), both relative to ``module``."""
+        program's ``working_weights``), both relative to ``module``."""
         self.module = module
         self._slots: dict[nn.Parameter, tuple[str, int, int]] = {}  # buffer, first, last row
         self._versions: dict[nn.Parameter, int] = {}  # parameter version the copy was made at
