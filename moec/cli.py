@@ -238,6 +238,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="a checkpoint that cannot be written: stop the run, or report it and continue",
     )
     train.add_argument("--synthetic", action="store_true", help="random tokens instead of text")
+    train.add_argument(
+        "--init-from",
+        metavar="PATH",
+        help="a dense checkpoint of MODEL (save_pretrained folder, .safetensors or state dict "
+        "file) to upcycle from; the model is built on the meta device and each rank reads "
+        "only its part",
+    )
+    train.add_argument(
+        "--max-nonfinite-steps",
+        type=int,
+        default=5,
+        help="consecutive steps with a non-finite loss or gradient norm that stop the run",
+    )
     _add_run_arguments(train)
     train.set_defaults(func=cmd_train)
     return parser

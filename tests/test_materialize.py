@@ -177,3 +177,34 @@ def test_buffer_neither_in_checkpoint_nor_recomputable_is_named():
     persistent = {**state, "rope_cos": real.rope_cos, "rope_sin": real.rope_sin}
     model = moec.compile(meta, _plan("upcycle"), (tokens(seq=8),), init_from=persistent)
     assert torch.equal(model.graph_module.get_buffer("rope_cos"), real.rope_cos)
+
+
+def test_moec_train_init_from_a_dense_checkpoint_starts_at_the_dense_loss(tmp_path):
+    """``moec train --init-from``: the model is built on the meta device and the program read
+    from the checkpoint; the first (upcycled, dropless) loss is the dense model's."""
+    import json
+
+    import yaml
+
+    from moec.cli import main
+    from moec.data import TextBatches
+    from moec.models.zoo import load_model
+    from moec.train import language_model_loss
+
+    torch.manual_seed(0)
+    dense = load_model("hf-llama")[0]
+    dense.save_pretrained(tmp_path / "dense")
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(
+        yaml.safe_dump({"moe": {"num_experts": N, "top_k": K, "capacity_factor": None}})
+    )
+    out = tmp_path / "run"
+    argv = ["train", "--model", "hf-llama", "--plan", str(plan), "--init-from"]
+    argv += [str(tmp_path / "dense"), "--synthetic", "--steps", "2", "--batch-size", "4"]
+    argv += ["--seq-len", "16", "--log-every", "1", "--device", "cpu", "--out", str(out)]
+    assert main(argv) == 0
+    inputs, targets = TextBatches(4, 16, 0, True, dense.config.vocab_size).batch(0)
+    with torch.no_grad():
+        want = language_model_loss(dense(inputs), targets).item()
+    first = json.loads((out / "summary.json").read_text())["first_loss"]
+    assert abs(first - want) < 1e-5, (first, want)

@@ -140,6 +140,28 @@ class SafetensorsSource(TensorSource):
         return self._slice(name)[index]
 
 
+class SubmoduleSource(TensorSource):
+    """``inner``'s tensors named as a module that holds the checkpoint's model at ``prefix``
+    sees them (a loss wrapper holding the model as ``model``: prefix ``"model."``)."""
+
+    def __init__(self, inner: TensorSource, prefix: str) -> None:
+        super().__init__(f"{inner.where} (as {prefix}*)")
+        self.inner, self.prefix = inner, prefix
+
+    def _inner_name(self, name: str) -> str | None:
+        return name[len(self.prefix) :] if name.startswith(self.prefix) else None
+
+    def __contains__(self, name: str) -> bool:
+        inner = self._inner_name(name)
+        return inner is not None and inner in self.inner
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.inner.shape(self._inner_name(name))
+
+    def _read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        return self.inner._read(self._inner_name(name), index)
+
+
 Checkpoint = str | os.PathLike | Mapping[str, torch.Tensor] | TensorSource
 """What ``init_from`` accepts: a checkpoint path, a state dict, or an opened source."""
 

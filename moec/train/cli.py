@@ -3,6 +3,8 @@ commands with their printed summary."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from moec.plan import Plan
@@ -89,9 +91,14 @@ def cli_train(args) -> int:
         synthetic=args.synthetic,
         resume=args.resume,
         force=args.force,
+        init_from=args.init_from,
+        max_nonfinite_steps=args.max_nonfinite_steps,
     )
     torch.manual_seed(cfg.seed)  # the model's initialisation is part of the run
-    return _train_and_report(load_model(args.model)[0], plan, cfg)
+    # from a checkpoint, the model is built on shapes: each rank reads only its part
+    with torch.device("meta") if cfg.init_from else contextlib.nullcontext():
+        model = load_model(args.model)[0]
+    return _train_and_report(model, plan, cfg)
 
 
 def _train_and_report(model: torch.nn.Module, plan: Plan, cfg: TrainConfig) -> int:

@@ -52,6 +52,11 @@ class TrainConfig:
     """Resume a run whose identity differs, or start a new run over another run's checkpoints
     (which it removes)."""
     plots: bool = True
+    init_from: str | None = None
+    """A dense checkpoint of the model (a ``save_pretrained`` safetensors directory, a
+    ``.safetensors`` file or a torch state dict file) to initialize the program from: the model
+    is then given on the meta device and each rank reads only its part
+    (:mod:`moec.runtime.materialize`)."""
 
     def __post_init__(self) -> None:
         at_least = {
@@ -80,7 +85,7 @@ class TrainConfig:
 
 _CLI_FIELDS = frozenset(
     "steps batch_size seq_len log_every checkpoint_every keep_checkpoints on_checkpoint_error "
-    "device seed".split()
+    "device seed init_from max_nonfinite_steps".split()
 )
 """TrainConfig fields that ``moec train`` sets from a flag of the same name."""
 

@@ -59,6 +59,7 @@ from moec.runtime.distributed import (
     init_from_env,
 )
 from moec.runtime.distributed import parameter_groups as dist_parameter_groups
+from moec.runtime.materialize import SubmoduleSource, open_source
 from moec.runtime.metrics import bf16_peak_tflops, useful_mfu
 from moec.train.config import TrainConfig, TrainConfigError, flag_of, resolve_device, wsd_schedule
 from moec.train.loop import TrainingLoop, TrainResult, mean_of
@@ -99,9 +100,18 @@ class Trainer:
                 f"{flag_of('batch_size')} = {cfg.batch_size}: must be divisible by "
                 f"parallel.microbatches = {micro}"
             )
-        model = model.to(self.device)
-        example = tuple(t[: cfg.batch_size // micro].to(self.device) for t in self.data.batch(0))
-        self.compiled = compile(LanguageModelWithLoss(model), plan, example, mesh=self.mesh)
+        # a model given on the meta device (init_from) is captured on meta inputs too
+        capture_device = "meta" if cfg.init_from else self.device
+        example = tuple(t[: cfg.batch_size // micro].to(capture_device) for t in self.data.batch(0))
+        self.compiled = compile(
+            LanguageModelWithLoss(model if cfg.init_from else model.to(self.device)),
+            plan,
+            example,
+            mesh=self.mesh,
+            # the wrapper holds the checkpoint's model at "model."
+            init_from=cfg.init_from and SubmoduleSource(open_source(cfg.init_from), "model."),
+            init_device=self.device,
+        )
         self.reducer = GradientReducer(self.compiled, self.mesh) if self.mesh else None
         self.optimizer = AdamW(
             parameter_groups(self.compiled, cfg.weight_decay),
