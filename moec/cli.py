@@ -48,7 +48,32 @@ def cmd_plan_show(args: argparse.Namespace) -> int:
     console = _console()
     console.print(plan.to_yaml(), end="", markup=False)
     console.print(f"passes: {pipeline_string(plan)}", markup=False)
+    if args.model is not None:
+        console.print(_memory_table(plan, args), markup=False)
     return 0
+
+
+def _memory_table(plan: Plan, args: argparse.Namespace) -> str:
+    """Per-rank memory of ``plan`` on ``args.model`` (compiled on the meta device, as the
+    trainer compiles it with its loss) at the batch per microbatch and sequence asked for."""
+    import torch
+
+    import moec
+    from moec.analysis.rank_memory import format_rank_memory, rank_memory
+    from moec.debug import with_next_token_loss
+
+    with torch.device("meta"):
+        model, inputs, kwargs = load_model(args.model)
+    model, inputs = with_next_token_loss(model, inputs, kwargs, args.model)
+    compiled = moec.compile(model, plan, inputs, mesh=_debug_mesh(plan, 0), verify=False)
+    micro = plan.parallel.microbatches
+    memory = rank_memory(compiled.program, micro, args.batch // micro, args.seq)
+    device = None if args.gpu_memory is None else round(args.gpu_memory * 1024**3)
+    title = (
+        f"per-rank memory of {args.model} (EP rank 0, pipeline rank 0; "
+        f"{args.batch // micro} x {args.seq} tokens per microbatch):"
+    )
+    return title + "\n" + format_rank_memory(memory, device)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -172,6 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan_sub = plan.add_subparsers(dest="plan_command", required=True)
     show = plan_sub.add_parser("show", help="print the resolved plan and its pipeline string")
     show.add_argument("file", help="plan YAML file")
+    show.add_argument("--model", help=f"also print the per-rank memory on {model_help}")
+    show.add_argument("--batch", type=int, default=8, help="sequences per step (with --model)")
+    show.add_argument("--seq", type=int, default=128, help="sequence length (with --model)")
+    show.add_argument("--gpu-memory", type=float, help="GiB per GPU to check the plan against")
     show.set_defaults(func=cmd_plan_show)
 
     inspect = sub.add_parser("inspect", help="list blocks and FFN regions with their costs")
@@ -244,6 +273,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="a dense checkpoint of MODEL (save_pretrained folder, .safetensors or state dict "
         "file) to upcycle from; the model is built on the meta device and each rank reads "
         "only its part",
+    )
+    train.add_argument(
+        "--memory-limit-gib",
+        type=float,
+        help="refuse a plan predicted to need more per rank (default: the GPU's memory)",
     )
     train.add_argument(
         "--max-nonfinite-steps",

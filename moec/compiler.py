@@ -16,7 +16,7 @@ is captured in the mode it is in.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -45,6 +45,7 @@ def compile(
     print_after: Iterable[str] | None = None,
     init_from: Checkpoint | None = None,
     init_device: torch.device | str = "cpu",
+    check: Callable[[Program], None] | None = None,
 ) -> CompiledModel:
     """Compile a dense model into the MoE training program ``plan`` describes.
 
@@ -59,7 +60,8 @@ def compile(
     the model may then be built on the meta device: after the passes each parameter of the
     program (this rank's part only) is built on ``init_device`` from the checkpoint through
     its provenance (:func:`moec.runtime.materialize.materialize`), e.g.
-    ``moec.compile(meta_model, plan, example, init_from="llama-1b/")``.
+    ``moec.compile(meta_model, plan, example, init_from="llama-1b/")``. ``check(program)``
+    runs on the final program before it is materialized (see :func:`build_program`).
     """
     plan = Plan.from_dict(plan) if isinstance(plan, dict) else plan or Plan()
     names = select(plan, passes, disable)
@@ -78,6 +80,7 @@ def compile(
             print_after=print_after,
             init_from=init_from,
             init_device=init_device,
+            check=check,
         )
 
     compiled = CompiledModel(plan, build=build, mesh=mesh, training=model.training)
@@ -101,11 +104,13 @@ def build_program(
     print_after: Iterable[str] | None = None,
     init_from: Checkpoint | None = None,
     init_device: torch.device | str = "cpu",
+    check: Callable[[Program], None] | None = None,
 ) -> Program:
     """Capture ``model(*args, **kwargs)`` and run the passes ``names`` (default: the plan's
     pipeline) over it; ``training`` is the mode the program will first run in. With
     ``init_from`` (a checkpoint, see :func:`compile`) the program's parameters and buffers are
-    then materialized on ``init_device`` from it."""
+    then materialized on ``init_device`` from it. ``check(program)`` runs after the passes and
+    before materialization (e.g. a memory check that refuses a plan before it allocates)."""
     mode = training if has_batch_norm(model) else True
     with in_mode(model, mode):
         program = capture(model, args, kwargs)
@@ -114,6 +119,8 @@ def build_program(
     PassManager(names, verify=verify, dump=dump, print_after=print_after).run(program, ctx)
     program.pass_results = ctx.results
     program.pass_pipeline = pipeline_string(plan, names)
+    if check is not None:
+        check(program)
     if init_from is not None:
         materialize(program, init_from, init_device, model)
     return program

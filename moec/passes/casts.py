@@ -82,9 +82,14 @@ def _bf16(edit: GraphEditor, node: fx.Node) -> fx.Node:
 
 
 def _device_type(gm: fx.GraphModule) -> str:
+    """The device type whose autocast rules the program runs under: its inputs' device; a graph
+    captured on the meta device runs where it is materialized, on CUDA when this machine has
+    it (autocast's op lists differ per device), else on the CPU."""
     for node in gm.graph.find_nodes(op="placeholder"):
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):
+            if val.device.type == "meta":
+                return "cuda" if torch.cuda.is_available() else "cpu"
             return val.device.type
     return "cpu"
 

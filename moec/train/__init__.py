@@ -11,12 +11,13 @@ from moec.train.cli import DEMO_PLAN, cli_demo, cli_train, demo_model, train
 from moec.train.config import TrainConfig, TrainConfigError, resolve_device, wsd_schedule
 from moec.train.loop import NonFiniteError, TrainResult
 from moec.train.objective import LanguageModelWithLoss, language_model_loss, parameter_groups
-from moec.train.trainer import CheckpointLoadError, Trainer
+from moec.train.trainer import CheckpointLoadError, MemoryPlanError, Trainer
 
 __all__ = [
     "DEMO_PLAN",
     "CheckpointLoadError",
     "LanguageModelWithLoss",
+    "MemoryPlanError",
     "NonFiniteError",
     "TrainConfig",
     "TrainConfigError",

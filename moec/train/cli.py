@@ -93,6 +93,7 @@ def cli_train(args) -> int:
         force=args.force,
         init_from=args.init_from,
         max_nonfinite_steps=args.max_nonfinite_steps,
+        memory_limit_gib=args.memory_limit_gib,
     )
     torch.manual_seed(cfg.seed)  # the model's initialisation is part of the run
     # from a checkpoint, the model is built on shapes: each rank reads only its part

@@ -52,6 +52,10 @@ class TrainConfig:
     """Resume a run whose identity differs, or start a new run over another run's checkpoints
     (which it removes)."""
     plots: bool = True
+    memory_limit_gib: float | None = None
+    """Refuse a plan whose predicted per-rank memory (:mod:`moec.analysis.rank_memory`) exceeds
+    this, before any parameter is allocated from a checkpoint; None: the GPU's memory on CUDA,
+    no check on the CPU."""
     init_from: str | None = None
     """A dense checkpoint of the model (a ``save_pretrained`` safetensors directory, a
     ``.safetensors`` file or a torch state dict file) to initialize the program from: the model
@@ -85,7 +89,7 @@ class TrainConfig:
 
 _CLI_FIELDS = frozenset(
     "steps batch_size seq_len log_every checkpoint_every keep_checkpoints on_checkpoint_error "
-    "device seed init_from max_nonfinite_steps".split()
+    "device seed init_from max_nonfinite_steps memory_limit_gib".split()
 )
 """TrainConfig fields that ``moec train`` sets from a flag of the same name."""
 

@@ -39,11 +39,13 @@ import torch
 import torch.distributed as dist
 
 from moec.analysis.cost import graph_cost
+from moec.analysis.rank_memory import GIB, format_rank_memory, rank_memory
 from moec.compiler import compile
 from moec.data import TextBatches
 from moec.errors import MoecError
 from moec.optim import AdamW
 from moec.plan import Plan, PlanError
+from moec.program import Program
 from moec.runtime import checkpoint, run_identity
 from moec.runtime.checkpoint_store import (
     CheckpointSpaceError,
@@ -64,6 +66,10 @@ from moec.runtime.metrics import bf16_peak_tflops, useful_mfu
 from moec.train.config import TrainConfig, TrainConfigError, flag_of, resolve_device, wsd_schedule
 from moec.train.loop import TrainingLoop, TrainResult, mean_of
 from moec.train.objective import LanguageModelWithLoss, parameter_groups
+
+
+class MemoryPlanError(MoecError):
+    """The plan's predicted per-rank memory exceeds what the rank has."""
 
 
 class CheckpointLoadError(MoecError):
@@ -111,6 +117,7 @@ class Trainer:
             # the wrapper holds the checkpoint's model at "model."
             init_from=cfg.init_from and SubmoduleSource(open_source(cfg.init_from), "model."),
             init_device=self.device,
+            check=self._check_memory,
         )
         self.reducer = GradientReducer(self.compiled, self.mesh) if self.mesh else None
         self.optimizer = AdamW(
@@ -138,6 +145,28 @@ class Trainer:
         self.nonfinite_streak = torch.zeros((), dtype=torch.int64, device=self.device)
         self.longest_streak = torch.zeros((), dtype=torch.int64, device=self.device)
         self.checkpoint_errors: list[str] = []
+
+    def _check_memory(self, program: Program) -> None:
+        """Refuse the plan when its predicted per-rank memory exceeds the limit (see
+        ``TrainConfig.memory_limit_gib``)."""
+        limit = self.cfg.memory_limit_gib
+        if limit is None and self.device.type != "cuda":
+            return
+        limit_bytes = (
+            torch.cuda.get_device_properties(self.device).total_memory
+            if limit is None
+            else round(limit * GIB)
+        )
+        micro = self.plan.parallel.microbatches
+        memory = rank_memory(program, micro, self.cfg.batch_size // micro, self.cfg.seq_len)
+        if memory.total > limit_bytes:
+            raise MemoryPlanError(
+                f"the plan needs {memory.total / GIB:.3g} GiB per rank, more than the "
+                f"{limit_bytes / GIB:.3g} GiB available; add expert- or pipeline-parallel ranks "
+                "(parallel.ep, parallel.pp), recompute (recompute.policy), or a smaller "
+                f"--batch-size / --seq-len. Predicted per rank:\n"
+                + format_rank_memory(memory, limit_bytes)
+            )
 
     # --- one optimizer step (no host reads) ----------------------------------------------------
 
