@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
 
 import torch
@@ -212,7 +213,7 @@ def main() -> None:
         seq_len=s["seq"],
         device=str(device),
         synthetic=True,
-        out="/tmp/moec_e2e",
+        out=tempfile.mkdtemp(prefix="moec_e2e_"),  # a fresh run directory per run
         plots=False,
     )
     trainer = Trainer(dense_model(s), moe_plan(s), cfg)

@@ -12,6 +12,7 @@ cudaMemcpy device-to-host calls in the trace (the report's B.6 check).
 from __future__ import annotations
 
 import argparse
+import tempfile
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -59,7 +60,7 @@ def main() -> None:
         seq_len=s["seq"],
         device="cuda",
         synthetic=True,
-        out="/tmp/moec_profile",
+        out=tempfile.mkdtemp(prefix="moec_profile_"),  # a fresh run directory per run
         plots=False,
     )
     torch.manual_seed(0)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -42,7 +43,7 @@ def trainer_step(s: dict, plan, device: torch.device) -> tuple[Callable, float, 
     """(step, useful FLOPs per step on this rank, tokens per step on this rank): the Trainer."""
     cfg = TrainConfig(
         steps=1000, batch_size=s["micro"], seq_len=s["seq"], device=str(device), synthetic=True,
-        out="/tmp/moec_scaling", plots=False,
+        out=tempfile.mkdtemp(prefix="moec_scaling_"), plots=False,
     )  # fmt: skip
     trainer = Trainer(dense_model(s), plan, cfg)
     tokens = s["micro"] * s["seq"]
