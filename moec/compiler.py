@@ -78,12 +78,19 @@ def compile(
             dump=dump,
             verify=verify,
             print_after=print_after,
-            init_from=init_from,
-            init_device=init_device,
             check=check,
         )
 
-    compiled = CompiledModel(plan, build=build, mesh=mesh, training=model.training)
+    def initialize(program: Program) -> None:
+        materialize(program, init_from, init_device, model)
+
+    compiled = CompiledModel(
+        plan,
+        build=build,
+        mesh=mesh,
+        training=model.training,
+        initialize=None if init_from is None else initialize,
+    )
     if example_inputs is not None:
         args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
         compiled.capture(args, example_kwargs or {})
@@ -102,15 +109,12 @@ def build_program(
     dump: DumpHook | None = None,
     verify: bool = True,
     print_after: Iterable[str] | None = None,
-    init_from: Checkpoint | None = None,
-    init_device: torch.device | str = "cpu",
     check: Callable[[Program], None] | None = None,
 ) -> Program:
     """Capture ``model(*args, **kwargs)`` and run the passes ``names`` (default: the plan's
-    pipeline) over it; ``training`` is the mode the program will first run in. With
-    ``init_from`` (a checkpoint, see :func:`compile`) the program's parameters and buffers are
-    then materialized on ``init_device`` from it. ``check(program)`` runs after the passes and
-    before materialization (e.g. a memory check that refuses a plan before it allocates)."""
+    pipeline) over it; ``training`` is the mode the program will first run in.
+    ``check(program)`` runs after the passes (e.g. a memory check that refuses a plan before
+    anything is allocated: :func:`compile` materializes an ``init_from`` program after it)."""
     mode = training if has_batch_norm(model) else True
     with in_mode(model, mode):
         program = capture(model, args, kwargs)
@@ -121,8 +125,6 @@ def build_program(
     program.pass_pipeline = pipeline_string(plan, names)
     if check is not None:
         check(program)
-    if init_from is not None:
-        materialize(program, init_from, init_device, model)
     return program
 
 

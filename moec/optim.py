@@ -202,13 +202,20 @@ class AdamW(torch.optim.AdamW):
             hyper = (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
             update = AdamWStep(*hyper, step=step)
             copy = self.working_weights.copy_of(param) if self.working_weights else None
-            kernel = kernel_applies(param, param.grad)
-            moments = state["exp_avg"], state["exp_avg_sq"]
+            # an FSDP shard (DTensor) steps its local part, in place
+            local, grad = _local(param), _local(param.grad)
+            kernel = kernel_applies(local, grad)
+            moments = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
             step_ = adamw_step_ if kernel else adamw_reference_
-            step_(param, param.grad, *moments, copy, grad_scale, update, found_inf)
+            step_(local, grad, *moments, copy, grad_scale, update, found_inf)
             if kernel:  # written through a raw pointer: tell autograd, as in-place ops do
                 torch.autograd.graph.increment_version(param)
             if copy is not None:
                 self.working_weights.mark_fresh(param)
         if counters and found_inf is not None:
             torch._foreach_add_(counters, found_inf, alpha=-1)
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """The local part of a ``DTensor`` (it shares its storage), or ``tensor``."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor

@@ -139,6 +139,12 @@ class ParallelPlan:
 
     dp: int = 1
     """Data-parallel degree of the dense parameters (world size = dp * pp)."""
+    dp_shard: int = 1
+    """FSDP2 degree inside ``dp``: 1 replicates the dense parameters on every data-parallel rank
+    and all-reduces their gradients (DDP); ``dp`` shards them over all of them (FSDP: each rank
+    holds 1/dp of every dense parameter, gradient and optimizer moment; gradients are
+    reduce-scattered); a divisor in between is HSDP (``dp / dp_shard`` replicas, each sharded
+    over ``dp_shard`` consecutive ranks). Expert parameters are expert-parallel slices."""
     ep: int = 1
     """Expert-parallel degree: each EP rank holds num_experts / ep experts; ep divides dp."""
     ep_path: EPPath = "auto"
@@ -154,7 +160,7 @@ class ParallelPlan:
     """Microbatches per optimizer step (gradient accumulation, or the pipeline's microbatches)."""
 
     def validate(self) -> None:
-        for name in ("dp", "ep", "pp", "virtual_stages", "microbatches"):
+        for name in ("dp", "dp_shard", "ep", "pp", "virtual_stages", "microbatches"):
             value = getattr(self, name)
             _require(value >= 1, f"parallel.{name}", value, "an integer >= 1")
         _require(
@@ -162,6 +168,13 @@ class ParallelPlan:
             "parallel.ep",
             self.ep,
             f"a divisor of parallel.dp={self.dp} (EP groups are carved out of data parallel)",
+        )
+        _require(
+            self.dp % self.dp_shard == 0,
+            "parallel.dp_shard",
+            self.dp_shard,
+            f"a divisor of parallel.dp={self.dp} (1: DDP, dp: FSDP, in between: HSDP with "
+            "dp / dp_shard replicas)",
         )
         if self.pp_schedule in ("zbv", "dualpipev"):
             _require(

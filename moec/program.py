@@ -113,6 +113,27 @@ class ExpertParallelLayout:
     path: str
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardedDataParallel:
+    """What the ``fsdp`` pass decided: the dense parameters are FSDP2-sharded.
+
+    ``shard`` consecutive data-parallel ranks each hold 1/shard of every parameter in
+    ``params`` (dim 0); ``replicate`` such groups hold the same shards (HSDP when > 1).
+    Parameters not listed (expert slices) stay whole on their rank."""
+
+    replicate: int
+    shard: int
+    params: tuple[str, ...]
+    """Names of the sharded parameters (every parameter but the experts)."""
+    gather_dtype: str | None
+    """dtype the shards are all-gathered in ("bfloat16" in bf16 programs: the graph reads
+    them in bf16), None: their own dtype."""
+
+    def restricted_to(self, names: set[str]) -> ShardedDataParallel:
+        """The layout of the parameters ``names`` (a pipeline stage's)."""
+        return dataclasses.replace(self, params=tuple(n for n in self.params if n in names))
+
+
 @dataclasses.dataclass
 class StageInfo:
     index: int
@@ -338,6 +359,8 @@ class Program:
     expert_parallel: ExpertParallelLayout | None = None
     provenance: dict[str, ParamSource] = dataclasses.field(default_factory=dict)
     """Parameter name -> where its initial value comes from (default: ``FromSource(name)``)."""
+    data_parallel: ShardedDataParallel | None = None
+    """Set by the ``fsdp`` pass when the plan shards the dense parameters (parallel.dp_shard)."""
     pipeline: Pipeline | None = None
     stage_index: int | None = None
     """Set on a pipeline stage's own program: its index in ``Pipeline.stages``."""
@@ -369,6 +392,11 @@ class Program:
                 b: names for b, names in self.working_weights.items() if hasattr(graph, b)
             },
             expert_parallel=self.expert_parallel,
+            data_parallel=self.data_parallel
+            and dataclasses.replace(
+                self.data_parallel,
+                params=tuple(n for n in self.data_parallel.params if n in params),
+            ),
             provenance={k: v for k, v in self.provenance.items() if k in params},
             stage_index=index,
             captured_training=self.captured_training,

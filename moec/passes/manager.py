@@ -36,6 +36,7 @@ PASS_MODULES = (
     "moec.passes.rope",
     "moec.passes.glu",
     "moec.passes.working_weights",
+    "moec.passes.fsdp",
     "moec.passes.recompute",
     "moec.passes.pipeline",
 )

@@ -335,6 +335,7 @@ class RecomputePass(Pass):
         "fuse_rope",
         "fuse_glu",
         "working_weights",
+        "fsdp",
     )
 
     @staticmethod

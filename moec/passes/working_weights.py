@@ -15,6 +15,8 @@ Keeps    forward values bit for bit (the buffer holds the same round-to-nearest 
          its rows; they stay in bf16, the dtype they were computed in, unless the runtime asks
          the engine to accumulate them in float32); parameters unchanged (buffers are not
          parameters); a parameter read any other way is left alone.
+Under FSDP (``parallel.dp_shard > 1``) only expert parameters get copies: the others are
+sharded, and a whole bf16 copy of each would undo that (pass ``fsdp`` handles their casts).
 Runs only when ``precision.compute_dtype`` is bf16; before ``pipeline``, which hands each stage
 the copies its nodes read (as non-persistent buffers, in the stage's program).
 
@@ -86,6 +88,12 @@ class WorkingWeightsPass(Pass):
             for node in gm.graph.nodes
             if node not in joined and _cast_param(gm, node) is not None
         ]
+        if ctx.plan.parallel.dp_shard > 1 and ctx.program is not None:  # see the docstring
+            replaced = [
+                (old, casts)
+                for old, casts in replaced
+                if all(ctx.program.role(str(_cast_param(gm, c).target)) == "expert" for c in casts)
+            ]
         copies: dict[str, list[str]] = {}
         for old, casts in replaced:
             params = [_cast_param(gm, cast) for cast in casts]

@@ -47,6 +47,7 @@ from moec.ops.routing import capacity
 from moec.plan import Plan
 from moec.program import MoELayer, Program
 from moec.runtime.autocast import compute_autocast
+from moec.runtime.fsdp import shard_dense_parameters
 from moec.runtime.router_losses import router_loss_objective
 from moec.runtime.variants import forward_only, graph_in_mode
 from moec.runtime.working_weights import WorkingWeights, gradient_dtype
@@ -65,6 +66,7 @@ class CompiledModel(nn.Module):
         build: Build | None = None,
         mesh: Any = None,
         training: bool = True,
+        initialize: Callable[[Program], None] | None = None,
     ):
         super().__init__()
         if (program is None) == (build is None):
@@ -77,6 +79,7 @@ class CompiledModel(nn.Module):
         self.aux_outputs: dict[tuple[str, str], torch.Tensor] = {}
         self._variants: dict[tuple[str, bool], tuple[tuple, fx.GraphModule]] = {}
         self.working_weights: WorkingWeights | None = None
+        self._initialize = initialize
         if program is not None:
             self._adopt(program)
 
@@ -106,7 +109,9 @@ class CompiledModel(nn.Module):
     def _adopt(self, program: Program) -> None:
         """Make ``program`` ours: its graph's parameter, buffer and submodule tables become this
         module's own (the same dicts, so ``.to()``, ``load_state_dict`` and pipeline freeing act
-        on both), and its working-weight copies are tracked."""
+        on both), its dense parameters FSDP-sharded when it says so, its parameters given their
+        values by ``initialize`` (a checkpoint's, for a program captured on the meta device)
+        and its working-weight copies tracked."""
         gm = program.graph
         self.__dict__["program"] = program
         self._parameters, self._buffers, self._modules = gm._parameters, gm._buffers, gm._modules
@@ -115,6 +120,11 @@ class CompiledModel(nn.Module):
         for module in gm.modules():
             if isinstance(module, fx.GraphModule):
                 module._tracer_cls, module._tracer_extras = ProgramTracer, {}
+        if program.data_parallel is not None and program.pipeline is None:
+            shard_dense_parameters(self, self.mesh)
+        if self._initialize is not None:
+            self._initialize(program)
+            self._initialize = None
         if program.working_weights:
             grad_dtype = gradient_dtype(self.plan.parallel.microbatches)
             self.working_weights = WorkingWeights(gm, program.working_weights, grad_dtype)

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from moec.errors import MoecError
 from moec.plan import Plan
@@ -50,6 +51,14 @@ class MoEMesh:
     ep_group: dist.ProcessGroup
     edp_group: dist.ProcessGroup
     ep_info: EPGroup
+    fsdp_mesh: DeviceMesh | None = None
+    """The data-parallel mesh FSDP2 shards the dense parameters over (parallel.dp_shard > 1):
+    ``("dp_shard",)``, or ``("dp_replicate", "dp_shard")`` for HSDP."""
+
+    @property
+    def dense_shard_group(self) -> dist.ProcessGroup | None:
+        """The ranks among which each dense parameter is split (None: dense replicated)."""
+        return None if self.fsdp_mesh is None else self.fsdp_mesh.get_group("dp_shard")
 
     @property
     def dp(self) -> int:
@@ -119,7 +128,14 @@ def build_mesh(plan: Plan, device_type: str | None = None) -> MoEMesh:
     mesh = init_device_mesh(device_type, (world // p.ep, p.ep), mesh_dim_names=("edp", "ep"))
     ep_group = mesh.get_group("ep")
     info = EPGroup(mesh.get_local_rank("ep"), p.ep, ep_group.group_name, device_type)
-    return MoEMesh(mesh, dist.group.WORLD, ep_group, mesh.get_group("edp"), info)
+    fsdp_mesh = None
+    if p.dp_shard > 1:
+        replicate = world // p.dp_shard
+        shape, names = ((p.dp_shard,), ("dp_shard",))
+        if replicate > 1:
+            shape, names = (replicate, p.dp_shard), ("dp_replicate", "dp_shard")
+        fsdp_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    return MoEMesh(mesh, dist.group.WORLD, ep_group, mesh.get_group("edp"), info, fsdp_mesh)
 
 
 def parameter_groups(module: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -145,15 +161,20 @@ def global_grad_norm(
     device: torch.device,
     ep_group: dist.ProcessGroup | None = None,
     pp_group: dist.ProcessGroup | None = None,
+    dense_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """The norm over every gradient of the job, on the device (no host read). Each EP rank holds
     other experts' gradients, so their squares are summed over ``ep_group``; each pipeline rank
-    holds other stages', so the total is summed over ``pp_group``. Dense gradients are the same
-    on every data/EP-parallel rank and counted once."""
+    holds other stages', so the total is summed over ``pp_group``; FSDP ranks hold other
+    shards of the dense gradients (``DTensor``), summed over ``dense_group`` (the ranks of one
+    shard group). Replicated gradients are counted once."""
     expert_sq = _squared_grad_norm(expert, device)
     if ep_group is not None:
         dist.all_reduce(expert_sq, group=ep_group)
-    total = _squared_grad_norm(dense, device) + expert_sq
+    dense_sq = _squared_grad_norm(dense, device)
+    if dense_group is not None:
+        dist.all_reduce(dense_sq, group=dense_group)
+    total = dense_sq + expert_sq
     if pp_group is not None:
         dist.all_reduce(total, group=pp_group)
     return total.sqrt()
@@ -170,16 +191,21 @@ def clip_gradients_(
     if getattr(optimizer, "_step_supports_amp_scaling", False):
         optimizer.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0)
         return
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [local_tensor(p.grad) for p in params if p.grad is not None]
     torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
 
 
 def _squared_grad_norm(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [local_tensor(p.grad) for p in params if p.grad is not None]
     if not grads:
         return torch.zeros((), device=device)
     # norms accumulated in float32 whatever the gradients' dtype (working weights': bf16)
     return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor`` (an FSDP shard's ``DTensor``), or ``tensor`` itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 @dataclasses.dataclass
@@ -199,10 +225,19 @@ class GradientReducer:
     buckets whose parameters got no gradient (as zeros), waits, and writes the averages back.
     """
 
-    def __init__(self, module: nn.Module, mesh: MoEMesh, bucket_bytes: int = 25 * 2**20):
+    def __init__(
+        self,
+        module: nn.Module,
+        mesh: MoEMesh,
+        bucket_bytes: int = 25 * 2**20,
+        *,
+        experts_only: bool = False,
+    ):
         self.scale = 1.0 / mesh.dp
         self._enabled = True
         dense, expert = parameter_groups(module)
+        if experts_only:  # the dense ones are FSDP's (moec.runtime.fsdp)
+            dense = []
         self.buckets = _buckets(dense[::-1], mesh.dp_group, bucket_bytes) + _buckets(
             expert[::-1], mesh.edp_group, bucket_bytes
         )

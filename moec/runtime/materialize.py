@@ -20,9 +20,11 @@ the first initializer that leaves no NaN wins: the module rebuilt by its ``__ini
 ``config`` (transformers' rotary embeddings), the model's ``_init_weights(module)``, the
 module's ``reset_parameters()``. A buffer neither the checkpoint nor an initializer produces
 raises :class:`MaterializeError` naming it. A buffer of the graph that is already real is
-moved to ``device``. The bf16 working-weight copies (``program.working_weights``) are
-rewritten from the materialized parameters, and the ``meta`` device the capture baked into
-the graph's calls (``arange``, ``to``) becomes ``device``.
+moved to ``device``. A parameter FSDP shards (a ``DTensor``, see :mod:`moec.runtime.fsdp`)
+is built whole, one at a time, and only this rank's shard of it kept. The bf16 working-weight
+copies (``program.working_weights``) are rewritten from the materialized parameters, and the
+``meta`` device the capture baked into the graph's calls (``arange``, ``to``) becomes
+``device``.
 
 Errors (:class:`MaterializeError`) name the parameter or buffer, the checkpoint tensor and the
 checkpoint: a tensor the checkpoint lacks, a checkpoint tensor whose shape differs from the
@@ -45,6 +47,7 @@ import torch
 import torch.fx as fx
 from safetensors import safe_open
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from moec.errors import MoecError
 from moec.program import ParamSource, Program, TensorBuilder, cut
@@ -216,6 +219,8 @@ def materialize(
     gm = program.graph
     for name, param in gm.named_parameters():  # a builder each: nothing read is kept after
         value = _build(TensorBuilder(read, device), program.source(name), param, name)
+        if isinstance(param, DTensor):  # an FSDP shard (moec.runtime.fsdp): keep this rank's
+            value = _shard_of(value, param)
         _replace_parameter(gm, param, nn.Parameter(value, param.requires_grad))
     initial = None
     for name, buffer in gm.named_buffers():
@@ -240,6 +245,14 @@ def materialize(
     return tensors
 
 
+def _shard_of(value: torch.Tensor, param: DTensor) -> DTensor:
+    """This rank's shard of ``value``, laid out as ``param`` (no communication)."""
+    mesh, placements = param.device_mesh, param.placements
+    local = distribute_tensor(value, mesh, placements, src_data_rank=None).to_local()
+    # a copy: a view would keep the whole tensor alive
+    return DTensor.from_local(local.clone(), mesh, placements, run_check=False)
+
+
 def _retarget_devices(gm: fx.GraphModule, device: torch.device) -> None:
     """Point the ``meta`` devices the capture of a meta model baked into the graph's calls
     (``arange(..., device=meta)``, ``to(x, meta)``) at ``device``."""
@@ -260,7 +273,7 @@ def _build(
     builder: TensorBuilder, source: ParamSource, param: torch.Tensor, name: str
 ) -> torch.Tensor:
     value = builder.tensor(source, param.dtype)
-    if value.shape != param.shape:
+    if value.shape != param.shape:  # a DTensor's shape is the whole tensor's
         raise MaterializeError(
             f"parameter {name}: the program has shape {tuple(param.shape)} but its source "
             f"{source} gives {tuple(value.shape)}"

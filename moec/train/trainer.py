@@ -61,6 +61,7 @@ from moec.runtime.distributed import (
     init_from_env,
 )
 from moec.runtime.distributed import parameter_groups as dist_parameter_groups
+from moec.runtime.fsdp import set_gradient_sync
 from moec.runtime.materialize import SubmoduleSource, open_source
 from moec.runtime.metrics import bf16_peak_tflops, useful_mfu
 from moec.train.config import TrainConfig, TrainConfigError, flag_of, resolve_device, wsd_schedule
@@ -119,7 +120,11 @@ class Trainer:
             init_device=self.device,
             check=self._check_memory,
         )
-        self.reducer = GradientReducer(self.compiled, self.mesh) if self.mesh else None
+        # FSDP reduce-scatters the dense gradients itself (moec.runtime.fsdp)
+        sharded = self.compiled.program.data_parallel is not None
+        self.reducer = (
+            GradientReducer(self.compiled, self.mesh, experts_only=sharded) if self.mesh else None
+        )
         self.optimizer = AdamW(
             parameter_groups(self.compiled, cfg.weight_decay),
             lr=cfg.lr,
@@ -177,6 +182,7 @@ class Trainer:
         pairs = list(zip(inputs.chunk(micro), targets.chunk(micro), strict=True))
         for i, (x, y) in enumerate(pairs):
             local = self.reducer is not None and i < len(pairs) - 1
+            set_gradient_sync(self.compiled, not local)
             with self.reducer.no_sync() if local else contextlib.nullcontext():
                 loss = self.compiled(x, y)
                 has_moe = bool(self.compiled.moe_layers)
@@ -202,7 +208,8 @@ class Trainer:
         :func:`~moec.runtime.distributed.global_grad_norm`) and return that norm."""
         dense, expert = dist_parameter_groups(self.compiled)
         ep_group = self.mesh.ep_group if self.mesh else None
-        norm = global_grad_norm(dense, expert, self.device, ep_group)
+        dense_group = self.mesh.dense_shard_group if self.mesh else None
+        norm = global_grad_norm(dense, expert, self.device, ep_group, dense_group=dense_group)
         clip_gradients_(dense + expert, norm, self.cfg.grad_clip, self.optimizer)
         return norm
 

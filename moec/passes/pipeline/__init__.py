@@ -90,7 +90,7 @@ __all__ = [
 @register_pass
 class PipelinePass(Pass):
     name = "pipeline"
-    after: tuple[str, ...] = ("recompute",)  # which runs after every other rewrite
+    after: tuple[str, ...] = ("recompute", "fsdp")  # recompute runs after every other rewrite
 
     @staticmethod
     def applies(plan: Plan) -> bool:

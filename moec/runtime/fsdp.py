@@ -1,0 +1,60 @@
+"""FSDP2 over a program's dense parameters (``program.data_parallel``, pass ``fsdp``).
+
+``shard_dense_parameters(compiled, mesh)`` calls ``torch.distributed.fsdp.fully_shard`` on the
+compiled model with the mesh's ``dp_shard`` mesh (1-D: FSDP; 2-D ``(dp_replicate, dp_shard)``:
+HSDP), managing exactly the parameters the pass listed; the expert slices are
+``ignored_params`` (each EP rank holds its own experts whole; their gradients are averaged over
+the expert-data-parallel group by :class:`~moec.runtime.distributed.GradientReducer`). The
+compiled model is the FSDP root, so every graph the runtime runs (train, eval, forward-only
+variants) reads the unsharded parameters: its forward is the only entry point.
+
+Precision: shards are all-gathered in ``program.data_parallel.gather_dtype`` (bf16 in bf16
+programs, so the step casts 1/dp_shard of the dense weights, on the shard, and never a whole
+weight), gradients are reduce-scattered in float32 and land on the float32 shards.
+Unsharded parameters stay gathered from forward to the end of backward (the root's policy,
+one all-gather per step); gradients are reduce-scattered and freed when backward ends.
+
+Parameters built on the meta device stay there: :func:`moec.runtime.materialize.materialize`
+then writes each rank's shard (``DTensor`` parameters) after this call.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from moec.runtime.distributed import DistributedError, MoEMesh
+
+
+def shard_dense_parameters(compiled: nn.Module, mesh: MoEMesh | None) -> None:
+    """Shard ``compiled``'s dense parameters with FSDP2 as its program's ``data_parallel``
+    says (nothing when it says nothing)."""
+    layout = compiled.program.data_parallel
+    if layout is None:
+        return
+    if mesh is None or mesh.fsdp_mesh is None:
+        raise DistributedError(
+            f"the program shards its dense parameters (parallel.dp_shard={layout.shard}) but "
+            "was compiled without a data-parallel mesh: pass "
+            "mesh=moec.runtime.distributed.init_from_env(plan) under torchrun"
+        )
+    if mesh.fsdp_mesh.size() != layout.replicate * layout.shard:
+        raise DistributedError(
+            f"the program was compiled for {layout.replicate} x {layout.shard} data-parallel "
+            f"ranks but the mesh has {mesh.fsdp_mesh.size()}"
+        )
+    sharded = set(layout.params)
+    ignored = {p for name, p in compiled.named_parameters() if name not in sharded}
+    gather = None if layout.gather_dtype is None else getattr(torch, layout.gather_dtype)
+    policy = MixedPrecisionPolicy(
+        param_dtype=gather, reduce_dtype=torch.float32, cast_forward_inputs=False
+    )
+    fully_shard(compiled, mesh=mesh.fsdp_mesh, mp_policy=policy, ignored_params=ignored)
+
+
+def set_gradient_sync(compiled: nn.Module, enabled: bool) -> None:
+    """Whether this backward reduce-scatters the sharded gradients (False: accumulate the
+    unsharded gradients locally, for microbatches before the last)."""
+    if isinstance(compiled, FSDPModule):
+        compiled.set_requires_gradient_sync(enabled)
