@@ -1,6 +1,8 @@
 """The ``moec`` command line: one function per subcommand, wired up by :func:`build_parser`.
 
     moec plan show plan.yaml                  the resolved plan as YAML + its pipeline string
+    moec plan show plan.yaml --model M --world 64 --gpu-memory 80
+                                              ... laid out on 64 GPUs, and one rank's memory
     moec inspect llama                        blocks and FFN regions, parameters, FLOPs/token
     moec debug llama --plan p.yaml --out dbg  the graph after every pass, and dbg/repro.py
     moec demo / moec train ...                training (moec.train)
@@ -45,33 +47,90 @@ def _load_plan(path: str | None) -> Plan:
 
 def cmd_plan_show(args: argparse.Namespace) -> int:
     plan = _load_plan(args.file)
+    if args.world is not None:
+        plan = plan_for_world(plan, args.world)
     console = _console()
     console.print(plan.to_yaml(), end="", markup=False)
     console.print(f"passes: {pipeline_string(plan)}", markup=False)
+    if args.world is not None:
+        console.print(describe_layout(plan), markup=False)
     if args.model is not None:
         console.print(_memory_table(plan, args), markup=False)
     return 0
 
 
+class WorldSizeError(MoecError, ValueError):
+    """A ``--world`` the plan's pipeline, expert or sharding degrees cannot be laid out on."""
+
+
+def plan_for_world(plan: Plan, world: int) -> Plan:
+    """``plan`` on ``world`` ranks: ``parallel.dp = world / pp``; a fully sharded plan
+    (``dp_shard == dp > 1``) stays fully sharded, any other ``dp_shard`` (1: DDP, or an HSDP
+    shard size) is kept as it is."""
+    p = plan.parallel
+    if world < 1 or world % p.pp:
+        raise WorldSizeError(
+            f"--world {world}: must be a positive multiple of parallel.pp={p.pp} "
+            "(the world is dp x pp ranks)"
+        )
+    dp = world // p.pp
+    if dp % p.ep:
+        raise WorldSizeError(
+            f"--world {world}: gives parallel.dp={dp} (world / pp), which parallel.ep={p.ep} "
+            f"does not divide; use a multiple of pp x ep = {p.pp * p.ep}"
+        )
+    dp_shard = dp if p.dp_shard == p.dp > 1 else p.dp_shard
+    if dp % dp_shard:
+        raise WorldSizeError(
+            f"--world {world}: gives parallel.dp={dp}, which parallel.dp_shard={dp_shard} (HSDP "
+            "shard size) does not divide; use a world whose dp is a multiple of it"
+        )
+    data = plan.to_dict()
+    data["parallel"] = {**data["parallel"], "dp": dp, "dp_shard": dp_shard}
+    return Plan.from_dict(data)
+
+
+def describe_layout(plan: Plan) -> str:
+    """One line: how the plan's ranks divide between data, sharding, expert and pipeline
+    parallelism."""
+    p = plan.parallel
+    if p.dp_shard == 1:
+        dense = "DDP: dense parameters replicated on every dp rank"
+    elif p.dp_shard == p.dp:
+        dense = f"FSDP: dense parameters sharded over dp_shard={p.dp_shard}"
+    else:
+        dense = (
+            f"HSDP: dense parameters sharded over dp_shard={p.dp_shard}, "
+            f"{p.dp // p.dp_shard} replicas"
+        )
+    experts = plan.moe.num_experts // p.ep
+    return (
+        f"layout: world {p.dp * p.pp} = dp {p.dp} x pp {p.pp}; {dense}; "
+        f"ep {p.ep} ({experts} of {plan.moe.num_experts} experts per rank, "
+        f"{p.dp // p.ep} expert replicas)"
+    )
+
+
 def _memory_table(plan: Plan, args: argparse.Namespace) -> str:
-    """Per-rank memory of ``plan`` on ``args.model`` (compiled on the meta device, as the
-    trainer compiles it with its loss) at the batch per microbatch and sequence asked for."""
+    """Per-rank memory of ``plan`` on ``args.model``: the program the trainer compiles (with
+    its loss), built on the meta device (no parameter is allocated, so any size works), at the
+    batch per microbatch and sequence asked for."""
     import torch
 
-    import moec
     from moec.analysis.rank_memory import format_rank_memory, rank_memory
+    from moec.compiler import build_program
     from moec.debug import with_next_token_loss
 
     with torch.device("meta"):
         model, inputs, kwargs = load_model(args.model)
     model, inputs = with_next_token_loss(model, inputs, kwargs, args.model)
-    compiled = moec.compile(model, plan, inputs, mesh=_debug_mesh(plan, 0), verify=False)
+    program = build_program(model, plan, inputs, {}, mesh=_debug_mesh(plan, 0), verify=False)
     micro = plan.parallel.microbatches
-    memory = rank_memory(compiled.program, micro, args.batch // micro, args.seq)
+    memory = rank_memory(program, micro, args.batch // micro, args.seq)
     device = None if args.gpu_memory is None else round(args.gpu_memory * 1024**3)
     title = (
         f"per-rank memory of {args.model} (EP rank 0, pipeline rank 0; "
-        f"{args.batch // micro} x {args.seq} tokens per microbatch):"
+        f"{args.batch // micro} x {args.seq} tokens per microbatch, {micro} microbatches):"
     )
     return title + "\n" + format_rank_memory(memory, device)
 
@@ -198,9 +257,17 @@ def build_parser() -> argparse.ArgumentParser:
     show = plan_sub.add_parser("show", help="print the resolved plan and its pipeline string")
     show.add_argument("file", help="plan YAML file")
     show.add_argument("--model", help=f"also print the per-rank memory on {model_help}")
-    show.add_argument("--batch", type=int, default=8, help="sequences per step (with --model)")
+    show.add_argument(
+        "--batch", type=int, default=8, help="sequences per step per dp rank (with --model)"
+    )
     show.add_argument("--seq", type=int, default=128, help="sequence length (with --model)")
     show.add_argument("--gpu-memory", type=float, help="GiB per GPU to check the plan against")
+    show.add_argument(
+        "--world",
+        type=int,
+        help="GPUs of the job: sets parallel.dp = world / pp (a fully sharded plan, dp_shard = "
+        "dp, stays fully sharded) and prints the layout",
+    )
     show.set_defaults(func=cmd_plan_show)
 
     inspect = sub.add_parser("inspect", help="list blocks and FFN regions with their costs")

@@ -9,29 +9,49 @@ rank's slice and, under pipeline parallelism, the stages are known):
   parameter's dtype; ``moec.runtime.working_weights.gradient_dtype``);
 - ``optimizer``: AdamW's two float32 moments per trainable element (``moec.optim.AdamW``);
 - ``working_copies``: the bf16 copies of the working-weights pass;
+- ``gathered``: under FSDP/HSDP (``program.data_parallel``, pass ``fsdp``), the unsharded dense
+  parameters and gradients that exist only during the step, at their peak (below); 0 otherwise;
 - ``activations``: bytes saved for backward, from the cost model at the given batch (per
   microbatch) and sequence length: for a pipelined program the peak over this rank's stages of
   ``in_flight x saved + transient`` (the pipeline pass's stage table, scaled from the example
   sizes it was computed at); otherwise the graph's saved bytes (recompute regions count their
   inputs, :mod:`moec.analysis.cost.memory`).
 
+Sharded parameters (``moec.runtime.fsdp``: FSDP2 on the compiled model, experts ignored): a
+rank holds one dim-0 chunk of each, ``ceil(rows / shard)`` rows (FSDP2 pads every rank's shard
+to that size, and rank 0's chunk has it: the figures are those of the fullest rank), for the
+parameter, its float32 gradient and both AdamW moments. ``gathered`` is the larger of its two
+phases, with N the sharded elements padded to ``shard x chunk`` rows:
+
+- backward: the all-gathered parameters (N in the gather dtype, kept from forward to the end
+  of backward) + the unsharded gradients being computed (N in the gather dtype) + with several
+  microbatches those accumulated over the earlier ones (N in float32: FSDP2 upcasts them to
+  its reduce dtype between microbatches);
+- reduce-scatter at the end of backward: the parameters are resharded; the unsharded gradients
+  (gather dtype, or float32 when accumulated) and the float32 reduce-scatter input (N).
+
 Parameters, gradients, optimizer state and copies are exact for the program (tests compare
-them with a training step's tensors); activations are the cost model's prediction (its error
-against measurement is in ``benchmarks/RESULTS.md``, recompute section). Allocator overhead,
-temporaries inside one op and communication buffers are not counted.
+them with a training step's tensors, sharded ones included); activations are the cost model's
+prediction (its error against measurement is in ``benchmarks/RESULTS.md``, recompute section).
+``total`` adds every line, an upper bound of the step's peak under FSDP (the unsharded
+gradients grow while the activations are freed). Allocator overhead, temporaries inside one
+op and communication buffers other than FSDP's reduce-scatter input are not counted.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 from torch import nn
 
 from moec.analysis.cost import graph_cost
-from moec.program import Program
+from moec.program import Program, ShardedDataParallel
 
 GIB = 1024**3
+REDUCE_DTYPE = torch.float32
+"""The dtype FSDP2 reduce-scatters (and accumulates) gradients in (``moec.runtime.fsdp``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,17 +62,12 @@ class RankMemory:
     gradients: int
     optimizer: int
     working_copies: int
+    gathered: int
     activations: int
 
     @property
     def total(self) -> int:
-        return (
-            self.parameters
-            + self.gradients
-            + self.optimizer
-            + self.working_copies
-            + self.activations
-        )
+        return sum(getattr(self, f.name) for f in dataclasses.fields(self))
 
     def rows(self) -> list[tuple[str, int]]:
         """(what, bytes) for a table, total last."""
@@ -67,17 +82,55 @@ def rank_memory(
     is not pipelined) training on ``batch`` sequences of ``seq`` tokens per microbatch."""
     graphs = _held_graphs(program, pp_rank)
     masters = {name for names in program.working_weights.values() for name in names}
+    layout = program.data_parallel
+    sharded = set(layout.params) if layout is not None else set()
     grad_bf16 = microbatches == 1
-    params = grads = optimizer = copies = 0
+    params = grads = optimizer = copies = gathered = 0
     for gm in graphs:
         for name, param in gm.named_parameters():
-            params += _bytes(param)
+            numel = param.numel()
+            if name in sharded:
+                numel = _shard_numel(param.shape, layout.shard)
+            params += numel * param.element_size()
             if param.requires_grad:
                 dtype = torch.bfloat16 if name in masters and grad_bf16 else param.dtype
-                grads += param.numel() * dtype.itemsize
-                optimizer += 2 * param.numel() * torch.float32.itemsize
+                grads += numel * dtype.itemsize
+                optimizer += 2 * numel * torch.float32.itemsize
         copies += sum(_bytes(gm.get_buffer(b)) for b in program.working_weights if _has(gm, b))
-    return RankMemory(params, grads, optimizer, copies, _activations(program, pp_rank, batch, seq))
+        if layout is not None:
+            gathered += _gathered(gm, layout, microbatches)
+    activations = _activations(program, pp_rank, batch, seq)
+    return RankMemory(params, grads, optimizer, copies, gathered, activations)
+
+
+def _shard_numel(shape: torch.Size, shard: int) -> int:
+    """Elements of the fullest dim-0 chunk (``torch.chunk``) of a tensor of ``shape``."""
+    if len(shape) == 0:
+        return 1
+    return math.ceil(shape[0] / shard) * math.prod(shape[1:])
+
+
+def _gathered(gm: nn.Module, layout: ShardedDataParallel, microbatches: int) -> int:
+    """Peak bytes of the unsharded parameters and gradients of ``gm``'s sharded parameters
+    during a step: the larger of the module docstring's two phases."""
+    names = set(layout.params)
+    params = grads = grads_f32 = 0  # padded unsharded sizes: gather dtype / reduce dtype
+    for name, param in gm.named_parameters():
+        if name not in names:
+            continue
+        padded = _shard_numel(param.shape, layout.shard) * layout.shard
+        itemsize = (
+            param.element_size()
+            if layout.gather_dtype is None
+            else getattr(torch, layout.gather_dtype).itemsize
+        )
+        params += padded * itemsize
+        if param.requires_grad:
+            grads += padded * itemsize
+            grads_f32 += padded * REDUCE_DTYPE.itemsize
+    if microbatches > 1:  # float32 accumulated gradients; the reduce-scatter input beside them
+        return max(params + grads_f32 + grads, 2 * grads_f32)
+    return max(params + grads, grads + grads_f32)
 
 
 def _held_graphs(program: Program, pp_rank: int) -> list[nn.Module]:
