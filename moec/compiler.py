@@ -82,7 +82,8 @@ def compile(
         )
 
     def initialize(program: Program) -> None:
-        materialize(program, init_from, init_device, model)
+        # a pipeline rank (PipelineMesh) builds only the parameters of the stages it holds
+        materialize(program, init_from, init_device, model, pp_rank=getattr(mesh, "pp_rank", None))
 
     compiled = CompiledModel(
         plan,

@@ -9,6 +9,14 @@ needs are read: an expert-parallel rank reads the rows (or columns) of its exper
 upcycled expert tensor reads its dense tensor once and repeats it, ``random`` experts draw
 only this rank's experts (reading the dense FFN matrices whole, for their std).
 
+Pipelined programs (``program.pipeline``; ``pp_rank`` required): only the parameters and
+buffers that the stages of ``pp_rank`` read (``Pipeline.local_stages``) are built and only
+their checkpoint tensors read; the other stages' stay on the meta device, for the pipeline
+runtime to free (:mod:`moec.runtime.pipeline`). A stage graph holds the full graph's tensor
+objects, so each built tensor replaces the old one in the full graph and in every stage graph
+holding it. The full graph's forward then raises, naming a parameter left on meta (it is
+not this rank's to run).
+
 Sources (:func:`open_source`): a Hugging Face safetensors directory (``model.safetensors``, or
 the shards named by ``model.safetensors.index.json``), one ``.safetensors`` file (read slice
 by slice with ``safe_open(...).get_slice``), a torch state dict, or a file holding one.
@@ -24,7 +32,7 @@ moved to ``device``. A parameter FSDP shards (a ``DTensor``, see :mod:`moec.runt
 is built whole, one at a time, and only this rank's shard of it kept. The bf16 working-weight
 copies (``program.working_weights``) are rewritten from the materialized parameters, and the
 ``meta`` device the capture baked into the graph's calls (``arange``, ``to``) becomes
-``device``.
+``device`` in the graphs this rank runs (the full graph, or its own stage graphs).
 
 Errors (:class:`MaterializeError`) name the parameter or buffer, the checkpoint tensor and the
 checkpoint: a tensor the checkpoint lacks, a checkpoint tensor whose shape differs from the
@@ -50,7 +58,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from moec.errors import MoecError
-from moec.program import ParamSource, Program, TensorBuilder, cut
+from moec.program import ParamSource, Pipeline, Program, TensorBuilder, cut
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -201,30 +209,35 @@ def materialize(
     source: Checkpoint,
     device: torch.device | str = "cpu",
     model: nn.Module | None = None,
+    *,
+    pp_rank: int | None = None,
 ) -> TensorSource:
-    """Replace every parameter and buffer of ``program.graph`` by its real value on ``device``
-    (see the module docstring), reading ``source``; return the opened source (its ``reads``).
+    """Replace every parameter and buffer of ``program.graph`` that this rank holds by its real
+    value on ``device`` (see the module docstring), reading ``source``; return the opened
+    source (its ``reads``).
 
     ``model``: the source model the program was compiled from (typically on the meta device);
     when given, every checkpoint tensor read is checked against the shape of the model's
-    tensor of that name, and non-persistent buffers are recomputed by its initializer."""
-    if program.pipeline is not None:
-        raise MaterializeError(
-            "materializing a pipeline-parallel program (its stages' parameters) from a "
-            "checkpoint is not supported: use plan.parallel.pp = 1 with init_from"
-        )
+    tensor of that name, and non-persistent buffers are recomputed by its initializer.
+    ``pp_rank``: this rank's pipeline rank (``PipelineMesh.pp_rank``), required exactly when
+    the program is pipelined: only the tensors of the stages it holds are built."""
+    held = _held_tensors(program, pp_rank)
     tensors = open_source(source)
     expected = {} if model is None else _shapes(model)
     read = _checked_reader(tensors, expected)
     gm = program.graph
-    for name, param in gm.named_parameters():  # a builder each: nothing read is kept after
+    split = program.pipeline
+    holders = _Holders([gm] + ([] if split is None else [s.graph for s in split.stages]))
+    for name, param in list(gm.named_parameters()):  # a builder each: nothing read is kept
+        if held is not None and id(param) not in held:
+            continue
         value = _build(TensorBuilder(read, device), program.source(name), param, name)
         if isinstance(param, DTensor):  # an FSDP shard (moec.runtime.fsdp): keep this rank's
             value = _shard_of(value, param)
-        _replace_parameter(gm, param, nn.Parameter(value, param.requires_grad))
+        holders.replace(param, nn.Parameter(value, param.requires_grad))
     initial = None
-    for name, buffer in gm.named_buffers():
-        if name in program.working_weights:
+    for name, buffer in list(gm.named_buffers()):
+        if name in program.working_weights or (held is not None and id(buffer) not in held):
             continue
         if name in tensors:
             value = tensors.read(name, None, None)
@@ -239,10 +252,66 @@ def materialize(
                     "model with it on a real device or save it in the checkpoint"
                 )
             value = initial[name]
-        _set_buffer(gm, name, value.to(device=device, dtype=buffer.dtype))
-    _refresh_working_weights(gm, program.working_weights)
-    _retarget_devices(gm, torch.device(device))
+        holders.replace(buffer, value.to(device=device, dtype=buffer.dtype))
+    copies = {
+        b: names
+        for b, names in program.working_weights.items()
+        if held is None or id(gm.get_buffer(b)) in held
+    }
+    _refresh_working_weights(gm, copies, holders)
+    if split is None:
+        _retarget_devices(gm, torch.device(device))
+    else:  # only this rank's stage graphs run; the full graph reads other stages' tensors
+        for s in split.local_stages(pp_rank):
+            _retarget_devices(split.stages[s].graph, torch.device(device))
+        _refuse_full_graph(gm, split, pp_rank)
     return tensors
+
+
+def _held_tensors(program: Program, pp_rank: int | None) -> set[int] | None:
+    """The ids of the parameters and buffers the stages of ``pp_rank`` read; None (every
+    tensor) for a program that is not pipelined."""
+    split = program.pipeline
+    if split is None:
+        if pp_rank is not None:
+            raise MaterializeError(
+                f"materialize: pp_rank={pp_rank} was given but the program is not pipelined "
+                "(plan.parallel.pp = 1): leave pp_rank None"
+            )
+        return None
+    if pp_rank is None or not 0 <= pp_rank < split.pp:
+        raise MaterializeError(
+            f"materialize: the program is pipelined over parallel.pp={split.pp} ranks, so "
+            f"pp_rank must be this rank's pipeline rank in [0, {split.pp}), got {pp_rank} "
+            "(moec.compile passes the mesh's: mesh=build_pipeline_mesh(plan))"
+        )
+    graphs = [split.stages[s].graph for s in split.local_stages(pp_rank)]
+    return {id(t) for g in graphs for t in [*g.parameters(), *g.buffers()]}
+
+
+def _refuse_full_graph(gm: fx.GraphModule, split: Pipeline, pp_rank: int) -> None:
+    """Make ``gm``'s forward raise, naming a parameter left on the meta device (another pipeline
+    rank's): run on meta weights it would return meta (or garbage) values instead of failing."""
+    local = set(split.local_stages(pp_rank))
+    unbuilt = [
+        (name, s)
+        for s, stage in enumerate(split.stages)
+        if s not in local
+        for name, _ in stage.graph.named_parameters()
+    ]
+    if not unbuilt:
+        return
+    name, stage = unbuilt[0]
+
+    def refuse(module: nn.Module, args: Any) -> None:
+        raise MaterializeError(
+            f"parameter {name!r} of pipeline stage {stage} (pipeline rank "
+            f"{split.info[stage].rank}) was not materialized on this process (pipeline rank "
+            f"{pp_rank}), which builds only its own stages from the checkpoint: train with "
+            "compiled.train_step, which runs this rank's stages"
+        )
+
+    gm.register_forward_pre_hook(refuse)
 
 
 def _shard_of(value: torch.Tensor, param: DTensor) -> DTensor:
@@ -299,25 +368,36 @@ def _shapes(model: nn.Module) -> dict[str, torch.Size]:
     return {name: t.shape for name, t in named}
 
 
-def _replace_parameter(gm: fx.GraphModule, old: nn.Parameter, new: nn.Parameter) -> None:
-    """Set ``new`` at every attribute of ``gm`` holding ``old`` (tied parameters stay tied)."""
-    for name, param in gm.named_parameters(remove_duplicate=False):
-        if param is old:
-            owner_path, _, attr = name.rpartition(".")
-            setattr(gm.get_submodule(owner_path), attr, new)
+class _Holders:
+    """Every attribute holding each parameter or buffer in ``modules`` (the full graph and its
+    pipeline stage graphs, which hold the same tensor objects under their own submodules), so
+    that replacing a tensor replaces it everywhere (tied parameters stay tied)."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self._at: dict[int, list[tuple[nn.Module, str]]] = {}
+        for module in modules:
+            for owner in module.modules():
+                for attr, t in [*owner._parameters.items(), *owner._buffers.items()]:
+                    if t is not None:
+                        self._at.setdefault(id(t), []).append((owner, attr))
+
+    def replace(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        for owner, attr in self._at.pop(id(old), []):
+            if isinstance(new, nn.Parameter):
+                setattr(owner, attr, new)
+            else:  # keeps the buffer's persistence, which is by name
+                owner._buffers[attr] = new
 
 
-def _set_buffer(gm: fx.GraphModule, name: str, value: torch.Tensor) -> None:
-    owner_path, _, attr = name.rpartition(".")
-    gm.get_submodule(owner_path)._buffers[attr] = value
-
-
-def _refresh_working_weights(gm: fx.GraphModule, copies: Mapping[str, list[str]]) -> None:
+def _refresh_working_weights(
+    gm: fx.GraphModule, copies: Mapping[str, list[str]], holders: _Holders
+) -> None:
     """Each working-weight buffer: the bf16 rows of its parameters, as the pass made it."""
     for name, params in copies.items():
         buffer = gm.get_buffer(name)
         masters = [gm.get_parameter(p).detach() for p in params]
-        _set_buffer(gm, name, torch.cat(masters).to(device=masters[0].device, dtype=buffer.dtype))
+        value = torch.cat(masters).to(device=masters[0].device, dtype=buffer.dtype)
+        holders.replace(buffer, value)
 
 
 def _initializer_text(model: nn.Module | None) -> str:

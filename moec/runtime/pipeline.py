@@ -26,8 +26,16 @@ compiled model (``compiled.named_parameters()`` is this rank's stages' parameter
 full graph's names, which do not depend on pp) and their storage is released: the
 source model, which shares its tensors with the compiled program (``moec.trace``), keeps them
 as empty tensors. The full graph then no longer runs on this rank (its forward raises, naming a
-freed parameter), nor can it be split again. ``grad_clip`` clips by the global norm over all
-stages and experts (squared norms summed over the EP and pipeline groups), as at PP = 1.
+freed parameter), nor can it be split again.
+
+From a checkpoint (``moec.compile(meta_model, plan, example, init_from=..., mesh=mesh)``):
+:func:`moec.runtime.materialize.materialize` builds only the parameters and buffers of this
+pipeline rank's stages (``mesh.pp_rank``) and leaves the others on the meta device; building
+the runtime frees those like any other stage's (nothing to release), and refuses a program
+whose own stages still hold a meta tensor (materialized for another pipeline rank, or never).
+
+``grad_clip`` clips by the global norm over all stages and experts (squared norms summed over
+the EP and pipeline groups), as at PP = 1.
 """
 
 from __future__ import annotations
@@ -229,6 +237,13 @@ class PipelineRuntime:
         self.split, self.plan, self.mesh, self.grad_clip = split, plan, mesh, grad_clip
         self.local = split.local_stages(mesh.pp_rank)
         self.num_stages = len(split.stages)
+        if unbuilt := _on_meta(split, self.local):
+            raise DistributedError(
+                f"{unbuilt[0]!r} of pipeline stage {unbuilt[1]}, which pipeline rank "
+                f"{mesh.pp_rank} runs, is on the meta device: compile a meta model with "
+                "init_from=<checkpoint> and this mesh (build_pipeline_mesh(plan)), which "
+                "materializes the stages of the mesh's pipeline rank"
+            )
         if split.freed is None:
             _free_other_stages(program.graph, split, mesh.pp_rank)
         elif missing := [(n, s) for n, s in split.freed.items() if s in self.local]:
@@ -339,7 +354,8 @@ def _working_weights(modules: list[StageModule], plan: Plan) -> WorkingWeights |
 def _free_other_stages(graph_module: nn.Module, split: Pipeline, pp_rank: int) -> None:
     """Free every parameter and buffer that no stage of ``pp_rank`` reads: delete it from the
     full graph module and from the other stages' graphs and release its storage (``.data``
-    becomes an empty tensor, for the source model that shares it too); record the parameters in
+    becomes an empty tensor, for the source model that shares it too; one still on the meta
+    device, never materialized on this rank, has none); record the parameters in
     ``split.freed`` and make the full graph's forward raise naming one."""
     local = set(split.local_stages(pp_rank))
     stages = [stage.graph for stage in split.stages]
@@ -370,6 +386,16 @@ def _free_other_stages(graph_module: nn.Module, split: Pipeline, pp_rank: int) -
 
     if split.freed:
         graph_module.register_forward_pre_hook(refuse)
+
+
+def _on_meta(split: Pipeline, stages: list[int]) -> tuple[str, int] | None:
+    """The name and stage of a parameter or buffer of ``stages`` on the meta device, if any."""
+    for s in stages:
+        graph = split.stages[s].graph
+        for name, tensor in [*graph.named_parameters(), *graph.named_buffers()]:
+            if tensor.device.type == "meta":
+                return name, s
+    return None
 
 
 def _tensors(module: nn.Module) -> Iterator[torch.Tensor]:
