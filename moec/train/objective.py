@@ -21,14 +21,19 @@ def language_model_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
 
 class LanguageModelWithLoss(torch.nn.Module):
     """``model(inputs)`` and its next-token loss as one module: the loss is then part of the
-    captured graph, where the ``fused_loss`` pass can fuse it with the LM head."""
+    captured graph, where the ``fused_loss`` pass can fuse it with the LM head. A Hugging Face
+    model is called with ``use_cache=False``: a training step has no use for its KV cache, and
+    the cache's tensors would become constants of the graph (on the meta device, for a model
+    built there)."""
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
         self.model = model
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return language_model_loss(self.model(inputs), targets)
+        config = getattr(self.model, "config", None)
+        kwargs = {"use_cache": False} if getattr(config, "use_cache", False) else {}
+        return language_model_loss(self.model(inputs, **kwargs), targets)
 
 
 def parameter_groups(compiled: CompiledModel, weight_decay: float) -> list[dict[str, Any]]:

@@ -1,0 +1,152 @@
+"""Upcycling a dense Hugging Face checkpoint into a sharded job (issue: sharded programs).
+
+Four gloo ranks train ``parallel: {dp: 4, ep: 4, dp_shard: 4}`` (EP = 4 over 16 experts, FSDP2
+over the dense parameters) from a dense Llama written with ``save_pretrained``, read by
+``init_from`` into a model built on the meta device:
+
+- the first loss (mean over the ranks' equal shares of the batch) equals the dense model's loss
+  on the same batch (dropless top-2 over identical upcycled experts is the dense FFN);
+- three Trainer steps give the losses and parameters of one process training the same program
+  on the whole batch (as ``WORLD`` microbatches: the ranks' shares);
+- materializing its part grows no rank's peak RSS by half the bytes of the upcycled model (each
+  holds a quarter of the experts and of every dense parameter; the dense FFN is read once and
+  repeated into this rank's experts only).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+
+from moec.data import TextBatches
+from moec.plan import Plan
+from moec.train import TrainConfig, Trainer, language_model_loss
+from tests.distributed import spawn
+
+WORLD, EXPERTS, BATCH, SEQ, STEPS = 4, 16, 8, 32, 3
+MOE = {"num_experts": EXPERTS, "top_k": 2, "init": "upcycle", "capacity_factor": None}
+SHARDED = {"moe": MOE, "parallel": {"dp": WORLD, "ep": WORLD, "dp_shard": WORLD}}
+# one process, each rank's share of the batch as one microbatch: the same objective (the
+# load-balancing loss is not linear in the batch, so it is taken per share in both)
+SINGLE = {"moe": MOE, "parallel": {"microbatches": WORLD}}
+
+
+def _dense_checkpoint(path: Path) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=2048,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+    )
+    dense = LlamaForCausalLM(config)
+    with torch.no_grad():  # no weights that happen to be equal (norms start at one)
+        for p in dense.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    dense.save_pretrained(path)
+    return dense
+
+
+class RankBatches:
+    """This rank's rows of the job's global batch (the single process reads them all)."""
+
+    def __init__(self, rank: int, world: int, vocab: int, seed: int):
+        self.rank, self.world = rank, world
+        self.batches = TextBatches(BATCH, SEQ, seed, True, vocab)
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = BATCH // self.world
+        return tuple(t[self.rank * rows : (self.rank + 1) * rows] for t in self.batches.batch(step))
+
+
+def _trainer(checkpoint: str, plan: dict, out: str, batch_size: int) -> Trainer:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(AutoConfig.from_pretrained(checkpoint))
+    cfg = TrainConfig(
+        steps=STEPS,
+        batch_size=batch_size,
+        seq_len=SEQ,
+        lr=1e-3,
+        warmup_steps=1,
+        log_every=1,
+        out=out,
+        plots=False,
+        device="cpu",
+        init_from=checkpoint,
+    )
+    return Trainer(model, Plan.from_dict(plan), cfg)
+
+
+def _full(name: str, param: torch.Tensor, role: str) -> torch.Tensor:
+    """The whole (EP = 1, unsharded) tensor of a parameter of this job."""
+    if hasattr(param, "full_tensor"):
+        return param.full_tensor().detach()
+    if role != "expert":
+        return param.detach()
+    parts = [torch.empty_like(param) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, param.detach().contiguous())
+    return torch.cat(parts)
+
+
+def _max_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def _sharded_worker(rank: int, world: int, checkpoint: str, out: str, report: str) -> None:
+    before = _max_rss_bytes()
+    trainer = _trainer(checkpoint, SHARDED, out, BATCH // world)
+    growth = _max_rss_bytes() - before
+    assert trainer.compiled.program.data_parallel is not None
+    trainer.data = RankBatches(rank, world, 256, trainer.cfg.seed)
+    losses = torch.tensor(trainer.run().losses)
+    dist.all_reduce(losses)  # equal shares: the mean of the ranks' means is the batch's mean
+    roles = trainer.compiled.program
+    params = {n: _full(n, p, roles.role(n)) for n, p in trainer.compiled.named_parameters()}
+    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                for p in trainer.compiled.parameters())
+    if rank == 0:
+        torch.save(
+            {"losses": losses / world, "params": params, "growth": growth, "local": local},
+            report,
+        )
+
+
+@pytest.mark.slow
+def test_upcycled_ep4_fsdp4_job_equals_one_process_and_holds_a_quarter(tmp_path):
+    dense = _dense_checkpoint(tmp_path / "dense")
+    checkpoint = str(tmp_path / "dense")
+    report = tmp_path / "sharded.pt"
+    spawn(_sharded_worker, WORLD, checkpoint, str(tmp_path / "sharded"), str(report))
+    got = torch.load(report)
+
+    single = _trainer(checkpoint, SINGLE, str(tmp_path / "single"), BATCH)
+    single.data = RankBatches(0, 1, 256, single.cfg.seed)
+    inputs, targets = single.data.batch(0)
+    with torch.no_grad():
+        dense_loss = language_model_loss(dense(inputs).logits, targets).item()
+    upcycled_bytes = sum(p.numel() * 4 for p in single.compiled.parameters())
+    want = torch.tensor(single.run().losses)
+
+    assert abs(got["losses"][0].item() - dense_loss) < 1e-5, (got["losses"], dense_loss)
+    torch.testing.assert_close(got["losses"], want, rtol=1e-5, atol=1e-5)
+    # AdamW divides by the gradient's own size: an element whose gradient nearly cancels
+    # (~eps) moves by up to lr per step in a direction the summation order decides. So: all but
+    # a few elements within 1e-5, and none more than lr per step away.
+    for name, param in single.compiled.named_parameters():
+        got_param, want_param = got["params"][name], param.detach()
+        off = ~torch.isclose(got_param, want_param, rtol=1e-4, atol=1e-5)
+        assert off.float().mean() < 1e-3, (name, int(off.sum()))
+        assert (got_param - want_param).abs().max() <= 1e-3 * STEPS, name
+    # each rank holds a quarter of the experts and a quarter of each dense parameter's rows
+    assert got["local"] * 4 <= sum(p.numel() for p in single.compiled.parameters()) * 1.05
+    assert got["growth"] < upcycled_bytes / 2, (got["growth"], upcycled_bytes)
+    summary = json.loads((tmp_path / "sharded" / "summary.json").read_text())
+    assert summary["steps"] == STEPS
