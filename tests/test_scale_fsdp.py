@@ -26,6 +26,7 @@ from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
 from moec.data import TextBatches
 from moec.plan import Plan
+from moec.runtime import checkpoint
 from moec.train import TrainConfig, Trainer, language_model_loss
 from tests.distributed import spawn
 
@@ -85,14 +86,14 @@ def _trainer(checkpoint: str, plan: dict, out: str, batch_size: int) -> Trainer:
     return Trainer(model, Plan.from_dict(plan), cfg)
 
 
-def _full(name: str, param: torch.Tensor, role: str) -> torch.Tensor:
+def _full(param: torch.Tensor, role: str, trainer: Trainer) -> torch.Tensor:
     """The whole (EP = 1, unsharded) tensor of a parameter of this job."""
     if hasattr(param, "full_tensor"):
         return param.full_tensor().detach()
-    if role != "expert":
+    if role != "expert" or trainer.mesh is None or trainer.mesh.ep_info.size == 1:
         return param.detach()
-    parts = [torch.empty_like(param) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, param.detach().contiguous())
+    parts = [torch.empty_like(param) for _ in range(trainer.mesh.ep_info.size)]
+    dist.all_gather(parts, param.detach().contiguous(), group=trainer.mesh.ep_group)
     return torch.cat(parts)
 
 
@@ -109,9 +110,11 @@ def _sharded_worker(rank: int, world: int, checkpoint: str, out: str, report: st
     losses = torch.tensor(trainer.run().losses)
     dist.all_reduce(losses)  # equal shares: the mean of the ranks' means is the batch's mean
     roles = trainer.compiled.program
-    params = {n: _full(n, p, roles.role(n)) for n, p in trainer.compiled.named_parameters()}
-    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
-                for p in trainer.compiled.parameters())
+    params = {n: _full(p, roles.role(n), trainer) for n, p in trainer.compiled.named_parameters()}
+    local = sum(
+        p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+        for p in trainer.compiled.parameters()
+    )
     if rank == 0:
         torch.save(
             {"losses": losses / world, "params": params, "growth": growth, "local": local},
@@ -150,3 +153,89 @@ def test_upcycled_ep4_fsdp4_job_equals_one_process_and_holds_a_quarter(tmp_path)
     assert got["growth"] < upcycled_bytes / 2, (got["growth"], upcycled_bytes)
     summary = json.loads((tmp_path / "sharded" / "summary.json").read_text())
     assert summary["steps"] == STEPS
+
+
+# --- checkpoints move between (dp_shard, ep) layouts ------------------------------------------
+
+SMALL_MOE = {"num_experts": 4, "top_k": 2, "init": "random", "capacity_factor": None}
+LAYOUTS = {
+    "fsdp2_ep2": {"dp": 2, "ep": 2, "dp_shard": 2},
+    "ddp2_ep2": {"dp": 2, "ep": 2},
+    "fsdp2": {"dp": 2, "dp_shard": 2},
+    "single": {},
+}
+
+
+def _small_trainer(layout: str, out: str, steps: int = 2, resume: bool = False) -> Trainer:
+    from tests.models import tiny_llama
+
+    torch.manual_seed(0)
+    cfg = TrainConfig(
+        steps=steps,
+        resume=resume,
+        batch_size=4,
+        seq_len=16,
+        lr=1e-2,
+        warmup_steps=1,
+        log_every=1,
+        out=out,
+        plots=False,
+        device="cpu",
+        checkpoint_every=2,
+    )
+    plan = {"moe": SMALL_MOE, "parallel": LAYOUTS[layout]}
+    return Trainer(tiny_llama(2), Plan.from_dict(plan), cfg)
+
+
+def _global_state(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Every parameter and AdamW moment in the global (unsharded, EP = 1) layout."""
+    program, state = trainer.compiled.program, {}
+    for name, param in trainer.compiled.named_parameters():
+        role = program.role(name)
+        moments = trainer.optimizer.state[param]
+        state[name] = _full(param, role, trainer)
+        for key in ("exp_avg", "exp_avg_sq"):
+            state[f"{name}.{key}"] = _full(moments[key], role, trainer)
+    return state
+
+
+def _layout_worker(rank: int, world: int, layout: str, out: str, report: str, load: str) -> None:
+    trainer = _small_trainer(layout, out)
+    if load:
+        trainer.optimizer.ensure_state()
+        checkpoint.load(trainer.compiled, trainer.optimizer, load, trainer.mesh)
+    else:
+        trainer.run()
+    state = _global_state(trainer)
+    if rank == 0:
+        torch.save(state, report)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reader", ["ddp2_ep2", "fsdp2", "single"])
+def test_fsdp_ep_checkpoint_loads_at_another_layout(tmp_path, reader):
+    """Written by 2 ranks at EP = 2 + FSDP 2 after two steps, read at EP = 2 + DDP, FSDP
+    without EP, and by one process: every parameter and moment equals the writer's."""
+    spawn(_layout_worker, 2, "fsdp2_ep2", str(tmp_path / "w"), str(tmp_path / "w.pt"), "")
+    step_2 = str(tmp_path / "w" / "checkpoints" / "step_2")
+    got = tmp_path / "r.pt"
+    if reader == "single":
+        _layout_worker(0, 1, reader, str(tmp_path / "r"), str(got), step_2)
+    else:
+        spawn(_layout_worker, 2, reader, str(tmp_path / "r"), str(got), step_2)
+    want, got = torch.load(tmp_path / "w.pt"), torch.load(got)
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+
+
+@pytest.mark.slow
+def test_sharded_run_resumes_in_one_process(tmp_path):
+    """``--resume`` of a 2-rank EP + FSDP run in one process: it continues from step 2 with the
+    resharded state (the step's run state is read from rank 0's file)."""
+    out = str(tmp_path / "run")
+    spawn(_layout_worker, 2, "fsdp2_ep2", out, str(tmp_path / "w.pt"), "")
+    trainer = _small_trainer("single", out, steps=3, resume=True)
+    result = trainer.run()
+    assert trainer.step == 3 and len(result.losses) == 1  # the steps this process ran
+    assert torch.isfinite(torch.tensor(result.losses)).all()

@@ -22,8 +22,11 @@ the optimizer is the pipeline runtime's).
 Invariants: the reader compiles the same model and plan apart from ``parallel`` (same parameter
 names and global shapes) and builds the same optimizer class; after ``load`` every parameter and
 state tensor equals the writer's global tensor restricted to the reader's experts. Scalars
-(``step``) are replicated. Not supported: ZeRO-1 sharded optimizers
-(``build_optimizer(zero=True)``), whose state is not in ``get_state_dict``'s per-name form.
+(``step``) are replicated. Dense parameters FSDP shards (``parallel.dp_shard > 1``,
+:mod:`moec.runtime.fsdp`) are ``DTensor`` s already, on the data-parallel mesh, so a checkpoint
+moves between DDP, FSDP and HSDP layouts as it does between EP degrees. Not supported: ZeRO-1
+sharded optimizers (``build_optimizer(zero=True)``), whose state is not in
+``get_state_dict``'s per-name form.
 """
 
 from __future__ import annotations
@@ -71,8 +74,8 @@ def load(
     set_state_dict(
         compiled,
         _optimizers(optimizer),
-        model_state_dict={k: _local(v) for k, v in state["model"].items()},
-        optim_state_dict={k: _local(v) for k, v in state["optim"].items()},
+        model_state_dict={k: _local(v, mesh) for k, v in state["model"].items()},
+        optim_state_dict={k: _local(v, mesh) for k, v in state["optim"].items()},
         options=FLAT,
     )
 
@@ -107,8 +110,12 @@ def _global(local: torch.Tensor, mesh: MoEMesh) -> DTensor:
     return DTensor.from_local(local, mesh.device_mesh, [Replicate(), Shard(0)], run_check=False)
 
 
-def _local(value: Any) -> Any:
-    return value.to_local() if isinstance(value, DTensor) else value
+def _local(value: Any, mesh: MoEMesh | None) -> Any:
+    """An expert slice :func:`_global` wrapped, unwrapped (an FSDP shard stays a DTensor)."""
+    wrapped = (
+        mesh is not None and isinstance(value, DTensor) and value.device_mesh is mesh.device_mesh
+    )
+    return value.to_local() if wrapped else value
 
 
 def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:

@@ -264,7 +264,10 @@ class Trainer:
         path = committed.path
         try:
             checkpoint.load(self.compiled, self.optimizer, path, self.mesh)
-            extra = torch.load(path / self._trainer_file, weights_only=False)
+            own = path / self._trainer_file
+            extra = torch.load(
+                own if own.is_file() else _any_trainer_file(path), weights_only=False
+            )
         except Exception as exc:  # the files match their manifest: the program does not
             raise CheckpointLoadError(
                 f"checkpoint {path} matches its manifest but does not load into this program "
@@ -273,9 +276,16 @@ class Trainer:
             ) from exc
         self.step = extra["step"]
         self.scheduler.load_state_dict(extra["scheduler"])
-        torch.set_rng_state(extra["cpu_rng"])
-        if extra["cuda_rng"] is not None:
-            torch.cuda.set_rng_state_all(extra["cuda_rng"])
+        if own.is_file():
+            torch.set_rng_state(extra["cpu_rng"])
+            if extra["cuda_rng"] is not None:
+                torch.cuda.set_rng_state_all(extra["cuda_rng"])
+        else:  # written by a job of another size: this rank had no random streams there
+            self._say(
+                f"{path} was written at another data/expert-parallel layout: parameters and "
+                "optimizer state are resharded; random streams restart from the seed"
+            )
+            torch.manual_seed(self.cfg.seed + 7919 * self.rank + self.step)
         first = extra.get("first_loss")
         self.first_loss = None if first is None else first.to(self.device)
         for name in ("skipped_steps", "nonfinite_streak", "longest_streak"):
@@ -453,6 +463,15 @@ def join_job(plan: Plan) -> MoEMesh | None:
     if p.dp == 1 and p.ep == 1:
         return None
     return init_from_env(plan)
+
+
+def _any_trainer_file(path: Path) -> Path:
+    """The step's run state written by a job of another size (every rank's copy of the step,
+    schedule and counters is the same)."""
+    for name in ("trainer.pt", "trainer_rank0.pt"):
+        if (path / name).is_file():
+            return path / name
+    raise FileNotFoundError(f"no trainer.pt or trainer_rank0.pt in {path}")
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
