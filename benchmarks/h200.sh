@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session: the GPU tests and the benchmarks named as arguments, logs and JSON to $OUT.
 #   bash benchmarks/h200.sh tests movement layer e2e profile recompute precision gemm
-#   bash benchmarks/h200.sh multigpu ep scaling         # machines with several GPUs
+#   bash benchmarks/h200.sh multigpu ep scaling scale ddp-fsdp   # machines with several GPUs
 # Stages run in the order given; a failing stage is logged and the next one still runs; each is
 # killed after $STAGE_LIMIT seconds (a hung collective must not eat the session).
 set -u
@@ -34,6 +34,8 @@ for stage in "$@"; do
     scaling) single=$([ -f "$OUT/e2e.json" ] && echo "--single $OUT/e2e.json")
       for args in "--ep $GPUS --path rowwise" "--pp $GPUS"; do
         timeout $STAGE_LIMIT $RUN benchmarks/scaling.py $args $single; done ;;
+    scale) timeout $STAGE_LIMIT $RUN benchmarks/scale.py upcycle --json "$OUT/scale_upcycle.json" ;;
+    ddp-fsdp) timeout $STAGE_LIMIT $RUN benchmarks/scale.py ddp-vs-fsdp --json "$OUT/ddp_fsdp.json" ;;
     *) echo "unknown stage $stage"; continue ;;
   esac > "$OUT/$stage.log" 2>&1
   echo "== $stage rc=$? $(( $(date +%s) - start ))s"

@@ -80,11 +80,11 @@ def host_waits(step) -> collections.Counter:
     )
 
 
-def _trainer(world: int, path: str, out: str) -> Trainer:
+def _trainer(world: int, path: str, out: str, dp_shard: int = 1) -> Trainer:
     plan = Plan.from_dict(
         {
             **DEMO_PLAN,
-            "parallel": {"dp": world, "ep": world, "ep_path": path},
+            "parallel": {"dp": world, "ep": world, "ep_path": path, "dp_shard": dp_shard},
             "precision": {"compute_dtype": "bf16"},
         }
     )
@@ -118,3 +118,22 @@ def _sync_worker(rank: int, world: int, out: str) -> None:
 @pytest.mark.parametrize("world", WORLDS[-1:])
 def test_rowwise_ep_step_is_sync_free_and_sync_1d_is_not(world, tmp_path):
     spawn(_sync_worker, world, str(tmp_path), backend="nccl")
+
+
+def _fsdp_sync_worker(rank: int, world: int, out: str) -> None:
+    sharded = _trainer(world, "rowwise", out, dp_shard=world)
+    assert sharded.compiled.program.data_parallel is not None
+    for _ in range(3):
+        sharded.train_step()
+    losses = run_without_host_sync(sharded.train_step, 2)
+    assert all(torch.isfinite(loss) for loss in losses)
+    waits = host_waits(sharded.train_step)
+    assert not waits, f"rank {rank}: the FSDP + rowwise step waited for the device: {dict(waits)}"
+
+
+@multigpu
+@pytest.mark.parametrize("world", WORLDS[-1:])
+def test_fsdp_rowwise_ep_step_is_sync_free(world, tmp_path):
+    """FSDP2 over the dense parameters (all-gather, reduce-scatter, sharded AdamW and clipping)
+    with rowwise EP: no host sync in a steady-state step."""
+    spawn(_fsdp_sync_worker, world, str(tmp_path), backend="nccl")
