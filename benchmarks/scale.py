@@ -146,12 +146,16 @@ def upcycle(args: argparse.Namespace) -> dict:
     plan = _upcycle_plan(args.experts, parallel, args.recompute)
     cfg = _config(args, args.steps + args.warmup + 1, init_from=str(checkpoint))
     trainer = Trainer(_meta_model(checkpoint), plan, cfg)
-    params = trainer.params
+    program = trainer.compiled.program
+    params = sum(  # the whole model: a DTensor's numel is the global one; experts are 1/world
+        p.numel() * (world if program.role(n) == "expert" else 1)
+        for n, p in trainer.compiled.named_parameters()
+    )
     _say(
         f"\nupcycled {'tiny Llama' if args.small else 'Llama-3.2-1B shape'}, {args.experts} "
-        f"experts top-2: {params / 1e9:.2f}B parameters, {trainer.active_params / 1e9:.2f}B "
-        f"active; EP {world} + FSDP {world}; {args.batch} x {args.seq} tokens per rank; "
-        f"{_device_name(args.device)}"
+        f"experts top-2: {params / 1e9:.2f}B parameters ({trainer.params / 1e9:.2f}B on each "
+        f"rank's program); EP {world} + FSDP {world}; {args.batch} x {args.seq} tokens per "
+        f"rank; {_device_name(args.device)}"
     )
     result = _report(f"ep{world}+fsdp{world}", trainer, args)
     return {"params": params, "single_gpu_refused": dist.get_rank() != 0 or refused, **result}

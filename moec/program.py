@@ -125,13 +125,18 @@ class ShardedDataParallel:
     shard: int
     params: tuple[str, ...]
     """Names of the sharded parameters (every parameter but the experts)."""
+    groups: tuple[str, ...]
+    """Module paths of the blocks whose parameters are gathered and freed around the block
+    (``moec.ops.param_groups``); the other sharded parameters are gathered for the whole step."""
     gather_dtype: str | None
     """dtype the shards are all-gathered in ("bfloat16" in bf16 programs: the graph reads
     them in bf16), None: their own dtype."""
 
     def restricted_to(self, names: set[str]) -> ShardedDataParallel:
         """The layout of the parameters ``names`` (a pipeline stage's)."""
-        return dataclasses.replace(self, params=tuple(n for n in self.params if n in names))
+        params = tuple(n for n in self.params if n in names)
+        groups = tuple(g for g in self.groups if any(under(n, g) for n in params))
+        return dataclasses.replace(self, params=params, groups=groups)
 
 
 @dataclasses.dataclass

@@ -17,18 +17,16 @@ rank's slice and, under pipeline parallelism, the stages are known):
   sizes it was computed at); otherwise the graph's saved bytes (recompute regions count their
   inputs, :mod:`moec.analysis.cost.memory`).
 
-Sharded parameters (``moec.runtime.fsdp``: FSDP2 on the compiled model, experts ignored): a
-rank holds one dim-0 chunk of each, ``ceil(rows / shard)`` rows (FSDP2 pads every rank's shard
-to that size, and rank 0's chunk has it: the figures are those of the fullest rank), for the
-parameter, its float32 gradient and both AdamW moments. ``gathered`` is the larger of its two
-phases, with N the sharded elements padded to ``shard x chunk`` rows:
-
-- backward: the all-gathered parameters (N in the gather dtype, kept from forward to the end
-  of backward) + the unsharded gradients being computed (N in the gather dtype) + with several
-  microbatches those accumulated over the earlier ones (N in float32: FSDP2 upcasts them to
-  its reduce dtype between microbatches);
-- reduce-scatter at the end of backward: the parameters are resharded; the unsharded gradients
-  (gather dtype, or float32 when accumulated) and the float32 reduce-scatter input (N).
+Sharded parameters (``moec.runtime.fsdp``: FSDP2, experts ignored): a rank holds one dim-0
+chunk of each, ``ceil(rows / shard)`` rows (FSDP2 pads every rank's shard to that size, and rank
+0's chunk has it: the figures are those of the fullest rank), for the parameter, its float32
+gradient and both AdamW moments. ``gathered`` counts, per FSDP unit (a block's group, or the
+root: the sharded parameters of no group), with N its elements padded to ``shard x chunk``
+rows, the unsharded parameters (N in the gather dtype), gradients (N in the gather dtype) and
+float32 reduce-scatter input (N): the root's for the whole step, and two groups' (the block
+running and the next one, prefetched) at a time, the largest. With several microbatches every
+unit's unsharded gradients are kept in float32 between microbatches (FSDP2 accumulates them in
+its reduce dtype) and counted for all units.
 
 Parameters, gradients, optimizer state and copies are exact for the program (tests compare
 them with a training step's tensors, sharded ones included); activations are the cost model's
@@ -47,6 +45,7 @@ import torch
 from torch import nn
 
 from moec.analysis.cost import graph_cost
+from moec.fx import under
 from moec.program import Program, ShardedDataParallel
 
 GIB = 1024**3
@@ -112,25 +111,27 @@ def _shard_numel(shape: torch.Size, shard: int) -> int:
 
 def _gathered(gm: nn.Module, layout: ShardedDataParallel, microbatches: int) -> int:
     """Peak bytes of the unsharded parameters and gradients of ``gm``'s sharded parameters
-    during a step: the larger of the module docstring's two phases."""
+    during a step (see the module docstring)."""
     names = set(layout.params)
-    params = grads = grads_f32 = 0  # padded unsharded sizes: gather dtype / reduce dtype
+    gather = None if layout.gather_dtype is None else getattr(torch, layout.gather_dtype)
+    units: dict[str, list[int]] = {}  # group path ("": the root) -> [params, grads, grads_f32]
     for name, param in gm.named_parameters():
         if name not in names:
             continue
+        group = next((g for g in layout.groups if under(name, g)), "")
         padded = _shard_numel(param.shape, layout.shard) * layout.shard
-        itemsize = (
-            param.element_size()
-            if layout.gather_dtype is None
-            else getattr(torch, layout.gather_dtype).itemsize
-        )
-        params += padded * itemsize
+        itemsize = (gather or param.dtype).itemsize
+        sizes = units.setdefault(group, [0, 0, 0])
+        sizes[0] += padded * itemsize
         if param.requires_grad:
-            grads += padded * itemsize
-            grads_f32 += padded * REDUCE_DTYPE.itemsize
-    if microbatches > 1:  # float32 accumulated gradients; the reduce-scatter input beside them
-        return max(params + grads_f32 + grads, 2 * grads_f32)
-    return max(params + grads, grads + grads_f32)
+            sizes[1] += padded * itemsize
+            sizes[2] += padded * REDUCE_DTYPE.itemsize
+    root = units.pop("", [0, 0, 0])
+    groups = list(units.values()) or [[0, 0, 0]]
+    if microbatches > 1:  # every unit's float32 gradients are kept between microbatches
+        kept = root[2] + sum(g[2] for g in groups)
+        return root[0] + root[1] + kept + 2 * max(g[0] + g[1] for g in groups)
+    return sum(root) + 2 * max(sum(g) for g in groups)
 
 
 def _held_graphs(program: Program, pp_rank: int) -> list[nn.Module]:

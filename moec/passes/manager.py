@@ -36,8 +36,8 @@ PASS_MODULES = (
     "moec.passes.rope",
     "moec.passes.glu",
     "moec.passes.working_weights",
-    "moec.passes.fsdp",
     "moec.passes.recompute",
+    "moec.passes.fsdp",
     "moec.passes.pipeline",
 )
 """The modules whose import registers moec's passes; their order breaks ordering ties."""

@@ -335,7 +335,6 @@ class RecomputePass(Pass):
         "fuse_rope",
         "fuse_glu",
         "working_weights",
-        "fsdp",
     )
 
     @staticmethod

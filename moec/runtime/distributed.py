@@ -171,10 +171,12 @@ def global_grad_norm(
     expert_sq = _squared_grad_norm(expert, device)
     if ep_group is not None:
         dist.all_reduce(expert_sq, group=ep_group)
-    dense_sq = _squared_grad_norm(dense, device)
+    shards = [p for p in dense if isinstance(p, DTensor)]
+    dense_sq = _squared_grad_norm(shards, device)
     if dense_group is not None:
         dist.all_reduce(dense_sq, group=dense_group)
-    total = dense_sq + expert_sq
+    whole = [p for p in dense if not isinstance(p, DTensor)]
+    total = dense_sq + _squared_grad_norm(whole, device) + expert_sq
     if pp_group is not None:
         dist.all_reduce(total, group=pp_group)
     return total.sqrt()
@@ -218,7 +220,8 @@ class _Bucket:
 
 
 class GradientReducer:
-    """Bucketed, backward-overlapped gradient averaging (dense over DP, experts over EDP).
+    """Bucketed, backward-overlapped gradient averaging (dense over DP, experts over EDP; dense
+    parameters FSDP shards, ``DTensor`` s, are FSDP's to reduce).
 
     A post-accumulate-grad hook counts down each bucket; a full bucket is flattened, scaled by
     ``1/dp`` and all-reduced asynchronously while backward continues. ``finish()`` launches the
@@ -230,14 +233,11 @@ class GradientReducer:
         module: nn.Module,
         mesh: MoEMesh,
         bucket_bytes: int = 25 * 2**20,
-        *,
-        experts_only: bool = False,
     ):
         self.scale = 1.0 / mesh.dp
         self._enabled = True
         dense, expert = parameter_groups(module)
-        if experts_only:  # the dense ones are FSDP's (moec.runtime.fsdp)
-            dense = []
+        dense = [p for p in dense if not isinstance(p, DTensor)]  # FSDP's (moec.runtime.fsdp)
         self.buckets = _buckets(dense[::-1], mesh.dp_group, bucket_bytes) + _buckets(
             expert[::-1], mesh.edp_group, bucket_bytes
         )

@@ -1,24 +1,31 @@
 """FSDP2 over a program's dense parameters (``program.data_parallel``, pass ``fsdp``).
 
-``shard_dense_parameters(compiled, mesh)`` calls ``torch.distributed.fsdp.fully_shard`` on the
-compiled model with the mesh's ``dp_shard`` mesh (1-D: FSDP; 2-D ``(dp_replicate, dp_shard)``:
-HSDP), managing exactly the parameters the pass listed; the expert slices are
-``ignored_params`` (each EP rank holds its own experts whole; their gradients are averaged over
-the expert-data-parallel group by :class:`~moec.runtime.distributed.GradientReducer`). The
-compiled model is the FSDP root, so every graph the runtime runs (train, eval, forward-only
-variants) reads the unsharded parameters: its forward is the only entry point.
+``shard_dense_parameters(compiled, mesh)`` calls ``torch.distributed.fsdp.fully_shard`` with the
+mesh's ``dp_shard`` mesh (1-D: FSDP; 2-D ``(dp_replicate, dp_shard)``: HSDP) on each block the
+pass made a parameter group (``program.data_parallel.groups``) and then on the compiled model,
+the root, which takes the remaining sharded parameters (embeddings, final norm, head). The
+expert slices are ``ignored_params`` (each EP rank holds its own experts whole; their gradients
+are averaged over the expert-data-parallel group by
+:class:`~moec.runtime.distributed.GradientReducer`), and so are the dense parameters the pass
+left whole (read in float32 by a bf16 program: norm weights, embeddings), which it averages
+over the data-parallel group as under DDP. Every graph the runtime runs (train, eval,
+forward-only variants) enters through the root's forward and calls the groups.
 
 Precision: shards are all-gathered in ``program.data_parallel.gather_dtype`` (bf16 in bf16
 programs, so the step casts 1/dp_shard of the dense weights, on the shard, and never a whole
 weight), gradients are reduce-scattered in float32 and land on the float32 shards.
-Unsharded parameters stay gathered from forward to the end of backward (the root's policy,
-one all-gather per step); gradients are reduce-scattered and freed when backward ends.
+A group's parameters are gathered when its block starts, freed when it ends, gathered again
+when backward reaches it and reduce-scattered (then freed) when its backward is done (see
+:mod:`moec.ops.param_groups`); FSDP2 prefetches the next group's all-gather in backward. The
+root's parameters stay gathered from forward to the end of backward.
 
 Parameters built on the meta device stay there: :func:`moec.runtime.materialize.materialize`
 then writes each rank's shard (``DTensor`` parameters) after this call.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch import nn
@@ -50,6 +57,18 @@ def shard_dense_parameters(compiled: nn.Module, mesh: MoEMesh | None) -> None:
     policy = MixedPrecisionPolicy(
         param_dtype=gather, reduce_dtype=torch.float32, cast_forward_inputs=False
     )
+    # a group returns its inputs, the previous block's released output (a view); FSDP warns
+    # that an in-place op on it would skip its hook: a program's graph has no in-place ops
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    for path in layout.groups:  # gathered around their block (moec.ops.param_groups)
+        group = compiled.get_submodule(path)
+        fully_shard(
+            group,
+            mesh=mesh.fsdp_mesh,
+            mp_policy=policy,
+            ignored_params=ignored,
+            reshard_after_forward=False,  # the block's ReleaseParams frees them
+        )
     fully_shard(compiled, mesh=mesh.fsdp_mesh, mp_policy=policy, ignored_params=ignored)
 
 

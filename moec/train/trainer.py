@@ -120,11 +120,7 @@ class Trainer:
             init_device=self.device,
             check=self._check_memory,
         )
-        # FSDP reduce-scatters the dense gradients itself (moec.runtime.fsdp)
-        sharded = self.compiled.program.data_parallel is not None
-        self.reducer = (
-            GradientReducer(self.compiled, self.mesh, experts_only=sharded) if self.mesh else None
-        )
+        self.reducer = GradientReducer(self.compiled, self.mesh) if self.mesh else None
         self.optimizer = AdamW(
             parameter_groups(self.compiled, cfg.weight_decay),
             lr=cfg.lr,
