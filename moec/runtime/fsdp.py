@@ -16,7 +16,8 @@ programs, so the step casts 1/dp_shard of the dense weights, on the shard, and n
 weight), gradients are reduce-scattered in float32 and land on the float32 shards.
 A group's parameters are gathered when its block starts, freed when it ends, gathered again
 when backward reaches it and reduce-scattered (then freed) when its backward is done (see
-:mod:`moec.ops.param_groups`); FSDP2 prefetches the next group's all-gather in backward. The
+:mod:`moec.ops.param_groups`); the next group's all-gather is issued when a group is gathered
+(forward) and by FSDP2's backward prefetch, so it overlaps the running block. The
 root's parameters stay gathered from forward to the end of backward.
 
 Parameters built on the meta device stay there: :func:`moec.runtime.materialize.materialize`
@@ -60,8 +61,8 @@ def shard_dense_parameters(compiled: nn.Module, mesh: MoEMesh | None) -> None:
     # a group returns its inputs, the previous block's released output (a view); FSDP warns
     # that an in-place op on it would skip its hook: a program's graph has no in-place ops
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    for path in layout.groups:  # gathered around their block (moec.ops.param_groups)
-        group = compiled.get_submodule(path)
+    groups = [compiled.get_submodule(path) for path in layout.groups]
+    for group in groups:  # gathered around their block (moec.ops.param_groups)
         fully_shard(
             group,
             mesh=mesh.fsdp_mesh,
@@ -69,6 +70,8 @@ def shard_dense_parameters(compiled: nn.Module, mesh: MoEMesh | None) -> None:
             ignored_params=ignored,
             reshard_after_forward=False,  # the block's ReleaseParams frees them
         )
+    for group, following in zip(groups, groups[1:]):  # the next block's all-gather overlaps
+        group.set_modules_to_forward_prefetch([following])
     fully_shard(compiled, mesh=mesh.fsdp_mesh, mp_policy=policy, ignored_params=ignored)
 
 
