@@ -163,6 +163,8 @@ LAYOUTS = {
     "ddp2_ep2": {"dp": 2, "ep": 2},
     "fsdp2": {"dp": 2, "dp_shard": 2},
     "single": {},
+    "hsdp2x2_ep2": {"dp": 4, "ep": 2, "dp_shard": 2},
+    "ddp4_ep2": {"dp": 4, "ep": 2},
 }
 
 
@@ -239,3 +241,17 @@ def test_sharded_run_resumes_in_one_process(tmp_path):
     result = trainer.run()
     assert trainer.step == 3 and len(result.losses) == 1  # the steps this process ran
     assert torch.isfinite(torch.tensor(result.losses)).all()
+
+
+@pytest.mark.slow
+def test_hsdp_trains_as_ddp(tmp_path):
+    """HSDP (2 replicas of 2-rank shards) with EP = 2 on 4 ranks: two steps give DDP's
+    parameters and moments."""
+    got, want = tmp_path / "hsdp.pt", tmp_path / "ddp.pt"
+    spawn(_layout_worker, 4, "hsdp2x2_ep2", str(tmp_path / "h"), str(got), "")
+    spawn(_layout_worker, 4, "ddp4_ep2", str(tmp_path / "d"), str(want), "")
+    got, want = torch.load(got), torch.load(want)
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        off = ~torch.isclose(got[name], value, rtol=1e-4, atol=1e-6)
+        assert off.float().mean() < 1e-3, (name, int(off.sum()))
