@@ -60,7 +60,9 @@ def compile(
     the model may then be built on the meta device: after the passes each parameter of the
     program (this rank's part only) is built on ``init_device`` from the checkpoint through
     its provenance (:func:`moec.runtime.materialize.materialize`), e.g.
-    ``moec.compile(meta_model, plan, example, init_from="llama-1b/")``. ``check(program)``
+    ``moec.compile(meta_model, plan, example, init_from="llama-1b/")``; to train from scratch,
+    ``init_from=moec.runtime.materialize.FreshInit(seed=0)`` draws each dense tensor by its
+    module's initializer, the same at every layout. ``check(program)``
     runs on the final program before it is materialized (see :func:`build_program`).
     """
     plan = Plan.from_dict(plan) if isinstance(plan, dict) else plan or Plan()

@@ -1,4 +1,5 @@
-"""Materialize a program's parameters and buffers on one rank from a dense checkpoint.
+"""Materialize a program's parameters and buffers on one rank from a dense checkpoint, or from
+freshly initialized dense tensors (:class:`FreshInit`).
 
 A model built on the meta device is captured and compiled on shapes; :func:`materialize` then
 gives each parameter of ``program.graph`` its real value on ``device`` from the parameter's
@@ -20,6 +21,20 @@ not this rank's to run).
 Sources (:func:`open_source`): a Hugging Face safetensors directory (``model.safetensors``, or
 the shards named by ``model.safetensors.index.json``), one ``.safetensors`` file (read slice
 by slice with ``safe_open(...).get_slice``), a torch state dict, or a file holding one.
+
+Training from scratch (:class:`FreshInit`): the source model's parameters freshly initialized,
+one owning module at a time on the CPU, so a model too big for one device is never built
+whole. Parameter ``a.b.weight`` is made by a copy of module ``a.b`` alone, allocated
+(``to_empty(recurse=False)``) and filled by the first initializer that leaves none of its
+parameters NaN (the model's ``_init_weights(module)``, the module's ``reset_parameters()``),
+run under the random state ``torch.manual_seed(fresh_seed(seed, "a.b"))`` forked from the
+caller's. A value thus depends only on the seed and its module's path: every layout (dp,
+dp_shard, ep, pp) builds the same global tensors as one process, whatever it reads and in
+which order. The last module's tensors are kept, so its several parameters are made once.
+A tied parameter is its first holder's. An initializer that a parent module applies to its
+children (e.g. a scaled residual projection set by the block's ``_init_weights``) is not
+applied: only the owning module's is. A parameter no initializer fills raises
+:class:`MaterializeError` naming it and what was tried.
 
 Buffers: a persistent buffer is read from the checkpoint. A non-persistent one (RoPE tables)
 is not in a checkpoint, so it is recomputed on the CPU by the source model's own code: the
@@ -58,7 +73,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from moec.errors import MoecError
-from moec.program import ParamSource, Pipeline, Program, TensorBuilder, cut
+from moec.program import ParamSource, Pipeline, Program, TensorBuilder, cut, fresh_seed
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -173,8 +188,73 @@ class SubmoduleSource(TensorSource):
         return self.inner._read(self._inner_name(name), index)
 
 
+class FreshInit(TensorSource):
+    """``model``'s parameters freshly initialized from ``seed``, one owning module at a time (see
+    the module docstring). Without ``model`` it is a marker: :func:`materialize` binds it to the
+    model it is given (``moec.compile(meta_model, plan, example, init_from=FreshInit(seed=0))``)."""
+
+    def __init__(self, seed: int, model: nn.Module | None = None) -> None:
+        super().__init__(f"FreshInit(seed={seed})")
+        self.seed, self.model = seed, model
+        self._owners: dict[str, tuple[str, str]] = {}
+        """Parameter name -> (module path, attribute) of the first module holding it."""
+        self._last: tuple[str, dict[str, torch.Tensor]] | None = None
+        """The last initialized module's path and its parameters, by attribute."""
+        first: dict[int, tuple[str, str]] = {}
+        for path, module in [] if model is None else model.named_modules(remove_duplicate=False):
+            for attr, param in module._parameters.items():
+                if param is not None:
+                    owner = first.setdefault(id(param), (path, attr))
+                    self._owners[f"{path}.{attr}" if path else attr] = owner
+
+    def bound(self, model: nn.Module | None) -> FreshInit:
+        """This source, bound to ``model`` if it is not bound yet."""
+        if self.model is not None:
+            return self
+        if model is None:
+            raise MaterializeError(
+                f"{self.where} has no model to initialize: pass the source model "
+                "(materialize(..., model=...); moec.compile passes the model it compiles) or "
+                "FreshInit(seed, model)"
+            )
+        return FreshInit(self.seed, model)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._owners
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.model.get_parameter(name).shape)
+
+    def _read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        path, attr = self._owners[name]
+        rows, cols = index[0], index[1] if len(index) > 1 else None
+        return cut(self._module_tensors(path, name)[attr], rows, cols)
+
+    def _module_tensors(self, path: str, name: str) -> dict[str, torch.Tensor]:
+        if self._last is not None and self._last[0] == path:
+            return self._last[1]
+        self._last = None  # the previous module's tensors are dropped before the next is built
+        module = self.model.get_submodule(path)
+        attrs = [a for a, p in module._parameters.items() if p is not None]
+        initializers = _initializers(self.model, module)
+        for initialize in initializers:
+            filled = _filled(initialize, module, attrs, seed=fresh_seed(self.seed, path))
+            if filled is not None:
+                self._last = (path, filled)
+                return filled
+        tried = ", ".join(i.__name__ for i in initializers) or "none"
+        raise MaterializeError(
+            f"parameter {name}: {self.where} found no initializer that fills the parameters of "
+            f"its module {path or '<root>'} ({type(module).__name__}) alone on the CPU (tried: "
+            f"{tried}; accepted: the model's _init_weights(module), the module's "
+            "reset_parameters()): give the module a reset_parameters() or initialize from a "
+            "checkpoint"
+        )
+
+
 Checkpoint = str | os.PathLike | Mapping[str, torch.Tensor] | TensorSource
-"""What ``init_from`` accepts: a checkpoint path, a state dict, or an opened source."""
+"""What ``init_from`` accepts: a checkpoint path, a state dict, or an opened source
+(:class:`FreshInit` included)."""
 
 
 def open_source(source: Checkpoint) -> TensorSource:
@@ -218,11 +298,14 @@ def materialize(
 
     ``model``: the source model the program was compiled from (typically on the meta device);
     when given, every checkpoint tensor read is checked against the shape of the model's
-    tensor of that name, and non-persistent buffers are recomputed by its initializer.
+    tensor of that name, and non-persistent buffers are recomputed by its initializer. An
+    unbound :class:`FreshInit` is bound to it (required then).
     ``pp_rank``: this rank's pipeline rank (``PipelineMesh.pp_rank``), required exactly when
     the program is pipelined: only the tensors of the stages it holds are built."""
     held = _held_tensors(program, pp_rank)
     tensors = open_source(source)
+    if isinstance(tensors, FreshInit):
+        tensors = tensors.bound(model)
     expected = {} if model is None else _shapes(model)
     read = _checked_reader(tensors, expected)
     gm = program.graph
@@ -427,7 +510,8 @@ def _initial_buffers(model: nn.Module | None) -> dict[str, torch.Tensor]:
 
 
 def _initializers(model: nn.Module, module: nn.Module) -> list[Callable[[nn.Module], Any]]:
-    """Ways to fill ``module``'s buffers in place of a CPU copy of it (see _initial_buffers)."""
+    """Ways to fill ``module``'s tensors in place of a CPU copy of it, in the order tried (see
+    _initial_buffers and FreshInit); each is named by its ``__name__``."""
     found: list[Callable[[nn.Module], Any]] = []
     has_params = any(True for _ in module.parameters())
     if getattr(module, "config", None) is not None and not has_params:  # small modules only
@@ -435,8 +519,12 @@ def _initializers(model: nn.Module, module: nn.Module) -> list[Callable[[nn.Modu
     if callable(getattr(model, "_init_weights", None)):
         found.append(model._init_weights)
     if callable(getattr(module, "reset_parameters", None)):
-        found.append(lambda clone: clone.reset_parameters())
+        found.append(_reset_parameters)
     return found
+
+
+def _reset_parameters(clone: nn.Module) -> None:
+    clone.reset_parameters()
 
 
 def _rebuild_from_config(clone: nn.Module) -> None:
@@ -447,18 +535,33 @@ def _rebuild_from_config(clone: nn.Module) -> None:
 
 
 def _filled(
-    initialize: Callable[[nn.Module], Any], module: nn.Module, names: list[str]
+    initialize: Callable[[nn.Module], Any],
+    module: nn.Module,
+    names: list[str],
+    seed: int | None = None,
 ) -> dict[str, torch.Tensor] | None:
-    """Buffers ``names`` of a CPU copy of ``module`` (allocated, NaN) after ``initialize``
-    ran on it; None if it raised or left a NaN."""
+    """Tensors ``names`` (``module``'s own parameters or buffers) of a CPU copy of ``module``
+    (allocated, NaN) after ``initialize`` ran on it, under ``torch.manual_seed(seed)`` when
+    ``seed`` is given (the caller's random state restored after); None if it raised or left
+    a NaN."""
     if not names:
         return None
     clone = copy.deepcopy(module).to_empty(device="cpu", recurse=False)
-    for name in names:
-        clone.get_buffer(name).fill_(math.nan)
-    try:
-        initialize(clone)
-    except (TypeError, ValueError, AttributeError, RuntimeError):
-        return None
-    filled = {name: clone.get_buffer(name) for name in names}
-    return None if any(bool(b.isnan().any()) for b in filled.values()) else filled
+    with torch.no_grad():
+        for name in names:
+            _own(clone, name).fill_(math.nan)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        if seed is not None:
+            torch.manual_seed(seed)
+        try:
+            initialize(clone)
+        except (TypeError, ValueError, AttributeError, RuntimeError):
+            return None
+    filled = {name: _own(clone, name).detach() for name in names}
+    return None if any(bool(t.isnan().any()) for t in filled.values()) else filled
+
+
+def _own(module: nn.Module, name: str) -> torch.Tensor:
+    """``module``'s own parameter or buffer ``name``."""
+    param = module._parameters.get(name)
+    return param if param is not None else module._buffers[name]

@@ -96,7 +96,7 @@ def cli_train(args) -> int:
         memory_limit_gib=args.memory_limit_gib,
     )
     torch.manual_seed(cfg.seed)  # the model's initialisation is part of the run
-    # from a checkpoint, the model is built on shapes: each rank reads only its part
+    # from a checkpoint or fresh, the model is built on shapes: each rank builds only its part
     with torch.device("meta") if cfg.init_from else contextlib.nullcontext():
         model = load_model(args.model)[0]
     return _train_and_report(model, plan, cfg)

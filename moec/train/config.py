@@ -10,6 +10,8 @@ import torch
 from moec.errors import MoecError
 
 CHECKPOINT_ERROR_POLICIES = ("stop", "continue")
+FRESH_INIT = "fresh"
+"""``TrainConfig.init_from`` (``--init-from``) for freshly initialized dense tensors."""
 
 
 class TrainConfigError(MoecError):
@@ -58,9 +60,11 @@ class TrainConfig:
     no check on the CPU."""
     init_from: str | None = None
     """A dense checkpoint of the model (a ``save_pretrained`` safetensors directory, a
-    ``.safetensors`` file or a torch state dict file) to initialize the program from: the model
-    is then given on the meta device and each rank reads only its part
-    (:mod:`moec.runtime.materialize`)."""
+    ``.safetensors`` file or a torch state dict file) to initialize the program from, or
+    ``"fresh"`` (a checkpoint directory of that name: ``./fresh``) for freshly initialized
+    dense tensors drawn from ``seed`` one module at a time, the same at every layout
+    (:class:`moec.runtime.materialize.FreshInit`): the model is then given on the meta device
+    and each rank builds only its part (:mod:`moec.runtime.materialize`)."""
 
     def __post_init__(self) -> None:
         at_least = {

@@ -62,9 +62,16 @@ from moec.runtime.distributed import (
 )
 from moec.runtime.distributed import parameter_groups as dist_parameter_groups
 from moec.runtime.fsdp import set_gradient_sync
-from moec.runtime.materialize import SubmoduleSource, open_source
+from moec.runtime.materialize import FreshInit, SubmoduleSource, open_source
 from moec.runtime.metrics import bf16_peak_tflops, useful_mfu
-from moec.train.config import TrainConfig, TrainConfigError, flag_of, resolve_device, wsd_schedule
+from moec.train.config import (
+    FRESH_INIT,
+    TrainConfig,
+    TrainConfigError,
+    flag_of,
+    resolve_device,
+    wsd_schedule,
+)
 from moec.train.loop import TrainingLoop, TrainResult, mean_of
 from moec.train.objective import LanguageModelWithLoss, parameter_groups
 
@@ -110,13 +117,17 @@ class Trainer:
         # a model given on the meta device (init_from) is captured on meta inputs too
         capture_device = "meta" if cfg.init_from else self.device
         example = tuple(t[: cfg.batch_size // micro].to(capture_device) for t in self.data.batch(0))
+        if cfg.init_from == FRESH_INIT:  # bound to the model: its _init_weights, its names
+            dense = FreshInit(cfg.seed, model)
+        else:
+            dense = cfg.init_from and open_source(cfg.init_from)
         self.compiled = compile(
             LanguageModelWithLoss(model if cfg.init_from else model.to(self.device)),
             plan,
             example,
             mesh=self.mesh,
             # the wrapper holds the checkpoint's model at "model."
-            init_from=cfg.init_from and SubmoduleSource(open_source(cfg.init_from), "model."),
+            init_from=dense and SubmoduleSource(dense, "model."),
             init_device=self.device,
             check=self._check_memory,
         )
