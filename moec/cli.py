@@ -336,10 +336,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--synthetic", action="store_true", help="random tokens instead of text")
     train.add_argument(
         "--init-from",
-        metavar="PATH",
+        metavar="PATH|fresh",
         help="a dense checkpoint of MODEL (save_pretrained folder, .safetensors or state dict "
-        "file) to upcycle from; the model is built on the meta device and each rank reads "
-        "only its part",
+        "file) to upcycle from, or 'fresh': freshly initialized from --seed, one module at a "
+        "time, the same at every layout; the model is built on the meta device and each rank "
+        "builds only its part",
     )
     train.add_argument(
         "--memory-limit-gib",
