@@ -71,9 +71,16 @@ def value_of(arg: Any) -> Any:
     return arg.meta.get("val") if isinstance(arg, fx.Node) else None
 
 
+def _gathered_cast(node: fx.Node) -> bool:
+    """``to.dtype`` of a parameter: what pass ``fsdp`` leaves where FSDP all-gathers the
+    parameter in that dtype, so it returns its input (a parameter, never an activation)."""
+    source = node.args[0] if node.args else None
+    return node.target == aten.to.dtype and isinstance(source, fx.Node) and source.op == "get_attr"
+
+
 def stored_ref(node: fx.Node) -> SavedRef:
     """The stored tensor ``node`` is (a view of): views and split pieces resolve to their base."""
-    while node.op == "call_function" and node.target in VIEW_LIKE:
+    while node.op == "call_function" and (node.target in VIEW_LIKE or _gathered_cast(node)):
         if node.target is operator.getitem:
             producer, index = node.args
             if producer.target not in VIEW_LIKE:
