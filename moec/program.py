@@ -131,12 +131,23 @@ class ShardedDataParallel:
     gather_dtype: str | None
     """dtype the shards are all-gathered in ("bfloat16" in bf16 programs: the graph reads
     them in bf16), None: their own dtype."""
+    expert_shard: int = 1
+    """Ranks each expert parameter in ``expert_params`` is split over (dim 1): the
+    expert-data-parallel group, ``dp / ep``, when the plan shards (1: experts whole)."""
+    expert_params: tuple[str, ...] = ()
+    expert_groups: tuple[str, ...] = ()
+    """Module paths holding the sharded experts, each an FSDP unit over the expert-data-parallel
+    group, gathered around the experts' op like a block's group."""
 
     def restricted_to(self, names: set[str]) -> ShardedDataParallel:
         """The layout of the parameters ``names`` (a pipeline stage's)."""
         params = tuple(n for n in self.params if n in names)
         groups = tuple(g for g in self.groups if any(under(n, g) for n in params))
-        return dataclasses.replace(self, params=params, groups=groups)
+        experts = tuple(n for n in self.expert_params if n in names)
+        expert_groups = tuple(g for g in self.expert_groups if any(under(n, g) for n in experts))
+        return dataclasses.replace(
+            self, params=params, groups=groups, expert_params=experts, expert_groups=expert_groups
+        )
 
 
 @dataclasses.dataclass

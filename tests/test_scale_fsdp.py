@@ -88,8 +88,8 @@ def _trainer(checkpoint: str, plan: dict, out: str, batch_size: int) -> Trainer:
 
 def _full(param: torch.Tensor, role: str, trainer: Trainer) -> torch.Tensor:
     """The whole (EP = 1, unsharded) tensor of a parameter of this job."""
-    if hasattr(param, "full_tensor"):
-        return param.full_tensor().detach()
+    if hasattr(param, "full_tensor"):  # an FSDP shard: of a dense tensor or of this EP slice
+        param = param.full_tensor()
     if role != "expert" or trainer.mesh is None or trainer.mesh.ep_info.size == 1:
         return param.detach()
     parts = [torch.empty_like(param) for _ in range(trainer.mesh.ep_info.size)]

@@ -24,9 +24,11 @@ gradient and both AdamW moments. ``gathered`` counts, per FSDP unit (a block's g
 root: the sharded parameters of no group), with N its elements padded to ``shard x chunk``
 rows, the unsharded parameters (N in the gather dtype), gradients (N in the gather dtype) and
 float32 reduce-scatter input (N): the root's for the whole step, and two groups' (the block
-running and the next one, prefetched) at a time, the largest. With several microbatches every
-unit's unsharded gradients are kept in float32 between microbatches (FSDP2 accumulates them in
-its reduce dtype) and counted for all units.
+running and the next one, prefetched) at a time, the largest, and as many expert units (a
+block's experts, sharded over the expert-data-parallel ranks on dim 1 when ``dp > ep``: each
+rank holds ``ceil(dim1 / expert_shard)`` of each expert slice) besides. With several
+microbatches every unit's unsharded gradients are kept in float32 between microbatches
+(FSDP2 accumulates them in its reduce dtype) and counted for all units.
 
 Parameters, gradients, optimizer state and copies are exact for the program (tests compare
 them with a training step's tensors, sharded ones included); activations are the cost model's
@@ -83,6 +85,7 @@ def rank_memory(
     masters = {name for names in program.working_weights.values() for name in names}
     layout = program.data_parallel
     sharded = set(layout.params) if layout is not None else set()
+    experts = set(layout.expert_params) if layout is not None else set()
     grad_bf16 = microbatches == 1
     params = grads = optimizer = copies = gathered = 0
     for gm in graphs:
@@ -90,6 +93,8 @@ def rank_memory(
             numel = param.numel()
             if name in sharded:
                 numel = _shard_numel(param.shape, layout.shard)
+            elif name in experts:
+                numel = _shard_numel(param.shape, layout.expert_shard, dim=1)
             params += numel * param.element_size()
             if param.requires_grad:
                 dtype = torch.bfloat16 if name in masters and grad_bf16 else param.dtype
@@ -102,24 +107,28 @@ def rank_memory(
     return RankMemory(params, grads, optimizer, copies, gathered, activations)
 
 
-def _shard_numel(shape: torch.Size, shard: int) -> int:
-    """Elements of the fullest dim-0 chunk (``torch.chunk``) of a tensor of ``shape``."""
-    if len(shape) == 0:
-        return 1
-    return math.ceil(shape[0] / shard) * math.prod(shape[1:])
+def _shard_numel(shape: torch.Size, shard: int, dim: int = 0) -> int:
+    """Elements of the fullest dim-``dim`` chunk (``torch.chunk``) of a tensor of ``shape``."""
+    if len(shape) <= dim:
+        return math.prod(shape)
+    return math.ceil(shape[dim] / shard) * math.prod(shape) // shape[dim]
 
 
 def _gathered(gm: nn.Module, layout: ShardedDataParallel, microbatches: int) -> int:
     """Peak bytes of the unsharded parameters and gradients of ``gm``'s sharded parameters
     during a step (see the module docstring)."""
-    names = set(layout.params)
+    names, experts = set(layout.params), set(layout.expert_params)
     gather = None if layout.gather_dtype is None else getattr(torch, layout.gather_dtype)
     units: dict[str, list[int]] = {}  # group path ("": the root) -> [params, grads, grads_f32]
     for name, param in gm.named_parameters():
-        if name not in names:
+        if name not in names | experts:
             continue
-        group = next((g for g in layout.groups if under(name, g)), "")
-        padded = _shard_numel(param.shape, layout.shard) * layout.shard
+        if name in experts:
+            group = next(g for g in layout.expert_groups if under(name, g))
+            padded = _shard_numel(param.shape, layout.expert_shard, 1) * layout.expert_shard
+        else:
+            group = next((g for g in layout.groups if under(name, g)), "")
+            padded = _shard_numel(param.shape, layout.shard) * layout.shard
         itemsize = (gather or param.dtype).itemsize
         sizes = units.setdefault(group, [0, 0, 0])
         sizes[0] += padded * itemsize
@@ -127,11 +136,13 @@ def _gathered(gm: nn.Module, layout: ShardedDataParallel, microbatches: int) -> 
             sizes[1] += padded * itemsize
             sizes[2] += padded * REDUCE_DTYPE.itemsize
     root = units.pop("", [0, 0, 0])
+    expert_units = [units.pop(g) for g in layout.expert_groups if g in units] or [[0, 0, 0]]
     groups = list(units.values()) or [[0, 0, 0]]
     if microbatches > 1:  # every unit's float32 gradients are kept between microbatches
-        kept = root[2] + sum(g[2] for g in groups)
-        return root[0] + root[1] + kept + 2 * max(g[0] + g[1] for g in groups)
-    return sum(root) + 2 * max(sum(g) for g in groups)
+        kept = root[2] + sum(g[2] for g in groups + expert_units)
+        running = max(g[0] + g[1] for g in groups) + max(g[0] + g[1] for g in expert_units)
+        return root[0] + root[1] + kept + 2 * running
+    return sum(root) + 2 * (max(sum(g) for g in groups) + max(sum(g) for g in expert_units))
 
 
 def _held_graphs(program: Program, pp_rank: int) -> list[nn.Module]:

@@ -77,24 +77,47 @@ class FSDPPass(Pass):
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         program = ctx.require_program(self.name)
-        dense = {name for name, _ in gm.named_parameters() if program.role(name) != "expert"}
+        p = ctx.plan.parallel
+        expert_shard = p.dp // p.ep if p.dp > p.ep else 1
+        experts = {n for n, _ in gm.named_parameters() if program.role(n) == "expert"}
+        holders = {n.rpartition(".")[0] for n in experts} if expert_shard > 1 else set()
+        # a parameter beside the experts in their module (the router) stays whole: FSDP manages
+        # a module's parameters in one unit, and the experts' unit spans other ranks
+        dense = {
+            n
+            for n, _ in gm.named_parameters()
+            if n not in experts and not any(under(n, h) for h in holders)
+        }
         bf16 = ctx.plan.precision.compute_dtype == "bf16"
         if bf16:  # gathered in bf16: only what the graph reads in bf16
-            dense = {name for name in dense if _read_in_bf16_only(gm, name)}
-        sharded = tuple(name for name, _ in gm.named_parameters() if name in dense)
-        casts = _gather_casts(gm, set(sharded)) if bf16 else 0
-        groups = _insert_groups(gm, program, set(sharded), ctx.analysis)
+            dense = {n for n in dense if _read_in_bf16_only(gm, n)}
+            experts = {n for n in experts if _read_in_bf16_only(gm, n)}
+        if expert_shard == 1:
+            experts = set()
+        sharded = tuple(n for n, _ in gm.named_parameters() if n in dense)
+        sharded_experts = tuple(n for n, _ in gm.named_parameters() if n in experts)
+        casts = _gather_casts(gm, dense | experts) if bf16 else 0
+        groups, expert_groups = _insert_groups(gm, program, dense, experts, ctx.analysis)
         gm.recompile()
-        p = ctx.plan.parallel
         program.data_parallel = ShardedDataParallel(
             replicate=p.dp // p.dp_shard,
             shard=p.dp_shard,
             params=sharded,
             groups=tuple(groups),
             gather_dtype="bfloat16" if bf16 else None,
+            expert_shard=expert_shard if expert_groups else 1,
+            expert_params=tuple(
+                n for n in sharded_experts if any(under(n, g) for g in expert_groups)
+            ),
+            expert_groups=tuple(expert_groups),
         )
-        stats = {"sharded": len(sharded), "groups": len(groups), "casts_to_gather": casts}
-        return PassResult(gm, bool(casts or groups), stats)
+        stats = {
+            "sharded": len(sharded),
+            "groups": len(groups),
+            "expert_groups": len(expert_groups),
+            "casts_to_gather": casts,
+        }
+        return PassResult(gm, bool(casts or groups or expert_groups), stats)
 
 
 def _readers(gm: fx.GraphModule, name: str) -> list[fx.Node]:
@@ -145,32 +168,40 @@ def _retarget_casts(param: fx.Node) -> int:
 
 
 def _insert_groups(
-    gm: fx.GraphModule, program: Program, sharded: set[str], analysis: Callable[..., Any]
-) -> list[str]:
-    """Make each eligible block a parameter group (see the module docstring); its path each."""
+    gm: fx.GraphModule,
+    program: Program,
+    dense: set[str],
+    experts: set[str],
+    analysis: Callable[..., Any],
+) -> tuple[list[str], list[str]]:
+    """Make each eligible block, then each module holding sharded experts, a parameter group
+    (see the module docstring); their paths."""
     cost = analysis(graph_cost, program)
     units = find_units(gm, cost)
     dependent = {n for unit in units for n in unit} | {
         n for n in gm.graph.nodes if n.op == "placeholder"
     }
-    groups = []
-    for path, unit in zip(block_paths(gm, cost), units, strict=True):
-        container = gm.get_submodule(path) if path else None
-        if type(container) is not nn.Module:
-            continue
-        params = [
-            n
-            for n in gm.graph.nodes
-            if n.op == "get_attr" and n.target in sharded and under(str(n.target), path)
-        ]
-        derived = _derived(params, dependent)
-        members = set(unit)
-        readers = {u for n in derived for u in n.users if u in dependent}
-        if not params or not readers <= members:
-            continue  # another block reads them: they stay with the root
-        if _make_group(gm, path, container, unit, derived, readers, dependent):
-            groups.append(path)
-    return groups
+    blocks = list(zip(block_paths(gm, cost), units, strict=True))
+    holders = sorted({n.rpartition(".")[0] for n in experts})
+    expert_units = [(h, u) for h in holders for b, u in blocks if under(h, b)]
+    made: tuple[list[str], list[str]] = ([], [])
+    for kind, (names, candidates) in enumerate(((dense, blocks), (experts, expert_units))):
+        for path, unit in candidates:
+            container = gm.get_submodule(path) if path else None
+            if type(container) is not nn.Module:
+                continue
+            params = [
+                n
+                for n in gm.graph.nodes
+                if n.op == "get_attr" and n.target in names and under(str(n.target), path)
+            ]
+            derived = _derived(params, dependent)
+            readers = {u for n in derived for u in n.users if u in dependent}
+            if not params or not readers <= set(unit):
+                continue  # another block reads them: they stay with the root
+            if _make_group(gm, path, container, unit, derived, readers, dependent):
+                made[kind].append(path)
+    return made
 
 
 def _derived(params: list[fx.Node], dependent: set[fx.Node]) -> list[fx.Node]:
@@ -196,16 +227,22 @@ def _make_group(
 ) -> bool:
     graph = gm.graph
     entry = next(n for n in unit if n in readers)
-    at_or_after = set(unit[unit.index(entry) :])
+    inside = [n for n in unit if under(module_path(n), path) and _float_tensor(n)]
+    if not inside:  # nodes the passes made carry their caller's module (an expert op's FFN)
+        outputs = readers | {u for r in readers for u in r.users if u.target is operator.getitem}
+        inside = [n for n in unit if n in outputs and _float_tensor(n)]
+    if not inside or unit.index(inside[-1]) < unit.index(entry):
+        return False
+    output = inside[-1]
+    at_or_after = set(unit[unit.index(entry) : unit.index(output) + 1])  # the group's span
+    order = {n: i for i, n in enumerate(graph.nodes)}
     live_in = [
         n
         for n in dict.fromkeys(a for m in at_or_after for a in m.all_input_nodes)
-        if n in dependent and n not in at_or_after and _is_tensor(n)
+        if n in dependent and order[n] < order[entry] and _is_tensor(n)
     ]
-    inside = [n for n in unit if under(module_path(n), path) and _float_tensor(n)]
-    if not live_in or not inside:
+    if not live_in:
         return False
-    output = inside[-1]
     container.__class__ = ParamGroup
     container.add_module(RELEASE, ReleaseParams(container))
     with graph.inserting_before(entry):

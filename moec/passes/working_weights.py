@@ -16,7 +16,9 @@ Keeps    forward values bit for bit (the buffer holds the same round-to-nearest 
          the engine to accumulate them in float32); parameters unchanged (buffers are not
          parameters); a parameter read any other way is left alone.
 Under FSDP (``parallel.dp_shard > 1``) only expert parameters get copies: the others are
-sharded, and a whole bf16 copy of each would undo that (pass ``fsdp`` handles their casts).
+sharded, and a whole bf16 copy of each would undo that (pass ``fsdp`` handles their casts);
+none do when the experts are sharded too (``dp > ep``: each expert slice is held by several
+expert-data-parallel ranks).
 Runs only when ``precision.compute_dtype`` is bf16; before ``pipeline``, which hands each stage
 the copies its nodes read (as non-persistent buffers, in the stage's program).
 
@@ -88,7 +90,10 @@ class WorkingWeightsPass(Pass):
             for node in gm.graph.nodes
             if node not in joined and _cast_param(gm, node) is not None
         ]
-        if ctx.plan.parallel.dp_shard > 1 and ctx.program is not None:  # see the docstring
+        p = ctx.plan.parallel
+        if p.dp_shard > 1 and p.dp > p.ep:  # experts sharded too: no copies (see the docstring)
+            replaced = []
+        elif p.dp_shard > 1 and ctx.program is not None:
             replaced = [
                 (old, casts)
                 for old, casts in replaced

@@ -60,7 +60,7 @@ def save(
     """Write ``compiled``'s parameters and ``optimizer``'s state to the directory ``path``
     (collective over the job when ``mesh`` is given)."""
     with _quiet():
-        dcp.save(_state(compiled, optimizer, mesh), checkpoint_id=str(path))
+        dcp.save(_state(compiled, optimizer, mesh)[0], checkpoint_id=str(path))
 
 
 def load(
@@ -68,26 +68,31 @@ def load(
 ) -> None:
     """Read the checkpoint at ``path`` into ``compiled`` and ``optimizer``, resharding the
     experts to this rank's EP layout (collective over the job when ``mesh`` is given)."""
-    state = _state(compiled, optimizer, mesh)
+    state, held = _state(compiled, optimizer, mesh)
     with _quiet():
         dcp.load(state, checkpoint_id=str(path))
     set_state_dict(
         compiled,
         _optimizers(optimizer),
-        model_state_dict={k: _local(v, mesh) for k, v in state["model"].items()},
-        optim_state_dict={k: _local(v, mesh) for k, v in state["optim"].items()},
+        model_state_dict={k: _held(v, held["model"][k]) for k, v in state["model"].items()},
+        optim_state_dict={k: _held(v, held["optim"][k]) for k, v in state["optim"].items()},
         options=FLAT,
     )
 
 
-def _state(compiled: nn.Module, optimizer: Any, mesh: MoEMesh | None) -> dict[str, Any]:
-    """The state dict in the global layout: expert tensors as DTensors when EP > 1."""
+State = dict[str, dict[str, Any]]
+
+
+def _state(compiled: nn.Module, optimizer: Any, mesh: MoEMesh | None) -> tuple[State, State]:
+    """The state dict in the global layout (expert tensors as DTensors when EP > 1), and the
+    state dict as this rank holds it."""
     for opt in _optimizers(optimizer):
         if hasattr(opt, "ensure_state"):  # moec.optim.AdamW: state made its own way
             opt.ensure_state()
     model, optim = get_state_dict(compiled, _optimizers(optimizer), options=FLAT)
+    held = {"model": model, "optim": optim}
     if mesh is None or mesh.ep_info.size == 1:
-        return {"model": model, "optim": optim}
+        return held, held
     experts = {n for n in model if compiled.program.role(n) == "expert"}
 
     def wrap(value: Any, name: str) -> Any:
@@ -98,24 +103,44 @@ def _state(compiled: nn.Module, optimizer: Any, mesh: MoEMesh | None) -> dict[st
     def param_of(key: str) -> str:  # "state.<param>.<entry>" -> "<param>"
         return key.removeprefix("state.").rpartition(".")[0] if key.startswith("state.") else ""
 
-    return {
+    wrapped = {
         "model": {k: wrap(v, k) for k, v in model.items()},
         "optim": {k: wrap(v, param_of(k)) for k, v in optim.items()},
     }
+    return wrapped, held
 
 
 def _global(local: torch.Tensor, mesh: MoEMesh) -> DTensor:
-    """This rank's expert slice as a view of the global tensor: sharded over EP on dim 0,
-    replicated over the ranks holding the same experts (edp)."""
-    return DTensor.from_local(local, mesh.device_mesh, [Replicate(), Shard(0)], run_check=False)
-
-
-def _local(value: Any, mesh: MoEMesh | None) -> Any:
-    """An expert slice :func:`_global` wrapped, unwrapped (an FSDP shard stays a DTensor)."""
-    wrapped = (
-        mesh is not None and isinstance(value, DTensor) and value.device_mesh is mesh.device_mesh
+    """This rank's expert slice as a view of the global tensor: sharded over EP on dim 0, and
+    over the ranks holding the same experts (edp) replicated, or, when FSDP shards the slice
+    there (an FSDP ``DTensor``, split on dim 1), sharded on dim 1."""
+    if not isinstance(local, DTensor):
+        return DTensor.from_local(local, mesh.device_mesh, [Replicate(), Shard(0)], run_check=False)
+    shape = (local.shape[0] * mesh.ep_info.size, *local.shape[1:])
+    return DTensor.from_local(
+        local.to_local(),
+        mesh.device_mesh,
+        [Shard(1), Shard(0)],
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=torch.empty(shape, device="meta").stride(),
     )
-    return value.to_local() if wrapped else value
+
+
+def _held(value: Any, held: Any) -> Any:
+    """A loaded tensor in the layout this rank holds it in (``held``, from :func:`_state`)."""
+    if value is held or not isinstance(value, DTensor):
+        return value
+    if isinstance(held, DTensor):  # an FSDP shard: the same local part, FSDP's layout
+        return DTensor.from_local(
+            value.to_local(),
+            held.device_mesh,
+            held.placements,
+            shape=held.shape,
+            stride=held.stride(),
+            run_check=False,
+        )
+    return value.to_local()
 
 
 def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:

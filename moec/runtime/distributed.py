@@ -54,6 +54,9 @@ class MoEMesh:
     fsdp_mesh: DeviceMesh | None = None
     """The data-parallel mesh FSDP2 shards the dense parameters over (parallel.dp_shard > 1):
     ``("dp_shard",)``, or ``("dp_replicate", "dp_shard")`` for HSDP."""
+    expert_fsdp_mesh: DeviceMesh | None = None
+    """The expert-data-parallel mesh FSDP2 shards expert slices over (parallel.dp_shard > 1
+    and dp > ep): the ``edp`` dimension, the ranks holding the same experts."""
 
     @property
     def dense_shard_group(self) -> dist.ProcessGroup | None:
@@ -135,7 +138,10 @@ def build_mesh(plan: Plan, device_type: str | None = None) -> MoEMesh:
         if replicate > 1:
             shape, names = (replicate, p.dp_shard), ("dp_replicate", "dp_shard")
         fsdp_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-    return MoEMesh(mesh, dist.group.WORLD, ep_group, mesh.get_group("edp"), info, fsdp_mesh)
+    expert_fsdp_mesh = mesh["edp"] if p.dp_shard > 1 and p.dp > p.ep else None
+    return MoEMesh(
+        mesh, dist.group.WORLD, ep_group, mesh.get_group("edp"), info, fsdp_mesh, expert_fsdp_mesh
+    )
 
 
 def parameter_groups(module: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -162,15 +168,23 @@ def global_grad_norm(
     ep_group: dist.ProcessGroup | None = None,
     pp_group: dist.ProcessGroup | None = None,
     dense_group: dist.ProcessGroup | None = None,
+    expert_shard_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """The norm over every gradient of the job, on the device (no host read). Each EP rank holds
     other experts' gradients, so their squares are summed over ``ep_group``; each pipeline rank
     holds other stages', so the total is summed over ``pp_group``; FSDP ranks hold other
     shards of the dense gradients (``DTensor``), summed over ``dense_group`` (the ranks of one
-    shard group). Replicated gradients are counted once."""
-    expert_sq = _squared_grad_norm(expert, device)
+    shard group), and of the experts' when they are sharded, summed over
+    ``expert_shard_group`` (the data-parallel group: EP x EDP). Replicated gradients are
+    counted once."""
+    expert_sq = _squared_grad_norm([p for p in expert if not isinstance(p, DTensor)], device)
     if ep_group is not None:
         dist.all_reduce(expert_sq, group=ep_group)
+    expert_shards = [p for p in expert if isinstance(p, DTensor)]
+    if expert_shards:  # other experts over EP, other shards of these over EDP: every DP rank
+        shards_sq = _squared_grad_norm(expert_shards, device)
+        dist.all_reduce(shards_sq, group=expert_shard_group)
+        expert_sq = expert_sq + shards_sq
     shards = [p for p in dense if isinstance(p, DTensor)]
     dense_sq = _squared_grad_norm(shards, device)
     if dense_group is not None:
@@ -237,7 +251,9 @@ class GradientReducer:
         self.scale = 1.0 / mesh.dp
         self._enabled = True
         dense, expert = parameter_groups(module)
-        dense = [p for p in dense if not isinstance(p, DTensor)]  # FSDP's (moec.runtime.fsdp)
+        # the DTensors are FSDP's (moec.runtime.fsdp), which reduces them
+        dense = [p for p in dense if not isinstance(p, DTensor)]
+        expert = [p for p in expert if not isinstance(p, DTensor)]
         self.buckets = _buckets(dense[::-1], mesh.dp_group, bucket_bytes) + _buckets(
             expert[::-1], mesh.edp_group, bucket_bytes
         )

@@ -31,7 +31,9 @@ import warnings
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
+from moec.program import ShardedDataParallel
 from moec.runtime.distributed import DistributedError, MoEMesh
 
 
@@ -61,6 +63,7 @@ def shard_dense_parameters(compiled: nn.Module, mesh: MoEMesh | None) -> None:
     # a group returns its inputs, the previous block's released output (a view); FSDP warns
     # that an in-place op on it would skip its hook: a program's graph has no in-place ops
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    _shard_experts(compiled, layout, mesh, policy)
     groups = [compiled.get_submodule(path) for path in layout.groups]
     for group in groups:  # gathered around their block (moec.ops.param_groups)
         fully_shard(
@@ -73,6 +76,39 @@ def shard_dense_parameters(compiled: nn.Module, mesh: MoEMesh | None) -> None:
     for group, following in zip(groups, groups[1:]):  # the next block's all-gather overlaps
         group.set_modules_to_forward_prefetch([following])
     fully_shard(compiled, mesh=mesh.fsdp_mesh, mp_policy=policy, ignored_params=ignored)
+
+
+def _shard_experts(
+    module: nn.Module, layout: ShardedDataParallel, mesh: MoEMesh, policy: MixedPrecisionPolicy
+) -> None:
+    """Each module holding sharded expert slices becomes an FSDP unit over the
+    expert-data-parallel ranks (first: the block units around them then skip it), split on dim
+    1 (each EP rank's slice is its own tensor: dim 0 is its experts). The gradients are
+    divided by dp, not by the unit's size: the EP exchange's backward already summed the
+    tokens of the EP group, as under DDP (:class:`~moec.runtime.distributed.GradientReducer`)."""
+    if not layout.expert_groups:
+        return
+    if mesh.expert_fsdp_mesh is None or mesh.expert_fsdp_mesh.size() != layout.expert_shard:
+        raise DistributedError(
+            f"the program shards its experts over {layout.expert_shard} expert-data-parallel "
+            "ranks but the mesh has no such dimension: build it from the same plan "
+            "(moec.runtime.distributed.build_mesh)"
+        )
+    experts = set(layout.expert_params)
+    others = {p for name, p in module.named_parameters() if name not in experts}
+    for path in layout.expert_groups:
+        unit = module.get_submodule(path)
+        fully_shard(
+            unit,
+            mesh=mesh.expert_fsdp_mesh,
+            mp_policy=policy,
+            ignored_params=others,
+            reshard_after_forward=False,  # the experts' ReleaseParams frees them
+            shard_placement_fn=lambda param: Shard(1),
+        )
+        unit.set_gradient_divide_factor(float(mesh.dp))
+        if mesh.ep_info.device_type != "cuda":  # gloo has no pre-multiplied sum: scale apart
+            unit.set_force_sum_reduction_for_comms(True)
 
 
 def set_gradient_sync(compiled: nn.Module, enabled: bool) -> None:

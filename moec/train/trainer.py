@@ -216,7 +216,14 @@ class Trainer:
         dense, expert = dist_parameter_groups(self.compiled)
         ep_group = self.mesh.ep_group if self.mesh else None
         dense_group = self.mesh.dense_shard_group if self.mesh else None
-        norm = global_grad_norm(dense, expert, self.device, ep_group, dense_group=dense_group)
+        norm = global_grad_norm(
+            dense,
+            expert,
+            self.device,
+            ep_group,
+            dense_group=dense_group,
+            expert_shard_group=self.mesh.dp_group if self.mesh else None,
+        )
         clip_gradients_(dense + expert, norm, self.cfg.grad_clip, self.optimizer)
         return norm
 
