@@ -120,8 +120,8 @@ class CompiledModel(nn.Module):
         for module in gm.modules():
             if isinstance(module, fx.GraphModule):
                 module._tracer_cls, module._tracer_extras = ProgramTracer, {}
-        if program.data_parallel is not None and program.pipeline is None:
-            shard_dense_parameters(self, self.mesh)
+        if program.pipeline is None:  # a pipelined program's stages: by its PipelineRuntime
+            shard_dense_parameters(self, program.data_parallel, self.mesh)
         if self._initialize is not None:
             self._initialize(program)
             self._initialize = None

@@ -1,15 +1,18 @@
 """FSDP2 over a program's dense parameters (``program.data_parallel``, pass ``fsdp``).
 
-``shard_dense_parameters(compiled, mesh)`` calls ``torch.distributed.fsdp.fully_shard`` with the
-mesh's ``dp_shard`` mesh (1-D: FSDP; 2-D ``(dp_replicate, dp_shard)``: HSDP) on each block the
-pass made a parameter group (``program.data_parallel.groups``) and then on the compiled model,
-the root, which takes the remaining sharded parameters (embeddings, final norm, head). The
+``shard_dense_parameters(root, layout, mesh, graph)`` calls ``torch.distributed.fsdp.fully_shard``
+with the mesh's ``dp_shard`` mesh (1-D: FSDP; 2-D ``(dp_replicate, dp_shard)``: HSDP) on each
+block the pass made a parameter group (``layout.groups``, found in ``graph`` by path) and then on
+``root``, which takes the remaining sharded parameters (embeddings, final norm, head). At PP = 1
+the root and the graph are the compiled model (``CompiledModel._adopt``); under pipeline
+parallelism each local stage's ``StageModule`` is a root over its stage graph, whose layout names
+only the stage's parameters and groups (:mod:`moec.runtime.pipeline`). The
 expert slices are ``ignored_params`` (each EP rank holds its own experts whole; their gradients
 are averaged over the expert-data-parallel group by
 :class:`~moec.runtime.distributed.GradientReducer`), and so are the dense parameters the pass
 left whole (read in float32 by a bf16 program: norm weights, embeddings), which it averages
 over the data-parallel group as under DDP. Every graph the runtime runs (train, eval,
-forward-only variants) enters through the root's forward and calls the groups.
+forward-only variants, pipeline stages) enters through a root's forward and calls the groups.
 
 Precision: shards are all-gathered in ``program.data_parallel.gather_dtype`` (bf16 in bf16
 programs, so the step casts 1/dp_shard of the dense weights, on the shard, and never a whole
@@ -37,25 +40,35 @@ from moec.program import ShardedDataParallel
 from moec.runtime.distributed import DistributedError, MoEMesh
 
 
-def shard_dense_parameters(compiled: nn.Module, mesh: MoEMesh | None) -> None:
-    """Shard ``compiled``'s dense parameters with FSDP2 as its program's ``data_parallel``
-    says (nothing when it says nothing)."""
-    layout = compiled.program.data_parallel
+def shard_dense_parameters(
+    root: nn.Module,
+    layout: ShardedDataParallel | None,
+    mesh: MoEMesh | None,
+    graph: nn.Module | None = None,
+) -> None:
+    """Shard the dense parameters of ``graph`` (default: ``root``), which holds them under the
+    names of ``layout`` and its groups under their paths, with FSDP2 as ``layout`` says (nothing
+    when it is None): the groups ``graph`` holds (a pipeline stage's: ``layout`` may name
+    others), then ``root``, the FSDP root, whose forward runs ``graph``."""
     if layout is None:
         return
     if mesh is None or mesh.fsdp_mesh is None:
         raise DistributedError(
             f"the program shards its dense parameters (parallel.dp_shard={layout.shard}) but "
             "was compiled without a data-parallel mesh: pass "
-            "mesh=moec.runtime.distributed.init_from_env(plan) under torchrun"
+            "mesh=moec.runtime.distributed.init_from_env(plan) under torchrun "
+            "(moec.runtime.pipeline.build_pipeline_mesh(plan) when parallel.pp > 1)"
         )
     if mesh.fsdp_mesh.size() != layout.replicate * layout.shard:
         raise DistributedError(
             f"the program was compiled for {layout.replicate} x {layout.shard} data-parallel "
             f"ranks but the mesh has {mesh.fsdp_mesh.size()}"
         )
-    sharded = set(layout.params)
-    ignored = {p for name, p in compiled.named_parameters() if name not in sharded}
+    graph = root if graph is None else graph
+    named = dict(graph.named_parameters())
+    layout = layout.restricted_to(set(named))
+    sharded = {id(named[name]) for name in layout.params}
+    ignored = {p for p in root.parameters() if id(p) not in sharded}
     gather = None if layout.gather_dtype is None else getattr(torch, layout.gather_dtype)
     policy = MixedPrecisionPolicy(
         param_dtype=gather, reduce_dtype=torch.float32, cast_forward_inputs=False
@@ -63,8 +76,8 @@ def shard_dense_parameters(compiled: nn.Module, mesh: MoEMesh | None) -> None:
     # a group returns its inputs, the previous block's released output (a view); FSDP warns
     # that an in-place op on it would skip its hook: a program's graph has no in-place ops
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    _shard_experts(compiled, layout, mesh, policy)
-    groups = [compiled.get_submodule(path) for path in layout.groups]
+    _shard_experts(root, graph, layout, mesh, policy)
+    groups = [graph.get_submodule(path) for path in layout.groups]
     for group in groups:  # gathered around their block (moec.ops.param_groups)
         fully_shard(
             group,
@@ -75,11 +88,15 @@ def shard_dense_parameters(compiled: nn.Module, mesh: MoEMesh | None) -> None:
         )
     for group, following in zip(groups, groups[1:]):  # the next block's all-gather overlaps
         group.set_modules_to_forward_prefetch([following])
-    fully_shard(compiled, mesh=mesh.fsdp_mesh, mp_policy=policy, ignored_params=ignored)
+    fully_shard(root, mesh=mesh.fsdp_mesh, mp_policy=policy, ignored_params=ignored)
 
 
 def _shard_experts(
-    module: nn.Module, layout: ShardedDataParallel, mesh: MoEMesh, policy: MixedPrecisionPolicy
+    root: nn.Module,
+    graph: nn.Module,
+    layout: ShardedDataParallel,
+    mesh: MoEMesh,
+    policy: MixedPrecisionPolicy,
 ) -> None:
     """Each module holding sharded expert slices becomes an FSDP unit over the
     expert-data-parallel ranks (first: the block units around them then skip it), split on dim
@@ -94,10 +111,11 @@ def _shard_experts(
             "ranks but the mesh has no such dimension: build it from the same plan "
             "(moec.runtime.distributed.build_mesh)"
         )
-    experts = set(layout.expert_params)
-    others = {p for name, p in module.named_parameters() if name not in experts}
+    named = dict(graph.named_parameters())
+    experts = {id(named[name]) for name in layout.expert_params}
+    others = {p for p in root.parameters() if id(p) not in experts}
     for path in layout.expert_groups:
-        unit = module.get_submodule(path)
+        unit = graph.get_submodule(path)
         fully_shard(
             unit,
             mesh=mesh.expert_fsdp_mesh,

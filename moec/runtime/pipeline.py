@@ -34,8 +34,21 @@ pipeline rank's stages (``mesh.pp_rank``) and leaves the others on the meta devi
 the runtime frees those like any other stage's (nothing to release), and refuses a program
 whose own stages still hold a meta tensor (materialized for another pipeline rank, or never).
 
+FSDP (``parallel.dp_shard > 1``, ``program.data_parallel``): the mesh adds the FSDP (or HSDP)
+mesh of this pipeline rank's data-parallel ranks (``mesh.moe.fsdp_mesh``, laid out as
+``build_mesh`` lays out a PP = 1 job's), and the runtime shards each local stage
+(:func:`moec.runtime.fsdp.shard_dense_parameters`: the stage's block groups, then its
+``StageModule`` as the root) before building the optimizer; the compiled model's parameters
+become the same ``DTensor`` shards (state dicts and checkpoints see them). torch's
+``PipelineStage`` drives the microbatches: every backward accumulates unsharded gradients
+(``set_requires_gradient_sync(False)``, also ``set_reshard_after_backward(False)``: a group
+gathered by a backward stays so until the block's next forward releases it) and the schedule's
+last step reduce-scatters them once and divides by the microbatch count. The zero-bubble
+schedules (``zbv``, ``dualpipev``), whose split backward detaches stage outputs in place, are
+refused with FSDP.
+
 ``grad_clip`` clips by the global norm over all stages and experts (squared norms summed over
-the EP and pipeline groups), as at PP = 1.
+the EP, FSDP shard and pipeline groups), as at PP = 1.
 """
 
 from __future__ import annotations
@@ -53,7 +66,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from moec.analysis.pipeline_schedule import MULTI_STAGE, schedule_class
+from moec.analysis.pipeline_schedule import MULTI_STAGE, V_SHAPED, schedule_class
 from moec.optim import AdamW
 from moec.plan import Plan
 from moec.program import EPGroup, Pipeline, Program
@@ -66,6 +79,7 @@ from moec.runtime.distributed import (
     global_grad_norm,
     parameter_groups,
 )
+from moec.runtime.fsdp import shard_dense_parameters
 from moec.runtime.router_losses import router_loss_objective
 from moec.runtime.working_weights import WorkingWeights, gradient_dtype
 
@@ -91,7 +105,8 @@ class PipelineMesh:
 
 
 def build_pipeline_mesh(plan: Plan, device_type: str | None = None) -> PipelineMesh:
-    """The (pp, edp, ep) mesh over the default process group (world = pp * dp)."""
+    """The (pp, edp, ep) mesh over the default process group (world = pp * dp), with this
+    pipeline rank's FSDP mesh when ``parallel.dp_shard > 1``."""
     if not dist.is_initialized():
         raise DistributedError(
             "no process group: call torch.distributed.init_process_group (or "
@@ -110,12 +125,28 @@ def build_pipeline_mesh(plan: Plan, device_type: str | None = None) -> PipelineM
     mesh = init_device_mesh(
         device_type, (p.pp, p.dp // p.ep, p.ep), mesh_dim_names=("pp", "edp", "ep")
     )
+    fsdp_mesh = None
+    if p.dp_shard > 1:  # this pipeline rank's dp ranks, as build_mesh lays them out at PP = 1
+        replicate = p.dp // p.dp_shard
+        shape, names = (p.pp, p.dp_shard), ("pp", "dp_shard")
+        if replicate > 1:
+            shape, names = (p.pp, replicate, p.dp_shard), ("pp", "dp_replicate", "dp_shard")
+        fsdp_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)[names[1:]]
     dp_groups = [dist.new_group(list(range(i * p.dp, (i + 1) * p.dp))) for i in range(p.pp)]
     pp_rank = mesh.get_local_rank("pp")
     ep_group = mesh.get_group("ep")
     info = EPGroup(mesh.get_local_rank("ep"), p.ep, ep_group.group_name, device_type)
     # this pipeline rank's (edp, ep) slice: what a PP = 1 job's mesh is (checkpoints shard on it)
-    moe = MoEMesh(mesh["edp", "ep"], dp_groups[pp_rank], ep_group, mesh.get_group("edp"), info)
+    expert_fsdp_mesh = mesh["edp"] if p.dp_shard > 1 and p.dp > p.ep else None
+    moe = MoEMesh(
+        mesh["edp", "ep"],
+        dp_groups[pp_rank],
+        ep_group,
+        mesh.get_group("edp"),
+        info,
+        fsdp_mesh,
+        expert_fsdp_mesh,
+    )
     return PipelineMesh(mesh, mesh.get_group("pp"), pp_rank, moe)
 
 
@@ -234,6 +265,13 @@ class PipelineRuntime:
             raise DistributedError("no pipeline stages: compile with plan.parallel.pp > 1")
         if mesh.pp != split.pp:
             raise DistributedError(f"pipeline group has {mesh.pp} ranks, plan has pp={split.pp}")
+        if program.data_parallel is not None and split.schedule in V_SHAPED:
+            raise DistributedError(
+                f"parallel.pp_schedule={split.schedule!r} with parallel.dp_shard="
+                f"{program.data_parallel.shard}: the zero-bubble schedules' split backward "
+                "detaches the stage outputs in place, which FSDP's gather/release views refuse; "
+                "use gpipe, 1f1b or interleaved_1f1b, or dp_shard=1"
+            )
         self.split, self.plan, self.mesh, self.grad_clip = split, plan, mesh, grad_clip
         self.local = split.local_stages(mesh.pp_rank)
         self.num_stages = len(split.stages)
@@ -250,6 +288,8 @@ class PipelineRuntime:
             raise DistributedError(_not_held(split, *missing[0]))
         carries_aux = bool(program.moe_layers)
         self.modules = [StageModule(split.stages[s], carries_aux, plan) for s in self.local]
+        if program.data_parallel is not None:
+            _shard_stages(program.graph, self.modules, mesh)
         if measure_memory:
             for module in self.modules:
                 module.meter = SavedTensorMeter(module)
@@ -321,7 +361,12 @@ class PipelineRuntime:
         is at most ``max_norm`` (``clip_grad_norm_`` at PP = 1); returns that norm."""
         ep_group = self.mesh.moe.ep_group if self.mesh.ep_info.size > 1 else None
         norm = global_grad_norm(
-            self._dense, self._expert, _device(self.mesh), ep_group, self.mesh.pp_group
+            self._dense,
+            self._expert,
+            _device(self.mesh),
+            ep_group,
+            self.mesh.pp_group,
+            dense_group=self.mesh.moe.dense_shard_group,
         )
         clip_gradients_(self._dense + self._expert, norm, max_norm, self.optimizer)
         return norm
@@ -349,6 +394,19 @@ def _working_weights(modules: list[StageModule], plan: Plan) -> WorkingWeights |
     }
     grad_dtype = gradient_dtype(plan.parallel.microbatches)
     return WorkingWeights(graphs, copies, grad_dtype) if copies else None
+
+
+def _shard_stages(graph_module: nn.Module, modules: list[StageModule], mesh: PipelineMesh) -> None:
+    """FSDP2 over each local stage's dense parameters (its groups, then the stage module as the
+    root), and the full graph module made to hold the same sharded parameters, so that the
+    compiled model's parameters (state dicts, checkpoints) are the ones the stages train."""
+    for module in modules:
+        shard_dense_parameters(module, module.program.data_parallel, mesh.moe, module.graph_module)
+        for name, param in module.graph_module.named_parameters():
+            *path, leaf = name.split(".")
+            owner = graph_module.get_submodule(".".join(path))
+            if owner._parameters.get(leaf) is not param:  # an owner the stage graph copied
+                owner.register_parameter(leaf, param)
 
 
 def _free_other_stages(graph_module: nn.Module, split: Pipeline, pp_rank: int) -> None:

@@ -27,6 +27,9 @@ from moec.program import Program
 
 aten = torch.ops.aten
 
+_COMPUTE = ("call_function", "call_module")
+"""Ops that compute in a unit: the ``fsdp`` pass's group and release calls are modules."""
+
 CE_FLOPS_PER_LOGIT = 6
 """Cross-entropy on the last stage: max, subtract, exp, sum, log, gather per logit."""
 
@@ -41,7 +44,7 @@ def block_units(program: Program | fx.GraphModule) -> tuple[GraphCost, list[list
 def find_units(gm: fx.GraphModule, cost: GraphCost) -> list[list[fx.Node]]:
     """The data-dependent compute nodes of each block, prologue and epilogue merged in."""
     dependent = _data_dependent(gm)
-    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n in dependent]
+    nodes = [n for n in gm.graph.nodes if n.op in _COMPUTE and n in dependent]
     ends = []
     for path in block_paths(gm, cost):
         owned = [i for i, n in enumerate(nodes) if under(module_path(n), path)]
@@ -64,7 +67,7 @@ def _data_dependent(gm: fx.GraphModule) -> set[fx.Node]:
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             dependent.add(node)
-        elif node.op == "call_function" and node.target is not aten.sym_size.int:
+        elif node.op in _COMPUTE and node.target is not aten.sym_size.int:
             if any(a in dependent for a in node.all_input_nodes):
                 dependent.add(node)
     return dependent
