@@ -80,11 +80,12 @@ def host_waits(step) -> collections.Counter:
     )
 
 
-def _trainer(world: int, path: str, out: str, dp_shard: int = 1) -> Trainer:
+def _trainer(world: int, path: str, out: str, dp_shard: int = 1, ep: int | None = None) -> Trainer:
+    ep = world if ep is None else ep
     plan = Plan.from_dict(
         {
             **DEMO_PLAN,
-            "parallel": {"dp": world, "ep": world, "ep_path": path, "dp_shard": dp_shard},
+            "parallel": {"dp": world, "ep": ep, "ep_path": path, "dp_shard": dp_shard},
             "precision": {"compute_dtype": "bf16"},
         }
     )
@@ -120,9 +121,10 @@ def test_rowwise_ep_step_is_sync_free_and_sync_1d_is_not(world, tmp_path):
     spawn(_sync_worker, world, str(tmp_path), backend="nccl")
 
 
-def _fsdp_sync_worker(rank: int, world: int, out: str) -> None:
-    sharded = _trainer(world, "rowwise", out, dp_shard=world)
-    assert sharded.compiled.program.data_parallel is not None
+def _fsdp_sync_worker(rank: int, world: int, out: str, ep: int) -> None:
+    sharded = _trainer(world, "rowwise", out, dp_shard=world, ep=ep)
+    layout = sharded.compiled.program.data_parallel
+    assert layout is not None and bool(layout.expert_groups) == (ep < world)
     for _ in range(3):
         sharded.train_step()
     losses = run_without_host_sync(sharded.train_step, 2)
@@ -133,7 +135,10 @@ def _fsdp_sync_worker(rank: int, world: int, out: str) -> None:
 
 @multigpu
 @pytest.mark.parametrize("world", WORLDS[-1:])
-def test_fsdp_rowwise_ep_step_is_sync_free(world, tmp_path):
+@pytest.mark.parametrize("experts", ["ep", "edp"])
+def test_fsdp_rowwise_ep_step_is_sync_free(world, experts, tmp_path):
     """FSDP2 over the dense parameters (all-gather, reduce-scatter, sharded AdamW and clipping)
-    with rowwise EP: no host sync in a steady-state step."""
-    spawn(_fsdp_sync_worker, world, str(tmp_path), backend="nccl")
+    with rowwise EP over every rank, or with the experts sharded over the expert-data-parallel
+    ranks (EP = 1): no host sync in a steady-state step."""
+    ep = world if experts == "ep" else 1
+    spawn(_fsdp_sync_worker, world, str(tmp_path), ep, backend="nccl")
