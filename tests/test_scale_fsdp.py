@@ -253,7 +253,7 @@ def test_sharded_run_resumes_in_one_process(tmp_path):
 @pytest.mark.parametrize(
     "sharded,replicated,world,rtol,off",
     [
-        ("hsdp2x2_ep2", "ddp4_ep2", 4, 1e-4, 1e-3),
+        ("hsdp2x2_ep2", "ddp4_ep2", 4, 1e-4, 1e-2),
         ("fsdp2_recompute", "ddp2_recompute", 2, 2e-2, 3e-2),
     ],
     ids=["hsdp_ep2_fp32", "fsdp_experts_over_edp_recompute_bf16"],
