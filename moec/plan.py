@@ -159,6 +159,11 @@ class ParallelPlan:
     microbatches: int = 1
     """Microbatches per optimizer step (gradient accumulation, or the pipeline's microbatches)."""
 
+    @property
+    def shards_experts(self) -> bool:
+        """FSDP also splits each expert slice over the ranks holding it (``dp / ep`` of them)."""
+        return self.dp_shard > 1 and self.dp > self.ep
+
     def validate(self) -> None:
         for name in ("dp", "dp_shard", "ep", "pp", "virtual_stages", "microbatches"):
             value = getattr(self, name)

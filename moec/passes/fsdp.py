@@ -78,7 +78,7 @@ class FSDPPass(Pass):
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         program = ctx.require_program(self.name)
         p = ctx.plan.parallel
-        expert_shard = p.dp // p.ep if p.dp > p.ep else 1
+        expert_shard = p.dp // p.ep if p.shards_experts else 1
         experts = {n for n, _ in gm.named_parameters() if program.role(n) == "expert"}
         holders = {n.rpartition(".")[0] for n in experts} if expert_shard > 1 else set()
         # a parameter beside the experts in their module (the router) stays whole: FSDP manages
@@ -89,14 +89,15 @@ class FSDPPass(Pass):
             if n not in experts and not any(under(n, h) for h in holders)
         }
         bf16 = ctx.plan.precision.compute_dtype == "bf16"
+        carriers = _carriers(gm)
         if bf16:  # gathered in bf16: only what the graph reads in bf16
-            dense = {n for n in dense if _read_in_bf16_only(gm, n)}
-            experts = {n for n in experts if _read_in_bf16_only(gm, n)}
+            dense = {n for n in dense if _read_in_bf16_only(carriers.get(n, []))}
+            experts = {n for n in experts if _read_in_bf16_only(carriers.get(n, []))}
         if expert_shard == 1:
             experts = set()
         sharded = tuple(n for n, _ in gm.named_parameters() if n in dense)
         sharded_experts = tuple(n for n, _ in gm.named_parameters() if n in experts)
-        casts = _gather_casts(gm, dense | experts) if bf16 else 0
+        casts = _gather_casts(gm, carriers, dense | experts) if bf16 else 0
         groups, expert_groups = _insert_groups(gm, program, dense, experts, ctx.analysis)
         gm.recompile()
         program.data_parallel = ShardedDataParallel(
@@ -120,42 +121,34 @@ class FSDPPass(Pass):
         return PassResult(gm, bool(casts or groups or expert_groups), stats)
 
 
-def _readers(gm: fx.GraphModule, name: str) -> list[fx.Node]:
-    """The nodes reading parameter ``name``: its ``get_attr``'s users, and in a region it is
-    passed to, the placeholder's users."""
-    found = []
+def _carriers(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
+    """Per parameter, the nodes holding its value: its ``get_attr``, and in a region it is
+    passed to (``recompute_region(region, level, *args)``) the placeholder it arrives as."""
+    found: dict[str, list[fx.Node]] = {}
     for node in gm.graph.nodes:
-        if node.op == "get_attr" and node.target == name:
-            for user in node.users:
-                sub = called_graph(user)
-                if sub is None:
-                    found.append(user)
-                    continue
-                inputs = [n for n in sub.graph.nodes if n.op == "placeholder"]
-                for arg, placeholder in zip(user.args[2:], inputs, strict=False):
-                    if arg is node:
-                        found += list(placeholder.users)
+        if node.op == "get_attr":
+            found.setdefault(str(node.target), []).append(node)
+        sub = called_graph(node)
+        if sub is not None:
+            inputs = [n for n in sub.graph.nodes if n.op == "placeholder"]
+            for arg, placeholder in zip(node.args[2:], inputs, strict=False):
+                if isinstance(arg, fx.Node) and arg.op == "get_attr":
+                    found.setdefault(str(arg.target), []).append(placeholder)
     return found
 
 
-def _read_in_bf16_only(gm: fx.GraphModule, name: str) -> bool:
-    readers = _readers(gm, name)
+def _read_in_bf16_only(carriers: list[fx.Node]) -> bool:
+    readers = [u for c in carriers for u in c.users if called_graph(u) is None]
     return bool(readers) and all(is_bf16_cast(r) for r in readers)
 
 
-def _gather_casts(gm: fx.GraphModule, names: set[str]) -> int:
-    """Turn the bf16 casts of the parameters ``names`` into ``to.dtype``: in ``gm``, and in
-    each region called with such a parameter, on the placeholder it arrives as."""
-    count = 0
-    for node in list(gm.graph.nodes):
-        if node.op == "get_attr" and node.target in names:
-            count += _retarget_casts(node)
+def _gather_casts(gm: fx.GraphModule, carriers: dict[str, list[fx.Node]], names: set[str]) -> int:
+    """Turn the bf16 casts of the parameters ``names`` into ``to.dtype``, wherever they read
+    them (see :func:`_carriers`)."""
+    count = sum(_retarget_casts(c) for name in names for c in carriers.get(name, []))
+    for node in gm.graph.nodes:
         sub = called_graph(node)
-        if sub is not None:  # recompute_region(region, level, *args)
-            inputs = [n for n in sub.graph.nodes if n.op == "placeholder"]
-            for arg, placeholder in zip(node.args[2:], inputs, strict=False):
-                if isinstance(arg, fx.Node) and arg.op == "get_attr" and arg.target in names:
-                    count += _retarget_casts(placeholder)
+        if sub is not None:
             sub.recompile()
     return count
 

@@ -91,7 +91,7 @@ class WorkingWeightsPass(Pass):
             if node not in joined and _cast_param(gm, node) is not None
         ]
         p = ctx.plan.parallel
-        if p.dp_shard > 1 and p.dp > p.ep:  # experts sharded too: no copies (see the docstring)
+        if p.shards_experts:  # experts sharded too: no copies (see the docstring)
             replaced = []
         elif p.dp_shard > 1 and ctx.program is not None:
             replaced = [

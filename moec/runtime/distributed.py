@@ -133,15 +133,21 @@ def build_mesh(plan: Plan, device_type: str | None = None) -> MoEMesh:
     info = EPGroup(mesh.get_local_rank("ep"), p.ep, ep_group.group_name, device_type)
     fsdp_mesh = None
     if p.dp_shard > 1:
-        replicate = world // p.dp_shard
-        shape, names = ((p.dp_shard,), ("dp_shard",))
-        if replicate > 1:
-            shape, names = (replicate, p.dp_shard), ("dp_replicate", "dp_shard")
+        shape, names = fsdp_mesh_dims(plan)
         fsdp_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-    expert_fsdp_mesh = mesh["edp"] if p.dp_shard > 1 and p.dp > p.ep else None
+    expert_fsdp_mesh = mesh["edp"] if p.shards_experts else None
     return MoEMesh(
         mesh, dist.group.WORLD, ep_group, mesh.get_group("edp"), info, fsdp_mesh, expert_fsdp_mesh
     )
+
+
+def fsdp_mesh_dims(plan: Plan) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Shape and names of the data-parallel ranks' FSDP mesh: ``("dp_shard",)``, or
+    ``("dp_replicate", "dp_shard")`` for HSDP (consecutive ranks share a shard group)."""
+    p = plan.parallel
+    if p.dp == p.dp_shard:
+        return (p.dp_shard,), ("dp_shard",)
+    return (p.dp // p.dp_shard, p.dp_shard), ("dp_replicate", "dp_shard")
 
 
 def parameter_groups(module: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -177,20 +183,15 @@ def global_grad_norm(
     shard group), and of the experts' when they are sharded, summed over
     ``expert_shard_group`` (the data-parallel group: EP x EDP). Replicated gradients are
     counted once."""
-    expert_sq = _squared_grad_norm([p for p in expert if not isinstance(p, DTensor)], device)
-    if ep_group is not None:
-        dist.all_reduce(expert_sq, group=ep_group)
-    expert_shards = [p for p in expert if isinstance(p, DTensor)]
+    dense_shards, dense_whole = _by_sharding(dense)
+    expert_shards, expert_whole = _by_sharding(expert)
+    total = (
+        _squared_grad_norm(dense_whole, device)
+        + _summed(_squared_grad_norm(dense_shards, device), dense_group)
+        + _summed(_squared_grad_norm(expert_whole, device), ep_group)
+    )
     if expert_shards:  # other experts over EP, other shards of these over EDP: every DP rank
-        shards_sq = _squared_grad_norm(expert_shards, device)
-        dist.all_reduce(shards_sq, group=expert_shard_group)
-        expert_sq = expert_sq + shards_sq
-    shards = [p for p in dense if isinstance(p, DTensor)]
-    dense_sq = _squared_grad_norm(shards, device)
-    if dense_group is not None:
-        dist.all_reduce(dense_sq, group=dense_group)
-    whole = [p for p in dense if not isinstance(p, DTensor)]
-    total = dense_sq + _squared_grad_norm(whole, device) + expert_sq
+        total = total + _summed(_squared_grad_norm(expert_shards, device), expert_shard_group)
     if pp_group is not None:
         dist.all_reduce(total, group=pp_group)
     return total.sqrt()
@@ -209,6 +210,19 @@ def clip_gradients_(
         return
     grads = [local_tensor(p.grad) for p in params if p.grad is not None]
     torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+
+
+def _by_sharding(params: list[nn.Parameter]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(FSDP shards, ``DTensor`` s; whole parameters)."""
+    shards = [p for p in params if isinstance(p, DTensor)]
+    return shards, [p for p in params if not isinstance(p, DTensor)]
+
+
+def _summed(value: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``value`` summed over ``group`` in place (None: this rank's)."""
+    if group is not None:
+        dist.all_reduce(value, group=group)
+    return value
 
 
 def _squared_grad_norm(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:

@@ -76,6 +76,7 @@ from moec.runtime.distributed import (
     GradientReducer,
     MoEMesh,
     clip_gradients_,
+    fsdp_mesh_dims,
     global_grad_norm,
     parameter_groups,
 )
@@ -127,17 +128,15 @@ def build_pipeline_mesh(plan: Plan, device_type: str | None = None) -> PipelineM
     )
     fsdp_mesh = None
     if p.dp_shard > 1:  # this pipeline rank's dp ranks, as build_mesh lays them out at PP = 1
-        replicate = p.dp // p.dp_shard
-        shape, names = (p.pp, p.dp_shard), ("pp", "dp_shard")
-        if replicate > 1:
-            shape, names = (p.pp, replicate, p.dp_shard), ("pp", "dp_replicate", "dp_shard")
-        fsdp_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)[names[1:]]
+        shape, names = fsdp_mesh_dims(plan)
+        pp_mesh = init_device_mesh(device_type, (p.pp, *shape), mesh_dim_names=("pp", *names))
+        fsdp_mesh = pp_mesh[names]
     dp_groups = [dist.new_group(list(range(i * p.dp, (i + 1) * p.dp))) for i in range(p.pp)]
     pp_rank = mesh.get_local_rank("pp")
     ep_group = mesh.get_group("ep")
     info = EPGroup(mesh.get_local_rank("ep"), p.ep, ep_group.group_name, device_type)
     # this pipeline rank's (edp, ep) slice: what a PP = 1 job's mesh is (checkpoints shard on it)
-    expert_fsdp_mesh = mesh["edp"] if p.dp_shard > 1 and p.dp > p.ep else None
+    expert_fsdp_mesh = mesh["edp"] if p.shards_experts else None
     moe = MoEMesh(
         mesh["edp", "ep"],
         dp_groups[pp_rank],
