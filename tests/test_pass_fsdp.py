@@ -67,3 +67,15 @@ def test_the_graph_computes_what_it_did(dtype):
         got, want = sharded(x), replicated(x)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
+
+
+def test_gathered_casts_are_not_activations():
+    """The cost model takes ``to.dtype`` of a gathered parameter for the parameter itself (it
+    returns the bf16 tensor FSDP gathered), never for a saved activation."""
+    from moec.analysis.cost.memory import is_activation, stored_ref
+
+    gm = _program(tiny_llama(2), "bf16", 2).graph
+    casts = [n for n in gm.graph.nodes if n.target == torch.ops.aten.to.dtype]
+    assert casts and all(c.args[0].op == "get_attr" for c in casts)
+    for cast in casts:
+        assert stored_ref(cast).node is cast.args[0] and not is_activation(cast)
