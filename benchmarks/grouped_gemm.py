@@ -7,7 +7,9 @@ x (M, 1536) bf16 split into 16 balanced groups, w (16, 1536, 3072):
   dgrad+act  d_a = dy @ w_down[e]^T, SwiGLU backward vs _grouped_mm + moec's activation backward
   wgrad      dw[e] = x_e^T @ dy_e                    vs torch._grouped_mm
 Columns: "pointer" and "tma" force moec's pointer-based and persistent TMA Triton kernels
-(graph-timed; the TMA kernel has no wgrad), "moec" is the shipped policy
+(graph-timed; the TMA kernel has no wgrad), "cute" the CuTe DSL kernels of quack-kernels (when
+installed: ``pip install moec[cutlass]``; a gated h is interleaved there, which the check
+undoes), "moec" is the shipped policy
 (:mod:`moec.kernels.gemm_backend`, which may pick ``_grouped_mm`` itself), "dense" is one
 cuBLAS GEMM of the same total size (M x 1536 x 3072, a single weight): a ceiling for what a
 grouped GEMM of 16 weights can reach.
@@ -16,7 +18,7 @@ moec time, "eager" timed launch by launch (``do_bench``), "graph" replayed from 
 (``do_bench_cudagraph``): the GPU time alone, which is what a run-ahead training step sees when
 a kernel's host launch (~25 us for a Triton launch) is longer than its GPU time, as at M = 128.
 
-    python benchmarks/grouped_gemm.py [--m 128 4096 32768] [--json out.json]
+    python benchmarks/grouped_gemm.py [--m 128 4096 32768 131072] [--json out.json]
 """
 
 from __future__ import annotations
@@ -28,11 +30,11 @@ from collections.abc import Callable
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
-from moec.kernels import activation, gemm_backend, grouped_gemm
+from moec.kernels import activation, cute_gemm, gemm_backend, grouped_gemm
 from moec.ops.cuda import kernel_activation
 
 GROUPS, K, N = 16, 1536, 3072
-FORCED = ("pointer", "tma")
+FORCED = ("pointer", "tma", "cute") if gemm_backend.have_quack() else ("pointer", "tma")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -44,7 +46,8 @@ def _first(out: torch.Tensor | tuple) -> torch.Tensor:
 
 
 def cases(m: int) -> dict[str, tuple[Callable, Callable]]:
-    """name -> (moec call, baseline call); each returns the tensor to compare."""
+    """name -> (moec call, baseline call); each returns the tensor to compare (a gated d_h from
+    an interleaved h is compared after :func:`cute_gemm.deinterleave`)."""
     torch.manual_seed(m)
     bf = dict(device="cuda", dtype=torch.bfloat16)
     x = torch.randn(m, K, **bf)
@@ -56,6 +59,13 @@ def cases(m: int) -> dict[str, tuple[Callable, Callable]]:
     offs = torch.arange(1, GROUPS + 1, device="cuda", dtype=torch.int32) * (m // GROUPS)
     gg = grouped_gemm
     swiglu = kernel_activation("swiglu")
+    h_pairs = h.unflatten(-1, (2, N // 2)).transpose(-1, -2).reshape(m, N)  # interleaved h
+
+    def moec_act_backward() -> torch.Tensor:
+        if not gg.h_interleaved(x, w, False, swiglu):
+            return gg.gmm_act_backward(d_y, w_down, offs, h, swiglu)[0]
+        d_h = gg.gmm_act_backward(d_y, w_down, offs, h_pairs, swiglu, interleaved=True)[0]
+        return cute_gemm.deinterleave(d_h[None], d_h.dtype)[0]
 
     def base_act() -> torch.Tensor:
         return activation.act_forward(torch._grouped_mm(x, w, offs=offs), swiglu)
@@ -71,10 +81,7 @@ def cases(m: int) -> dict[str, tuple[Callable, Callable]]:
             lambda: gg.gmm(dy, w.transpose(-1, -2), offs, piece="dgrad"),
             lambda: torch._grouped_mm(dy, w.transpose(-1, -2), offs=offs),
         ),
-        "dgrad+act": (
-            lambda: gg.gmm_act_backward(d_y, w_down, offs, h, swiglu)[0],
-            base_act_backward,
-        ),
+        "dgrad+act": (moec_act_backward, base_act_backward),
         "wgrad": (
             lambda: gg.gmm_wgrad(x, dy, offs),
             lambda: torch._grouped_mm(x.t(), dy, offs=offs),
@@ -118,12 +125,13 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     print(f"policy: {gemm_backend.GEMM_BACKENDS}")
     rows = [r for m in args.m for r in run(m)]
-    print(f"{'op':<11}{'M':>6}{'pointer':>9}{'tma':>9}{'moec':>9}{'_grouped_mm':>12}"
+    forced = "".join(f"{b:>9}" for b in FORCED)
+    print(f"{'op':<11}{'M':>7}{forced}{'moec':>9}{'_grouped_mm':>12}"
           f"{'graph moec':>11}{'graph gmm':>10}{'TF/s':>6}{'dense':>6}"
           f"{'eager':>8}{'graph':>7}")  # fmt: skip
     for r in rows:
         forced_ms = "".join(f"{r.get(f'{b}_ms', float('nan')) * 1e3:>9.1f}" for b in FORCED)
-        print(f"{r['op']:<11}{r['M']:>6}{forced_ms}{r['moec_ms'] * 1e3:>9.1f}"
+        print(f"{r['op']:<11}{r['M']:>7}{forced_ms}{r['moec_ms'] * 1e3:>9.1f}"
               f"{r['grouped_mm_ms'] * 1e3:>12.1f}{r['moec_graph_ms'] * 1e3:>11.1f}"
               f"{r['grouped_mm_graph_ms'] * 1e3:>10.1f}{r['moec_tflops']:>6.0f}"
               f"{r['dense_tflops']:>6.0f}"

@@ -2,6 +2,10 @@
 # One device session: the GPU tests and the benchmarks named as arguments, logs and JSON to $OUT.
 #   bash benchmarks/h200.sh tests movement layer e2e profile recompute precision gemm
 #   bash benchmarks/h200.sh multigpu ep scaling scale ddp-fsdp   # machines with several GPUs
+#   bash benchmarks/h200.sh wheel-part          # a call carrying one part of a split wheel (.whl-parts)
+#   bash benchmarks/h200.sh wheels cute-tests cute-gemm cute-layer   # the next, carrying .whl and
+#                                               # the last part: quack-kernels + the CuTe DSL
+# (../shared/tools/device-wheels .whl prepares .whl and .whl-parts; the calls go back to back)
 # Stages run in the order given; a failing stage is logged and the next one still runs; each is
 # killed after $STAGE_LIMIT seconds (a hung collective must not eat the session).
 set -u
@@ -36,6 +40,15 @@ for stage in "$@"; do
         timeout $STAGE_LIMIT $RUN benchmarks/scaling.py $args $single; done ;;
     scale) timeout $STAGE_LIMIT $RUN benchmarks/scale.py upcycle --json "$OUT/scale_upcycle.json" ;;
     ddp-fsdp) timeout $STAGE_LIMIT $RUN benchmarks/scale.py ddp-vs-fsdp --json "$OUT/ddp_fsdp.json" ;;
+    wheel-part) mkdir -p ~/wheelparts && cp -v .whl-parts/* ~/wheelparts/ ;;
+    wheels) cp -v .whl-parts/* ~/wheelparts/ 2>/dev/null
+      for w in $(ls ~/wheelparts | sed 's/\.part\...$//' | sort -u); do
+        cat ~/wheelparts/"$w".part.* > /tmp/"$w"; done
+      python3 -m pip install -q --no-index --no-deps /tmp/*.whl $(ls .whl/*.whl | grep -v torchao) &&
+        python3 -c "import cutlass, quack; print('quack', quack.__version__, cutlass.__file__)" ;;
+    cute-tests) timeout $STAGE_LIMIT python -m pytest -q -x tests/gpu/test_kernels_ops.py -k "cute or layer_step" ;;
+    cute-gemm) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/grouped_gemm.py --m 4096 32768 131072 --json "$OUT/gg_cute.json" ;;
+    cute-layer) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/moe_layer.py --pieces --skip-loop --json "$OUT/layer_cute.json" ;;
     *) echo "unknown stage $stage"; continue ;;
   esac > "$OUT/$stage.log" 2>&1
   echo "== $stage rc=$? $(( $(date +%s) - start ))s"

@@ -10,8 +10,10 @@ width 1536, one shared SwiGLU expert of width 1536, capacity factor 1.25, bf16 w
 
 Prints the layer time, the expert-path TFLOP/s (expert_mlp forward + backward alone, FLOPs of
 the accepted routes) and ratios; ``--pieces`` also times each expert GEMM on every backend
-(moec's pointer and TMA kernels, ``torch._grouped_mm``), which is how
-:data:`moec.kernels.gemm_backend.GEMM_BACKENDS` is set.
+(moec's pointer and TMA kernels, ``torch._grouped_mm``, the CuTe DSL kernels of quack-kernels
+when installed), which is how :data:`moec.kernels.gemm_backend.GEMM_BACKENDS` is set. With quack
+installed, "moec" runs the policy with its CuTe DSL rules and "moec_triton" the same policy
+without them (what runs where quack is not installed), both in the same run.
 
     python benchmarks/moe_layer.py [--pieces] [--json out.json]
 """
@@ -19,9 +21,11 @@ the accepted routes) and ratios; ``--pieces`` also times each expert GEMM on eve
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +40,7 @@ from moec.ops.movement import combine_reference, dispatch_reference
 from moec.ops.routing import assign_rows, capacity, route_reference
 
 T, D, N, K, H, CF = 2 * 8192, 1536, 32, 8, 1536, 1.25
+BACKENDS = ("pointer", "tma", "grouped_mm") + (("cute",) if gemm_backend.have_quack() else ())
 
 
 def make_params(device: str) -> dict[str, Tensor]:
@@ -176,10 +181,15 @@ def pieces(buf: Tensor, offsets: Tensor, p: dict[str, Tensor]) -> list[dict]:
     dy = torch.randn_like(x)
     d_h = torch.randn_like(h)
     gg = grouped_gemm
+
+    def dgrad_act() -> tuple[Tensor, Tensor]:  # the forced backend's h layout (timing only)
+        interleaved = gg.h_interleaved(x, w_up, False, swiglu)
+        return gg.gmm_act_backward(dy, w_down, offsets, h, swiglu, interleaved)
+
     cases = {
         "up": lambda: gg.gmm_act(x, w_up, offsets, None, swiglu),
         "down": lambda: gg.gmm(a, w_down, offsets, piece="down"),
-        "dgrad_act": lambda: gg.gmm_act_backward(dy, w_down, offsets, h, swiglu),
+        "dgrad_act": dgrad_act,
         "dgrad": lambda: gg.gmm(d_h, w_up.transpose(-1, -2), offsets, piece="dgrad"),
         "wgrad_down": lambda: gg.gmm_wgrad(a, dy, offsets),
         "wgrad_up": lambda: gg.gmm_wgrad(x, d_h, offsets),
@@ -187,13 +197,20 @@ def pieces(buf: Tensor, offsets: Tensor, p: dict[str, Tensor]) -> list[dict]:
     out = []
     for name, fn in cases.items():
         times = {}
-        for backend in ("pointer", "tma", "grouped_mm"):
+        for backend in BACKENDS:
             if backend == "tma" and name.startswith("wgrad"):
                 continue
             with gemm_backend.forced_backend(backend):
                 times[backend] = do_bench(fn)
         out.append({"piece": name, **times})
     return out
+
+
+@contextlib.contextmanager
+def without_cute() -> Iterator[None]:
+    """The policy as it runs where quack-kernels is not installed."""
+    with mock.patch.object(gemm_backend, "have_quack", lambda: False):
+        yield
 
 
 def base_ms(results: dict) -> float:
@@ -231,6 +248,14 @@ def main() -> None:
         results["layers"][name] = {"ms": ms, "max_rel_err": err}
         print(f"{name:<8} fwd+bwd {ms:8.3f} ms   (max rel err vs reference {err:.2e})")
 
+    if gemm_backend.have_quack():
+        with without_cute():
+            err = check("moec_triton", layer_moec, x, p, grad, want)
+            ms = do_bench(lambda: fwd_bwd(layer_moec, x, p, grad), rep=200)
+        results["layers"]["moec_triton"] = {"ms": ms, "max_rel_err": err}
+        names.append("moec_triton")
+        print(f"{'moec_triton':<8} fwd+bwd {ms:8.3f} ms   (max rel err vs reference {err:.2e})")
+
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)  # keep the device busy: measure what the host alone takes
     start = time.perf_counter()
@@ -244,6 +269,9 @@ def main() -> None:
     buf = torch.ops.moec.dispatch(x.detach(), rows).requires_grad_()
     dy = torch.randn_like(buf)
     ep = expert_path(buf, offsets, p, dy)
+    if gemm_backend.have_quack():
+        with without_cute():
+            ep["moec_triton"] = expert_path(buf, offsets, p, dy)["moec"]
     results["expert_path_ms"] = ep
     for name, ms in ep.items():
         print(f"expert path {name:<7} {ms:8.3f} ms  {expert_flops / ms / 1e9:7.1f} TFLOP/s")

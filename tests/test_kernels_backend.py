@@ -23,8 +23,10 @@ def _fake_cuda(rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tenso
 
 @pytest.fixture
 def sm(monkeypatch: pytest.MonkeyPatch):
-    """Set the arch every CUDA tensor reports; the TMA kernel takes any operands."""
+    """Set the arch every CUDA tensor reports; the TMA kernel takes any operands and quack is
+    installed (whether it is here or not)."""
     monkeypatch.setattr(gb, "tma_applies", lambda x, w: True)
+    monkeypatch.setattr(gb, "have_quack", lambda: True)
 
     def set_arch(name: str) -> None:
         monkeypatch.setattr(gb, "arch", lambda device: name)
@@ -32,26 +34,57 @@ def sm(monkeypatch: pytest.MonkeyPatch):
     return set_arch
 
 
+def _rule_at(piece: str, rows: int, arch: str = "sm90") -> str:
+    """The table's backend for ``rows`` (the last rule reached)."""
+    return [chosen for min_rows, chosen in gb.GEMM_BACKENDS[arch][piece] if rows >= min_rows][-1]
+
+
+def test_every_arch_table_has_every_piece_with_ascending_rules_from_zero_rows():
+    for arch, table in gb.GEMM_BACKENDS.items():
+        assert set(table) == set(gb.PIECES), arch
+        for piece, rules in table.items():
+            thresholds = [min_rows for min_rows, _ in rules]
+            assert thresholds[0] == 0 and thresholds == sorted(set(thresholds)), (arch, piece)
+
+
 @pytest.mark.parametrize("piece", gb.PIECES)
-def test_kernels_bf16_on_sm90_follow_the_table_from_the_minimum_rows(sm, piece):
+def test_kernels_bf16_on_sm90_follow_the_rules_at_each_threshold(sm, piece):
     sm("sm90")
-    x, w = _fake_cuda(gb.GROUPED_MM_MIN_ROWS, torch.bfloat16)
-    assert gb.backend(piece, x, w) == gb.GEMM_BACKENDS["sm90"][piece]
-    small, w = _fake_cuda(gb.GROUPED_MM_MIN_ROWS - 1, torch.bfloat16)
-    assert gb.backend(piece, small, w) == "pointer"
+    for min_rows, chosen in gb.GEMM_BACKENDS["sm90"][piece]:
+        x, w = _fake_cuda(min_rows, torch.bfloat16)
+        assert gb.backend(piece, x, w) == chosen
+        if min_rows:
+            below, w = _fake_cuda(min_rows - 1, torch.bfloat16)
+            assert gb.backend(piece, below, w) == _rule_at(piece, min_rows - 1)
+
+
+def test_a_backend_that_does_not_take_the_operands_passes_to_the_rule_before(sm, monkeypatch):
+    sm("sm90")
+    rules = ((0, "pointer"), (64, "grouped_mm"), (128, "cute"))
+    monkeypatch.setitem(gb.GEMM_BACKENDS, "sm90", dict.fromkeys(gb.PIECES, rules))
+    x, w = _fake_cuda(256, torch.bfloat16)
+    assert gb.backend("up", x, w) == "cute"
+    assert gb.backend("up", x, w, cute_epilogue=False) == "grouped_mm"
+    monkeypatch.setattr(gb, "have_quack", lambda: False)
+    assert gb.backend("down", x, w) == "grouped_mm"
+    odd, w = _fake_cuda(256, torch.bfloat16)
+    with FakeTensorMode():
+        unaligned = torch.empty(4, 64, 36, device="cuda", dtype=torch.bfloat16)
+    monkeypatch.setattr(gb, "have_quack", lambda: True)
+    assert gb.backend("down", odd, unaligned) == "grouped_mm"
 
 
 @pytest.mark.parametrize("arch,dtype", [("sm90", torch.float32), ("sm90", torch.float16),
                                         ("other", torch.bfloat16)])  # fmt: skip
 def test_kernels_run_the_pointer_kernels_off_the_table(sm, arch, dtype):
     sm(arch)
-    x, w = _fake_cuda(4 * gb.GROUPED_MM_MIN_ROWS, dtype)
+    x, w = _fake_cuda(1 << 20, dtype)
     assert {gb.backend(piece, x, w) for piece in gb.PIECES} == {"pointer"}
 
 
 def test_tma_never_runs_wgrad_nor_operands_it_does_not_take(sm, monkeypatch):
     sm("sm90")
-    x, w = _fake_cuda(gb.GROUPED_MM_MIN_ROWS, torch.bfloat16)
+    x, w = _fake_cuda(4096, torch.bfloat16)
     with gb.forced_backend("tma"):
         assert gb.backend("dgrad", x, w) == "tma"
         assert gb.backend("wgrad", x, w) == "pointer"
@@ -59,7 +92,7 @@ def test_tma_never_runs_wgrad_nor_operands_it_does_not_take(sm, monkeypatch):
         assert gb.backend("dgrad", x, w) == "pointer"
 
 
-@pytest.mark.parametrize("chosen", ["pointer", "tma", "grouped_mm"])
+@pytest.mark.parametrize("chosen", ["pointer", "tma", "grouped_mm", "cute"])
 def test_forced_backend_covers_every_piece_and_size_then_restores(sm, chosen):
     sm("sm100")
     x, w = _fake_cuda(8, torch.bfloat16)
@@ -72,7 +105,7 @@ def test_forced_backend_covers_every_piece_and_size_then_restores(sm, chosen):
 
 
 def test_kernels_on_the_cpu_interpreter_run_the_pointer_kernels():
-    x, w = torch.randn(4 * gb.GROUPED_MM_MIN_ROWS, 64), torch.randn(4, 64, 32)
+    x, w = torch.randn(4096, 64), torch.randn(4, 64, 32)
     assert {gb.backend(piece, x.bfloat16(), w.bfloat16()) for piece in gb.PIECES} == {"pointer"}
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from moec.kernels import cute_gemm
 from moec.kernels import grouped_gemm as gg
 from moec.kernels.activation import KernelActivation
 
@@ -43,12 +44,21 @@ def expert_mlp_backward(
     h: Tensor,
     d_y: Tensor,
     act: KernelActivation,
+    up_bias: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(d_x, d_w_up, d_w_down, d_h) for the output gradient d_y; weight gradients in the
-    weights' dtype."""
+    weights' dtype. ``up_bias``: the forward had an up-projection bias (it decides, with the
+    operands, how the forward laid out a gated h: :func:`grouped_gemm.h_interleaved`); d_h is
+    returned in ``[gate | up]`` order unless h was interleaved, which never has a bias."""
     d_y = d_y.to(x.dtype).contiguous()
-    d_h, a = gg.gmm_act_backward(d_y, w_down.to(x.dtype), offsets, h, act)
+    w_up_x = w_up.to(x.dtype)  # what the forward's GEMM read
+    interleaved = gg.h_interleaved(x, w_up_x, up_bias, act)
+    d_h, a = gg.gmm_act_backward(d_y, w_down.to(x.dtype), offsets, h, act, interleaved)
     d_w_down = gg.gmm_wgrad(a, d_y, offsets, out_dtype=w_down.dtype)
-    d_w_up = gg.gmm_wgrad(x, d_h, offsets, out_dtype=w_up.dtype)
-    d_x = gg.gmm(d_h, w_up.to(x.dtype).transpose(-1, -2), offsets, piece="dgrad")
+    if interleaved:
+        d_w_up = cute_gemm.deinterleave(gg.gmm_wgrad(x, d_h, offsets), w_up.dtype)
+        w_up_x = cute_gemm.interleave(w_up_x, x.dtype)
+    else:
+        d_w_up = gg.gmm_wgrad(x, d_h, offsets, out_dtype=w_up.dtype)
+    d_x = gg.gmm(d_h, w_up_x.transpose(-1, -2), offsets, piece="dgrad")
     return d_x, d_w_up, d_w_down, d_h

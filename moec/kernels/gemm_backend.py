@@ -4,24 +4,26 @@
 and ``w`` (the weights, or ``dy`` for ``"wgrad"``):
 
 - ``kernels=True`` (moec's Triton kernels run these operands: the CUDA implementation that
-  :mod:`moec.ops.cuda` registers, or the interpreter): bf16 on CUDA with at least
-  :data:`GROUPED_MM_MIN_ROWS` buffer rows takes :data:`GEMM_BACKENDS` ``[arch][piece]``
-  (``"tma"`` only where :func:`tma_applies` and never for ``"wgrad"``, else ``"pointer"``);
-  everything else (float32/16, the interpreter, fewer rows, an arch without a table) runs
-  ``"pointer"``, the kernels of :mod:`moec.kernels.grouped_gemm`.
+  :mod:`moec.ops.cuda` registers, or the interpreter): bf16 on CUDA follows the rules of
+  :data:`GEMM_BACKENDS` ``[arch][piece]`` by buffer rows (a backend that does not take the
+  operands passes to the rule before it); everything else (float32/16, the interpreter, an arch
+  without a table) runs ``"pointer"``, the kernels of :mod:`moec.kernels.grouped_gemm`.
 - ``kernels=False`` (the ops' pure-PyTorch path, :mod:`moec.ops.grouped`): ``"grouped_mm"``
   where :func:`grouped_mm_takes` the operands, else ``"loop"`` (a masked loop over experts).
 
-Backends: ``"grouped_mm"`` is ``torch._grouped_mm`` (CUTLASS on CUDA; an activation then runs on
-its own kernel), ``"tma"`` the persistent TMA kernel of :mod:`moec.kernels.grouped_tma`,
-``"pointer"`` the pointer-based kernels of :mod:`moec.kernels.grouped_gemm` (activation fused in
-the epilogue), ``"loop"`` the ops' reference. This module imports no Triton, so the ops' path can
+Backends: ``"cute"`` is the CuTe DSL kernels of quack-kernels (:mod:`moec.kernels.cute_gemm`,
+activations in the epilogues; optional), ``"grouped_mm"`` is ``torch._grouped_mm`` (CUTLASS on
+CUDA; an activation then runs on its own kernel), ``"tma"`` the persistent TMA kernel of
+:mod:`moec.kernels.grouped_tma`, ``"pointer"`` the pointer-based kernels of
+:mod:`moec.kernels.grouped_gemm` (activation fused in the epilogue), ``"loop"`` the ops'
+reference. This module imports no Triton, so the ops' path can
 ask it on machines without Triton.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Literal
 
@@ -31,51 +33,73 @@ from torch._subclasses.fake_tensor import is_fake
 
 from moec.kernels.arch import arch, interpreting
 
-KernelBackend = Literal["grouped_mm", "tma", "pointer"]
+KernelBackend = Literal["cute", "grouped_mm", "tma", "pointer"]
 Backend = Literal[KernelBackend, "loop"]
 
 PIECES = ("up", "down", "dgrad", "dgrad_act", "wgrad")
 """The expert GEMMs: "up" (gmm_act), "down" (gmm), "dgrad" (gmm with transposed weights: the
 input gradient of the up projection), "dgrad_act" (gmm_act_backward), "wgrad"."""
 
-_SM90_BACKENDS: dict[str, KernelBackend] = {
-    "up": "grouped_mm",
-    "down": "grouped_mm",
-    "dgrad": "tma",
-    "dgrad_act": "grouped_mm",
-    "wgrad": "grouped_mm",
-}
-GEMM_BACKENDS: dict[str, dict[str, KernelBackend]] = {
-    "sm90": _SM90_BACKENDS,
-    "sm100": _SM90_BACKENDS,
-}
-"""Per arch, the implementation of each piece (:data:`PIECES`) for bf16 CUDA buffers of at least
-:data:`GROUPED_MM_MIN_ROWS` rows: the fastest one measured on an H200 at the MoE layer's size
-(benchmarks/RESULTS.md, "persistent TMA grouped GEMM, per-piece backends": the TMA kernel on the
-up projection's dgrad, ``_grouped_mm`` on the others, whose fused-activation epilogues lose to it
-plus the separate activation kernel). sm100 uses the sm90 table until measured on its own."""
+Rule = tuple[int, KernelBackend]
+"""``(min_rows, backend)``: run ``backend`` on buffers of at least ``min_rows`` rows."""
 
-GROUPED_MM_MIN_ROWS = 1024
-"""Below this many buffer rows (a static shape) every piece runs the pointer kernels: their
-small-row tiles suit the weight-read-bound (wgrad: write-bound) GEMMs of a few rows per expert,
-where they measured faster than ``torch._grouped_mm`` on the GPU (benchmarks/RESULTS.md, grouped
-GEMM table with small-row autotune candidates)."""
+_SM90_RULES: dict[str, tuple[Rule, ...]] = {
+    "up": ((0, "pointer"), (1024, "grouped_mm"), (32768, "cute")),
+    "down": ((0, "pointer"), (1024, "grouped_mm"), (32768, "cute")),
+    "dgrad": ((0, "pointer"), (1024, "tma"), (32768, "cute")),
+    "dgrad_act": ((0, "pointer"), (1024, "grouped_mm"), (32768, "cute")),
+    "wgrad": ((0, "pointer"), (1024, "grouped_mm")),
+}
+GEMM_BACKENDS: dict[str, dict[str, tuple[Rule, ...]]] = {
+    "sm90": _SM90_RULES,
+    "sm100": _SM90_RULES,
+}
+"""Per arch and piece (:data:`PIECES`), the rules for bf16 CUDA buffers, by ascending
+``min_rows``: the last rule whose ``min_rows`` the buffer reaches and whose backend takes the
+operands runs (``"cute"`` needs quack and an epilogue it has, ``"tma"`` TMA-ready operands and
+never ``"wgrad"``), else ``"pointer"``. The thresholds are where each backend measured fastest on
+an H200 (benchmarks/RESULTS.md, "Expert GEMMs on the CuTe DSL"): the pointer kernels' small-row
+tiles below 1024 rows, ``torch._grouped_mm`` (and TMA for the up projection's dgrad) in between,
+the CuTe DSL kernels from 32768 rows, where they pass ``_grouped_mm``. sm100 uses the sm90
+table until measured on its own."""
 
 
 @contextlib.contextmanager
 def forced_backend(chosen: KernelBackend) -> Iterator[None]:
-    """Run every piece at every size on ``chosen`` where moec's kernels run (benchmarks, tests);
-    restores the policy on exit. The ops' pure-PyTorch path is unaffected."""
-    global GROUPED_MM_MIN_ROWS
-    saved, min_rows = dict(GEMM_BACKENDS), GROUPED_MM_MIN_ROWS
-    every = dict.fromkeys(PIECES, chosen)
+    """Run every piece at every size on ``chosen`` where moec's kernels run and it takes the
+    operands (benchmarks, tests); restores the policy on exit. The ops' pure-PyTorch path is
+    unaffected."""
+    saved = dict(GEMM_BACKENDS)
+    every = dict.fromkeys(PIECES, ((0, chosen),))
     GEMM_BACKENDS.update(sm90=every, sm100=every)
-    GROUPED_MM_MIN_ROWS = 0
     try:
         yield
     finally:
         GEMM_BACKENDS.update(saved)
-        GROUPED_MM_MIN_ROWS = min_rows
+
+
+@functools.cache
+def have_quack() -> bool:
+    """Whether quack-kernels (the CuTe DSL backend, ``moec[cutlass]``) imports."""
+    try:
+        import quack.gemm_interface  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def cute_ready(x: Tensor, w: Tensor) -> bool:
+    """Whether the CuTe DSL kernels take these operands: quack installed, bf16 on CUDA sm90+,
+    rows of x and w 16-byte aligned (TMA)."""
+    return (
+        x.is_cuda
+        and x.dtype == torch.bfloat16
+        and arch(x.device) in ("sm90", "sm100")
+        and x.shape[-1] % 8 == 0
+        and w.shape[-1] % 8 == 0
+        and w.shape[-2] % 8 == 0
+        and have_quack()
+    )
 
 
 def _tma_ready(t: Tensor) -> bool:
@@ -113,15 +137,25 @@ def grouped_mm_takes(piece: str, x: Tensor, w: Tensor) -> bool:
     return all(t.shape[-1] * t.element_size() % 16 == 0 for t in operands)
 
 
-def backend(piece: str, x: Tensor, w: Tensor, kernels: bool = True) -> Backend:
-    """The implementation that runs ``piece`` on these operands (see module)."""
+def _takes(chosen: KernelBackend, piece: str, x: Tensor, w: Tensor, cute_epilogue: bool) -> bool:
+    if chosen == "cute":
+        return cute_epilogue and cute_ready(x, w)
+    if chosen == "tma":
+        return piece != "wgrad" and tma_applies(x, w)
+    return True
+
+
+def backend(
+    piece: str, x: Tensor, w: Tensor, kernels: bool = True, cute_epilogue: bool = True
+) -> Backend:
+    """The implementation that runs ``piece`` on these operands (see module); ``cute_epilogue``
+    False: the CuTe DSL kernels lack this call's epilogue (activation), so they do not run."""
     if not kernels:
         return "grouped_mm" if grouped_mm_takes(piece, x, w) else "loop"
     if not x.is_cuda or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
         return "pointer"
-    if x.shape[0] < GROUPED_MM_MIN_ROWS:
-        return "pointer"
-    chosen = GEMM_BACKENDS.get(arch(x.device), {}).get(piece, "pointer")
-    if chosen == "tma" and (piece == "wgrad" or not tma_applies(x, w)):
-        return "pointer"
-    return chosen
+    rules = GEMM_BACKENDS.get(arch(x.device), {}).get(piece, ())
+    for min_rows, chosen in reversed(rules):
+        if x.shape[0] >= min_rows and _takes(chosen, piece, x, w, cute_epilogue):
+            return chosen
+    return "pointer"

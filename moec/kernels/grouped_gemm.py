@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from moec.kernels import grouped_tma
+from moec.kernels import cute_gemm, grouped_tma
 from moec.kernels.activation import KernelActivation, act_backward, act_forward
 from moec.kernels.arch import arch
 from moec.kernels.gemm_backend import KernelBackend, backend
@@ -207,7 +207,7 @@ def configs(kind: str, family: str) -> list[triton.Config]:
     big = family == "sm100"
     # the last candidates of each kind have few rows per tile, for the weight-bandwidth-bound
     # buffers of a few rows per expert these kernels run on (below
-    # gemm_backend.GROUPED_MM_MIN_ROWS)
+    # the 1024-row rule of gemm_backend.GEMM_BACKENDS)
     if kind == "gmm":
         return [
             _config(128, 256 if big else 128, 64, 4, 8),
@@ -305,20 +305,40 @@ def gmm(
     chosen = backend(piece, x, w) if bias is None else "pointer"
     if chosen == "grouped_mm":
         return torch._grouped_mm(x.contiguous(), w, offs=offsets)
+    if chosen == "cute":
+        return cute_gemm.gmm(x, w, offsets)
     out = x.new_empty(x.shape[0], w.shape[-1])
     _launch_gmm(chosen, x, w, offsets, bias, out, None, None, EPILOGUE_PLAIN, None)
     return out
 
 
+def up_backend(x: Tensor, w_up: Tensor, has_bias: bool, act: KernelActivation) -> str:
+    """The backend of the up projection (:func:`gmm_act`) for these operands; the pointer
+    kernels are the only ones with a bias epilogue."""
+    if has_bias:
+        return "pointer"
+    return backend("up", x, w_up, cute_epilogue=cute_gemm.computes(act))
+
+
+def h_interleaved(x: Tensor, w_up: Tensor, has_bias: bool, act: KernelActivation) -> bool:
+    """Whether :func:`gmm_act` leaves a gated ``h`` with interleaved ``[gate, up]`` column pairs
+    (the CuTe DSL backend; see :mod:`moec.kernels.cute_gemm`); the backward asks with the
+    forward's operands to read ``h`` right."""
+    return act.gated and up_backend(x, w_up, has_bias, act) == "cute"
+
+
 def gmm_act(
     x: Tensor, w_up: Tensor, offsets: Tensor, bias: Tensor | None, act: KernelActivation
 ) -> tuple[Tensor, Tensor]:
-    """(h, a): the up projection with the activation fused into its epilogue."""
+    """(h, a): the up projection with the activation fused into its epilogue (``h`` interleaved
+    where :func:`h_interleaved`)."""
     width = w_up.shape[-1]
-    chosen = backend("up", x, w_up) if bias is None else "pointer"
+    chosen = up_backend(x, w_up, bias is not None, act)
     if chosen == "grouped_mm":
         h = torch._grouped_mm(x.contiguous(), w_up, offs=offsets)
         return h, act_forward(h, act)
+    if chosen == "cute":
+        return cute_gemm.gmm_act(x, w_up, offsets, act)
     h = x.new_empty(x.shape[0], width)
     a = x.new_empty(x.shape[0], width // 2 if act.gated else width)
     _launch_gmm(chosen, x, w_up, offsets, bias, a, h, None, EPILOGUE_ACT, act)
@@ -326,11 +346,21 @@ def gmm_act(
 
 
 def gmm_act_backward(
-    d_y: Tensor, w_down: Tensor, offsets: Tensor, h: Tensor, act: KernelActivation
+    d_y: Tensor,
+    w_down: Tensor,
+    offsets: Tensor,
+    h: Tensor,
+    act: KernelActivation,
+    interleaved: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """(d_h, a): ``d_a = d_y @ w_down[e]^T`` then the activation backward, in one kernel."""
+    """(d_h, a): ``d_a = d_y @ w_down[e]^T`` then the activation backward, in one kernel; an
+    ``interleaved`` h (see :func:`h_interleaved`) gives an interleaved d_h."""
     w_t = w_down.transpose(-1, -2)
-    chosen = backend("dgrad_act", d_y, w_t)
+    if interleaved:
+        return cute_gemm.gmm_act_backward(d_y, w_down, offsets, h, act)
+    chosen = backend("dgrad_act", d_y, w_t, cute_epilogue=not act.gated and cute_gemm.computes(act))
+    if chosen == "cute":
+        return cute_gemm.gmm_act_backward(d_y, w_down, offsets, h, act)
     if chosen == "grouped_mm":
         d_a = torch._grouped_mm(d_y.contiguous(), w_t, offs=offsets)
         return act_backward(h, d_a, act)
@@ -346,8 +376,11 @@ def gmm_wgrad(
 ) -> Tensor:
     """``dw[e] = x_e^T @ dy_e`` -> (N, K, M) in ``out_dtype`` (default x's); empty experts get 0."""
     out_dtype = out_dtype or x.dtype
-    if backend("wgrad", x, dy) == "grouped_mm":  # else "pointer"
+    chosen = backend("wgrad", x, dy)
+    if chosen == "grouped_mm":
         return torch._grouped_mm(x.t(), dy.contiguous(), offs=offsets).to(out_dtype)
+    if chosen == "cute":
+        return cute_gemm.gmm_wgrad(x.contiguous(), dy.contiguous(), offsets, out_dtype)
     x, dy = x.contiguous(), dy.contiguous()
     if x.shape[0] != dy.shape[0]:
         raise ValueError(f"gmm_wgrad: x {tuple(x.shape)} and dy {tuple(dy.shape)} differ in rows")

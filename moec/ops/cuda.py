@@ -132,12 +132,13 @@ def expert_mlp_backward(
     h: Tensor,
     d_y: Tensor,
     activation: str,
+    up_bias: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(d_x, d_w_up, d_w_down, d_h) of ``moec::expert_mlp``."""
+    """(d_x, d_w_up, d_w_down, d_h) of ``moec::expert_mlp`` (``up_bias``: the forward had b_up)."""
     act = kernel_activation(activation)
     if act is None:
         return expert_mlp_backward_reference(x, w_up, w_down, offsets, h, d_y, activation)
-    return experts.expert_mlp_backward(x, w_up, w_down, offsets, h, d_y, act)
+    return experts.expert_mlp_backward(x, w_up, w_down, offsets, h, d_y, act, up_bias)
 
 
 def glu_forward(h: Tensor, activation: str) -> Tensor:

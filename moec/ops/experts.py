@@ -9,8 +9,10 @@ Rows ``[offsets[e-1], offsets[e])`` of x belong to expert e (see ``moec::route``
     y = act(h) @ w_down[e] + b_down[e]
 
 ``h`` is returned so autograd can keep the pre-activation instead of recomputing the first GEMM;
-the graph never reads it. Weights may be float32 masters while x is bf16: they are cast to x's
-dtype and their gradients come back in their own dtype. Rows past ``offsets[-1]`` are garbage in,
+the graph never reads it, and only this op's backward does, so its column order is the
+implementation's (the CuTe DSL kernels interleave a gated h's gate and up columns in pairs).
+Weights may be float32 masters while x is bf16: they are cast to x's dtype and their gradients
+come back in their own dtype. Rows past ``offsets[-1]`` are garbage in,
 garbage out, and contribute nothing to any gradient.
 """
 
@@ -134,8 +136,12 @@ def bias_grads(
 def _backward(ctx, d_y, d_h_unused):
     x, w_up, w_down, offsets, h = ctx.saved_tensors
     d_y = d_y.to(x.dtype)
-    backward = cuda_kernel("expert_mlp_backward", x) or expert_mlp_backward_reference
-    d_x, d_w_up, d_w_down, d_h = backward(x, w_up, w_down, offsets, h, d_y, ctx.activation)
+    args = (x, w_up, w_down, offsets, h, d_y, ctx.activation)
+    kernel = cuda_kernel("expert_mlp_backward", x)
+    if kernel is None:
+        d_x, d_w_up, d_w_down, d_h = expert_mlp_backward_reference(*args)
+    else:  # the kernels' h layout depends on whether the up projection had a bias
+        d_x, d_w_up, d_w_down, d_h = kernel(*args, up_bias=ctx.bias_dtypes[0] is not None)
     d_b_up, d_b_down = bias_grads(d_h, d_y, offsets, ctx.bias_dtypes)
     return d_x, d_w_up, d_w_down, None, d_b_up, d_b_down, None
 

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from moec.kernels import gemm_backend
+from moec.kernels import cute_gemm, gemm_backend, grouped_gemm
 from moec.ops import grouped
 from moec.ops.activations import is_gated
 from moec.ops.cuda import kernel_activation, register_kernels
@@ -147,6 +147,11 @@ def _expert_case(case: str, experts: int, rows: int) -> torch.Tensor:
     return counts.cumsum(0).to(torch.int32).cuda()
 
 
+needs_quack = pytest.mark.skipif(
+    not gemm_backend.have_quack(), reason="quack-kernels (moec[cutlass]) is not installed"
+)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
 @pytest.mark.parametrize("case", ["random", "empty_experts", "one_expert"])
@@ -161,8 +166,19 @@ def test_expert_mlp_forward_backward(dtype, activation, case, backend, bias):
         _check_expert_mlp(dtype, activation, case, bias)
 
 
-def _check_expert_mlp(dtype, activation, case, bias):
-    experts, rows, dim, hidden = 8, 1000, 128, 96
+@needs_quack
+@pytest.mark.parametrize("activation", ["swiglu", "geglu_tanh", "reglu", "silu", "gelu_tanh"])
+@pytest.mark.parametrize("case", ["random", "empty_experts", "one_expert"])
+@pytest.mark.parametrize("shape", [(8, 1000, 128, 96), (32, 8192, 512, 384)])
+def test_expert_mlp_on_the_cute_dsl(activation, case, shape):
+    """The CuTe DSL backend on every piece (activation epilogues, varlen-M and varlen-K) against
+    the float64 reference, with poisoned rows past the offsets."""
+    with gemm_backend.forced_backend("cute"):
+        _check_expert_mlp(torch.bfloat16, activation, case, False, shape)
+
+
+def _check_expert_mlp(dtype, activation, case, bias, shape=(8, 1000, 128, 96)):
+    experts, rows, dim, hidden = shape
     gated = is_gated(activation)
     width = 2 * hidden if gated else hidden
     offsets = _expert_case(case, experts, rows)
@@ -189,6 +205,9 @@ def _check_expert_mlp(dtype, activation, case, bias):
     ref_grads = torch.autograd.grad(y_ref, ref_leaves, dy.double().cpu())
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     assert _rel(y[:used].cpu(), y_ref[:used]) < tol
+    act = kernel_activation(activation)
+    if act is not None and grouped_gemm.h_interleaved(x, w_up.to(dtype), bias, act):
+        h = cute_gemm.deinterleave(h[None], h.dtype)[0]
     assert _rel(h[:used].cpu(), h_ref[:used]) < tol
     for name, g, r in zip(
         ["x", "w_up", "w_down", "b_up", "b_down"], grads, ref_grads, strict=False
@@ -232,7 +251,17 @@ def _layer(x, router, w_up, w_down):
     return ops.combine(y, weights, rows)
 
 
-def test_layer_step_is_sync_free_and_runs_ahead():
+@pytest.mark.parametrize("backend", ["policy", pytest.param("cute", marks=needs_quack)])
+def test_layer_step_is_sync_free_and_runs_ahead(backend):
+    """With the policy's backends, and with every piece forced onto the CuTe DSL kernels."""
+    if backend == "cute":
+        with gemm_backend.forced_backend("cute"):
+            _check_layer_step()
+    else:
+        _check_layer_step()
+
+
+def _check_layer_step():
     tokens, dim, experts, hidden = 16384, 1536, 32, 1536  # benchmarks/moe_layer.py, top-8
     bf = dict(device="cuda", dtype=torch.bfloat16)
     x = torch.randn(tokens, dim, **bf, requires_grad=True)

@@ -1,0 +1,135 @@
+"""Expert GEMMs on the CuTe DSL (cutlass-python) through quack-kernels: the ``"cute"`` backend.
+
+The same pieces as :mod:`moec.kernels.grouped_gemm`, over an expert-major buffer whose rows
+``[offsets[e-1], offsets[e])`` belong to expert e (``offsets`` int32 on the device, turned into
+quack's ``cu_seqlens = [0, offsets...]`` without a host read)::
+
+    gmm(x[R, K], w[N, K, M], offsets) -> out[R, M]                      varlen-M
+    gmm_act(x[R, D], w_up[N, D, U], offsets, act) -> h[R, U], a[R, H]   activation in the epilogue
+    gmm_act_backward(d_y[R, D], w_down[N, H, D], offsets, h, act) -> d_h[R, U], a[R, H]
+        d_a = d_y @ w_down[e]^T with the activation's backward in the epilogue (quack gemm_dact)
+    gmm_wgrad(x[R, K], dy[R, M], offsets, out_dtype) -> dw[N, K, M]      varlen-K
+
+Rows past ``offsets[-1]`` are neither read into a valid result nor written (garbage stays
+garbage); empty experts get zero weight gradients.
+
+Gated layout: quack's gated epilogues pair column ``2j`` (gate) with ``2j + 1`` (up), while moec
+stores ``w_up`` as ``[gate | up]``. :func:`interleave` reorders ``w_up``'s columns in the same copy
+that casts it to the compute dtype (the other backends cast too), so a gated ``h`` and ``d_h``
+from this module are interleaved; :func:`deinterleave` turns a gradient of the interleaved
+weight back, again in its dtype cast. Only the expert MLP's backward reads ``h``, and it knows
+the layout from :func:`moec.kernels.grouped_gemm.h_interleaved`.
+
+quack compiles each kernel on first use (and autotunes it unless ``MOEC_AUTOTUNE=0``); after
+that a call launches without reading the device. quack is optional (``pip install
+moec[cutlass]``): without it :func:`moec.kernels.gemm_backend.have_quack` is False and the policy
+never picks this backend (nor imports it).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from moec.kernels.activation import UNARY_CODES, KernelActivation
+from moec.kernels.gemm_backend import have_quack
+
+if have_quack():
+    from quack import gemm_interface as quack_gemm
+
+_QUACK_NAMES: dict[KernelActivation, str] = {
+    KernelActivation(UNARY_CODES["silu"], False): "silu",
+    KernelActivation(UNARY_CODES["silu"], True): "swiglu",
+    KernelActivation(UNARY_CODES["relu"], False): "relu",
+    KernelActivation(UNARY_CODES["relu"], True): "reglu",
+    KernelActivation(UNARY_CODES["gelu_tanh"], False): "gelu_tanh_approx",
+    KernelActivation(UNARY_CODES["gelu_tanh"], True): "geglu",
+}
+"""moec's kernel activations that quack's epilogues compute, by quack's name (its ``geglu`` is
+the tanh form; the erf GELU has no quack epilogue, so ``gelu``/``geglu`` run elsewhere)."""
+
+
+def _tuned() -> bool:
+    return os.environ.get("MOEC_AUTOTUNE", "1") != "0"
+
+
+def computes(act: KernelActivation) -> bool:
+    """Whether quack's epilogues compute ``act`` (the operands' side is
+    :func:`moec.kernels.gemm_backend.cute_ready`)."""
+    return act in _QUACK_NAMES
+
+
+def cu_seqlens(offsets: Tensor) -> Tensor:
+    """quack's cumulative row offsets ``[0, offsets...]`` (int32, on the device)."""
+    return torch.cat([offsets.new_zeros(1), offsets])
+
+
+def interleave(w_up: Tensor, dtype: torch.dtype) -> Tensor:
+    """``[gate | up]`` columns of ``w_up`` (N, D, 2H) -> ``[g0, u0, g1, u1, ...]`` in ``dtype``,
+    one copy."""
+    n, d, width = w_up.shape
+    out = torch.empty(n, d, width // 2, 2, dtype=dtype, device=w_up.device)
+    out.copy_(w_up.unflatten(-1, (2, width // 2)).transpose(-1, -2))
+    return out.view(n, d, width)
+
+
+def deinterleave(w: Tensor, dtype: torch.dtype) -> Tensor:
+    """Inverse of :func:`interleave`: interleaved columns -> ``[gate | up]`` in ``dtype``."""
+    n, d, width = w.shape
+    out = torch.empty(n, d, 2, width // 2, dtype=dtype, device=w.device)
+    out.copy_(w.unflatten(-1, (width // 2, 2)).transpose(-1, -2))
+    return out.view(n, d, width)
+
+
+def gmm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
+    """``out[r] = x[r] @ w[e(r)]``; ``w`` may be a transposed view."""
+    out = x.new_empty(x.shape[0], w.shape[-1])
+    if x.shape[0] == 0:
+        return out
+    quack_gemm.gemm(x, w.to(x.dtype), out=out, cu_seqlens_m=cu_seqlens(offsets), tuned=_tuned())
+    return out
+
+
+def gmm_act(
+    x: Tensor, w_up: Tensor, offsets: Tensor, act: KernelActivation
+) -> tuple[Tensor, Tensor]:
+    """(h, a): the up projection with the activation in the epilogue; ``w_up`` in moec's layout,
+    ``h`` interleaved when ``act`` is gated (see module)."""
+    w = interleave(w_up, x.dtype) if act.gated else w_up.to(x.dtype)
+    return quack_gemm.gemm_act(
+        x,
+        w,
+        activation=_QUACK_NAMES[act],
+        cu_seqlens_m=cu_seqlens(offsets),
+        store_preact=True,
+        tuned=_tuned(),
+    )
+
+
+def gmm_act_backward(
+    d_y: Tensor, w_down: Tensor, offsets: Tensor, h: Tensor, act: KernelActivation
+) -> tuple[Tensor, Tensor]:
+    """(d_h, a): ``d_a = d_y @ w_down[e]^T`` then the activation's backward at ``h`` (interleaved
+    when gated, as :func:`gmm_act` wrote it), with ``a`` recomputed for the wgrad."""
+    d_h, a = quack_gemm.gemm_dact(
+        d_y,
+        w_down.to(d_y.dtype).transpose(-1, -2),
+        h,
+        activation=_QUACK_NAMES[act],
+        cu_seqlens_m=cu_seqlens(offsets),
+        tuned=_tuned(),
+    )
+    return d_h, a
+
+
+def gmm_wgrad(x: Tensor, dy: Tensor, offsets: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """``dw[e] = x_e^T @ dy_e`` (N, K, M) in ``out_dtype``, accumulated in float32 and written
+    once; empty experts get 0."""
+    num_experts = offsets.shape[0]
+    dw = torch.empty(num_experts, x.shape[1], dy.shape[1], dtype=out_dtype, device=x.device)
+    if dw.numel() == 0:
+        return dw
+    quack_gemm.gemm(x.t(), dy, out=dw, cu_seqlens_k=cu_seqlens(offsets), tuned=_tuned())
+    return dw
