@@ -13,7 +13,9 @@ wide (24576: the width that gives the report's 2.01B total / 0.995B active param
             stable sort of the routes -> gather -> ``torch._grouped_mm`` x 2 -> weighted
             scatter back; dropless; counts by scatter_add (no bincount); same precision policy
 
-Both step on the same synthetic batches. Printed: steady-state step time, tokens/s, useful MFU
+With quack-kernels installed, moec also runs with the policy it has without it (no CuTe DSL
+GEMMs), the ratio printed. Both step on the same synthetic batches.
+Printed: steady-state step time, tokens/s, useful MFU
 (Eq. 95 with the GPU's dense BF16 peak; the same useful FLOPs for both, from moec's cost
 model), peak memory and host syncs per step (CUDA sync debug mode over one step).
 
@@ -31,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moec.kernels import gemm_backend
 from moec.models import Llama, LlamaConfig
 from moec.plan import Plan
 from moec.runtime.metrics import bf16_peak_tflops, count_host_syncs, useful_mfu
@@ -219,6 +222,11 @@ def main() -> None:
     trainer = Trainer(dense_model(s), moe_plan(s), cfg)
     flops = trainer.train_flops_per_token * tokens
     results = [measure("moec", trainer.train_step, device, args.steps, args.warmup, flops, tokens)]
+    if device.type == "cuda" and gemm_backend.have_quack():  # the policy before the CuTe DSL
+        with gemm_backend.without_quack():
+            common = (device, args.steps, args.warmup, flops, tokens)
+            results.append(measure("moec without CuTe DSL", trainer.train_step, *common))
+        print(f"moec CuTe DSL policy: {results[1]['step_s'] / results[0]['step_s']:.3f}x")
     del trainer
     if not args.moec_only:
         if device.type == "cuda":

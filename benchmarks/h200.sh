@@ -9,7 +9,7 @@
 # Stages run in the order given; a failing stage is logged and the next one still runs; each is
 # killed after $STAGE_LIMIT seconds (a hung collective must not eat the session).
 set -u
-export PYTHONPATH=$PWD MOEC_AUTOTUNE=${MOEC_AUTOTUNE:-0}
+export PYTHONPATH=$PWD MOEC_AUTOTUNE=${MOEC_AUTOTUNE:-0} QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-$HOME/quack_cache}
 # NVLink multicast stays off: it can take a shared host's GPUs out of service
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 GPUS=$(nvidia-smi -L | wc -l)
@@ -46,8 +46,9 @@ for stage in "$@"; do
         cat ~/wheelparts/"$w".part.* > /tmp/"$w"; done
       python3 -m pip install -q --no-index --no-deps /tmp/*.whl $(ls .whl/*.whl | grep -v torchao) &&
         python3 -c "import cutlass, quack; print('quack', quack.__version__, cutlass.__file__)" ;;
-    cute-tests) timeout $STAGE_LIMIT python -m pytest -q -x tests/gpu/test_kernels_ops.py -k "cute or layer_step" ;;
-    cute-gemm) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/grouped_gemm.py --m 4096 32768 131072 --json "$OUT/gg_cute.json" ;;
+    cute-tests) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_kernels_ops.py -k "cute or layer_step" ;;
+    cute-gemm) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/grouped_gemm.py --m 1024 4096 32768 131072 --json "$OUT/gg_cute.json" ;;
+    cute-e2e) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --moec-only --steps 6 --warmup 3 --json "$OUT/e2e_cute.json" ;;
     cute-layer) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/moe_layer.py --pieces --skip-loop --json "$OUT/layer_cute.json" ;;
     *) echo "unknown stage $stage"; continue ;;
   esac > "$OUT/$stage.log" 2>&1

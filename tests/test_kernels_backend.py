@@ -60,18 +60,17 @@ def test_kernels_bf16_on_sm90_follow_the_rules_at_each_threshold(sm, piece):
 
 def test_a_backend_that_does_not_take_the_operands_passes_to_the_rule_before(sm, monkeypatch):
     sm("sm90")
-    rules = ((0, "pointer"), (64, "grouped_mm"), (128, "cute"))
+    rules = ((0, "pointer"), (64, "grouped_mm"), (128, "cute"), (256, "cute_glu"))
     monkeypatch.setitem(gb.GEMM_BACKENDS, "sm90", dict.fromkeys(gb.PIECES, rules))
     x, w = _fake_cuda(256, torch.bfloat16)
-    assert gb.backend("up", x, w) == "cute"
-    assert gb.backend("up", x, w, cute_epilogue=False) == "grouped_mm"
+    assert gb.backend("up", x, w, glu_epilogue=True) == "cute_glu"
+    assert gb.backend("up", x, w) == "cute"  # no gated epilogue for this call
     monkeypatch.setattr(gb, "have_quack", lambda: False)
-    assert gb.backend("down", x, w) == "grouped_mm"
-    odd, w = _fake_cuda(256, torch.bfloat16)
-    with FakeTensorMode():
-        unaligned = torch.empty(4, 64, 36, device="cuda", dtype=torch.bfloat16)
+    assert gb.backend("up", x, w, glu_epilogue=True) == "grouped_mm"
     monkeypatch.setattr(gb, "have_quack", lambda: True)
-    assert gb.backend("down", odd, unaligned) == "grouped_mm"
+    with FakeTensorMode():
+        unaligned = torch.empty(4, 64, 36, device="cuda", dtype=torch.bfloat16)  # 72-byte rows
+    assert gb.backend("down", x, unaligned) == "grouped_mm"
 
 
 @pytest.mark.parametrize("arch,dtype", [("sm90", torch.float32), ("sm90", torch.float16),

@@ -13,12 +13,15 @@ quack's ``cu_seqlens = [0, offsets...]`` without a host read)::
 Rows past ``offsets[-1]`` are neither read into a valid result nor written (garbage stays
 garbage); empty experts get zero weight gradients.
 
-Gated layout: quack's gated epilogues pair column ``2j`` (gate) with ``2j + 1`` (up), while moec
-stores ``w_up`` as ``[gate | up]``. :func:`interleave` reorders ``w_up``'s columns in the same copy
-that casts it to the compute dtype (the other backends cast too), so a gated ``h`` and ``d_h``
-from this module are interleaved; :func:`deinterleave` turns a gradient of the interleaved
-weight back, again in its dtype cast. Only the expert MLP's backward reads ``h``, and it knows
-the layout from :func:`moec.kernels.grouped_gemm.h_interleaved`.
+Gated layout (the ``"cute_glu"`` backend): quack's gated epilogues pair column ``2j`` (gate) with
+``2j + 1`` (up), while moec stores ``w_up`` as ``[gate | up]`` with the contraction dim outermost,
+a layout quack's ``concat_layout`` cannot relabel. :func:`interleave` reorders ``w_up``'s columns
+in the same copy that casts it to the compute dtype, so a gated ``h`` and ``d_h`` from
+:func:`gmm_act` / :func:`gmm_act_backward` are interleaved; :func:`deinterleave` turns a gradient
+of the interleaved weight back, again in its dtype cast. Only the expert MLP's backward reads
+``h``, and it knows the layout from :func:`moec.kernels.grouped_gemm.h_interleaved`. The plain
+``"cute"`` backend runs a gated activation on moec's activation kernel instead and keeps
+``[gate | up]``.
 
 quack compiles each kernel on first use (and autotunes it unless ``MOEC_AUTOTUNE=0``); after
 that a call launches without reading the device. quack is optional (``pip install
@@ -34,9 +37,9 @@ import torch
 from torch import Tensor
 
 from moec.kernels.activation import UNARY_CODES, KernelActivation
-from moec.kernels.gemm_backend import have_quack
+from moec.kernels.gemm_backend import quack_importable
 
-if have_quack():
+if quack_importable():
     from quack import gemm_interface as quack_gemm
 
 _QUACK_NAMES: dict[KernelActivation, str] = {

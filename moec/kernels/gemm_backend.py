@@ -11,8 +11,10 @@ and ``w`` (the weights, or ``dy`` for ``"wgrad"``):
 - ``kernels=False`` (the ops' pure-PyTorch path, :mod:`moec.ops.grouped`): ``"grouped_mm"``
   where :func:`grouped_mm_takes` the operands, else ``"loop"`` (a masked loop over experts).
 
-Backends: ``"cute"`` is the CuTe DSL kernels of quack-kernels (:mod:`moec.kernels.cute_gemm`,
-activations in the epilogues; optional), ``"grouped_mm"`` is ``torch._grouped_mm`` (CUTLASS on
+Backends: ``"cute"`` is the CuTe DSL GEMMs of quack-kernels (:mod:`moec.kernels.cute_gemm`;
+optional), a plain activation in quack's epilogue, a gated one on moec's activation kernel;
+``"cute_glu"`` the same with the gated activation (and its backward) in quack's epilogues, which
+interleaves h's gate and up columns; ``"grouped_mm"`` is ``torch._grouped_mm`` (CUTLASS on
 CUDA; an activation then runs on its own kernel), ``"tma"`` the persistent TMA kernel of
 :mod:`moec.kernels.grouped_tma`, ``"pointer"`` the pointer-based kernels of
 :mod:`moec.kernels.grouped_gemm` (activation fused in the epilogue), ``"loop"`` the ops'
@@ -33,7 +35,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from moec.kernels.arch import arch, interpreting
 
-KernelBackend = Literal["cute", "grouped_mm", "tma", "pointer"]
+KernelBackend = Literal["cute", "cute_glu", "grouped_mm", "tma", "pointer"]
 Backend = Literal[KernelBackend, "loop"]
 
 PIECES = ("up", "down", "dgrad", "dgrad_act", "wgrad")
@@ -44,11 +46,11 @@ Rule = tuple[int, KernelBackend]
 """``(min_rows, backend)``: run ``backend`` on buffers of at least ``min_rows`` rows."""
 
 _SM90_RULES: dict[str, tuple[Rule, ...]] = {
-    "up": ((0, "pointer"), (1024, "grouped_mm"), (32768, "cute")),
-    "down": ((0, "pointer"), (1024, "grouped_mm"), (32768, "cute")),
-    "dgrad": ((0, "pointer"), (1024, "tma"), (32768, "cute")),
-    "dgrad_act": ((0, "pointer"), (1024, "grouped_mm"), (32768, "cute")),
-    "wgrad": ((0, "pointer"), (1024, "grouped_mm")),
+    "up": ((0, "pointer"), (1024, "grouped_mm"), (4096, "cute")),
+    "down": ((0, "pointer"), (1024, "grouped_mm"), (4096, "cute")),
+    "dgrad": ((0, "pointer"), (1024, "tma"), (4096, "cute")),
+    "dgrad_act": ((0, "pointer"), (1024, "grouped_mm"), (4096, "cute")),
+    "wgrad": ((0, "pointer"), (1024, "grouped_mm"), (4096, "cute")),
 }
 GEMM_BACKENDS: dict[str, dict[str, tuple[Rule, ...]]] = {
     "sm90": _SM90_RULES,
@@ -56,12 +58,12 @@ GEMM_BACKENDS: dict[str, dict[str, tuple[Rule, ...]]] = {
 }
 """Per arch and piece (:data:`PIECES`), the rules for bf16 CUDA buffers, by ascending
 ``min_rows``: the last rule whose ``min_rows`` the buffer reaches and whose backend takes the
-operands runs (``"cute"`` needs quack and an epilogue it has, ``"tma"`` TMA-ready operands and
-never ``"wgrad"``), else ``"pointer"``. The thresholds are where each backend measured fastest on
-an H200 (benchmarks/RESULTS.md, "Expert GEMMs on the CuTe DSL"): the pointer kernels' small-row
-tiles below 1024 rows, ``torch._grouped_mm`` (and TMA for the up projection's dgrad) in between,
-the CuTe DSL kernels from 32768 rows, where they pass ``_grouped_mm``. sm100 uses the sm90
-table until measured on its own."""
+operands runs (``"cute"`` needs quack, ``"cute_glu"`` also a gated activation quack's epilogue
+computes, ``"tma"`` TMA-ready operands and never ``"wgrad"``), else ``"pointer"``. The
+thresholds are where each backend measured fastest on an H200 (benchmarks/RESULTS.md, "Expert
+GEMMs on the CuTe DSL"): the pointer kernels' small-row tiles below 1024 rows,
+``torch._grouped_mm`` (TMA for the up projection's dgrad) up to 4096, the CuTe DSL GEMMs from
+there (without quack: the rule before). sm100 uses the sm90 table until measured on its own."""
 
 
 @contextlib.contextmanager
@@ -78,14 +80,36 @@ def forced_backend(chosen: KernelBackend) -> Iterator[None]:
         GEMM_BACKENDS.update(saved)
 
 
+_QUACK_OFF = False
+"""Set by :func:`without_quack`: the policy runs as if quack were not installed."""
+
+
+@contextlib.contextmanager
+def without_quack() -> Iterator[None]:
+    """Run the policy as it runs where quack-kernels is not installed (benchmarks compare the
+    two in one run); restores it on exit."""
+    global _QUACK_OFF
+    saved, _QUACK_OFF = _QUACK_OFF, True
+    try:
+        yield
+    finally:
+        _QUACK_OFF = saved
+
+
 @functools.cache
-def have_quack() -> bool:
+def quack_importable() -> bool:
     """Whether quack-kernels (the CuTe DSL backend, ``moec[cutlass]``) imports."""
     try:
         import quack.gemm_interface  # noqa: F401
     except ImportError:
         return False
     return True
+
+
+def have_quack() -> bool:
+    """Whether the policy may run the CuTe DSL backend: quack imports, and it is not switched
+    off by :func:`without_quack`."""
+    return not _QUACK_OFF and quack_importable()
 
 
 def cute_ready(x: Tensor, w: Tensor) -> bool:
@@ -137,25 +161,27 @@ def grouped_mm_takes(piece: str, x: Tensor, w: Tensor) -> bool:
     return all(t.shape[-1] * t.element_size() % 16 == 0 for t in operands)
 
 
-def _takes(chosen: KernelBackend, piece: str, x: Tensor, w: Tensor, cute_epilogue: bool) -> bool:
+def _takes(chosen: KernelBackend, piece: str, x: Tensor, w: Tensor, glu_epilogue: bool) -> bool:
     if chosen == "cute":
-        return cute_epilogue and cute_ready(x, w)
+        return cute_ready(x, w)
+    if chosen == "cute_glu":
+        return glu_epilogue and cute_ready(x, w)
     if chosen == "tma":
         return piece != "wgrad" and tma_applies(x, w)
     return True
 
 
 def backend(
-    piece: str, x: Tensor, w: Tensor, kernels: bool = True, cute_epilogue: bool = True
+    piece: str, x: Tensor, w: Tensor, kernels: bool = True, glu_epilogue: bool = False
 ) -> Backend:
-    """The implementation that runs ``piece`` on these operands (see module); ``cute_epilogue``
-    False: the CuTe DSL kernels lack this call's epilogue (activation), so they do not run."""
+    """The implementation that runs ``piece`` on these operands (see module); ``glu_epilogue``:
+    the call has a gated activation that quack's epilogue computes, so ``"cute_glu"`` may run."""
     if not kernels:
         return "grouped_mm" if grouped_mm_takes(piece, x, w) else "loop"
     if not x.is_cuda or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
         return "pointer"
     rules = GEMM_BACKENDS.get(arch(x.device), {}).get(piece, ())
     for min_rows, chosen in reversed(rules):
-        if x.shape[0] >= min_rows and _takes(chosen, piece, x, w, cute_epilogue):
+        if x.shape[0] >= min_rows and _takes(chosen, piece, x, w, glu_epilogue):
             return chosen
     return "pointer"

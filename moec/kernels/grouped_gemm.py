@@ -317,28 +317,31 @@ def up_backend(x: Tensor, w_up: Tensor, has_bias: bool, act: KernelActivation) -
     kernels are the only ones with a bias epilogue."""
     if has_bias:
         return "pointer"
-    return backend("up", x, w_up, cute_epilogue=cute_gemm.computes(act))
+    return backend("up", x, w_up, glu_epilogue=act.gated and cute_gemm.computes(act))
 
 
 def h_interleaved(x: Tensor, w_up: Tensor, has_bias: bool, act: KernelActivation) -> bool:
     """Whether :func:`gmm_act` leaves a gated ``h`` with interleaved ``[gate, up]`` column pairs
-    (the CuTe DSL backend; see :mod:`moec.kernels.cute_gemm`); the backward asks with the
-    forward's operands to read ``h`` right."""
-    return act.gated and up_backend(x, w_up, has_bias, act) == "cute"
+    (``"cute_glu"``; see :mod:`moec.kernels.cute_gemm`); the backward asks with the forward's
+    operands to read ``h`` right."""
+    return act.gated and up_backend(x, w_up, has_bias, act) == "cute_glu"
 
 
 def gmm_act(
     x: Tensor, w_up: Tensor, offsets: Tensor, bias: Tensor | None, act: KernelActivation
 ) -> tuple[Tensor, Tensor]:
     """(h, a): the up projection with the activation fused into its epilogue (``h`` interleaved
-    where :func:`h_interleaved`)."""
+    where :func:`h_interleaved`), or run after it on the activation kernel."""
     width = w_up.shape[-1]
     chosen = up_backend(x, w_up, bias is not None, act)
+    if chosen == "cute_glu" or (chosen == "cute" and not act.gated and cute_gemm.computes(act)):
+        return cute_gemm.gmm_act(x, w_up, offsets, act)
+    if chosen == "cute":
+        h = cute_gemm.gmm(x, w_up, offsets)
+        return h, act_forward(h, act)
     if chosen == "grouped_mm":
         h = torch._grouped_mm(x.contiguous(), w_up, offs=offsets)
         return h, act_forward(h, act)
-    if chosen == "cute":
-        return cute_gemm.gmm_act(x, w_up, offsets, act)
     h = x.new_empty(x.shape[0], width)
     a = x.new_empty(x.shape[0], width // 2 if act.gated else width)
     _launch_gmm(chosen, x, w_up, offsets, bias, a, h, None, EPILOGUE_ACT, act)
@@ -353,14 +356,15 @@ def gmm_act_backward(
     act: KernelActivation,
     interleaved: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """(d_h, a): ``d_a = d_y @ w_down[e]^T`` then the activation backward, in one kernel; an
-    ``interleaved`` h (see :func:`h_interleaved`) gives an interleaved d_h."""
+    """(d_h, a): ``d_a = d_y @ w_down[e]^T`` then the activation backward (in the GEMM's
+    epilogue, or on the activation kernel); an ``interleaved`` h (see :func:`h_interleaved`)
+    gives an interleaved d_h."""
     w_t = w_down.transpose(-1, -2)
-    if interleaved:
+    chosen = "cute_glu" if interleaved else backend("dgrad_act", d_y, w_t)
+    if chosen == "cute_glu" or (chosen == "cute" and not act.gated and cute_gemm.computes(act)):
         return cute_gemm.gmm_act_backward(d_y, w_down, offsets, h, act)
-    chosen = backend("dgrad_act", d_y, w_t, cute_epilogue=not act.gated and cute_gemm.computes(act))
     if chosen == "cute":
-        return cute_gemm.gmm_act_backward(d_y, w_down, offsets, h, act)
+        return act_backward(h, cute_gemm.gmm(d_y, w_t, offsets), act)
     if chosen == "grouped_mm":
         d_a = torch._grouped_mm(d_y.contiguous(), w_t, offs=offsets)
         return act_backward(h, d_a, act)
