@@ -41,6 +41,7 @@ from rich.table import Table
 from moec.analysis.cost import format_count, graph_cost
 from moec.errors import MoecError
 from moec.fx import module_path, parameter_count
+from moec.kernels.gemm_backend import policy_text
 from moec.passes.manager import pipeline_string
 from moec.plan import Plan
 from moec.program import Program
@@ -135,7 +136,8 @@ class DebugDump:
     # --- output ------------------------------------------------------------------------------
 
     def _start(self) -> None:
-        text = f"{self.pass_pipeline}\n\n{self.plan.to_yaml()}"
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        text = f"{self.pass_pipeline}\n\n{self.plan.to_yaml()}\n{policy_text(device)}"
         if self.print_after_all:
             self.console.rule("pipeline")
             self.console.print(text, markup=False, highlight=False)

@@ -26,7 +26,7 @@ def sm(monkeypatch: pytest.MonkeyPatch):
     """Set the arch every CUDA tensor reports; the TMA kernel takes any operands and quack is
     installed (whether it is here or not)."""
     monkeypatch.setattr(gb, "tma_applies", lambda x, w: True)
-    monkeypatch.setattr(gb, "have_quack", lambda: True)
+    monkeypatch.setattr(gb, "quack_importable", lambda: True)
 
     def set_arch(name: str) -> None:
         monkeypatch.setattr(gb, "arch", lambda device: name)
@@ -44,15 +44,16 @@ def test_every_arch_table_has_every_piece_with_ascending_rules_from_zero_rows():
         assert set(table) == set(gb.PIECES), arch
         for piece, rules in table.items():
             thresholds = [min_rows for min_rows, _ in rules]
-            assert thresholds[0] == 0 and thresholds == sorted(set(thresholds)), (arch, piece)
+            assert thresholds[0] == 0 and thresholds == sorted(thresholds), (arch, piece)
+            assert len(set(rules)) == len(rules), (arch, piece)
 
 
 @pytest.mark.parametrize("piece", gb.PIECES)
 def test_kernels_bf16_on_sm90_follow_the_rules_at_each_threshold(sm, piece):
     sm("sm90")
-    for min_rows, chosen in gb.GEMM_BACKENDS["sm90"][piece]:
+    for min_rows, _ in gb.GEMM_BACKENDS["sm90"][piece]:
         x, w = _fake_cuda(min_rows, torch.bfloat16)
-        assert gb.backend(piece, x, w) == chosen
+        assert gb.backend(piece, x, w) == _rule_at(piece, min_rows)
         if min_rows:
             below, w = _fake_cuda(min_rows - 1, torch.bfloat16)
             assert gb.backend(piece, below, w) == _rule_at(piece, min_rows - 1)
@@ -65,9 +66,8 @@ def test_a_backend_that_does_not_take_the_operands_passes_to_the_rule_before(sm,
     x, w = _fake_cuda(256, torch.bfloat16)
     assert gb.backend("up", x, w, glu_epilogue=True) == "cute_glu"
     assert gb.backend("up", x, w) == "cute"  # no gated epilogue for this call
-    monkeypatch.setattr(gb, "have_quack", lambda: False)
-    assert gb.backend("up", x, w, glu_epilogue=True) == "grouped_mm"
-    monkeypatch.setattr(gb, "have_quack", lambda: True)
+    with gb.without_quack():
+        assert gb.backend("up", x, w, glu_epilogue=True) == "grouped_mm"
     with FakeTensorMode():
         unaligned = torch.empty(4, 64, 36, device="cuda", dtype=torch.bfloat16)  # 72-byte rows
     assert gb.backend("down", x, unaligned) == "grouped_mm"
@@ -131,3 +131,25 @@ def test_reference_path_on_the_cpu_needs_float32_or_bf16_aligned_rows():
     with FakeTensorMode():  # torch's fake _grouped_mm takes bf16 only
         fake_x, fake_w = torch.empty(16, 64), torch.empty(4, 64, 32)
     assert gb.backend("down", fake_x, fake_w, kernels=False) == "loop"
+
+
+def test_without_quack_its_rules_pass_to_the_ones_before(sm):
+    sm("sm90")
+    x, w = _fake_cuda(1 << 17, torch.bfloat16)
+    with_quack = {piece: gb.backend(piece, x, w) for piece in gb.PIECES}
+    assert set(with_quack.values()) == {"cute"}
+    with gb.without_quack():
+        without = {piece: gb.backend(piece, x, w) for piece in gb.PIECES}
+    assert without == {"up": "grouped_mm", "down": "grouped_mm", "dgrad": "tma",
+                       "dgrad_act": "grouped_mm", "wgrad": "grouped_mm"}  # fmt: skip
+    assert {piece: gb.backend(piece, x, w) for piece in gb.PIECES} == with_quack
+
+
+def test_policy_text_names_every_piece_and_its_rules(sm):
+    sm("sm90")
+    text = gb.policy_text(torch.device("cuda"))
+    assert "quack-kernels installed" in text
+    for piece in gb.PIECES:
+        assert f"  {piece} " in text
+    assert "cute from 4096 rows" in text and "pointer from 0 rows" in text
+    assert "reference path" in gb.policy_text(torch.device("cpu"))

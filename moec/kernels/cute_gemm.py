@@ -23,10 +23,11 @@ of the interleaved weight back, again in its dtype cast. Only the expert MLP's b
 ``"cute"`` backend runs a gated activation on moec's activation kernel instead and keeps
 ``[gate | up]``.
 
-quack compiles each kernel on first use (and autotunes it unless ``MOEC_AUTOTUNE=0``); after
-that a call launches without reading the device. quack is optional (``pip install
-moec[cutlass]``): without it :func:`moec.kernels.gemm_backend.have_quack` is False and the policy
-never picks this backend (nor imports it).
+quack compiles each kernel on first use (and autotunes it unless ``MOEC_AUTOTUNE=0``; the first
+steps of a run then take minutes); after that a call launches without reading the device. quack
+is optional (``pip install moec[cutlass]``): without it
+:func:`moec.kernels.gemm_backend.have_quack` is False and the policy never picks this backend,
+whose module imports quack only when a kernel runs.
 """
 
 from __future__ import annotations
@@ -37,10 +38,14 @@ import torch
 from torch import Tensor
 
 from moec.kernels.activation import UNARY_CODES, KernelActivation
-from moec.kernels.gemm_backend import quack_importable
 
-if quack_importable():
-    from quack import gemm_interface as quack_gemm
+
+def _quack():
+    """quack's GEMM interface, imported on first use (it loads the CuTe DSL's compiler)."""
+    from quack import gemm_interface
+
+    return gemm_interface
+
 
 _QUACK_NAMES: dict[KernelActivation, str] = {
     KernelActivation(UNARY_CODES["silu"], False): "silu",
@@ -91,7 +96,7 @@ def gmm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     out = x.new_empty(x.shape[0], w.shape[-1])
     if x.shape[0] == 0:
         return out
-    quack_gemm.gemm(x, w.to(x.dtype), out=out, cu_seqlens_m=cu_seqlens(offsets), tuned=_tuned())
+    _quack().gemm(x, w.to(x.dtype), out=out, cu_seqlens_m=cu_seqlens(offsets), tuned=_tuned())
     return out
 
 
@@ -101,7 +106,7 @@ def gmm_act(
     """(h, a): the up projection with the activation in the epilogue; ``w_up`` in moec's layout,
     ``h`` interleaved when ``act`` is gated (see module)."""
     w = interleave(w_up, x.dtype) if act.gated else w_up.to(x.dtype)
-    return quack_gemm.gemm_act(
+    return _quack().gemm_act(
         x,
         w,
         activation=_QUACK_NAMES[act],
@@ -116,7 +121,7 @@ def gmm_act_backward(
 ) -> tuple[Tensor, Tensor]:
     """(d_h, a): ``d_a = d_y @ w_down[e]^T`` then the activation's backward at ``h`` (interleaved
     when gated, as :func:`gmm_act` wrote it), with ``a`` recomputed for the wgrad."""
-    d_h, a = quack_gemm.gemm_dact(
+    d_h, a = _quack().gemm_dact(
         d_y,
         w_down.to(d_y.dtype).transpose(-1, -2),
         h,
@@ -134,5 +139,5 @@ def gmm_wgrad(x: Tensor, dy: Tensor, offsets: Tensor, out_dtype: torch.dtype) ->
     dw = torch.empty(num_experts, x.shape[1], dy.shape[1], dtype=out_dtype, device=x.device)
     if dw.numel() == 0:
         return dw
-    quack_gemm.gemm(x.t(), dy, out=dw, cu_seqlens_k=cu_seqlens(offsets), tuned=_tuned())
+    _quack().gemm(x.t(), dy, out=dw, cu_seqlens_k=cu_seqlens(offsets), tuned=_tuned())
     return dw

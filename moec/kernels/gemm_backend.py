@@ -50,20 +50,22 @@ _SM90_RULES: dict[str, tuple[Rule, ...]] = {
     "down": ((0, "pointer"), (1024, "grouped_mm"), (4096, "cute")),
     "dgrad": ((0, "pointer"), (1024, "tma"), (4096, "cute")),
     "dgrad_act": ((0, "pointer"), (1024, "grouped_mm"), (4096, "cute")),
-    "wgrad": ((0, "pointer"), (1024, "grouped_mm"), (4096, "cute")),
+    "wgrad": ((0, "pointer"), (1024, "grouped_mm"), (1024, "cute")),
 }
 GEMM_BACKENDS: dict[str, dict[str, tuple[Rule, ...]]] = {
     "sm90": _SM90_RULES,
     "sm100": _SM90_RULES,
 }
 """Per arch and piece (:data:`PIECES`), the rules for bf16 CUDA buffers, by ascending
-``min_rows``: the last rule whose ``min_rows`` the buffer reaches and whose backend takes the
+``min_rows`` (equal ones: a backend and its fallback): the last rule whose ``min_rows`` the
+buffer reaches and whose backend takes the
 operands runs (``"cute"`` needs quack, ``"cute_glu"`` also a gated activation quack's epilogue
 computes, ``"tma"`` TMA-ready operands and never ``"wgrad"``), else ``"pointer"``. The
 thresholds are where each backend measured fastest on an H200 (benchmarks/RESULTS.md, "Expert
 GEMMs on the CuTe DSL"): the pointer kernels' small-row tiles below 1024 rows,
 ``torch._grouped_mm`` (TMA for the up projection's dgrad) up to 4096, the CuTe DSL GEMMs from
-there (without quack: the rule before). sm100 uses the sm90 table until measured on its own."""
+there and its varlen-K wgrad from 1024 rows (without quack: the rule before). sm100 uses the
+sm90 table until measured on its own."""
 
 
 @contextlib.contextmanager
@@ -185,3 +187,21 @@ def backend(
         if x.shape[0] >= min_rows and _takes(chosen, piece, x, w, glu_epilogue):
             return chosen
     return "pointer"
+
+
+def policy_text(device: torch.device) -> str:
+    """Which backend runs each expert GEMM on ``device`` at which buffer sizes, in one line per
+    piece (``moec debug`` and the benchmarks print it)."""
+    if device.type != "cuda":
+        return (
+            f"expert GEMMs on {device.type}: the ops' reference path "
+            "(torch._grouped_mm where it takes the operands, else a masked loop)"
+        )
+    family = arch(device)
+    table = GEMM_BACKENDS.get(family, {})
+    quack = "installed" if have_quack() else "not installed: its rules pass to the rule before"
+    lines = [f"expert GEMMs on {family}, bf16 (quack-kernels {quack}; other dtypes: pointer):"]
+    for piece in PIECES:
+        rules = ", ".join(f"{chosen} from {rows} rows" for rows, chosen in table.get(piece, ()))
+        lines.append(f"  {piece:<10} {rules or 'pointer'}")
+    return "\n".join(lines)

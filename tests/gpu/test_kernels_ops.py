@@ -174,8 +174,10 @@ def test_expert_mlp_forward_backward(dtype, activation, case, backend, bias):
 def test_expert_mlp_on_the_cute_dsl(backend, activation, case, shape):
     """The CuTe DSL backends on every piece (varlen-M GEMMs with and without activation
     epilogues, varlen-K wgrad) against the float64 reference, with poisoned rows past the
-    offsets. ReLU's kink makes bf16 rounding of h flip a few derivatives: a wider tolerance."""
-    tol = 3e-2 if "relu" in activation or "reglu" in activation else 2e-2
+    offsets. ReLU's step derivative flips where the kernels' h (bf16-cast weights) and the
+    reference's (float32 masters) straddle zero, on every backend (the pointer kernels measured
+    3-4% on d_x too): a wider tolerance for the ReLU family."""
+    tol = 5e-2 if "relu" in activation or "reglu" in activation else 2e-2
     with gemm_backend.forced_backend(backend):
         _check_expert_mlp(torch.bfloat16, activation, case, False, shape, tol)
 
