@@ -77,8 +77,11 @@ class CompiledModel(nn.Module):
         self.__dict__["program"] = None  # not a submodule: its graph's contents become ours
         self.training = training
         self.aux_outputs: dict[tuple[str, str], torch.Tensor] = {}
-        self._variants: dict[tuple[str, bool], tuple[tuple, fx.GraphModule]] = {}
+        self._variants: dict[tuple, tuple[tuple, fx.GraphModule]] = {}
         self.working_weights: WorkingWeights | None = None
+        self.instrument: Callable[[fx.GraphModule], fx.GraphModule] | None = None
+        """Set by :mod:`moec.runtime.profiling` while a profile window is open: the graph runs
+        through this rewrite (its block and op ranges), made once per graph."""
         self._initialize = initialize
         if program is not None:
             self._adopt(program)
@@ -151,11 +154,15 @@ class CompiledModel(nn.Module):
 
     def _graph(self) -> fx.GraphModule:
         """The graph to run: the one for the current mode, and under ``torch.no_grad()`` its
-        variant whose fused LM-head losses skip the head's gradients."""
+        variant whose fused LM-head losses skip the head's gradients; in a profile window, that
+        graph with ranges (``self.instrument``)."""
         graph = self._graph_in_mode(self.training)
-        if torch.is_grad_enabled():
-            return graph
-        return self._variant(("forward_only", self.training), graph, forward_only)
+        if not torch.is_grad_enabled():
+            graph = self._variant(("forward_only", self.training), graph, forward_only)
+        if self.instrument is not None:
+            key = ("instrumented", self.training, torch.is_grad_enabled())
+            graph = self._variant(key, graph, self.instrument)
+        return graph
 
     def _graph_in_mode(self, training: bool) -> fx.GraphModule:
         if training == self.program.captured_training:
@@ -166,7 +173,7 @@ class CompiledModel(nn.Module):
 
     def _variant(
         self,
-        key: tuple[str, bool],
+        key: tuple,
         base: fx.GraphModule,
         build: Callable[[fx.GraphModule], fx.GraphModule],
     ) -> fx.GraphModule:
@@ -196,12 +203,13 @@ class CompiledModel(nn.Module):
                 "model's build function): call it once, or compile with example_inputs"
             )
         state = self.__dict__.copy()
-        state.update(_variants={}, aux_outputs={}, working_weights=None)
+        state.update(_variants={}, aux_outputs={}, working_weights=None, instrument=None)
         # the passes' reports hold their intermediate graphs: not part of the trained model
         state["program"] = dataclasses.replace(self.program, pass_results={})
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("instrument", None)
         super().__setstate__(state)
         self._adopt(self.program)  # unpickling rebuilt the graph module's tables
 
