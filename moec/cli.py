@@ -353,9 +353,71 @@ def build_parser() -> argparse.ArgumentParser:
         default=5,
         help="consecutive steps with a non-finite loss or gradient norm that stop the run",
     )
+    _add_data_and_trainer_arguments(train)
     _add_run_arguments(train)
     train.set_defaults(func=cmd_train)
     return parser
+
+
+def _add_data_and_trainer_arguments(train: argparse.ArgumentParser) -> None:
+    """``moec train``'s corpus (:mod:`moec.corpus`) and trainer options (skip-step, batch-size
+    warmup, z-loss, weight-decay groups)."""
+    data = train.add_argument_group("your own tokens (see moec.corpus)")
+    data.add_argument(
+        "--data",
+        metavar="SPEC",
+        help="PATH[:WEIGHT],... of token files (.bin, .npy; globs and folders) or datasets "
+        "save_to_disk folders, or a .json/.yaml data spec; instead of the offline text",
+    )
+    data.add_argument(
+        "--data-dtype",
+        choices=("uint16", "uint32"),
+        default="uint16",
+        help="token ids of raw .bin (and header-less .npy) files (default uint16)",
+    )
+    data.add_argument(
+        "--tokenizer", metavar="NAME_OR_PATH", help="transformers tokenizer for datasets folders"
+    )
+    data.add_argument(
+        "--text-column", default="text", help="the documents' column in datasets folders"
+    )
+    data.add_argument(
+        "--prefetch", type=int, default=2, help="batches loaded ahead in a background thread"
+    )
+    trainer = train.add_argument_group("trainer")
+    trainer.add_argument(
+        "--batch-warmup",
+        metavar="B:STEP,...",
+        help="global batch sizes from the given steps, e.g. 8:0,16:100,32:300 (the last is "
+        "--batch-size x data-parallel ranks); the learning rate scales by sqrt(batch / first)",
+    )
+    trainer.add_argument(
+        "--spike-sigma",
+        type=float,
+        default=0.0,
+        help="skip a step whose loss or gradient norm is this many standard deviations above "
+        "the running mean (skip-step AdamW; 6 is usual); 0: off",
+    )
+    trainer.add_argument(
+        "--spike-window", type=int, default=128, help="steps the spike statistics cover"
+    )
+    trainer.add_argument(
+        "--spike-min-steps",
+        type=int,
+        default=64,
+        help="steps recorded before spikes are skipped",
+    )
+    trainer.add_argument(
+        "--z-loss",
+        type=float,
+        default=0.0,
+        help="LM-head z-loss coefficient (e.g. 1e-4): coeff x mean(logsumexp(logits)^2); 0: off",
+    )
+    trainer.add_argument(
+        "--no-decay",
+        default="embeddings,norms,biases",
+        help="parameters without weight decay: any of embeddings,norms,biases,lm_head",
+    )
 
 
 def _add_run_arguments(sub: argparse.ArgumentParser) -> None:

@@ -4,15 +4,23 @@ The corpus is the docstrings of ~100 standard-library modules and their public c
 functions (about 0.7 MB of real prose and examples), tokenized as bytes (token ids 0-255, so
 any model with a vocabulary of at least 256 reads it; a smaller one is a :class:`DataError`).
 Synthetic batches draw uniform tokens over the model's whole vocabulary. Batches are a pure
-function of (seed, step), so a resumed run sees exactly the batches the uninterrupted run would
-have seen.
+function of (seed, step) (the batch size may be a function of the step: batch-size warmup), so a
+resumed run sees exactly the batches the uninterrupted run would have seen. Your own corpora
+(token files, ``datasets`` folders) are :mod:`moec.corpus`.
+
+:class:`Prefetcher` loads the next batches in a background thread (into pinned memory on CUDA)
+while the device runs the current step.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache
+from typing import Protocol
 
 import torch
 
@@ -66,13 +74,14 @@ class DataError(MoecError):
 class TextBatches:
     """Random windows of the corpus (or uniform random tokens with ``synthetic=True``).
 
-    ``batch(step)`` returns (inputs, targets) of shape (batch, seq_len), int64, next-token pairs.
-    A held-out tail (the last 5%) is kept out of training windows for ``eval_batch``.
+    ``batch(step)`` returns (inputs, targets) of shape (batch, seq_len), int64, next-token pairs;
+    ``batch_size`` is a number or a function of the step. A held-out tail (the last 5%) is kept
+    out of training windows for ``eval_batch``.
     """
 
     def __init__(
         self,
-        batch_size: int,
+        batch_size: int | Callable[[int], int],
         seq_len: int,
         seed: int = 0,
         synthetic: bool = False,
@@ -99,13 +108,68 @@ class TextBatches:
 
     def _windows(self, step: int, data: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step + 1)
+        size = batch_size_at(self.batch_size, max(step, 0))
         if data is None:
-            tokens = torch.randint(
-                0, self.vocab_size, (self.batch_size, self.seq_len + 1), generator=gen
-            )
+            tokens = torch.randint(0, self.vocab_size, (size, self.seq_len + 1), generator=gen)
         else:
-            starts = torch.randint(
-                0, len(data) - self.seq_len - 1, (self.batch_size,), generator=gen
-            )
+            starts = torch.randint(0, len(data) - self.seq_len - 1, (size,), generator=gen)
             tokens = torch.stack([data[s : s + self.seq_len + 1] for s in starts.tolist()])
         return tokens[:, :-1], tokens[:, 1:]
+
+
+def batch_size_at(batch_size: int | Callable[[int], int], step: int) -> int:
+    """A fixed batch size, or a schedule's size at ``step``."""
+    return batch_size if isinstance(batch_size, int) else batch_size(step)
+
+
+class Batches(Protocol):
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class Prefetcher:
+    """``batch(step)`` of ``batches`` on ``device``, loaded ``depth`` steps ahead by one
+    background thread (pinned there on CUDA, then copied without blocking the host). Asking for
+    another step than the next one (a resume) restarts the read-ahead there; an error in
+    loading (a bad token, say) is raised by the ``batch`` call of its step. The batches are
+    ``batches``' own, so a pure function of the step stays one."""
+
+    def __init__(self, batches: Batches, device: torch.device, depth: int = 2):
+        self.batches, self.device, self.depth = batches, device, depth
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="moec-data") if depth else None
+        self._ahead: deque[tuple[int, Future]] = deque()
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._pool is None:
+            return self._to_device(self._load(step))
+        if not self._ahead or self._ahead[0][0] != step:
+            self._cancel()
+            self._ahead.extend(
+                (s, self._pool.submit(self._load, s)) for s in range(step, step + self.depth)
+            )
+        _, future = self._ahead.popleft()
+        last = self._ahead[-1][0] if self._ahead else step
+        self._ahead.append((last + 1, self._pool.submit(self._load, last + 1)))
+        return self._to_device(future.result())
+
+    def close(self) -> None:
+        """Stop reading ahead (the thread ends after the batch it is loading)."""
+        self._cancel()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _cancel(self) -> None:
+        for _, future in self._ahead:
+            future.cancel()
+        self._ahead.clear()
+
+    def _load(self, step: int) -> tuple[torch.Tensor, ...]:
+        pair = self.batches.batch(step)
+        if self.device.type == "cuda":
+            return tuple(t.pin_memory() for t in pair)
+        return pair
+
+    def _to_device(self, pair: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.device.type != "cuda":
+            return pair[0], pair[1]
+        inputs, targets = (t.to(self.device, non_blocking=True) for t in pair)
+        return inputs, targets

@@ -22,6 +22,13 @@ nonzero when the gradients are not finite) then makes that step a no-op without 
 parameters, moments, working copies and step counters keep their values, and the next step is
 the one the skipped step would have been. Without a skipped step the results equal the
 host-counter path to float32 rounding (the bias corrections are float32 there).
+
+Skip-step AdamW (the report's B.7): :class:`SpikeDetector` keeps the last ``window`` finite
+losses and gradient norms on the device and flags a step whose loss or norm exceeds their mean
+by more than ``sigma`` standard deviations, once ``min_steps`` steps are recorded; the trainer
+folds that flag into ``found_inf``, so a spike is skipped exactly as a non-finite step is. Every
+finite step is recorded, spikes included (as OLMo-core's SkipStepOptimizer does): a lasting
+change of level widens the statistics and stops being skipped instead of stalling the run.
 """
 
 from __future__ import annotations
@@ -214,6 +221,46 @@ class AdamW(torch.optim.AdamW):
                 self.working_weights.mark_fresh(param)
         if counters and found_inf is not None:
             torch._foreach_add_(counters, found_inf, alpha=-1)
+
+
+class SpikeDetector:
+    """Loss and gradient-norm spikes from running statistics, on the device (see module)."""
+
+    def __init__(self, sigma: float, window: int, min_steps: int, device: torch.device):
+        self.sigma, self.window, self.min_steps = sigma, window, min_steps
+        self.values = torch.zeros(2, window, dtype=torch.float32, device=device)
+        """Row 0 the losses, row 1 the gradient norms; a ring written at ``recorded % window``."""
+        self.recorded = torch.zeros((), dtype=torch.int64, device=device)
+        self._slots = torch.arange(window, device=device)
+
+    def __call__(self, loss: Tensor, norm: Tensor) -> Tensor:
+        """Whether this step's (loss, norm) is a spike (a bool device scalar; False for a
+        non-finite step, which ``found_inf`` skips anyway), and record it when finite."""
+        x = torch.stack([loss.detach().float(), norm.detach().float()])
+        count = self.recorded.clamp(max=self.window)
+        valid = self._slots < count
+        n = count.clamp(min=1).float()
+        mean = torch.where(valid, self.values, 0.0).sum(1) / n
+        var = torch.where(valid, (self.values - mean[:, None]).square(), 0.0).sum(1) / n
+        finite = torch.isfinite(x).all()
+        above = (x > mean + self.sigma * var.sqrt()).any()
+        spike = (self.recorded >= self.min_steps) & above & finite
+        slot = (self._slots == self.recorded % self.window) & finite
+        self.values = torch.where(slot, x[:, None], self.values)
+        self.recorded = self.recorded + finite
+        return spike
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {"values": self.values.cpu(), "recorded": self.recorded.cpu()}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        values = state["values"]
+        if values.shape != self.values.shape:
+            raise ValueError(
+                f"spike statistics of a window of {values.shape[1]} steps, not {self.window}"
+            )
+        self.values = values.to(self.values.device)
+        self.recorded = state["recorded"].to(self.recorded.device)
 
 
 def _local(tensor: Tensor) -> Tensor:

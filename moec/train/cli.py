@@ -73,7 +73,8 @@ def cli_demo(args) -> int:
 
 
 def cli_train(args) -> int:
-    """``moec train``: a model the CLI knows, a plan file, offline text or synthetic data."""
+    """``moec train``: a model the CLI knows, a plan file, offline text, synthetic data or your
+    own tokens (``--data``)."""
     from moec.models.zoo import load_model
 
     plan = Plan.load(args.plan) if args.plan else Plan()
@@ -94,6 +95,17 @@ def cli_train(args) -> int:
         init_from=args.init_from,
         max_nonfinite_steps=args.max_nonfinite_steps,
         memory_limit_gib=args.memory_limit_gib,
+        data=args.data,
+        data_dtype=args.data_dtype,
+        tokenizer=args.tokenizer,
+        text_column=args.text_column,
+        prefetch=args.prefetch,
+        batch_warmup=args.batch_warmup or (),
+        spike_sigma=args.spike_sigma,
+        spike_window=args.spike_window,
+        spike_min_steps=args.spike_min_steps,
+        z_loss=args.z_loss,
+        no_decay=args.no_decay,
     )
     torch.manual_seed(cfg.seed)  # the model's initialisation is part of the run
     # from a checkpoint or fresh, the model is built on shapes: each rank builds only its part

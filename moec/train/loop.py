@@ -1,5 +1,8 @@
 """The training loop around :class:`~moec.train.trainer.Trainer`: log points (the one host read
-per window), metrics, throughput and summary, the non-finite stop, checkpoints on schedule."""
+per window), metrics, throughput and summary, the non-finite stop, checkpoints on schedule.
+
+Throughput counts each step's own tokens (its global batch under batch-size warmup, divided by
+the data-parallel ranks: the tokens of this rank)."""
 
 from __future__ import annotations
 
@@ -44,7 +47,6 @@ class TrainingLoop:
         self.history = history
         self.losses: list[float] = []
         self.pending: list[torch.Tensor] = []
-        self.tokens_per_step = self.cfg.batch_size * self.cfg.seq_len
         self.start_step = trainer.step
         self.steady_from = self.start_step + self.cfg.warmup_log_steps
         self.steady_start: float | None = None
@@ -52,7 +54,11 @@ class TrainingLoop:
         self.timed_s, self.timed_steps = 0.0, 0
         self.syncs: int | None = None
         self.skipped = 0
+        self.spike_skipped = 0
         self.longest_streak = 0
+        self.window_tokens = 0
+        self.steady_tokens = 0
+        self.timed_tokens = 0
 
     def run(self, log, progress, written: list[Path]) -> None:
         t, cfg = self.trainer, self.cfg
@@ -66,18 +72,22 @@ class TrainingLoop:
             else:
                 self.pending.append(t.train_step())
             window_steps += 1
+            tokens = self.tokens_of(t.step - 1)
+            self.window_tokens += tokens
             if t.step == self.steady_from:
                 wait_for_device(t.device)
-                self.steady_start, self.steady_steps = time.perf_counter(), 0
+                self.steady_start, self.steady_steps, self.steady_tokens = time.perf_counter(), 0, 0
             elif self.steady_start is not None:
                 self.steady_steps += 1
+                self.steady_tokens += tokens
             done = t.step == cfg.steps
             if t.step % cfg.log_every == 0 or done:
                 now = time.perf_counter()
-                record = self._log_point((now - window_start) / window_steps)
+                record = self._log_point((now - window_start) / window_steps, window_steps)
                 self.timed_s += now - window_start
                 self.timed_steps += window_steps
-                window_start, window_steps = now, 0
+                self.timed_tokens += self.window_tokens
+                window_start, window_steps, self.window_tokens = now, 0, 0
                 log.write(json.dumps(record) + "\n")
                 log.flush()
                 self._check_nonfinite()
@@ -88,17 +98,25 @@ class TrainingLoop:
                 if committed is not None and done:
                     written.append(committed.path)
 
-    def _log_point(self, step_time: float) -> dict[str, Any]:
-        """Read the window's losses and the non-finite counters (the one host read per log
-        window) and build the record."""
+    def tokens_of(self, step: int) -> int:
+        """Tokens this rank trains on in step ``step``."""
         t = self.trainer
-        counters = torch.stack([t.skipped_steps, t.longest_streak]).to(torch.float32)
-        values = torch.cat([torch.stack(self.pending), counters]).tolist()
-        losses, (skipped, longest) = values[:-2], values[-2:]
+        return t.global_batch(step) // t.dp * self.cfg.seq_len
+
+    def _log_point(self, step_time: float, steps: int) -> dict[str, Any]:
+        """Read the window's losses and the skip counters (the one host read per log window)
+        and build the record."""
+        t = self.trainer
+        counters = torch.stack([t.skipped_steps, t.longest_streak, t.spike_skipped_steps])
+        values = torch.cat([torch.stack(self.pending), counters.to(torch.float32)]).tolist()
+        losses, (skipped, longest, spikes) = values[:-3], values[-3:]
         self.pending.clear()
         self.losses += losses
-        self.skipped = int(skipped)
-        record = t._record(losses[-1], step_time, self.tokens_per_step, self.syncs, self.skipped)
+        self.skipped, self.spike_skipped = int(skipped), int(spikes)
+        tokens = self.window_tokens / steps  # the window's mean tokens per step
+        record = t._record(
+            losses[-1], step_time, tokens, self.syncs, self.skipped, self.spike_skipped
+        )
         self.history.append(record)
         self.longest_streak = int(longest)
         return record
@@ -128,11 +146,12 @@ class TrainingLoop:
             "first_loss": None if first is None else float(first),
             "final_loss": self.losses[-1] if self.losses else None,
             "skipped_steps": self.skipped,
+            "spike_skipped_steps": self.spike_skipped,
             "steady_step_time_s": step_time,
             "tokens_per_s_per_gpu": throughput["tokens_per_s"],
             "throughput_from": throughput["source"],
             "useful_mfu": useful_mfu(
-                t.train_flops_per_token * self.tokens_per_step, step_time or 0, 1, peak
+                t.train_flops_per_token * throughput["tokens_per_step"], step_time or 0, 1, peak
             )
             if step_time
             else None,
@@ -153,15 +172,23 @@ class TrainingLoop:
         if self.steady_start is not None and self.steady_steps > 0:
             wait_for_device(self.trainer.device)
             step_time = (time.perf_counter() - self.steady_start) / self.steady_steps
+            tokens = self.steady_tokens / self.steady_steps
             source = f"{self.steady_steps} steady steps (after {self.cfg.warmup_log_steps} warmup)"
         elif self.timed_steps:
             step_time = self.timed_s / self.timed_steps
+            tokens = self.timed_tokens / self.timed_steps
             source = f"all {self.timed_steps} steps of this call (too few for a steady window)"
         else:
-            return {"step_time_s": None, "tokens_per_s": None, "source": "no step was timed"}
+            return {
+                "step_time_s": None,
+                "tokens_per_s": None,
+                "tokens_per_step": 0,
+                "source": "no step was timed",
+            }
         return {
             "step_time_s": step_time,
-            "tokens_per_s": self.tokens_per_step / step_time,
+            "tokens_per_s": tokens / step_time,
+            "tokens_per_step": tokens,
             "source": source,
         }
 

@@ -10,7 +10,17 @@ the device and are read every ``log_every`` steps, which is also where step time
 Non-finite steps: a step whose loss or global gradient norm is not finite is skipped on the
 device (AdamW's ``found_inf``: parameters, moments and step counters keep their values) and
 counted (``skipped_steps`` in the metrics); ``max_nonfinite_steps`` consecutive ones stop the
-run with :class:`NonFiniteError` at the next log point.
+run with :class:`NonFiniteError` at the next log point. Spikes (``spike_sigma`` > 0, skip-step
+AdamW): a finite step whose loss or gradient norm exceeds the running statistics
+(:class:`moec.optim.SpikeDetector`) is skipped through the same ``found_inf`` and counted as
+``spike_skipped_steps``; in a job the loss it judges is the mean over the data-parallel ranks
+(one scalar all-reduce), so every rank skips the same steps.
+
+Data: the offline text, synthetic tokens or ``data`` (:mod:`moec.corpus`), each batch a pure
+function of (seed, step, rank), read ``prefetch`` steps ahead by a background thread
+(:class:`moec.data.Prefetcher`). Batch-size warmup (``batch_warmup``) changes the global batch at
+the configured steps (each rank's share split into ``plan.parallel.microbatches``) and scales
+the learning rate by sqrt(batch / first batch) (:func:`moec.train.config.lr_factor`).
 
 Outputs under ``out``: ``run.json`` (the run's identity, :mod:`moec.runtime.run_identity`),
 ``metrics.jsonl`` (one line per log step), ``summary.json``, PNG plots (loss, throughput,
@@ -41,9 +51,10 @@ import torch.distributed as dist
 from moec.analysis.cost import graph_cost
 from moec.analysis.rank_memory import GIB, format_rank_memory, rank_memory
 from moec.compiler import compile
-from moec.data import TextBatches
+from moec.corpus import TokenCorpus, parse_spec
+from moec.data import Batches, Prefetcher, TextBatches
 from moec.errors import MoecError
-from moec.optim import AdamW
+from moec.optim import AdamW, SpikeDetector
 from moec.plan import Plan, PlanError
 from moec.program import Program
 from moec.runtime import checkpoint, run_identity
@@ -68,9 +79,12 @@ from moec.train.config import (
     FRESH_INIT,
     TrainConfig,
     TrainConfigError,
+    check_batch_warmup,
     flag_of,
+    global_batch_at,
+    lr_factor,
+    rank_batch_size,
     resolve_device,
-    wsd_schedule,
 )
 from moec.train.loop import TrainingLoop, TrainResult, mean_of
 from moec.train.objective import LanguageModelWithLoss, parameter_groups
@@ -94,9 +108,18 @@ class Trainer:
         self.out = Path(cfg.out)
         self.out.mkdir(parents=True, exist_ok=True)
         vocab = model_vocab(model)
+        micro = plan.parallel.microbatches
+        self.dp = plan.parallel.dp  # data-parallel ranks (pp is 1 here)
+        if cfg.batch_size % micro:
+            raise TrainConfigError(
+                f"{flag_of('batch_size')} = {cfg.batch_size}: must be divisible by "
+                f"parallel.microbatches = {micro}"
+            )
+        check_batch_warmup(cfg, micro, self.dp)
         # every data-parallel rank reads its own batches (same model init on every rank)
         data_seed = cfg.seed + 7919 * self.rank
-        self.data = TextBatches(cfg.batch_size, cfg.seq_len, data_seed, cfg.synthetic, vocab)
+        self.data = make_batches(cfg, vocab, data_seed, rank_batch_size(cfg, self.dp))
+        self.batches = Prefetcher(self.data, self.device, cfg.prefetch)
         self.identity = run_identity.run_identity(
             model,
             plan,
@@ -106,23 +129,27 @@ class Trainer:
             vocab=vocab,
             seed=cfg.seed,
         )
+        self.identity["data"].update(data_identity(cfg, self.data))
         run_identity.check_run_dir(self.out, self.identity, resume=cfg.resume, force=cfg.force)
         torch.manual_seed(cfg.seed)
-        micro = plan.parallel.microbatches
-        if cfg.batch_size % micro:
-            raise TrainConfigError(
-                f"{flag_of('batch_size')} = {cfg.batch_size}: must be divisible by "
-                f"parallel.microbatches = {micro}"
-            )
         # a model given on the meta device (init_from) is captured on meta inputs too
         capture_device = "meta" if cfg.init_from else self.device
-        example = tuple(t[: cfg.batch_size // micro].to(capture_device) for t in self.data.batch(0))
+        # captured at the run's own microbatch (a warmup's first batches are smaller)
+        steady = cfg.batch_warmup[-1][1] if cfg.batch_warmup else 0
+        example = tuple(
+            t[: cfg.batch_size // micro].to(capture_device) for t in self.data.batch(steady)
+        )
         if cfg.init_from == FRESH_INIT:  # bound to the model: its _init_weights, its names
             dense = FreshInit(cfg.seed, model)
         else:
             dense = cfg.init_from and open_source(cfg.init_from)
+        if cfg.z_loss and plan.loss.fused:
+            self._say(
+                "note: --z-loss reads the LM head's logits, which moec::linear_cross_entropy "
+                "does not return: the head runs unfused (loss.fused has no effect)"
+            )
         self.compiled = compile(
-            LanguageModelWithLoss(model if cfg.init_from else model.to(self.device)),
+            LanguageModelWithLoss(model if cfg.init_from else model.to(self.device), cfg.z_loss),
             plan,
             example,
             mesh=self.mesh,
@@ -133,13 +160,13 @@ class Trainer:
         )
         self.reducer = GradientReducer(self.compiled, self.mesh) if self.mesh else None
         self.optimizer = AdamW(
-            parameter_groups(self.compiled, cfg.weight_decay),
+            parameter_groups(self.compiled, cfg.weight_decay, cfg.no_decay),
             lr=cfg.lr,
             betas=cfg.betas,
             working_weights=self.compiled.working_weights,
             device_step=True,  # a non-finite step is skipped on the device
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, wsd_schedule(cfg))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(cfg))
         self.step = 0
         cost = graph_cost(self.compiled.program).evaluate()
         self.train_flops_per_token = cost.train_flops_per_token
@@ -156,6 +183,12 @@ class Trainer:
         self.skipped_steps = torch.zeros((), dtype=torch.int64, device=self.device)
         self.nonfinite_streak = torch.zeros((), dtype=torch.int64, device=self.device)
         self.longest_streak = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.spike_skipped_steps = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.spikes = (
+            SpikeDetector(cfg.spike_sigma, cfg.spike_window, cfg.spike_min_steps, self.device)
+            if cfg.spike_sigma > 0
+            else None
+        )
         self.checkpoint_errors: list[str] = []
 
     def _check_memory(self, program: Program) -> None:
@@ -182,8 +215,12 @@ class Trainer:
 
     # --- one optimizer step (no host reads) ----------------------------------------------------
 
+    def global_batch(self, step: int) -> int:
+        """Sequences in optimizer step ``step`` over all data-parallel ranks."""
+        return global_batch_at(self.cfg, step, self.dp)
+
     def train_step(self) -> torch.Tensor:
-        inputs, targets = (_to_device(t, self.device) for t in self.data.batch(self.step))
+        inputs, targets = self.batches.batch(self.step)
         micro = self.plan.parallel.microbatches
         total = torch.zeros((), device=self.device)
         pairs = list(zip(inputs.chunk(micro), targets.chunk(micro), strict=True))
@@ -200,7 +237,12 @@ class Trainer:
             self.reducer.finish()
         norm = self._clip_gradients()
         nonfinite = self._nonfinite(total, norm)
-        self.optimizer.found_inf = nonfinite.float()
+        skip = nonfinite
+        if self.spikes is not None:
+            spike = self.spikes(self._job_mean(total), norm)
+            self.spike_skipped_steps += spike
+            skip = nonfinite | spike
+        self.optimizer.found_inf = skip.float()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
@@ -236,6 +278,15 @@ class Trainer:
             finite = finite & torch.isfinite(loss)
         return ~finite
 
+    def _job_mean(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss averaged over the data-parallel ranks (on the device), so that every rank
+        judges the same value; this rank's loss outside a job."""
+        if self.mesh is None:
+            return loss
+        mean = loss.detach().float().clone()
+        dist.all_reduce(mean, group=self.mesh.dp_group)
+        return mean / self.mesh.dp
+
     def _count_nonfinite(self, nonfinite: torch.Tensor) -> None:
         self.skipped_steps += nonfinite
         self.nonfinite_streak = (self.nonfinite_streak + 1) * nonfinite
@@ -266,6 +317,8 @@ class Trainer:
             "skipped_steps": self.skipped_steps.cpu(),
             "nonfinite_streak": self.nonfinite_streak.cpu(),
             "longest_streak": self.longest_streak.cpu(),
+            "spike_skipped_steps": self.spike_skipped_steps.cpu(),
+            "spikes": None if self.spikes is None else self.spikes.state_dict(),
         }
         torch.save(extra, path / self._trainer_file)
 
@@ -302,9 +355,11 @@ class Trainer:
             torch.manual_seed(self.cfg.seed + 7919 * self.rank + self.step)
         first = extra.get("first_loss")
         self.first_loss = None if first is None else first.to(self.device)
-        for name in ("skipped_steps", "nonfinite_streak", "longest_streak"):
+        for name in ("skipped_steps", "nonfinite_streak", "longest_streak", "spike_skipped_steps"):
             if name in extra:
                 setattr(self, name, extra[name].to(self.device))
+        if self.spikes is not None and extra.get("spikes") is not None:
+            self.spikes.load_state_dict(extra["spikes"])
 
     # --- the run directory ---------------------------------------------------------------------
 
@@ -409,6 +464,8 @@ class Trainer:
                 summary = loop.summary(error=str(exc))
                 (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
             raise
+        finally:
+            self.batches.close()
         summary = loop.summary()
         written.insert(0, log_path)
         if writer:
@@ -428,7 +485,13 @@ class Trainer:
             return {}
 
     def _record(
-        self, loss: float, step_time: float, tokens: int, syncs: int | None, skipped: int
+        self,
+        loss: float,
+        step_time: float,
+        tokens: int,
+        syncs: int | None,
+        skipped: int,
+        spike_skipped: int = 0,
     ) -> dict[str, Any]:
         routing = self.compiled.routing_stats() if self.compiled.moe_layers else {}
         layers = list(routing.values())
@@ -442,6 +505,8 @@ class Trainer:
             "tokens_per_s_per_gpu": tokens / step_time,
             "useful_mfu": mfu,
             "skipped_steps": skipped,
+            "spike_skipped_steps": spike_skipped,
+            "global_batch": self.global_batch(self.step - 1),
             "drop_rate": mean_of(layer["drop_rate"] for layer in layers),
             "load_imbalance": max((layer["load_imbalance"] for layer in layers), default=None),
             "capacity_use": mean_of(layer["capacity_use"] for layer in layers),
@@ -462,6 +527,33 @@ def model_vocab(model: torch.nn.Module) -> int:
         if isinstance(vocab, int):
             return vocab
     return 256
+
+
+def make_batches(cfg: TrainConfig, vocab: int, seed: int, batch_size) -> Batches:
+    """The run's batches: ``data`` (:class:`moec.corpus.TokenCorpus`), else the offline text or
+    synthetic tokens (:class:`moec.data.TextBatches`)."""
+    if cfg.data is None:
+        return TextBatches(batch_size, cfg.seq_len, seed, cfg.synthetic, vocab)
+    return TokenCorpus(
+        parse_spec(cfg.data, cfg.data_dtype),
+        batch_size,
+        cfg.seq_len,
+        vocab,
+        seed,
+        tokenizer=cfg.tokenizer,
+        text_column=cfg.text_column,
+    )
+
+
+def data_identity(cfg: TrainConfig, data: Batches) -> dict[str, Any]:
+    """What the run identity adds about the data: the corpus and the batch-size warmup."""
+    extra: dict[str, Any] = {}
+    if isinstance(data, TokenCorpus):
+        extra["source"] = "corpus"
+        extra["corpus"] = data.describe()
+    if cfg.batch_warmup:
+        extra["batch_warmup"] = [list(pair) for pair in cfg.batch_warmup]
+    return extra
 
 
 def join_job(plan: Plan) -> MoEMesh | None:
@@ -486,10 +578,3 @@ def _any_trainer_file(path: Path) -> Path:
         if (path / name).is_file():
             return path / name
     raise FileNotFoundError(f"no trainer.pt or trainer_rank0.pt in {path}")
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host batch -> device without blocking the host (pinned memory, async copy)."""
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
