@@ -95,6 +95,42 @@ def test_instrumented_graph_gives_the_same_loss_and_gradients(recompute):
     assert {f"block {p} (backward)" for p in blocks} <= names
 
 
+def test_nvtx_ranges_pair_up_in_forward_and_backward(monkeypatch):
+    """The CUDA path's NVTX calls, recorded on the CPU: every moec op pushed and popped, every
+    block range (forward and backward) started and ended once."""
+    calls = []
+    ids = iter(range(1000))
+
+    def start(name):
+        calls.append(("start", name, n := next(ids)))
+        return n
+
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda name: calls.append(("push", name)))
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: calls.append(("pop",)))
+    monkeypatch.setattr(torch.cuda.nvtx, "range_start", start)
+    monkeypatch.setattr(torch.cuda.nvtx, "range_end", lambda n: calls.append(("end", n)))
+    compiled, ids_ = _compiled()
+    graph = instrument(compiled.program.graph, block_paths(compiled.program), nvtx=True)
+    loss, *aux = graph(ids_, ids_)
+    compiled.aux_outputs = dict(zip(compiled.program.signature.aux_outputs, aux))
+    (loss + compiled.aux_loss()).backward()
+    depth, pushed = 0, []
+    for call in calls:
+        if call[0] in ("push", "pop"):
+            depth += 1 if call[0] == "push" else -1
+            assert depth in (0, 1), calls  # each op's range closes before the next opens
+            pushed += call[1:]
+    assert depth == 0
+    assert {"moec::route", "moec::dispatch", "moec::expert_mlp", "moec::combine"} <= set(pushed)
+    started = {c[2]: c[1] for c in calls if c[0] == "start"}
+    ended = [c[1] for c in calls if c[0] == "end"]
+    assert sorted(ended) == sorted(started)
+    blocks = ["model.layers.0", "model.layers.1"]
+    assert sorted(started.values()) == sorted(
+        [f"block {b}" for b in blocks] + [f"block {b} (backward)" for b in blocks]
+    )
+
+
 def test_a_step_that_raises_inside_the_window_closes_it_and_writes_the_trace(tmp_path):
     compiled, ids = _compiled()
     profiler = StepProfiler(ProfileWindow(0, 3), compiled, tmp_path, say=None)
