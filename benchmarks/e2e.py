@@ -12,6 +12,10 @@ wide (24576: the width that gives the report's 2.01B total / 0.995B active param
   eager     the same MoE hand-written in eager PyTorch by a careful user: router -> top-k ->
             stable sort of the routes -> gather -> ``torch._grouped_mm`` x 2 -> weighted
             scatter back; dropless; counts by scatter_add (no bincount); same precision policy
+  compiled  that model with every block under ``torch.compile`` (Inductor), bf16 autocast over
+            fp32 weights, and again with pure bf16 weights: the strongest baseline a careful
+            user writes (skip with ``--no-compiled-baselines``)
+  --inductor  moec again with ``plan.lowering.inductor`` (its dense ops through Inductor)
 
 With quack-kernels installed, moec also runs with the policy it has without it (no CuTe DSL
 GEMMs), the ratio printed. Both step on the same synthetic batches.
@@ -19,12 +23,15 @@ Printed: steady-state step time, tokens/s, useful MFU
 (Eq. 95 with the GPU's dense BF16 peak; the same useful FLOPs for both, from moec's cost
 model), peak memory and host syncs per step (CUDA sync debug mode over one step).
 
-    python benchmarks/e2e.py [--steps 10] [--small] [--moec-only] [--json out.json]
+    python benchmarks/e2e.py [--steps 10] [--small] [--moec-only] [--inductor] [--json out.json]
+
+The last column is each row's step time over moec's (moec's speedup over it).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import tempfile
 import time
@@ -147,8 +154,25 @@ def hand_written(s: dict, dense: Llama) -> Llama:
 
 
 class EagerTrainer:
-    def __init__(self, model: Llama, s: dict, device: torch.device):
+    """The hand-written MoE's training step. ``compiled``: each block (and the rest of the
+    model) under ``torch.compile`` as a careful user would write it; ``bf16_weights``: pure bf16
+    parameters (no autocast, bf16 AdamW state) instead of bf16 autocast over fp32 weights."""
+
+    def __init__(
+        self,
+        model: Llama,
+        s: dict,
+        device: torch.device,
+        compiled: bool = False,
+        bf16_weights: bool = False,
+    ):
         self.model, self.device, self.s = model.to(device), device, s
+        self.bf16_weights = bf16_weights
+        if bf16_weights:
+            self.model.to(torch.bfloat16)
+        if compiled:
+            for block in self.model.layers:
+                block.compile()
         self.moes = [m for m in model.modules() if isinstance(m, HandMoE)]
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
 
@@ -156,7 +180,8 @@ class EagerTrainer:
         tokens = torch.randint(
             0, self.s["vocab"], (self.s["micro"], self.s["seq"] + 1), device=self.device
         )
-        with torch.autocast(self.device.type, dtype=torch.bfloat16):
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16)
+        with contextlib.nullcontext() if self.bf16_weights else autocast:
             logits = self.model(tokens[:, :-1])
         loss = language_model_loss(logits, tokens[:, 1:])
         (loss + sum(m.aux for m in self.moes)).backward()
@@ -164,6 +189,11 @@ class EagerTrainer:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return loss.detach()
+
+
+def _release(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def warm_up(step, device: torch.device, warmup: int) -> int | None:
@@ -203,7 +233,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--small", action="store_true", help="a CPU-sized smoke run")
-    parser.add_argument("--moec-only", action="store_true", help="skip the eager baseline")
+    parser.add_argument("--moec-only", action="store_true", help="skip the baselines")
+    parser.add_argument(
+        "--inductor", action="store_true", help="also moec with plan.lowering.inductor"
+    )
+    parser.add_argument(
+        "--no-compiled-baselines",
+        action="store_true",
+        help="skip the hand-written MoE under torch.compile (fp32 weights + autocast, bf16)",
+    )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     s = SMALL if args.small else FULL
@@ -228,13 +266,27 @@ def main() -> None:
             results.append(measure("moec without CuTe DSL", trainer.train_step, *common))
         print(f"moec CuTe DSL policy: {results[1]['step_s'] / results[0]['step_s']:.3f}x")
     del trainer
-    if not args.moec_only:
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    common = (device, args.steps, args.warmup, flops, tokens)
+    if args.inductor:
+        _release(device)
         torch.manual_seed(0)
-        eager = EagerTrainer(hand_written(s, dense_model(s)), s, device)
-        common = (device, args.steps, args.warmup, flops, tokens)
-        results.append(measure("eager sort+grouped_mm", eager.train_step, *common))
+        plan = moe_plan(s)
+        plan.lowering.inductor = True
+        lowered = Trainer(dense_model(s), plan, cfg)
+        results.append(measure("moec + inductor", lowered.train_step, *common))
+        del lowered
+    baselines = {"eager sort+grouped_mm": {}}
+    if not args.no_compiled_baselines:
+        baselines["compiled, fp32 weights"] = {"compiled": True}
+        baselines["compiled, bf16 weights"] = {"compiled": True, "bf16_weights": True}
+    for name, options in ({} if args.moec_only else baselines).items():
+        _release(device)
+        torch.manual_seed(0)
+        hand = EagerTrainer(hand_written(s, dense_model(s)), s, device, **options)
+        results.append(measure(name, hand.train_step, *common))
+        del hand
+    for r in results:
+        r["moec_speedup"] = r["step_s"] / results[0]["step_s"]
     base = results[-1]["step_s"]
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(
@@ -242,7 +294,8 @@ def main() -> None:
         f"{flops / tokens / 1e9:.2f} useful GFLOP/token"
     )
     print(
-        f"{'':24} {'step s':>8} {'tok/s':>10} {'MFU':>6} {'peak GB':>8} {'syncs':>6} {'speedup':>8}"
+        f"{'':24} {'step s':>8} {'tok/s':>10} {'MFU':>6} {'peak GB':>8} {'syncs':>6} "
+        f"{'vs last':>8} {'moec/this':>10}"
     )
     for r in results:
         mfu = "-" if r["useful_mfu"] is None else f"{100 * r['useful_mfu']:.1f}%"
@@ -250,7 +303,7 @@ def main() -> None:
         syncs = "-" if r["host_syncs_per_step"] is None else str(r["host_syncs_per_step"])
         print(
             f"{r['name']:24} {r['step_s']:8.3f} {r['tokens_per_s']:10.0f} {mfu:>6} {mem:>8} "
-            f"{syncs:>6} {base / r['step_s']:7.2f}x"
+            f"{syncs:>6} {base / r['step_s']:7.2f}x {r['moec_speedup']:9.2f}x"
         )
     if args.json:
         with open(args.json, "w") as f:

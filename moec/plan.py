@@ -247,6 +247,19 @@ class LossPlan:
 
 
 @dataclass
+class LoweringPlan:
+    """How the final program runs (:mod:`moec.runtime.lowering`)."""
+
+    inductor: bool = False
+    """Hand the final graph (each pipeline stage's on its own) to ``torch.compile``'s Inductor,
+    which fuses the dense ops between moec's; the ``moec::`` ops stay opaque calls. Off by
+    default until it measures faster on the GPU (benchmarks/e2e.py)."""
+
+    def validate(self) -> None:
+        pass
+
+
+@dataclass
 class Plan:
     """What moec builds. ``Plan()`` is a valid default: 8 experts, top-2, upcycled."""
 
@@ -255,6 +268,7 @@ class Plan:
     precision: PrecisionPlan = field(default_factory=PrecisionPlan)
     recompute: RecomputePlan = field(default_factory=RecomputePlan)
     loss: LossPlan = field(default_factory=LossPlan)
+    lowering: LoweringPlan = field(default_factory=LoweringPlan)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -330,6 +344,7 @@ _SECTIONS: dict[str, type] = {
     "precision": PrecisionPlan,
     "recompute": RecomputePlan,
     "loss": LossPlan,
+    "lowering": LoweringPlan,
 }
 
 

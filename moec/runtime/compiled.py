@@ -24,6 +24,7 @@ It keeps the ``nn.Module`` contract:
   loaded graph is rebuilt from its code (``fx.GraphModule`` pickling): it runs and trains, but
   its nodes lose their ``meta`` (no further passes, pipeline split or cost model on it). A
   model not captured yet cannot be pickled (it holds the source model's build function).
+- ``plan.lowering.inductor`` runs the graph through Inductor (:mod:`moec.runtime.lowering`).
 - ``torch.compile(compiled)`` runs forward and backward with the ``eager`` and ``aot_eager``
   backends: dynamo traces ``forward`` and the graph it runs, the ``moec::`` ops stay opaque
   custom ops (their fake impls give the shapes). Inductor also checks output strides, and on
@@ -48,6 +49,7 @@ from moec.plan import Plan
 from moec.program import MoELayer, Program
 from moec.runtime.autocast import compute_autocast
 from moec.runtime.fsdp import shard_dense_parameters
+from moec.runtime.lowering import InductorGraphs
 from moec.runtime.router_losses import router_loss_objective
 from moec.runtime.variants import forward_only, graph_in_mode
 from moec.runtime.working_weights import WorkingWeights, gradient_dtype
@@ -83,6 +85,8 @@ class CompiledModel(nn.Module):
         """Set by :mod:`moec.runtime.profiling` while a profile window is open: the graph runs
         through this rewrite (its block and op ranges), made once per graph."""
         self._initialize = initialize
+        self._inductor = InductorGraphs() if plan.lowering.inductor else None
+        """``plan.lowering.inductor``: each graph run through Inductor (:mod:`.lowering`)."""
         if program is not None:
             self._adopt(program)
 
@@ -140,8 +144,10 @@ class CompiledModel(nn.Module):
         flat = sig.flatten_inputs(args, kwargs)
         if self.working_weights is not None:
             self.working_weights.refresh()
+        graph = self._graph()
+        run = graph if self._inductor is None else self._inductor(graph)
         with compute_autocast(self.plan, flat):
-            outputs = self._graph()(*flat)
+            outputs = run(*flat)
         self.aux_outputs = dict(zip(sig.aux_outputs, outputs[sig.num_user_outputs :]))
         return sig.unflatten_outputs(outputs)
 
@@ -204,6 +210,8 @@ class CompiledModel(nn.Module):
             )
         state = self.__dict__.copy()
         state.update(_variants={}, aux_outputs={}, working_weights=None, instrument=None)
+        if self._inductor is not None:  # compiled code does not pickle: compiled again on load
+            state["_inductor"] = InductorGraphs()
         # the passes' reports hold their intermediate graphs: not part of the trained model
         state["program"] = dataclasses.replace(self.program, pass_results={})
         return state

@@ -81,6 +81,7 @@ from moec.runtime.distributed import (
     parameter_groups,
 )
 from moec.runtime.fsdp import shard_dense_parameters
+from moec.runtime.lowering import InductorGraphs
 from moec.runtime.router_losses import router_loss_objective
 from moec.runtime.working_weights import WorkingWeights, gradient_dtype
 
@@ -216,6 +217,7 @@ class StageModule(nn.Module):
         self.program, self.carries_aux, self.plan = program, carries_aux, plan
         self.aux_outputs: dict[tuple[str, str], torch.Tensor] = {}
         self.meter: SavedTensorMeter | None = None
+        self._inductor = InductorGraphs() if plan.lowering.inductor else None
 
     def forward(self, *received: torch.Tensor) -> Any:
         acc = None
@@ -223,7 +225,12 @@ class StageModule(nn.Module):
             *received, acc = received
         with self.meter.track() if self.meter else contextlib.nullcontext():
             with compute_autocast(self.plan, received):
-                outputs = self.graph_module(*received)
+                run = (
+                    self.graph_module
+                    if self._inductor is None
+                    else (self._inductor(self.graph_module))
+                )
+                outputs = run(*received)
             sig = self.program.signature
             sends = list(outputs[: sig.num_user_outputs])
             aux = dict(zip(sig.aux_outputs, outputs[sig.num_user_outputs :]))
