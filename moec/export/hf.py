@@ -40,6 +40,9 @@ target that always normalizes, a source config field the target lacks at a non-n
 (e.g. Llama ``attention_bias``, a Mistral sliding window on Qwen2-MoE), families with no HF MoE
 counterpart (GPT-2, Phi, GPT-NeoX, Gemma, moec's bundled models).
 
+Besides the model, ``out`` gets ``moec_export.json``: the checkpoint read, the architecture
+and the notes below that apply.
+
 Where the exported model differs from the moec program (the forward is equal otherwise):
 
 - Capacity: moec drops a token's route when its expert's buffer (``capacity_factor``) is full;
@@ -473,6 +476,13 @@ def target_config(config: Any, target: Target, moe: MoEPlan, layout: Layout, dty
     if target is QWEN2_MOE:
         kwargs["shared_expert_intermediate_size"] = layout.dense_width if layout.shared else 0
         kwargs["qkv_bias"] = config.model_type not in _LLAMA_ATTENTION
+        if config.model_type in _LLAMA_ATTENTION:  # Mistral's window on every layer, explicitly
+            window = getattr(config, "sliding_window", None)
+            kind = "full_attention" if window is None else "sliding_attention"
+            kwargs["use_sliding_window"] = window is not None
+            kwargs["sliding_window"] = window
+            kwargs["max_window_layers"] = layout.num_layers
+            kwargs["layer_types"] = [kind] * layout.num_layers
     return config_class(**kwargs)
 
 
