@@ -133,6 +133,11 @@ def print_summary(result: TrainResult) -> None:
         f"{s['final_loss']:.3f} in {s['steps']} steps; "
         + (f"{tokens:,.0f} tokens/s ({s['throughput_from']}); " if tokens else "")
         + (f"{s['skipped_steps']} non-finite steps skipped; " if s["skipped_steps"] else "")
+        + (
+            f"{s['spike_skipped_steps']} loss or gradient-norm spikes skipped; "
+            if s.get("spike_skipped_steps")
+            else ""
+        )
         + f"{s['active_params']:,} of {s['params']:,} parameters active per token"
     )
     stats = result.compiled.routing_stats()
