@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from moec.errors import MoecError, one_line
+from moec.export.cli import add_export_parser
 from moec.models.zoo import SHORT_NAMES, load_model
 from moec.passes.manager import pipeline_string, select
 from moec.plan import Plan
@@ -355,7 +356,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_data_and_trainer_arguments(train)
     _add_run_arguments(train)
+    train.add_argument(
+        "--profile",
+        metavar="START:STEPS",
+        help="profile steps START..START+STEPS-1: a torch.profiler trace (Perfetto) and NVTX "
+        "ranges by block and op (nsys --capture-range=cudaProfilerApi) into OUT/profile",
+    )
     train.set_defaults(func=cmd_train)
+    add_export_parser(sub)
     return parser
 
 

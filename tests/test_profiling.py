@@ -166,3 +166,18 @@ def test_windows_outside_the_run_are_refused():
         window.check(10)
     with pytest.raises(ProfileError, match="this run resumes at step 9"):
         window.check(20, first_step=9)
+
+
+def test_moec_train_profile_writes_the_window_into_the_run(tmp_path):
+    """``moec train --profile 1:2`` end to end: the trace of steps 1-2 and the summary land in
+    the run's profile folder; a window past the run is a one-line error before any step."""
+    from moec.cli import main
+
+    out = tmp_path / "run"
+    args = ["train", "--steps", "4", "--synthetic", "--batch-size", "2", "--seq-len", "16"]
+    assert main([*args, "--out", str(out), "--profile", "1:2", "--log-every", "2"]) == 0
+    names = _trace_names(out / "profile" / "trace_rank0.json")
+    assert {"step 1", "step 2"} <= names and "step 0" not in names and "step 3" not in names
+    assert any(name.startswith("block ") for name in names)
+    assert (out / "profile" / "summary_rank0.txt").read_text()
+    assert main([*args, "--out", str(tmp_path / "late"), "--profile", "3:5"]) == 2

@@ -106,6 +106,7 @@ def cli_train(args) -> int:
         spike_min_steps=args.spike_min_steps,
         z_loss=args.z_loss,
         no_decay=args.no_decay,
+        profile=args.profile,
     )
     torch.manual_seed(cfg.seed)  # the model's initialisation is part of the run
     # from a checkpoint or fresh, the model is built on shapes: each rank builds only its part

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from moec.errors import MoecError
+from moec.runtime.profiling import ProfileWindow
 
 CHECKPOINT_ERROR_POLICIES = ("stop", "continue")
 NO_DECAY_KINDS = ("embeddings", "norms", "biases", "lm_head")
@@ -105,6 +106,10 @@ class TrainConfig:
     """Parameters trained without weight decay: any of embeddings, norms, biases, lm_head (a
     tuple, or ``"embeddings,norms,lm_head"``)."""
 
+    profile: str | None = None
+    """``START:STEPS``: profile steps START..START+STEPS-1 (:mod:`moec.runtime.profiling`): a
+    torch.profiler trace and NVTX ranges by block and op, written to ``out/profile``."""
+
     def __post_init__(self) -> None:
         at_least = {
             "steps": 1,
@@ -128,6 +133,8 @@ class TrainConfig:
                 f"{', '.join(CHECKPOINT_ERROR_POLICIES)}"
             )
         resolve_device(self.device)
+        if self.profile:
+            ProfileWindow.parse(self.profile).check(self.steps)
         self._check_data_and_trainer()
 
     def _check_data_and_trainer(self) -> None:
@@ -165,7 +172,7 @@ class TrainConfig:
 
 _CLI_FIELDS = frozenset(
     "steps batch_size seq_len log_every checkpoint_every keep_checkpoints on_checkpoint_error "
-    "device seed init_from max_nonfinite_steps memory_limit_gib data data_dtype tokenizer "
+    "device seed init_from max_nonfinite_steps memory_limit_gib profile data data_dtype tokenizer "
     "text_column prefetch batch_warmup spike_sigma spike_window spike_min_steps z_loss "
     "no_decay".split()
 )

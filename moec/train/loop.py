@@ -6,6 +6,7 @@ the data-parallel ranks: the tokens of this rank)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -17,6 +18,7 @@ import torch
 from moec.errors import MoecError
 from moec.runtime.compiled import CompiledModel
 from moec.runtime.metrics import bf16_peak_tflops, count_host_syncs, useful_mfu
+from moec.runtime.profiling import ProfileWindow, StepProfiler
 
 if TYPE_CHECKING:
     from moec.train.trainer import Trainer
@@ -66,37 +68,68 @@ class TrainingLoop:
             progress.add_task("training", total=cfg.steps, completed=t.step) if progress else None
         )
         window_start, window_steps = time.perf_counter(), 0
-        while t.step < cfg.steps:
-            if t.step == self.steady_from and self.syncs is None:
-                self.syncs = count_host_syncs(lambda: self.pending.append(t.train_step()), t.device)
-            else:
-                self.pending.append(t.train_step())
-            window_steps += 1
-            tokens = self.tokens_of(t.step - 1)
-            self.window_tokens += tokens
-            if t.step == self.steady_from:
-                wait_for_device(t.device)
-                self.steady_start, self.steady_steps, self.steady_tokens = time.perf_counter(), 0, 0
-            elif self.steady_start is not None:
-                self.steady_steps += 1
-                self.steady_tokens += tokens
-            done = t.step == cfg.steps
-            if t.step % cfg.log_every == 0 or done:
-                now = time.perf_counter()
-                record = self._log_point((now - window_start) / window_steps, window_steps)
-                self.timed_s += now - window_start
-                self.timed_steps += window_steps
-                self.timed_tokens += self.window_tokens
-                window_start, window_steps, self.window_tokens = now, 0, 0
-                log.write(json.dumps(record) + "\n")
-                log.flush()
-                self._check_nonfinite()
-                if progress:
-                    progress.update(task, completed=t.step, **_progress_fields(record))
-            if (cfg.checkpoint_every and t.step % cfg.checkpoint_every == 0) or done:
-                committed = t.save_checkpoint()
-                if committed is not None and done:
-                    written.append(committed.path)
+        profiler = self._profiler()
+        try:
+            while t.step < cfg.steps:
+                with profiler.step(t.step) if profiler else contextlib.nullcontext():
+                    self._step()
+                window_steps, window_start = self._after_step(
+                    log, progress, task, written, window_steps + 1, window_start
+                )
+        finally:
+            if profiler is not None:
+                written += profiler.close()
+
+    def _profiler(self) -> StepProfiler | None:
+        """The ``--profile`` window's profiler (None without one)."""
+        t, cfg = self.trainer, self.cfg
+        if not cfg.profile:
+            return None
+        window = ProfileWindow.parse(cfg.profile)
+        window.check(cfg.steps, first_step=t.step)
+        return StepProfiler(
+            window, t.compiled, t.out / "profile", rank=t.rank, device=t.device, say=t._say
+        )
+
+    def _step(self) -> None:
+        t = self.trainer
+        if t.step == self.steady_from and self.syncs is None:
+            self.syncs = count_host_syncs(lambda: self.pending.append(t.train_step()), t.device)
+        else:
+            self.pending.append(t.train_step())
+
+    def _after_step(
+        self, log, progress, task, written: list[Path], window_steps: int, window_start: float
+    ) -> tuple[int, float]:
+        """Token and timing bookkeeping, the log point and the checkpoint after a step; the
+        log window's (steps, start) carried to the next step."""
+        t, cfg = self.trainer, self.cfg
+        tokens = self.tokens_of(t.step - 1)
+        self.window_tokens += tokens
+        if t.step == self.steady_from:
+            wait_for_device(t.device)
+            self.steady_start, self.steady_steps, self.steady_tokens = time.perf_counter(), 0, 0
+        elif self.steady_start is not None:
+            self.steady_steps += 1
+            self.steady_tokens += tokens
+        done = t.step == cfg.steps
+        if t.step % cfg.log_every == 0 or done:
+            now = time.perf_counter()
+            record = self._log_point((now - window_start) / window_steps, window_steps)
+            self.timed_s += now - window_start
+            self.timed_steps += window_steps
+            self.timed_tokens += self.window_tokens
+            window_start, window_steps, self.window_tokens = now, 0, 0
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            self._check_nonfinite()
+            if progress:
+                progress.update(task, completed=t.step, **_progress_fields(record))
+        if (cfg.checkpoint_every and t.step % cfg.checkpoint_every == 0) or done:
+            committed = t.save_checkpoint()
+            if committed is not None and done:
+                written.append(committed.path)
+        return window_steps, window_start
 
     def tokens_of(self, step: int) -> int:
         """Tokens this rank trains on in step ``step``."""
