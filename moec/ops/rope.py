@@ -10,6 +10,12 @@ expression. ``cos`` and ``sin`` get no gradient: they are tables computed from b
 ``fuse_rope`` pass checks it; the op refuses inputs that require one). The unfused expression
 runs five elementwise kernels per tensor and writes float32 intermediates when the tables are
 float32; the kernel reads x once and writes the result once.
+
+The gradient w.r.t. x is the transposed rotation, the internal op
+``moec::rope_backward(d_out, cos, sin, x_dtype) -> d_x`` (d_out's shape, ``x_dtype``), so that
+AOTAutograd traces the backward as one opaque call (on CUDA it runs the same kernel). Both ops
+return contiguous tensors whatever x's strides (q and k arrive as transposed views), as their
+fake implementations promise: Inductor checks the strides of custom ops' outputs.
 """
 
 from __future__ import annotations
@@ -47,8 +53,10 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> Tensor:
 def _rope(x: Tensor, cos: Tensor, sin: Tensor, dtype: torch.dtype, backward: bool) -> Tensor:
     kernel = cuda_kernel("rope", x)
     if kernel is not None:
-        return kernel(x, cos, sin, dtype, backward)
-    return rotate(x, cos, sin, backward).to(dtype)
+        out = kernel(x, cos, sin, dtype, backward)
+    else:  # elementwise ops keep x's layout: ask for a contiguous result
+        out = rotate(x, cos, sin, backward).to(dtype, memory_format=torch.contiguous_format)
+    return out.contiguous()
 
 
 @torch.library.custom_op("moec::rope", mutates_args=())
@@ -74,9 +82,21 @@ def _setup(ctx, inputs, output):
     ctx.x_dtype = x.dtype
 
 
+@torch.library.custom_op("moec::rope_backward", mutates_args=())
+def rope_backward(d_out: Tensor, cos: Tensor, sin: Tensor, x_dtype: torch.dtype) -> Tensor:
+    _check(d_out, cos, sin)
+    return _rope(d_out, cos, sin, x_dtype, backward=True)
+
+
+@rope_backward.register_fake
+def _backward_fake(d_out, cos, sin, x_dtype):
+    _check(d_out, cos, sin)
+    return d_out.new_empty(d_out.shape, dtype=x_dtype)
+
+
 def _backward(ctx, d_out):
     cos, sin = ctx.saved_tensors
-    return _rope(d_out, cos, sin, ctx.x_dtype, backward=True), None, None, None
+    return torch.ops.moec.rope_backward(d_out, cos, sin, ctx.x_dtype), None, None, None
 
 
 rope.register_autograd(_backward, setup_context=_setup)
