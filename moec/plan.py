@@ -158,6 +158,10 @@ class ParallelPlan:
     """Pipeline schedule."""
     microbatches: int = 1
     """Microbatches per optimizer step (gradient accumulation, or the pipeline's microbatches)."""
+    overlap: Literal["none", "two_batch"] = "none"
+    """``two_batch``: pass ``overlap`` splits each MoE block's dispatch/experts/combine into two
+    batch halves (routing stays whole) and interleaves them, so one half's exchange can run
+    while the other half computes; ``none`` keeps one chain per block."""
 
     @property
     def shards_experts(self) -> bool:

@@ -31,6 +31,7 @@ PASS_MODULES = (
     "moec.passes.moe",
     "moec.passes.expert_parallel",
     "moec.passes.precision",
+    "moec.passes.overlap",
     "moec.passes.loss",
     "moec.passes.casts",
     "moec.passes.rope",

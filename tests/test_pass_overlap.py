@@ -1,0 +1,169 @@
+"""Pass ``overlap``: two interleaved batch halves per MoE block compute what one chain computes
+(same routing, capacity binding or not): outputs, losses and gradients at EP = 1 and, on gloo,
+at EP = 2; its legality (odd batch, sync_1d), the issue order it records, recompute on top."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import moec
+from moec.models import Llama, LlamaConfig
+from moec.passes.manager import default_pipeline
+from moec.passes.overlap import SCHEDULE
+from moec.runtime import distributed as mdist
+from tests.distributed import spawn
+
+CFG = LlamaConfig(vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128)
+N, K = 8, 2
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+ops = torch.ops.moec
+
+
+def _plan(overlap: str, cf: float | None = 1.0, **parallel) -> moec.Plan:
+    moe = {"num_experts": N, "top_k": K, "capacity_factor": cf, "init": "random"}
+    return moec.Plan.from_dict({"moe": moe, "parallel": {"overlap": overlap, **parallel}})
+
+
+def _batch(batch: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    seq = torch.randint(0, CFG.vocab_size, (batch, 17), generator=g)
+    return seq[:, :-1], seq[:, 1:]
+
+
+def _dense() -> Llama:
+    torch.manual_seed(0)
+    return Llama(CFG)
+
+
+def _step(model, tokens, targets):
+    """Logits, loss (with the router losses), every parameter's gradient, the aux outputs."""
+    model.zero_grad(set_to_none=True)
+    logits = model(tokens)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    loss = loss + model.aux_loss()
+    loss.backward()
+    grads = {n: p.grad for n, p in model.graph_module.named_parameters()}
+    return logits, loss, grads
+
+
+def _assert_same(a, b) -> None:
+    torch.testing.assert_close(a[0], b[0], **TOL)
+    torch.testing.assert_close(a[1], b[1], **TOL)
+    assert a[2].keys() == b[2].keys()
+    for name in a[2]:
+        torch.testing.assert_close(a[2][name], b[2][name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _issue_order(gm) -> list[str]:
+    """The movement/expert ops of the first MoE block in graph order, as SCHEDULE names them."""
+    names = {
+        ops.dispatch.default: "dispatch",
+        ops.ep_dispatch.default: "dispatch",
+        ops.expert_mlp.default: "experts",
+        ops.combine.default: "combine",
+        ops.ep_combine.default: "combine",
+    }
+    seen: dict[str, int] = {}
+    order = []
+    for node in gm.graph.nodes:
+        kind = names.get(node.target)
+        if kind is None:
+            continue
+        half = "AB"[seen.get(kind, 0)]
+        seen[kind] = seen.get(kind, 0) + 1
+        order.append(f"{half}.{kind}")
+        if len(order) == len(SCHEDULE):
+            return order
+    return order
+
+
+@pytest.fixture(scope="module")
+def dense():
+    return _dense()
+
+
+def test_pipeline_places_overlap_after_expert_parallel_before_recompute():
+    plan = moec.Plan.from_dict(
+        {"parallel": {"overlap": "two_batch", "dp": 2, "ep": 2}, "recompute": {"policy": "block"}}
+    )
+    names = default_pipeline(plan)
+    assert names.index("expert_parallel") < names.index("overlap") < names.index("recompute")
+    assert "overlap" not in default_pipeline(_plan("none"))
+
+
+@pytest.mark.parametrize("cf", [1.0, None], ids=["capacity_binding", "dropless"])
+def test_ep1_two_batch_equals_one_chain(dense, cf):
+    tokens, targets = _batch(4)
+    ref = moec.compile(copy.deepcopy(dense), _plan("none", cf), (tokens,))
+    two = moec.compile(copy.deepcopy(dense), _plan("two_batch", cf), (tokens,))
+    stats = two.pass_results["overlap"].stats
+    assert stats["applied"] and stats["declined"] is None and stats["halves"] == [2, 2]
+    assert stats["blocks"] == {f"layers.{i}.ffn.moe": "two_batch" for i in range(2)}
+    assert stats["buffer_rows"]["layers.0.ffn.moe"] == {"whole": 4 * 16 * K, "half": 2 * 16 * K}
+    assert _issue_order(two.graph_module) == list(SCHEDULE) == stats["schedule"]
+    if cf is not None:  # the comparison covers drops: capacity 16 of 64 tokens * 2 routes / 8
+        ref(tokens)
+        assert int(ref.aux_outputs[("layers.0.ffn.moe", "expert_counts")].max()) > 16
+    _assert_same(_step(two, tokens, targets), _step(ref, tokens, targets))
+    # another even batch runs through the same program; an odd one is refused on the host
+    other, other_targets = _batch(6, seed=2)
+    _assert_same(_step(two, other, other_targets), _step(ref, other, other_targets))
+    with pytest.raises(RuntimeError, match="must be even"):
+        two(_batch(3)[0])
+
+
+def test_odd_batch_declines_and_leaves_the_program_alone(dense):
+    tokens, _ = _batch(3)
+    with pytest.warns(UserWarning, match="overlap left the program unchanged"):
+        two = moec.compile(copy.deepcopy(dense), _plan("two_batch"), (tokens,))
+    result = two.pass_results["overlap"]
+    assert not result.modified and not result.stats["applied"]
+    assert "even batch >= 2" in result.stats["declined"] and "is 3" in result.stats["declined"]
+    assert all("is 3" in why for why in result.stats["blocks"].values())
+    assert sum(n.target is ops.dispatch.default for n in two.graph_module.graph.nodes) == 2
+
+
+def test_recompute_block_composes(dense):
+    tokens, targets = _batch(4)
+    ref = moec.compile(copy.deepcopy(dense), _plan("none"), (tokens,))
+    plan = _plan("two_batch")
+    plan.recompute.policy = "block"
+    two = moec.compile(copy.deepcopy(dense), plan, (tokens,))
+    assert two.pass_results["overlap"].stats["applied"]
+    assert two.pass_results["recompute"].stats["blocks_recomputed"] == 2
+    _assert_same(_step(two, tokens, targets), _step(ref, tokens, targets))
+
+
+# --- EP = 2 on gloo ----------------------------------------------------------------------------
+
+
+def _ep_worker(rank: int, world: int) -> None:
+    tokens, targets = _batch(4, seed=10 + rank)
+    dense = _dense()
+
+    def build(overlap: str, path: str):
+        plan = _plan(overlap, 1.0, dp=world, ep=world, ep_path=path)
+        return moec.compile(copy.deepcopy(dense), plan, (tokens,), mesh=mdist.build_mesh(plan))
+
+    ref, two = build("none", "a2a_capacity"), build("two_batch", "a2a_capacity")
+    stats = two.pass_results["overlap"].stats
+    assert stats["applied"] and stats["path"] == "a2a_capacity"
+    # C = ceil(1.0 * 64 * 2 / 8) = 16 < 32 tokens per half: each half's buffer is N * 16 rows
+    assert stats["buffer_rows"]["layers.0.ffn.moe"] == {"whole": N * 16, "half": N * 16}
+    assert _issue_order(two.graph_module) == list(SCHEDULE)
+    _assert_same(_step(two, tokens, targets), _step(ref, tokens, targets))
+    for name, value in ref.aux_outputs.items():  # drops, counts, offsets, router losses
+        torch.testing.assert_close(two.aux_outputs[name], value, **TOL)
+    with pytest.warns(UserWarning, match="sync_1d"):
+        sync = build("two_batch", "sync_1d")
+    declined = sync.pass_results["overlap"].stats["declined"]
+    assert "synchronizes" in declined and "a2a_capacity" in declined
+
+
+@pytest.mark.slow
+def test_ep2_two_batch_equals_one_chain_and_sync_1d_declines():
+    spawn(_ep_worker, 2)
