@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import moec
+from moec.analysis.cost.overlap import exposed_comm, overlap_gain
 from moec.models import Llama, LlamaConfig
 from moec.passes.manager import default_pipeline
 from moec.passes.overlap import SCHEDULE
@@ -167,3 +168,39 @@ def _ep_worker(rank: int, world: int) -> None:
 @pytest.mark.slow
 def test_ep2_two_batch_equals_one_chain_and_sync_1d_declines():
     spawn(_ep_worker, 2)
+
+
+# --- the cost model of exposed communication ---------------------------------------------------
+
+
+def test_exposed_comm_none_is_every_exchange():
+    cost = exposed_comm(8e6, 4e9, 3e-3)
+    assert cost.comm == pytest.approx(2e-3) and cost.exposed == pytest.approx(2e-3)
+    assert cost.makespan == pytest.approx(5e-3) and cost.hidden == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize("compute", [2e-3, 5e-3])
+def test_two_batch_hides_all_but_the_first_dispatch_and_last_combine_when_compute_bound(compute):
+    comm = 2e-3  # 8 MB at 4 GB/s
+    cost = exposed_comm(8e6, 4e9, compute, "two_batch")
+    assert cost.comm == pytest.approx(comm)
+    assert cost.exposed == pytest.approx(comm / 2)  # A.dispatch + B.combine, a quarter each
+    assert overlap_gain(8e6, 4e9, compute) == pytest.approx(comm / 2)
+
+
+def test_two_batch_without_compute_hides_nothing_and_latency_can_make_it_lose():
+    assert exposed_comm(8e6, 4e9, 0.0, "two_batch").exposed == pytest.approx(2e-3)
+    # latency-bound exchanges: four half exchanges pay 4 latencies where none pays 2
+    assert overlap_gain(0.0, 4e9, 1e-5, latency_s=1e-4) < 0
+    for compute in (0.0, 1e-4, 1e-3, 1e-2):  # with no latency it never loses
+        for nbytes in (1e3, 1e6, 1e8):
+            assert overlap_gain(nbytes, 4e9, compute) >= -1e-15
+
+
+def test_exposed_comm_rejects_bad_inputs():
+    with pytest.raises(ValueError, match="bandwidth"):
+        exposed_comm(1.0, 0.0, 1.0)
+    with pytest.raises(ValueError, match="compute_s"):
+        exposed_comm(1.0, 1.0, -1.0)
+    with pytest.raises(ValueError, match="'none' or 'two_batch'"):
+        exposed_comm(1.0, 1.0, 1.0, "three_batch")

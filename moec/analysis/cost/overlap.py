@@ -1,0 +1,92 @@
+"""Exposed expert-parallel communication of one MoE block, with and without two-batch overlap.
+
+A pure model (no device, no graph) of the schedule pass ``overlap`` emits, for plans to choose
+``parallel.overlap`` and for the later profile comparison. Inputs: the bytes one rank exchanges
+in the block's dispatch and combine together (split evenly between them: both move one row per
+accepted route), the link bandwidth (bytes/s, e.g. from a one-time probe), the block's expert
+compute time (seconds), and an optional fixed latency per exchange. An exchange of ``b`` bytes
+takes ``latency + b / bandwidth``.
+
+- ``none``: dispatch, experts, combine in series; every exchange is exposed:
+  ``exposed = t_dispatch + t_combine``.
+- ``two_batch``: two streams, each FIFO. The comm stream runs A.dispatch, B.dispatch, A.combine,
+  B.combine; the compute stream A.experts, B.experts. A.experts waits for A.dispatch, B.experts
+  for B.dispatch and A.experts, A.combine for A.experts and B.dispatch, B.combine for
+  B.experts and A.combine; each half moves and computes half of the whole's work.
+  ``exposed = makespan - compute``. Each half pays the latency again, so with latency-bound
+  exchanges overlap can expose more than it hides.
+
+Backward mirrors the forward (two exchanges per block, in the reversed order, against the
+expert GEMMs' backward), so the same function answers for it with the backward's compute time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class ExposedComm:
+    """Seconds of one block under one schedule."""
+
+    comm: float
+    """Time the exchanges take on their own (the sum over exchanges)."""
+    compute: float
+    """Expert compute time."""
+    makespan: float
+    """From the first dispatch issued to the last combine done."""
+
+    @property
+    def exposed(self) -> float:
+        """Communication time on the critical path: ``makespan - compute``."""
+        return self.makespan - self.compute
+
+    @property
+    def hidden(self) -> float:
+        """Communication time spent under compute: ``comm - exposed``."""
+        return self.comm - self.exposed
+
+
+def _exchange(nbytes: float, bandwidth: float, latency: float) -> float:
+    return latency + nbytes / bandwidth
+
+
+def exposed_comm(
+    exchanged_bytes: float,
+    bandwidth: float,
+    compute_s: float,
+    overlap: str = "none",
+    latency_s: float = 0.0,
+) -> ExposedComm:
+    """The block's timing under ``overlap`` (``none`` | ``two_batch``; see the module)."""
+    if bandwidth <= 0:
+        raise ValueError(f"link bandwidth must be > 0 bytes/s, got {bandwidth}")
+    for name, value in (("exchanged_bytes", exchanged_bytes), ("compute_s", compute_s)):
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    if latency_s < 0:
+        raise ValueError(f"latency_s must be >= 0, got {latency_s}")
+    if overlap == "none":
+        dispatch = combine = _exchange(exchanged_bytes / 2, bandwidth, latency_s)
+        return ExposedComm(dispatch + combine, compute_s, dispatch + compute_s + combine)
+    if overlap != "two_batch":
+        raise ValueError(f"overlap={overlap!r}; expected 'none' or 'two_batch'")
+    move = _exchange(exchanged_bytes / 4, bandwidth, latency_s)  # one half's dispatch or combine
+    work = compute_s / 2  # one half's experts
+    a_dispatch = move
+    b_dispatch = a_dispatch + move
+    a_experts = a_dispatch + work
+    b_experts = max(b_dispatch, a_experts) + work
+    a_combine = max(b_dispatch, a_experts) + move
+    b_combine = max(a_combine, b_experts) + move
+    return ExposedComm(4 * move, compute_s, b_combine)
+
+
+def overlap_gain(
+    exchanged_bytes: float, bandwidth: float, compute_s: float, latency_s: float = 0.0
+) -> float:
+    """Seconds per block that ``two_batch`` saves over ``none`` (negative: it costs)."""
+    args = (exchanged_bytes, bandwidth, compute_s)
+    none = exposed_comm(*args, "none", latency_s)
+    two = exposed_comm(*args, "two_batch", latency_s)
+    return none.makespan - two.makespan
