@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from moec.errors import MoecError
 
 Unary = Callable[[torch.Tensor], torch.Tensor]
+aten = torch.ops.aten
 
 _BUILTIN_UNARY: dict[str, Unary] = {
     "gelu": F.gelu,
@@ -92,11 +93,42 @@ def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
 
 
 def activate_backward(h: torch.Tensor, grad: torch.Tensor, activation: str) -> torch.Tensor:
-    """Gradient of :func:`activate` at ``h`` for the output gradient ``grad``."""
-    with torch.enable_grad():
-        leaf = h.detach().requires_grad_(True)
-        (dh,) = torch.autograd.grad(activate(leaf, activation), leaf, grad)
-    return dh
+    """Gradient of :func:`activate` at ``h`` for the output gradient ``grad``.
+
+    It runs inside custom ops' kernels (the backward ops), where autograd is off whatever the
+    grad mode: built-ins use ATen's backward formulas (the ops autograd runs, so the result is
+    autograd's), registered activations ``torch.func.vjp``, which brings its own autograd."""
+    if activation in _gated:
+        unary = _gated[activation]
+        gate, up = h.chunk(2, dim=-1)
+        d_gate = _unary_backward(unary, gate, grad * up)
+        return torch.cat((d_gate, grad * _unary[unary](gate)), dim=-1)
+    check_activation(activation)
+    return _unary_backward(activation, h, grad)
+
+
+def _quick_gelu_backward(grad: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    s = torch.sigmoid(1.702 * h)
+    return grad * s + aten.sigmoid_backward(grad * h, s) * 1.702
+
+
+_BUILTIN_BACKWARD: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "gelu": lambda grad, h: aten.gelu_backward(grad, h),
+    "gelu_tanh": lambda grad, h: aten.gelu_backward(grad, h, approximate="tanh"),
+    "silu": aten.silu_backward,
+    "relu": lambda grad, h: aten.threshold_backward(grad, h, 0),
+    "quick_gelu": _quick_gelu_backward,
+    "relu2": lambda grad, h: aten.threshold_backward(grad * (2 * F.relu(h)), h, 0),
+}
+"""``(grad, h) -> grad * act'(h)`` of the built-in plain activations, as autograd computes it."""
+
+
+def _unary_backward(unary: str, h: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    builtin = _BUILTIN_BACKWARD.get(unary)
+    if builtin is not None:
+        return builtin(grad, h)
+    _, vjp = torch.func.vjp(_unary[unary], h)
+    return vjp(grad)[0]
 
 
 def gated_from_unary(unary: str) -> str:

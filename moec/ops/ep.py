@@ -49,6 +49,16 @@ Paths (``path``):
 Backward: dispatch's is the reverse exchange plus an unweighted sum (a combine); combine's is a
 weighted dispatch plus ``d_weights = <picked, d_out>``. All three every rank of the group must
 call in the same order, like any collective. The index math is plain functions tested on CPU.
+
+The exchanges of the backwards are internal ops, so AOTAutograd traces each as one opaque call
+and no collective ever runs on fake tensors (``d_weights`` stays plain torch)::
+
+    ep_dispatch_backward(d_buffer[R, D], slots, recv_rows, sent, counts, group, ep_size, path)
+        -> d_x[T, D]
+    ep_combine_backward(d_out[*, D], weights, slots, recv_rows, sent, counts, group, ep_size,
+                        path) -> d_y[R, D]
+
+Every op's outputs are contiguous, as their fake implementations promise.
 """
 
 from __future__ import annotations
@@ -433,11 +443,33 @@ def _dispatch_setup(ctx, inputs, output):
     ctx.args, ctx.x_shape = (group, ep_size, path), x.shape
 
 
+@torch.library.custom_op("moec::ep_dispatch_backward", mutates_args=())
+def ep_dispatch_backward(
+    d_buffer: Tensor,
+    slots: Tensor,
+    recv_rows: Tensor,
+    sent: Tensor,
+    counts: Tensor,
+    group: str,
+    ep_size: int,
+    path: str,
+) -> Tensor:
+    _check_path(path)
+    comm = (recv_rows, sent, counts, group, ep_size, path)
+    picked = _fetch(d_buffer, slots.reshape(-1), *comm)
+    return _sum_routes(picked, slots.shape[-1]).reshape(-1, d_buffer.shape[-1]).contiguous()
+
+
+@ep_dispatch_backward.register_fake
+def _ep_dispatch_backward_fake(d_buffer, slots, recv_rows, sent, counts, group, ep_size, path):
+    _check_path(path)
+    return d_buffer.new_empty((math.prod(slots.shape[:-1]), d_buffer.shape[-1]))
+
+
 def _dispatch_backward(ctx, d_buffer):
     slots, recv_rows, sent, counts = ctx.saved_tensors
-    picked = _fetch(d_buffer, slots.reshape(-1), recv_rows, sent, counts, *ctx.args)
-    d_x = _sum_routes(picked, slots.shape[-1]).view(ctx.x_shape)
-    return d_x, None, None, None, None, None, None, None
+    d_x = torch.ops.moec.ep_dispatch_backward(d_buffer, slots, recv_rows, sent, counts, *ctx.args)
+    return d_x.view(ctx.x_shape), None, None, None, None, None, None, None
 
 
 ep_dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
@@ -475,12 +507,36 @@ def _combine_setup(ctx, inputs, output):
     ctx.args = (group, ep_size, path)
 
 
+@torch.library.custom_op("moec::ep_combine_backward", mutates_args=())
+def ep_combine_backward(
+    d_out: Tensor,
+    weights: Tensor,
+    slots: Tensor,
+    recv_rows: Tensor,
+    sent: Tensor,
+    counts: Tensor,
+    group: str,
+    ep_size: int,
+    path: str,
+) -> Tensor:
+    _check_path(path)
+    flat_d_out = d_out.reshape(-1, d_out.shape[-1])
+    comm = (recv_rows, sent, counts, group, ep_size, path)
+    return _send(flat_d_out, slots.shape[-1], weights, slots.reshape(-1), *comm).contiguous()
+
+
+@ep_combine_backward.register_fake
+def _ep_combine_backward_fake(d_out, weights, slots, recv_rows, sent, counts, group, ep_size, path):
+    _check_path(path)
+    return d_out.new_empty((recv_rows.shape[0], d_out.shape[-1]))
+
+
 def _combine_backward(ctx, d_out, d_picked_unused):
     weights, slots, recv_rows, sent, counts, picked = ctx.saved_tensors
     top_k = slots.shape[-1]
-    flat_slots = slots.reshape(-1)
-    flat_d_out = d_out.reshape(-1, d_out.shape[-1])
-    d_y = _send(flat_d_out, top_k, weights, flat_slots, recv_rows, sent, counts, *ctx.args)
+    d_y = torch.ops.moec.ep_combine_backward(
+        d_out, weights, slots, recv_rows, sent, counts, *ctx.args
+    )
     acc = _acc(picked)
     routes = d_out.reshape(-1, 1, d_out.shape[-1]).to(acc)
     d_weights = (picked.view(-1, top_k, picked.shape[-1]).to(acc) * routes).sum(-1)

@@ -14,6 +14,15 @@ implementation's (the CuTe DSL kernels interleave a gated h's gate and up column
 Weights may be float32 masters while x is bf16: they are cast to x's dtype and their gradients
 come back in their own dtype. Rows past ``offsets[-1]`` are garbage in,
 garbage out, and contribute nothing to any gradient.
+
+The backward's GEMMs are the internal op::
+
+    expert_mlp_backward(x, w_up, w_down, offsets, h, d_y, activation, up_bias)
+        -> (d_x[R, D] x's dtype, d_w_up, d_w_down (the weights' shapes and dtypes), d_h[R, U])
+
+so AOTAutograd traces them as one opaque call (on CUDA the kernels of
+:mod:`moec.kernels.experts`, never launched on fake tensors); the bias gradients, row sums of
+d_h and d_y, stay plain torch in the autograd formula. All outputs are contiguous.
 """
 
 from __future__ import annotations
@@ -133,15 +142,45 @@ def bias_grads(
     return d_b_up, d_b_down
 
 
+@torch.library.custom_op("moec::expert_mlp_backward", mutates_args=())
+def expert_mlp_backward(
+    x: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    offsets: Tensor,
+    h: Tensor,
+    d_y: Tensor,
+    activation: str,
+    up_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    check_expert_mlp_args(x, w_up, w_down, offsets, activation)
+    args = (x, w_up, w_down, offsets, h, d_y.to(x.dtype), activation)
+    kernel = cuda_kernel("expert_mlp_backward", x)
+    if kernel is None:
+        grads = expert_mlp_backward_reference(*args)
+    else:  # the kernels' h layout depends on whether the up projection had a bias
+        grads = kernel(*args, up_bias=up_bias)
+    return tuple(g.contiguous() for g in grads)
+
+
+@expert_mlp_backward.register_fake
+def _expert_mlp_backward_fake(x, w_up, w_down, offsets, h, d_y, activation, up_bias):
+    check_expert_mlp_args(x, w_up, w_down, offsets, activation)
+    return (
+        x.new_empty(x.shape),
+        w_up.new_empty(w_up.shape),
+        w_down.new_empty(w_down.shape),
+        x.new_empty(h.shape),
+    )
+
+
 def _backward(ctx, d_y, d_h_unused):
     x, w_up, w_down, offsets, h = ctx.saved_tensors
     d_y = d_y.to(x.dtype)
-    args = (x, w_up, w_down, offsets, h, d_y, ctx.activation)
-    kernel = cuda_kernel("expert_mlp_backward", x)
-    if kernel is None:
-        d_x, d_w_up, d_w_down, d_h = expert_mlp_backward_reference(*args)
-    else:  # the kernels' h layout depends on whether the up projection had a bias
-        d_x, d_w_up, d_w_down, d_h = kernel(*args, up_bias=ctx.bias_dtypes[0] is not None)
+    up_bias = ctx.bias_dtypes[0] is not None
+    d_x, d_w_up, d_w_down, d_h = torch.ops.moec.expert_mlp_backward(
+        x, w_up, w_down, offsets, h, d_y, ctx.activation, up_bias
+    )
     d_b_up, d_b_down = bias_grads(d_h, d_y, offsets, ctx.bias_dtypes)
     return d_x, d_w_up, d_w_down, None, d_b_up, d_b_down, None
 

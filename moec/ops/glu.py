@@ -9,6 +9,10 @@ use (one read of h, one write of a; backward reads h and d_a and writes d_h) for
 activations the kernels compute, the reference for others. The math is in
 float32 (or wider) on values read in the storage dtype, as the reference
 :func:`moec.ops.activations.activate`.
+
+The backward is the internal op ``moec::glu_backward(h, d_a, activation) -> d_h`` (h's shape and
+dtype, contiguous), so AOTAutograd traces it as one opaque call instead of the reference's
+nested autograd (and, on CUDA, instead of a kernel launch on fake tensors).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ def _rows(t: Tensor) -> Tensor:
 def glu(h: Tensor, activation: str) -> Tensor:
     _check(h, activation)
     forward = cuda_kernel("glu_forward", h) or activate
-    a = forward(_rows(h), activation)
+    a = forward(_rows(h.contiguous()), activation).contiguous()
     return a.view(*h.shape[:-1], h.shape[-1] // 2)
 
 
@@ -53,11 +57,24 @@ def _setup(ctx, inputs, output):
     ctx.activation = activation
 
 
+@torch.library.custom_op("moec::glu_backward", mutates_args=())
+def glu_backward(h: Tensor, d_a: Tensor, activation: str) -> Tensor:
+    _check(h, activation)
+    backward = cuda_kernel("glu_backward", h) or activate_backward
+    h = h.contiguous()  # the kernel writes d_h in h's layout
+    d_h = backward(_rows(h), _rows(d_a.to(h.dtype)), activation).contiguous()
+    return d_h.view(h.shape)
+
+
+@glu_backward.register_fake
+def _backward_fake(h, d_a, activation):
+    _check(h, activation)
+    return h.new_empty(h.shape)
+
+
 def _backward(ctx, d_a):
     (h,) = ctx.saved_tensors
-    backward = cuda_kernel("glu_backward", h) or activate_backward
-    d_h = backward(_rows(h), _rows(d_a), ctx.activation)
-    return d_h.view(h.shape), None
+    return torch.ops.moec.glu_backward(h, d_a, ctx.activation), None
 
 
 glu.register_autograd(_backward, setup_context=_setup)

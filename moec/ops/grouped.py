@@ -79,7 +79,8 @@ def gmm_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor) -> torch
         return kernel(x, dy, offsets)
     num_experts = offsets.shape[0]
     if _backend("wgrad", x, dy) == "grouped_mm":
-        return torch._grouped_mm(x.t(), dy.contiguous(), offs=offsets)
+        # contiguous x: a gradient can arrive expanded (stride 0), which _grouped_mm refuses
+        return torch._grouped_mm(x.contiguous().t(), dy.contiguous(), offs=offsets)
     experts = row_experts(offsets, x.shape[0])
     grads = []
     for e in range(num_experts):

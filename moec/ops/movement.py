@@ -9,9 +9,20 @@ combine(y[R, D], weights[*, K], rows[*, K]) -> out[*, D]
 
 Each is the other's backward (dispatch's is an unweighted combine; combine's grad w.r.t. y is a
 weighted dispatch), so both share :func:`gather_sum` and :func:`scatter_rows`.
+
+The backwards are internal ops, so AOTAutograd traces each as one opaque call (on CUDA the
+movement kernels, never launched on fake tensors)::
+
+    dispatch_backward(d_buffer[R, D], rows[*, K]) -> d_x[T, D]        (T = rows.numel() / K)
+    combine_backward(y[R, D], weights[*, K], rows[*, K], d_out[*, D])
+        -> (d_y[R, D] in d_out's dtype, d_weights in weights' shape and dtype)
+
+Every output is contiguous, as the fake implementations promise.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -79,12 +90,29 @@ def _dispatch_setup(ctx, inputs, output):
     ctx.x_shape = x.shape
 
 
-def _dispatch_backward(ctx, d_buffer):
-    (rows,) = ctx.saved_tensors
+def _tokens(rows: Tensor):
+    """T: the tokens of ``rows[*, K]`` (a SymInt while tracing with dynamic shapes)."""
+    return math.prod(rows.shape[:-1])
+
+
+@torch.library.custom_op("moec::dispatch_backward", mutates_args=())
+def dispatch_backward(d_buffer: Tensor, rows: Tensor) -> Tensor:
     kernel = cuda_kernel("dispatch_backward", d_buffer)
     if kernel is not None:
-        return kernel(d_buffer, rows).view(ctx.x_shape), None
-    return gather_sum(d_buffer, _flat(rows)).view(ctx.x_shape), None
+        d_x = kernel(d_buffer, rows)
+    else:
+        d_x = gather_sum(d_buffer, _flat(rows))
+    return d_x.reshape(-1, d_buffer.shape[-1]).contiguous()
+
+
+@dispatch_backward.register_fake
+def _dispatch_backward_fake(d_buffer, rows):
+    return d_buffer.new_empty((_tokens(rows), d_buffer.shape[-1]))
+
+
+def _dispatch_backward(ctx, d_buffer):
+    (rows,) = ctx.saved_tensors
+    return torch.ops.moec.dispatch_backward(d_buffer, rows).view(ctx.x_shape), None
 
 
 dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
@@ -105,19 +133,38 @@ def _combine_setup(ctx, inputs, output):
     ctx.save_for_backward(y, weights, rows)
 
 
-def _combine_backward(ctx, d_out):
-    y, weights, rows = ctx.saved_tensors
-    kernel = cuda_kernel("combine_backward", d_out)
-    if kernel is not None:
-        d_y, d_weights = kernel(y, weights, rows, d_out)
-        return d_y, d_weights, None
+def combine_backward_reference(
+    y: Tensor, weights: Tensor, rows: Tensor, d_out: Tensor
+) -> tuple[Tensor, Tensor]:
+    """The oracle backward of ``moec::combine``: (d_y, d_weights)."""
     flat_rows, flat_w, flat_d = _flat(rows), _flat(weights), _flat(d_out)
     d_y = scatter_rows(flat_d, flat_rows, y.shape[0], flat_w)
     valid = flat_rows >= 0
     acc = _accumulation_dtype(y)
     picked = torch.where(valid[..., None], y[flat_rows.clamp(min=0)].to(acc), 0.0)
     d_weights = (picked * flat_d.to(acc)[:, None, :]).sum(-1)
-    return d_y, d_weights.view(weights.shape).to(weights.dtype), None
+    return d_y, d_weights.view(weights.shape).to(weights.dtype)
+
+
+@torch.library.custom_op("moec::combine_backward", mutates_args=())
+def combine_backward(
+    y: Tensor, weights: Tensor, rows: Tensor, d_out: Tensor
+) -> tuple[Tensor, Tensor]:
+    kernel = cuda_kernel("combine_backward", d_out)
+    implementation = combine_backward_reference if kernel is None else kernel
+    d_y, d_weights = implementation(y, weights, rows, d_out)
+    return d_y.contiguous(), d_weights.contiguous()
+
+
+@combine_backward.register_fake
+def _combine_backward_fake(y, weights, rows, d_out):
+    return d_out.new_empty((y.shape[0], d_out.shape[-1])), weights.new_empty(weights.shape)
+
+
+def _combine_backward(ctx, d_out):
+    y, weights, rows = ctx.saved_tensors
+    d_y, d_weights = torch.ops.moec.combine_backward(y, weights, rows, d_out)
+    return d_y, d_weights, None
 
 
 combine.register_autograd(_combine_backward, setup_context=_combine_setup)

@@ -15,6 +15,15 @@ Recipes (the weights stay high precision masters; every step quantizes them afre
 The functions here in plain torch are the oracle (:func:`mx_quantize_reference` follows the
 spec literally); on CUDA (or under ``TRITON_INTERPRET=1``) the GEMMs run as the fused Triton
 kernels of :mod:`moec.kernels.mxfp8`, which equal the reference bit for bit in quantization.
+
+Each op's backward GEMMs are an internal op, so AOTAutograd traces them as one opaque call
+(never a kernel launch on fake tensors); bias gradients stay plain torch in the formulas::
+
+    quantized_expert_mlp_backward(x, w_up, w_down, offsets, h, d_y, activation, recipe)
+        -> (d_x, d_w_up, d_w_down, d_h)     (the shapes of x, the weights and h; d_h in x's dtype)
+    quantized_linear_backward(x, weight, d_y, recipe) -> (d_x, d_weight)
+
+All outputs are contiguous.
 """
 
 from __future__ import annotations
@@ -244,17 +253,47 @@ def _mlp_setup(ctx, inputs, output):
     ctx.bias_dtypes = tuple(None if b is None else b.dtype for b in (b_up, b_down))
 
 
-def _mlp_backward(ctx, d_y, d_h_unused):
-    x, w_up, w_down, offsets, h = ctx.saved_tensors
-    recipe, num_experts = ctx.recipe, offsets.shape[0]
-    experts = row_experts(offsets, x.shape[0])
+@torch.library.custom_op("moec::quantized_expert_mlp_backward", mutates_args=())
+def quantized_expert_mlp_backward(
+    x: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    offsets: Tensor,
+    h: Tensor,
+    d_y: Tensor,
+    activation: str,
+    recipe: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check_mlp(x, w_up, w_down, offsets, activation, recipe)
     d_y = d_y.to(x.dtype)
-    act = activate(h, ctx.activation)
+    act = activate(h, activation)
     d_w_down = quantized_gmm_wgrad(act, d_y, offsets, recipe).to(w_down.dtype)
     d_act = quantized_gmm(d_y, w_down.transpose(-1, -2), offsets, recipe)
-    d_h = activate_backward(h, d_act, ctx.activation)
+    d_h = activate_backward(h, d_act, activation).to(x.dtype)
     d_w_up = quantized_gmm_wgrad(x, d_h, offsets, recipe).to(w_up.dtype)
-    d_x = quantized_gmm(d_h, w_up.transpose(-1, -2), offsets, recipe)
+    d_x = quantized_gmm(d_h, w_up.transpose(-1, -2), offsets, recipe).to(x.dtype)
+    return d_x.contiguous(), d_w_up.contiguous(), d_w_down.contiguous(), d_h.contiguous()
+
+
+@quantized_expert_mlp_backward.register_fake
+def _quantized_expert_mlp_backward_fake(x, w_up, w_down, offsets, h, d_y, activation, recipe):
+    _check_mlp(x, w_up, w_down, offsets, activation, recipe)
+    return (
+        x.new_empty(x.shape),
+        w_up.new_empty(w_up.shape),
+        w_down.new_empty(w_down.shape),
+        x.new_empty(h.shape),
+    )
+
+
+def _mlp_backward(ctx, d_y, d_h_unused):
+    x, w_up, w_down, offsets, h = ctx.saved_tensors
+    num_experts = offsets.shape[0]
+    experts = row_experts(offsets, x.shape[0])
+    d_y = d_y.to(x.dtype)
+    d_x, d_w_up, d_w_down, d_h = torch.ops.moec.quantized_expert_mlp_backward(
+        x, w_up, w_down, offsets, h, d_y, ctx.activation, ctx.recipe
+    )
     d_biases = [
         None if dtype is None else row_bias_grad(grad, experts, num_experts).to(dtype)
         for dtype, grad in zip(ctx.bias_dtypes, (d_h, d_y), strict=True)
@@ -303,12 +342,28 @@ def _linear_setup(ctx, inputs, output):
     ctx.bias_dtype = None if bias is None else bias.dtype
 
 
-def _linear_backward(ctx, d_y):
-    x, weight = ctx.saved_tensors
+@torch.library.custom_op("moec::quantized_linear_backward", mutates_args=())
+def quantized_linear_backward(
+    x: Tensor, weight: Tensor, d_y: Tensor, recipe: str
+) -> tuple[Tensor, Tensor]:
+    _check_recipe(recipe)
     x2, d_y2 = x.reshape(-1, x.shape[-1]), d_y.reshape(-1, d_y.shape[-1]).to(x.dtype)
     group = _one_group(x2.shape[0], x.device)
-    d_x = quantized_gmm(d_y2, weight.unsqueeze(0), group, ctx.recipe).reshape(x.shape)
-    d_w = quantized_gmm_wgrad(d_y2, x2, group, ctx.recipe)[0].to(weight.dtype)
+    d_x = quantized_gmm(d_y2, weight.unsqueeze(0), group, recipe).reshape(x.shape)
+    d_w = quantized_gmm_wgrad(d_y2, x2, group, recipe)[0].to(weight.dtype)
+    return d_x.to(x.dtype).contiguous(), d_w.contiguous()
+
+
+@quantized_linear_backward.register_fake
+def _quantized_linear_backward_fake(x, weight, d_y, recipe):
+    _check_recipe(recipe)
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+def _linear_backward(ctx, d_y):
+    x, weight = ctx.saved_tensors
+    d_x, d_w = torch.ops.moec.quantized_linear_backward(x, weight, d_y, ctx.recipe)
+    d_y2 = d_y.reshape(-1, d_y.shape[-1]).to(x.dtype)
     d_b = None if ctx.bias_dtype is None else d_y2.float().sum(0).to(ctx.bias_dtype)
     return d_x, d_w, d_b, None
 

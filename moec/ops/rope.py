@@ -13,9 +13,15 @@ float32; the kernel reads x once and writes the result once.
 
 The gradient w.r.t. x is the transposed rotation, the internal op
 ``moec::rope_backward(d_out, cos, sin, x_dtype) -> d_x`` (d_out's shape, ``x_dtype``), so that
-AOTAutograd traces the backward as one opaque call (on CUDA it runs the same kernel). Both ops
-return contiguous tensors whatever x's strides (q and k arrive as transposed views), as their
-fake implementations promise: Inductor checks the strides of custom ops' outputs.
+AOTAutograd traces the backward as one opaque call (on CUDA it runs the same kernel).
+
+Layout: both ops return ``torch.empty_like(x)``'s layout (x's strides when x is dense, else
+dense in x's order), exactly as their fake implementations do (Inductor checks custom ops'
+output strides). It is the layout the unfused expression gives: q and k arrive as transposed
+views of the projections, and keeping their (B, S, H, D) memory order lets attention's output
+go back to (B, S, H*D) as a view, not a copy the saved activations would hold (the pipeline
+memory prediction counts the view). The kernel writes contiguous rows; it runs on x with its
+leading dimensions in memory order, which is that layout.
 """
 
 from __future__ import annotations
@@ -50,13 +56,37 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> Tensor:
     return x * cos + torch.cat((-hi, lo), dim=-1) * sin
 
 
+def _layout(x: Tensor, dtype: torch.dtype) -> tuple[int, ...]:
+    """The strides of the ops' results: ``empty_like(x)``'s (computed on the meta device)."""
+    return torch.empty_like(x, dtype=dtype, device="meta").stride()
+
+
 def _rope(x: Tensor, cos: Tensor, sin: Tensor, dtype: torch.dtype, backward: bool) -> Tensor:
+    strides = _layout(x, dtype)
     kernel = cuda_kernel("rope", x)
-    if kernel is not None:
-        out = kernel(x, cos, sin, dtype, backward)
-    else:  # elementwise ops keep x's layout: ask for a contiguous result
-        out = rotate(x, cos, sin, backward).to(dtype, memory_format=torch.contiguous_format)
-    return out.contiguous()
+    if kernel is None:
+        out = x.new_empty_strided(x.shape, strides, dtype=dtype)
+        return out.copy_(rotate(x, cos, sin, backward))
+    # leading dimensions by decreasing stride, the last one kept last: the result's memory order
+    lead = sorted(range(x.dim() - 1), key=lambda d: -strides[d])
+    order = (*lead, x.dim() - 1)
+    permuted = tuple(strides[d] for d in order)
+    out_shape = tuple(x.shape[d] for d in order)
+    if strides[-1] != 1 or not _is_contiguous(out_shape, permuted):
+        out = x.new_empty_strided(x.shape, strides, dtype=dtype)
+        return out.copy_(kernel(x, cos, sin, dtype, backward))
+    cos, sin = (t.expand(x.shape).permute(order) for t in (cos, sin))
+    y = kernel(x.permute(order), cos, sin, dtype, backward).contiguous()
+    return y.as_strided(x.shape, strides)  # y's elements, addressed in x's dimension order
+
+
+def _is_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    expected = 1
+    for size, stride in reversed(tuple(zip(shape, strides, strict=True))):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 @torch.library.custom_op("moec::rope", mutates_args=())
@@ -68,7 +98,7 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, out_dtype: torch.dtype | None) -> 
 @rope.register_fake
 def _fake(x, cos, sin, out_dtype):
     _check(x, cos, sin)
-    return x.new_empty(x.shape, dtype=_out_dtype(x, cos, sin, out_dtype))
+    return torch.empty_like(x, dtype=_out_dtype(x, cos, sin, out_dtype))
 
 
 def _setup(ctx, inputs, output):
@@ -91,7 +121,7 @@ def rope_backward(d_out: Tensor, cos: Tensor, sin: Tensor, x_dtype: torch.dtype)
 @rope_backward.register_fake
 def _backward_fake(d_out, cos, sin, x_dtype):
     _check(d_out, cos, sin)
-    return d_out.new_empty(d_out.shape, dtype=x_dtype)
+    return torch.empty_like(d_out, dtype=x_dtype)
 
 
 def _backward(ctx, d_out):
