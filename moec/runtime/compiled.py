@@ -25,11 +25,12 @@ It keeps the ``nn.Module`` contract:
   its nodes lose their ``meta`` (no further passes, pipeline split or cost model on it). A
   model not captured yet cannot be pickled (it holds the source model's build function).
 - ``plan.lowering.inductor`` runs the graph through Inductor (:mod:`moec.runtime.lowering`).
-- ``torch.compile(compiled)`` runs forward and backward with the ``eager`` and ``aot_eager``
-  backends: dynamo traces ``forward`` and the graph it runs, the ``moec::`` ops stay opaque
-  custom ops (their fake impls give the shapes). Inductor also checks output strides, and on
-  CPU ``moec::rope``'s reference returns its input's layout where its fake promises a
-  contiguous one.
+- ``torch.compile(compiled)`` runs forward and backward with the ``inductor`` backend (and
+  ``eager``/``aot_eager``): Dynamo traces ``forward`` and the graph it runs, AOTAutograd the
+  backward, and every ``moec::`` op, with the backward ops its autograd formula calls
+  (``moec::*_backward``), is an opaque custom-op call whose fake gives exact shapes, dtypes and
+  strides; kernels and EP collectives run only inside those ops, on real tensors. Inductor's FX
+  graph cache does not key on the ops' Python fakes: clear it after changing one.
 """
 
 from __future__ import annotations
