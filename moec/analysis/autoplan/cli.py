@@ -1,0 +1,179 @@
+"""``moec plan auto``: capture the model once, search, print the best plans, write the chosen one.
+
+:func:`capture` builds the program the trainer compiles (model + next-token loss) on the meta
+device twice, at one rank and at ``dp = dp_shard = 2`` (to learn FSDP's layout), and profiles
+it; :func:`auto_plan` runs the search; :func:`add_plan_auto_parser` registers the subcommand
+under ``moec plan``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from pathlib import Path
+
+import torch
+
+from moec.analysis.autoplan.profile import ModelProfile, profile_program
+from moec.analysis.autoplan.search import Prediction, Request, Search
+from moec.analysis.cost.time import Efficiency, calibrate, load_samples
+from moec.analysis.gpus import GPUS, gpu_spec
+from moec.analysis.rank_memory import GIB
+from moec.plan import Plan
+
+
+@dataclasses.dataclass
+class AutoPlanResult:
+    base: Plan
+    best: list[Prediction]
+    request: Request
+    evaluated: int
+    capture_s: float
+    search_s: float
+
+
+def _one_rank(plan: Plan, **parallel: int) -> Plan:
+    data = plan.to_dict()
+    data["parallel"] = {**ParallelDefaults, **parallel}
+    data["recompute"] = {"policy": "none", "budget_bytes": None}
+    data["precision"] = {**data["precision"], "compute_dtype": "bf16"}
+    return Plan.from_dict(data)
+
+
+ParallelDefaults = {"dp": 1, "dp_shard": 1, "ep": 1, "pp": 1, "microbatches": 1}
+
+
+def capture(model_spec: str, plan: Plan) -> ModelProfile:
+    """The profile of ``model_spec`` (a zoo name or ``file.py:factory``) under ``plan``'s MoE
+    section, built on the meta device (any size works)."""
+    from moec.compiler import build_program
+    from moec.debug import with_next_token_loss
+    from moec.models.zoo import load_model
+
+    programs = []
+    for parallel in ({}, {"dp": 2, "dp_shard": 2}):
+        with torch.device("meta"):
+            model, inputs, kwargs = load_model(model_spec)
+        model, inputs = with_next_token_loss(model, inputs, kwargs, model_spec)
+        programs.append(build_program(model, _one_rank(plan, **parallel), inputs, {}, verify=False))
+    return profile_program(*programs)
+
+
+def auto_plan(
+    model: str | ModelProfile,
+    world: int,
+    gpu: str,
+    global_batch: int,
+    seq: int,
+    plan: Plan | None = None,
+    probe: str | None = None,
+    inter_node_gbps: float | None = None,
+    calibration: str | None = None,
+    memory_fraction: float = 0.92,
+    top: int = 5,
+) -> AutoPlanResult:
+    """Search the plans of ``model`` (see :mod:`moec.analysis.autoplan`)."""
+    base = plan or Plan()
+    spec = gpu_spec(gpu, probe, inter_node_gbps)
+    eff = Efficiency()
+    if calibration is not None:
+        eff = calibrate(load_samples(calibration), spec, eff)
+    start = time.perf_counter()
+    profile = model if isinstance(model, ModelProfile) else capture(model, base)
+    captured = time.perf_counter()
+    request = Request(world, spec, global_batch, seq, memory_fraction, eff)
+    search = Search(profile, request)
+    best = search.best(top)
+    done = time.perf_counter()
+    return AutoPlanResult(base, best, request, search.evaluated, captured - start, done - captured)
+
+
+def format_predictions(result: AutoPlanResult) -> str:
+    """The best plans as a table: layout, step time broken down, tokens/s, MFU, memory."""
+    req = result.request
+    head = (
+        f"{'#':>2} {'pp':>3} {'v':>2} {'sched':<16} {'dp':>4} {'shard':>5} {'ep':>4} "
+        f"{'path':<12} {'mb':>3} {'m':>4} {'recomp':<6} {'gemm':<11} {'overlap':<9} "
+        f"{'step s':>8} {'comp':>7} {'comm':>7} {'bubble':>7} {'recmp':>7} "
+        f"{'tok/s/GPU':>10} {'MFU':>6} {'GiB':>7}"
+    )
+    lines = [head]
+    for i, p in enumerate(result.best):
+        lay = p.layout
+        lines.append(
+            f"{i + 1:>2} {lay.pp:>3} {lay.virtual_stages:>2} {lay.schedule:<16} {lay.dp:>4} "
+            f"{lay.dp_shard:>5} {lay.ep:>4} {lay.ep_path:<12} {lay.micro_seqs:>3} "
+            f"{lay.microbatches:>4} {lay.recompute:<6} {lay.gemm:<11} {lay.overlap:<9} "
+            f"{p.step_s:>8.3f} {p.compute_s:>7.3f} {p.exposed_comm_s:>7.3f} "
+            f"{p.bubble_s:>7.3f} {p.recompute_s:>7.3f} {p.tokens_per_s / req.world:>10.0f} "
+            f"{p.mfu:>6.1%} {p.memory.total / GIB:>7.1f}"
+        )
+    lines.append(
+        f"{req.world} x {req.gpu.name} ({req.gpu.memory_bytes / GIB:.1f} GiB, "
+        f"{req.memory_fraction:.0%} usable), global batch {req.global_batch} tokens at seq "
+        f"{req.seq}; mb = sequences per microbatch, m = microbatches; MFU on "
+        f"{req.gpu.bf16_tflops:.0f} TFLOP/s; {result.evaluated} candidates evaluated in "
+        f"{result.search_s:.2f} s (capture {result.capture_s:.1f} s)"
+    )
+    return "\n".join(lines)
+
+
+def cmd_plan_auto(args: argparse.Namespace) -> int:
+    if args.probe_out:
+        from moec.analysis.gpus import probe_gpu
+
+        probe_gpu(args.probe_out)
+        print(f"wrote {args.probe_out}")
+        if args.probe is None:
+            args.probe = args.probe_out
+    base = Plan.load(args.plan) if args.plan else None
+    result = auto_plan(
+        args.model,
+        args.world,
+        args.gpu,
+        args.global_batch,
+        args.seq,
+        base,
+        args.probe,
+        args.inter_node_gbps,
+        args.calibrate,
+        args.memory_fraction,
+        args.top,
+    )
+    print(format_predictions(result))
+    if args.out:
+        chosen = result.best[0].plan(result.base)
+        Path(args.out).write_text(chosen.to_yaml())
+        print(f"wrote the chosen plan to {args.out}")
+    return 0
+
+
+def add_plan_auto_parser(plan_subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``moec plan auto`` under ``moec plan``'s subparsers."""
+    auto = plan_subparsers.add_parser(
+        "auto", help="search parallelism, recompute, microbatching and precision for a model"
+    )
+    auto.add_argument("--model", required=True, help="zoo name or path/to/file.py:factory")
+    auto.add_argument("--world", type=int, required=True, help="GPUs of the job")
+    auto.add_argument("--gpu", required=True, help=f"one of {', '.join(sorted(GPUS))}")
+    auto.add_argument(
+        "--global-batch", type=int, default=2**20, help="tokens per optimizer step (job)"
+    )
+    auto.add_argument("--seq", type=int, default=4096, help="sequence length")
+    auto.add_argument("--plan", help="plan YAML whose moe/loss/lowering sections are kept")
+    auto.add_argument("--probe", help="JSON of measured GPU values replacing the datasheet's")
+    auto.add_argument(
+        "--probe-out", help="measure this machine's GPU first (CUDA) and write the JSON here"
+    )
+    auto.add_argument("--inter-node-gbps", type=float, help="network GB/s per GPU, one way")
+    auto.add_argument(
+        "--calibrate", help="measured op samples (JSON) or a profiler trace to fit the model"
+    )
+    auto.add_argument(
+        "--memory-fraction", type=float, default=0.92, help="usable share of GPU memory"
+    )
+    auto.add_argument("--top", type=int, default=5, help="plans to print")
+    auto.add_argument("--out", help="write the chosen plan here (YAML)")
+    auto.set_defaults(func=cmd_plan_auto)
+    return auto

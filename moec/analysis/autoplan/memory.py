@@ -1,0 +1,130 @@
+"""Per-rank memory of a layout, analytically: :mod:`moec.analysis.rank_memory`'s accounting on a
+:class:`~moec.analysis.autoplan.profile.ModelProfile` instead of a built program.
+
+For the units a pipeline rank holds, with EP degree ``ep`` (an expert parameter keeps
+``num_experts / ep`` of its dim 0) and FSDP over ``dp_shard`` ranks (the parameters FSDP shards
+keep ``ceil(rows / dp_shard)`` rows and lose their working copy; expert slices are split on dim
+1 over ``dp / ep`` ranks when ``dp_shard > 1`` and ``dp > ep``), the parameters, gradients (bf16
+for a working-copy master with one microbatch), AdamW's two float32 moments, the bf16 working
+copies, FSDP's gathered units (root, two block groups and one expert group at a time; with
+several microbatches every unit's float32 gradients) and the activations: per stage
+``in_flight x kept + transient`` at the microbatch's (batch, seq), the rank's largest stage.
+Tests hold the state lines equal to ``rank_memory`` of built programs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from moec.analysis.autoplan.profile import ModelProfile, ParamInfo
+from moec.analysis.rank_memory import RankMemory
+
+F32 = 4
+BF16 = 2
+
+
+def _numel(p: ParamInfo, ep: int, shard: int, expert_shard: int) -> tuple[int, int]:
+    """(elements this rank holds, elements padded to the whole shard group) of ``p``."""
+    shape = list(p.shape)
+    if p.expert:
+        shape[0] //= ep
+    if shard > 1 and p.fsdp and not p.expert:
+        rows = math.ceil(shape[0] / shard)
+        rest = math.prod(shape[1:])
+        return rows * rest, rows * rest * shard
+    if expert_shard > 1 and p.fsdp and p.expert and len(shape) > 1:
+        cols = math.ceil(shape[1] / expert_shard)
+        rest = math.prod(shape) // shape[1]
+        return cols * rest, cols * rest * expert_shard
+    return math.prod(shape), math.prod(shape)
+
+
+def state_memory(
+    profile: ModelProfile,
+    units: Sequence[int],
+    ep: int,
+    dp: int,
+    dp_shard: int,
+    microbatches: int,
+) -> tuple[int, int, int, int, int]:
+    """(parameters, gradients, optimizer, working copies, gathered) bytes of the ``units`` one
+    rank holds (see module)."""
+    expert_shard = dp // ep if dp_shard > 1 and dp > ep else 1
+    params = grads = optimizer = copies = 0
+    gather: dict[str, list[int]] = {}
+    expert_groups: set[str] = set()
+    for u in units:
+        for p in profile.units[u].params:
+            numel, padded = _numel(p, ep, dp_shard, expert_shard)
+            fsdp = p.fsdp and (dp_shard > 1 if not p.expert else expert_shard > 1)
+            # under FSDP only expert slices keep working copies (the dense casts are gathers)
+            master = p.master and not fsdp and (p.expert or dp_shard == 1)
+            params += numel * p.itemsize
+            if p.trainable:
+                grads += numel * (BF16 if master and microbatches == 1 else p.itemsize)
+                optimizer += 2 * numel * F32
+            if master:
+                copies += numel * BF16
+            if fsdp:
+                # FSDP gathers in bf16 (a bf16 program: the profile's fsdp params are those)
+                sizes = gather.setdefault(p.group, [0, 0, 0])
+                sizes[0] += padded * BF16
+                if p.trainable:
+                    sizes[1] += padded * BF16
+                    sizes[2] += padded * F32
+                if p.expert:
+                    expert_groups.add(p.group)
+    gathered = 0
+    if gather:
+        root = gather.pop("", [0, 0, 0])
+        experts = [gather.pop(g) for g in sorted(expert_groups) if g in gather] or [[0, 0, 0]]
+        groups = list(gather.values()) or [[0, 0, 0]]
+        if microbatches > 1:
+            kept = root[2] + sum(g[2] for g in groups + experts)
+            running = max(g[0] + g[1] for g in groups) + max(g[0] + g[1] for g in experts)
+            gathered = root[0] + root[1] + kept + 2 * running
+        else:
+            gathered = sum(root) + 2 * (max(sum(g) for g in groups) + max(sum(g) for g in experts))
+    return params, grads, optimizer, copies, gathered
+
+
+def activation_memory(
+    profile: ModelProfile,
+    stages: Sequence[Sequence[int]],
+    in_flight: Sequence[int],
+    batch: int,
+    seq: int,
+    recompute: str,
+) -> int:
+    """The largest stage's ``in_flight x kept + transient`` bytes over ``stages`` (unit lists,
+    with their in-flight microbatches)."""
+    peak = 0
+    for units, flight in zip(stages, in_flight, strict=True):
+        if recompute == "block":
+            kept = sum(profile.units[u].saved_block(batch, seq) for u in units)
+            transient = max(profile.units[u].transient_block(batch, seq) for u in units)
+        else:
+            kept = sum(profile.units[u].saved(batch, seq) for u in units)
+            transient = 0
+        peak = max(peak, round(flight * kept + transient))
+    return peak
+
+
+def rank_memory_of(
+    profile: ModelProfile,
+    stages: Sequence[Sequence[int]],
+    in_flight: Sequence[int],
+    *,
+    ep: int,
+    dp: int,
+    dp_shard: int,
+    microbatches: int,
+    batch: int,
+    seq: int,
+    recompute: str = "none",
+) -> RankMemory:
+    """:class:`~moec.analysis.rank_memory.RankMemory` of one pipeline rank holding ``stages``."""
+    units = [u for s in stages for u in s]
+    state = state_memory(profile, units, ep, dp, dp_shard, microbatches)
+    return RankMemory(*state, activation_memory(profile, stages, in_flight, batch, seq, recompute))

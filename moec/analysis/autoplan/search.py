@@ -1,0 +1,434 @@
+"""The plan search: every layout of a world of GPUs, its predicted step time and per-rank memory.
+
+:func:`search` enumerates, for a :class:`~moec.analysis.autoplan.profile.ModelProfile`, a GPU
+and a global batch: pipeline degree ``pp`` (dividing the world, at most one stage per unit),
+virtual stages and schedule (``1f1b``, ``gpipe``; ``interleaved_1f1b`` and ``zbv`` at v = 2),
+data parallel ``dp = world / pp``, EP degree (dividing dp and the experts) and path
+(``rowwise``, ``a2a_capacity``), FSDP shard size (1: DDP, 8: HSDP inside a node, dp: FSDP),
+sequences per microbatch (the microbatch count follows from the global batch), recompute
+(``none``, ``block``), the low-precision scope (bf16, or the GPU's native FP8 format on the
+routed experts) and EP overlap (``none``, ``two_batch``). Layouts are pruned early: divisibility,
+and memory lower bounds (a layout whose parameter state alone does not fit skips every
+microbatch size; a microbatch that does not fit stops the larger ones).
+
+Each candidate's step (:func:`evaluate`), per pipeline stage and microbatch, from the profile's
+per-unit costs and :mod:`moec.analysis.cost.time`: compute (GEMMs by shape and precision,
+attention, memory-bound ops at HBM bandwidth, forward + backward = 3x the forward), block
+recompute (the blocks' forward again), EP exchanges exposed per MoE layer
+(:func:`moec.analysis.cost.overlap.exposed_comm`, the link: NVLink inside a node, the network
+across), pipeline P2P and bubble (:func:`~moec.analysis.cost.time.bubble_fraction`),
+data-parallel gradient reduction (and FSDP gathers) not hidden by the backward, and the
+optimizer step at HBM bandwidth (28 bytes per parameter element, RESULTS.md's AdamW). The
+stage split is the ``pipeline`` pass's objective (contiguous units, fewest max stage FLOPs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Iterator
+
+from moec.analysis.autoplan.memory import activation_memory, state_memory
+from moec.analysis.autoplan.profile import ModelProfile
+from moec.analysis.cost.overlap import exposed_comm
+from moec.analysis.cost.time import (
+    Efficiency,
+    attention_time,
+    bubble_fraction,
+    collective_time,
+    gemm_time,
+    memory_time,
+)
+from moec.analysis.gpus import GPUSpec
+from moec.analysis.pipeline_schedule import inflight_microbatches, stage_rank
+from moec.analysis.rank_memory import GIB, RankMemory
+from moec.errors import MoecError
+from moec.plan import ParallelPlan, Plan
+
+OPTIMIZER_BYTES = 28
+"""HBM bytes per parameter element of the AdamW step (RESULTS.md: 56 GB for 2.0B elements)."""
+
+
+class NoPlanFitsError(MoecError, ValueError):
+    """No layout of the world fits the GPU's memory (or none is legal)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    world: int
+    gpu: GPUSpec
+    global_batch: int
+    """Tokens per optimizer step (the whole job)."""
+    seq: int
+    memory_fraction: float = 0.92
+    """Share of the GPU's memory a plan may be predicted to use (allocator, buffers)."""
+    eff: Efficiency = Efficiency()
+    max_micro_seqs: int = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    pp: int
+    virtual_stages: int
+    schedule: str
+    dp: int
+    ep: int
+    ep_path: str
+    dp_shard: int
+    micro_seqs: int
+    microbatches: int
+    recompute: str
+    gemm: str
+    overlap: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    layout: Layout
+    step_s: float
+    compute_s: float
+    exposed_comm_s: float
+    bubble_s: float
+    recompute_s: float
+    memory: RankMemory
+    tokens_per_s: float
+    mfu: float
+
+    def plan(self, base: Plan) -> Plan:
+        """``base`` (its MoE, loss and lowering sections) with this layout."""
+        lay = self.layout
+        data = base.to_dict()
+        data["parallel"] = {
+            "dp": lay.dp,
+            "dp_shard": lay.dp_shard,
+            "ep": lay.ep,
+            "ep_path": lay.ep_path,
+            "pp": lay.pp,
+            "virtual_stages": lay.virtual_stages,
+            "pp_schedule": lay.schedule,
+            "microbatches": lay.microbatches,
+            "overlap": lay.overlap,
+        }
+        precision = dict(data["precision"])
+        precision["compute_dtype"] = "bf16"
+        precision["gemm"] = lay.gemm
+        precision["scope"] = ["routed_experts"]
+        data["precision"] = precision
+        data["recompute"] = {"policy": lay.recompute, "budget_bytes": None}
+        return Plan.from_dict(data)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class Search:
+    """The search over one profile and request (see module); caches per-unit sums."""
+
+    def __init__(self, profile: ModelProfile, request: Request):
+        self.profile, self.req = profile, request
+        experts = {m.num_experts for u in profile.units for m in u.moe}
+        self.experts = min(experts) if experts else 1
+        self.capacity = request.gpu.memory_bytes * request.memory_fraction
+        self.smallest: tuple[float, str] = (math.inf, "")
+        """The least per-rank memory seen, and the layout it belongs to."""
+        self.evaluated = 0
+
+    # --- enumeration ------------------------------------------------------------------------
+
+    def layouts(self) -> Iterator[tuple[int, int, str, int, int, int]]:
+        """(pp, v, schedule, dp, ep, dp_shard): the parameter layouts."""
+        world, units = self.req.world, self.profile.num_units
+        for pp in _divisors(world):
+            if pp > units:
+                continue
+            schedules = [(1, "1f1b")]
+            if pp > 1:
+                schedules += [(1, "gpipe"), (2, "interleaved_1f1b"), (2, "zbv")]
+            dp = world // pp
+            for v, schedule in schedules:
+                if pp * v > units:
+                    continue
+                for ep in _divisors(dp):
+                    if self.experts % ep:
+                        continue
+                    shards = sorted({1, dp} | ({8} if dp > 8 and dp % 8 == 0 else set()))
+                    for dp_shard in shards:
+                        yield pp, v, schedule, dp, ep, dp_shard
+
+    def candidates(self, prune: bool = True) -> Iterator[Prediction]:
+        """Every legal candidate's prediction (with ``prune``: only those that can fit)."""
+        req = self.req
+        if req.global_batch % req.seq:
+            raise NoPlanFitsError(
+                f"global batch {req.global_batch} tokens is not a multiple of seq {req.seq}"
+            )
+        sequences = req.global_batch // req.seq
+        for pp, v, schedule, dp, ep, dp_shard in self.layouts():
+            if sequences % dp:
+                continue
+            per_rank = sequences // dp
+            bound = self._state_lower_bound(pp, v, schedule, dp, ep, dp_shard)
+            self._note(bound, f"pp {pp}, ep {ep}, dp_shard {dp_shard}: parameter state alone")
+            if prune and bound > self.capacity:
+                continue
+            for micro in _divisors(per_rank):
+                if micro > req.max_micro_seqs:
+                    break
+                m = per_rank // micro
+                if pp > 1 and (m < pp or (v > 1 and m % pp)):
+                    continue
+                fitted = False
+                for recompute in ("none", "block"):
+                    for gemm in sorted({"bf16", req.gpu.low_precision()}):
+                        overlaps = ("none", "two_batch") if ep > 1 and micro % 2 == 0 else ("none",)
+                        paths = ("rowwise", "a2a_capacity") if ep > 1 else ("auto",)
+                        for overlap in overlaps:
+                            for path in paths:
+                                lay = Layout(
+                                    pp,
+                                    v,
+                                    schedule,
+                                    dp,
+                                    ep,
+                                    path,
+                                    dp_shard,
+                                    micro,
+                                    m,
+                                    recompute,
+                                    gemm,
+                                    overlap,
+                                )
+                                pred = self.evaluate(lay)
+                                fitted |= pred.memory.total <= self.capacity
+                                if not prune or pred.memory.total <= self.capacity:
+                                    yield pred
+                if prune and not fitted:
+                    break  # a larger microbatch holds more activations
+
+    def best(self, top: int = 5, prune: bool = True) -> list[Prediction]:
+        """The ``top`` fitting candidates, fastest first; :class:`NoPlanFitsError` if none."""
+        fitting = [p for p in self.candidates(prune) if p.memory.total <= self.capacity]
+        if not fitting:
+            raise self._nothing_fits()
+        fitting.sort(key=lambda p: (p.step_s, p.memory.total))
+        return fitting[:top]
+
+    def _nothing_fits(self) -> NoPlanFitsError:
+        gib = self.req.gpu.memory_bytes / GIB
+        smallest, where = self.smallest
+        if not where:
+            return NoPlanFitsError(
+                f"no legal layout of {self.req.world} GPUs for a global batch of "
+                f"{self.req.global_batch} tokens at seq {self.req.seq} (the batch must split "
+                "into whole sequences per data-parallel rank)"
+            )
+        return NoPlanFitsError(
+            f"no plan fits {self.req.world} x {self.req.gpu.name} "
+            f"({gib:.1f} GiB, {self.req.memory_fraction:.0%} usable): the smallest per-rank "
+            f"memory found is {smallest / GIB:.1f} GiB ({where}); use more GPUs, a GPU with "
+            "more memory or a shorter sequence"
+        )
+
+    # --- pipeline structure ----------------------------------------------------------------
+
+    @functools.cache  # noqa: B019 (one Search per request)
+    def split(self, stages: int) -> tuple[tuple[int, ...], ...]:
+        """Contiguous units per stage minimising the largest stage's forward FLOPs."""
+        flops = [self._unit_flops(u) for u in range(self.profile.num_units)]
+        n = len(flops)
+        prefix = [0.0]
+        for f in flops:
+            prefix.append(prefix[-1] + f)
+        best = [[math.inf] * (n + 1) for _ in range(stages + 1)]
+        choice = [[0] * (n + 1) for _ in range(stages + 1)]
+        best[0][0] = 0.0
+        for s in range(1, stages + 1):
+            for j in range(s, n - (stages - s) + 1):
+                for i in range(s - 1, j):
+                    cand = max(best[s - 1][i], prefix[j] - prefix[i])
+                    if cand < best[s][j]:
+                        best[s][j], choice[s][j] = cand, i
+        bounds, j = [], n
+        for s in range(stages, 0, -1):
+            i = choice[s][j]
+            bounds.append(tuple(range(i, j)))
+            j = i
+        return tuple(bounds[::-1])
+
+    def _unit_flops(self, u: int) -> float:
+        unit, seq = self.profile.units[u], self.req.seq
+        return sum(f(1, seq) for f in (unit.matmul_flops, unit.attention_flops, unit.expert_flops))
+
+    @functools.cache  # noqa: B019
+    def in_flight(self, pp: int, v: int, schedule: str, m: int) -> tuple[int, ...]:
+        if pp == 1:
+            return (1,)
+        plan = ParallelPlan(pp=pp, virtual_stages=v, pp_schedule=schedule, microbatches=m)
+        return tuple(inflight_microbatches(plan))
+
+    def ranks(self, pp: int, v: int, schedule: str) -> list[list[int]]:
+        """Stage indices held by each pipeline rank."""
+        held: list[list[int]] = [[] for _ in range(pp)]
+        for s in range(pp * v):
+            held[stage_rank(s, pp, schedule) if pp > 1 else 0].append(s)
+        return held
+
+    @functools.cache  # noqa: B019
+    def state(
+        self, pp: int, v: int, schedule: str, dp: int, ep: int, dp_shard: int, m: int
+    ) -> tuple[tuple[int, int, int, int, int], ...]:
+        """Per pipeline rank: its parameter state (rank_memory's first five lines)."""
+        stages = self.split(pp * v)
+        return tuple(
+            state_memory(self.profile, [u for s in held for u in stages[s]], ep, dp, dp_shard, m)
+            for held in self.ranks(pp, v, schedule)
+        )
+
+    def _state_lower_bound(
+        self, pp: int, v: int, schedule: str, dp: int, ep: int, dp_shard: int
+    ) -> float:
+        # bf16 gradients with one microbatch are the least state a layout can have
+        return max(sum(r) for r in self.state(pp, v, schedule, dp, ep, dp_shard, 1))
+
+    # --- one candidate ---------------------------------------------------------------------
+
+    def evaluate(self, lay: Layout) -> Prediction:
+        self.evaluated += 1
+        req, prof, gpu, eff = self.req, self.profile, self.req.gpu, self.req.eff
+        seq, b, m = req.seq, lay.micro_seqs, lay.microbatches
+        tokens = b * seq
+        stages = self.split(lay.pp * lay.virtual_stages)
+        flight = self.in_flight(lay.pp, lay.virtual_stages, lay.schedule, m)
+        held = self.ranks(lay.pp, lay.virtual_stages, lay.schedule)
+        node = gpu.gpus_per_node
+        ep_link = gpu.ceiling("nvlink_gbps" if lay.ep <= node else "inter_node_gbps")
+        ep_rate = ep_link * 1e9 * eff.link * (eff.path_factor(lay.ep_path) if lay.ep > 1 else 1)
+
+        # per stage and microbatch: compute, recompute, exposed EP
+        stage_compute, stage_recompute, stage_comm = [], [], []
+        for units in stages:
+            compute = recompute = comm = 0.0
+            for u in units:
+                unit = prof.units[u]
+                dense = gemm_time(unit.matmul_flops(b, seq), tokens, gpu, "bf16", eff)
+                attn = attention_time(unit.attention_flops(b, seq), gpu, eff)
+                moved = memory_time(2 * unit.other_bytes(b, seq), gpu, eff)
+                experts = 0.0
+                for moe in unit.moe:
+                    rows = tokens * moe.top_k * lay.ep / moe.num_experts
+                    share = unit.expert_flops(b, seq) / max(len(unit.moe), 1)
+                    t_exp = gemm_time(share, rows, gpu, lay.gemm, eff)
+                    experts += t_exp
+                    if lay.ep > 1:
+                        routed = tokens * moe.top_k * (moe.capacity_factor or 1.0)
+                        sent = 2 * routed * moe.dim * prof.act_itemsize * (lay.ep - 1) / lay.ep
+                        for compute_s in (t_exp, 2 * t_exp):  # forward, backward
+                            comm += exposed_comm(
+                                sent, ep_rate, compute_s, lay.overlap, eff.latency_s
+                            ).exposed
+                fwd = dense + attn + moved + experts
+                compute += 3 * fwd
+                if lay.recompute == "block":
+                    total = sum(
+                        f(b, seq)
+                        for f in (unit.matmul_flops, unit.attention_flops, unit.expert_flops)
+                    )
+                    recompute += fwd * (unit.recompute_flops(b, seq) / total if total else 0)
+            stage_compute.append(compute)
+            stage_recompute.append(recompute)
+            stage_comm.append(comm)
+
+        # pipeline: the slowest rank's busy time per microbatch, P2P at stage boundaries
+        p2p = 0.0
+        if lay.pp > 1:
+            link = gpu.ceiling("nvlink_gbps" if req.world <= node else "inter_node_gbps")
+            sent = tokens * prof.hidden * prof.act_itemsize
+            p2p = 2 * (eff.latency_s + sent / (link * 1e9 * eff.link))  # activation + its grad
+        per_rank = []
+        for stages_held in held:
+            busy = sum(
+                stage_compute[s] + stage_recompute[s] + stage_comm[s] + p2p for s in stages_held
+            )
+            per_rank.append(busy)
+        slowest = max(range(len(held)), key=per_rank.__getitem__)
+        busy = per_rank[slowest]
+        bubble = bubble_fraction(lay.schedule, lay.pp, lay.virtual_stages, m) * m * busy
+
+        # data parallel: gradient reduction (and FSDP gathers) beyond the last backward
+        states = self.state(
+            lay.pp, lay.virtual_stages, lay.schedule, lay.dp, lay.ep, lay.dp_shard, m
+        )
+        units_held = [u for s in held[slowest] for u in stages[s]]
+        dense_el, expert_el = self._param_elements(units_held, lay)
+        dp_link = gpu.ceiling("nvlink_gbps" if lay.dp <= node else "inter_node_gbps")
+        if lay.dp_shard > 1:
+            shard_link = gpu.ceiling("nvlink_gbps" if lay.dp_shard <= node else "inter_node_gbps")
+            full = dense_el * lay.dp_shard
+            dp_comm = collective_time("reduce_scatter", 4 * full, lay.dp_shard, shard_link, eff)
+            dp_comm += collective_time(
+                "all_reduce", 4 * dense_el, lay.dp // lay.dp_shard, dp_link, eff
+            )
+            gathers = 2 * m * collective_time("all_gather", 2 * full, lay.dp_shard, shard_link, eff)
+        else:
+            dp_comm = collective_time("all_reduce", 4 * dense_el, lay.dp, dp_link, eff)
+            gathers = 0.0
+        dp_comm += collective_time("all_reduce", 4 * expert_el, lay.dp // lay.ep, dp_link, eff)
+        last_backward = sum(stage_compute[s] for s in held[slowest]) * 2 / 3
+        exposed_dp = max(0.0, dp_comm - 0.9 * last_backward) + max(0.0, gathers - m * busy)
+        optimizer = memory_time(OPTIMIZER_BYTES * (dense_el + expert_el), gpu, eff)
+
+        step = m * busy + bubble + exposed_dp + optimizer
+        compute = m * sum(stage_compute[s] for s in held[slowest]) + optimizer
+        recompute = m * sum(stage_recompute[s] for s in held[slowest])
+        comm = m * sum(stage_comm[s] + p2p for s in held[slowest]) + exposed_dp
+
+        memory = self._memory(lay, stages, flight, held, states)
+        self._note(
+            memory.total,
+            f"pp {lay.pp}, ep {lay.ep}, dp_shard {lay.dp_shard}, {lay.micro_seqs} x {seq} "
+            f"tokens per microbatch, recompute {lay.recompute}",
+        )
+        tokens_per_s = req.global_batch / step
+        peak = gpu.bf16_tflops * 1e12 * req.world
+        mfu = prof.useful_flops_per_token(1, seq) * tokens_per_s / peak
+        return Prediction(lay, step, compute, comm, bubble, recompute, memory, tokens_per_s, mfu)
+
+    def _note(self, nbytes: float, where: str) -> None:
+        if nbytes < self.smallest[0]:
+            self.smallest = (nbytes, where)
+
+    def _param_elements(self, units: list[int], lay: Layout) -> tuple[float, float]:
+        """(dense, expert) trainable elements whose gradients this rank reduces."""
+        dense = expert = 0.0
+        for u in units:
+            for p in self.profile.units[u].params:
+                if not p.trainable:
+                    continue
+                if p.expert:
+                    expert += p.numel / lay.ep
+                else:
+                    dense += p.numel / (lay.dp_shard if p.fsdp else 1)
+        return dense, expert
+
+    def _memory(self, lay: Layout, stages, flight, held, states) -> RankMemory:
+        worst = None
+        for r, stages_held in enumerate(held):
+            acts = activation_memory(
+                self.profile,
+                [stages[s] for s in stages_held],
+                [flight[s] for s in stages_held],
+                lay.micro_seqs,
+                self.req.seq,
+                lay.recompute,
+            )
+            memory = RankMemory(*states[r], acts)
+            if worst is None or memory.total > worst.total:
+                worst = memory
+        return worst
+
+
+def search(profile: ModelProfile, request: Request, top: int = 5) -> list[Prediction]:
+    """The ``top`` fastest plans that fit (see module); :class:`NoPlanFitsError` if none."""
+    return Search(profile, request).best(top)

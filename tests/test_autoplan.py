@@ -1,0 +1,233 @@
+"""moec plan auto (issue #23, CPU core): the analytic memory against rank_memory of built
+programs, the search against brute force, refusals, a large model's search time, GPU specs and
+probe overrides, calibration of the time model."""
+
+from __future__ import annotations
+
+import json
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moec.analysis.autoplan import NoPlanFitsError, Request, Search, capture, profile_program
+from moec.analysis.autoplan.cli import add_plan_auto_parser, cmd_plan_auto
+from moec.analysis.autoplan.memory import rank_memory_of
+from moec.analysis.cost.time import (
+    Efficiency,
+    OpSample,
+    calibrate,
+    gemm_time,
+    load_samples,
+    samples_from_trace,
+)
+from moec.analysis.gpus import GPUS, GPUSpecError, gpu_spec
+from moec.analysis.rank_memory import rank_memory
+from moec.compiler import build_program
+from moec.debug import with_next_token_loss
+from moec.models.zoo import load_model
+from moec.plan import Plan
+from moec.program import EPGroup
+
+MOE = {"num_experts": 8, "top_k": 2, "init": "random", "expert_width": 128, "dense_first": 1}
+
+
+def _plan(parallel: dict | None = None, recompute: str = "none") -> Plan:
+    return Plan.from_dict(
+        {
+            "moe": MOE,
+            "parallel": parallel or {},
+            "precision": {"compute_dtype": "bf16"},
+            "recompute": {"policy": recompute},
+        }
+    )
+
+
+def _build(plan: Plan):
+    with torch.device("meta"):
+        model, inputs, kwargs = load_model("llama")
+    model, inputs = with_next_token_loss(model, inputs, kwargs, "llama")
+    ep = plan.parallel.ep
+    mesh = SimpleNamespace(ep_info=EPGroup(0, ep, "t")) if ep > 1 else None
+    return build_program(model, plan, inputs, {}, mesh=mesh, verify=False)
+
+
+@pytest.fixture(scope="module")
+def profile():
+    return capture("llama", _plan())
+
+
+@pytest.mark.parametrize(
+    "parallel, recompute, micro",
+    [
+        ({}, "none", 1),
+        ({}, "none", 2),
+        ({"dp": 2, "ep": 2}, "none", 1),
+        ({"dp": 2, "dp_shard": 2}, "none", 1),
+        ({"dp": 4, "dp_shard": 4, "ep": 2}, "none", 2),
+        ({}, "block", 1),
+    ],
+)
+def test_memory_matches_rank_memory(profile, parallel, recompute, micro):
+    """Parameter state equals rank_memory's for the built program (FSDP + EP within 0.5%);
+    activations within 10% (EP buffers, FSDP's groups and the recompute transient are only
+    in one of them)."""
+    program = _build(_plan(parallel, recompute))
+    real = rank_memory(program, micro, 4, 64)
+    p = {"dp": 1, "ep": 1, "dp_shard": 1, **parallel}
+    mine = rank_memory_of(
+        profile,
+        [list(range(profile.num_units))],
+        [1],
+        ep=p["ep"],
+        dp=p["dp"],
+        dp_shard=p["dp_shard"],
+        microbatches=micro,
+        batch=4,
+        seq=64,
+        recompute=recompute,
+    )
+    for field in ("parameters", "gradients", "optimizer", "working_copies", "gathered"):
+        assert getattr(mine, field) == pytest.approx(getattr(real, field), rel=5e-3), field
+    assert mine.activations == pytest.approx(real.activations, rel=0.10)
+
+
+def test_search_equals_brute_force(profile):
+    """Pruning loses nothing: the best plan and its time equal the exhaustive search's."""
+    request = Request(8, gpu_spec("h200"), 64 * 128, 128, memory_fraction=0.92)
+    pruned = Search(profile, request).best(3)
+    brute_search = Search(profile, request)
+    every = list(brute_search.candidates(prune=False))
+    fitting = sorted(
+        (p for p in every if p.memory.total <= brute_search.capacity),
+        key=lambda p: (p.step_s, p.memory.total),
+    )
+    assert len(every) > len(fitting) > 0 or len(every) == len(fitting)
+    assert pruned[0].layout == fitting[0].layout
+    assert pruned[0].step_s == fitting[0].step_s
+    assert [p.step_s for p in pruned] == [p.step_s for p in fitting[:3]]
+
+
+def test_tight_memory_search_equals_brute_force(profile):
+    """Where memory binds (a tiny GPU), pruning still agrees with brute force."""
+    roomy = Search(profile, Request(4, GPUS["h200"], 32 * 128, 128, memory_fraction=1.0))
+    totals = sorted(p.memory.total for p in roomy.candidates(prune=False))
+    mem = totals[len(totals) // 4]  # three quarters of the candidates do not fit
+    gpu = GPUS["h200"].with_values("test", memory_bytes=mem)
+    request = Request(4, gpu, 32 * 128, 128, memory_fraction=1.0)
+    search = Search(profile, request)
+    best = search.best(1)[0]
+    brute = Search(profile, request)
+    fitting = [p for p in brute.candidates(prune=False) if p.memory.total <= mem]
+    assert min(p.step_s for p in fitting) == best.step_s
+    assert len(fitting) < brute.evaluated  # memory excluded some layouts
+    assert best.step_s > roomy.best(1)[0].step_s  # and the fastest of all among them
+
+
+def test_impossible_request_is_refused(profile):
+    gpu = GPUS["h100"].with_values("test", memory_bytes=profile.params)  # < 1 byte/param/rank
+    with pytest.raises(NoPlanFitsError, match=r"no plan fits 2 x H100 .* smallest per-rank"):
+        Search(profile, Request(2, gpu, 4 * 128, 128)).best()
+    with pytest.raises(NoPlanFitsError, match="not a multiple of seq"):
+        Search(profile, Request(2, GPUS["h200"], 1000, 128)).best()
+
+
+def test_largest_model_searches_in_seconds(profile):
+    """A 63-unit model with many experts on 512 GPUs (the size of the report's Ultra-256E
+    search space) searches in a few seconds."""
+    big = profile.repeat_unit(1, 63)
+    assert big.num_units == 63
+    start = time.perf_counter()
+    search = Search(big, Request(512, GPUS["b300"], 64 * 2**20, 8192))
+    best = search.best(3)
+    elapsed = time.perf_counter() - start
+    assert best and elapsed < 20, elapsed
+    assert search.evaluated > 100
+
+
+def test_gpu_specs_and_probe_override(tmp_path):
+    assert set(GPUS) == {"h100", "h200", "b200", "b300"}
+    h200 = gpu_spec("H200")
+    assert h200.bf16_tflops == 989 and h200.ceiling("bf16_tflops") == 768  # measured
+    assert gpu_spec("b300").ceiling("bf16_tflops") == pytest.approx(2250 * 768 / 989)
+    with pytest.raises(GPUSpecError, match="unknown GPU 'a100'; known: b200, b300, h100, h200"):
+        gpu_spec("a100")
+    with pytest.raises(GPUSpecError, match="no native MXFP8"):
+        h200.gemm_ceiling("mxfp8")
+    probe = tmp_path / "probe.json"
+    probe.write_text(json.dumps({"device": "x", "bf16_tflops": 700.0, "hbm_gbps": 4000}))
+    probed = gpu_spec("h200", probe)
+    assert probed.ceiling("bf16_tflops") == 700 and probed.ceiling("hbm_gbps") == 4000
+    assert probed.ceiling("fp8_tflops") == pytest.approx(1979 * 700 / 989)
+    assert gpu_spec("b300", inter_node_gbps=50).ceiling("inter_node_gbps") == 50
+    probe.write_text(json.dumps({"bf16_tflop": 1}))
+    with pytest.raises(GPUSpecError, match="unknown GPU spec fields"):
+        gpu_spec("h200", probe)
+
+
+def test_calibration_fits_synthetic_timings(tmp_path):
+    gpu = gpu_spec("h200")
+    truth = Efficiency(gemm=0.8, gemm_half_rows=300.0, memory=0.7, attention=0.4)
+    samples = [
+        OpSample("gemm", gemm_time(1e12, rows, gpu, "bf16", truth), flops=1e12, rows=rows)
+        for rows in (128, 512, 4096, 65536)
+    ]
+    samples.append(OpSample("memory", 1e9 / (gpu.ceiling("hbm_gbps") * 1e9 * 0.7), nbytes=1e9))
+    samples.append(OpSample("comm", 30e-6 + 1e8 / 400e9, nbytes=1e8, link_gbps=500))
+    samples.append(OpSample("comm", 30e-6 + 1e9 / 400e9, nbytes=1e9, link_gbps=500))
+    fitted = calibrate(samples, gpu)
+    assert fitted.gemm == pytest.approx(0.8)
+    assert fitted.gemm_half_rows == pytest.approx(300.0)
+    assert fitted.memory == pytest.approx(0.7)
+    assert fitted.latency_s == pytest.approx(30e-6) and fitted.link == pytest.approx(0.8)
+    assert fitted.attention == Efficiency().attention  # no samples: kept
+    path = tmp_path / "samples.json"
+    path.write_text(json.dumps({"samples": [s.__dict__ for s in samples]}))
+    assert calibrate(load_samples(path), gpu).gemm == pytest.approx(0.8)
+
+
+def test_samples_from_profiler_trace():
+    trace = {
+        "traceEvents": [
+            {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 5,
+             "args": {"External id": 7, "Input Dims": [[1024, 512], [512, 256]]}},
+            {"ph": "X", "cat": "kernel", "name": "sm90_gemm", "dur": 100.0,
+             "args": {"External id": 7}},
+            {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "dur": 5,
+             "args": {"External id": 8, "Input Dims": [[1000], [1000]],
+                      "Input type": ["c10::BFloat16", "float"]}},
+            {"ph": "X", "cat": "kernel", "name": "copy", "dur": 2.0, "args": {"External id": 8}},
+        ]
+    }  # fmt: skip
+    gemm, copy = samples_from_trace(trace)
+    assert gemm.kind == "gemm" and gemm.flops == 2 * 1024 * 512 * 256 and gemm.rows == 1024
+    assert gemm.seconds == pytest.approx(100e-6)
+    assert copy.kind == "memory" and copy.nbytes == 1000 * (2 + 4)
+
+
+def test_plan_auto_cli_writes_the_chosen_plan(tmp_path, capsys, monkeypatch, profile):
+    import argparse
+
+    import moec.analysis.autoplan.cli as cli
+
+    monkeypatch.setattr(cli, "capture", lambda spec, plan: profile)
+    parser = argparse.ArgumentParser()
+    add_plan_auto_parser(parser.add_subparsers())
+    out = tmp_path / "plan.yaml"
+    args = parser.parse_args(
+        ["auto", "--model", "llama", "--world", "4", "--gpu", "h200", "--global-batch",
+         str(32 * 128), "--seq", "128", "--out", str(out)]
+    )  # fmt: skip
+    assert cmd_plan_auto(args) == 0
+    text = capsys.readouterr().out
+    assert "step s" in text and "candidates evaluated" in text
+    plan = Plan.load(out)
+    assert plan.parallel.dp * plan.parallel.pp == 4
+    assert plan.moe.num_experts == 8 or plan.moe.num_experts == Plan().moe.num_experts
+
+
+def test_profile_needs_an_unpipelined_program():
+    program = _build(_plan({"dp": 2, "pp": 2, "microbatches": 2}))
+    with pytest.raises(ValueError, match="pp = 1"):
+        profile_program(program)
