@@ -27,6 +27,7 @@ from types import SimpleNamespace
 from rich.console import Console
 from rich.table import Table
 
+from moec.analysis.autoplan.cli import add_plan_auto_parser
 from moec.errors import MoecError, one_line
 from moec.export.cli import add_export_parser
 from moec.models.zoo import SHORT_NAMES, load_model
@@ -270,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
         "dp, stays fully sharded) and prints the layout",
     )
     show.set_defaults(func=cmd_plan_show)
+    add_plan_auto_parser(plan_sub)
 
     inspect = sub.add_parser("inspect", help="list blocks and FFN regions with their costs")
     inspect.add_argument("model", help=model_help)

@@ -95,7 +95,7 @@ def format_predictions(result: AutoPlanResult) -> str:
     head = (
         f"{'#':>2} {'pp':>3} {'v':>2} {'sched':<16} {'dp':>4} {'shard':>5} {'ep':>4} "
         f"{'path':<12} {'mb':>3} {'m':>4} {'recomp':<6} {'gemm':<11} {'overlap':<9} "
-        f"{'step s':>8} {'comp':>7} {'comm':>7} {'bubble':>7} {'recmp':>7} "
+        f"{'step ms':>9} {'comp':>8} {'comm':>8} {'bubble':>8} {'recmp':>8} "
         f"{'tok/s/GPU':>10} {'MFU':>6} {'GiB':>7}"
     )
     lines = [head]
@@ -105,8 +105,9 @@ def format_predictions(result: AutoPlanResult) -> str:
             f"{i + 1:>2} {lay.pp:>3} {lay.virtual_stages:>2} {lay.schedule:<16} {lay.dp:>4} "
             f"{lay.dp_shard:>5} {lay.ep:>4} {lay.ep_path:<12} {lay.micro_seqs:>3} "
             f"{lay.microbatches:>4} {lay.recompute:<6} {lay.gemm:<11} {lay.overlap:<9} "
-            f"{p.step_s:>8.3f} {p.compute_s:>7.3f} {p.exposed_comm_s:>7.3f} "
-            f"{p.bubble_s:>7.3f} {p.recompute_s:>7.3f} {p.tokens_per_s / req.world:>10.0f} "
+            f"{p.step_s * 1e3:>9.4g} {p.compute_s * 1e3:>8.4g} {p.exposed_comm_s * 1e3:>8.4g} "
+            f"{p.bubble_s * 1e3:>8.4g} {p.recompute_s * 1e3:>8.4g} "
+            f"{p.tokens_per_s / req.world:>10.0f} "
             f"{p.mfu:>6.1%} {p.memory.total / GIB:>7.1f}"
         )
     lines.append(
