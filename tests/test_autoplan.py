@@ -221,7 +221,7 @@ def test_plan_auto_cli_writes_the_chosen_plan(tmp_path, capsys, monkeypatch, pro
     )  # fmt: skip
     assert cmd_plan_auto(args) == 0
     text = capsys.readouterr().out
-    assert "step s" in text and "candidates evaluated" in text
+    assert "step ms" in text and "candidates evaluated" in text
     plan = Plan.load(out)
     assert plan.parallel.dp * plan.parallel.pp == 4
     assert plan.moe.num_experts == 8 or plan.moe.num_experts == Plan().moe.num_experts
