@@ -34,11 +34,11 @@ from collections.abc import Iterator
 
 import torch
 
-from moec.analysis.autoplan import ModelProfile, NoPlanFitsError, Prediction, Request, Search
-from moec.analysis.autoplan.cli import _one_rank
-from moec.analysis.autoplan.profile import profile_program
 from moec.analysis.gpus import gpu_spec
 from moec.analysis.rank_memory import GIB
+from moec.autoplan import ModelProfile, NoPlanFitsError, Prediction, Request, Search
+from moec.autoplan.cli import _one_rank
+from moec.autoplan.profile import profile_program
 from moec.compiler import build_program
 from moec.debug import with_next_token_loss
 from moec.models.llama import Llama, LlamaConfig

@@ -27,7 +27,7 @@ from types import SimpleNamespace
 from rich.console import Console
 from rich.table import Table
 
-from moec.analysis.autoplan.cli import add_plan_auto_parser
+from moec.autoplan.cli import add_plan_auto_parser
 from moec.errors import MoecError, one_line
 from moec.export.cli import add_export_parser
 from moec.models.zoo import SHORT_NAMES, load_model

@@ -11,9 +11,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from moec.analysis.autoplan import NoPlanFitsError, Request, Search, capture, profile_program
-from moec.analysis.autoplan.cli import add_plan_auto_parser, cmd_plan_auto
-from moec.analysis.autoplan.memory import rank_memory_of
 from moec.analysis.cost.time import (
     Efficiency,
     OpSample,
@@ -24,6 +21,9 @@ from moec.analysis.cost.time import (
 )
 from moec.analysis.gpus import GPUS, GPUSpecError, gpu_spec
 from moec.analysis.rank_memory import rank_memory
+from moec.autoplan import NoPlanFitsError, Request, Search, capture, profile_program
+from moec.autoplan.cli import add_plan_auto_parser, cmd_plan_auto
+from moec.autoplan.memory import rank_memory_of
 from moec.compiler import build_program
 from moec.debug import with_next_token_loss
 from moec.models.zoo import load_model
@@ -209,7 +209,7 @@ def test_samples_from_profiler_trace():
 def test_plan_auto_cli_writes_the_chosen_plan(tmp_path, capsys, monkeypatch, profile):
     import argparse
 
-    import moec.analysis.autoplan.cli as cli
+    import moec.autoplan.cli as cli
 
     monkeypatch.setattr(cli, "capture", lambda spec, plan: profile)
     parser = argparse.ArgumentParser()
@@ -231,3 +231,20 @@ def test_profile_needs_an_unpipelined_program():
     program = _build(_plan({"dp": 2, "pp": 2, "microbatches": 2}))
     with pytest.raises(ValueError, match="pp = 1"):
         profile_program(program)
+
+
+def test_repeating_a_unit_counts_its_flops_in_the_useful_flops(profile):
+    """Useful FLOPs per token are 3x the units' forward FLOPs, before and after a unit is
+    repeated to full depth (the MFU of a grown profile counts every layer)."""
+
+    def from_units(prof, seq: int = 128) -> float:
+        forward = sum(
+            u.matmul_flops(1, seq) + u.attention_flops(1, seq) + u.expert_flops(1, seq)
+            for u in prof.units
+        )
+        return 3 * forward / seq
+
+    big = profile.repeat_unit(1, profile.num_units + 5)
+    for prof in (profile, big):
+        assert prof.useful_flops_per_token(1, 128) == pytest.approx(from_units(prof))
+    assert big.useful_flops_per_token(1, 128) > profile.useful_flops_per_token(1, 128)

@@ -1,4 +1,4 @@
-"""GPU specifications as data, for the time and memory models of :mod:`moec.analysis.autoplan`.
+"""GPU specifications as data, for the time and memory models of :mod:`moec.autoplan`.
 
 :class:`GPUSpec` holds what a plan search needs of one GPU: memory, dense peak TFLOP/s in BF16,
 FP8 and MXFP8, HBM bandwidth, NVLink bandwidth per GPU (one direction) and the inter-node

@@ -118,8 +118,8 @@ class Trainer:
         check_batch_warmup(cfg, micro, self.dp)
         # every data-parallel rank reads its own batches (same model init on every rank)
         data_seed = cfg.seed + 7919 * self.rank
+        self.batches: Prefetcher | None = None
         self.data = make_batches(cfg, vocab, data_seed, rank_batch_size(cfg, self.dp))
-        self.batches = Prefetcher(self.data, self.device, cfg.prefetch)
         self.identity = run_identity.run_identity(
             model,
             plan,
@@ -190,6 +190,19 @@ class Trainer:
             else None
         )
         self.checkpoint_errors: list[str] = []
+
+    @property
+    def data(self) -> Batches:
+        """This rank's batches (``batch(step)``); setting another source restarts the read-ahead
+        on it."""
+        return self._data
+
+    @data.setter
+    def data(self, source: Batches) -> None:
+        if self.batches is not None:
+            self.batches.close()
+        self._data = source
+        self.batches = Prefetcher(source, self.device, self.cfg.prefetch)
 
     def _check_memory(self, program: Program) -> None:
         """Refuse the plan when its predicted per-rank memory exceeds the limit (see

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from moec.analysis.autoplan.profile import ModelProfile, profile_program
-from moec.analysis.autoplan.search import Prediction, Request, Search
 from moec.analysis.cost.time import Efficiency, calibrate, load_samples
 from moec.analysis.gpus import GPUS, gpu_spec
 from moec.analysis.rank_memory import GIB
+from moec.autoplan.profile import ModelProfile, profile_program
+from moec.autoplan.search import Prediction, Request, Search
 from moec.plan import Plan
 
 
@@ -73,7 +73,7 @@ def auto_plan(
     memory_fraction: float = 0.92,
     top: int = 5,
 ) -> AutoPlanResult:
-    """Search the plans of ``model`` (see :mod:`moec.analysis.autoplan`)."""
+    """Search the plans of ``model`` (see :mod:`moec.autoplan`)."""
     base = plan or Plan()
     spec = gpu_spec(gpu, probe, inter_node_gbps)
     eff = Efficiency()

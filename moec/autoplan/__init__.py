@@ -2,21 +2,21 @@
 
 ``moec plan auto --model M --world N --gpu GPU [--global-batch TOKENS]`` and its Python call::
 
-    from moec.analysis.autoplan import auto_plan
+    from moec.autoplan import auto_plan
     result = auto_plan("llama", world=8, gpu="h200", global_batch=2**20, seq=4096)
     result.best[0].plan(result.base)          # the chosen Plan
 
-The model is captured once on the meta device (:mod:`~moec.analysis.autoplan.profile`), every
-layout is evaluated analytically (:mod:`~moec.analysis.autoplan.search`, with the time model
+The model is captured once on the meta device (:mod:`~moec.autoplan.profile`), every
+layout is evaluated analytically (:mod:`~moec.autoplan.search`, with the time model
 :mod:`moec.analysis.cost.time` and the GPU specs :mod:`moec.analysis.gpus`), and the memory of
 each layout is :mod:`moec.analysis.rank_memory`'s accounting done on the profile
-(:mod:`~moec.analysis.autoplan.memory`). :mod:`~moec.analysis.autoplan.cli` registers the
+(:mod:`~moec.autoplan.memory`). :mod:`~moec.autoplan.cli` registers the
 subcommand (``add_plan_auto_parser``).
 """
 
-from moec.analysis.autoplan.cli import AutoPlanResult, add_plan_auto_parser, auto_plan, capture
-from moec.analysis.autoplan.profile import ModelProfile, profile_program
-from moec.analysis.autoplan.search import NoPlanFitsError, Prediction, Request, Search, search
+from moec.autoplan.cli import AutoPlanResult, add_plan_auto_parser, auto_plan, capture
+from moec.autoplan.profile import ModelProfile, profile_program
+from moec.autoplan.search import NoPlanFitsError, Prediction, Request, Search, search
 
 __all__ = [
     "AutoPlanResult",

@@ -1,6 +1,6 @@
 """The plan search: every layout of a world of GPUs, its predicted step time and per-rank memory.
 
-:func:`search` enumerates, for a :class:`~moec.analysis.autoplan.profile.ModelProfile`, a GPU
+:func:`search` enumerates, for a :class:`~moec.autoplan.profile.ModelProfile`, a GPU
 and a global batch: pipeline degree ``pp`` (dividing the world, at most one stage per unit),
 virtual stages and schedule (``1f1b``, ``gpipe``; ``interleaved_1f1b`` and ``zbv`` at v = 2),
 data parallel ``dp = world / pp``, EP degree (dividing dp and the experts) and path
@@ -29,8 +29,6 @@ import functools
 import math
 from collections.abc import Iterator
 
-from moec.analysis.autoplan.memory import activation_memory, state_memory
-from moec.analysis.autoplan.profile import ModelProfile
 from moec.analysis.cost.overlap import exposed_comm
 from moec.analysis.cost.time import (
     Efficiency,
@@ -43,6 +41,8 @@ from moec.analysis.cost.time import (
 from moec.analysis.gpus import GPUSpec
 from moec.analysis.pipeline_schedule import inflight_microbatches, stage_rank
 from moec.analysis.rank_memory import GIB, RankMemory
+from moec.autoplan.memory import activation_memory, state_memory
+from moec.autoplan.profile import ModelProfile
 from moec.errors import MoecError
 from moec.plan import ParallelPlan, Plan
 

@@ -1,5 +1,5 @@
 """Per-rank memory of a layout, analytically: :mod:`moec.analysis.rank_memory`'s accounting on a
-:class:`~moec.analysis.autoplan.profile.ModelProfile` instead of a built program.
+:class:`~moec.autoplan.profile.ModelProfile` instead of a built program.
 
 For the units a pipeline rank holds, with EP degree ``ep`` (an expert parameter keeps
 ``num_experts / ep`` of its dim 0) and FSDP over ``dp_shard`` ranks (the parameters FSDP shards
@@ -17,8 +17,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from moec.analysis.autoplan.profile import ModelProfile, ParamInfo
 from moec.analysis.rank_memory import RankMemory
+from moec.autoplan.profile import ModelProfile, ParamInfo
 
 F32 = 4
 BF16 = 2

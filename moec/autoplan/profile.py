@@ -12,7 +12,7 @@ epilogue to the last):
   epilogue are not recomputed) and the transient of recomputing it, each a function of
   (batch, seq) per microbatch (the cost model's sympy expressions, compiled once);
 - its MoE layers (experts, top-k, width, capacity factor) and its parameters (shape, dtype,
-  role, working copy, FSDP group), from which :mod:`~moec.analysis.autoplan.memory` sizes
+  role, working copy, FSDP group), from which :mod:`~moec.autoplan.memory` sizes
   every layout analytically, with :mod:`moec.analysis.rank_memory`'s accounting.
 
 :meth:`ModelProfile.repeat_unit` grows a captured model to its full depth (a model captured
@@ -114,7 +114,14 @@ class ModelProfile:
             paths = [f"{p}#{k}" for p in unit.paths]
             copies.append(dataclasses.replace(unit, params=params, paths=paths))
         units = self.units[: index + 1] + copies + self.units[index + 1 :]
-        return dataclasses.replace(self, units=units)
+        base = self.useful_flops_per_token
+
+        def per_token(batch: int, seq: int) -> float:  # the copies' 3x forward FLOPs too
+            forward = unit.matmul_flops(batch, seq) + unit.attention_flops(batch, seq)
+            forward += unit.expert_flops(batch, seq)
+            return base(batch, seq) + extra * 3 * forward / (batch * seq)
+
+        return dataclasses.replace(self, units=units, useful_flops_per_token=per_token)
 
 
 def _compile(expr: sympy.Expr, symbols: dict[sympy.Symbol, str]) -> CostFn:
