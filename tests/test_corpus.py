@@ -16,22 +16,14 @@ from moec.data import Prefetcher, TextBatches
 from moec.plan import Plan
 from moec.train import TrainConfig, TrainConfigError, Trainer, train
 from tests.test_run_reliability import PLAN, tiny_llama
+from tests.test_run_reliability import _cfg as synthetic_cfg
 
 VOCAB = 256  # tiny_llama's
 
 
 def _cfg(out: Path, **kw) -> TrainConfig:
-    base = dict(
-        steps=4,
-        batch_size=4,
-        seq_len=16,
-        warmup_steps=2,
-        log_every=1,
-        out=str(out),
-        plots=False,
-        device="cpu",
-    )
-    return TrainConfig(**{**base, **kw})
+    """The reliability tests' small run, reading a corpus instead of synthetic tokens."""
+    return synthetic_cfg(out, **{"synthetic": False, **kw})
 
 
 def _token_files(root: Path) -> str:

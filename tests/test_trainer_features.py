@@ -26,22 +26,7 @@ from moec.train import (
     train,
 )
 from moec.train.config import lr_factor, rank_batch_size
-from tests.test_run_reliability import PLAN, _optimizer_state, tiny_llama
-
-
-def _cfg(out: Path, **kw) -> TrainConfig:
-    base = dict(
-        steps=4,
-        batch_size=4,
-        seq_len=16,
-        warmup_steps=2,
-        log_every=1,
-        out=str(out),
-        plots=False,
-        device="cpu",
-        synthetic=True,
-    )
-    return TrainConfig(**{**base, **kw})
+from tests.test_run_reliability import PLAN, _cfg, _optimizer_state, tiny_llama
 
 
 def _metrics(out: Path) -> list[dict]:
