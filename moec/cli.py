@@ -213,6 +213,9 @@ def cmd_debug(args: argparse.Namespace) -> int:
     if args.out is None or args.print_after_all:
         return 0
     console.print(f"wrote {len(dump.stages)} stages to {args.out}", markup=False)
+    lowered = dump.write_lowered(compiled, inputs, kwargs)
+    if lowered is not None:
+        console.print(f"wrote Inductor's trace of one step to {lowered}", markup=False)
     if mesh is not None:
         console.print("no repro.py: an expert-parallel program needs its process group")
     else:

@@ -12,7 +12,9 @@
     out_dir/NN_<stage>/stats.json   nodes, parameters, active parameters, FLOPs/token, pass stats
 
 and, after the compile, ``dump.write_repro(compiled, args, kwargs)`` adds ``out_dir/repro.py``:
-the final program as a standalone script with random weights (see :mod:`moec.repro`).
+the final program as a standalone script with random weights (see :mod:`moec.repro`); with
+``plan.lowering.inductor``, ``dump.write_lowered(compiled, args, kwargs)`` adds
+``out_dir/lowered/``: Inductor's trace of one step (``output_code.py`` per compiled graph).
 
 With ``print_after_all=True`` (``moec debug --print-after-all``) the code, op table, diff and
 stats line go to the terminal (rich) instead of files. Writers never raise: a failure is logged
@@ -132,6 +134,29 @@ class DebugDump:
             "repro.py",
             lambda: write_repro(compiled.program, self.plan, args, kwargs, self.out, title),
         )
+
+    def write_lowered(self, compiled: Any, args: tuple, kwargs: dict) -> Path | None:
+        """With ``plan.lowering.inductor``: ``out_dir/lowered/``, Inductor's trace of one
+        forward and backward of ``compiled`` on the example inputs (per compiled graph: the
+        FX graph it was given, its IR before and after fusion, and ``output_code.py``, the
+        generated program); None without an output directory, without the lowering, or when the
+        step failed (logged)."""
+        if self.out is None or not self.plan.lowering.inductor:
+            return None
+        return self._safely("lowered", lambda: self._trace_lowered(compiled, args, kwargs))
+
+    def _trace_lowered(self, compiled: Any, args: tuple, kwargs: dict) -> Path:
+        import torch._inductor.config as inductor_config
+
+        out = self.out / "lowered"
+        trace = {"trace.enabled": True, "trace.debug_dir": str(out), "fx_graph_cache": False}
+        with inductor_config.patch(trace):
+            result = compiled(*args, **kwargs)
+            loss = result if isinstance(result, torch.Tensor) else result[0]
+            if loss.requires_grad:
+                loss.float().sum().backward()
+        compiled.zero_grad(set_to_none=True)
+        return out
 
     # --- output ------------------------------------------------------------------------------
 

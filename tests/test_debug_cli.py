@@ -200,3 +200,17 @@ def test_debug_shows_an_ep_rank_graph_without_a_process_group(tmp_path):
     stage = out / "02_expert_parallel"
     assert all((stage / name).exists() for name in ARTIFACTS)
     assert "moec.ep_dispatch" in (stage / "graph.py").read_text()
+
+
+def test_debug_writes_the_lowered_program(tmp_path):
+    """With ``lowering.inductor``, ``moec debug`` adds Inductor's trace of one step: generated
+    code for the forward and the backward graph, the moec ops called in it as opaque ops."""
+    plan = tmp_path / "plan.yaml"
+    moec.Plan.from_dict({**PLAN, "lowering": {"inductor": True}}).save(plan)
+    out = tmp_path / "dump"
+    assert main(["debug", "llama", "--plan", str(plan), "--out", str(out)]) == 0
+    generated = sorted((out / "lowered").rglob("output_code.py"))
+    names = {path.parent.name for path in generated}
+    assert any("forward" in n for n in names) and any("backward" in n for n in names), names
+    code = "\n".join(path.read_text() for path in generated)
+    assert "torch.ops.moec.expert_mlp" in code and "torch.ops.moec.expert_mlp_backward" in code
