@@ -126,7 +126,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
-    print(f"policy: {gemm_backend.GEMM_BACKENDS}")
+    print(gemm_backend.policy_text(torch.device("cuda")))
     rows = [r for m in args.m for r in run(m)]
     forced = "".join(f"{b:>9}" for b in FORCED)
     print(f"{'op':<11}{'M':>7}{forced}{'moec':>9}{'_grouped_mm':>12}"

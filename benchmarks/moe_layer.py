@@ -225,7 +225,7 @@ def main() -> None:
     x = torch.randn(T, D, device=dev, dtype=torch.bfloat16).requires_grad_()
     grad = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
-    print(f"policy: {gemm_backend.GEMM_BACKENDS}")
+    print(gemm_backend.policy_text(torch.device("cuda")))
 
     _, _, rows, offsets, _ = torch.ops.moec.route(
         x @ p["router"], K, CF, "softmax", True, "learned"

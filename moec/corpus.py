@@ -281,6 +281,7 @@ class TokenCorpus:
         batch_size = batch_size_at(self.batch_size, step)
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step + 1)
         which = torch.multinomial(self.source_probs, batch_size, replacement=True, generator=gen)
+        # host tensors on the loader thread: these reads never touch the device
         draws = torch.rand(batch_size, 2, generator=gen, dtype=torch.float64).tolist()
         window = self.seq_len + 1
         picked: list[tuple[_Part, int]] = []

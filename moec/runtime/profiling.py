@@ -347,6 +347,7 @@ class StepProfiler:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
+            # at the window's edge, not in a step: earlier steps' kernels stay out of the capture
             torch.cuda.synchronize(self.device)
             torch.cuda.profiler.start()
         self.profiler = torch.profiler.profile(
@@ -360,7 +361,7 @@ class StepProfiler:
             return self.written
         profiler, self.profiler = self.profiler, None
         self.compiled.instrument = None
-        if self.cuda:
+        if self.cuda:  # after the window's last step: its kernels end inside the capture
             torch.cuda.synchronize(self.device)
         profiler.stop()
         if self.cuda:
