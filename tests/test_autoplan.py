@@ -12,12 +12,17 @@ import pytest
 import torch
 
 from moec.analysis.cost.time import (
+    CalibrationError,
     Efficiency,
     OpSample,
     calibrate,
     gemm_time,
+    load_efficiency,
     load_samples,
+    memory_time,
+    read_trace,
     samples_from_trace,
+    save_efficiency,
 )
 from moec.analysis.gpus import GPUS, GPUSpecError, gpu_spec
 from moec.analysis.rank_memory import rank_memory
@@ -188,22 +193,117 @@ def test_calibration_fits_synthetic_timings(tmp_path):
 
 
 def test_samples_from_profiler_trace():
+    """GEMM ops are samples with their largest dimension as rows; kernels under a grouped
+    expert MLP (at any depth) count for it whole, as one GEMM of rows / experts rows; an
+    attention backward counts twice its forward FLOPs (causal: half); the rest is other time,
+    NCCL kernels are communication."""
+
+    def op(name, ts, dur, ext, dims, concrete=None):
+        args = {"External id": ext, "Input Dims": dims}
+        if concrete is not None:
+            args["Concrete Inputs"] = concrete
+        return {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "pid": 1,
+                "tid": 1, "args": args}  # fmt: skip
+
+    def kernel(ext, dur, name="k"):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": 0, "dur": dur,
+                "args": {"External id": ext}}  # fmt: skip
+
     trace = {
         "traceEvents": [
-            {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 5,
-             "args": {"External id": 7, "Input Dims": [[1024, 512], [512, 256]]}},
-            {"ph": "X", "cat": "kernel", "name": "sm90_gemm", "dur": 100.0,
-             "args": {"External id": 7}},
-            {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "dur": 5,
-             "args": {"External id": 8, "Input Dims": [[1000], [1000]],
-                      "Input type": ["c10::BFloat16", "float"]}},
-            {"ph": "X", "cat": "kernel", "name": "copy", "dur": 2.0, "args": {"External id": 8}},
+            op("aten::mm", 0, 5, 7, [[1024, 512], [512, 256]]),
+            kernel(7, 100.0),
+            op("aten::copy_", 10, 5, 8, [[1000], [1000]]),
+            kernel(8, 2.0),
+            op("moec::expert_mlp_backward", 20, 50, 9, [[64, 32], [4, 32, 128], [4, 64, 32]]),
+            op("aten::_grouped_mm", 21, 10, 10, [[64, 32], [4, 32, 128]]),
+            op("aten::silu_backward", 40, 5, 11, [[64, 64]]),
+            kernel(10, 30.0),
+            kernel(11, 6.0),
+            op(
+                "aten::_scaled_dot_product_flash_attention_backward",
+                100,
+                20,
+                12,
+                [[2, 4, 16, 8], [2, 4, 16, 8], [2, 4, 16, 8]],
+                [""] * 11 + ["True"],
+            ),  # fmt: skip
+            kernel(12, 40.0),
+            kernel(12, 3.0, "ncclDevKernel_AllReduce"),
         ]
-    }  # fmt: skip
-    gemm, copy = samples_from_trace(trace)
+    }
+    read = read_trace(trace)
+    gemm, experts, attention = sorted(read.samples, key=lambda s: (s.kind != "gemm", -s.rows))
     assert gemm.kind == "gemm" and gemm.flops == 2 * 1024 * 512 * 256 and gemm.rows == 1024
     assert gemm.seconds == pytest.approx(100e-6)
-    assert copy.kind == "memory" and copy.nbytes == 1000 * (2 + 4)
+    assert experts.flops == 2 * 2 * 64 * (32 * 128 + 64 * 32) and experts.rows == 16
+    assert experts.seconds == pytest.approx(36e-6)
+    assert attention.kind == "attention" and attention.seconds == pytest.approx(40e-6)
+    assert attention.flops == 2 * 4 * 2 * 4 * 16 * 16 * 8 / 2
+    assert read.other_s == pytest.approx(2e-6) and read.comm_s == pytest.approx(3e-6)
+    assert samples_from_trace(trace) == read.samples
+    names = {(o["name"], o["kind"]) for o in read.ops}
+    assert ("aten::copy_", "memory") in names and ("moec::expert_mlp_backward", "gemm") in names
+
+
+def test_efficiency_round_trips_through_json(tmp_path):
+    eff = Efficiency(gemm=0.7, gemm_half_rows=250.0, memory=0.5,
+                     ep_path_factor=(("rowwise", 0.5), ("sync_1d", 0.2)))  # fmt: skip
+    path = tmp_path / "eff.json"
+    save_efficiency(eff, path)
+    assert load_efficiency(path) == eff
+    path.write_text(json.dumps({"gemm": 0.8}))
+    assert load_efficiency(path) == Efficiency(gemm=0.8)  # the rest: defaults
+    path.write_text(json.dumps({"gemmm": 0.8}))
+    with pytest.raises(CalibrationError, match="unknown Efficiency fields \\['gemmm'\\]"):
+        load_efficiency(path)
+
+
+def test_plan_auto_calibrates_from_a_profiled_run(tmp_path, capsys, monkeypatch, profile):
+    """--calibrate RUN refits the factors from the run's ops_rank0.json (memory priced with
+    the model's profile), prints them, writes them (--efficiency-out), and --efficiency reads
+    them back to the same search."""
+    import argparse
+
+    import moec.autoplan.cli as cli
+
+    monkeypatch.setattr(cli, "capture", lambda spec, plan: profile)
+    gpu = gpu_spec("h200")
+    truth = Efficiency(gemm=0.6, gemm_half_rows=0.0, attention=0.3, memory=0.45)
+    written = sum(u.other_bytes(2, 64) for u in profile.units)
+    params = sum(p.numel for u in profile.units for p in u.params if p.trainable)
+    nbytes = 4 * 6 * written + 2 * 28 * params  # 4 forward calls in 2 steps
+    ops = {
+        "world": 1, "steps": 2, "forward_calls": 4, "microbatch": [2, 64], "ops": [],
+        "other_s": memory_time(nbytes, gpu, truth),
+        "samples": [
+            {"kind": "gemm", "seconds": gemm_time(1e12, 4096, gpu, "bf16", truth),
+             "flops": 1e12, "rows": 4096},
+            {"kind": "attention", "seconds": 1e12 / (gpu.gemm_ceiling("bf16") * 1e12 * 0.3),
+             "flops": 1e12},
+        ],
+    }  # fmt: skip
+    run = tmp_path / "run"
+    (run / "profile").mkdir(parents=True)
+    (run / "profile" / "ops_rank0.json").write_text(json.dumps(ops))
+    parser = argparse.ArgumentParser()
+    add_plan_auto_parser(parser.add_subparsers())
+    common = ["auto", "--model", "llama", "--world", "2", "--gpu", "h200", "--global-batch",
+              str(8 * 128), "--seq", "128"]  # fmt: skip
+    factors = tmp_path / "eff.json"
+    args = parser.parse_args([*common, "--calibrate", str(run), "--efficiency-out", str(factors)])
+    assert cmd_plan_auto(args) == 0
+    text = capsys.readouterr().out
+    assert "calibrated" in text and "memory 0.45 (was 0.6)" in text
+    fitted = load_efficiency(factors)
+    assert fitted.gemm == pytest.approx(0.6) and fitted.attention == pytest.approx(0.3)
+    assert fitted.memory == pytest.approx(0.45)
+    table = text[text.index(" #  pp") :]
+    assert cmd_plan_auto(parser.parse_args([*common, "--efficiency", str(factors)])) == 0
+    again = capsys.readouterr().out
+    assert again[again.index(" #  pp") :].split("candidates")[0] == table.split("candidates")[0]
+    with pytest.raises(CalibrationError, match="no ops_rank0.json"):
+        cmd_plan_auto(parser.parse_args([*common, "--calibrate", str(tmp_path)]))
 
 
 def test_plan_auto_cli_writes_the_chosen_plan(tmp_path, capsys, monkeypatch, profile):

@@ -47,7 +47,8 @@ def test_profiled_window_writes_trace_with_block_and_op_ranges_and_summary(tmp_p
     _train(compiled, ids, profiler, 4)
     trace = tmp_path / "profile" / "trace_rank0.json"
     summary = tmp_path / "profile" / "summary_rank0.txt"
-    assert profiler.written == [trace, summary]
+    ops = tmp_path / "profile" / "ops_rank0.json"
+    assert profiler.written == [trace, summary, ops]
     names = _trace_names(trace)
     blocks = ["model.layers.0", "model.layers.1"]
     assert block_paths(compiled.program) == blocks
@@ -181,3 +182,32 @@ def test_moec_train_profile_writes_the_window_into_the_run(tmp_path):
     assert any(name.startswith("block ") for name in names)
     assert (out / "profile" / "summary_rank0.txt").read_text()
     assert main([*args, "--out", str(tmp_path / "late"), "--profile", "3:5"]) == 2
+
+
+def test_profiled_cpu_run_calibrates_the_time_model(tmp_path):
+    """The window's ops_rank0.json names each op's kind, shapes and time, says the step's
+    shape, and calibrates the time model: GEMM, attention and (priced with the model's
+    profile) memory factors are refitted from it."""
+    from moec.analysis.cost.time import Efficiency
+    from moec.analysis.gpus import gpu_spec
+    from moec.autoplan.calibration import fit, load_measurement
+    from moec.autoplan.profile import profile_program
+
+    compiled, ids = _compiled()
+    profiler = StepProfiler(ProfileWindow(1, 2), compiled, tmp_path / "profile", say=None)
+    _train(compiled, ids, profiler, 3)
+    data = json.loads((tmp_path / "profile" / "ops_rank0.json").read_text())
+    assert data["steps"] == 2 and data["world"] == 1 and data["device_time"] is False
+    assert data["microbatch"] == list(ids.shape) and data["forward_calls"] == 2
+    kinds = {(o["name"], o["kind"]) for o in data["ops"]}
+    assert {("moec::expert_mlp", "gemm"), ("moec::expert_mlp_backward", "gemm")} <= kinds
+    assert ("aten::scaled_dot_product_attention", "attention") in kinds
+    expert = next(o for o in data["ops"] if o["name"] == "moec::expert_mlp")
+    assert expert["shapes"][1] == [4, 32, 128] and expert["seconds"] > 0
+    measured = load_measurement(tmp_path)  # the run directory's profile folder
+    assert measured.forward_calls == 2 and measured.other_s > 0
+    result = fit(measured, gpu_spec("h200"), profile=profile_program(compiled.program))
+    prior = Efficiency()
+    assert result.eff.gemm != prior.gemm and result.eff.attention != prior.attention
+    assert result.eff.memory != prior.memory and result.eff.memory > 0
+    assert any(note.startswith("memory: ") and "GB" in note for note in result.notes)

@@ -1,5 +1,10 @@
 """``moec plan auto``: capture the model once, search, print the best plans, write the chosen one.
 
+The time model's factors start from ``--efficiency FILE`` (JSON, as ``--efficiency-out``
+writes it) or the defaults, and ``--calibrate RUN`` refits them to a profiled step
+(:mod:`~moec.autoplan.calibration`: a run of ``moec train --profile``, its ``ops_rank0.json``,
+a profiler trace or a list of samples) before the search; the factors used are printed.
+
 :func:`capture` builds the program the trainer compiles (model + next-token loss) on the meta
 device twice, at one rank and at ``dp = dp_shard = 2`` (to learn FSDP's layout), and profiles
 it; :func:`auto_plan` runs the search; :func:`add_plan_auto_parser` registers the subcommand
@@ -15,9 +20,15 @@ from pathlib import Path
 
 import torch
 
-from moec.analysis.cost.time import Efficiency, calibrate, load_samples
+from moec.analysis.cost.time import (
+    Efficiency,
+    format_efficiency,
+    load_efficiency,
+    save_efficiency,
+)
 from moec.analysis.gpus import GPUS, gpu_spec
 from moec.analysis.rank_memory import GIB
+from moec.autoplan.calibration import Fit, fit, load_measurement
 from moec.autoplan.profile import ModelProfile, profile_program
 from moec.autoplan.search import Prediction, Request, Search
 from moec.plan import Plan
@@ -31,6 +42,9 @@ class AutoPlanResult:
     evaluated: int
     capture_s: float
     search_s: float
+    prior: Efficiency = Efficiency()
+    """The factors before calibration (``request.eff`` holds those the search used)."""
+    fit: Fit | None = None
 
 
 def _one_rank(plan: Plan, **parallel: int) -> Plan:
@@ -72,21 +86,28 @@ def auto_plan(
     calibration: str | None = None,
     memory_fraction: float = 0.92,
     top: int = 5,
+    efficiency: str | Efficiency | None = None,
 ) -> AutoPlanResult:
-    """Search the plans of ``model`` (see :mod:`moec.autoplan`)."""
+    """Search the plans of ``model`` (see :mod:`moec.autoplan`) with the time model's factors
+    ``efficiency`` (an :class:`Efficiency` or its JSON file; default: the defaults), refitted
+    to the profiled step ``calibration`` when given."""
     base = plan or Plan()
     spec = gpu_spec(gpu, probe, inter_node_gbps)
-    eff = Efficiency()
-    if calibration is not None:
-        eff = calibrate(load_samples(calibration), spec, eff)
+    prior = load_efficiency(efficiency) if isinstance(efficiency, (str, Path)) else efficiency
+    prior = prior or Efficiency()
+    measurement = load_measurement(calibration) if calibration is not None else None
     start = time.perf_counter()
     profile = model if isinstance(model, ModelProfile) else capture(model, base)
     captured = time.perf_counter()
+    fitted = fit(measurement, spec, prior, profile) if measurement is not None else None
+    eff = fitted.eff if fitted is not None else prior
     request = Request(world, spec, global_batch, seq, memory_fraction, eff)
     search = Search(profile, request)
     best = search.best(top)
     done = time.perf_counter()
-    return AutoPlanResult(base, best, request, search.evaluated, captured - start, done - captured)
+    return AutoPlanResult(
+        base, best, request, search.evaluated, captured - start, done - captured, prior, fitted
+    )
 
 
 def format_predictions(result: AutoPlanResult) -> str:
@@ -120,6 +141,16 @@ def format_predictions(result: AutoPlanResult) -> str:
     return "\n".join(lines)
 
 
+def format_factors(result: AutoPlanResult) -> str:
+    """The time model's factors the search used (and how a calibration changed them)."""
+    if result.fit is None:
+        return f"time model factors: {format_efficiency(result.request.eff)}"
+    return (
+        f"time model factors, calibrated ({'; '.join(result.fit.notes)}):\n  "
+        + format_efficiency(result.request.eff, result.prior)
+    )
+
+
 def cmd_plan_auto(args: argparse.Namespace) -> int:
     if args.probe_out:
         from moec.analysis.gpus import probe_gpu
@@ -141,7 +172,12 @@ def cmd_plan_auto(args: argparse.Namespace) -> int:
         args.calibrate,
         args.memory_fraction,
         args.top,
+        args.efficiency,
     )
+    print(format_factors(result))
+    if args.efficiency_out:
+        save_efficiency(result.request.eff, args.efficiency_out)
+        print(f"wrote the factors to {args.efficiency_out}")
     print(format_predictions(result))
     if args.out:
         chosen = result.best[0].plan(result.base)
@@ -169,7 +205,16 @@ def add_plan_auto_parser(plan_subparsers: argparse._SubParsersAction) -> argpars
     )
     auto.add_argument("--inter-node-gbps", type=float, help="network GB/s per GPU, one way")
     auto.add_argument(
-        "--calibrate", help="measured op samples (JSON) or a profiler trace to fit the model"
+        "--calibrate",
+        metavar="RUN",
+        help="fit the time model to a profiled step first: a run directory of moec train "
+        "--profile (or its profile/ops_rank0.json), a profiler trace or a JSON list of samples",
+    )
+    auto.add_argument(
+        "--efficiency", metavar="FILE", help="time model factors (JSON) to start from"
+    )
+    auto.add_argument(
+        "--efficiency-out", metavar="FILE", help="write the factors the search used (JSON)"
     )
     auto.add_argument(
         "--memory-fraction", type=float, default=0.92, help="usable share of GPU memory"

@@ -16,9 +16,12 @@ For the steps ``[START, START + STEPS)`` (0-based, as the trainer counts them) a
   ``record_function`` ranges (user annotations in the trace) and, on CUDA, NVTX start/end ranges
   (they may cross threads: backward runs on autograd's device thread); each step is a range
   ``step N``;
-- writes ``trace_rank{r}.json`` (Chrome/Perfetto trace) and ``summary_rank{r}.txt`` (torch's
+- writes ``trace_rank{r}.json`` (Chrome/Perfetto trace), ``summary_rank{r}.txt`` (torch's
   per-op table by self CUDA time, self CPU time on CPU, then per-block totals read back from
-  the trace's block ranges) into its directory (``<run>/profile``), and prints the summary.
+  the trace's block ranges) and ``ops_rank{r}.json`` (:func:`ops_summary`: the per-op table by
+  the time model's kinds, with input shapes and device times, the GEMM and attention samples,
+  the device time of the rest, and the step's shape: what ``moec plan auto --calibrate``
+  fits the time model to) into its directory (``<run>/profile``), and prints the summary.
 
 The instrumented graph computes the same values as the plain one: the markers are identities
 and the ranges only record. It is used only inside the window.
@@ -36,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
 from moec.analysis.cost import graph_cost
@@ -372,7 +376,9 @@ class StepProfiler:
         summary = self.summary(profiler, trace)
         path = self.out / f"summary_rank{self.rank}.txt"
         path.write_text(summary)
-        self.written = [trace, path]
+        ops = self.out / f"ops_rank{self.rank}.json"
+        ops.write_text(json.dumps(self.ops_summary(trace), indent=1) + "\n")
+        self.written = [trace, path, ops]
         if self.say is not None:
             self.say(summary)
         return self.written
@@ -386,6 +392,38 @@ class StepProfiler:
             f"trace: {trace}\n\nops by {sort.replace('_', ' ')}:\n"
         )
         return head + table + "\n" + format_block_totals(block_totals(trace), self.cuda) + "\n"
+
+    def ops_summary(self, trace: Path) -> dict[str, Any]:
+        """The window's ops for calibration (see module): ``samples`` (GEMM and attention
+        :class:`~moec.analysis.cost.time.OpSample` s), ``other_s`` and ``comm_s`` (device
+        seconds of the rest and of collectives), ``ops`` (per op, kind and input shapes: calls
+        and seconds), and what the memory fit needs: ``forward_calls`` (the model's forward
+        passes in the window), ``microbatch`` (its [batch, seq]), ``steps``, ``world``."""
+        from moec.analysis.cost.time import read_trace
+
+        read = read_trace(trace)
+        program = self.compiled.program
+        cost = graph_cost(program)
+        sizes = cost.sizes()
+        dims = [cost.dims.get(d) for d in ("batch", "seq")]
+        microbatch = [int(sizes.get(d, d)) for d in dims] if None not in dims else None
+        totals = block_totals(trace)
+        first = next((n for n in totals if not n.endswith(BACKWARD_SUFFIX)), None)
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        return {
+            "device": torch.cuda.get_device_name(self.device) if self.cuda else "cpu",
+            "device_time": read.device_time,
+            "rank": self.rank,
+            "world": world,
+            "steps": self.window.steps,
+            "forward_calls": int(totals[first]["calls"]) if first else self.window.steps,
+            "microbatch": microbatch,
+            "pipeline": program.pipeline is not None,
+            "other_s": read.other_s,
+            "comm_s": read.comm_s,
+            "samples": [dataclasses.asdict(s) for s in read.samples],
+            "ops": read.ops,
+        }
 
 
 def block_totals(trace: Path | str) -> dict[str, dict[str, float]]:

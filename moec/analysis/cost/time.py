@@ -19,11 +19,14 @@ efficiency factors (:class:`Efficiency`) that a profiled step calibrates (:func:
 
 Calibration (:func:`calibrate`) fits the factors to measured :class:`OpSample` s: GEMM
 ``y = ceiling * t / flops = 1/gemm + (gemm_half_rows/gemm) / rows`` by least squares in
-``1/rows``; attention and memory as total work over total time; collectives ``t = latency +
-bytes / rate``. :func:`samples_from_trace` reads samples from a torch profiler trace (the
-``trace_rank{r}.json`` of :mod:`moec.runtime.profiling`, recorded with ``record_shapes``): each
-``aten::mm``/``addmm``/``bmm`` CPU op with its input shapes and the device time of the
-kernels it launched, and each ``aten::copy_`` as memory traffic.
+``1/rows`` weighted by time (one time-weighted factor when small GEMMs are no slower);
+attention and memory as total work over total time; collectives ``t = latency + bytes / rate``.
+:func:`read_trace` reads a torch profiler trace (the ``trace_rank{r}.json`` of
+:mod:`moec.runtime.profiling`, recorded with ``record_shapes``): GEMM samples (``aten::mm``,
+``addmm``, ``bmm``; each grouped expert MLP whole), attention samples, and the device time of
+everything else, which :mod:`moec.autoplan.calibration` turns into the memory sample with the
+bytes the cost model counts for the profiled step. The factors are JSON
+(:func:`save_efficiency`, :func:`load_efficiency`).
 """
 
 from __future__ import annotations
@@ -186,24 +189,35 @@ def calibrate(
     return dataclasses.replace(base, **values)
 
 
-def _least_squares(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """(a, b) of ``y = a + b x``; b = 0 when every x is equal."""
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    var = sum((x - mx) ** 2 for x in xs)
+def _least_squares(
+    xs: list[float], ys: list[float], ws: list[float] | None = None
+) -> tuple[float, float]:
+    """(a, b) of ``y = a + b x`` (weighted by ``ws``); b = 0 when every x is equal."""
+    ws = ws or [1.0] * len(xs)
+    total = sum(ws)
+    mx = sum(w * x for w, x in zip(ws, xs, strict=True)) / total
+    my = sum(w * y for w, y in zip(ws, ys, strict=True)) / total
+    var = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs, strict=True))
     if var == 0:
         return my, 0.0
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
+    b = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys, strict=True)) / var
     return my - b * mx, b
 
 
 def _fit_gemm(samples: list[OpSample], gpu: GPUSpec) -> dict[str, float]:
+    # weighted by time: the GEMMs that take the step's time decide the fit
     xs = [1.0 / s.rows if s.rows > 0 else 0.0 for s in samples]
     ys = [gpu.gemm_ceiling(s.precision) * 1e12 * s.seconds / s.flops for s in samples]
-    a, b = _least_squares(xs, ys)
-    if a <= 0:
-        raise CalibrationError(f"GEMM samples give a non-positive 1/efficiency ({a:.3g})")
-    return {"gemm": 1.0 / a, "gemm_half_rows": max(b / a, 0.0)}
+    ws = [s.seconds for s in samples]
+    a, b = _least_squares(xs, ys, ws)
+    if a > 0 and b >= 0:
+        return {"gemm": 1.0 / a, "gemm_half_rows": b / a}
+    # small GEMMs no slower per FLOP (or one size only): one factor, the time-weighted mean
+    done = sum(s.flops for s in samples)
+    spent = sum(gpu.gemm_ceiling(s.precision) * 1e12 * s.seconds for s in samples)
+    if done <= 0:
+        raise CalibrationError("GEMM samples with no FLOPs")
+    return {"gemm": done / spent, "gemm_half_rows": 0.0}
 
 
 def _fit_comm(samples: list[OpSample]) -> dict[str, float]:
@@ -232,47 +246,239 @@ def load_samples(path: str | Path) -> list[OpSample]:
     return [OpSample.from_dict(r) for r in rows]
 
 
-_GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
-_DTYPE_BYTES = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "int": 4, "long": 8}
+# --- reading a profiler trace -----------------------------------------------------------------
+
+_GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm"})
+_EXPERT_OPS = ("moec::expert_mlp", "moec::quantized_expert_mlp")
+_ATTENTION_CAUSAL_ARG = {
+    # op -> index of is_causal in its schema (query, key, value first; a backward's grad first)
+    "aten::scaled_dot_product_attention": 5,
+    "aten::_scaled_dot_product_flash_attention": 4,
+    "aten::_scaled_dot_product_efficient_attention": 6,
+    "aten::_scaled_dot_product_cudnn_attention": 6,
+    "aten::_scaled_dot_product_flash_attention_for_cpu": 4,
+    "aten::_scaled_dot_product_flash_attention_backward": 11,
+    "aten::_scaled_dot_product_efficient_attention_backward": 11,
+    "aten::_scaled_dot_product_cudnn_attention_backward": 14,
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward": 7,
+}
+_PRECISIONS = ("bf16", "fp8_rowwise", "mxfp8")
+
+
+@dataclasses.dataclass
+class TraceOps:
+    """What a profiler trace measured, by the time model's kinds (see :func:`read_trace`)."""
+
+    samples: list[OpSample]
+    """GEMM samples (``aten::mm``/``addmm``/``bmm``; each grouped expert MLP as one GEMM of
+    ``rows / experts`` rows per expert) and attention samples (forward FLOPs, x2 for a
+    backward: the time model's 3x forward over the pair)."""
+    other_s: float
+    """Device seconds of every other op (elementwise, norms, movement, loss, optimizer): the
+    time model's memory-bound work, whose bytes the trace does not say."""
+    comm_s: float
+    """Device seconds of collectives (NCCL kernels), not fitted from a trace."""
+    ops: list[dict[str, Any]]
+    """Per (op, kind, input shapes): calls and device seconds, longest first."""
+    device_time: bool
+    """True when times are GPU kernel times; False: CPU self times (a CPU-only trace)."""
+
+
+def read_trace(trace: dict[str, Any] | str | Path) -> TraceOps:
+    """The ops of a torch profiler trace recorded with ``record_shapes``. An op's time is the
+    device time of the kernels launched under it (their ``External id``; on a CPU-only trace,
+    its self time): kernels under a grouped expert MLP or an attention op (the outermost such
+    op) count for it whole, kernels of a GEMM op count as that GEMM, the rest (and the CPU
+    self time of ops that launch nothing on a CUDA trace: none) as memory-bound work."""
+    if not isinstance(trace, dict):
+        trace = json.loads(Path(trace).read_text())
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    cpu_ops = [e for e in events if e.get("cat") == "cpu_op"]
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    parent = _parents(cpu_ops)
+    own: dict[int, float] = {}  # cpu op index -> its seconds
+    comm_s = 0.0
+    if kernels:
+        by_ext = {e.get("args", {}).get("External id"): i for i, e in enumerate(cpu_ops)}
+        for k in kernels:
+            seconds = float(k.get("dur", 0.0)) * 1e-6
+            if "nccl" in k.get("name", "").lower():
+                comm_s += seconds
+                continue
+            i = by_ext.get(k.get("args", {}).get("External id"))
+            if i is not None:
+                own[i] = own.get(i, 0.0) + seconds
+    else:
+        children: dict[int, float] = {}
+        for i, p in enumerate(parent):
+            if p is not None:
+                children[p] = children.get(p, 0.0) + float(cpu_ops[i].get("dur", 0.0))
+        for i, e in enumerate(cpu_ops):
+            self_us = float(e.get("dur", 0.0)) - children.get(i, 0.0)
+            if self_us > 0:
+                own[i] = self_us * 1e-6
+    work: dict[int, float] = {}  # classifying op index -> seconds
+    for i, seconds in own.items():
+        j = _classifier(i, cpu_ops, parent)
+        work[j] = work.get(j, 0.0) + seconds
+    samples, other_s = [], 0.0
+    table: dict[tuple[str, str, str], list[float]] = {}
+    for i, seconds in work.items():
+        e = cpu_ops[i]
+        sample = _sample(e, seconds)
+        kind = sample.kind if sample is not None else "memory"
+        if sample is not None:
+            samples.append(sample)
+        else:
+            other_s += seconds
+        shapes = json.dumps(e.get("args", {}).get("Input Dims") or [])
+        row = table.setdefault((e.get("name", ""), kind, shapes), [0, 0.0])
+        row[0] += 1
+        row[1] += seconds
+    ops = [
+        {"name": n, "kind": k, "shapes": json.loads(sh), "calls": int(c), "seconds": t}
+        for (n, k, sh), (c, t) in sorted(table.items(), key=lambda kv: -kv[1][1])
+    ]
+    return TraceOps(samples, other_s, comm_s, ops, bool(kernels))
 
 
 def samples_from_trace(trace: dict[str, Any] | str | Path) -> list[OpSample]:
-    """GEMM and copy samples of a torch profiler trace recorded with ``record_shapes`` (see
-    module): a CPU op's device time is the sum of the kernels with its ``External id``."""
-    if not isinstance(trace, dict):
-        trace = json.loads(Path(trace).read_text())
-    events = trace.get("traceEvents", [])
-    device: dict[Any, float] = {}
-    for e in events:
-        if e.get("ph") == "X" and e.get("cat") == "kernel":
-            ext = e.get("args", {}).get("External id")
-            device[ext] = device.get(ext, 0.0) + float(e.get("dur", 0.0)) * 1e-6
-    samples = []
-    for e in events:
-        if e.get("ph") != "X" or e.get("cat") != "cpu_op":
-            continue
-        args = e.get("args", {})
-        seconds = device.get(args.get("External id"), 0.0)
-        dims = args.get("Input Dims") or []
-        if seconds <= 0:
-            continue
-        if e.get("name") in _GEMM_OPS:
-            flops, rows = _gemm_flops(e["name"], dims)
-            if flops:
-                samples.append(OpSample("gemm", seconds, flops=flops, rows=rows))
-        elif e.get("name") == "aten::copy_" and dims and dims[0]:
-            types = args.get("Input type") or []
-            size = _DTYPE_BYTES.get(types[0] if types else "", 2)
-            src = _DTYPE_BYTES.get(types[1] if len(types) > 1 else "", size)
-            numel = math.prod(dims[0])
-            samples.append(OpSample("memory", seconds, nbytes=numel * (size + src)))
-    return samples
+    """The GEMM and attention samples of a profiler trace (:func:`read_trace`)."""
+    return read_trace(trace).samples
+
+
+def _parents(ops: list[dict[str, Any]]) -> list[int | None]:
+    """The enclosing op of each op on its thread (by time containment), or None."""
+    parent: list[int | None] = [None] * len(ops)
+    threads: dict[tuple[Any, Any], list[int]] = {}
+    for i, e in enumerate(ops):
+        threads.setdefault((e.get("pid"), e.get("tid")), []).append(i)
+    for members in threads.values():
+        members.sort(key=lambda i: (float(ops[i].get("ts", 0.0)), -float(ops[i].get("dur", 0.0))))
+        stack: list[int] = []
+        for i in members:
+            ts = float(ops[i].get("ts", 0.0))
+            while stack and ts >= float(ops[stack[-1]].get("ts", 0.0)) + float(
+                ops[stack[-1]].get("dur", 0.0)
+            ):
+                stack.pop()
+            parent[i] = stack[-1] if stack else None
+            stack.append(i)
+    return parent
+
+
+def _is_compound(name: str) -> bool:
+    return name.startswith(_EXPERT_OPS) or name in _ATTENTION_CAUSAL_ARG
+
+
+def _classifier(i: int, ops: list[dict[str, Any]], parent: list[int | None]) -> int:
+    """The op whose work op ``i``'s time is: its outermost expert-MLP or attention ancestor,
+    else itself."""
+    found, j = i, parent[i]
+    while j is not None:
+        if _is_compound(ops[j].get("name", "")):
+            found = j
+        j = parent[j]
+    return found
+
+
+def _sample(e: dict[str, Any], seconds: float) -> OpSample | None:
+    """The GEMM or attention sample of op ``e`` taking ``seconds``; None for other ops."""
+    name, args = e.get("name", ""), e.get("args", {})
+    dims = args.get("Input Dims") or []
+    concrete = args.get("Concrete Inputs") or []
+    backward = name.endswith("_backward")
+    if name in _GEMM_OPS:
+        flops, rows = _gemm_flops(name, dims)
+        return OpSample("gemm", seconds, flops=flops, rows=rows) if flops else None
+    if name.startswith(_EXPERT_OPS) and len(dims) >= 3 and len(dims[1]) == 3:
+        x, w_up, w_down = dims[0], dims[1], dims[2]
+        if len(x) != 2 or len(w_down) != 3:
+            return None
+        flops = 2.0 * x[0] * (x[1] * w_up[2] + w_down[1] * w_down[2]) * (2 if backward else 1)
+        precision = next((c for c in concrete if c in _PRECISIONS), "bf16")
+        rows = x[0] / max(w_up[0], 1)
+        return OpSample("gemm", seconds, flops=flops, rows=rows, precision=precision)
+    if name in _ATTENTION_CAUSAL_ARG:
+        q, k = (dims[1], dims[2]) if backward else (dims[0], dims[1])
+        if len(q) < 3 or len(k) < 3:
+            return None
+        arg = _ATTENTION_CAUSAL_ARG[name]
+        causal = len(concrete) <= arg or concrete[arg] != "False"  # unrecorded: causal (LMs)
+        flops = 4.0 * math.prod(q[:-1]) * k[-2] * q[-1] / (2 if causal else 1)
+        return OpSample("attention", seconds, flops=flops * (2 if backward else 1))
+    return None
 
 
 def _gemm_flops(name: str, dims: list[list[int]]) -> tuple[float, float]:
-    """(FLOPs, rows) of a matmul op from its input dims (0 when they are not matrices)."""
-    a, b = (dims[1], dims[2]) if name == "aten::addmm" else (dims[0], dims[1])
+    """(FLOPs, rows) of a matmul op from its input dims (0 when they are not matrices); rows
+    is its largest dimension (the tokens of a linear layer's forward and both backward GEMMs,
+    as the time model counts a dense GEMM's rows)."""
+    if name == "aten::addmm" and len(dims) >= 3:
+        a, b = dims[1], dims[2]
+    elif len(dims) >= 2:
+        a, b = dims[0], dims[1]
+    else:
+        return 0.0, 0.0
     if len(a) < 2 or len(b) < 2:
         return 0.0, 0.0
     batch = math.prod(a[:-2]) if len(a) > 2 else 1
-    return 2.0 * batch * a[-2] * a[-1] * b[-1], float(a[-2])
+    return 2.0 * batch * a[-2] * a[-1] * b[-1], float(max(a[-2], a[-1], b[-1]))
+
+
+# --- efficiency factors as JSON ---------------------------------------------------------------
+
+
+def efficiency_to_dict(eff: Efficiency) -> dict[str, Any]:
+    data = dataclasses.asdict(eff)
+    data["ep_path_factor"] = dict(eff.ep_path_factor)
+    return data
+
+
+def efficiency_from_dict(data: dict[str, Any], source: str = "efficiency") -> Efficiency:
+    """An :class:`Efficiency` from its fields (any subset: the others keep their defaults)."""
+    if not isinstance(data, dict):
+        raise CalibrationError(f"{source}: expected a JSON object of Efficiency fields")
+    known = {f.name for f in dataclasses.fields(Efficiency)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise CalibrationError(f"{source}: unknown Efficiency fields {unknown}; known: "
+                               f"{sorted(known)}")  # fmt: skip
+    values = dict(data)
+    for key, value in values.items():
+        if key == "ep_path_factor":
+            continue
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            raise CalibrationError(f"{source}: {key} = {value!r}; expected a number >= 0")
+    if "ep_path_factor" in values:
+        paths = values["ep_path_factor"]
+        if not isinstance(paths, dict):
+            raise CalibrationError(f"{source}: ep_path_factor must map EP paths to factors")
+        values["ep_path_factor"] = tuple(sorted((str(k), float(v)) for k, v in paths.items()))
+    return Efficiency(**values)
+
+
+def save_efficiency(eff: Efficiency, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(efficiency_to_dict(eff), indent=2) + "\n")
+
+
+def load_efficiency(path: str | Path) -> Efficiency:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CalibrationError(f"{str(path)!r}: not a readable JSON file ({exc})") from exc
+    return efficiency_from_dict(data, str(path))
+
+
+def format_efficiency(eff: Efficiency, base: Efficiency | None = None) -> str:
+    """One line of the factors (with ``base``'s value where a factor changed)."""
+    parts = []
+    for key, value in efficiency_to_dict(eff).items():
+        if key == "ep_path_factor":
+            continue
+        old = None if base is None else getattr(base, key)
+        text = f"{key} {value:.4g}"
+        if old is not None and not math.isclose(old, value):
+            text += f" (was {old:.4g})"
+        parts.append(text)
+    return ", ".join(parts)
