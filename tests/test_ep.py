@@ -51,8 +51,13 @@ def _reference_accepted(expert_ids: torch.Tensor, cap: int) -> torch.Tensor:
 # --- op-level EP = n vs EP = 1 (world 2 and 4) -------------------------------------------------
 
 
-def _ops_worker(rank: int, world: int, path: str, cf: float, poison: bool, device="cpu") -> None:
+def _ops_worker(
+    rank: int, world: int, path: str, cf: float, poison: bool, split=False, device="cpu"
+) -> None:
+    """``split``: the exchanges as issue and wait ops (pass overlap's), run asynchronously, with
+    the other exchange issued between each issue and its wait, in forward and backward."""
     ep_ops._POISON = float("nan") if poison else None
+    ep_ops._ASYNC = True if split else None
     tokens, dim, hidden = 12, 16, 8
     full = torch.Generator().manual_seed(0)
     w_up = torch.randn(N, dim, 2 * hidden, generator=full, dtype=torch.float64) * 0.3
@@ -75,10 +80,14 @@ def _ops_worker(rank: int, world: int, path: str, cf: float, poison: bool, devic
     group = dist.group.WORLD.group_name
     slots, recv, loffs, counts, sent, dropped = ops.ep_layout(rows, offsets, group, world, cf, path)
     comm = (group, world, path)
-    buffer = ops.ep_dispatch(ex, slots, recv, sent, counts, *comm)
-    y, _ = ops.expert_mlp(buffer, eup, edown, loffs, None, None, "swiglu")
-    out, _ = ops.ep_combine(y, ew, slots, recv, sent, counts, *comm)
+    if split:
+        out = _split_layer(ex, ew, eup, edown, (slots, recv, sent, counts, *comm), loffs)
+    else:
+        buffer = ops.ep_dispatch(ex, slots, recv, sent, counts, *comm)
+        y, _ = ops.expert_mlp(buffer, eup, edown, loffs, None, None, "swiglu")
+        out, _ = ops.ep_combine(y, ew, slots, recv, sent, counts, *comm)
     out.backward(grad)
+    assert ep_ops.pending_exchanges() == 0
 
     # EP = 1 on this rank's batch with every expert, without the routes the exchange dropped
     # (rowwise's rank capacity; the other paths drop nothing beyond the route's own capacity)
@@ -105,15 +114,37 @@ def _ops_worker(rank: int, world: int, path: str, cf: float, poison: bool, devic
     torch.testing.assert_close(edown.grad, rdown.grad[part])
 
 
+def _split_layer(x, weights, w_up, w_down, comm, local_offsets):
+    """The layer on split exchanges, twice on the same inputs and interleaved as pass overlap
+    interleaves two halves: both dispatches issued, then each copy's wait, experts and combine
+    issue, each combine waited after the other copy's experts (autograd mirrors it). Returns
+    the mean of the two copies: exactly one layer's output and, in binary floating point,
+    exactly its gradients."""
+    issued = [ops.ep_dispatch_issue(x, None, *comm) for _ in range(2)]
+    returning = []
+    for pending in issued:
+        buffer = ops.ep_dispatch_wait(pending, *comm)
+        y, _ = ops.expert_mlp(buffer, w_up, w_down, local_offsets, None, None, "swiglu")
+        returning.append(ops.ep_combine_issue(y, *comm))
+    outs = [ops.ep_combine_wait(pending, weights, *comm)[0] for pending in returning]
+    return (outs[0] + outs[1]) * 0.5
+
+
 CASES = {
-    # (path, capacity factor, poison): cf = 4.0 = N/K never binds, 0.6 binds
+    # (path, capacity factor, poison[, split]): cf = 4.0 = N/K never binds, 0.6 binds
     2: [
         ("a2a_capacity", 4.0, False),
         ("sync_1d", 0.6, False),
         ("a2a_capacity", 0.6, True),
         ("sync_1d", 4.0, True),
+        ("a2a_capacity", 0.6, True, True),
     ],
-    4: [("a2a_capacity", 0.6, False), ("sync_1d", 4.0, False), ("a2a_capacity", 4.0, True)],
+    4: [
+        ("a2a_capacity", 0.6, False),
+        ("sync_1d", 4.0, False),
+        ("a2a_capacity", 4.0, True),
+        ("a2a_capacity", 4.0, True, True),
+    ],
 }
 """One spawn per world size runs all its cases (a process spends ~10 s importing torch)."""
 

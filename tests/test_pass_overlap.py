@@ -1,6 +1,8 @@
 """Pass ``overlap``: two interleaved batch halves per MoE block compute what one chain computes
 (same routing, capacity binding or not): outputs, losses and gradients at EP = 1 and, on gloo,
-at EP = 2; its legality (odd batch, sync_1d), the issue order it records, recompute on top."""
+at EP = 2 and 4 with the exchanges split into issue and wait (run asynchronously on gloo, each
+wait after the other half's experts in the lowered graph); its legality (odd batch, sync_1d),
+the issue order it records, recompute on top."""
 
 from __future__ import annotations
 
@@ -13,8 +15,9 @@ import torch.nn.functional as F
 import moec
 from moec.analysis.cost.overlap import exposed_comm, overlap_gain
 from moec.models import Llama, LlamaConfig
+from moec.ops import ep as ep_ops
 from moec.passes.manager import default_pipeline
-from moec.passes.overlap import SCHEDULE
+from moec.passes.overlap import EP_SCHEDULE, SCHEDULE
 from moec.runtime import distributed as mdist
 from tests.distributed import spawn
 
@@ -82,6 +85,42 @@ def _issue_order(gm) -> list[str]:
     return order
 
 
+def _split_exchange_order(gm) -> list[str]:
+    """The first MoE block's layouts, exchange issues/waits and expert ops in graph order, named
+    as EP_SCHEDULE names them; checks that the exchanges are split: no fused ep_dispatch or
+    ep_combine, and each wait after the other half's expert op (found by data flow)."""
+    nodes = list(gm.graph.nodes)
+    assert not [n for n in nodes if n.target in (ops.ep_dispatch.default, ops.ep_combine.default)]
+    pos = {n: i for i, n in enumerate(nodes)}
+    mlps = [n for n in nodes if n.target is ops.expert_mlp.default][:2]
+    half: dict = {}
+    for letter, mlp in zip("AB", mlps, strict=True):
+        d_wait = mlp.args[0]
+        assert d_wait.target is ops.ep_dispatch_wait.default
+        d_issue = d_wait.args[0]
+        assert d_issue.target is ops.ep_dispatch_issue.default
+        (y,) = [u for u in mlp.users if u.args[1] == 0]
+        (c_issue,) = y.users
+        assert c_issue.target is ops.ep_combine_issue.default
+        (c_wait,) = c_issue.users
+        assert c_wait.target is ops.ep_combine_wait.default
+        layout = d_issue.args[2].args[0]
+        half[letter] = {
+            "layout": layout,
+            "dispatch.issue": d_issue,
+            "dispatch.wait": d_wait,
+            "experts": mlp,
+            "combine.issue": c_issue,
+            "combine.wait": c_wait,
+        }
+    a, b = half["A"], half["B"]
+    # B's exchange is in flight while A's experts run, A's combine while B's experts run
+    assert pos[b["dispatch.issue"]] < pos[a["experts"]] < pos[b["dispatch.wait"]]
+    assert pos[a["combine.issue"]] < pos[b["experts"]] < pos[a["combine.wait"]]
+    named = {n: f"{h}.{step}" for h, steps in half.items() for step, n in steps.items()}
+    return [named[n] for n in sorted(named, key=pos.__getitem__)]
+
+
 @pytest.fixture(scope="module")
 def dense():
     return _dense()
@@ -143,6 +182,8 @@ def test_recompute_block_composes(dense):
 
 
 def _ep_worker(rank: int, world: int) -> None:
+    ep_ops._ASYNC = True  # gloo's exchanges left running from issue to wait, as NCCL's are
+    ep_ops._POISON = float("nan")  # rows no route writes: garbage must not leak
     tokens, targets = _batch(4, seed=10 + rank)
     dense = _dense()
 
@@ -153,21 +194,27 @@ def _ep_worker(rank: int, world: int) -> None:
     ref, two = build("none", "a2a_capacity"), build("two_batch", "a2a_capacity")
     stats = two.pass_results["overlap"].stats
     assert stats["applied"] and stats["path"] == "a2a_capacity"
+    assert stats["schedule"] == list(EP_SCHEDULE)
     # C = ceil(1.0 * 64 * 2 / 8) = 16 < 32 tokens per half: each half's buffer is N * 16 rows
     assert stats["buffer_rows"]["layers.0.ffn.moe"] == {"whole": N * 16, "half": N * 16}
-    assert _issue_order(two.graph_module) == list(SCHEDULE)
-    _assert_same(_step(two, tokens, targets), _step(ref, tokens, targets))
+    assert _split_exchange_order(two.graph_module) == list(EP_SCHEDULE)
+    for _ in range(2):  # the second step reuses whatever the first left behind
+        _assert_same(_step(two, tokens, targets), _step(ref, tokens, targets))
+        assert ep_ops.pending_exchanges() == 0  # every issued exchange was waited for
     for name, value in ref.aux_outputs.items():  # drops, counts, offsets, router losses
         torch.testing.assert_close(two.aux_outputs[name], value, **TOL)
-    with pytest.warns(UserWarning, match="sync_1d"):
-        sync = build("two_batch", "sync_1d")
-    declined = sync.pass_results["overlap"].stats["declined"]
-    assert "synchronizes" in declined and "a2a_capacity" in declined
+    if world == 2:
+        with pytest.warns(UserWarning, match="sync_1d"):
+            sync = build("two_batch", "sync_1d")
+        declined = sync.pass_results["overlap"].stats["declined"]
+        assert "synchronizes" in declined and "a2a_capacity" in declined
 
 
 @pytest.mark.slow
-def test_ep2_two_batch_equals_one_chain_and_sync_1d_declines():
-    spawn(_ep_worker, 2)
+@pytest.mark.parametrize("world", [2, 4])
+def test_ep_two_batch_split_exchanges_equal_one_chain_and_sync_1d_declines(world):
+    """a2a_capacity (rowwise needs CUDA: benchmarks/ep.py --overlap checks it on GPUs)."""
+    spawn(_ep_worker, world)
 
 
 # --- the cost model of exposed communication ---------------------------------------------------

@@ -59,6 +59,33 @@ and no collective ever runs on fake tensors (``d_weights`` stays plain torch)::
                         path) -> d_y[R, D]
 
 Every op's outputs are contiguous, as their fake implementations promise.
+
+Split exchanges (pass ``overlap``): each exchange as an issue op and a wait op, so that the wait
+sits right before the consumer and other work is queued between them::
+
+    pending = ep_dispatch_issue(x, None, slots, recv_rows, sent, counts, group, n, path)
+    buffer = ep_dispatch_wait(pending, slots, recv_rows, sent, counts, group, n, path)  # [R, D]
+    pending = ep_combine_issue(y, slots, recv_rows, sent, counts, group, n, path)
+    out, picked = ep_combine_wait(pending, weights, slots, recv_rows, sent, counts, group, n, path)
+
+The issue does the sender's local work (route rows into the send buffer) and starts the
+exchange without making the current stream wait for it: ``a2a_capacity`` an asynchronous
+``all_to_all_single`` (NCCL's stream), ``rowwise`` the push kernels on the transport's
+communication stream. ``pending`` (``[P, D]``, ``P = R`` for ``a2a_capacity``, ``max(R, T*K)``
+for ``rowwise``) is what arrived at this rank, valid only once its wait op ran: the wait makes
+the current stream wait for that exchange alone (found by ``pending``'s storage, see
+:func:`pending_exchanges`), then does the receiver's local work. On CPU the issue completes
+before it returns unless :data:`_ASYNC` says otherwise, so every op's output there is complete
+data (what opcheck and Inductor's reference runs read). ``sync_1d`` cannot be split (its split
+sizes reach the host; it synchronizes anyway): the issue ops refuse it.
+
+The four ops are each other's backward, so the backward is split the same way and autograd
+keeps the wait late: the wait's backward issues the reverse exchange (``dispatch_wait`` ->
+``combine_issue``, ``combine_wait`` -> ``dispatch_issue`` weighted, with ``d_weights``), the
+issue's backward waits for it (``dispatch_issue`` -> ``combine_wait`` unweighted,
+``combine_issue`` -> ``dispatch_wait``). The gradient passed between a pair is therefore the
+reverse exchange's in-flight result, not the gradient of ``pending`` itself (the same shape,
+``[P, D]``, in both directions): only the pair's composition is a vector-Jacobian product.
 """
 
 from __future__ import annotations
@@ -78,6 +105,9 @@ PATHS = ("a2a_capacity", "sync_1d", "rowwise")
 
 _POISON: float | None = None
 """Tests set this to fill every buffer slot no route writes (tails, padding) with garbage."""
+_ASYNC: bool | None = None
+"""Whether issue ops leave their exchange running: None = on CUDA only (CPU outputs stay complete
+data); tests set True to run gloo's exchanges asynchronously too."""
 
 
 class EPPathError(MoecError, RuntimeError):
@@ -360,6 +390,21 @@ class RowwiseTransport(Protocol):
         dest * rows + row`` (-1: nowhere); return this rank's ``[rows, D]`` buffer, rows no route
         wrote holding ``fill`` (:data:`_POISON` when None and set, else unspecified)."""
 
+    def issue(
+        self,
+        x: Tensor,
+        address: Tensor,
+        rows: int,
+        out_rows: int,
+        pg: dist.ProcessGroup,
+        top_k: int = 1,
+        weights: Tensor | None = None,
+        fill: float | None = None,
+    ) -> tuple[Tensor, Callable[[], None]]:
+        """:meth:`send` started on the transport's own stream: returns this rank's ``[out_rows,
+        D]`` result (rows ``[0, rows)`` as :meth:`send` fills them, the rest unspecified), valid
+        once the returned ``wait()`` made the current stream wait for it."""
+
 
 _load_rowwise: Callable[[], RowwiseTransport] | None = None
 """The registered loader of the rowwise transport."""
@@ -544,3 +589,240 @@ def _combine_backward(ctx, d_out, d_picked_unused):
 
 
 ep_combine.register_autograd(_combine_backward, setup_context=_combine_setup)
+
+
+# --- split exchanges: issue, then wait before the consumer (module docstring) ------------------
+
+_PENDING: dict[int, tuple[Tensor, Callable[[], None], tuple]] = {}
+"""In-flight exchanges by the storage of their result: (result, wait, tensors kept alive)."""
+
+
+def pending_exchanges() -> int:
+    """Exchanges issued and not yet waited for (0 between steps of a correct program)."""
+    return len(_PENDING)
+
+
+def _async(t: Tensor) -> bool:
+    return t.is_cuda if _ASYNC is None else _ASYNC
+
+
+def _register(out: Tensor, wait: Callable[[], None], keep: tuple = ()) -> None:
+    """Hold ``wait`` for the wait op that reads ``out`` (``out`` and ``keep`` stay alive, so the
+    storage key cannot be reused meanwhile)."""
+    _PENDING[out.untyped_storage().data_ptr()] = (out, wait, keep)
+
+
+def _wait_for(pending: Tensor) -> None:
+    """Make the current stream wait for the exchange that fills ``pending``; nothing when none
+    is in flight (completed on issue, already waited, or a copy)."""
+    entry = _PENDING.pop(pending.untyped_storage().data_ptr(), None)
+    if entry is not None:
+        entry[1]()
+
+
+def pending_rows(slots: Tensor, recv_rows: Tensor, path: str):
+    """``P``: rows of an issued exchange's result, the same in both directions (so each wait's
+    backward can hand its issue's backward the reverse exchange's result)."""
+    if path == "rowwise":
+        return torch.sym_max(recv_rows.shape[0], slots.numel())
+    return recv_rows.shape[0]
+
+
+def _check_split_path(path: str) -> None:
+    _check_path(path)
+    if path == "sync_1d":
+        raise ValueError(
+            "ep_path='sync_1d' copies its split sizes to the host (it synchronizes), so its "
+            "exchanges cannot be issued ahead of their wait; use moec::ep_dispatch/ep_combine, "
+            "or ep_path 'a2a_capacity' / 'rowwise'"
+        )
+
+
+def _issue_a2a(send: Tensor, pg: dist.ProcessGroup) -> Tensor:
+    """Equal-split all-to-all of ``send``, left running where :func:`_async` says so."""
+    out = send.new_empty(send.shape)
+    if not _async(send):
+        dist.all_to_all_single(out, send, group=pg)
+        return out
+    work = dist.all_to_all_single(out, send, group=pg, async_op=True)
+    _register(out, work.wait, (send,))  # NCCL: work.wait() makes the current stream wait
+    return out
+
+
+def _issue_rowwise(x, address, rows, out_rows, pg, top_k=1, weights=None, fill=None) -> Tensor:
+    out, wait = _rowwise().issue(x, address, rows, out_rows, pg, top_k, weights, fill)
+    _register(out, wait)
+    return out
+
+
+def _dispatch_issue(x, weights, slots, recv_rows, group, ep_size, path) -> Tensor:
+    _check_split_path(path)
+    pg = resolve_group(group, ep_size)
+    top_k, flat = slots.shape[-1], x.reshape(-1, x.shape[-1])
+    num_rows, address = recv_rows.shape[0], slots.reshape(-1)
+    if path == "rowwise":
+        rows = pending_rows(slots, recv_rows, path)
+        return _issue_rowwise(flat, address, num_rows, rows, pg, top_k, weights)
+    return _issue_a2a(_place(_route_rows(flat, top_k, weights), address, num_rows), pg)
+
+
+def _combine_issue(y, slots, recv_rows, group, ep_size, path) -> Tensor:
+    _check_split_path(path)
+    pg = resolve_group(group, ep_size)
+    if path == "rowwise":
+        rows = pending_rows(slots, recv_rows, path)
+        return _issue_rowwise(y, recv_rows, slots.numel(), rows, pg, fill=0)
+    return _issue_a2a(_take(y, recv_rows), pg)
+
+
+def _dispatch_wait(pending, recv_rows, path) -> Tensor:
+    _check_split_path(path)
+    _wait_for(pending)
+    num_rows = recv_rows.shape[0]
+    if path == "rowwise":
+        return pending[:num_rows].clone()
+    return _place(pending, recv_rows, num_rows).contiguous()
+
+
+def _combine_wait(pending, weights, slots, path) -> tuple[Tensor, Tensor]:
+    _check_split_path(path)
+    _wait_for(pending)
+    top_k, routes = slots.shape[-1], slots.numel()
+    if path == "rowwise":
+        picked = pending[:routes].clone()
+    else:
+        picked = _take(pending, slots.reshape(-1))
+    out = _sum_routes(picked, top_k, weights)
+    return out.view(*slots.shape[:-1], pending.shape[-1]), picked
+
+
+@torch.library.custom_op("moec::ep_dispatch_issue", mutates_args=())
+def ep_dispatch_issue(
+    x: Tensor,
+    weights: Tensor | None,
+    slots: Tensor,
+    recv_rows: Tensor,
+    sent: Tensor,
+    counts: Tensor,
+    group: str,
+    ep_size: int,
+    path: str,
+) -> Tensor:
+    return _dispatch_issue(x, weights, slots, recv_rows, group, ep_size, path)
+
+
+@ep_dispatch_issue.register_fake
+def _ep_dispatch_issue_fake(x, weights, slots, recv_rows, sent, counts, group, ep_size, path):
+    _check_split_path(path)
+    return x.new_empty((pending_rows(slots, recv_rows, path), x.shape[-1]))
+
+
+@torch.library.custom_op("moec::ep_dispatch_wait", mutates_args=())
+def ep_dispatch_wait(
+    pending: Tensor,
+    slots: Tensor,
+    recv_rows: Tensor,
+    sent: Tensor,
+    counts: Tensor,
+    group: str,
+    ep_size: int,
+    path: str,
+) -> Tensor:
+    return _dispatch_wait(pending, recv_rows, path)
+
+
+@ep_dispatch_wait.register_fake
+def _ep_dispatch_wait_fake(pending, slots, recv_rows, sent, counts, group, ep_size, path):
+    _check_split_path(path)
+    return pending.new_empty((recv_rows.shape[0], pending.shape[-1]))
+
+
+@torch.library.custom_op("moec::ep_combine_issue", mutates_args=())
+def ep_combine_issue(
+    y: Tensor,
+    slots: Tensor,
+    recv_rows: Tensor,
+    sent: Tensor,
+    counts: Tensor,
+    group: str,
+    ep_size: int,
+    path: str,
+) -> Tensor:
+    return _combine_issue(y, slots, recv_rows, group, ep_size, path)
+
+
+@ep_combine_issue.register_fake
+def _ep_combine_issue_fake(y, slots, recv_rows, sent, counts, group, ep_size, path):
+    _check_split_path(path)
+    return y.new_empty((pending_rows(slots, recv_rows, path), y.shape[-1]))
+
+
+@torch.library.custom_op("moec::ep_combine_wait", mutates_args=())
+def ep_combine_wait(
+    pending: Tensor,
+    weights: Tensor | None,
+    slots: Tensor,
+    recv_rows: Tensor,
+    sent: Tensor,
+    counts: Tensor,
+    group: str,
+    ep_size: int,
+    path: str,
+) -> tuple[Tensor, Tensor]:
+    return _combine_wait(pending, weights, slots, path)
+
+
+@ep_combine_wait.register_fake
+def _ep_combine_wait_fake(pending, weights, slots, recv_rows, sent, counts, group, ep_size, path):
+    _check_split_path(path)
+    dim = pending.shape[-1]
+    return pending.new_empty((*slots.shape[:-1], dim)), pending.new_empty((slots.numel(), dim))
+
+
+# Autograd: the four ops are each other's backward (module docstring).
+
+
+def _split_setup(ctx, inputs, output) -> None:
+    """Saves (slots, recv_rows, sent, counts) and (group, ep_size, path) of any of the four."""
+    tensors = [a for a in inputs if isinstance(a, Tensor)]
+    ctx.save_for_backward(*tensors[-4:])
+    ctx.args = tuple(inputs[-3:])
+    ctx.first_shape = inputs[0].shape
+
+
+def _dispatch_issue_backward(ctx, d_pending):
+    comm = (*ctx.saved_tensors, *ctx.args)
+    d_x, _ = torch.ops.moec.ep_combine_wait(d_pending, None, *comm)
+    return d_x.view(ctx.first_shape), *([None] * 8)
+
+
+def _dispatch_wait_backward(ctx, d_buffer):
+    return torch.ops.moec.ep_combine_issue(d_buffer, *ctx.saved_tensors, *ctx.args), *([None] * 7)
+
+
+def _combine_issue_backward(ctx, d_pending):
+    return torch.ops.moec.ep_dispatch_wait(d_pending, *ctx.saved_tensors, *ctx.args), *([None] * 7)
+
+
+def _combine_wait_setup(ctx, inputs, output) -> None:
+    pending, weights, slots, recv_rows, sent, counts, group, ep_size, path = inputs
+    ctx.save_for_backward(weights, output[1], slots, recv_rows, sent, counts)
+    ctx.args = (group, ep_size, path)
+
+
+def _combine_wait_backward(ctx, d_out, d_picked_unused):
+    weights, picked, *comm = ctx.saved_tensors
+    d_pending = torch.ops.moec.ep_dispatch_issue(d_out, weights, *comm, *ctx.args)
+    d_weights = None
+    if weights is not None and ctx.needs_input_grad[1]:
+        acc, top_k = _acc(picked), comm[0].shape[-1]
+        routes = d_out.reshape(-1, 1, d_out.shape[-1]).to(acc)
+        d_weights = (picked.view(-1, top_k, picked.shape[-1]).to(acc) * routes).sum(-1)
+        d_weights = d_weights.view(weights.shape).to(weights.dtype)
+    return d_pending, d_weights, *([None] * 7)
+
+
+ep_dispatch_issue.register_autograd(_dispatch_issue_backward, setup_context=_split_setup)
+ep_dispatch_wait.register_autograd(_dispatch_wait_backward, setup_context=_split_setup)
+ep_combine_issue.register_autograd(_combine_issue_backward, setup_context=_split_setup)
+ep_combine_wait.register_autograd(_combine_wait_backward, setup_context=_combine_wait_setup)

@@ -9,15 +9,25 @@ Runs when ``plan.parallel.overlap`` is ``two_batch``, after ``expert_parallel`` 
     y, _ = moec.expert_mlp(buffer, w_up, w_down, offsets, ...)    # or quantized_expert_mlp
     out = moec.combine(y, weights, rows)                # or ep_combine
 
-Emits, for halves A = batch rows [0, B/2) and B = [B/2, B) (``ep_*`` in place of the local ops
-at EP = n, each half with its own ``ep_layout``)::
+Emits, for halves A = batch rows [0, B/2) and B = [B/2, B), at EP = 1::
 
     rows_A, offsets_A, rows_B, offsets_B = <relayout of rows/offsets: aten index math below>
     buf_A = dispatch(x[:B/2], rows_A);      y_A = expert_mlp(buf_A, ..., offsets_A, ...)
-    buf_B = dispatch(x[B/2:], rows_B)       # B's exchange, issued between A's experts ...
-    out_A = combine(y_A, weights[:B/2], rows_A)   # ... and A's combine (runs under B's experts)
+    buf_B = dispatch(x[B/2:], rows_B)
+    out_A = combine(y_A, weights[:B/2], rows_A)
     y_B = expert_mlp(buf_B, ..., offsets_B, ...);  out_B = combine(y_B, weights[B/2:], rows_B)
     out = cat([out_A, out_B], 0)
+
+and at EP = n, each half with its own ``ep_layout`` and every exchange split into an issue and
+a wait (:mod:`moec.ops.ep`; order :data:`EP_SCHEDULE`)::
+
+    layout_A = ep_layout(rows_A, ...);  layout_B = ep_layout(rows_B, ...)
+    p_A = ep_dispatch_issue(x[:B/2], ...);  p_B = ep_dispatch_issue(x[B/2:], ...)
+    y_A = expert_mlp(ep_dispatch_wait(p_A, ...), ...)     # B's dispatch runs under A's experts
+    q_A = ep_combine_issue(y_A, ...)
+    y_B = expert_mlp(ep_dispatch_wait(p_B, ...), ...)     # A's combine runs under B's experts
+    q_B = ep_combine_issue(y_B, ...)
+    out = cat([ep_combine_wait(q_A, weights[:B/2], ...)[0], ep_combine_wait(q_B, ...)[0]], 0)
 
 Routing semantics are exactly those without overlap: ``moec.route`` runs once on the whole
 microbatch (capacity is per microbatch, so routing each half would change C and the drops), and
@@ -43,16 +53,18 @@ Legality (a declined block keeps its chain, and the reason is in the statistics)
   drops depend on the order of every source's rows in the whole receive buffer, which halves
   change.
 
-The schedule is the static program order (the order the runtime issues the ops; on GPUs the
-exchanges can go on a second stream, waiting on events of their inputs); autograd runs the
-backward in the mirrored order. Invariants: those of :mod:`moec.passes.rewrite`; user and aux
-outputs unchanged (a block's ``ep_dropped`` becomes the sum over its halves); no parameter
-added or removed (both halves read the same expert parameters); ``route``, ``router_losses``
-and the aux ``expert_counts``/``expert_offsets`` untouched. Options: ``plan.parallel.overlap``.
+The schedule is the static program order, the order the runtime issues the ops; the exchanges
+run on their own stream from their issue to their wait (NCCL's for ``a2a_capacity``, the
+transport's for ``rowwise``), and autograd runs the backward in the mirrored order (each wait's
+backward issues the reverse exchange, each issue's backward waits for it). Invariants: those of
+:mod:`moec.passes.rewrite`; user and aux outputs unchanged (a block's ``ep_dropped`` becomes
+the sum over its halves); no parameter added or removed (both halves read the same expert
+parameters); ``route``, ``router_losses`` and the aux ``expert_counts``/``expert_offsets``
+untouched. Options: ``plan.parallel.overlap``.
 Statistics: ``applied``, ``declined`` (why no block was split, or None), ``blocks`` (block ->
 ``"two_batch"`` or the reason it was left alone), ``path``, ``halves`` (batch rows per half),
-``schedule`` (the issue order of one block), ``buffer_rows`` (block -> rows of the expert
-buffer, whole and per half).
+``schedule`` (the issue order of one block: :data:`SCHEDULE` or :data:`EP_SCHEDULE`),
+``buffer_rows`` (block -> rows of the expert buffer, whole and per half).
 """
 
 from __future__ import annotations
@@ -86,7 +98,30 @@ SCHEDULE = (
     "B.experts",
     "B.combine",
 )
-"""Issue order of one block (``dispatch`` includes the half's ``ep_layout`` at EP = n)."""
+"""Issue order of one block at EP = 1 (local dispatch/combine: nothing to overlap with)."""
+
+EP_SCHEDULE = (
+    "A.layout",
+    "B.layout",
+    "A.dispatch.issue",
+    "B.dispatch.issue",
+    "A.dispatch.wait",
+    "A.experts",
+    "A.combine.issue",
+    "B.dispatch.wait",
+    "B.experts",
+    "B.combine.issue",
+    "A.combine.wait",
+    "B.combine.wait",
+)
+"""Issue order of one block at EP = n: every exchange split into its issue and its wait
+(:mod:`moec.ops.ep`), each wait right before the op that reads the exchanged rows. A stream
+runs its work in issue order, so an exchange overlaps what the compute stream was given before
+its wait and after its issue: B's dispatch runs under A's experts, A's combine under B's experts
+(and under B's combine issue), the send-side work of B.dispatch and A.combine is queued ahead of
+the expert GEMMs it must not wait behind. Exposed: A's dispatch and B's combine. Autograd
+mirrors it: B's combine backward and A's dispatch backward exposed, the other two under the
+expert GEMMs' backward (each wait's backward issues, each issue's backward waits)."""
 
 
 @dataclasses.dataclass
@@ -136,7 +171,7 @@ class OverlapPass(Pass):
             "blocks": {},
             "path": "local",
             "halves": None,
-            "schedule": list(SCHEDULE),
+            "schedule": None,
             "buffer_rows": {},
         }
         if not chains:
@@ -160,6 +195,7 @@ class OverlapPass(Pass):
             stats["halves"] = [batch // 2, batch // 2]
             stats["buffer_rows"][chain.prefix] = _split(editor, chain)
             stats["blocks"][chain.prefix] = "two_batch"
+            stats["schedule"] = list(EP_SCHEDULE if chain.ep else SCHEDULE)
         split = [p for p, v in stats["blocks"].items() if v == "two_batch"]
         if not split:
             return self._decline(gm, stats, "; ".join(sorted(set(stats["blocks"].values()))))
@@ -307,12 +343,20 @@ def _split(editor: GraphEditor, chain: _Chain) -> dict[str, int]:
     whole_rows = example_size(chain.mlp.args[0].meta["val"].shape[0])
     with editor.graph.inserting_before(anchor):
         halves = _relayout(editor, chain, ids, *_halve(editor, chain, like), like)
-        starts = [editor.call(*h.start(chain), like=like) for h in halves]
-        mlps = [_issue(editor, chain, h, s) for h, s in zip(halves, starts, strict=True)]
-        outs = [_finish(editor, chain, h, m) for h, m in zip(halves, mlps, strict=True)]
+        if chain.ep:
+            steps = [_split_exchanges(editor, chain, h) for h in halves]
+            mlps = [step["experts"][0] for step in steps]
+            outs = [step["out"] for step in steps]
+        else:
+            starts = [editor.call(*h.start(chain), like=like) for h in halves]
+            mlps = [_issue(editor, chain, h, s) for h, s in zip(halves, starts, strict=True)]
+            outs = [_finish(editor, chain, h, m) for h, m in zip(halves, mlps, strict=True)]
         # the nodes above were made half by half; the schedule is fixed by moving them
-        combined = editor.call(aten.cat.default, ([o for o, _ in outs], 0), like=chain.out)
-    _reorder(editor.graph, halves, starts, mlps, outs)
+        combined = editor.call(aten.cat.default, (outs, 0), like=chain.out)
+    if chain.ep:
+        _reorder_ep(combined, steps)
+    else:
+        _reorder(editor.graph, halves, starts, mlps, outs)
     chain.out.replace_all_uses_with(combined)
     if chain.ep:
         _sum_dropped(editor, chain, [h.layout for h in halves])
@@ -334,12 +378,8 @@ class _Half:
     items: tuple[fx.Node, ...] = ()
 
     def start(self, chain: _Chain) -> tuple[Any, tuple]:
-        """The call that issues this half's exchange: ``dispatch`` (after ``ep_layout``)."""
-        if not chain.ep:
-            return moec_ops.dispatch.default, (self.x, self.rows)
-        slots, recv, _, counts, sent, _ = self.items
-        group, size, path = chain.dispatch.args[5:8]
-        return moec_ops.ep_dispatch.default, (self.x, slots, recv, sent, counts, group, size, path)
+        """The local dispatch of this half (EP = 1)."""
+        return moec_ops.dispatch.default, (self.x, self.rows)
 
 
 def _relayout(
@@ -407,26 +447,38 @@ def _issue(editor: GraphEditor, chain: _Chain, half: _Half, buffer: fx.Node) -> 
     return editor.call(chain.mlp.target, args, like=chain.mlp)
 
 
-def _finish(
-    editor: GraphEditor, chain: _Chain, half: _Half, mlp: fx.Node
-) -> tuple[fx.Node, list[fx.Node]]:
-    """This half's combine of its expert output; returns its [B/2, S, D] result and the nodes
-    made."""
+def _finish(editor: GraphEditor, chain: _Chain, half: _Half, mlp: fx.Node) -> fx.Node:
+    """This half's local combine of its expert output (EP = 1): its [B/2, S, D] result."""
     y = editor.getitem(mlp, 0)
-    if not chain.ep:
-        out = editor.call(
-            moec_ops.combine.default, (y, half.weights, half.rows), like=chain.combine
-        )
-        return out, [y, out]
+    return editor.call(moec_ops.combine.default, (y, half.weights, half.rows), like=chain.combine)
+
+
+def _split_exchanges(editor: GraphEditor, chain: _Chain, half: _Half) -> dict[str, Any]:
+    """This half's chain at EP = n with each exchange split into issue and wait; returns its
+    nodes by :data:`EP_SCHEDULE` step (without the half letter) and its [B/2, S, D] result
+    under ``out``."""
     slots, recv, _, counts, sent, _ = half.items
-    comm = chain.combine.args[6:9]
-    combine = editor.call(
-        moec_ops.ep_combine.default,
-        (y, half.weights, slots, recv, sent, counts, *comm),
-        like=chain.combine,
+    comm = (slots, recv, sent, counts, *chain.dispatch.args[5:8])
+    d_issue = editor.call(
+        moec_ops.ep_dispatch_issue.default, (half.x, None, *comm), like=chain.dispatch
     )
-    out = editor.getitem(combine, 0)
-    return out, [y, combine, out]
+    d_wait = editor.call(moec_ops.ep_dispatch_wait.default, (d_issue, *comm), like=chain.dispatch)
+    mlp = _issue(editor, chain, half, d_wait)
+    y = editor.getitem(mlp, 0)
+    c_issue = editor.call(moec_ops.ep_combine_issue.default, (y, *comm), like=chain.combine)
+    c_wait = editor.call(
+        moec_ops.ep_combine_wait.default, (c_issue, half.weights, *comm), like=chain.combine
+    )
+    out = editor.getitem(c_wait, 0)
+    return {
+        "layout": [half.layout, *half.items],
+        "dispatch.issue": [d_issue],
+        "dispatch.wait": [d_wait],
+        "experts": [mlp, y],
+        "combine.issue": [c_issue],
+        "combine.wait": [c_wait, out],
+        "out": out,
+    }
 
 
 def _reorder(
@@ -434,21 +486,26 @@ def _reorder(
     halves: list[_Half],
     starts: list[fx.Node],
     mlps: list[fx.Node],
-    outs: list[tuple[fx.Node, list[fx.Node]]],
+    outs: list[fx.Node],
 ) -> None:
     """Put the issue order to :data:`SCHEDULE`: A.dispatch, A.experts, B.dispatch, A.combine,
-    B.experts, B.combine (each half's ``ep_layout`` just before its dispatch). Every step's
-    inputs come from earlier steps or from before the chain, so the order stays topological."""
+    B.experts, B.combine. Every step's inputs come from earlier steps or from before the chain,
+    so the order stays topological."""
     a, b = 0, 1
-
-    def dispatch(h: int) -> list[fx.Node]:
-        layout = [halves[h].layout, *halves[h].items] if halves[h].layout is not None else []
-        return [*layout, starts[h]]
-
-    steps = [dispatch(a), [mlps[a]], dispatch(b), outs[a][1], [mlps[b]], outs[b][1]]
-    cat = next(iter(outs[b][0].users))
+    finish = [[o.args[0], o] for o in outs]  # getitem(mlp, 0), combine
+    steps = [[starts[a]], [mlps[a]], [starts[b]], finish[a], [mlps[b]], finish[b]]
+    cat = next(iter(outs[b].users))
     for step in steps:
         for node in step:
+            cat.prepend(node)
+
+
+def _reorder_ep(cat: fx.Node, steps: list[dict[str, Any]]) -> None:
+    """Put the issue order to :data:`EP_SCHEDULE` (topological: each step reads earlier steps
+    or what precedes the chain)."""
+    for name in EP_SCHEDULE:
+        half, _, step = name.partition(".")
+        for node in steps["AB".index(half)][step]:
             cat.prepend(node)
 
 

@@ -23,6 +23,16 @@ barrier keeps a fast peer from writing into a buffer still being copied out). In
 this uses peer pointers; an EP group spanning nodes needs the NVSHMEM backend of symmetric
 memory (not wired here).
 
+Split exchanges (:func:`issue`, pass ``overlap``): the same fill, barrier, push, barrier and copy
+out run on a communication stream of their own (one per device), after an event of the current
+stream (the inputs are ready), into a result allocated on the current stream; the returned
+``wait()`` makes the current stream wait for an event recorded after the copy. Inputs and the
+result are marked used on the communication stream (``record_stream``), so the caching
+allocator reuses none of them before the copy has run. Split exchanges use workspaces of their
+own, so an in-flight exchange never shares one with an exchange on the compute stream; on the
+communication stream they run in issue order, which every rank shares, so one workspace per
+shape serves any number in flight.
+
 The op layer reaches this transport through :func:`moec.ops.ep.register_rowwise_transport`;
 importing :mod:`moec.runtime` registers it.
 """
@@ -30,6 +40,7 @@ importing :mod:`moec.runtime` registers it.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -51,7 +62,10 @@ def check_available(t: Tensor) -> None:
 
 
 @functools.cache
-def _workspace(rows: int, dim: int, dtype: torch.dtype, device: torch.device, group: str):
+def _workspace(
+    rows: int, dim: int, dtype: torch.dtype, device: torch.device, group: str, lane: str = "sync"
+):
+    """The symmetric buffer, its handle and the peers' pointers of one (shape, group, lane)."""
     try:
         buffer = symm_mem.empty((rows, dim), dtype=dtype, device=device)
         handle = symm_mem.rendezvous(buffer, group)
@@ -64,8 +78,14 @@ def _workspace(rows: int, dim: int, dtype: torch.dtype, device: torch.device, gr
     return buffer, handle, peers
 
 
-def _workspace_for(rows: int, like: Tensor, pg: dist.ProcessGroup):
-    return _workspace(rows, like.shape[-1], like.dtype, like.device, pg.group_name)
+def _workspace_for(rows: int, like: Tensor, pg: dist.ProcessGroup, lane: str = "sync"):
+    return _workspace(rows, like.shape[-1], like.dtype, like.device, pg.group_name, lane)
+
+
+@functools.cache
+def _comm_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream split exchanges run on (one per device)."""
+    return torch.cuda.Stream(device)
 
 
 def send(
@@ -90,3 +110,38 @@ def send(
     push_rows(x, address, peers, rows, top_k, weights)  # weighted as the other paths weight rows
     handle.barrier(channel=0)  # every peer's rows have landed here
     return buffer.clone()
+
+
+def issue(
+    x: Tensor,
+    address: Tensor,
+    rows: int,
+    out_rows: int,
+    pg: dist.ProcessGroup,
+    top_k: int = 1,
+    weights: Tensor | None = None,
+    fill: float | None = None,
+) -> tuple[Tensor, Callable[[], None]]:
+    """:func:`send` on the communication stream (module docstring): this rank's ``[out_rows,
+    D]`` result (rows ``[0, rows)`` as :func:`send` fills them) and the ``wait()`` after which
+    the current stream may read it."""
+    check_available(x)
+    buffer, handle, peers = _workspace_for(rows, x, pg, lane="split")
+    if fill is None:
+        fill = ep_ops._POISON
+    compute, comm = torch.cuda.current_stream(x.device), _comm_stream(x.device)
+    out = x.new_empty(out_rows, x.shape[-1])  # on the compute stream, which reads it
+    comm.wait_stream(compute)  # x, address and weights are written
+    with torch.cuda.stream(comm):
+        if fill is not None:
+            buffer.fill_(fill)
+        handle.barrier(channel=0)
+        push_rows(x, address, peers, rows, top_k, weights)
+        handle.barrier(channel=0)
+        out[:rows].copy_(buffer)
+        done = torch.cuda.Event()
+        done.record(comm)
+    for t in (x, address, weights, out):
+        if t is not None:
+            t.record_stream(comm)
+    return out, lambda: torch.cuda.current_stream(out.device).wait_event(done)
