@@ -36,6 +36,7 @@ from moec.runtime import checkpoint
 from moec.runtime import distributed as mdist
 from moec.runtime.distributed import DistributedError
 from moec.runtime.pipeline import PipelineRuntime, build_pipeline_mesh, runtime_for
+from moec.train import LanguageModelWithLoss
 from tests.distributed import spawn
 
 CFG = LlamaConfig(vocab_size=128, dim=64, n_layers=8, n_heads=4, n_kv_heads=2, ffn_hidden=128)
@@ -289,6 +290,71 @@ def test_every_schedule_equals_pp1_and_memory_prediction(world):
     (world 2) clipped train_step equals PP = 1 step by step (``_train_steps``); (world 4)
     PP = 2 x EP = 2 equals the single-process result, also clipped (``_pp2_ep2``)."""
     spawn(_schedules_worker, world)
+
+
+# --- the fused LM-head loss in the last stage ---------------------------------------------------
+
+
+def _with_loss(fused: bool, mesh, x, y, **parallel):
+    """``LanguageModelWithLoss(model)`` compiled on (inputs, targets): a program whose last
+    stage returns the loss, fused into ``moec::linear_cross_entropy`` or not."""
+    plan = moec.Plan.from_dict({"moe": MOE, "parallel": parallel, "loss": {"fused": fused}})
+    model = LanguageModelWithLoss(_dense())
+    return moec.compile(model, plan, (x[:MB], y[:MB]), mesh=mesh, verify=False)
+
+
+def _unsplit_loss(model, x, y, microbatches: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``_unsplit`` for a program that computes its loss."""
+    total = torch.zeros(())
+    for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True):
+        loss = model(xm, ym)
+        ((loss + model.aux_loss()) / microbatches).backward()
+        total += loss.detach() / microbatches
+    grads = {n: p.grad.clone() for n, p in model.graph_module.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return total, grads
+
+
+def _fused_loss_worker(rank: int, world: int) -> None:
+    """PP = 2, every schedule: the program with the fused loss in its last stage gives the loss
+    and gradients of the unfused program at PP = 1 (and of the unfused one pipelined); the
+    targets reach the last stage without being sent between stages; moec's AdamW trains it."""
+    micro = 2 * world
+    x, y = _batch(micro)
+    parallel = {"pp": world, "microbatches": micro}
+    mesh = build_pipeline_mesh(_plan(**parallel))
+    fused = _with_loss(True, mesh, x, y, **parallel)
+    unfused = _with_loss(False, mesh, x, y, **parallel)
+    assert fused.pass_results["fused_loss"].stats["fused"] == 1
+    assert "fused_loss" not in unfused.pass_results
+    split = fused.program.pipeline
+    last = [n.target for n in split.stages[-1].graph.graph.nodes]
+    assert torch.ops.moec.linear_cross_entropy.default in last
+    for stage in split.stages:
+        nodes = [n.target for n in stage.graph.graph.nodes]
+        assert torch.ops.aten.cross_entropy_loss.default not in nodes
+    targets = split.info[0].inputs[1]
+    assert split.info[0].inputs == ["inputs", targets] and split.info[-1].inputs[-1] == targets
+    assert all(targets not in info.outputs for info in split.info)
+    ref = _unsplit_loss(unfused, x, y, micro)
+    misses = []
+    for schedule, v in SCHEDULES:
+        misses += _run_schedule(fused, mesh, schedule, v, x, y, micro, ref, " fused loss")
+    misses += _run_schedule(unfused, mesh, "1f1b", 1, x, y, micro, ref, " unfused loss")
+    assert not misses, "activation prediction off by more than 15%:\n" + "\n".join(misses)
+    runtime = runtime_for(fused, optimizer_options={"lr": 1e-3, "device_step": True})
+    assert runtime.loss_in_program and isinstance(runtime.optimizer, AdamW)
+    losses = [fused.train_step((x, y)) for _ in range(STEPS)]
+    if runtime.is_last:
+        torch.testing.assert_close(losses[0], ref[0])
+        assert losses[-1] < losses[0], losses
+    else:
+        assert all(loss is None for loss in losses)
+
+
+@pytest.mark.slow
+def test_fused_loss_in_the_last_stage_equals_the_unfused_loss():
+    spawn(_fused_loss_worker, 2)
 
 
 # --- partition ---------------------------------------------------------------------------------

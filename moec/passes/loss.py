@@ -13,6 +13,12 @@ Keeps    the loss (float32 softmax statistics, as the upcast original) and its g
          elsewhere (returned, sliced, logged) is left alone and reported in ``stats["skipped"]``:
          fusing it would not remove the logits.
 
+Pipelined programs (``parallel.pp > 1``) are fused the same way, before the ``pipeline`` pass
+splits them: the fused op lands in the last stage, which then returns the loss (the mean over
+the microbatch's tokens, as at PP = 1) instead of logits, and reads the targets as a graph input
+(:mod:`moec.runtime.pipeline`). A model that returns logits has no loss in its graph; its
+pipeline runtime applies an unfused cross-entropy to the last stage's logits.
+
 Under ``torch.no_grad()`` the runtime runs a variant whose ops skip the head's gradients, which
 a training forward computes ahead of the backward (:func:`moec.runtime.variants.forward_only`).
 
@@ -87,8 +93,8 @@ class FusedLossPass(Pass):
 
     @staticmethod
     def applies(plan: Plan) -> bool:
-        """loss.fused and parallel.pp = 1 (pipelined programs compute the loss in the last stage)"""
-        return plan.loss.fused and plan.parallel.pp == 1
+        """loss.fused (pipelined programs too: the fused loss lands in the last stage)"""
+        return plan.loss.fused
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         edit = GraphEditor(gm, self.name)

@@ -7,7 +7,7 @@ group (and the data-parallel group the gradient reducer uses) lives inside one p
 runs the same stages in the same schedule order. Under torchrun::
 
     mesh = build_pipeline_mesh(plan)                    # after init_process_group
-    model = moec.compile(dense, plan, (one_microbatch,), mesh=mesh)
+    model = moec.compile(LanguageModelWithLoss(dense), plan, (inputs_mb, targets_mb), mesh=mesh)
     loss = model.train_step((inputs, targets))          # loss on the last stage's ranks, else None
 
 Schedules (``plan.parallel.pp_schedule``): ``gpipe``, ``1f1b`` (one stage per rank),
@@ -16,8 +16,14 @@ V-shaped placement: rank r holds stages r and 2 pp - 1 - r). The batch is split 
 ``plan.parallel.microbatches`` along dim 0. Each microbatch's objective is the cross-entropy on
 the last stage plus the aux losses of every stage: a scalar accumulator travels with the
 activations (stage s adds ``lbl_coef * LBL + z_loss_coef * z`` of its MoE blocks), so the
-backward reaches every router. Gradients are averaged over microbatches by the schedule and
-over data-parallel ranks by :class:`moec.runtime.distributed.GradientReducer` per stage.
+backward reaches every router. The cross-entropy is the program's own when it computes its
+loss (compiled from ``moec.train.LanguageModelWithLoss(model)`` on ``(inputs, targets)``: the
+``fused_loss`` pass makes the last stage ``moec::linear_cross_entropy``, no logits), else the
+runtime's, an unfused float32 cross-entropy on the last stage's logits; either is the mean over
+the microbatch's tokens, as at PP = 1. Graph inputs a later stage reads (the targets) go to it
+by keyword through the schedule, never from stage to stage. Gradients are averaged over
+microbatches by the schedule and over data-parallel ranks by
+:class:`moec.runtime.distributed.GradientReducer` per stage.
 Other aux outputs (expert counts, offsets, EP drops) stay on their stage's module (detached).
 
 Memory: building the runtime frees the parameters (and buffers) that only other ranks' stages
@@ -57,11 +63,12 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -206,31 +213,38 @@ def _unpack(packed: Any) -> torch.Tensor:
 class StageModule(nn.Module):
     """One stage graph, with the aux-loss accumulator when the model has MoE blocks.
 
-    ``forward(*received) -> sends``: received = the boundary values (+ accumulator unless first
-    stage); sends = the next stage's inputs (+ accumulator), or on the last stage the user
-    outputs (+ accumulator), which the loss function reads.
+    ``forward(*received, **graph_inputs) -> sends``: received = the boundary values
+    (+ accumulator unless first stage); ``graph_inputs`` = the program's inputs by keyword
+    (:func:`graph_input_key`), of which a later stage takes those it reads (``side_inputs``,
+    e.g. the targets of a fused loss) after the received values; sends = the next stage's inputs
+    (+ accumulator), or on the last stage the user outputs (+ accumulator), which the loss
+    function reads.
     """
 
-    def __init__(self, program: Program, carries_aux: bool, plan: Plan):
+    def __init__(
+        self, program: Program, carries_aux: bool, plan: Plan, side_inputs: Sequence[int] = ()
+    ):
         super().__init__()
         self.graph_module, self.index = program.graph, program.stage_index
         self.program, self.carries_aux, self.plan = program, carries_aux, plan
+        self.side_inputs = [graph_input_key(i) for i in side_inputs]
         self.aux_outputs: dict[tuple[str, str], torch.Tensor] = {}
         self.meter: SavedTensorMeter | None = None
         self._inductor = InductorGraphs() if plan.lowering.inductor else None
 
-    def forward(self, *received: torch.Tensor) -> Any:
+    def forward(self, *received: torch.Tensor, **graph_inputs: torch.Tensor) -> Any:
         acc = None
         if self.carries_aux and self.index > 0:
             *received, acc = received
+        args = [*received, *(graph_inputs[key] for key in self.side_inputs)]
         with self.meter.track() if self.meter else contextlib.nullcontext():
-            with compute_autocast(self.plan, received):
+            with compute_autocast(self.plan, args):
                 run = (
                     self.graph_module
                     if self._inductor is None
                     else (self._inductor(self.graph_module))
                 )
-                outputs = run(*received)
+                outputs = run(*args)
             sig = self.program.signature
             sends = list(outputs[: sig.num_user_outputs])
             aux = dict(zip(sig.aux_outputs, outputs[sig.num_user_outputs :]))
@@ -251,10 +265,23 @@ class StageModule(nn.Module):
         return total if losses is None else total + losses
 
 
+def graph_input_key(index: int) -> str:
+    """The keyword under which the runtime hands graph input ``index`` to the stages (not the
+    input's name: that could be one of the schedule's own keywords, e.g. ``target``)."""
+    return f"graph_input_{index}"
+
+
 class PipelineRuntime:
     """The local stages of a compiled pipelined program, their schedule, reducers, optimizer
     (by default ``moec.optim.AdamW`` over the local parameters, which also writes the stages'
-    bf16 working copies; any other optimizer works, the copies are then refreshed each step)."""
+    bf16 working copies, with ``optimizer_options`` such as ``lr`` or ``device_step``; any
+    other optimizer works, the copies are then refreshed each step).
+
+    Two kinds of program: one whose model returns logits (``forward(inputs)``), to which the
+    runtime applies an unfused float32 cross-entropy on the last stage; and one that computes
+    its loss (``forward(inputs, targets) -> loss``, e.g. :class:`moec.train.LanguageModelWithLoss`
+    with the ``fused_loss`` pass's ``moec::linear_cross_entropy``), whose last stage returns the
+    loss and reads the targets itself (``loss_in_program``)."""
 
     def __init__(
         self,
@@ -263,6 +290,7 @@ class PipelineRuntime:
         mesh: PipelineMesh,
         *,
         optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
+        optimizer_options: dict[str, Any] | None = None,
         grad_clip: float | None = None,
         measure_memory: bool = False,
     ):
@@ -292,8 +320,24 @@ class PipelineRuntime:
             _free_other_stages(program.graph, split, mesh.pp_rank)
         elif missing := [(n, s) for n, s in split.freed.items() if s in self.local]:
             raise DistributedError(_not_held(split, *missing[0]))
+        if optimizer is not None and optimizer_options:
+            raise DistributedError(
+                "optimizer_options configure the default optimizer (moec.optim.AdamW); with "
+                "an optimizer factory, pass its options to the factory"
+            )
+        self.loss_in_program = _returns_loss(split)
+        names = [n.name for n in program.graph.graph.find_nodes(op="placeholder")]
+        if self.loss_in_program and len(names) != 2:
+            raise DistributedError(
+                f"the pipelined program computes its loss, so train_step takes (inputs, "
+                f"targets) as its two graph inputs, but the graph takes {len(names)}: {names}"
+            )
         carries_aux = bool(program.moe_layers)
-        self.modules = [StageModule(split.stages[s], carries_aux, plan) for s in self.local]
+        self.modules = [
+            StageModule(split.stages[s], carries_aux, plan, _side_inputs(split, s, names))
+            for s in self.local
+        ]
+        self._side_inputs = sorted({i for s in self.local for i in _side_inputs(split, s, names)})
         if program.data_parallel is not None:
             _shard_stages(program.graph, self.modules, mesh)
         if measure_memory:
@@ -309,7 +353,8 @@ class PipelineRuntime:
         self.working_weights = _working_weights(self.modules, plan)
         params = [p for m in self.modules for p in m.parameters() if p.requires_grad]
         if optimizer is None:
-            optimizer = functools.partial(AdamW, lr=1e-3, working_weights=self.working_weights)
+            options = {"lr": 1e-3, **(optimizer_options or {})}
+            optimizer = functools.partial(AdamW, **options, working_weights=self.working_weights)
         self.optimizer = optimizer(params)
         self._ce: list[torch.Tensor] = []
 
@@ -326,8 +371,11 @@ class PipelineRuntime:
         return cls(target, split.microbatches, loss_fn=self._loss)
 
     def _loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
-        logits, acc = output if self.modules[-1].carries_aux else (output, None)
-        ce = F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+        value, acc = output if self.modules[-1].carries_aux else (output, None)
+        if self.loss_in_program:  # the last stage's output is the microbatch's loss
+            ce = value
+        else:
+            ce = F.cross_entropy(value.float().flatten(0, 1), target.flatten())
         self._ce.append(ce.detach())
         return ce if acc is None else ce + acc
 
@@ -346,9 +394,15 @@ class PipelineRuntime:
         self._ce.clear()
         if self.working_weights is not None:  # the optimizer may not have written them
             self.working_weights.refresh()
+        graph_inputs = [inputs, targets] if self.loss_in_program else [inputs]
         # torch's stages check each microbatch's strides against the traced contiguous ones
-        args = (inputs.contiguous(),) if self.is_first else ()
-        kwargs = {"target": targets, "losses": []} if self.is_last else {}
+        graph_inputs = [t.contiguous() for t in graph_inputs]
+        args = tuple(graph_inputs) if self.is_first else ()
+        # graph inputs a later local stage reads (the targets of a fused loss), by keyword: the
+        # schedule splits them into microbatches and hands them to every local stage
+        kwargs: dict[str, Any] = {graph_input_key(i): graph_inputs[i] for i in self._side_inputs}
+        if self.is_last:
+            kwargs |= {"target": targets, "losses": []}
         if _STEP_TAKES_RETURN_OUTPUTS:
             kwargs["return_outputs"] = False  # the loss is all we need of the last stage
         with contextlib.ExitStack() as stack:
@@ -388,6 +442,22 @@ class PipelineRuntime:
     def measured_peak_bytes(self) -> dict[int, int]:
         """Peak saved-activation bytes per local stage (``measure_memory=True``)."""
         return {m.index: m.meter.peak for m in self.modules if m.meter is not None}
+
+
+def _returns_loss(split: Pipeline) -> bool:
+    """Whether the last stage's user output is a loss (a float scalar) rather than logits."""
+    last = split.stages[-1]
+    outputs = last.graph.graph.output_node().args[0]
+    val = outputs[0].meta.get("val") if outputs and isinstance(outputs[0], fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.dim() == 0 and val.is_floating_point()
+
+
+def _side_inputs(split: Pipeline, stage: int, graph_inputs: list[str]) -> list[int]:
+    """Indices of the graph inputs stage ``stage`` (after the first) reads itself: its trailing
+    inputs (see :mod:`moec.passes.pipeline.stages`)."""
+    if stage == 0:
+        return []
+    return [graph_inputs.index(n) for n in split.info[stage].inputs if n in graph_inputs]
 
 
 def _working_weights(modules: list[StageModule], plan: Plan) -> WorkingWeights | None:

@@ -3,7 +3,11 @@
 Stage s holds the units ``[starts[s], starts[s+1])`` (:mod:`~moec.passes.pipeline.units`).
 Values crossing a boundary become stage outputs and the next stage's inputs (threaded through
 intermediate stages when used further on); stage 0 receives the graph's inputs and the last
-stage sends the user outputs. Nodes that depend on no input data (``sym_size``, slices of
+stage sends the user outputs. A later stage that reads a graph input itself (the targets of a
+program that computes its loss, e.g. ``moec::linear_cross_entropy`` in the last stage) takes it
+as a trailing input after the values it receives: the runtime hands graph inputs to the stages
+that read them (torch's schedules pass keyword inputs to every stage), so they are never sent
+from stage to stage. Nodes that depend on no input data (``sym_size``, slices of
 buffers such as RoPE tables) are recomputed in every stage that reads them, with sizes re-read
 from the stage's own inputs; parameters live in the one stage that reads them (a parameter read
 by two stages, e.g. tied embeddings, is a :class:`PipelinePassError` naming it). Aux outputs
@@ -66,7 +70,9 @@ def build_split(
         )
         for s in range(num_stages + 1)
     ]
-    live[0] = list(gm.graph.find_nodes(op="placeholder"))
+    graph_inputs = list(gm.graph.find_nodes(op="placeholder"))
+    live = [[n for n in values if n.op != "placeholder"] for values in live]  # never sent
+    live[0] = graph_inputs
     stages, infos = [], []
     owners: dict[str, int] = {}
     for s in range(num_stages):
@@ -75,7 +81,10 @@ def build_split(
             (a, key) for a, key in zip(aux, sig.aux_outputs, strict=True) if stage_of.get(a) == s
         ]
         sends = user_outputs if s == num_stages - 1 else live[s + 1]
-        stage = _stage_program(program, s, live[s], mine, sends, stage_aux, set(stage_of))
+        reads = {a for n in mine for a in n.all_input_nodes}
+        side = [] if s == 0 else [n for n in graph_inputs if n in reads]
+        inputs = live[s] + side
+        stage = _stage_program(program, s, inputs, mine, sends, stage_aux, set(stage_of))
         if verify:
             verify_graph(stage.graph, f"pipeline (stage {s})", stage.signature)
         for name, _ in stage.graph.named_parameters():
@@ -90,7 +99,7 @@ def build_split(
                 index=s,
                 rank=stage_rank(s, p.pp, p.pp_schedule),
                 blocks=paths[starts[s] : ends[s]],
-                inputs=[n.name for n in live[s]],
+                inputs=[n.name for n in inputs],
                 outputs=[n.name for n in sends],
                 aux_outputs=[key for _, key in stage_aux],
                 flops=evaluate(CostTotals.of(cost.nodes, mine).flops, values)
