@@ -3,23 +3,34 @@ several GPUs, one process per GPU under torchrun: tokens/s/GPU and useful MFU, a
 efficiency against a single-GPU run of the same model (Table 51).
 
     torchrun --nproc-per-node 2 benchmarks/scaling.py --ep 2 [--path rowwise]
-    torchrun --nproc-per-node 2 benchmarks/scaling.py --pp 2 [--microbatches 4]
+    torchrun --nproc-per-node 2 benchmarks/scaling.py --pp 2 [--microbatches 4 8 16]
     ... --single results.json     # benchmarks/e2e.py --json output: prints the efficiency
+    ... --sync-trace              # where each host sync of one steady step comes from
 
 ``pp = 1``: the Trainer (data + expert parallel, dp = world, each rank 3 sequences of 8192 per
-step). ``pp > 1``: ``CompiledModel.train_step`` (the pipeline runtime, 1F1B over
-``--microbatches`` microbatches of 3 sequences, dp = world / pp), fused AdamW and clipping as the
-Trainer does. Useful FLOPs per token come from moec's cost model of the compiled program (the
-same count ``e2e.py`` uses); MFU divides by every GPU of the job.
+step). ``pp > 1``: ``CompiledModel.train_step`` (the pipeline runtime, 1F1B over each of
+``--microbatches`` counts of microbatches of 3 sequences, dp = world / pp), one row per count.
+The pipelined program is what the Trainer compiles at PP = 1: ``LanguageModelWithLoss(model)``
+on (inputs, targets), so the ``fused_loss`` pass puts ``moec::linear_cross_entropy`` in the last
+stage (``--unfused-loss``: ``loss.fused: false``, the unfused head and float32 cross-entropy),
+stepped by ``moec.optim.AdamW`` writing the bf16 working copies with its step counters on the
+device, clipped by the global norm through the optimizer's ``grad_scale``, as the Trainer does.
+The ``bubble`` column is 1F1B's idle fraction, (pp - 1) / (microbatches + pp - 1).
+Useful FLOPs per token come from moec's cost model of the compiled program (the same count
+``e2e.py`` uses); MFU divides by every GPU of the job.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import gc
 import json
 import os
 import tempfile
 import time
+import traceback
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -29,14 +40,18 @@ import moec
 from benchmarks.e2e import FULL, SMALL, dense_model, moe_plan, warm_up
 from moec.analysis.cost import graph_cost
 from moec.runtime.distributed import NO_MULTICAST_ENV, join_process_group
-from moec.runtime.metrics import bf16_peak_tflops, useful_mfu
+from moec.runtime.metrics import bf16_peak_tflops, sync_debug_mode, useful_mfu
 from moec.runtime.pipeline import build_pipeline_mesh, runtime_for
-from moec.train import TrainConfig, Trainer
+from moec.train import LanguageModelWithLoss, TrainConfig, Trainer
 
 
-def parallel_plan(s: dict, world: int, ep: int, pp: int, path: str, microbatches: int):
+def parallel_plan(
+    s: dict, world: int, ep: int, pp: int, path: str, microbatches: int, fused_loss: bool = True
+):
     parallel = {"dp": world // pp, "ep": ep, "pp": pp, "ep_path": path}
-    return moe_plan(s, parallel | ({"microbatches": microbatches} if pp > 1 else {}))
+    plan = moe_plan(s, parallel | ({"microbatches": microbatches} if pp > 1 else {}))
+    plan.loss.fused = fused_loss
+    return plan
 
 
 def trainer_step(s: dict, plan, device: torch.device) -> tuple[Callable, float, int]:
@@ -57,20 +72,50 @@ def pipeline_step(s: dict, plan, device: torch.device) -> tuple[Callable, float,
     batch = plan.parallel.microbatches * s["micro"]
     seqs = torch.randint(0, s["vocab"], (batch, s["seq"] + 1), device=device)
     inputs, targets = seqs[:, :-1], seqs[:, 1:]
-    compiled = moec.compile(dense_model(s).to(device), plan, (inputs[: s["micro"]],), mesh=mesh)
+    example = (inputs[: s["micro"]], targets[: s["micro"]])
+    model = LanguageModelWithLoss(dense_model(s).to(device))
+    compiled = moec.compile(model, plan, example, mesh=mesh)
     flops_per_token = graph_cost(compiled.program).evaluate().train_flops_per_token
-    runtime_for(
-        compiled,
-        optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=device.type == "cuda"),
-        grad_clip=1.0,
-    )
+    options = {"lr": 1e-4, "device_step": True}
+    runtime_for(compiled, optimizer_options=options, grad_clip=1.0)
     tokens = batch * s["seq"] / plan.parallel.pp
     return lambda: compiled.train_step((inputs, targets)), flops_per_token * tokens, tokens
 
 
-def measure(step: Callable, device: torch.device, steps: int, warmup: int) -> dict:
-    """Steady-state step time (the slowest rank's), host syncs, peak memory of this rank."""
+def sync_trace(step: Callable, device: torch.device) -> list[str]:
+    """Run ``step`` once in CUDA's sync debug mode and return, per synchronizing call, the
+    innermost frames of moec, benchmarks or torch.distributed that made it (empty on CPU)."""
+    if device.type != "cuda":
+        return []
+    found: list[str] = []
+    shown = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:
+        if "called a synchronizing CUDA operation" not in str(message):
+            return shown(message, category, filename, lineno, file, line)
+        frames = [
+            f"{f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}"
+            for f in traceback.extract_stack()[:-1]
+            if any(k in f.filename for k in ("moec/", "benchmarks/", "torch/distributed/"))
+        ]
+        found.append(" <- ".join(reversed(frames[-4:])))
+
+    with warnings.catch_warnings(), sync_debug_mode("warn"):
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        step()
+    return found
+
+
+def measure(
+    step: Callable, device: torch.device, steps: int, warmup: int, trace: bool = False
+) -> dict:
+    """Steady-state step time (the slowest rank's), host syncs, peak memory of this rank;
+    ``trace``: where this rank's syncs come from (printed)."""
     syncs = warm_up(step, device, warmup)
+    if trace:
+        for where, count in collections.Counter(sync_trace(step, device)).items():
+            print(f"rank {dist.get_rank()}: {count} x sync at {where}", flush=True)
     dist.barrier()
     start = time.perf_counter()
     for _ in range(steps):
@@ -83,25 +128,43 @@ def measure(step: Callable, device: torch.device, steps: int, warmup: int) -> di
     return {"step_s": float(seconds), "host_syncs_per_step": syncs, "peak_mem_gb": peak}
 
 
-def run(s: dict, ep: int, pp: int, path: str, microbatches: int, steps: int, warmup: int) -> dict:
+def run(
+    s: dict,
+    ep: int,
+    pp: int,
+    path: str,
+    microbatches: int,
+    steps: int,
+    warmup: int,
+    fused_loss: bool = True,
+    trace: bool = False,
+) -> dict:
     """Build, warm up and time one parallel configuration; the job's totals on every rank."""
     world = dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
         else torch.device("cpu")  # fmt: skip
     torch.manual_seed(0)  # the same dense init on every rank
-    plan = parallel_plan(s, world, ep, pp, path, microbatches)
+    plan = parallel_plan(s, world, ep, pp, path, microbatches, fused_loss)
     build = pipeline_step if pp > 1 else trainer_step
     step, flops, tokens = build(s, plan, device)
-    result = measure(step, device, steps, warmup)
+    result = measure(step, device, steps, warmup, trace)
+    del step  # the compiled model and its runtime: freed before the next configuration
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     totals = torch.tensor([flops, tokens], device=device, dtype=torch.float64)
     dist.all_reduce(totals)
     flops, tokens = totals.tolist()
     seconds = result["step_s"]
     peak_mem = torch.tensor([result["peak_mem_gb"]], device=device)
     dist.all_reduce(peak_mem, op=dist.ReduceOp.MAX)
+    config = f"dp={world // pp} ep={ep} pp={pp}" + (f" {path}" if ep > 1 else "")
+    if pp > 1:
+        config += f" mb={microbatches}" + ("" if fused_loss else " unfused")
     return {
-        "config": f"dp={world // pp} ep={ep} pp={pp}" + (f" {path}" if ep > 1 else ""),
+        "config": config,
         "gpus": world,
+        "bubble": (pp - 1) / (microbatches + pp - 1) if pp > 1 else 0.0,
         **result,
         "peak_mem_gb": float(peak_mem),
         "tokens_per_s_per_gpu": tokens / seconds / world,
@@ -110,14 +173,15 @@ def run(s: dict, ep: int, pp: int, path: str, microbatches: int, steps: int, war
 
 
 def report(rows: list[dict], single: dict | None) -> None:
-    print(f"{'':28} {'step s':>8} {'tok/s/GPU':>10} {'MFU':>6} {'peak GB':>8} {'syncs':>6} "
-          f"{'scaling':>8}")  # fmt: skip
+    print(f"{'':32} {'step s':>8} {'tok/s/GPU':>10} {'MFU':>6} {'peak GB':>8} {'syncs':>6} "
+          f"{'bubble':>7} {'scaling':>8}")  # fmt: skip
     for r in rows:
         mfu = "-" if r["useful_mfu"] is None else f"{100 * r['useful_mfu']:.1f}%"
         eff = "-" if single is None else f"{r['tokens_per_s_per_gpu'] / single['tokens_per_s']:.2f}"
         print(
-            f"{r['config']:28} {r['step_s']:8.3f} {r['tokens_per_s_per_gpu']:10.0f} {mfu:>6} "
-            f"{r['peak_mem_gb']:8.1f} {r['host_syncs_per_step']!s:>6} {eff:>8}"
+            f"{r['config']:32} {r['step_s']:8.3f} {r['tokens_per_s_per_gpu']:10.0f} {mfu:>6} "
+            f"{r['peak_mem_gb']:8.1f} {r['host_syncs_per_step']!s:>6} "
+            f"{100 * r['bubble']:6.1f}% {eff:>8}"
         )
 
 
@@ -140,7 +204,19 @@ def main() -> None:
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--path", default="auto", help="EP path (rowwise on CUDA by default)")
-    parser.add_argument("--microbatches", type=int, default=4, help="pipeline microbatches")
+    parser.add_argument(
+        "--microbatches",
+        type=int,
+        nargs="+",
+        default=[4],
+        help="pipeline microbatches per step; several counts: one row each (e.g. 4 8 16)",
+    )
+    parser.add_argument(
+        "--unfused-loss", action="store_true", help="pp > 1: loss.fused false (the old path)"
+    )
+    parser.add_argument(
+        "--sync-trace", action="store_true", help="print where each rank's host syncs come from"
+    )
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--small", action="store_true", help="a CPU-sized smoke run")
@@ -149,12 +225,32 @@ def main() -> None:
     args = parser.parse_args()
     init()
     s = SMALL if args.small else FULL
-    row = run(s, args.ep, args.pp, args.path, args.microbatches, args.steps, args.warmup)
+    counts = args.microbatches if args.pp > 1 else args.microbatches[:1]
+    rows = []
+    for microbatches in counts:
+        rows.append(
+            run(
+                s,
+                args.ep,
+                args.pp,
+                args.path,
+                microbatches,
+                args.steps,
+                args.warmup,
+                fused_loss=not args.unfused_loss,
+                trace=args.sync_trace,
+            )
+        )
+        if dist.get_rank() == 0:  # each row as soon as it is measured
+            report(rows[-1:], single_gpu(args.single))
     if dist.get_rank() == 0:
-        report([row], single_gpu(args.single))
+        if len(rows) > 1:
+            print("\nall rows:")
+            report(rows, single_gpu(args.single))
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"shape": s, "result": row}, f, indent=2)
+                result = rows[0] if len(rows) == 1 else rows
+                json.dump({"shape": s, "result": result}, f, indent=2)
     dist.destroy_process_group()
 
 
