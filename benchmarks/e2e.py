@@ -16,6 +16,9 @@ wide (24576: the width that gives the report's 2.01B total / 0.995B active param
             fp32 weights, and again with pure bf16 weights: the strongest baseline a careful
             user writes (skip with ``--no-compiled-baselines``)
   --inductor  moec again with ``plan.lowering.inductor`` (its dense ops through Inductor)
+  --cuda-graph  moec again with ``plan.lowering.cuda_graph`` (the step replayed as one CUDA
+            graph; with ``--inductor`` also both together). ``--small`` shows the launch-bound
+            end, where the graph matters most
 
 With quack-kernels installed, moec also runs with the policy it has without it (no CuTe DSL
 GEMMs), the ratio printed. Both step on the same synthetic batches.
@@ -23,7 +26,8 @@ Printed: steady-state step time, tokens/s, useful MFU
 (Eq. 95 with the GPU's dense BF16 peak; the same useful FLOPs for both, from moec's cost
 model), peak memory and host syncs per step (CUDA sync debug mode over one step).
 
-    python benchmarks/e2e.py [--steps 10] [--small] [--moec-only] [--inductor] [--json out.json]
+    python benchmarks/e2e.py [--steps 10] [--small] [--moec-only] [--inductor] [--cuda-graph]
+                             [--json out.json]
 
 The last column is each row's step time over moec's (moec's speedup over it).
 """
@@ -228,6 +232,18 @@ def measure(
     }
 
 
+def lowering_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, bool]]]:
+    """The ``plan.lowering`` settings asked for beside the default one: (row name, fields)."""
+    variants = []
+    if args.inductor:
+        variants.append(("moec + inductor", {"inductor": True}))
+    if args.cuda_graph:
+        variants.append(("moec + cuda graph", {"cuda_graph": True}))
+    if args.inductor and args.cuda_graph:
+        variants.append(("moec + inductor + graph", {"inductor": True, "cuda_graph": True}))
+    return variants
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
@@ -236,6 +252,11 @@ def main() -> None:
     parser.add_argument("--moec-only", action="store_true", help="skip the baselines")
     parser.add_argument(
         "--inductor", action="store_true", help="also moec with plan.lowering.inductor"
+    )
+    parser.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="also moec with plan.lowering.cuda_graph (with --inductor: both, too)",
     )
     parser.add_argument(
         "--no-compiled-baselines",
@@ -260,6 +281,7 @@ def main() -> None:
     trainer = Trainer(dense_model(s), moe_plan(s), cfg)
     flops = trainer.train_flops_per_token * tokens
     results = [measure("moec", trainer.train_step, device, args.steps, args.warmup, flops, tokens)]
+    results[0]["data_stalls"] = trainer.batches.stalls  # steps that waited for their batch
     if device.type == "cuda" and gemm_backend.have_quack():  # the policy before the CuTe DSL
         with gemm_backend.without_quack():
             common = (device, args.steps, args.warmup, flops, tokens)
@@ -267,13 +289,15 @@ def main() -> None:
         print(f"moec CuTe DSL policy: {results[1]['step_s'] / results[0]['step_s']:.3f}x")
     del trainer
     common = (device, args.steps, args.warmup, flops, tokens)
-    if args.inductor:
+    for name, lowering in lowering_variants(args):
         _release(device)
         torch.manual_seed(0)
         plan = moe_plan(s)
-        plan.lowering.inductor = True
+        for field, value in lowering.items():
+            setattr(plan.lowering, field, value)
         lowered = Trainer(dense_model(s), plan, cfg)
-        results.append(measure("moec + inductor", lowered.train_step, *common))
+        results.append(measure(name, lowered.train_step, *common))
+        results[-1]["data_stalls"] = lowered.batches.stalls
         del lowered
     baselines = {"eager sort+grouped_mm": {}}
     if not args.no_compiled_baselines:

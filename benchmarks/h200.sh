@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device session: the GPU tests and the benchmarks named as arguments, logs and JSON to $OUT.
 #   bash benchmarks/h200.sh tests movement layer e2e profile recompute precision gemm
+#   bash benchmarks/h200.sh graph-tests lowering lowering-small   # Inductor and the CUDA-graph step
 #   bash benchmarks/h200.sh multigpu ep scaling scale ddp-fsdp   # machines with several GPUs
 #   bash benchmarks/h200.sh wheel-part          # a call carrying one part of a split wheel (.whl-parts)
 #   bash benchmarks/h200.sh wheels cute-tests cute-gemm cute-layer   # the next, carrying .whl and
@@ -32,6 +33,9 @@ for stage in "$@"; do
     recompute) timeout $STAGE_LIMIT python -m benchmarks.recompute --full --steps 4 --out "$OUT/recompute_full.json" ;;
     precision) timeout $STAGE_LIMIT python benchmarks/precision_gemm.py --out "$OUT/precision_gemm.json" ;;
     gemm) timeout $STAGE_LIMIT python benchmarks/grouped_gemm.py --json "$OUT/gg.json" ;;
+    graph-tests) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_step_graph.py tests/gpu/test_sync_free.py ;;
+    lowering) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 6 --warmup 4 --inductor --cuda-graph --json "$OUT/e2e_lowering.json" ;;
+    lowering-small) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --small --steps 30 --warmup 5 --inductor --cuda-graph --json "$OUT/e2e_lowering_small.json" ;;
     e2e-moec) timeout $STAGE_LIMIT python benchmarks/e2e.py --moec-only --json "$OUT/e2e.json" ;;
     multigpu) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_multigpu.py ;;
     ep) timeout $STAGE_LIMIT $RUN benchmarks/ep.py --json "$OUT/ep.json" $([ "$GPUS" -gt 1 ] || echo --no-step) ;;

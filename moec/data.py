@@ -131,21 +131,25 @@ class Prefetcher:
     background thread (pinned there on CUDA, then copied without blocking the host). Asking for
     another step than the next one (a resume) restarts the read-ahead there; an error in
     loading (a bad token, say) is raised by the ``batch`` call of its step. The batches are
-    ``batches``' own, so a pure function of the step stays one."""
+    ``batches``' own, so a pure function of the step stays one. ``stalls`` counts the calls
+    whose batch was not loaded yet (the step waited for the data; 0 in a steady run)."""
 
     def __init__(self, batches: Batches, device: torch.device, depth: int = 2):
         self.batches, self.device, self.depth = batches, device, depth
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="moec-data") if depth else None
         self._ahead: deque[tuple[int, Future]] = deque()
+        self.stalls = 0
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._pool is None:
             return self._to_device(self._load(step))
-        if not self._ahead or self._ahead[0][0] != step:
+        if not self._ahead or self._ahead[0][0] != step:  # the first call, or a jump: no stall
             self._cancel()
             self._ahead.extend(
                 (s, self._pool.submit(self._load, s)) for s in range(step, step + self.depth)
             )
+        elif not self._ahead[0][1].done():
+            self.stalls += 1
         _, future = self._ahead.popleft()
         last = self._ahead[-1][0] if self._ahead else step
         self._ahead.append((last + 1, self._pool.submit(self._load, last + 1)))

@@ -23,6 +23,12 @@ parameters, moments, working copies and step counters keep their values, and the
 the one the skipped step would have been. Without a skipped step the results equal the
 host-counter path to float32 rounding (the bias corrections are float32 there).
 
+A learning rate on the device (``lr_on_device=True``, with ``device_step``): each group's
+learning rate is also a float32 device scalar that the update reads, written from the group's
+``lr`` (which schedulers set as usual) by :meth:`AdamW.write_lr` at every step outside a CUDA
+graph capture. A captured step (:mod:`moec.runtime.step_graph`) thus follows the schedule: the
+replaying code calls ``write_lr`` before each replay.
+
 Skip-step AdamW (the report's B.7): :class:`SpikeDetector` keeps the last ``window`` finite
 losses and gradient norms on the device and flags a step whose loss or norm exceeds their mean
 by more than ``sigma`` standard deviations, once ``min_steps`` steps are recorded; the trainer
@@ -49,7 +55,8 @@ class AdamWStep:
     update (1 for the first); the host-side factors both implementations use, as torch's
     single-tensor AdamW computes them."""
 
-    lr: float
+    lr: float | Tensor
+    """A host float, or a float32 device scalar (``lr_on_device``; needs a device ``step``)."""
     beta1: float
     beta2: float
     eps: float
@@ -116,10 +123,19 @@ class AdamW(torch.optim.AdamW):
         working_weights: WorkingWeights | None = None,
         foreach: bool | None = None,
         device_step: bool = False,
+        lr_on_device: bool = False,
     ):
+        if lr_on_device and not device_step:
+            raise ValueError(
+                "moec.optim.AdamW: lr_on_device derives the bias corrections on the device, "
+                "from the step counters there: set device_step=True too"
+            )
         super().__init__(params, lr, betas, eps, weight_decay, foreach=foreach)
         self.working_weights = working_weights
         self.device_step = device_step
+        self.lr_on_device = lr_on_device
+        self._device_lrs: dict[int, Tensor] = {}
+        """Group index -> its learning rate as a float32 device scalar (``lr_on_device``)."""
         # clip_gradients_ hands the clip factor over as grad_scale instead of scaling gradients
         self._step_supports_amp_scaling = True
         self.grad_scale: Tensor | None = None
@@ -138,6 +154,8 @@ class AdamW(torch.optim.AdamW):
                 "moec.optim.AdamW: found_inf skips a step on the device, which needs the step "
                 "counters there: build the optimizer with device_step=True"
             )
+        if self.lr_on_device and not _capturing():
+            self.write_lr()
         if self._torch_only():
             grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
             if grad_scale is not None:
@@ -146,6 +164,20 @@ class AdamW(torch.optim.AdamW):
         else:
             self._step(grad_scale, found_inf)
         return loss
+
+    def write_lr(self) -> None:
+        """Copy every group's ``lr`` into its device scalar (``lr_on_device``): a host-to-device
+        write, no read. Outside a capture ``step`` does it; a CUDA graph's replayer before each
+        replay."""
+        for index, group in enumerate(self.param_groups):
+            params = group["params"]
+            if not params:
+                continue
+            held = self._device_lrs.get(index)
+            if held is None:
+                held = torch.empty((), dtype=torch.float32, device=params[0].device)
+                self._device_lrs[index] = held
+            held.fill_(group["lr"])
 
     def ensure_state(self) -> None:
         """Create every parameter's state now (zero moments, step 0), as its first step would.
@@ -202,11 +234,15 @@ class AdamW(torch.optim.AdamW):
         counters = [self._state_of(param)["step"] for _, param in stepped]
         if counters:  # as torch's fused AdamW: count first, un-count the skipped step after
             torch._foreach_add_(counters, 1)
+        lrs = {
+            id(group): self._device_lrs.get(index) for index, group in enumerate(self.param_groups)
+        }
         for group, param in stepped:
             state = self.state[param]
             beta1, beta2 = group["betas"]
             step = state["step"] if self.device_step else float(state["step"])
-            hyper = (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
+            lr = lrs[id(group)] if self.lr_on_device else group["lr"]
+            hyper = (lr, beta1, beta2, group["eps"], group["weight_decay"])
             update = AdamWStep(*hyper, step=step)
             copy = self.working_weights.copy_of(param) if self.working_weights else None
             # an FSDP shard (DTensor) steps its local part, in place
@@ -246,8 +282,8 @@ class SpikeDetector:
         above = (x > mean + self.sigma * var.sqrt()).any()
         spike = (self.recorded >= self.min_steps) & above & finite
         slot = (self._slots == self.recorded % self.window) & finite
-        self.values = torch.where(slot, x[:, None], self.values)
-        self.recorded = self.recorded + finite
+        self.values.copy_(torch.where(slot, x[:, None], self.values))  # in place: capturable
+        self.recorded.add_(finite)
         return spike
 
     def state_dict(self) -> dict[str, Tensor]:
@@ -259,8 +295,13 @@ class SpikeDetector:
             raise ValueError(
                 f"spike statistics of a window of {values.shape[1]} steps, not {self.window}"
             )
-        self.values = values.to(self.values.device)
-        self.recorded = state["recorded"].to(self.recorded.device)
+        self.values.copy_(values)
+        self.recorded.copy_(state["recorded"])
+
+
+def _capturing() -> bool:
+    """Whether this thread's current CUDA stream is capturing a graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _local(tensor: Tensor) -> Tensor:

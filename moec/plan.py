@@ -258,6 +258,11 @@ class LoweringPlan:
     """Hand the final graph (each pipeline stage's on its own) to ``torch.compile``'s Inductor,
     which fuses the dense ops between moec's; the ``moec::`` ops stay opaque calls. Off by
     default until it measures faster on the GPU (benchmarks/e2e.py)."""
+    cuda_graph: bool = False
+    """Capture the steady-state training step (forward, backward, clipping, AdamW) as one CUDA
+    graph and replay it (:mod:`moec.runtime.step_graph`): the host launches one graph instead of
+    every kernel. Needs a CUDA device and one process; elsewhere the trainer says why and runs
+    eagerly. Off by default until it measures faster (benchmarks/e2e.py --cuda-graph)."""
 
     def validate(self) -> None:
         pass

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -152,6 +153,39 @@ def test_the_prefetcher_returns_the_batches_of_the_steps_asked_for():
         got, want = fetch.batch(step), data.batch(step)
         assert got[0].shape[0] == 2 + step % 3
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    fetch.close()
+
+
+class _Gated:
+    """Batches that load only once their step is released (a loader slower than the steps)."""
+
+    def __init__(self, data: TextBatches):
+        self.data, self.released = data, threading.Semaphore(0)
+
+    def batch(self, step: int):
+        self.released.acquire()
+        return self.data.batch(step)
+
+
+def test_the_prefetcher_counts_the_steps_that_waited_for_their_batch():
+    data = TextBatches(2, 8, seed=5, synthetic=True, vocab_size=100)
+    fetch = Prefetcher(data, torch.device("cpu"), depth=2)
+    fetch.batch(0)
+    fetch._ahead[-1][1].result()  # the read-ahead has caught up: the next steps do not wait
+    for step in (1, 2):
+        fetch.batch(step)
+        fetch._ahead[-1][1].result()
+    assert fetch.stalls == 0
+    gated = _Gated(data)
+    slow = Prefetcher(gated, torch.device("cpu"), depth=1)
+    gated.released.release()
+    slow.batch(0)  # the first call starts the read-ahead: never a stall
+    timer = threading.Timer(0.2, gated.released.release)
+    timer.start()  # step 1's batch is loaded only after the step asked for it
+    slow.batch(1)
+    assert slow.stalls == 1
+    gated.released.release()  # let the read-ahead of step 2 finish before closing
+    slow.close()
     fetch.close()
 
 

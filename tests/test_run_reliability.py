@@ -140,17 +140,22 @@ def test_a_non_finite_step_changes_no_parameter_nor_optimizer_state(tmp_path, dt
     assert all(torch.isfinite(p).all() for p in trainer.compiled.parameters())
 
 
-def test_device_step_adamw_skip_then_step_equals_one_step():
-    skip_then_step_equals_torch((7, 3))  # the torch-op reference on the CPU
+@pytest.mark.parametrize("lr_on_device", [False, True])
+def test_device_step_adamw_skip_then_step_equals_one_step(lr_on_device):
+    skip_then_step_equals_torch((7, 3), lr_on_device)  # the torch-op reference on the CPU
 
 
-def skip_then_step_equals_torch(shape: tuple[int, ...]) -> None:
-    """Skipping a step leaves moec's AdamW where it was: the step after it equals torch's."""
+def skip_then_step_equals_torch(shape: tuple[int, ...], lr_on_device: bool = False) -> None:
+    """Skipping a step leaves moec's AdamW where it was: the step after it equals torch's.
+    The learning rate follows a schedule (read from device memory with ``lr_on_device``)."""
     params = [torch.nn.Parameter(torch.randn(shape)) for _ in range(2)]
     twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
     kwargs = {"lr": 1e-2, "betas": (0.8, 0.95), "weight_decay": 0.1}
-    ours = AdamW(params, device_step=True, **kwargs)
+    ours = AdamW(params, device_step=True, lr_on_device=lr_on_device, **kwargs)
     theirs = torch.optim.AdamW(twins, foreach=False, **kwargs)
+    schedules = [
+        torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1 / (1 + s)) for o in (ours, theirs)
+    ]
     for skip in (False, True, False, False):
         grads = [torch.randn(shape) for _ in params]
         for p, t, g in zip(params, twins, grads, strict=True):
@@ -160,18 +165,22 @@ def skip_then_step_equals_torch(shape: tuple[int, ...]) -> None:
         ours.step()
         if not skip:
             theirs.step()
+        for schedule in schedules:  # the skipped step counts in both schedules
+            schedule.step()
     for p, t in zip(params, twins, strict=True):
         torch.testing.assert_close(p, t, rtol=1e-6, atol=1e-7)
         assert float(ours.state[p]["step"]) == 3
 
 
 def test_device_step_adamw_kernel_skips_under_the_interpreter():
-    """The Triton kernel's device step and found_inf (the Triton interpreter on the CPU)."""
+    """The Triton kernel's device step, device lr and found_inf (the Triton interpreter on the
+    CPU)."""
     script = (
         "from moec.kernels.adamw import kernel_applies; import torch; "
         "assert kernel_applies(torch.zeros(3000), torch.zeros(3000)); "
         "from tests.test_run_reliability import "
-        "skip_then_step_equals_torch; skip_then_step_equals_torch((3000,))"
+        "skip_then_step_equals_torch; skip_then_step_equals_torch((3000,)); "
+        "skip_then_step_equals_torch((3000,), lr_on_device=True)"
     )
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     subprocess.run([sys.executable, "-c", script], env=env, check=True, cwd=ROOT)

@@ -12,7 +12,9 @@ adamw_step_(param fp32, grad fp32|bf16, exp_avg, exp_avg_sq, copy bf16 | None, g
 
 ``update.step`` is a host float, or the parameter's step counter as a float32 device tensor
 (the count of this update, torch's capturable layout): the kernel then computes the
-bias corrections from it. ``found_inf`` (a float32 device scalar, nonzero to skip) masks every
+bias corrections from it. ``update.lr`` may be a float32 device scalar too (with a device step):
+the kernel reads it, so a captured CUDA graph follows the schedule's learning rate.
+``found_inf`` (a float32 device scalar, nonzero to skip) masks every
 load and store: a skipped update leaves the parameter, its moments and its copy as they were.
 torch's single-tensor AdamW in the same order (its ``lerp`` for weights below 1/2 is the
 exp_avg line), with IEEE division and square root, so results agree to float32 rounding (the
@@ -48,6 +50,7 @@ def _adamw_kernel(
     grad_scale_ptr,
     step_ptr,
     found_inf_ptr,
+    lr_ptr,
     # sizes and hyper-parameters (host floats: bias corrections are computed on the host)
     n,
     decay,
@@ -59,10 +62,12 @@ def _adamw_kernel(
     step_size,
     bias_correction2_sqrt,
     eps,
+    weight_decay,
     # meta-parameters
     HAS_COPY: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     DEVICE_STEP: tl.constexpr,
+    DEVICE_LR: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -70,6 +75,9 @@ def _adamw_kernel(
     if HAS_FOUND_INF:  # a skipped step touches no element
         n = tl.where(tl.load(found_inf_ptr) == 0, n, 0)
     mask = offs < n
+    if DEVICE_LR:  # as the host computes them from the float lr, in float32
+        lr = tl.load(lr_ptr)
+        decay = 1.0 - lr * weight_decay
     if DEVICE_STEP:
         step = tl.load(step_ptr)
         step_size = tl.div_rn(lr, 1.0 - tl.exp2(step * tl.log2(beta1)))
@@ -106,7 +114,12 @@ def adamw_step_(
     of one shape."""
     n = param.numel()
     device_step = isinstance(update.step, Tensor)
+    device_lr = isinstance(update.lr, Tensor)
+    if device_lr and not device_step:
+        raise ValueError("adamw_step_: a device lr needs the step counter on the device too")
     host = update if not device_step else dataclasses.replace(update, step=1.0)
+    if device_lr:  # the host-side factors are unused: the kernel derives them from the lr
+        host = dataclasses.replace(host, lr=1.0)
     _adamw_kernel[(triton.cdiv(n, BLOCK),)](
         param,
         grad,
@@ -116,9 +129,10 @@ def adamw_step_(
         param if grad_scale is None else grad_scale,
         update.step if device_step else param,
         param if found_inf is None else found_inf,
+        update.lr if device_lr else param,
         n,
-        update.decay,
-        update.lr,
+        host.decay,
+        host.lr,
         update.beta1,
         1 - update.beta1,
         update.beta2,
@@ -126,9 +140,11 @@ def adamw_step_(
         host.step_size,
         host.bias_correction2_sqrt,
         update.eps,
+        update.weight_decay,
         HAS_COPY=copy is not None,
         HAS_SCALE=grad_scale is not None,
         DEVICE_STEP=device_step,
+        DEVICE_LR=device_lr,
         HAS_FOUND_INF=found_inf is not None,
         BLOCK=BLOCK,
     )

@@ -72,7 +72,7 @@ class TrainingLoop:
         try:
             while t.step < cfg.steps:
                 with profiler.step(t.step) if profiler else contextlib.nullcontext():
-                    self._step()
+                    self._step(eager=profiler is not None and profiler.active)
                 window_steps, window_start = self._after_step(
                     log, progress, task, written, window_steps + 1, window_start
                 )
@@ -91,12 +91,15 @@ class TrainingLoop:
             window, t.compiled, t.out / "profile", rank=t.rank, device=t.device, say=t._say
         )
 
-    def _step(self) -> None:
+    def _step(self, eager: bool) -> None:
+        """One step; ``eager`` inside a profile window (no replayed CUDA graph)."""
         t = self.trainer
         if t.step == self.steady_from and self.syncs is None:
-            self.syncs = count_host_syncs(lambda: self.pending.append(t.train_step()), t.device)
+            self.syncs = count_host_syncs(
+                lambda: self.pending.append(t.train_step(eager)), t.device
+            )
         else:
-            self.pending.append(t.train_step())
+            self.pending.append(t.train_step(eager))
 
     def _after_step(
         self, log, progress, task, written: list[Path], window_steps: int, window_start: float
@@ -193,6 +196,7 @@ class TrainingLoop:
             "params": t.params,
             "active_params": t.active_params,
             "host_syncs_per_step": self.syncs,
+            "data_stalls": t.batches.stalls,
             "checkpoint_errors": t.checkpoint_errors,
         }
         if error is not None:

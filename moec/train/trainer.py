@@ -75,6 +75,7 @@ from moec.runtime.distributed import parameter_groups as dist_parameter_groups
 from moec.runtime.fsdp import set_gradient_sync
 from moec.runtime.materialize import FreshInit, SubmoduleSource, open_source
 from moec.runtime.metrics import bf16_peak_tflops, useful_mfu
+from moec.runtime.step_graph import StepGraph, graph_blocker
 from moec.train.config import (
     FRESH_INIT,
     TrainConfig,
@@ -159,12 +160,20 @@ class Trainer:
             check=self._check_memory,
         )
         self.reducer = GradientReducer(self.compiled, self.mesh) if self.mesh else None
+        graph_off = (
+            graph_blocker(self.device, self.mesh is not None)
+            if plan.lowering.cuda_graph
+            else "lowering.cuda_graph is off"
+        )
+        if plan.lowering.cuda_graph and graph_off:
+            self._say(f"note: lowering.cuda_graph: the step is not captured: {graph_off}")
         self.optimizer = AdamW(
             parameter_groups(self.compiled, cfg.weight_decay, cfg.no_decay),
             lr=cfg.lr,
             betas=cfg.betas,
             working_weights=self.compiled.working_weights,
             device_step=True,  # a non-finite step is skipped on the device
+            lr_on_device=graph_off is None,  # a replayed step reads the schedule's lr there
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(cfg))
         self.step = 0
@@ -190,6 +199,10 @@ class Trainer:
             else None
         )
         self.checkpoint_errors: list[str] = []
+        self.step_graph = (
+            StepGraph(self._device_step, self.optimizer.write_lr) if graph_off is None else None
+        )
+        """The step as a CUDA graph (``plan.lowering.cuda_graph`` where it can be captured)."""
 
     @property
     def data(self) -> Batches:
@@ -232,8 +245,26 @@ class Trainer:
         """Sequences in optimizer step ``step`` over all data-parallel ranks."""
         return global_batch_at(self.cfg, step, self.dp)
 
-    def train_step(self) -> torch.Tensor:
+    def train_step(self, eager: bool = False) -> torch.Tensor:
+        """One optimizer step; its loss (a device scalar). With ``plan.lowering.cuda_graph``
+        the device work is a replayed CUDA graph (:mod:`moec.runtime.step_graph`) unless
+        ``eager`` (a profiled step: its ranges need the ops launched one by one; the graph is
+        then captured again after a new warmup)."""
         inputs, targets = self.batches.batch(self.step)
+        if self.step_graph is not None and eager:
+            self.step_graph.release()
+        run = self._device_step if self.step_graph is None or eager else self.step_graph
+        total = run(inputs, targets)
+        self.scheduler.step()
+        self.step += 1
+        if self.first_loss is None:
+            self.first_loss = total
+        return total
+
+    def _device_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The step's device work: forward/backward per microbatch, gradient reduction,
+        clipping, the skip decision and AdamW. Capturable: it reads no host value that changes
+        between steps, and updates the run's device state in place."""
         micro = self.plan.parallel.microbatches
         total = torch.zeros((), device=self.device)
         pairs = list(zip(inputs.chunk(micro), targets.chunk(micro), strict=True))
@@ -258,11 +289,7 @@ class Trainer:
         self.optimizer.found_inf = skip.float()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
         self._count_nonfinite(nonfinite)
-        self.step += 1
-        if self.first_loss is None:
-            self.first_loss = total
         return total
 
     def _clip_gradients(self) -> torch.Tensor:
@@ -301,9 +328,10 @@ class Trainer:
         return mean / self.mesh.dp
 
     def _count_nonfinite(self, nonfinite: torch.Tensor) -> None:
+        """In place (a captured step's counters are the tensors the graph writes)."""
         self.skipped_steps += nonfinite
-        self.nonfinite_streak = (self.nonfinite_streak + 1) * nonfinite
-        self.longest_streak = torch.maximum(self.longest_streak, self.nonfinite_streak)
+        self.nonfinite_streak.add_(1).mul_(nonfinite)
+        self.longest_streak.copy_(torch.maximum(self.longest_streak, self.nonfinite_streak))
 
     # --- checkpoints ---------------------------------------------------------------------------
 
@@ -370,7 +398,7 @@ class Trainer:
         self.first_loss = None if first is None else first.to(self.device)
         for name in ("skipped_steps", "nonfinite_streak", "longest_streak", "spike_skipped_steps"):
             if name in extra:
-                setattr(self, name, extra[name].to(self.device))
+                getattr(self, name).copy_(extra[name])
         if self.spikes is not None and extra.get("spikes") is not None:
             self.spikes.load_state_dict(extra["spikes"])
 
@@ -525,6 +553,7 @@ class Trainer:
             "capacity_use": mean_of(layer["capacity_use"] for layer in layers),
             "lbl": mean_of(layer["lbl"] for layer in layers),
             "host_syncs_per_step": syncs,
+            "data_stalls": self.batches.stalls,
             "peak_memory_bytes": torch.cuda.max_memory_allocated(self.device)
             if self.device.type == "cuda"
             else None,
