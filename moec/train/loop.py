@@ -50,7 +50,10 @@ class TrainingLoop:
         self.losses: list[float] = []
         self.pending: list[torch.Tensor] = []
         self.start_step = trainer.step
-        self.steady_from = self.start_step + self.cfg.warmup_log_steps
+        warmup = self.cfg.warmup_log_steps
+        if trainer.step_graph is not None:  # its eager steps and its capture are not steady
+            warmup = max(warmup, trainer.step_graph.warmup + 1)
+        self.steady_from = self.start_step + warmup
         self.steady_start: float | None = None
         self.steady_steps = 0
         self.timed_s, self.timed_steps = 0.0, 0
