@@ -157,3 +157,35 @@ def test_pass_leaves_a_head_whose_classes_are_reshaped():
     gm = moec.trace(_HalvedClasses(), (h, targets))
     result = FusedLossPass().run(gm, PassContext(moec.Plan()))
     assert not result.modified and "class dimension" in result.stats["skipped"][0]
+
+
+def test_pipelined_program_fuses_the_head_into_its_last_stage():
+    """pp = 2: the pass runs before the split, the last stage returns the fused loss and reads
+    the targets itself (not sent from stage 0); running the stage graphs one after the other
+    gives the unfused PP = 1 program's loss (mean over the non-ignored tokens) and gradients."""
+    torch.manual_seed(0)
+    ids = tokens(2, 17)
+    inputs, targets = ids[:, :-1], ids[:, 1:].clone()
+    targets[:, ::4] = -100  # ignored positions: the mean is over the others, as at PP = 1
+    base = LanguageModelWithLoss(tiny_llama())
+    moe = {"num_experts": 4, "top_k": 2, "dense_first": 1}
+    plan = {"moe": moe, "parallel": {"pp": 2, "microbatches": 2}}
+    piped = moec.compile(base, plan, (inputs, targets))
+    unfused = _compiled(False, base, ids)
+    assert piped.pass_results["fused_loss"].stats["fused"] == 1
+    split = piped.program.pipeline
+    first, last = split.stages
+    assert split.info[0].inputs == ["inputs", "targets"]
+    assert split.info[1].inputs[-1] == "targets" and "targets" not in split.info[0].outputs
+    assert torch.ops.moec.linear_cross_entropy.default in [n.target for n in last.graph.graph.nodes]
+    sends = first.graph(inputs, targets)[: first.signature.num_user_outputs]
+    loss = last.graph(*sends, targets)[0]
+    assert loss.dim() == 0
+    expected = unfused(inputs, targets)
+    torch.testing.assert_close(loss, expected)
+    params = [p for p in unfused.parameters() if p.requires_grad]
+    names = [n for n, p in unfused.named_parameters() if p.requires_grad]
+    got = torch.autograd.grad(loss, [dict(piped.named_parameters())[n] for n in names])
+    want = torch.autograd.grad(expected, params)
+    for name, a, b in zip(names, got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
