@@ -3,7 +3,8 @@ trains each stage with its dense parameters sharded over its pipeline rank's two
 ranks, and gives the losses and parameters of the same plan with the dense parameters
 replicated (``dp_shard = 1``); each rank holds half of every sharded parameter of its stages,
 the compiled model's parameters are those shards, and a checkpoint of the sharded job loads
-into the replicated one."""
+into the replicated one; with the runtime's loss on the logits and with the fused LM-head loss
+in the last stage."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from moec.models.llama import Llama, LlamaConfig
 from moec.runtime import checkpoint
 from moec.runtime.distributed import DistributedError
 from moec.runtime.pipeline import build_pipeline_mesh, runtime_for
+from moec.train import LanguageModelWithLoss
 from tests.distributed import spawn
 
 CFG = LlamaConfig(vocab_size=128, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=128)
@@ -35,10 +37,17 @@ def _plan(schedule: str, dtype: str, dp_shard: int) -> moec.Plan:
     return moec.Plan.from_dict({"moe": MOE, "parallel": parallel, "precision": precision})
 
 
-def _job(plan: moec.Plan, x: torch.Tensor, seed: int):
+def _job(plan: moec.Plan, x: torch.Tensor, y: torch.Tensor, seed: int, loss: str):
+    """``loss``: "logits" (the runtime's cross-entropy on the last stage's logits) or "fused"
+    (the program computes its loss: the last stage's ``moec::linear_cross_entropy``)."""
     mesh = build_pipeline_mesh(plan)
     torch.manual_seed(seed)
-    compiled = moec.compile(Llama(CFG), plan, (x[:MB],), mesh=mesh, verify=False)
+    if loss == "fused":
+        model = LanguageModelWithLoss(Llama(CFG))
+        compiled = moec.compile(model, plan, (x[:MB], y[:MB]), mesh=mesh, verify=False)
+        assert compiled.pass_results["fused_loss"].stats["fused"] == 1
+    else:
+        compiled = moec.compile(Llama(CFG), plan, (x[:MB],), mesh=mesh, verify=False)
     runtime = runtime_for(compiled, optimizer=lambda ps: torch.optim.SGD(ps, lr=LR), grad_clip=CLIP)
     return compiled, runtime, mesh
 
@@ -47,12 +56,14 @@ def _full(param: torch.Tensor) -> torch.Tensor:
     return param.full_tensor() if isinstance(param, DTensor) else param.detach()
 
 
-def _worker(rank: int, world: int, schedule: str, dtype: str, seed: int, path: str) -> None:
+def _worker(
+    rank: int, world: int, schedule: str, dtype: str, loss: str, seed: int, path: str
+) -> None:
     g = torch.Generator().manual_seed(seed + rank % 2)  # one batch per data-parallel rank
     seq = torch.randint(0, CFG.vocab_size, (MB * MICRO, SEQ + 1), generator=g)
     x, y = seq[:, :-1], seq[:, 1:]
-    sharded, runtime, mesh = _job(_plan(schedule, dtype, 2), x, seed)
-    replicated, reference, _ = _job(_plan(schedule, dtype, 1), x, seed)
+    sharded, runtime, mesh = _job(_plan(schedule, dtype, 2), x, y, seed, loss)
+    replicated, reference, _ = _job(_plan(schedule, dtype, 1), x, y, seed, loss)
 
     # each rank holds half (dim 0) of every sharded parameter of its stages, and the compiled
     # model's parameters are those shards
@@ -87,11 +98,15 @@ def _worker(rank: int, world: int, schedule: str, dtype: str, seed: int, path: s
 
     # the zero-bubble schedules' split backward is refused by name, never run unsharded
     with pytest.raises(DistributedError, match="parallel.pp_schedule='zbv'"):
-        _job(_plan("zbv", dtype, 2), x, seed)
+        _job(_plan("zbv", dtype, 2), x, y, seed, loss)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule,dtype", [("1f1b", "fp32"), ("interleaved_1f1b", "bf16")])
-def test_pp2_fsdp2_trains_as_replicated_and_holds_half(tmp_path, schedule, dtype):
+@pytest.mark.parametrize(
+    "schedule,dtype,loss", [("1f1b", "fp32", "logits"), ("interleaved_1f1b", "bf16", "fused")]
+)
+def test_pp2_fsdp2_trains_as_replicated_and_holds_half(tmp_path, schedule, dtype, loss):
+    """(interleaved, bf16) with the fused LM-head loss in the last stage: each rank runs two
+    stages, both handed the targets by keyword, the last one reading them."""
     seed = int(torch.randint(0, 2**16, ()))
-    spawn(_worker, 4, schedule, dtype, seed, str(tmp_path / "ckpt"))
+    spawn(_worker, 4, schedule, dtype, loss, seed, str(tmp_path / "ckpt"))
