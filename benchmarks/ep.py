@@ -2,7 +2,7 @@
 training step, one process per GPU under torchrun (EP = the number of processes).
 
     torchrun --nproc-per-node N benchmarks/ep.py [--paths rowwise,sync_1d,a2a_capacity]
-        [--no-step] [--json out.json]
+        [--no-step] [--json out.json] [--overlap]
 
 - layer: the report's profiling-workload MoE layer on every rank (2 x 8192 tokens, d = 1536,
   32 routed experts top-8, SwiGLU width 1536, capacity factor 1.25; the shared expert is the
@@ -14,6 +14,16 @@ training step, one process per GPU under torchrun (EP = the number of processes)
   rank's routes send (or get back) / time, against NCCL ``all_to_all_single`` moving the same
   bytes in equal splits.
 - step: ``benchmarks/scaling.py``'s training step of the e2e model at dp = ep = N per path.
+- ``--overlap`` (issue #22), per path but ``sync_1d``: the layer as two batch halves in one run
+  three ways: ``whole`` (the layer above), ``halves`` (each half's fused exchanges, one after the
+  other) and ``two_batch`` (pass overlap's schedule: split exchanges, each wait after the other
+  half's experts); each half is routed on its own (the pass keeps the whole's routing: the same
+  work), and two_batch is first checked against halves. ``two_batch/N``: rowwise with its split
+  copies on N programs per column tile (``--split-programs``). ``exposed ms``: time the profiler
+  saw exchange kernels (NCCL, the rowwise push and barrier) run with no other kernel running,
+  one fwd+bwd. The step part then runs the e2e step with ``parallel.overlap`` none and
+  two_batch (``--step-micro`` sequences per rank, default 4: the pass halves an even batch;
+  rowwise dropless, since pass overlap keeps rowwise only where its rank capacity cannot bind).
 
 Times are the slowest rank's median over CUDA-event-timed iterations.
 """
@@ -31,6 +41,7 @@ import torch.distributed as dist
 
 from benchmarks import scaling
 from benchmarks.e2e import FULL
+from moec.runtime.metrics import bf16_peak_tflops, useful_mfu
 
 ops = torch.ops.moec
 LAYER = dict(tokens=2 * 8192, dim=1536, experts=32, top_k=8, width=1536, cf=1.25)
@@ -79,8 +90,8 @@ class Layer:
         self.w_down = (torch.randn(local, shape["width"], dim, **bf16) * 0.02).requires_grad_()
         self.group = dist.group.WORLD.group_name
 
-    def route(self, path: str):
-        logits = self.x.detach().float() @ self.router.t()
+    def route(self, path: str, x: torch.Tensor | None = None):
+        logits = (self.x if x is None else x).detach().float() @ self.router.t()
         _, weights, rows, offsets, _ = ops.route(
             logits, self.s["top_k"], self.s["cf"], "softmax", True, "learned"
         )
@@ -96,6 +107,35 @@ class Layer:
 
     def step(self, path: str) -> None:
         self.forward(path).backward(self.grad)
+
+    def two_batch(self, path: str, overlap: bool) -> torch.Tensor:
+        """The layer as two batch halves, each routed on its own: their fused exchanges one after
+        the other, or (``overlap``) pass overlap's schedule of split exchanges."""
+        half = self.x.shape[0] // 2
+        xs = [self.x[:half], self.x[half:]]
+        routed = [self.route(path, x) for x in xs]  # both layouts first, as the pass issues them
+        weights = [w for w, _ in routed]
+        comm = [
+            (s, r, sent, c, self.group, self.world, path) for _, (s, r, _, c, sent, _) in routed
+        ]
+        local = [layout[2] for _, layout in routed]
+
+        def experts(buffer, h):
+            return ops.expert_mlp(buffer, self.w_up, self.w_down, local[h], None, None, "swiglu")[0]
+
+        if not overlap:
+            outs = [
+                ops.ep_combine(experts(ops.ep_dispatch(xs[h], *comm[h]), h), weights[h], *comm[h])
+                for h in (0, 1)
+            ]
+            return torch.cat([o for o, _ in outs])
+        pending = [ops.ep_dispatch_issue(xs[h], None, *comm[h]) for h in (0, 1)]
+        returning = []
+        for h in (0, 1):  # B's dispatch runs under A's experts, A's combine under B's
+            y = experts(ops.ep_dispatch_wait(pending[h], *comm[h]), h)
+            returning.append(ops.ep_combine_issue(y, *comm[h]))
+        outs = [ops.ep_combine_wait(returning[h], weights[h], *comm[h])[0] for h in (0, 1)]
+        return torch.cat(outs)
 
     def transports(self, path: str, iters: int) -> dict:
         """Dispatch and combine forward alone, and NCCL all-to-all of the same bytes."""
@@ -145,29 +185,164 @@ def measure_layer(shape: dict, rank: int, world: int, paths: list[str], iters: i
     }
 
 
+COMM_KERNELS = ("nccl", "push_rows", "barrier")
+"""Name parts of the kernels that move rows between ranks (NCCL, the rowwise transport)."""
+
+
+def _union(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[list[int]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def exposed_comm_ms(fn: Callable[[], object]) -> float | None:
+    """Milliseconds of one ``fn()`` in which an exchange kernel runs and no other kernel does
+    (profiler trace of this rank; None on CPU)."""
+    if DEVICE != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        fn()
+        torch.cuda.synchronize()
+    comm, compute = [], []
+    for e in trace.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA or e.time_range.elapsed_us() <= 0:
+            continue
+        span = (e.time_range.start, e.time_range.end)
+        (comm if any(k in e.name.lower() for k in COMM_KERNELS) else compute).append(span)
+    exposed = 0.0
+    busy = _union(compute)
+    for start, end in _union(comm):
+        covered = sum(max(0, min(end, b) - max(start, a)) for a, b in busy)
+        exposed += end - start - covered
+    return exposed / 1e3
+
+
+def set_split_programs(programs: int | None) -> None:
+    """The rowwise split exchanges' copy-kernel grid cap (``moec.runtime.ep_rowwise``)."""
+    if DEVICE == "cuda":
+        from moec.runtime import ep_rowwise
+
+        ep_rowwise.SPLIT_PROGRAMS = programs
+
+
+def measure_overlap(
+    shape: dict, rank: int, world: int, paths: list[str], iters: int, split_programs: list[int]
+) -> dict:
+    """Per path: the layer whole, as halves one after the other, and as pass overlap's two
+    batches (fwd+bwd ms, exposed exchange ms); rowwise two_batch also with each cap of its copy
+    kernel's grid in ``split_programs`` (row ``two_batch/N``)."""
+    layer = Layer(shape, rank, world)
+    results = {}
+    for path in paths:
+        with torch.no_grad():
+            torch.testing.assert_close(
+                layer.two_batch(path, True), layer.two_batch(path, False), rtol=2e-2, atol=2e-3
+            )
+        runs = {
+            "whole": lambda p=path: layer.step(p),
+            "halves": lambda p=path: layer.two_batch(p, False).backward(layer.grad),
+            "two_batch": lambda p=path: layer.two_batch(p, True).backward(layer.grad),
+        }
+        results[path] = {}
+        for cap in [None] + (split_programs if path == "rowwise" else []):
+            set_split_programs(cap)
+            for name, run in runs.items():
+                if cap is not None and name != "two_batch":
+                    continue
+                label = name if cap is None else f"{name}/{cap}"
+                ms = timed(run, iters)
+                results[path][label] = {"fwd_bwd_ms": ms, "exposed_ms": exposed_comm_ms(run)}
+        set_split_programs(None)
+        if ops_pending():
+            raise RuntimeError(f"{path}: exchanges issued and never waited for")
+    return results
+
+
+def ops_pending() -> int:
+    from moec.ops.ep import pending_exchanges
+
+    return pending_exchanges()
+
+
+def measure_step(shape: dict, world: int, path: str, overlap: str, steps: int) -> dict:
+    """The e2e training step at dp = ep = world with ``parallel.overlap`` = ``overlap``."""
+    device = torch.device(DEVICE, torch.cuda.current_device()) if DEVICE == "cuda" else \
+        torch.device("cpu")  # fmt: skip
+    torch.manual_seed(0)  # the same dense init on every rank
+    plan = scaling.parallel_plan(shape, world, world, 1, path, 1)
+    plan.parallel.overlap = overlap
+    if path == "rowwise":
+        plan.moe.capacity_factor = None  # dropless: pass overlap keeps rowwise only so
+    step, flops, tokens = scaling.trainer_step(shape, plan, device)
+    result = scaling.measure(step, device, steps, 2)
+    del step
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    totals = torch.tensor([flops, tokens], device=device, dtype=torch.float64)
+    dist.all_reduce(totals)
+    flops, tokens = totals.tolist()
+    cf = "dropless" if plan.moe.capacity_factor is None else f"cf={plan.moe.capacity_factor}"
+    return {
+        "config": f"dp=ep={world} {path} {cf} b={shape['micro']} overlap={overlap}",
+        **result,
+        "tokens_per_s_per_gpu": tokens / result["step_s"] / world,
+        "useful_mfu": useful_mfu(flops, result["step_s"], world, bf16_peak_tflops(device)),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--paths", default="rowwise,sync_1d,a2a_capacity")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--no-step", action="store_true", help="layer and transports only")
+    parser.add_argument("--no-layer", action="store_true", help="the step only")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--small", action="store_true", help="a small shape (smoke run)")
     parser.add_argument("--json", help="write the results here (rank 0)")
+    parser.add_argument(
+        "--overlap", action="store_true", help="two-batch overlap against none (layer and step)"
+    )
+    parser.add_argument("--step-micro", type=int, default=4, help="--overlap step: batch/rank")
+    parser.add_argument(
+        "--split-programs",
+        default="8,32",
+        help="--overlap: rowwise two_batch also with its copy kernel capped to N programs/tile",
+    )
     args = parser.parse_args()
     scaling.init()
     rank, world = dist.get_rank(), dist.get_world_size()
     paths = args.paths.split(",")
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
-    layer = measure_layer(SMALL_LAYER if args.small else LAYER, rank, world, paths, args.iters)
-    results = {"ep": world, "device": name, "layer": layer, "step": []}
+    shape = SMALL_LAYER if args.small else LAYER
+    results = {"ep": world, "device": name, "step": []}
+    if args.overlap:
+        paths = [p for p in paths if p != "sync_1d"]  # it synchronizes: nothing to split
+        caps = [int(c) for c in args.split_programs.split(",") if c]
+        if not args.no_layer:
+            results["overlap"] = measure_overlap(shape, rank, world, paths, args.iters, caps)
+    elif not args.no_layer:
+        results["layer"] = measure_layer(shape, rank, world, paths, args.iters)
     if not args.no_step:
-        shape = scaling.SMALL if args.small else FULL
+        step_shape = scaling.SMALL if args.small else FULL
         for path in paths:
-            results["step"].append(scaling.run(shape, world, 1, path, 1, args.steps, 2))
+            if args.overlap:
+                step_shape = {**step_shape, "micro": args.step_micro}
+                for overlap in ("none", "two_batch"):
+                    row = measure_step(step_shape, world, path, overlap, args.steps)
+                    results["step"].append(row)
+            else:
+                results["step"].append(scaling.run(step_shape, world, 1, path, 1, args.steps, 2))
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()
     if rank == 0:
-        report(results, paths)
+        (report_overlap if args.overlap else report)(results, paths)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=2)
@@ -175,11 +350,13 @@ def main() -> None:
 
 
 def report(results: dict, paths: list[str]) -> None:
-    layer, base = results["layer"], results["layer"].get("sync_1d")
-    print(f"\nEP = {results['ep']} on {results['device']}: MoE layer fwd+bwd and transports")
-    print(f"{'path':14} {'layer ms':>9} {'vs sync_1d':>10} {'dispatch GB/s':>14} "
-          f"{'combine GB/s':>13} {'NCCL a2a GB/s':>14} {'dropped':>8}")  # fmt: skip
-    for path in paths:
+    layer = results.get("layer", {})
+    base = layer.get("sync_1d")
+    if layer:
+        print(f"\nEP = {results['ep']} on {results['device']}: MoE layer fwd+bwd and transports")
+        print(f"{'path':14} {'layer ms':>9} {'vs sync_1d':>10} {'dispatch GB/s':>14} "
+              f"{'combine GB/s':>13} {'NCCL a2a GB/s':>14} {'dropped':>8}")  # fmt: skip
+    for path in paths if layer else []:
         r = layer[path]
         ratio = "-" if base is None else f"{base['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x"
         print(
@@ -189,6 +366,33 @@ def report(results: dict, paths: list[str]) -> None:
     if results["step"]:
         print("\ntraining step of the e2e model")
         scaling.report(results["step"], None)
+
+
+def report_overlap(results: dict, paths: list[str]) -> None:
+    if "overlap" in results:
+        where = f"EP = {results['ep']} on {results['device']}"
+        print(f"\n{where}: MoE layer fwd+bwd, two-batch overlap")
+        print(f"{'path':14} {'schedule':12} {'ms':>8} {'exposed ms':>11} {'whole / this':>13}")
+    for path in paths if "overlap" in results else []:
+        rows = results["overlap"][path]
+        for name, r in rows.items():
+            exposed = "-" if r["exposed_ms"] is None else f"{r['exposed_ms']:.2f}"
+            ratio = rows["whole"]["fwd_bwd_ms"] / r["fwd_bwd_ms"]
+            print(f"{path:14} {name:12} {r['fwd_bwd_ms']:8.2f} {exposed:>11} {ratio:12.2f}x")
+    if results["step"]:
+        print("\ntraining step of the e2e model, overlap none vs two_batch")
+        print(
+            f"{'':52} {'step s':>8} {'tok/s/GPU':>10} {'MFU':>6} {'syncs':>6} {'none / this':>12}"
+        )
+        base = {}
+        for r in results["step"]:
+            key = r["config"].rsplit(" overlap=", 1)[0]
+            base.setdefault(key, r["step_s"])
+            mfu = "-" if r["useful_mfu"] is None else f"{100 * r['useful_mfu']:.1f}%"
+            print(
+                f"{r['config']:52} {r['step_s']:8.3f} {r['tokens_per_s_per_gpu']:10.0f} "
+                f"{mfu:>6} {r['host_syncs_per_step']!s:>6} {base[key] / r['step_s']:11.2f}x"
+            )
 
 
 if __name__ == "__main__":

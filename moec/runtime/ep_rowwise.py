@@ -82,6 +82,12 @@ def _workspace_for(rows: int, like: Tensor, pg: dist.ProcessGroup, lane: str = "
     return _workspace(rows, like.shape[-1], like.dtype, like.device, pg.group_name, lane)
 
 
+SPLIT_PROGRAMS: int | None = None
+"""Programs per column tile of a split exchange's copy kernel (None: one per route tile). A
+capped grid holds fewer SMs while the copy runs beside the expert GEMMs; ``benchmarks/ep.py
+--overlap`` measures both."""
+
+
 @functools.cache
 def _comm_stream(device: torch.device) -> torch.cuda.Stream:
     """The stream split exchanges run on (one per device)."""
@@ -136,7 +142,7 @@ def issue(
         if fill is not None:
             buffer.fill_(fill)
         handle.barrier(channel=0)
-        push_rows(x, address, peers, rows, top_k, weights)
+        push_rows(x, address, peers, rows, top_k, weights, SPLIT_PROGRAMS)
         handle.barrier(channel=0)
         out[:rows].copy_(buffer)
         done = torch.cuda.Event()
