@@ -256,7 +256,9 @@ class CompiledModel(nn.Module):
     def train_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
         """One optimizer step of a pipelined program (``plan.parallel.pp > 1``, compiled with
         ``mesh=build_pipeline_mesh(plan)``): ``batch = (inputs, targets)`` split into the plan's
-        microbatches. Returns the mean loss on the ranks holding the last stage, else None."""
+        microbatches; for a model that computes its loss (``LanguageModelWithLoss``, the fused
+        LM-head loss in the last stage) these are its two inputs. Returns the mean loss on the
+        ranks holding the last stage, else None."""
         from moec.runtime.pipeline import runtime_for
 
         return runtime_for(self).train_step(*batch)
