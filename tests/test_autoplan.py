@@ -164,7 +164,10 @@ def test_gpu_specs_and_probe_override(tmp_path):
     probe.write_text(json.dumps({"device": "x", "bf16_tflops": 700.0, "hbm_gbps": 4000}))
     probed = gpu_spec("h200", probe)
     assert probed.ceiling("bf16_tflops") == 700 and probed.ceiling("hbm_gbps") == 4000
-    assert probed.ceiling("fp8_tflops") == pytest.approx(1979 * 700 / 989)
+    assert probed.ceiling("fp8_tflops") == 110  # moec's measured FP8 step rate on sm90
+    assert gpu_spec("h100", {"bf16_tflops": 700.0}).ceiling("fp8_tflops") == pytest.approx(
+        1979 * 700 / 989
+    )  # an unmeasured FP8 rate scales with the measured bf16 one
     assert gpu_spec("b300", inter_node_gbps=50).ceiling("inter_node_gbps") == 50
     probe.write_text(json.dumps({"bf16_tflop": 1}))
     with pytest.raises(GPUSpecError, match="unknown GPU spec fields"):
@@ -348,3 +351,23 @@ def test_repeating_a_unit_counts_its_flops_in_the_useful_flops(profile):
     for prof in (profile, big):
         assert prof.useful_flops_per_token(1, 128) == pytest.approx(from_units(prof))
     assert big.useful_flops_per_token(1, 128) > profile.useful_flops_per_token(1, 128)
+
+
+@pytest.mark.slow
+def test_autoplan_validate_small_runs_on_the_cpu(tmp_path, capsys):
+    """benchmarks/autoplan_validate.py --small: the search's plans and the fitting examples are
+    trained, predicted vs measured printed, the calibration from a profiled step of the
+    one-GPU plan printed beside it, and the JSON written."""
+    from benchmarks.autoplan_validate import main
+
+    out = tmp_path / "result.json"
+    args = ["--small", "--top", "1", "--steps", "1", "--warmup", "1", "--calibrate"]
+    assert main([*args, "--out", str(tmp_path / "runs"), "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "calibrated from" in text and "pred/meas" in text and "cal/meas" in text
+    assert "chosen is fastest:" in text
+    data = json.loads(out.read_text())
+    names = {source for plan in data["plans"] for source in plan["sources"]}
+    assert "search #1" in names and "profiling_workload.yaml" in names
+    assert all("step_s" in plan for plan in data["plans"]), data["plans"]
+    assert data["calibrated_efficiency"]["gemm"] != Efficiency().gemm

@@ -145,6 +145,11 @@ _H200_MEASURED = (
     # 2 H200s over NV18 (EP = 2, session 4): NCCL all-to-all 519 GB/s per GPU; rowwise
     # dispatch 365 and combine 317 GB/s per GPU (the EP model's path factors, time.py).
     ("nvlink_gbps", 519.0, "RESULTS.md: NCCL all-to-all, EP=2"),
+    # benchmarks/autoplan_validate.py, one H200 (2026-11-30): the e2e step with fp8_rowwise
+    # routed experts took 712 ms against 296 ms in bf16 (the FP8 GEMM alone is 1.3x bf16,
+    # RESULTS.md; the step's FP8 expert MLPs run ~7x slower than the bf16 ones): moec's
+    # attainable FP8 rate on sm90 today, so the search does not pick FP8 there.
+    ("fp8_tflops", 110.0, "autoplan_validate.py: fp8_rowwise e2e step, 712 vs 296 ms bf16"),
 )
 GPUS: dict[str, GPUSpec] = {
     "h100": GPUSpec("H100", 81559 * MIB, 989.0, 1979.0, None, 3350.0, 450.0, 50.0),

@@ -5,9 +5,10 @@ writes it) or the defaults, and ``--calibrate RUN`` refits them to a profiled st
 (:mod:`~moec.autoplan.calibration`: a run of ``moec train --profile``, its ``ops_rank0.json``,
 a profiler trace or a list of samples) before the search; the factors used are printed.
 
-:func:`capture` builds the program the trainer compiles (model + next-token loss) on the meta
-device twice, at one rank and at ``dp = dp_shard = 2`` (to learn FSDP's layout), and profiles
-it; :func:`auto_plan` runs the search; :func:`add_plan_auto_parser` registers the subcommand
+:func:`capture` (:func:`capture_model` for a model made by a function) builds the program the
+trainer compiles (model + next-token loss) on the meta device twice, at one rank and at
+``dp = dp_shard = 2`` (to learn FSDP's layout), and profiles it; :func:`auto_plan` runs the
+search; :func:`add_plan_auto_parser` registers the subcommand
 under ``moec plan``.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -61,15 +63,25 @@ ParallelDefaults = {"dp": 1, "dp_shard": 1, "ep": 1, "pp": 1, "microbatches": 1}
 def capture(model_spec: str, plan: Plan) -> ModelProfile:
     """The profile of ``model_spec`` (a zoo name or ``file.py:factory``) under ``plan``'s MoE
     section, built on the meta device (any size works)."""
+    from moec.models.zoo import load_model
+
+    return capture_model(lambda: load_model(model_spec), plan, model_spec)
+
+
+def capture_model(
+    load: Callable[[], tuple[torch.nn.Module, tuple, dict]], plan: Plan, name: str = "model"
+) -> ModelProfile:
+    """The profile of the model ``load()`` returns (``(model, args, kwargs)``, called under
+    the meta device, its example one token tensor [batch, seq] of distinct sizes) with the
+    next-token loss, under ``plan``'s MoE section."""
     from moec.compiler import build_program
     from moec.debug import with_next_token_loss
-    from moec.models.zoo import load_model
 
     programs = []
     for parallel in ({}, {"dp": 2, "dp_shard": 2}):
         with torch.device("meta"):
-            model, inputs, kwargs = load_model(model_spec)
-        model, inputs = with_next_token_loss(model, inputs, kwargs, model_spec)
+            model, inputs, kwargs = load()
+        model, inputs = with_next_token_loss(model, inputs, kwargs, name)
         programs.append(build_program(model, _one_rank(plan, **parallel), inputs, {}, verify=False))
     return profile_program(*programs)
 
@@ -87,6 +99,7 @@ def auto_plan(
     memory_fraction: float = 0.92,
     top: int = 5,
     efficiency: str | Efficiency | None = None,
+    min_micro_seqs: int = 1,
 ) -> AutoPlanResult:
     """Search the plans of ``model`` (see :mod:`moec.autoplan`) with the time model's factors
     ``efficiency`` (an :class:`Efficiency` or its JSON file; default: the defaults), refitted
@@ -101,7 +114,9 @@ def auto_plan(
     captured = time.perf_counter()
     fitted = fit(measurement, spec, prior, profile) if measurement is not None else None
     eff = fitted.eff if fitted is not None else prior
-    request = Request(world, spec, global_batch, seq, memory_fraction, eff)
+    request = Request(
+        world, spec, global_batch, seq, memory_fraction, eff, min_micro_seqs=min_micro_seqs
+    )
     search = Search(profile, request)
     best = search.best(top)
     done = time.perf_counter()
@@ -173,6 +188,7 @@ def cmd_plan_auto(args: argparse.Namespace) -> int:
         args.memory_fraction,
         args.top,
         args.efficiency,
+        args.min_micro_seqs,
     )
     print(format_factors(result))
     if args.efficiency_out:
@@ -220,6 +236,13 @@ def add_plan_auto_parser(plan_subparsers: argparse._SubParsersAction) -> argpars
         "--memory-fraction", type=float, default=0.92, help="usable share of GPU memory"
     )
     auto.add_argument("--top", type=int, default=5, help="plans to print")
+    auto.add_argument(
+        "--min-micro-seqs",
+        type=int,
+        default=2,
+        help="fewest sequences per microbatch (moec train captures at the microbatch and "
+        "needs >= 2; 1 for a search on paper)",
+    )
     auto.add_argument("--out", help="write the chosen plan here (YAML)")
     auto.set_defaults(func=cmd_plan_auto)
     return auto

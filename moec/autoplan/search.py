@@ -65,6 +65,9 @@ class Request:
     """Share of the GPU's memory a plan may be predicted to use (allocator, buffers)."""
     eff: Efficiency = Efficiency()
     max_micro_seqs: int = 64
+    min_micro_seqs: int = 1
+    """Fewest sequences per microbatch: 2 for plans ``moec train`` runs today (it captures
+    the model at the microbatch, and a batch of 1 would specialise the capture)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +179,8 @@ class Search:
             for micro in _divisors(per_rank):
                 if micro > req.max_micro_seqs:
                     break
+                if micro < req.min_micro_seqs:
+                    continue
                 m = per_rank // micro
                 if pp > 1 and (m < pp or (v > 1 and m % pp)):
                     continue
