@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import moec
 from moec.models import Llama, LlamaConfig
@@ -318,7 +319,8 @@ def _unsplit_loss(model, x, y, microbatches: int) -> tuple[torch.Tensor, dict[st
 def _fused_loss_worker(rank: int, world: int) -> None:
     """PP = 2, every schedule: the program with the fused loss in its last stage gives the loss
     and gradients of the unfused program at PP = 1 (and of the unfused one pipelined); the
-    targets reach the last stage without being sent between stages; moec's AdamW trains it."""
+    targets reach the last stage without being sent between stages; moec's AdamW trains it,
+    clipped, and a steady step reads no device value on the host."""
     micro = 2 * world
     x, y = _batch(micro)
     parallel = {"pp": world, "microbatches": micro}
@@ -342,7 +344,7 @@ def _fused_loss_worker(rank: int, world: int) -> None:
         misses += _run_schedule(fused, mesh, schedule, v, x, y, micro, ref, " fused loss")
     misses += _run_schedule(unfused, mesh, "1f1b", 1, x, y, micro, ref, " unfused loss")
     assert not misses, "activation prediction off by more than 15%:\n" + "\n".join(misses)
-    runtime = runtime_for(fused, optimizer_options={"lr": 1e-3, "device_step": True})
+    runtime = runtime_for(fused, optimizer_options={"lr": 1e-3, "device_step": True}, grad_clip=1e3)
     assert runtime.loss_in_program and isinstance(runtime.optimizer, AdamW)
     losses = [fused.train_step((x, y)) for _ in range(STEPS)]
     if runtime.is_last:
@@ -350,6 +352,39 @@ def _fused_loss_worker(rank: int, world: int) -> None:
         assert losses[-1] < losses[0], losses
     else:
         assert all(loss is None for loss in losses)
+    with _HostReads() as reads:  # a steady step: clipped, device-step AdamW, working copies
+        fused.train_step((x, y))
+    assert not reads.found, f"rank {rank}: ops that read device values on the host: {reads.found}"
+
+
+class _HostReads(TorchDispatchMode):
+    """Records the ops that read tensor values on the host (``.item()``, ``bool(t)``, data-
+    dependent shapes): a CPU stand-in for CUDA's sync debug mode (it does not see ``tolist``,
+    blocking copies or synchronizations inside collectives)."""
+
+    OPS = {
+        torch.ops.aten._local_scalar_dense.default,
+        torch.ops.aten.is_nonzero.default,
+        torch.ops.aten.nonzero.default,
+        torch.ops.aten.masked_select.default,
+        torch.ops.aten._unique2.default,
+        torch.ops.aten.unique_consecutive.default,
+        torch.ops.aten.equal.default,
+    }
+
+    def __init__(self):
+        super().__init__()
+        self.found: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        mask = func is torch.ops.aten.index.Tensor and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]
+        )
+        unsized = func is torch.ops.aten.repeat_interleave.Tensor and "output_size" not in kwargs
+        if func in self.OPS or mask or unsized:
+            self.found.append(str(func))
+        return func(*args, **kwargs)
 
 
 @pytest.mark.slow
