@@ -15,7 +15,11 @@ on (inputs, targets), so the ``fused_loss`` pass puts ``moec::linear_cross_entro
 stage (``--unfused-loss``: ``loss.fused: false``, the unfused head and float32 cross-entropy),
 stepped by ``moec.optim.AdamW`` writing the bf16 working copies with its step counters on the
 device, clipped by the global norm through the optimizer's ``grad_scale``, as the Trainer does.
-The ``bubble`` column is 1F1B's idle fraction, (pp - 1) / (microbatches + pp - 1).
+The ``bubble`` column is 1F1B's idle fraction, (pp - 1) / (microbatches + pp - 1). Below each
+pipelined row: every rank's forward + backward of one microbatch through its stages alone (the
+inputs it received, replayed without P2P or optimizer), their balance, and the step 1F1B would
+take at the slowest stage's pace, (microbatches + pp - 1) x max: what the step has beyond it is
+P2P waits, the optimizer and clipping, and host time.
 Useful FLOPs per token come from moec's cost model of the compiled program (the same count
 ``e2e.py`` uses); MFU divides by every GPU of the job.
 """
@@ -79,7 +83,49 @@ def pipeline_step(s: dict, plan, device: torch.device) -> tuple[Callable, float,
     options = {"lr": 1e-4, "device_step": True}
     runtime_for(compiled, optimizer_options=options, grad_clip=1.0)
     tokens = batch * s["seq"] / plan.parallel.pp
-    return lambda: compiled.train_step((inputs, targets)), flops_per_token * tokens, tokens
+
+    def step() -> torch.Tensor | None:
+        return compiled.train_step((inputs, targets))
+
+    step.stage_ms = lambda: stage_ms(compiled, step, device)  # type: ignore[attr-defined]
+    return step, flops_per_token * tokens, tokens
+
+
+def stage_ms(compiled, step: Callable, device: torch.device, reps: int = 3) -> float:
+    """Forward + backward of one microbatch through this rank's stages alone (no P2P, no
+    bubble, no optimizer), in ms: the inputs each stage received in one more step, replayed.
+    Across ranks it shows the stage imbalance 1F1B runs at the pace of."""
+    runtime = runtime_for(compiled)
+    seen: dict[int, tuple] = {}
+    handles = [
+        m.register_forward_pre_hook(
+            lambda module, args, kwargs: seen.__setitem__(module.index, (args, kwargs)),
+            with_kwargs=True,
+        )
+        for m in runtime.modules
+    ]
+    step()
+    for handle in handles:
+        handle.remove()
+
+    def once() -> None:
+        for module in runtime.modules:
+            args, kwargs = seen[module.index]
+            args = [a.detach().requires_grad_(a.is_floating_point()) for a in args]
+            out = module(*args, **kwargs)
+            outs = [o for o in (out if isinstance(out, tuple) else (out,)) if o.requires_grad]
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
+    once()
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # outside any timed step
+    start = time.perf_counter()
+    for _ in range(reps):
+        once()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    runtime.optimizer.zero_grad(set_to_none=True)
+    return (time.perf_counter() - start) / reps * 1e3
 
 
 def sync_trace(step: Callable, device: torch.device) -> list[str]:
@@ -148,6 +194,11 @@ def run(
     build = pipeline_step if pp > 1 else trainer_step
     step, flops, tokens = build(s, plan, device)
     result = measure(step, device, steps, warmup, trace)
+    if pp > 1:  # every rank's stage time, in rank order (rank = pipeline rank * dp + dp rank)
+        mine = torch.tensor([step.stage_ms()], device=device, dtype=torch.float64)
+        ranks = [torch.zeros_like(mine) for _ in range(world)]
+        dist.all_gather(ranks, mine)
+        result["stage_ms_by_rank"] = [round(float(t), 1) for t in ranks]
     del step  # the compiled model and its runtime: freed before the next configuration
     gc.collect()
     if device.type == "cuda":
@@ -164,6 +215,8 @@ def run(
     return {
         "config": config,
         "gpus": world,
+        "pp": pp,
+        "microbatches": microbatches,
         "bubble": (pp - 1) / (microbatches + pp - 1) if pp > 1 else 0.0,
         **result,
         "peak_mem_gb": float(peak_mem),
@@ -183,6 +236,14 @@ def report(rows: list[dict], single: dict | None) -> None:
             f"{r['peak_mem_gb']:8.1f} {r['host_syncs_per_step']!s:>6} "
             f"{100 * r['bubble']:6.1f}% {eff:>8}"
         )
+        if "stage_ms_by_rank" in r:  # the 1F1B step the stage times alone predict
+            times = r["stage_ms_by_rank"]
+            slots = r["microbatches"] + r["pp"] - 1
+            print(
+                f"{'':4}stage fwd+bwd per microbatch, ms by rank: {times}; balance (mean/max) "
+                f"{sum(times) / len(times) / max(times):.3f}; (microbatches + pp - 1) x max = "
+                f"{slots * max(times) / 1e3:.3f} s"
+            )
 
 
 def single_gpu(path: str | None) -> dict | None:
