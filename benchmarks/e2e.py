@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import tempfile
 import time
@@ -196,6 +197,7 @@ class EagerTrainer:
 
 
 def _release(device: torch.device) -> None:
+    gc.collect()  # a trainer and its step graph refer to each other: free its memory pool now
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
@@ -221,6 +223,7 @@ def measure(
     final = float(losses[-1])  # reads the device: the end of the timed window
     seconds = (time.perf_counter() - start) / steps
     peak = bf16_peak_tflops(device)
+    print(f"{name}: {seconds:.4f} s/step", flush=True)  # kept if a later row fails
     return {
         "name": name,
         "step_s": seconds,
@@ -230,6 +233,9 @@ def measure(
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "host_syncs_per_step": syncs,
     }
+
+
+BASELINES = ("eager", "compiled-fp32", "compiled-bf16")
 
 
 def lowering_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, bool]]]:
@@ -262,6 +268,13 @@ def main() -> None:
         "--no-compiled-baselines",
         action="store_true",
         help="skip the hand-written MoE under torch.compile (fp32 weights + autocast, bf16)",
+    )
+    parser.add_argument(
+        "--baselines",
+        nargs="+",
+        choices=BASELINES,
+        default=list(BASELINES),
+        help="which hand-written baselines run (default: all three)",
     )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
@@ -299,11 +312,16 @@ def main() -> None:
         results.append(measure(name, lowered.train_step, *common))
         results[-1]["data_stalls"] = lowered.batches.stalls
         del lowered
-    baselines = {"eager sort+grouped_mm": {}}
-    if not args.no_compiled_baselines:
-        baselines["compiled, fp32 weights"] = {"compiled": True}
-        baselines["compiled, bf16 weights"] = {"compiled": True, "bf16_weights": True}
-    for name, options in ({} if args.moec_only else baselines).items():
+    baselines = {
+        "eager sort+grouped_mm": {},
+        "compiled, fp32 weights": {"compiled": True},
+        "compiled, bf16 weights": {"compiled": True, "bf16_weights": True},
+    }
+    chosen = [name for name, key in zip(baselines, BASELINES, strict=True) if key in args.baselines]
+    if args.no_compiled_baselines:
+        chosen = chosen[:1]
+    for name in [] if args.moec_only else chosen:
+        options = baselines[name]
         _release(device)
         torch.manual_seed(0)
         hand = EagerTrainer(hand_written(s, dense_model(s)), s, device, **options)

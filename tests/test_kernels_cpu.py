@@ -96,6 +96,20 @@ def test_route_equals_reference(tokens, num_experts, top_k, cf, gating, normaliz
 
 
 @interpreted
+def test_route_of_non_finite_logits_picks_valid_experts():
+    """A NaN row (a diverging step) gets in-range expert ids and NaN weights, so the loss is
+    NaN and the step is skipped, instead of an out-of-range id crashing the device."""
+    logits = torch.randn(40, 8)
+    logits[3] = float("nan")
+    logits[7, 2] = float("nan")
+    ids, weights, rows, offsets, counts = cuda.route(logits, 2, 1.0, "softmax", True, "learned")
+    assert ids.min() >= 0 and ids.max() < 8
+    assert ids[3].unique().numel() == 2 and 2 not in ids[7].tolist()
+    assert weights[3].isnan().all() and weights[7].isnan().all()
+    assert int(counts.sum()) == 80 and rows.max() < 80
+
+
+@interpreted
 def test_route_uniform_policy_and_lead_dims():
     logits = torch.randn(3, 20, 8)
     got = cuda.route(logits, 2, 1.0, "softmax", True, "uniform")

@@ -76,7 +76,9 @@ def _route_topk_kernel(
         picked = tl.zeros((BLOCK_T, K_P2), dtype=tl.float32)
         for k in tl.static_range(TOP_K):
             free = (chosen == 0) & col_ok[None, :]
-            cand = tl.where(free, x, float("-inf"))
+            # NaN ranks lowest, so a non-finite row still picks valid experts (its NaN
+            # weights make the loss NaN and the step is skipped, never an out-of-range id)
+            cand = tl.where(free & (x == x), x, float("-inf"))
             best = tl.max(cand, axis=1)
             idx = tl.min(tl.where(free & (cand == best[:, None]), cols[None, :], N_P2), axis=1)
             hit = cols[None, :] == idx[:, None]

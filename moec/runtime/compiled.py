@@ -229,6 +229,12 @@ class CompiledModel(nn.Module):
             raise MoecError("no aux losses: run a forward pass of a model with MoE blocks first")
         return total
 
+    def detach_aux_outputs(self) -> None:
+        """Detach the last forward's aux outputs (after its backward): nothing then keeps that
+        step's autograd graph alive, whose parameters' gradient accumulators would pin the
+        stream of the step that made them (a CUDA graph capture needs its own)."""
+        self.aux_outputs = {key: value.detach() for key, value in self.aux_outputs.items()}
+
     def routing_stats(self) -> dict[str, dict[str, Any]]:
         """Per MoE block: losses, load, drops, capacity use. Reads the device: not in a step."""
         stats: dict[str, dict[str, Any]] = {}

@@ -106,9 +106,10 @@ class StepGraph:
                 output = self.step(*self._inputs)
         except RuntimeError as exc:
             self.release()
+            cause = _first_error(exc)
             raise StepGraphError(
                 "lowering.cuda_graph: capturing the training step failed "
-                f"({type(exc).__name__}: {str(exc).splitlines()[0]}). A step that reads the "
+                f"({type(cause).__name__}: {str(cause).splitlines()[0]}). A step that reads the "
                 "device (a host sync: .item(), a data-dependent shape, the sync_1d EP path) or "
                 "calls a CUDA API that graphs do not allow cannot be captured; run one step "
                 'under torch.cuda.set_sync_debug_mode("error") to find the op, or set '
@@ -121,3 +122,11 @@ class StepGraph:
             )
         self._graph, self._output = graph, output
         self.captures += 1
+
+
+def _first_error(exc: BaseException) -> BaseException:
+    """The error that broke the capture: ending an invalidated capture raises again, with the
+    first one as its context."""
+    while exc.__context__ is not None and exc.__cause__ is None:
+        exc = exc.__context__
+    return exc

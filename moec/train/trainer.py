@@ -277,6 +277,7 @@ class Trainer:
                 objective = loss + self.compiled.aux_loss() if has_moe else loss
                 (objective / micro).backward()
             total = total + loss.detach() / micro
+        self.compiled.detach_aux_outputs()  # the step keeps no autograd graph alive
         if self.reducer is not None:
             self.reducer.finish()
         norm = self._clip_gradients()

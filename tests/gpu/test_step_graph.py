@@ -10,7 +10,7 @@ import torch
 from moec.plan import Plan
 from moec.runtime.metrics import run_without_host_sync
 from moec.train import Trainer
-from tests.test_run_reliability import PLAN, _cfg, tiny_llama
+from tests.test_run_reliability import PLAN, _cfg, _optimizer_state, tiny_llama
 
 pytestmark = [
     pytest.mark.gpu,
@@ -48,28 +48,29 @@ def test_the_graphed_step_trains_as_the_eager_step(tmp_path, bf16):
     assert torch.equal(graphed.spikes.values, eager.spikes.values)
     for p in graphed.compiled.parameters():  # the AdamW step counters advanced in the graph
         assert float(graphed.optimizer.state[p]["step"]) == 8
-    assert graphed.compiled.working_weights.refresh() == 0  # the graph wrote every copy
+    if bf16:  # the graph wrote every working copy
+        assert graphed.compiled.working_weights.refresh() == 0
     losses = run_without_host_sync(graphed.train_step, 2)  # replays
     assert all(torch.isfinite(loss) for loss in losses)
 
 
 def test_a_non_finite_replayed_step_is_skipped(tmp_path):
     trainer = _trainer(tmp_path, "nan", graph=True)
+    poison = torch.ones((), device="cuda")  # read by the replays: NaN poisons a gradient
+    param = next(p for p in trainer.compiled.parameters() if p.requires_grad)
+    param.register_hook(lambda g: g * poison)
     for _ in range(4):
         trainer.train_step()
     assert trainer.step_graph.captured
-    before = [p.detach().clone() for p in trainer.compiled.parameters()]
-    with torch.no_grad():  # the next forward's loss (and gradients) become NaN
-        trainer.compiled.graph.get_parameter(_first_norm(trainer)).fill_(float("nan"))
+    before = [t.clone() for t in _optimizer_state(trainer)]
+    poison.fill_(float("nan"))
     trainer.train_step()
     assert int(trainer.skipped_steps) == 1 and int(trainer.longest_streak) == 1
-    after = list(trainer.compiled.parameters())
-    changed = [not torch.equal(a, b) for a, b in zip(before, after, strict=True)]
-    assert sum(changed) == 1  # only the poisoned norm weight differs from before the step
-
-
-def _first_norm(trainer: Trainer) -> str:
-    return next(n for n, _ in trainer.compiled.graph.named_parameters() if "norm" in n)
+    after = _optimizer_state(trainer)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    poison.fill_(1.0)
+    trainer.train_step()
+    assert int(trainer.skipped_steps) == 1 and int(trainer.nonfinite_streak) == 0
 
 
 def test_a_new_batch_shape_and_an_eager_step_capture_again(tmp_path):
