@@ -4,6 +4,7 @@ efficiency against a single-GPU run of the same model (Table 51).
 
     torchrun --nproc-per-node 2 benchmarks/scaling.py --ep 2 [--path rowwise]
     torchrun --nproc-per-node 2 benchmarks/scaling.py --pp 2 [--microbatches 4 8 16]
+    ... --pp 2 --schedule interleaved_1f1b      # or zbv / dualpipev (2 stages per rank)
     ... --single results.json     # benchmarks/e2e.py --json output: prints the efficiency
     ... --sync-trace              # where each host sync of one steady step comes from
 
@@ -15,11 +16,13 @@ on (inputs, targets), so the ``fused_loss`` pass puts ``moec::linear_cross_entro
 stage (``--unfused-loss``: ``loss.fused: false``, the unfused head and float32 cross-entropy),
 stepped by ``moec.optim.AdamW`` writing the bf16 working copies with its step counters on the
 device, clipped by the global norm through the optimizer's ``grad_scale``, as the Trainer does.
-The ``bubble`` column is 1F1B's idle fraction, (pp - 1) / (microbatches + pp - 1). Below each
-pipelined row: every rank's forward + backward of one microbatch through its stages alone (the
-inputs it received, replayed without P2P or optimizer), their balance, and the step 1F1B would
-take at the slowest stage's pace, (microbatches + pp - 1) x max: what the step has beyond it is
-P2P waits, the optimizer and clipping, and host time.
+``--schedule`` picks ``parallel.pp_schedule`` (2 stages per rank for all but gpipe and 1f1b).
+The ``bubble`` column is the schedule's idle fraction, (pp - 1) / (v x microbatches + pp - 1)
+for gpipe, 1f1b and interleaved 1F1B with v stages per rank ("-" for zbv and dualpipev). Below
+each pipelined row: every rank's forward + backward of one microbatch through its stages alone
+(the inputs it received, replayed without P2P or optimizer), their balance, and the step the
+schedule would take at the slowest rank's pace, (microbatches + (pp - 1) / v) x max: what the
+step has beyond it is P2P waits, the optimizer and clipping, and host time.
 Useful FLOPs per token come from moec's cost model of the compiled program (the same count
 ``e2e.py`` uses); MFU divides by every GPU of the job.
 """
@@ -43,17 +46,31 @@ import torch.distributed as dist
 import moec
 from benchmarks.e2e import FULL, SMALL, dense_model, moe_plan, warm_up
 from moec.analysis.cost import graph_cost
+from moec.analysis.pipeline_schedule import V_SHAPED
 from moec.runtime.distributed import NO_MULTICAST_ENV, join_process_group
 from moec.runtime.metrics import bf16_peak_tflops, sync_debug_mode, useful_mfu
 from moec.runtime.pipeline import build_pipeline_mesh, runtime_for
 from moec.train import LanguageModelWithLoss, TrainConfig, Trainer
 
+ONE_STAGE_PER_RANK = ("gpipe", "1f1b")
+ZERO_BUBBLE = V_SHAPED
+
 
 def parallel_plan(
-    s: dict, world: int, ep: int, pp: int, path: str, microbatches: int, fused_loss: bool = True
+    s: dict,
+    world: int,
+    ep: int,
+    pp: int,
+    path: str,
+    microbatches: int,
+    fused_loss: bool = True,
+    schedule: str = "1f1b",
 ):
     parallel = {"dp": world // pp, "ep": ep, "pp": pp, "ep_path": path}
-    plan = moe_plan(s, parallel | ({"microbatches": microbatches} if pp > 1 else {}))
+    if pp > 1:
+        v = 1 if schedule in ONE_STAGE_PER_RANK else 2
+        parallel |= {"microbatches": microbatches, "pp_schedule": schedule, "virtual_stages": v}
+    plan = moe_plan(s, parallel)
     plan.loss.fused = fused_loss
     return plan
 
@@ -184,13 +201,15 @@ def run(
     warmup: int,
     fused_loss: bool = True,
     trace: bool = False,
+    schedule: str = "1f1b",
 ) -> dict:
     """Build, warm up and time one parallel configuration; the job's totals on every rank."""
     world = dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
         else torch.device("cpu")  # fmt: skip
     torch.manual_seed(0)  # the same dense init on every rank
-    plan = parallel_plan(s, world, ep, pp, path, microbatches, fused_loss)
+    plan = parallel_plan(s, world, ep, pp, path, microbatches, fused_loss, schedule)
+    v = plan.parallel.virtual_stages
     build = pipeline_step if pp > 1 else trainer_step
     step, flops, tokens = build(s, plan, device)
     result = measure(step, device, steps, warmup, trace)
@@ -211,13 +230,14 @@ def run(
     dist.all_reduce(peak_mem, op=dist.ReduceOp.MAX)
     config = f"dp={world // pp} ep={ep} pp={pp}" + (f" {path}" if ep > 1 else "")
     if pp > 1:
-        config += f" mb={microbatches}" + ("" if fused_loss else " unfused")
+        config += f" {schedule} mb={microbatches}" + ("" if fused_loss else " unfused")
     return {
         "config": config,
         "gpus": world,
         "pp": pp,
         "microbatches": microbatches,
-        "bubble": (pp - 1) / (microbatches + pp - 1) if pp > 1 else 0.0,
+        "virtual_stages": v,
+        "bubble": None if schedule in ZERO_BUBBLE else (pp - 1) / (v * microbatches + pp - 1),
         **result,
         "peak_mem_gb": float(peak_mem),
         "tokens_per_s_per_gpu": tokens / seconds / world,
@@ -226,23 +246,24 @@ def run(
 
 
 def report(rows: list[dict], single: dict | None) -> None:
-    print(f"{'':32} {'step s':>8} {'tok/s/GPU':>10} {'MFU':>6} {'peak GB':>8} {'syncs':>6} "
+    print(f"{'':44} {'step s':>8} {'tok/s/GPU':>10} {'MFU':>6} {'peak GB':>8} {'syncs':>6} "
           f"{'bubble':>7} {'scaling':>8}")  # fmt: skip
     for r in rows:
         mfu = "-" if r["useful_mfu"] is None else f"{100 * r['useful_mfu']:.1f}%"
         eff = "-" if single is None else f"{r['tokens_per_s_per_gpu'] / single['tokens_per_s']:.2f}"
+        bubble = "-" if r["bubble"] is None else f"{100 * r['bubble']:.1f}%"
         print(
-            f"{r['config']:32} {r['step_s']:8.3f} {r['tokens_per_s_per_gpu']:10.0f} {mfu:>6} "
+            f"{r['config']:44} {r['step_s']:8.3f} {r['tokens_per_s_per_gpu']:10.0f} {mfu:>6} "
             f"{r['peak_mem_gb']:8.1f} {r['host_syncs_per_step']!s:>6} "
-            f"{100 * r['bubble']:6.1f}% {eff:>8}"
+            f"{bubble:>7} {eff:>8}"
         )
         if "stage_ms_by_rank" in r:  # the 1F1B step the stage times alone predict
             times = r["stage_ms_by_rank"]
-            slots = r["microbatches"] + r["pp"] - 1
+            slots = r["microbatches"] + (r["pp"] - 1) / r["virtual_stages"]
             print(
-                f"{'':4}stage fwd+bwd per microbatch, ms by rank: {times}; balance (mean/max) "
-                f"{sum(times) / len(times) / max(times):.3f}; (microbatches + pp - 1) x max = "
-                f"{slots * max(times) / 1e3:.3f} s"
+                f"{'':4}stages' fwd+bwd per microbatch, ms by rank: {times}; balance (mean/max) "
+                f"{sum(times) / len(times) / max(times):.3f}; (microbatches + (pp - 1) / v) x "
+                f"max = {slots * max(times) / 1e3:.3f} s"
             )
 
 
@@ -273,6 +294,12 @@ def main() -> None:
         help="pipeline microbatches per step; several counts: one row each (e.g. 4 8 16)",
     )
     parser.add_argument(
+        "--schedule",
+        default="1f1b",
+        choices=["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"],
+        help="pp > 1: parallel.pp_schedule (2 stages per rank for the last three)",
+    )
+    parser.add_argument(
         "--unfused-loss", action="store_true", help="pp > 1: loss.fused false (the old path)"
     )
     parser.add_argument(
@@ -300,6 +327,7 @@ def main() -> None:
                 args.warmup,
                 fused_loss=not args.unfused_loss,
                 trace=args.sync_trace,
+                schedule=args.schedule,
             )
         )
         if dist.get_rank() == 0:  # each row as soon as it is measured
