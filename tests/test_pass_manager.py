@@ -46,6 +46,7 @@ def test_every_pass_runs_after_what_it_declares():
                 "moe",
                 "expert_parallel",
                 "precision",
+                "fused_loss",  # in the last pipeline stage
                 "shared_casts",
                 "fuse_rope",
                 "fuse_glu",
