@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import moec
-from moec.analysis.cost.overlap import exposed_comm, overlap_gain
+from moec.analysis.cost.overlap import exposed_comm, overlap_gain, two_batch_half_share
 from moec.models import Llama, LlamaConfig
 from moec.ops import ep as ep_ops
 from moec.passes.manager import default_pipeline
@@ -251,3 +251,20 @@ def test_exposed_comm_rejects_bad_inputs():
         exposed_comm(1.0, 1.0, -1.0)
     with pytest.raises(ValueError, match="'none' or 'two_batch'"):
         exposed_comm(1.0, 1.0, 1.0, "three_batch")
+
+
+def test_a2a_capacity_halves_keep_the_whole_capacity_and_move_up_to_twice_the_bytes():
+    # T = 64 tokens, C = 16 <= T/2: each half's buffer is the whole's, N * C rows
+    assert two_batch_half_share("a2a_capacity", 64, 16) == 1.0
+    assert two_batch_half_share("a2a_capacity", 64, 48) == pytest.approx(32 / 48)
+    assert two_batch_half_share("a2a_capacity", 64, None) == 0.5  # dropless: C = T
+    assert two_batch_half_share("rowwise", 64, 16) == 0.5
+    doubled = exposed_comm(8e6, 4e9, 5e-3, "two_batch", half_share=1.0)
+    assert doubled.comm == pytest.approx(4e-3)  # four exchanges of the whole's dispatch bytes
+    assert doubled.exposed == pytest.approx(2e-3)  # A.dispatch and B.combine, a half each
+    assert overlap_gain(8e6, 4e9, 5e-3, half_share=1.0) == pytest.approx(0.0)
+    assert overlap_gain(8e6, 4e9, 1e-3, half_share=1.0) < 0  # too little compute: it costs
+    with pytest.raises(ValueError, match="half_share"):
+        exposed_comm(1.0, 1.0, 1.0, "two_batch", half_share=1.5)
+    with pytest.raises(ValueError, match="'a2a_capacity' or 'rowwise'"):
+        two_batch_half_share("sync_1d", 64, 16)

@@ -16,6 +16,16 @@ takes ``latency + b / bandwidth``.
   ``exposed = makespan - compute``. Each half pays the latency again, so with latency-bound
   exchanges overlap can expose more than it hides.
 
+A half moves ``half_share`` of the whole's bytes per exchange: one half for ``rowwise`` (its rank
+capacity halves with the tokens), but for ``a2a_capacity`` each half's buffer keeps the whole's
+per-expert capacity ``C`` (pass overlap keeps the routing exact, and any expert's accepted routes
+may all come from one half), so a half moves ``min(T/2, C) / C`` of the whole's bytes: up to all
+of them, twice the traffic in all (:func:`two_batch_half_share`). Measured on two H200s (issue #22,
+``benchmarks/ep.py --overlap``, the report's layer): the split exchanges cut the exposed
+exchange time of the two halves from 3.7 to 0.2 ms (a2a_capacity) and from 4.9 to 2.6 ms
+(rowwise), but running beside the expert GEMMs slows both (NCCL's and the push kernel's SMs),
+and two halves cost more than one whole (two layouts, smaller GEMMs): neither is modelled here.
+
 Backward mirrors the forward (two exchanges per block, in the reversed order, against the
 expert GEMMs' backward), so the same function answers for it with the backward's compute time.
 """
@@ -51,16 +61,36 @@ def _exchange(nbytes: float, bandwidth: float, latency: float) -> float:
     return latency + nbytes / bandwidth
 
 
+def two_batch_half_share(path: str, tokens: int, capacity: int | None = None) -> float:
+    """Bytes one two_batch half moves per exchange, as a fraction of the whole's: ``rowwise``
+    (or dropless) 0.5; ``a2a_capacity`` ``min(T/2, C) / C`` for ``T`` tokens of a rank and its
+    per-expert capacity ``C`` (None: dropless, ``C = T``)."""
+    if path not in ("a2a_capacity", "rowwise"):
+        raise ValueError(f"path={path!r}: two_batch splits 'a2a_capacity' or 'rowwise' exchanges")
+    if tokens < 2:
+        raise ValueError(f"tokens must be >= 2 to halve, got {tokens}")
+    if path == "rowwise" or capacity is None:
+        return 0.5
+    if capacity < 1:
+        raise ValueError(f"capacity must be >= 1 or None (dropless), got {capacity}")
+    return min(tokens // 2, capacity) / capacity
+
+
 def exposed_comm(
     exchanged_bytes: float,
     bandwidth: float,
     compute_s: float,
     overlap: str = "none",
     latency_s: float = 0.0,
+    half_share: float = 0.5,
 ) -> ExposedComm:
-    """The block's timing under ``overlap`` (``none`` | ``two_batch``; see the module)."""
+    """The block's timing under ``overlap`` (``none`` | ``two_batch``; see the module);
+    ``half_share``: the bytes of one half's exchange over the whole's
+    (:func:`two_batch_half_share`)."""
     if bandwidth <= 0:
         raise ValueError(f"link bandwidth must be > 0 bytes/s, got {bandwidth}")
+    if not 0 < half_share <= 1:
+        raise ValueError(f"half_share must be in (0, 1], got {half_share}")
     for name, value in (("exchanged_bytes", exchanged_bytes), ("compute_s", compute_s)):
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
@@ -71,7 +101,7 @@ def exposed_comm(
         return ExposedComm(dispatch + combine, compute_s, dispatch + compute_s + combine)
     if overlap != "two_batch":
         raise ValueError(f"overlap={overlap!r}; expected 'none' or 'two_batch'")
-    move = _exchange(exchanged_bytes / 4, bandwidth, latency_s)  # one half's dispatch or combine
+    move = _exchange(exchanged_bytes / 2 * half_share, bandwidth, latency_s)  # a half's exchange
     work = compute_s / 2  # one half's experts
     a_dispatch = move
     b_dispatch = a_dispatch + move
@@ -83,10 +113,14 @@ def exposed_comm(
 
 
 def overlap_gain(
-    exchanged_bytes: float, bandwidth: float, compute_s: float, latency_s: float = 0.0
+    exchanged_bytes: float,
+    bandwidth: float,
+    compute_s: float,
+    latency_s: float = 0.0,
+    half_share: float = 0.5,
 ) -> float:
     """Seconds per block that ``two_batch`` saves over ``none`` (negative: it costs)."""
     args = (exchanged_bytes, bandwidth, compute_s)
     none = exposed_comm(*args, "none", latency_s)
-    two = exposed_comm(*args, "two_batch", latency_s)
+    two = exposed_comm(*args, "two_batch", latency_s, half_share)
     return none.makespan - two.makespan
