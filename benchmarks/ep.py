@@ -199,29 +199,30 @@ def _union(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in merged]
 
 
-def exposed_comm_ms(fn: Callable[[], object]) -> float | None:
-    """Milliseconds of one ``fn()`` in which an exchange kernel runs and no other kernel does
-    (profiler trace of this rank; None on CPU)."""
+def profiled(fn: Callable[[], object]) -> tuple[float | None, dict[str, float]]:
+    """One ``fn()`` under the profiler (this rank): the milliseconds in which an exchange kernel
+    runs and no other kernel does, and milliseconds per kernel name (None, {} on CPU)."""
     if DEVICE != "cuda":
-        return None
+        return None, {}
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as trace:
         fn()
         torch.cuda.synchronize()
-    comm, compute = [], []
+    comm, compute, kernels = [], [], {}
     for e in trace.events():
         if e.device_type != torch.autograd.DeviceType.CUDA or e.time_range.elapsed_us() <= 0:
             continue
         span = (e.time_range.start, e.time_range.end)
         (comm if any(k in e.name.lower() for k in COMM_KERNELS) else compute).append(span)
+        kernels[e.name[:60]] = kernels.get(e.name[:60], 0.0) + e.time_range.elapsed_us() / 1e3
     exposed = 0.0
     busy = _union(compute)
     for start, end in _union(comm):
         covered = sum(max(0, min(end, b) - max(start, a)) for a, b in busy)
         exposed += end - start - covered
-    return exposed / 1e3
+    return exposed / 1e3, kernels
 
 
 def set_split_programs(programs: int | None) -> None:
@@ -258,7 +259,9 @@ def measure_overlap(
                     continue
                 label = name if cap is None else f"{name}/{cap}"
                 ms = timed(run, iters)
-                results[path][label] = {"fwd_bwd_ms": ms, "exposed_ms": exposed_comm_ms(run)}
+                exposed, kernels = profiled(run)
+                results[path][label] = {"fwd_bwd_ms": ms, "exposed_ms": exposed}
+                results[path][label]["kernel_ms"] = kernels
         set_split_programs(None)
         if ops_pending():
             raise RuntimeError(f"{path}: exchanges issued and never waited for")
@@ -311,6 +314,9 @@ def main() -> None:
     )
     parser.add_argument("--step-micro", type=int, default=4, help="--overlap step: batch/rank")
     parser.add_argument(
+        "--kernels", type=int, default=0, help="--overlap: print the N largest kernel-time changes"
+    )
+    parser.add_argument(
         "--split-programs",
         default="8,32",
         help="--overlap: rowwise two_batch also with its copy kernel capped to N programs/tile",
@@ -321,7 +327,7 @@ def main() -> None:
     paths = args.paths.split(",")
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     shape = SMALL_LAYER if args.small else LAYER
-    results = {"ep": world, "device": name, "step": []}
+    results = {"ep": world, "device": name, "step": [], "kernels": args.kernels}
     if args.overlap:
         paths = [p for p in paths if p != "sync_1d"]  # it synchronizes: nothing to split
         caps = [int(c) for c in args.split_programs.split(",") if c]
@@ -379,6 +385,13 @@ def report_overlap(results: dict, paths: list[str]) -> None:
             exposed = "-" if r["exposed_ms"] is None else f"{r['exposed_ms']:.2f}"
             ratio = rows["whole"]["fwd_bwd_ms"] / r["fwd_bwd_ms"]
             print(f"{path:14} {name:12} {r['fwd_bwd_ms']:8.2f} {exposed:>11} {ratio:12.2f}x")
+        for name in ("halves", "two_batch") if results.get("kernels") else ():
+            whole, this = rows["whole"]["kernel_ms"], rows[name]["kernel_ms"]
+            delta = {k: this.get(k, 0.0) - whole.get(k, 0.0) for k in {*whole, *this}}
+            print(f"  {path} {name} - whole, kernel ms (summed over streams), largest changes:")
+            for k in sorted(delta, key=lambda k: -abs(delta[k]))[: results["kernels"]]:
+                was, now = whole.get(k, 0.0), this.get(k, 0.0)
+                print(f"    {delta[k]:+8.3f}  {was:8.3f} -> {now:8.3f}  {k}")
     if results["step"]:
         print("\ntraining step of the e2e model, overlap none vs two_batch")
         print(
