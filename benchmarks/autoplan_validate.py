@@ -64,6 +64,8 @@ from moec.plan import Plan
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "plans"
 TOLERANCE = 0.15
+PROFILE_FLOPS: dict[str, float] = {}
+"""The search profile's useful FLOPs per token, checked against each compiled program's."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -171,7 +173,11 @@ def build(s: dict, plan: Plan, lay: Layout, device: torch.device, out: Path) -> 
             out=tempfile.mkdtemp(prefix=f"rank{rank()}_", dir=out),
         )  # fmt: skip
         trainer = Trainer(dense_model(s), plan, cfg)
-        say(f"    compiled program: {trainer.train_flops_per_token / 1e9:.3f} GFLOP/token")
+        compiled = trainer.train_flops_per_token
+        searched = PROFILE_FLOPS.get("per_token", compiled)
+        if abs(searched / compiled - 1) > 0.05:  # the search priced another model than runs
+            say(f"    warning: the search's profile has {searched / 1e9:.3f} useful "
+                f"GFLOP/token, the compiled program {compiled / 1e9:.3f}")  # fmt: skip
         return trainer.train_step, trainer
     import moec
     from moec.runtime.pipeline import build_pipeline_mesh, runtime_for
@@ -387,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.perf_counter()
     profile = capture_model(example, moe_plan(s), "e2e")
+    PROFILE_FLOPS["per_token"] = profile.useful_flops_per_token(1, s["seq"])
     say(f"captured the e2e model ({'SMALL' if args.small else 'FULL'}) in "
         f"{time.perf_counter() - start:.1f} s: "
         f"{profile.useful_flops_per_token(1, s['seq']) / 1e9:.3f} useful GFLOP/token")  # fmt: skip
