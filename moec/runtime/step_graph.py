@@ -111,7 +111,9 @@ class StepGraph:
                 "lowering.cuda_graph: capturing the training step failed "
                 f"({type(cause).__name__}: {str(cause).splitlines()[0]}). A step that reads the "
                 "device (a host sync: .item(), a data-dependent shape, the sync_1d EP path) or "
-                "calls a CUDA API that graphs do not allow cannot be captured; run one step "
+                "calls a CUDA API that graphs do not allow cannot be captured, nor can one whose "
+                "parameters carry gradient hooks registered before it (they keep the gradient "
+                "accumulators of the eager stream alive); run one step "
                 'under torch.cuda.set_sync_debug_mode("error") to find the op, or set '
                 "lowering.cuda_graph: false"
             ) from exc

@@ -56,9 +56,11 @@ def test_the_graphed_step_trains_as_the_eager_step(tmp_path, bf16):
 
 def test_a_non_finite_replayed_step_is_skipped(tmp_path):
     trainer = _trainer(tmp_path, "nan", graph=True)
-    poison = torch.ones((), device="cuda")  # read by the replays: NaN poisons a gradient
-    param = next(p for p in trainer.compiled.parameters() if p.requires_grad)
-    param.register_hook(lambda g: g * poison)
+    poison = torch.ones((), device="cuda")  # read by the replays: NaN poisons the loss
+    forward = trainer.compiled.forward
+    # not a gradient hook on a parameter: that would pin its gradient accumulator to the
+    # stream it was registered on, which the capture cannot depend on
+    trainer.compiled.forward = lambda *args: forward(*args) * poison
     for _ in range(4):
         trainer.train_step()
     assert trainer.step_graph.captured
@@ -71,6 +73,7 @@ def test_a_non_finite_replayed_step_is_skipped(tmp_path):
     poison.fill_(1.0)
     trainer.train_step()
     assert int(trainer.skipped_steps) == 1 and int(trainer.nonfinite_streak) == 0
+    del trainer.compiled.forward
 
 
 def test_a_new_batch_shape_and_an_eager_step_capture_again(tmp_path):
