@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import moec
 from moec.analysis.cost.overlap import exposed_comm, overlap_gain, two_batch_half_share
@@ -121,6 +122,36 @@ def _split_exchange_order(gm) -> list[str]:
     return [named[n] for n in sorted(named, key=pos.__getitem__)]
 
 
+class _ExchangeLog(TorchDispatchMode):
+    """Records, in call order, the split exchanges (issue: its result's storage; wait: its
+    input's) and the expert ops, forward and backward alike."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.name().removeprefix("moec::").split(".")[0]
+        if name.endswith("_issue"):
+            self.calls.append(("issue", out.untyped_storage().data_ptr()))
+        elif name.endswith("_wait") and name.startswith("ep_"):
+            self.calls.append(("wait", args[0].untyped_storage().data_ptr()))
+        elif name.startswith("expert_mlp"):
+            self.calls.append(("experts", 0))
+        return out
+
+
+def _experts_under_exchanges(calls: list[tuple[str, int]]) -> list[int]:
+    """Per exchange (issue to its wait, in wait order): the expert ops that ran in between."""
+    under = []
+    for j, (kind, ptr) in enumerate(calls):
+        if kind == "wait":
+            i = max(i for i, c in enumerate(calls[:j]) if c == ("issue", ptr))
+            under.append(sum(k == "experts" for k, _ in calls[i:j]))
+    return under
+
+
 @pytest.fixture(scope="module")
 def dense():
     return _dense()
@@ -201,6 +232,17 @@ def _ep_worker(rank: int, world: int) -> None:
     for _ in range(2):  # the second step reuses whatever the first left behind
         _assert_same(_step(two, tokens, targets), _step(ref, tokens, targets))
         assert ep_ops.pending_exchanges() == 0  # every issued exchange was waited for
+    # what ran: per block, forward B.dispatch under A's experts and A.combine under B's; in
+    # backward (autograd's order) the mirror: A's combine and B's dispatch backward under the
+    # other half's expert backward; A.dispatch, B.combine and their backwards exposed
+    forward, backward = _ExchangeLog(), _ExchangeLog()
+    with forward:
+        logits = two(tokens)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    with backward:
+        (loss + two.aux_loss()).backward()
+    for log in (forward, backward):
+        assert _experts_under_exchanges(log.calls) == [0, 1, 1, 0] * CFG.n_layers, log.calls
     for name, value in ref.aux_outputs.items():  # drops, counts, offsets, router losses
         torch.testing.assert_close(two.aux_outputs[name], value, **TOL)
     if world == 2:
