@@ -77,7 +77,11 @@ the current stream wait for that exchange alone (found by ``pending``'s storage,
 :func:`pending_exchanges`), then does the receiver's local work. On CPU the issue completes
 before it returns unless :data:`_ASYNC` says otherwise, so every op's output there is complete
 data (what opcheck and Inductor's reference runs read). ``sync_1d`` cannot be split (its split
-sizes reach the host; it synchronizes anyway): the issue ops refuse it.
+sizes reach the host; it synchronizes anyway): the issue ops refuse it. Costs against the fused
+ops: none on ``a2a_capacity`` (the receiver's placement moves into the wait); ``rowwise`` copies
+its result once more (the transport's stream copies it out of symmetric memory into ``pending``,
+the wait copies ``pending`` into its own output, since an op's output may not alias its input),
+and a ``pending`` of ``max(R, T*K)`` rows where a direction fills fewer.
 
 The four ops are each other's backward, so the backward is split the same way and autograd
 keeps the wait late: the wait's backward issues the reverse exchange (``dispatch_wait`` ->
