@@ -78,3 +78,20 @@ def test_outer_products_stay_float32_under_bf16():
     with torch.autocast("cpu", dtype=torch.bfloat16):  # as the runtime runs a bf16 program
         (table,) = gm(positions)
     torch.testing.assert_close(table, model(positions))  # positions above 256 kept exact
+
+
+def test_a_program_captured_on_the_meta_device_gets_the_same_casts():
+    """Autocast does not act on meta tensors: the pass propagates a meta capture on the device it
+    will run on, so no bf16 value is taken for float32 and cast again."""
+
+    def final_ops(device: str) -> list:
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = LanguageModelWithLoss(tiny_llama())
+        ids = tokens(2, 17).to(device)
+        compiled = moec.compile(model, PLAN, (ids[:, :-1], ids[:, 1:]))
+        stats = compiled.pass_results["shared_casts"].stats
+        ops = [n.target for n in compiled.graph_module.graph.nodes if n.op == "call_function"]
+        return [stats["sources_cast"], stats["readers"], *ops]
+
+    assert final_ops("meta") == final_ops("cpu")

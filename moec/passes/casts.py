@@ -54,17 +54,29 @@ SELF_CASTING = {torch.ops.moec.expert_mlp.default: (1, 2)}
 
 
 class _RuntimeDtypes(fx.Interpreter):
-    """Fake propagation that reads placeholders and parameters from ``meta["val"]``."""
+    """Fake propagation that reads placeholders and parameters from ``meta["val"]``; values of a
+    graph captured on the meta device become fake tensors of ``device_type`` (autocast only
+    acts on tensors of its own device: on meta ones it would leave every matmul in float32, and
+    bf16 values would look float32 and be cast again)."""
+
+    def __init__(self, gm: fx.GraphModule, device_type: str):
+        super().__init__(gm, garbage_collect_values=False)
+        self.device_type = device_type
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op in ("placeholder", "get_attr"):
-            return n.meta["val"]
+            val = n.meta["val"]
+            if isinstance(val, torch.Tensor) and val.device.type == "meta":
+                return torch.empty_strided(
+                    val.shape, val.stride(), dtype=val.dtype, device=self.device_type
+                )
+            return val
         return super().run_node(n)
 
 
 def runtime_dtypes(gm: fx.GraphModule, device_type: str) -> dict[fx.Node, torch.dtype]:
     """The dtype of every tensor-valued node when the graph runs under bf16 autocast."""
-    interp = _RuntimeDtypes(gm, garbage_collect_values=False)
+    interp = _RuntimeDtypes(gm, device_type)
     with fake_mode(gm), torch.autocast(device_type, dtype=torch.bfloat16):
         interp.run(*[None] * len(gm.graph.find_nodes(op="placeholder")))
     return {n: v.dtype for n, v in interp.env.items() if isinstance(v, torch.Tensor)}
