@@ -7,6 +7,7 @@ efficiency against a single-GPU run of the same model (Table 51).
     ... --pp 2 --schedule interleaved_1f1b      # or zbv / dualpipev (2 stages per rank)
     ... --single results.json     # benchmarks/e2e.py --json output: prints the efficiency
     ... --sync-trace              # where each host sync of one steady step comes from
+    ... --inductor                # plan.lowering.inductor (the program, or each stage, compiled)
 
 ``pp = 1``: the Trainer (data + expert parallel, dp = world, each rank 3 sequences of 8192 per
 step). ``pp > 1``: ``CompiledModel.train_step`` (the pipeline runtime, 1F1B over each of
@@ -65,6 +66,7 @@ def parallel_plan(
     microbatches: int,
     fused_loss: bool = True,
     schedule: str = "1f1b",
+    inductor: bool = False,
 ):
     parallel = {"dp": world // pp, "ep": ep, "pp": pp, "ep_path": path}
     if pp > 1:
@@ -72,6 +74,7 @@ def parallel_plan(
         parallel |= {"microbatches": microbatches, "pp_schedule": schedule, "virtual_stages": v}
     plan = moe_plan(s, parallel)
     plan.loss.fused = fused_loss
+    plan.lowering.inductor = inductor
     return plan
 
 
@@ -202,13 +205,14 @@ def run(
     fused_loss: bool = True,
     trace: bool = False,
     schedule: str = "1f1b",
+    inductor: bool = False,
 ) -> dict:
     """Build, warm up and time one parallel configuration; the job's totals on every rank."""
     world = dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
         else torch.device("cpu")  # fmt: skip
     torch.manual_seed(0)  # the same dense init on every rank
-    plan = parallel_plan(s, world, ep, pp, path, microbatches, fused_loss, schedule)
+    plan = parallel_plan(s, world, ep, pp, path, microbatches, fused_loss, schedule, inductor)
     v = plan.parallel.virtual_stages
     build = pipeline_step if pp > 1 else trainer_step
     step, flops, tokens = build(s, plan, device)
@@ -305,6 +309,9 @@ def main() -> None:
     parser.add_argument(
         "--sync-trace", action="store_true", help="print where each rank's host syncs come from"
     )
+    parser.add_argument(
+        "--inductor", action="store_true", help="plan.lowering.inductor (each stage compiled)"
+    )
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--small", action="store_true", help="a CPU-sized smoke run")
@@ -328,6 +335,7 @@ def main() -> None:
                 fused_loss=not args.unfused_loss,
                 trace=args.sync_trace,
                 schedule=args.schedule,
+                inductor=args.inductor,
             )
         )
         if dist.get_rank() == 0:  # each row as soon as it is measured
