@@ -5,15 +5,21 @@ randomized tests see fresh inputs; when a test fails, its report has a ``random 
 naming the seed. Replay it with ``MOEC_TEST_SEED``::
 
     MOEC_TEST_SEED=1234567 python3 -m pytest -q tests/test_recompute.py -k gradients
+
+Inductor's compiled graphs are cached in a directory of this test session (unless
+``TORCHINDUCTOR_CACHE_DIR`` is set): its cache key knows a custom op by name only, so code cached
+before a moec op changed its layout would run against the new op (stale stride asserts).
 """
 
 import os
 import random
+import tempfile
 
 import pytest
 import torch
 
 SEED_ENV = "MOEC_TEST_SEED"
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="moec_inductor_"))
 
 
 def _test_seed() -> int:

@@ -249,6 +249,49 @@ def _ep_combine_backward() -> list[Sample]:
     return samples
 
 
+SPLIT_PATHS = ("a2a_capacity",)
+"""The paths whose exchanges split into issue and wait (rowwise needs CUDA)."""
+
+
+def _ep_dispatch_issue() -> list[Sample]:
+    samples = []
+    for path in SPLIT_PATHS:
+        weights, _, _, layout = _ep_layout_of(path)
+        x = _randn(T, D, grad=True)
+        samples.append(((x, None, *_ep_comm(layout), _group(), 1, path), {}))
+        samples.append(((_randn(T, D), weights, *_ep_comm(layout), _group(), 1, path), {}))
+    return samples
+
+
+def _ep_dispatch_wait() -> list[Sample]:
+    samples = []
+    for path in SPLIT_PATHS:
+        _, _, _, layout = _ep_layout_of(path)
+        pending = _randn(layout[1].shape[0], D, grad=True)
+        samples.append(((pending, *_ep_comm(layout), _group(), 1, path), {}))
+    return samples
+
+
+def _ep_combine_issue() -> list[Sample]:
+    samples = []
+    for path in SPLIT_PATHS:
+        _, _, _, layout = _ep_layout_of(path)
+        y = _randn(layout[1].shape[0], D, grad=True)
+        samples.append(((y, *_ep_comm(layout), _group(), 1, path), {}))
+    return samples
+
+
+def _ep_combine_wait() -> list[Sample]:
+    samples = []
+    for path in SPLIT_PATHS:
+        weights, _, _, layout = _ep_layout_of(path)
+        pending = _randn(layout[1].shape[0], D, grad=True)
+        comm = (*_ep_comm(layout), _group(), 1, path)
+        samples.append(((pending, weights.detach().requires_grad_(), *comm), {}))
+        samples.append(((_randn(layout[1].shape[0], D), None, *comm), {}))
+    return samples
+
+
 SAMPLES: dict[str, Callable[[], list[Sample]]] = {
     "route": _route,
     "router_losses": _router_losses,
@@ -272,6 +315,10 @@ SAMPLES: dict[str, Callable[[], list[Sample]]] = {
     "ep_dispatch_backward": _ep_dispatch_backward,
     "ep_combine": _ep_combine,
     "ep_combine_backward": _ep_combine_backward,
+    "ep_dispatch_issue": _ep_dispatch_issue,
+    "ep_dispatch_wait": _ep_dispatch_wait,
+    "ep_combine_issue": _ep_combine_issue,
+    "ep_combine_wait": _ep_combine_wait,
 }
 """Sample inputs per ``moec::`` op (float32, small, random)."""
 
@@ -389,6 +436,38 @@ def test_inductor_equals_eager_with_the_fused_loss_and_mxfp8_experts():
     model = moec.compile(LanguageModelWithLoss(tiny_llama(1)), plan, inputs)
     assert {"linear_cross_entropy", "quantized_expert_mlp"} <= _moec_ops(model)
     _inductor_matches_eager(model, inputs, lambda loss: loss, 1e-5, 1e-5)
+
+
+def test_inductor_runs_the_split_ep_ops(one_rank_group):
+    """The split exchanges (issue, expert MLP between, wait) under Inductor equal eager."""
+    path = "a2a_capacity"
+    w_up, w_down, _, _ = _expert_weights("swiglu", True, False)
+    x, gate = _randn(T, D, grad=True), torch.nn.Linear(D, N)
+
+    def layer(x):
+        _, weights, rows, offsets, _ = torch.ops.moec.route(
+            gate(x), K, 1.0, "softmax", True, "learned"
+        )
+        slots, recv, local, counts, sent, _ = torch.ops.moec.ep_layout(
+            rows, offsets, _group(), 1, 1.0, path
+        )
+        comm = (slots, recv, sent, counts, _group(), 1, path)
+        pending = torch.ops.moec.ep_dispatch_issue(x, None, *comm)
+        buffer = torch.ops.moec.ep_dispatch_wait(pending, *comm)
+        y, _ = torch.ops.moec.expert_mlp(buffer, w_up, w_down, local, None, None, "swiglu")
+        pending = torch.ops.moec.ep_combine_issue(y, *comm)
+        out, _ = torch.ops.moec.ep_combine_wait(pending, weights, *comm)
+        return out
+
+    params = [x, w_up, w_down, *gate.parameters()]
+    expected = layer(x)
+    grads = torch.autograd.grad(expected.square().sum(), params)
+    torch._dynamo.reset()
+    out = torch.compile(layer, backend="inductor", fullgraph=True)(x)
+    torch.testing.assert_close(out, expected)
+    for got, want in zip(torch.autograd.grad(out.square().sum(), params), grads, strict=True):
+        scale = want.abs().max().item()
+        torch.testing.assert_close(got, want, atol=1e-5 * scale, rtol=1e-5)
 
 
 @pytest.mark.parametrize("path", EP_PATHS)

@@ -34,7 +34,19 @@ def _overloads(namespace: Any, names: Iterable[str]) -> frozenset:
     return frozenset(getattr(namespace, n).default for n in names if hasattr(namespace, n))
 
 
-NEVER_RECOMPUTE = _overloads(moec_ops, ("route", "ep_layout", "ep_dispatch", "ep_combine"))
+NEVER_RECOMPUTE = _overloads(
+    moec_ops,
+    (
+        "route",
+        "ep_layout",
+        "ep_dispatch",
+        "ep_combine",
+        "ep_dispatch_issue",
+        "ep_dispatch_wait",
+        "ep_combine_issue",
+        "ep_combine_wait",
+    ),
+)
 """The routing decision and the EP exchanges: always cached, never run twice."""
 GEMMS = (
     frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default})

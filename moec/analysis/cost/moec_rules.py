@@ -38,8 +38,9 @@ def _expert_rows(buffer: fx.Node) -> sympy.Expr:
     """Useful rows of an expert buffer: every row of a local one (T*K), but only this rank's
     T*K routes for an EP receive buffer, whose padding to the per-source capacity is not work
     a balanced router asks for."""
-    if buffer.op == "call_function" and getattr(buffer.target, "name", lambda: "")() == (
-        "moec::ep_dispatch"
+    if buffer.op == "call_function" and getattr(buffer.target, "name", lambda: "")() in (
+        "moec::ep_dispatch",
+        "moec::ep_dispatch_wait",  # pass overlap's split exchange: args[1] is slots too
     ):
         return numel(value_of(buffer.args[1]))  # slots: (T, K) routes of this rank
     return sym(value_of(buffer).shape[0])
