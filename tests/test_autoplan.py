@@ -76,8 +76,8 @@ def profile():
 )
 def test_memory_matches_rank_memory(profile, parallel, recompute, micro):
     """Parameter state equals rank_memory's for the built program (FSDP + EP within 0.5%);
-    activations within 10% (EP buffers, FSDP's groups and the recompute transient are only
-    in one of them)."""
+    activations within 10% (EP buffers and FSDP's groups are only in one of them; the
+    recompute transient, only in the analytic peak, is taken out)."""
     program = _build(_plan(parallel, recompute))
     real = rank_memory(program, micro, 4, 64)
     p = {"dp": 1, "ep": 1, "dp_shard": 1, **parallel}
@@ -95,7 +95,9 @@ def test_memory_matches_rank_memory(profile, parallel, recompute, micro):
     )
     for field in ("parameters", "gradients", "optimizer", "working_copies", "gathered"):
         assert getattr(mine, field) == pytest.approx(getattr(real, field), rel=5e-3), field
-    assert mine.activations == pytest.approx(real.activations, rel=0.10)
+    # rank_memory counts what a step keeps; the analytic peak adds recomputing one block
+    transient = max(u.transient_block(4, 64) for u in profile.units) if recompute != "none" else 0
+    assert mine.activations - transient == pytest.approx(real.activations, rel=0.10)
 
 
 def test_search_equals_brute_force(profile):

@@ -166,11 +166,14 @@ def profile_program(program: Program, fsdp_program: Program | None = None) -> Mo
     masters = {name for names in program.working_weights.values() for name in names}
     layout = fsdp_program.data_parallel if fsdp_program is not None else None
     sharded = set(layout.params) | set(layout.expert_params) if layout else set()
-    groups = tuple(layout.groups) + tuple(layout.expert_groups) if layout else ()
+    dense_groups = tuple(layout.groups) if layout else ()
+    expert_groups = tuple(layout.expert_groups) if layout else ()
     param_unit = _param_units(gm, unit_of, len(units))
     params: list[list[ParamInfo]] = [[] for _ in units]
     for name, p in gm.named_parameters():
         role = program.param_roles.get(name)
+        # an expert slice is gathered with its expert unit, not the block holding it
+        groups = expert_groups if layout and name in layout.expert_params else dense_groups
         group = next((g for g in groups if under(name, g)), "")
         params[param_unit.get(name, 0)].append(
             ParamInfo(

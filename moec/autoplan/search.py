@@ -17,8 +17,9 @@ attention, memory-bound ops at HBM bandwidth, forward + backward = 3x the forwar
 recompute (the blocks' forward again), EP exchanges exposed per MoE layer
 (:func:`moec.analysis.cost.overlap.exposed_comm`, the link: NVLink inside a node, the network
 across), pipeline P2P and bubble (:func:`~moec.analysis.cost.time.bubble_fraction`),
-data-parallel gradient reduction (and FSDP gathers) not hidden by the backward, and the
-optimizer step at HBM bandwidth (28 bytes per parameter element, RESULTS.md's AdamW). The
+data-parallel gradient reduction (and FSDP gathers) not hidden by the backward
+(``Efficiency.dp_hidden`` of it), and the optimizer step at HBM bandwidth (28 bytes per
+parameter element, RESULTS.md's AdamW). The
 stage split is the ``pipeline`` pass's objective (contiguous units, fewest max stage FLOPs).
 """
 
@@ -381,7 +382,9 @@ class Search:
             gathers = 0.0
         dp_comm += collective_time("all_reduce", 4 * expert_el, lay.dp // lay.ep, dp_link, eff)
         last_backward = sum(stage_compute[s] for s in held[slowest]) * 2 / 3
-        exposed_dp = max(0.0, dp_comm - 0.9 * last_backward) + max(0.0, gathers - m * busy)
+        exposed_dp = max(0.0, dp_comm - eff.dp_hidden * last_backward) + max(
+            0.0, gathers - m * busy
+        )
         optimizer = memory_time(OPTIMIZER_BYTES * (dense_el + expert_el), gpu, eff)
 
         step = m * busy + bubble + exposed_dp + optimizer

@@ -64,6 +64,10 @@ class Efficiency:
     """Collectives, of the link ceiling (the H200's is NCCL's measured all-to-all)."""
     latency_s: float = 20e-6
     """Fixed cost of one collective or exchange."""
+    dp_hidden: float = 0.0
+    """Share of the last backward that hides the data-parallel gradient reduction. 0: none
+    (2 H200s, autoplan_validate.py: the e2e step at dp = 2 took 323-327 ms against 296 ms on
+    one GPU, more than the whole ~16 ms reduction, though it is issued during backward)."""
     ep_path_factor: tuple[tuple[str, float], ...] = (
         ("rowwise", 0.66),
         ("a2a_capacity", 0.26),
