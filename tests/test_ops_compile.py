@@ -263,21 +263,14 @@ def _ep_dispatch_issue() -> list[Sample]:
     return samples
 
 
-def _ep_dispatch_wait() -> list[Sample]:
+def _ep_expert_rows() -> list[Sample]:
+    """ep_dispatch_wait (a pending receive) and ep_combine_issue (the experts' output): one
+    tensor of the expert buffer's rows, then the layout."""
     samples = []
     for path in SPLIT_PATHS:
         _, _, _, layout = _ep_layout_of(path)
-        pending = _randn(layout[1].shape[0], D, grad=True)
-        samples.append(((pending, *_ep_comm(layout), _group(), 1, path), {}))
-    return samples
-
-
-def _ep_combine_issue() -> list[Sample]:
-    samples = []
-    for path in SPLIT_PATHS:
-        _, _, _, layout = _ep_layout_of(path)
-        y = _randn(layout[1].shape[0], D, grad=True)
-        samples.append(((y, *_ep_comm(layout), _group(), 1, path), {}))
+        rows = _randn(layout[1].shape[0], D, grad=True)
+        samples.append(((rows, *_ep_comm(layout), _group(), 1, path), {}))
     return samples
 
 
@@ -316,8 +309,8 @@ SAMPLES: dict[str, Callable[[], list[Sample]]] = {
     "ep_combine": _ep_combine,
     "ep_combine_backward": _ep_combine_backward,
     "ep_dispatch_issue": _ep_dispatch_issue,
-    "ep_dispatch_wait": _ep_dispatch_wait,
-    "ep_combine_issue": _ep_combine_issue,
+    "ep_dispatch_wait": _ep_expert_rows,
+    "ep_combine_issue": _ep_expert_rows,
     "ep_combine_wait": _ep_combine_wait,
 }
 """Sample inputs per ``moec::`` op (float32, small, random)."""
