@@ -3,6 +3,7 @@
 #   bash benchmarks/h200.sh tests movement layer e2e profile recompute precision gemm
 #   bash benchmarks/h200.sh graph-tests lowering lowering-small   # Inductor and the CUDA-graph step
 #   bash benchmarks/h200.sh multigpu ep scaling scale ddp-fsdp   # machines with several GPUs
+#   bash benchmarks/h200.sh e2e-moec pp ep-inductor overlap        # PP sweep, EP + Inductor, overlap
 #   bash benchmarks/h200.sh wheel-part          # a call carrying one part of a split wheel (.whl-parts)
 #   bash benchmarks/h200.sh wheels cute-tests cute-gemm cute-layer   # the next, carrying .whl and
 #                                               # the last part: quack-kernels + the CuTe DSL
@@ -42,6 +43,11 @@ for stage in "$@"; do
     scaling) single=$([ -f "$OUT/e2e.json" ] && echo "--single $OUT/e2e.json")
       for args in "--ep $GPUS --path rowwise" "--pp $GPUS"; do
         timeout $STAGE_LIMIT $RUN benchmarks/scaling.py $args $single; done ;;
+    pp) single=$([ -f "$OUT/e2e.json" ] && echo "--single $OUT/e2e.json")
+      timeout $STAGE_LIMIT $RUN benchmarks/scaling.py --pp $GPUS --microbatches 4 8 16 --sync-trace $single --json "$OUT/pp.json" ;;
+    ep-inductor) single=$([ -f "$OUT/e2e.json" ] && echo "--single $OUT/e2e.json")
+      timeout $STAGE_LIMIT $RUN benchmarks/scaling.py --ep $GPUS --path rowwise --inductor $single --json "$OUT/ep_inductor.json" ;;
+    overlap) timeout $STAGE_LIMIT $RUN benchmarks/ep.py --overlap --paths rowwise,a2a_capacity --iters 20 --steps 5 --kernels 8 --json "$OUT/ep_overlap.json" ;;
     scale) timeout $STAGE_LIMIT $RUN benchmarks/scale.py upcycle --json "$OUT/scale_upcycle.json" ;;
     ddp-fsdp) timeout $STAGE_LIMIT $RUN benchmarks/scale.py ddp-vs-fsdp --json "$OUT/ddp_fsdp.json" ;;
     wheel-part) mkdir -p ~/wheelparts && cp -v .whl-parts/* ~/wheelparts/ ;;
