@@ -210,21 +210,21 @@ def test_samples_from_profiler_trace():
         return {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "pid": 1,
                 "tid": 1, "args": args}  # fmt: skip
 
-    def kernel(ext, dur, name="k"):
-        return {"ph": "X", "cat": "kernel", "name": name, "ts": 0, "dur": dur,
+    def kernel(ext, dur, ts, name="k"):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,
                 "args": {"External id": ext}}  # fmt: skip
 
     trace = {
         "traceEvents": [
             op("aten::mm", 0, 5, 7, [[1024, 512], [512, 256]]),
-            kernel(7, 100.0),
+            kernel(7, 100.0, 0),
             op("aten::copy_", 10, 5, 8, [[1000], [1000]]),
-            kernel(8, 2.0),
+            kernel(8, 2.0, 150),
             op("moec::expert_mlp_backward", 20, 50, 9, [[64, 32], [4, 32, 128], [4, 64, 32]]),
             op("aten::_grouped_mm", 21, 10, 10, [[64, 32], [4, 32, 128]]),
             op("aten::silu_backward", 40, 5, 11, [[64, 64]]),
-            kernel(10, 30.0),
-            kernel(11, 6.0),
+            kernel(10, 30.0, 200),
+            kernel(11, 6.0, 220),  # overlaps the one before
             op(
                 "aten::_scaled_dot_product_flash_attention_backward",
                 100,
@@ -233,8 +233,8 @@ def test_samples_from_profiler_trace():
                 [[2, 4, 16, 8], [2, 4, 16, 8], [2, 4, 16, 8]],
                 [""] * 11 + ["True"],
             ),  # fmt: skip
-            kernel(12, 40.0),
-            kernel(12, 3.0, "ncclDevKernel_AllReduce"),
+            kernel(12, 40.0, 300),
+            kernel(12, 3.0, 337, "ncclDevKernel_AllReduce"),
         ]
     }
     read = read_trace(trace)
@@ -246,6 +246,7 @@ def test_samples_from_profiler_trace():
     assert attention.kind == "attention" and attention.seconds == pytest.approx(40e-6)
     assert attention.flops == 2 * 4 * 2 * 4 * 16 * 16 * 8 / 2
     assert read.other_s == pytest.approx(2e-6) and read.comm_s == pytest.approx(3e-6)
+    assert read.busy_s == pytest.approx(172e-6) and read.span_s == pytest.approx(340e-6)
     assert samples_from_trace(trace) == read.samples
     names = {(o["name"], o["kind"]) for o in read.ops}
     assert ("aten::copy_", "memory") in names and ("moec::expert_mlp_backward", "gemm") in names
@@ -280,6 +281,7 @@ def test_plan_auto_calibrates_from_a_profiled_run(tmp_path, capsys, monkeypatch,
     nbytes = 4 * 6 * written + 2 * 28 * params  # 4 forward calls in 2 steps
     ops = {
         "world": 1, "steps": 2, "forward_calls": 4, "microbatch": [2, 64], "ops": [],
+        "busy_s": 0.08, "span_s": 0.1,
         "other_s": memory_time(nbytes, gpu, truth),
         "samples": [
             {"kind": "gemm", "seconds": gemm_time(1e12, 4096, gpu, "bf16", truth),
@@ -302,7 +304,7 @@ def test_plan_auto_calibrates_from_a_profiled_run(tmp_path, capsys, monkeypatch,
     assert "calibrated" in text and "memory 0.45 (was 0.6)" in text
     fitted = load_efficiency(factors)
     assert fitted.gemm == pytest.approx(0.6) and fitted.attention == pytest.approx(0.3)
-    assert fitted.memory == pytest.approx(0.45)
+    assert fitted.memory == pytest.approx(0.45) and fitted.device_busy == pytest.approx(0.8)
     table = text[text.index(" #  pp") :]
     assert cmd_plan_auto(parser.parse_args([*common, "--efficiency", str(factors)])) == 0
     again = capsys.readouterr().out

@@ -13,7 +13,8 @@ from their samples, and ``memory`` from one sample made with the model's
 :class:`~moec.autoplan.profile.ModelProfile`: the bytes the search prices for the profiled work
 (``forward_calls`` x 3 (forward + backward) x 2 (read + written) x the units' written bytes at
 the microbatch, plus the AdamW step's bytes per parameter element per step) over the other ops'
-measured device time. The memory sample needs a one-rank, unpipelined profiled run of the same
+measured device time; ``device_busy`` as the kernels' busy time over their span (launch and
+host gaps). The memory sample needs a one-rank, unpipelined profiled run of the same
 model (the search's profile is at ``ep = pp = dp = 1``); otherwise it is left out and said so.
 """
 
@@ -52,6 +53,8 @@ class Measurement:
     world: int | None = None
     pipeline: bool = False
     device: str = ""
+    busy_s: float = 0.0
+    span_s: float = 0.0
 
 
 @dataclasses.dataclass
@@ -82,7 +85,9 @@ def load_measurement(path: str | Path) -> Measurement:
     source = str(path)
     if isinstance(data, dict) and "traceEvents" in data:
         read = read_trace(data)
-        return Measurement(source, read.samples, read.other_s)
+        return Measurement(
+            source, read.samples, read.other_s, busy_s=read.busy_s, span_s=read.span_s
+        )
     if isinstance(data, dict) and "ops" in data:
         micro = data.get("microbatch")
         return Measurement(
@@ -95,6 +100,8 @@ def load_measurement(path: str | Path) -> Measurement:
             data.get("world"),
             bool(data.get("pipeline", False)),
             str(data.get("device", "")),
+            float(data.get("busy_s", 0.0)),
+            float(data.get("span_s", 0.0)),
         )
     rows = data.get("samples") if isinstance(data, dict) else data
     if not isinstance(rows, list):
@@ -153,7 +160,14 @@ def fit(
         notes.append("memory: kept (no model profile to price the other ops' bytes)")
     if not samples:
         raise CalibrationError(f"{measurement.source}: nothing to calibrate from (no samples)")
-    return Fit(calibrate(samples, gpu, base or Efficiency()), notes)
+    eff = calibrate(samples, gpu, base or Efficiency())
+    m = measurement
+    if m.busy_s > 0 and m.span_s >= m.busy_s:
+        eff = dataclasses.replace(eff, device_busy=m.busy_s / m.span_s)
+        notes.append(f"device_busy: kernels {m.busy_s * 1e3:.4g} of {m.span_s * 1e3:.4g} ms")
+    else:
+        notes.append("device_busy: kept (no kernel spans in the measurement)")
+    return Fit(eff, notes)
 
 
 def describe(measurement: Measurement) -> dict[str, Any]:

@@ -334,7 +334,7 @@ class Search:
                             comm += exposed_comm(
                                 sent, ep_rate, compute_s, lay.overlap, eff.latency_s
                             ).exposed
-                fwd = dense + attn + moved + experts
+                fwd = (dense + attn + moved + experts) / eff.device_busy
                 compute += 3 * fwd
                 if lay.recompute == "block":
                     total = sum(

@@ -397,7 +397,8 @@ class StepProfiler:
         """The window's ops for calibration (see module): ``samples`` (GEMM and attention
         :class:`~moec.analysis.cost.time.OpSample` s), ``other_s`` and ``comm_s`` (device
         seconds of the rest and of collectives), ``ops`` (per op, kind and input shapes: calls
-        and seconds), and what the memory fit needs: ``forward_calls`` (the model's forward
+        and seconds), ``busy_s`` and ``span_s`` (the kernels' time without overlaps, and from
+        the first one's start to the last one's end), and what the memory fit needs: ``forward_calls`` (the model's forward
         passes in the window), ``microbatch`` (its [batch, seq]), ``steps``, ``world``."""
         from moec.analysis.cost.time import read_trace
 
@@ -421,6 +422,8 @@ class StepProfiler:
             "pipeline": program.pipeline is not None,
             "other_s": read.other_s,
             "comm_s": read.comm_s,
+            "busy_s": read.busy_s,
+            "span_s": read.span_s,
             "samples": [dataclasses.asdict(s) for s in read.samples],
             "ops": read.ops,
         }

@@ -64,6 +64,9 @@ class Efficiency:
     """Collectives, of the link ceiling (the H200's is NCCL's measured all-to-all)."""
     latency_s: float = 20e-6
     """Fixed cost of one collective or exchange."""
+    device_busy: float = 1.0
+    """Share of a step's compute time the GPU spends in kernels (the rest: launch and host gaps
+    between them); a profiled CUDA step fits it (one H200, e2e step: ~0.9)."""
     dp_hidden: float = 0.0
     """Share of the last backward that hides the data-parallel gradient reduction. 0: none
     (2 H200s, autoplan_validate.py: the e2e step at dp = 2 took 323-327 ms against 296 ms on
@@ -286,6 +289,10 @@ class TraceOps:
     """Per (op, kind, input shapes): calls and device seconds, longest first."""
     device_time: bool
     """True when times are GPU kernel times; False: CPU self times (a CPU-only trace)."""
+    busy_s: float = 0.0
+    """Seconds in which some kernel ran (the union of the kernels' spans; 0 on a CPU trace)."""
+    span_s: float = 0.0
+    """Seconds from the first kernel's start to the last one's end (0 on a CPU trace)."""
 
 
 def read_trace(trace: dict[str, Any] | str | Path) -> TraceOps:
@@ -343,7 +350,26 @@ def read_trace(trace: dict[str, Any] | str | Path) -> TraceOps:
         {"name": n, "kind": k, "shapes": json.loads(sh), "calls": int(c), "seconds": t}
         for (n, k, sh), (c, t) in sorted(table.items(), key=lambda kv: -kv[1][1])
     ]
-    return TraceOps(samples, other_s, comm_s, ops, bool(kernels))
+    busy_s, span_s = _busy(kernels)
+    return TraceOps(samples, other_s, comm_s, ops, bool(kernels), busy_s, span_s)
+
+
+def _busy(kernels: list[dict[str, Any]]) -> tuple[float, float]:
+    """(union of the kernels' spans, first start to last end), seconds."""
+    spans = sorted(
+        (float(k.get("ts", 0.0)), float(k.get("ts", 0.0)) + float(k.get("dur", 0.0)))
+        for k in kernels
+    )
+    if not spans:
+        return 0.0, 0.0
+    busy, (start, end) = 0.0, spans[0]
+    for a, b in spans[1:]:
+        if a > end:
+            busy, start, end = busy + end - start, a, b
+        else:
+            end = max(end, b)
+    busy += end - start
+    return busy * 1e-6, (max(b for _, b in spans) - spans[0][0]) * 1e-6
 
 
 def samples_from_trace(trace: dict[str, Any] | str | Path) -> list[OpSample]:
