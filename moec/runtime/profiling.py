@@ -398,8 +398,9 @@ class StepProfiler:
         :class:`~moec.analysis.cost.time.OpSample` s), ``other_s`` and ``comm_s`` (device
         seconds of the rest and of collectives), ``ops`` (per op, kind and input shapes: calls
         and seconds), ``busy_s`` and ``span_s`` (the kernels' time without overlaps, and from
-        the first one's start to the last one's end), and what the memory fit needs: ``forward_calls`` (the model's forward
-        passes in the window), ``microbatch`` (its [batch, seq]), ``steps``, ``world``."""
+        the first one's start to the last one's end), and what the memory fit needs:
+        ``forward_calls`` (the model's forward passes in the window), ``microbatch`` (its
+        [batch, seq]), ``steps``, ``world``."""
         from moec.analysis.cost.time import read_trace
 
         read = read_trace(trace)
