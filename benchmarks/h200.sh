@@ -34,7 +34,7 @@ for stage in "$@"; do
     recompute) timeout $STAGE_LIMIT python -m benchmarks.recompute --full --steps 4 --out "$OUT/recompute_full.json" ;;
     precision) timeout $STAGE_LIMIT python benchmarks/precision_gemm.py --out "$OUT/precision_gemm.json" ;;
     gemm) timeout $STAGE_LIMIT python benchmarks/grouped_gemm.py --json "$OUT/gg.json" ;;
-    graph-tests) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_step_graph.py tests/gpu/test_sync_free.py ;;
+    graph-tests) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_step_graph_gpu.py tests/gpu/test_sync_free.py ;;
     lowering) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 6 --warmup 4 --inductor --cuda-graph --json "$OUT/e2e_lowering.json" ;;
     lowering-small) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --small --steps 30 --warmup 5 --inductor --cuda-graph --json "$OUT/e2e_lowering_small.json" ;;
     e2e-moec) timeout $STAGE_LIMIT python benchmarks/e2e.py --moec-only --json "$OUT/e2e.json" ;;
