@@ -73,6 +73,16 @@ class _RuntimeDtypes(fx.Interpreter):
             return val
         return super().run_node(n)
 
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        # factories captured on meta (arange(device=meta) for a rotary table) move along
+        args, kwargs = fx.node.map_aggregate((args, kwargs), self._off_meta)
+        return super().call_function(target, args, kwargs)
+
+    def _off_meta(self, arg: Any) -> Any:
+        if isinstance(arg, torch.device) and arg.type == "meta":
+            return torch.device(self.device_type)
+        return arg
+
 
 def runtime_dtypes(gm: fx.GraphModule, device_type: str) -> dict[fx.Node, torch.dtype]:
     """The dtype of every tensor-valued node when the graph runs under bf16 autocast."""
