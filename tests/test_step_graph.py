@@ -1,5 +1,6 @@
 """``plan.lowering.cuda_graph`` where no graph can be captured: the trainer says why and its
-eager steps equal those of a plan without it (the capture itself: tests/gpu/test_step_graph_gpu.py)."""
+eager steps equal those of a plan without it (the capture itself:
+tests/gpu/test_step_graph_gpu.py)."""
 
 from __future__ import annotations
 
