@@ -163,15 +163,23 @@ def expert_mlp_backward(
     return tuple(g.contiguous() for g in grads)
 
 
-@expert_mlp_backward.register_fake
-def _expert_mlp_backward_fake(x, w_up, w_down, offsets, h, d_y, activation, up_bias):
-    check_expert_mlp_args(x, w_up, w_down, offsets, activation)
+def expert_mlp_grads_like(
+    x: Tensor, w_up: Tensor, w_down: Tensor, h: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Empty (d_x, d_w_up, d_w_down, d_h) as an expert MLP's backward returns them: the fake
+    result of every expert MLP backward op."""
     return (
         x.new_empty(x.shape),
         w_up.new_empty(w_up.shape),
         w_down.new_empty(w_down.shape),
         x.new_empty(h.shape),
     )
+
+
+@expert_mlp_backward.register_fake
+def _expert_mlp_backward_fake(x, w_up, w_down, offsets, h, d_y, activation, up_bias):
+    check_expert_mlp_args(x, w_up, w_down, offsets, activation)
+    return expert_mlp_grads_like(x, w_up, w_down, h)
 
 
 def _backward(ctx, d_y, d_h_unused):

@@ -34,7 +34,8 @@ import torch
 from torch import Tensor
 
 from moec.ops.activations import activate, activate_backward, check_activation, is_gated
-from moec.ops.grouped import add_row_bias, gmm, gmm_wgrad, row_bias_grad, row_experts
+from moec.ops.experts import bias_grads, expert_mlp_grads_like
+from moec.ops.grouped import add_row_bias, gmm, gmm_wgrad, row_experts
 
 Recipe = Literal["mxfp8", "fp8_rowwise"]
 RECIPES: tuple[str, ...] = ("mxfp8", "fp8_rowwise")
@@ -278,27 +279,17 @@ def quantized_expert_mlp_backward(
 @quantized_expert_mlp_backward.register_fake
 def _quantized_expert_mlp_backward_fake(x, w_up, w_down, offsets, h, d_y, activation, recipe):
     _check_mlp(x, w_up, w_down, offsets, activation, recipe)
-    return (
-        x.new_empty(x.shape),
-        w_up.new_empty(w_up.shape),
-        w_down.new_empty(w_down.shape),
-        x.new_empty(h.shape),
-    )
+    return expert_mlp_grads_like(x, w_up, w_down, h)
 
 
 def _mlp_backward(ctx, d_y, d_h_unused):
     x, w_up, w_down, offsets, h = ctx.saved_tensors
-    num_experts = offsets.shape[0]
-    experts = row_experts(offsets, x.shape[0])
     d_y = d_y.to(x.dtype)
     d_x, d_w_up, d_w_down, d_h = torch.ops.moec.quantized_expert_mlp_backward(
         x, w_up, w_down, offsets, h, d_y, ctx.activation, ctx.recipe
     )
-    d_biases = [
-        None if dtype is None else row_bias_grad(grad, experts, num_experts).to(dtype)
-        for dtype, grad in zip(ctx.bias_dtypes, (d_h, d_y), strict=True)
-    ]
-    return d_x, d_w_up, d_w_down, None, *d_biases, None, None
+    d_b_up, d_b_down = bias_grads(d_h, d_y, offsets, ctx.bias_dtypes)
+    return d_x, d_w_up, d_w_down, None, d_b_up, d_b_down, None, None
 
 
 quantized_expert_mlp.register_autograd(_mlp_backward, setup_context=_mlp_setup)
