@@ -431,9 +431,12 @@ def test_inductor_equals_eager_with_the_fused_loss_and_mxfp8_experts():
     _inductor_matches_eager(model, inputs, lambda loss: loss, 1e-5, 1e-5)
 
 
-def test_inductor_runs_the_split_ep_ops(one_rank_group):
-    """The split exchanges (issue, expert MLP between, wait) under Inductor equal eager."""
-    path = "a2a_capacity"
+@pytest.mark.parametrize(
+    "path, split", [*((p, False) for p in EP_PATHS), *((p, True) for p in SPLIT_PATHS)]
+)
+def test_inductor_runs_the_ep_ops(path, split, one_rank_group):
+    """The EP exchange (layout, dispatch, expert MLP, combine; ``split``: each exchange as issue
+    and wait ops around the expert MLP) under Inductor equals eager."""
     w_up, w_down, _, _ = _expert_weights("swiglu", True, False)
     x, gate = _randn(T, D, grad=True), torch.nn.Linear(D, N)
 
@@ -445,41 +448,17 @@ def test_inductor_runs_the_split_ep_ops(one_rank_group):
             rows, offsets, _group(), 1, 1.0, path
         )
         comm = (slots, recv, sent, counts, _group(), 1, path)
-        pending = torch.ops.moec.ep_dispatch_issue(x, None, *comm)
-        buffer = torch.ops.moec.ep_dispatch_wait(pending, *comm)
+        if split:
+            pending = torch.ops.moec.ep_dispatch_issue(x, None, *comm)
+            buffer = torch.ops.moec.ep_dispatch_wait(pending, *comm)
+        else:
+            buffer = torch.ops.moec.ep_dispatch(x, *comm)
         y, _ = torch.ops.moec.expert_mlp(buffer, w_up, w_down, local, None, None, "swiglu")
-        pending = torch.ops.moec.ep_combine_issue(y, *comm)
-        out, _ = torch.ops.moec.ep_combine_wait(pending, weights, *comm)
-        return out
-
-    params = [x, w_up, w_down, *gate.parameters()]
-    expected = layer(x)
-    grads = torch.autograd.grad(expected.square().sum(), params)
-    torch._dynamo.reset()
-    out = torch.compile(layer, backend="inductor", fullgraph=True)(x)
-    torch.testing.assert_close(out, expected)
-    for got, want in zip(torch.autograd.grad(out.square().sum(), params), grads, strict=True):
-        scale = want.abs().max().item()
-        torch.testing.assert_close(got, want, atol=1e-5 * scale, rtol=1e-5)
-
-
-@pytest.mark.parametrize("path", EP_PATHS)
-def test_inductor_runs_the_ep_ops(path, one_rank_group):
-    """The EP exchange (layout, dispatch, expert MLP, combine) under Inductor equals eager."""
-    w_up, w_down, _, _ = _expert_weights("swiglu", True, False)
-    x, gate = _randn(T, D, grad=True), torch.nn.Linear(D, N)
-
-    def layer(x):
-        _, weights, rows, offsets, _ = torch.ops.moec.route(
-            gate(x), K, 1.0, "softmax", True, "learned"
-        )
-        slots, recv, local, counts, sent, _ = torch.ops.moec.ep_layout(
-            rows, offsets, _group(), 1, 1.0, path
-        )
-        comm = (slots, recv, sent, counts, _group(), 1, path)
-        buffer = torch.ops.moec.ep_dispatch(x, *comm)
-        y, _ = torch.ops.moec.expert_mlp(buffer, w_up, w_down, local, None, None, "swiglu")
-        out, _ = torch.ops.moec.ep_combine(y, weights, *comm)
+        if split:
+            pending = torch.ops.moec.ep_combine_issue(y, *comm)
+            out, _ = torch.ops.moec.ep_combine_wait(pending, weights, *comm)
+        else:
+            out, _ = torch.ops.moec.ep_combine(y, weights, *comm)
         return out
 
     params = [x, w_up, w_down, *gate.parameters()]
