@@ -108,13 +108,13 @@ def pipeline_step(s: dict, plan, device: torch.device) -> tuple[Callable, float,
         return compiled.train_step((inputs, targets))
 
     step.stage_ms = lambda: stage_ms(compiled, step, device)  # type: ignore[attr-defined]
+    step.stage_pass = lambda: stage_pass(compiled, step)  # type: ignore[attr-defined]
     return step, flops_per_token * tokens, tokens
 
 
-def stage_ms(compiled, step: Callable, device: torch.device, reps: int = 3) -> float:
+def stage_pass(compiled, step: Callable) -> Callable[[], None]:
     """Forward + backward of one microbatch through this rank's stages alone (no P2P, no
-    bubble, no optimizer), in ms: the inputs each stage received in one more step, replayed.
-    Across ranks it shows the stage imbalance 1F1B runs at the pace of."""
+    bubble, no optimizer): the inputs each stage received in one more ``step``, replayed."""
     runtime = runtime_for(compiled)
     seen: dict[int, tuple] = {}
     handles = [
@@ -136,6 +136,13 @@ def stage_ms(compiled, step: Callable, device: torch.device, reps: int = 3) -> f
             outs = [o for o in (out if isinstance(out, tuple) else (out,)) if o.requires_grad]
             torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
 
+    return once
+
+
+def stage_ms(compiled, step: Callable, device: torch.device, reps: int = 3) -> float:
+    """:func:`stage_pass` in ms; across ranks it shows the stage imbalance 1F1B runs at the
+    pace of."""
+    once = stage_pass(compiled, step)
     once()
     if device.type == "cuda":
         torch.cuda.synchronize()  # outside any timed step
@@ -144,8 +151,22 @@ def stage_ms(compiled, step: Callable, device: torch.device, reps: int = 3) -> f
         once()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    runtime.optimizer.zero_grad(set_to_none=True)
+    runtime_for(compiled).optimizer.zero_grad(set_to_none=True)
     return (time.perf_counter() - start) / reps * 1e3
+
+
+def kernel_times(fn: Callable[[], None]) -> dict[str, float]:
+    """Device microseconds per kernel name over one call of ``fn`` (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()  # the profiled window's end (outside any timed step)
+    times: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            times[event.name] = times.get(event.name, 0.0) + event.device_time
+    return times
 
 
 def sync_trace(step: Callable, device: torch.device) -> list[str]:
@@ -206,8 +227,11 @@ def run(
     trace: bool = False,
     schedule: str = "1f1b",
     inductor: bool = False,
+    kernels: str | None = None,
 ) -> dict:
-    """Build, warm up and time one parallel configuration; the job's totals on every rank."""
+    """Build, warm up and time one parallel configuration; the job's totals on every rank.
+    ``kernels``: write this rank's kernel times of one stage pass (pp > 1) or one step to
+    ``{kernels}_pp{pp}_mb{microbatches}_rank{r}.json``."""
     world = dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
         else torch.device("cpu")  # fmt: skip
@@ -222,6 +246,11 @@ def run(
         ranks = [torch.zeros_like(mine) for _ in range(world)]
         dist.all_gather(ranks, mine)
         result["stage_ms_by_rank"] = [round(float(t), 1) for t in ranks]
+    if kernels and device.type == "cuda":
+        times = kernel_times(step.stage_pass() if pp > 1 else step)
+        out = f"{kernels}_pp{pp}_mb{microbatches}_rank{dist.get_rank()}.json"
+        with open(out, "w") as f:
+            json.dump(times, f, indent=1)
     del step  # the compiled model and its runtime: freed before the next configuration
     gc.collect()
     if device.type == "cuda":
@@ -312,6 +341,12 @@ def main() -> None:
     parser.add_argument(
         "--inductor", action="store_true", help="plan.lowering.inductor (each stage compiled)"
     )
+    parser.add_argument(
+        "--kernels",
+        metavar="PREFIX",
+        help="write each rank's kernel times (one stage pass, or one step at pp = 1) to "
+        "PREFIX_pp{pp}_mb{microbatches}_rank{r}.json",
+    )
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--small", action="store_true", help="a CPU-sized smoke run")
@@ -336,6 +371,7 @@ def main() -> None:
                 trace=args.sync_trace,
                 schedule=args.schedule,
                 inductor=args.inductor,
+                kernels=args.kernels,
             )
         )
         if dist.get_rank() == 0:  # each row as soon as it is measured
