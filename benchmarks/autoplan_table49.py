@@ -3,7 +3,7 @@
 For each row of the report's production-throughput matrix (Table 49: Tiny-64E ... Ultra-256E on
 16 / 128 / 512 B300s, sequence 8192, top-4 routing, one shared expert) this builds the model as a
 moec :class:`~moec.models.Llama` on the meta device (the leading dense blocks + three MoE blocks),
-captures it once, grows the profile to full depth (:meth:`ModelProfile.repeat_unit`), and runs
+captures it once, grows the profile to full depth (:meth:`ModelProfile.repeat_block`), and runs
 the plan search at the row's world size and global batch. It prints, per row, the report's
 topology and Table 50 TFLOP/s/GPU, the search's best plan with its predicted step breakdown,
 TFLOP/s/GPU and per-rank memory, and the report's own topology evaluated by the same time and
@@ -328,11 +328,11 @@ def build_profile(spec: ModelSpec) -> ModelProfile:
         model, inputs = with_next_token_loss(model, (tokens,), {}, "llama")
         programs.append(build_program(model, _one_rank(plan, **parallel), inputs, {}, verify=False))
     profile = profile_program(*programs)
-    if profile.num_units != CAPTURED_MOE_LAYERS:
+    if profile.num_blocks != CAPTURED_MOE_LAYERS:
         raise RuntimeError(
-            f"expected {CAPTURED_MOE_LAYERS} pipeline units, the capture has {profile.num_units}"
+            f"expected {CAPTURED_MOE_LAYERS} blocks, the capture has {profile.num_blocks}"
         )
-    return profile.repeat_unit(1, spec.layers - spec.dense_first)
+    return profile.repeat_block(1, spec.layers - spec.dense_first)
 
 
 def param_counts(profile: ModelProfile) -> tuple[float, float]:

@@ -19,8 +19,9 @@ per GPU). The plans:
   Plans that adapt to the same layout
   are measured once.
 
-Each plan is compiled once (the Trainer for ``pp = 1``; ``CompiledModel.train_step`` with the
-pipeline runtime, fused AdamW and clipping for ``pp > 1``, as ``benchmarks/scaling.py``), run
+Each plan is compiled once (the Trainer for ``pp = 1``; for ``pp > 1`` the step of
+``benchmarks/scaling.py``: ``CompiledModel.train_step`` with the loss in the last stage, the
+pipeline runtime, moec's AdamW and clipping), run
 ``--warmup`` steps and one more counting host syncs, then ``--steps`` timed steps (the slowest
 rank's mean). Printed (rank 0): predicted vs measured step time, predicted / measured, whether
 within 15%, and whether the chosen plan (the search's first) was the fastest measured.
@@ -179,21 +180,10 @@ def build(s: dict, plan: Plan, lay: Layout, device: torch.device, out: Path) -> 
             say(f"    warning: the search's profile has {searched / 1e9:.3f} useful "
                 f"GFLOP/token, the compiled program {compiled / 1e9:.3f}")  # fmt: skip
         return trainer.train_step, trainer
-    import moec
-    from moec.runtime.pipeline import build_pipeline_mesh, runtime_for
+    from benchmarks.scaling import pipeline_step  # the loss in the last stage, moec's AdamW
 
-    mesh = build_pipeline_mesh(plan)
-    batch = lay.micro_seqs * lay.microbatches
-    seqs = torch.randint(0, s["vocab"], (batch, s["seq"] + 1), device=device)
-    inputs, targets = seqs[:, :-1], seqs[:, 1:]
-    example = (inputs[: lay.micro_seqs],)
-    compiled = moec.compile(dense_model(s).to(device), plan, example, mesh=mesh)
-    runtime_for(
-        compiled,
-        optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=device.type == "cuda"),
-        grad_clip=1.0,
-    )
-    return (lambda: compiled.train_step((inputs, targets))), compiled
+    step, _, _ = pipeline_step({**s, "micro": lay.micro_seqs}, plan, device)
+    return step, step
 
 
 def release(holder: Any, device: torch.device) -> None:
@@ -360,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu", default="h200", help="the GPU spec the search uses")
     parser.add_argument("--global-seqs", type=int, help="sequences per step (default 3/GPU)")
     parser.add_argument("--top", type=int, default=3, help="search plans to measure")
+    parser.add_argument("--pp", type=int, help="search only plans of this pipeline degree")
     parser.add_argument("--no-examples", action="store_true", help="skip examples/plans")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per plan")
     parser.add_argument("--warmup", type=int, default=2, help="steps before timing")
@@ -397,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"captured the e2e model ({'SMALL' if args.small else 'FULL'}) in "
         f"{time.perf_counter() - start:.1f} s: "
         f"{profile.useful_flops_per_token(1, s['seq']) / 1e9:.3f} useful GFLOP/token")  # fmt: skip
-    request = Request(world, gpu, seqs * s["seq"], s["seq"], min_micro_seqs=2)
+    request = Request(world, gpu, seqs * s["seq"], s["seq"], min_micro_seqs=2, pp=args.pp)
     calibrated = None
     if args.calibrate is not None:
         source = (

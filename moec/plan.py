@@ -158,6 +158,14 @@ class ParallelPlan:
     """Pipeline schedule."""
     microbatches: int = 1
     """Microbatches per optimizer step (gradient accumulation, or the pipeline's microbatches)."""
+    pp_units: Literal["block", "sublayer"] = "sublayer"
+    """Where pass ``pipeline`` may cut: between residual blocks only (``block``), or also before
+    each block's FFN (``sublayer``: half-block units balance stages an attention's worth finer;
+    a recompute region stays whole)."""
+    pp_layout: list[int] | None = None
+    """Units per stage, ``pp * virtual_stages`` entries in stage order (``moec plan auto`` writes
+    the split it priced; ``moec debug`` lists the units); None: the pass balances the stages'
+    predicted forward time."""
     overlap: Literal["none", "two_batch"] = "none"
     """``two_batch``: pass ``overlap`` splits each MoE block's dispatch/experts/combine into two
     batch halves (routing stays whole) and interleaves them, so one half's exchange can run
@@ -191,6 +199,14 @@ class ParallelPlan:
                 "parallel.virtual_stages",
                 self.virtual_stages,
                 f"2 for the V-shaped schedule {self.pp_schedule!r}",
+            )
+        if self.pp_layout is not None:
+            stages = self.pp * self.virtual_stages
+            _require(
+                len(self.pp_layout) == stages and all(n >= 1 for n in self.pp_layout),
+                "parallel.pp_layout",
+                self.pp_layout,
+                f"{stages} unit counts >= 1, one per stage (pp * virtual_stages), or null",
             )
         if self.pp > 1:
             _require(

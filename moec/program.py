@@ -156,7 +156,8 @@ class StageInfo:
     rank: int
     """Pipeline rank holding the stage (loop placement, or V-shaped for zbv/dualpipev)."""
     blocks: list[str]
-    """Module paths of the blocks in this stage."""
+    """The units in this stage: blocks' module paths, or ``<path> (pre-FFN)`` / ``<path> (FFN)``
+    for half blocks."""
     inputs: list[str]
     """Names (in the full graph) of the values the stage receives."""
     outputs: list[str]
@@ -171,6 +172,8 @@ class StageInfo:
     in_flight: int
     """Microbatches whose activations the stage holds at its peak under the schedule."""
     params: int
+    forward_s: float = 0.0
+    """Predicted forward seconds per microbatch (the time model's, what balanced the stages)."""
 
     @property
     def peak_activation_bytes(self) -> int:

@@ -143,8 +143,8 @@ def test_impossible_request_is_refused(profile):
 def test_largest_model_searches_in_seconds(profile):
     """A 63-unit model with many experts on 512 GPUs (the size of the report's Ultra-256E
     search space) searches in a few seconds."""
-    big = profile.repeat_unit(1, 63)
-    assert big.num_units == 63
+    big = profile.repeat_block(1, 63)
+    assert big.num_blocks == 63
     start = time.perf_counter()
     search = Search(big, Request(512, GPUS["b300"], 64 * 2**20, 8192))
     best = search.best(3)
@@ -334,6 +334,25 @@ def test_plan_auto_cli_writes_the_chosen_plan(tmp_path, capsys, monkeypatch, pro
     assert plan.moe.num_experts == 8 or plan.moe.num_experts == Plan().moe.num_experts
 
 
+@pytest.mark.parametrize("recompute", ["none", "block"])
+def test_forced_pipeline_plan_carries_the_split_the_pass_runs(profile, recompute):
+    """``pp`` forces the pipeline degree; a chosen plan's ``parallel.pp_layout`` is the priced
+    split in the pass's units (half blocks, or blocks under block recompute), and the pass
+    splits the compiled program exactly so."""
+    search = Search(profile, Request(2, GPUS["h200"], 8 * 128, 128, pp=2))
+    preds = [p for p in search.candidates() if p.layout.recompute == recompute]
+    assert preds and all(p.layout.pp == 2 for p in search.candidates())
+    pred = min(preds, key=lambda p: p.step_s)
+    plan = pred.plan(_plan())
+    assert plan.parallel.pp_layout == list(pred.pp_layout)
+    units = profile.num_units if recompute == "none" else profile.num_blocks
+    assert sum(pred.pp_layout) == units
+    stats = _build(plan).pass_results["pipeline"].stats
+    assert stats["units_per_stage"] == list(pred.pp_layout)
+    with pytest.raises(NoPlanFitsError, match="pp = 3 must be a divisor"):
+        Search(profile, Request(2, GPUS["h200"], 8 * 128, 128, pp=3))
+
+
 def test_profile_needs_an_unpipelined_program():
     program = _build(_plan({"dp": 2, "pp": 2, "microbatches": 2}))
     with pytest.raises(ValueError, match="pp = 1"):
@@ -351,7 +370,7 @@ def test_repeating_a_unit_counts_its_flops_in_the_useful_flops(profile):
         )
         return 3 * forward / seq
 
-    big = profile.repeat_unit(1, profile.num_units + 5)
+    big = profile.repeat_block(1, profile.num_blocks + 5)
     for prof in (profile, big):
         assert prof.useful_flops_per_token(1, 128) == pytest.approx(from_units(prof))
     assert big.useful_flops_per_token(1, 128) > profile.useful_flops_per_token(1, 128)

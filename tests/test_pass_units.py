@@ -301,7 +301,7 @@ def test_pipeline_splits_two_blocks_into_two_stages_that_compose_to_the_graph():
     want = gm(x)[0]
     result = _run(PipelinePass(), gm, PP2)
     split = PROGRAMS[result.gm].pipeline
-    assert result.stats["blocks_per_stage"] == [1, 1]
+    assert result.stats["units_per_stage"] == [1, 1]
     (boundary,) = split.stages[0].graph(x)
     torch.testing.assert_close(split.stages[1].graph(boundary)[0], want)
     names = [{n for n, _ in s.graph.named_parameters()} for s in split.stages]

@@ -100,10 +100,11 @@ def auto_plan(
     top: int = 5,
     efficiency: str | Efficiency | None = None,
     min_micro_seqs: int = 1,
+    pp: int | None = None,
 ) -> AutoPlanResult:
     """Search the plans of ``model`` (see :mod:`moec.autoplan`) with the time model's factors
     ``efficiency`` (an :class:`Efficiency` or its JSON file; default: the defaults), refitted
-    to the profiled step ``calibration`` when given."""
+    to the profiled step ``calibration`` when given; ``pp`` forces the pipeline degree."""
     base = plan or Plan()
     spec = gpu_spec(gpu, probe, inter_node_gbps)
     prior = load_efficiency(efficiency) if isinstance(efficiency, (str, Path)) else efficiency
@@ -115,7 +116,7 @@ def auto_plan(
     fitted = fit(measurement, spec, prior, profile) if measurement is not None else None
     eff = fitted.eff if fitted is not None else prior
     request = Request(
-        world, spec, global_batch, seq, memory_fraction, eff, min_micro_seqs=min_micro_seqs
+        world, spec, global_batch, seq, memory_fraction, eff, min_micro_seqs=min_micro_seqs, pp=pp
     )
     search = Search(profile, request)
     best = search.best(top)
@@ -145,6 +146,7 @@ def format_predictions(result: AutoPlanResult) -> str:
             f"{p.bubble_s * 1e3:>8.4g} {p.recompute_s * 1e3:>8.4g} "
             f"{p.tokens_per_s / req.world:>10.0f} "
             f"{p.mfu:>6.1%} {p.memory.total / GIB:>7.1f}"
+            + (f"  units/stage {list(p.pp_layout)}" if p.pp_layout else "")
         )
     lines.append(
         f"{req.world} x {req.gpu.name} ({req.gpu.memory_bytes / GIB:.1f} GiB, "
@@ -189,6 +191,7 @@ def cmd_plan_auto(args: argparse.Namespace) -> int:
         args.top,
         args.efficiency,
         args.min_micro_seqs,
+        args.pp,
     )
     print(format_factors(result))
     if args.efficiency_out:
@@ -242,6 +245,9 @@ def add_plan_auto_parser(plan_subparsers: argparse._SubParsersAction) -> argpars
         default=2,
         help="fewest sequences per microbatch (moec train captures at the microbatch and "
         "needs >= 2; 1 for a search on paper)",
+    )
+    auto.add_argument(
+        "--pp", type=int, help="only plans of this pipeline degree (a divisor of --world)"
     )
     auto.add_argument("--out", help="write the chosen plan here (YAML)")
     auto.set_defaults(func=cmd_plan_auto)

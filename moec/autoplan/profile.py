@@ -3,8 +3,9 @@
 :func:`profile_program` reads a program built once on one rank (``ep = pp = dp = 1``, no
 recompute) and, optionally, the same model built with FSDP (``dp = dp_shard = 2``) to learn
 which parameters FSDP shards and its groups; it keeps, per unit of the ``pipeline`` pass
-(:mod:`moec.passes.pipeline.units`: one residual block, the prologue joined to the first and the
-epilogue to the last):
+(:mod:`moec.passes.pipeline.units` at ``sublayer`` granularity: each residual block's pre-FFN
+and FFN halves, or a whole block where it has nothing before its FFN; the prologue joined to the
+first and the epilogue to the last):
 
 - forward FLOPs by kind (dense matmuls, attention, routed experts), bytes the other nodes
   write, and activation bytes kept for backward without recompute and under block recompute
@@ -15,7 +16,7 @@ epilogue to the last):
   role, working copy, FSDP group), from which :mod:`~moec.autoplan.memory` sizes
   every layout analytically, with :mod:`moec.analysis.rank_memory`'s accounting.
 
-:meth:`ModelProfile.repeat_unit` grows a captured model to its full depth (a model captured
+:meth:`ModelProfile.repeat_block` grows a captured model to its full depth (a model captured
 with a few identical blocks stands for one with many, e.g. the report's 63-layer Ultra).
 """
 
@@ -23,16 +24,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import sympy
 import torch
 import torch.fx as fx
 
-from moec.analysis.cost import graph_cost, node_cost
+from moec.analysis.cost import graph_cost, node_cost, work_by_kind
 from moec.analysis.cost.memory import is_activation, stored_ref
 from moec.fx import module_path, under
-from moec.passes.pipeline.units import CE_FLOPS_PER_LOGIT, block_paths, find_units, loss_flops
+from moec.passes.pipeline.units import (
+    CE_FLOPS_PER_LOGIT,
+    FFN,
+    block_paths,
+    loss_flops,
+    pipeline_units,
+)
 from moec.program import MoELayer, Program
 
 CostFn = Callable[[int, int], float]
@@ -62,6 +69,10 @@ class ParamInfo:
 class UnitProfile:
     """One pipeline unit (see module)."""
 
+    name: str
+    """The pipeline pass's name of the unit (``layers.3 (FFN)``)."""
+    block: int
+    """Index of the residual block the unit belongs to (a block's halves share it)."""
     paths: list[str]
     matmul_flops: CostFn
     attention_flops: CostFn
@@ -98,30 +109,50 @@ class ModelProfile:
     def params(self) -> int:
         return sum(p.numel for u in self.units for p in u.params)
 
-    def repeat_unit(self, index: int, total_units: int) -> ModelProfile:
-        """This model with unit ``index`` repeated until it has ``total_units`` units (its
-        parameters renamed ``<name>#k`` so FSDP groups stay per block)."""
-        extra = total_units - len(self.units)
+    @property
+    def num_blocks(self) -> int:
+        return self.units[-1].block + 1 if self.units else 0
+
+    def block_units(self, block: int) -> list[UnitProfile]:
+        return [u for u in self.units if u.block == block]
+
+    def repeat_block(self, index: int, total_blocks: int) -> ModelProfile:
+        """This model with block ``index`` (its units) repeated until it has ``total_blocks``
+        blocks (its parameters renamed ``<name>#k`` so FSDP groups stay per block)."""
+        extra = total_blocks - self.num_blocks
         if extra < 0:
-            raise ValueError(f"the profile has {len(self.units)} units, more than {total_units}")
-        unit = self.units[index]
+            raise ValueError(f"the profile has {self.num_blocks} blocks, more than {total_blocks}")
+        units = self.block_units(index)
         copies = []
         for k in range(extra):
-            params = [
-                dataclasses.replace(p, name=f"{p.name}#{k}", group=p.group and f"{p.group}#{k}")
-                for p in unit.params
-            ]
-            paths = [f"{p}#{k}" for p in unit.paths]
-            copies.append(dataclasses.replace(unit, params=params, paths=paths))
-        units = self.units[: index + 1] + copies + self.units[index + 1 :]
+            for unit in units:
+                params = [
+                    dataclasses.replace(p, name=f"{p.name}#{k}", group=p.group and f"{p.group}#{k}")
+                    for p in unit.params
+                ]
+                copies.append(
+                    dataclasses.replace(
+                        unit,
+                        name=f"{unit.name}#{k}",
+                        block=index + 1 + k,
+                        params=params,
+                        paths=[f"{p}#{k}" for p in unit.paths],
+                    )
+                )
+        last = self.units.index(units[-1])
+        after = [dataclasses.replace(u, block=u.block + extra) for u in self.units[last + 1 :]]
         base = self.useful_flops_per_token
 
         def per_token(batch: int, seq: int) -> float:  # the copies' 3x forward FLOPs too
-            forward = unit.matmul_flops(batch, seq) + unit.attention_flops(batch, seq)
-            forward += unit.expert_flops(batch, seq)
+            forward = sum(
+                f(batch, seq)
+                for u in units
+                for f in (u.matmul_flops, u.attention_flops, u.expert_flops)
+            )
             return base(batch, seq) + extra * 3 * forward / (batch * seq)
 
-        return dataclasses.replace(self, units=units, useful_flops_per_token=per_token)
+        grown = self.units[: last + 1] + copies + after
+        return dataclasses.replace(self, units=grown, useful_flops_per_token=per_token)
 
 
 def _compile(expr: sympy.Expr, symbols: dict[sympy.Symbol, str]) -> CostFn:
@@ -160,7 +191,7 @@ def profile_program(program: Program, fsdp_program: Program | None = None) -> Mo
     gm = program.graph
     cost = graph_cost(program)
     roles = size_roles(program)
-    units = find_units(gm, cost)
+    names, units = pipeline_units(gm, cost, sublayers=True)
     paths = block_paths(gm, cost)
     unit_of = {n: i for i, u in enumerate(units) for n in u}
     masters = {name for names in program.working_weights.values() for name in names}
@@ -187,11 +218,19 @@ def profile_program(program: Program, fsdp_program: Program | None = None) -> Mo
                 group,
             )
         )
-    result = []
-    for i, nodes in enumerate(units):
-        block = [n for n in nodes if _block_key(module_path(n), paths)]
+    whole: dict[str, set[fx.Node]] = {}  # each block's nodes, over both its halves
+    for nodes in units:
+        for n in nodes:
+            key = _block_key(module_path(n), paths)
+            if key:
+                whole.setdefault(key, set()).add(n)
+    result, block = [], -1
+    for i, (name, nodes) in enumerate(zip(names, units, strict=True)):
+        block += not name.endswith(FFN)  # a block's FFN half follows its pre-FFN half
         extra = loss_flops(gm) if i == len(units) - 1 else 0
-        result.append(_unit(nodes, block, paths, program.moe_layers, params[i], roles, extra))
+        result.append(
+            _unit(name, block, nodes, whole, paths, program.moe_layers, params[i], roles, extra)
+        )
     act = next(
         (
             n.meta["val"].element_size()
@@ -251,8 +290,10 @@ def _param_units(gm: fx.GraphModule, unit_of: dict[fx.Node, int], n: int) -> dic
 
 
 def _unit(
+    name: str,
+    index: int,
     nodes: list[fx.Node],
-    block: list[fx.Node],
+    whole: dict[str, set[fx.Node]],
     paths: list[str],
     layers: list[MoELayer],
     params: list[ParamInfo],
@@ -260,48 +301,49 @@ def _unit(
     loss: sympy.Expr | int,
 ) -> UnitProfile:
     costs = {n: node_cost(n) for n in nodes}
-    kinds: dict[str, sympy.Expr] = {}
-    other = sympy.Integer(0)
-    for c in costs.values():
-        if c.kind in ("matmul", "attention", "experts"):
-            kinds[c.kind] = kinds.get(c.kind, 0) + c.flops
-        else:
-            other += c.bytes_out
+    kinds, other = work_by_kind(costs.values())
     other += sympy.sympify(loss) * 4 / CE_FLOPS_PER_LOGIT  # the loss reads its fp32 logits
 
-    def saved_of(members: list[fx.Node]) -> sympy.Expr:
-        refs = dict.fromkeys(r for n in members for r in costs[n].saved)
+    def saved_of(members: Iterable[fx.Node]) -> sympy.Expr:
+        refs = dict.fromkeys(r for n in members for r in (costs.get(n) or node_cost(n)).saved)
         return sympy.Add(*(r.nbytes() for r in refs))
 
-    # each block is recomputed on its own: it keeps its tensor inputs; its own saved tensors
-    # live again while its backward runs (the largest of the unit's blocks is the transient)
+    # each block is recomputed on its own (a block's halves are one region): it keeps its
+    # tensor inputs; its own saved tensors live again while its backward runs (the largest of
+    # the unit's blocks is the transient)
     by_block: dict[str, list[fx.Node]] = {}
-    for n in block:
-        by_block.setdefault(_block_key(module_path(n), paths), []).append(n)
+    for n in nodes:
+        key = _block_key(module_path(n), paths)
+        if key:
+            by_block.setdefault(key, []).append(n)
+    block = [n for members in by_block.values() for n in members]
     in_block = set(block)
-    outside = [n for n in nodes if n not in in_block]
-    kept_block = saved_of(outside)
-    for members in by_block.values():
-        inside = set(members)
+    kept_block = saved_of(n for n in nodes if n not in in_block)
+    for key, members in by_block.items():
         inputs = dict.fromkeys(
             stored_ref(a)
             for n in members
             for a in n.all_input_nodes
-            if a not in inside and is_activation(a, floating=False)
+            if a not in whole[key] and is_activation(a, floating=False)
         )
         kept_block += sympy.Add(*(r.nbytes() for r in inputs))
-    transients = [saved_of(m) for m in by_block.values()]
+    transients = [saved_of(whole[key]) for key in by_block]
     unit_paths = [p for p in paths if any(under(module_path(n), p) for n in block)]
+    node_paths = {module_path(n) for n in nodes}
+    # a layer's parameters live at ``<ffn>.moe``; its nodes run in the FFN's module
+    moe = [m for m in layers if any(under(p, m.path.rpartition(".")[0]) for p in node_paths)]
     return UnitProfile(
+        name=name,
+        block=index,
         paths=unit_paths,
-        matmul_flops=_compile(kinds.get("matmul", 0), roles),
-        attention_flops=_compile(kinds.get("attention", 0), roles),
-        expert_flops=_compile(kinds.get("experts", 0), roles),
+        matmul_flops=_compile(kinds["matmul"], roles),
+        attention_flops=_compile(kinds["attention"], roles),
+        expert_flops=_compile(kinds["experts"], roles),
         other_bytes=_compile(other, roles),
         saved=_compile(saved_of(nodes), roles),
         saved_block=_compile(kept_block, roles),
         transient_block=_max_of([_compile(t, roles) for t in transients]),
         recompute_flops=_compile(sympy.Add(*(costs[n].flops for n in block)), roles),
-        moe=[m for m in layers if any(under(m.path, p) for p in unit_paths)],
+        moe=moe,
         params=params,
     )

@@ -19,8 +19,10 @@ recompute (the blocks' forward again), EP exchanges exposed per MoE layer
 across), pipeline P2P and bubble (:func:`~moec.analysis.cost.time.bubble_fraction`),
 data-parallel gradient reduction (and FSDP gathers) not hidden by the backward
 (``Efficiency.dp_hidden`` of it), and the optimizer step at HBM bandwidth (28 bytes per
-parameter element, RESULTS.md's AdamW). The
-stage split is the ``pipeline`` pass's objective (contiguous units, fewest max stage FLOPs).
+parameter element, RESULTS.md's AdamW). The stage split is the ``pipeline`` pass's objective
+(contiguous units, the least predicted forward time of the slowest stage, on the searched GPU):
+half blocks, or whole blocks under block recompute (a recompute region is not cut); the chosen
+plan carries it as ``parallel.pp_layout``, so the pass runs the split that was priced.
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ from collections.abc import Iterator
 from moec.analysis.cost.overlap import exposed_comm
 from moec.analysis.cost.time import (
     Efficiency,
-    attention_time,
+    ForwardWork,
     bubble_fraction,
     collective_time,
+    forward_time,
     gemm_time,
     memory_time,
 )
@@ -43,7 +46,7 @@ from moec.analysis.gpus import GPUSpec
 from moec.analysis.pipeline_schedule import inflight_microbatches, stage_rank
 from moec.analysis.rank_memory import GIB, RankMemory
 from moec.autoplan.memory import activation_memory, state_memory
-from moec.autoplan.profile import ModelProfile
+from moec.autoplan.profile import ModelProfile, UnitProfile
 from moec.errors import MoecError
 from moec.plan import ParallelPlan, Plan
 
@@ -69,6 +72,8 @@ class Request:
     min_micro_seqs: int = 1
     """Fewest sequences per microbatch: 2 for plans ``moec train`` runs today (it captures
     the model at the microbatch, and a batch of 1 would specialise the capture)."""
+    pp: int | None = None
+    """Only layouts of this pipeline degree (None: every divisor of the world)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +91,11 @@ class Layout:
     gemm: str
     overlap: str
 
+    @property
+    def whole_blocks(self) -> bool:
+        """Stages cut between blocks only: block recompute makes each block one region."""
+        return self.recompute == "block"
+
 
 @dataclasses.dataclass(frozen=True)
 class Prediction:
@@ -98,6 +108,9 @@ class Prediction:
     memory: RankMemory
     tokens_per_s: float
     mfu: float
+    pp_layout: tuple[int, ...] | None = None
+    """Units per stage of the priced split (the pass's units: half blocks, or blocks under
+    block recompute); None without pipeline parallelism."""
 
     def plan(self, base: Plan) -> Plan:
         """``base`` (its MoE, loss and lowering sections) with this layout."""
@@ -113,6 +126,7 @@ class Prediction:
             "pp_schedule": lay.schedule,
             "microbatches": lay.microbatches,
             "overlap": lay.overlap,
+            "pp_layout": list(self.pp_layout) if self.pp_layout else None,
         }
         precision = dict(data["precision"])
         precision["compute_dtype"] = "bf16"
@@ -131,6 +145,11 @@ class Search:
     """The search over one profile and request (see module); caches per-unit sums."""
 
     def __init__(self, profile: ModelProfile, request: Request):
+        if request.pp is not None and (request.pp < 1 or request.world % request.pp):
+            raise NoPlanFitsError(
+                f"pipeline degree pp = {request.pp} must be a divisor of the world "
+                f"({request.world} GPUs)"
+            )
         self.profile, self.req = profile, request
         experts = {m.num_experts for u in profile.units for m in u.moe}
         self.experts = min(experts) if experts else 1
@@ -145,7 +164,7 @@ class Search:
         """(pp, v, schedule, dp, ep, dp_shard): the parameter layouts."""
         world, units = self.req.world, self.profile.num_units
         for pp in _divisors(world):
-            if pp > units:
+            if pp > units or (self.req.pp is not None and pp != self.req.pp):
                 continue
             schedules = [(1, "1f1b")]
             if pp > 1:
@@ -187,6 +206,8 @@ class Search:
                     continue
                 fitted = False
                 for recompute in ("none", "block"):
+                    if recompute == "block" and pp * v > self.profile.num_blocks:
+                        continue  # a recompute region is one unit
                     for gemm in sorted({"bf16", req.gpu.low_precision()}):
                         overlaps = ("none", "two_batch") if ep > 1 and micro % 2 == 0 else ("none",)
                         paths = ("rowwise", "a2a_capacity") if ep > 1 else ("auto",)
@@ -240,32 +261,46 @@ class Search:
     # --- pipeline structure ----------------------------------------------------------------
 
     @functools.cache  # noqa: B019 (one Search per request)
-    def split(self, stages: int) -> tuple[tuple[int, ...], ...]:
-        """Contiguous units per stage minimising the largest stage's forward FLOPs."""
-        flops = [self._unit_flops(u) for u in range(self.profile.num_units)]
-        n = len(flops)
+    def split(self, stages: int, whole_blocks: bool = False) -> tuple[tuple[int, ...], ...]:
+        """Contiguous units per stage minimising the slowest stage's predicted forward time
+        (``whole_blocks``: cut between blocks only)."""
+        units = self.profile.units
+        seconds = [forward_time(self.work(u, 1, 1), self.req.gpu, self.req.eff) for u in units]
+        cuts = [i for i in range(1, len(units) + 1) if not whole_blocks or i == len(units)
+                or units[i].block != units[i - 1].block]  # fmt: skip
+        n = len(cuts)
+        ends = [0, *cuts]  # candidate stage ends, as unit indices
         prefix = [0.0]
-        for f in flops:
-            prefix.append(prefix[-1] + f)
+        for t in seconds:
+            prefix.append(prefix[-1] + t)
         best = [[math.inf] * (n + 1) for _ in range(stages + 1)]
         choice = [[0] * (n + 1) for _ in range(stages + 1)]
         best[0][0] = 0.0
         for s in range(1, stages + 1):
             for j in range(s, n - (stages - s) + 1):
                 for i in range(s - 1, j):
-                    cand = max(best[s - 1][i], prefix[j] - prefix[i])
+                    cand = max(best[s - 1][i], prefix[ends[j]] - prefix[ends[i]])
                     if cand < best[s][j]:
                         best[s][j], choice[s][j] = cand, i
         bounds, j = [], n
         for s in range(stages, 0, -1):
             i = choice[s][j]
-            bounds.append(tuple(range(i, j)))
+            bounds.append(tuple(range(ends[i], ends[j])))
             j = i
         return tuple(bounds[::-1])
 
-    def _unit_flops(self, u: int) -> float:
-        unit, seq = self.profile.units[u], self.req.seq
-        return sum(f(1, seq) for f in (unit.matmul_flops, unit.attention_flops, unit.expert_flops))
+    def work(self, unit: UnitProfile, micro_seqs: int, ep: int) -> ForwardWork:
+        """``unit``'s forward work per microbatch of ``micro_seqs`` sequences at EP ``ep``."""
+        seq = self.req.seq
+        tokens = micro_seqs * seq
+        share = unit.expert_flops(micro_seqs, seq) / max(len(unit.moe), 1)
+        return ForwardWork(
+            matmul_flops=unit.matmul_flops(micro_seqs, seq),
+            attention_flops=unit.attention_flops(micro_seqs, seq),
+            expert_gemms=tuple((share, tokens * m.top_k * ep / m.num_experts) for m in unit.moe),
+            moved_bytes=2 * unit.other_bytes(micro_seqs, seq),
+            rows=tokens,
+        )
 
     @functools.cache  # noqa: B019
     def in_flight(self, pp: int, v: int, schedule: str, m: int) -> tuple[int, ...]:
@@ -283,10 +318,18 @@ class Search:
 
     @functools.cache  # noqa: B019
     def state(
-        self, pp: int, v: int, schedule: str, dp: int, ep: int, dp_shard: int, m: int
+        self,
+        pp: int,
+        v: int,
+        schedule: str,
+        dp: int,
+        ep: int,
+        dp_shard: int,
+        m: int,
+        whole_blocks: bool = False,
     ) -> tuple[tuple[int, int, int, int, int], ...]:
         """Per pipeline rank: its parameter state (rank_memory's first five lines)."""
-        stages = self.split(pp * v)
+        stages = self.split(pp * v, whole_blocks)
         return tuple(
             state_memory(self.profile, [u for s in held for u in stages[s]], ep, dp, dp_shard, m)
             for held in self.ranks(pp, v, schedule)
@@ -304,8 +347,7 @@ class Search:
         self.evaluated += 1
         req, prof, gpu, eff = self.req, self.profile, self.req.gpu, self.req.eff
         seq, b, m = req.seq, lay.micro_seqs, lay.microbatches
-        tokens = b * seq
-        stages = self.split(lay.pp * lay.virtual_stages)
+        stages = self.split(lay.pp * lay.virtual_stages, lay.whole_blocks)
         flight = self.in_flight(lay.pp, lay.virtual_stages, lay.schedule, m)
         held = self.ranks(lay.pp, lay.virtual_stages, lay.schedule)
         node = gpu.gpus_per_node
@@ -318,24 +360,19 @@ class Search:
             compute = recompute = comm = 0.0
             for u in units:
                 unit = prof.units[u]
-                dense = gemm_time(unit.matmul_flops(b, seq), tokens, gpu, "bf16", eff)
-                attn = attention_time(unit.attention_flops(b, seq), gpu, eff)
-                moved = memory_time(2 * unit.other_bytes(b, seq), gpu, eff)
-                experts = 0.0
-                for moe in unit.moe:
-                    rows = tokens * moe.top_k * lay.ep / moe.num_experts
-                    share = unit.expert_flops(b, seq) / max(len(unit.moe), 1)
-                    t_exp = gemm_time(share, rows, gpu, lay.gemm, eff)
-                    experts += t_exp
-                    if lay.ep > 1:
-                        routed = tokens * moe.top_k * (moe.capacity_factor or 1.0)
-                        sent = 2 * routed * moe.dim * prof.act_itemsize * (lay.ep - 1) / lay.ep
-                        for compute_s in (t_exp, 2 * t_exp):  # forward, backward
-                            comm += exposed_comm(
-                                sent, ep_rate, compute_s, lay.overlap, eff.latency_s
-                            ).exposed
-                fwd = (dense + attn + moved + experts) / eff.device_busy
+                work = self.work(unit, b, lay.ep)
+                fwd = forward_time(work, gpu, eff, lay.gemm)
                 compute += 3 * fwd
+                for moe, (flops, rows) in zip(unit.moe, work.expert_gemms, strict=True):
+                    if lay.ep == 1:
+                        break
+                    t_exp = gemm_time(flops, rows, gpu, lay.gemm, eff)
+                    routed = work.rows * moe.top_k * (moe.capacity_factor or 1.0)
+                    sent = 2 * routed * moe.dim * prof.act_itemsize * (lay.ep - 1) / lay.ep
+                    for compute_s in (t_exp, 2 * t_exp):  # forward, backward
+                        comm += exposed_comm(
+                            sent, ep_rate, compute_s, lay.overlap, eff.latency_s
+                        ).exposed
                 if lay.recompute == "block":
                     total = sum(
                         f(b, seq)
@@ -350,7 +387,7 @@ class Search:
         p2p = 0.0
         if lay.pp > 1:
             link = gpu.ceiling("nvlink_gbps" if req.world <= node else "inter_node_gbps")
-            sent = tokens * prof.hidden * prof.act_itemsize
+            sent = b * seq * prof.hidden * prof.act_itemsize
             p2p = 2 * (eff.latency_s + sent / (link * 1e9 * eff.link))  # activation + its grad
         per_rank = []
         for stages_held in held:
@@ -364,8 +401,9 @@ class Search:
 
         # data parallel: gradient reduction (and FSDP gathers) beyond the last backward
         states = self.state(
-            lay.pp, lay.virtual_stages, lay.schedule, lay.dp, lay.ep, lay.dp_shard, m
-        )
+            lay.pp, lay.virtual_stages, lay.schedule, lay.dp, lay.ep, lay.dp_shard, m,
+            lay.whole_blocks,
+        )  # fmt: skip
         units_held = [u for s in held[slowest] for u in stages[s]]
         dense_el, expert_el = self._param_elements(units_held, lay)
         dp_link = gpu.ceiling("nvlink_gbps" if lay.dp <= node else "inter_node_gbps")
@@ -401,7 +439,13 @@ class Search:
         tokens_per_s = req.global_batch / step
         peak = gpu.bf16_tflops * 1e12 * req.world
         mfu = prof.useful_flops_per_token(1, seq) * tokens_per_s / peak
-        return Prediction(lay, step, compute, comm, bubble, recompute, memory, tokens_per_s, mfu)
+        layout = None
+        if lay.pp > 1:  # in the pass's units: blocks under block recompute
+            units = [[prof.units[u].block for u in stage] for stage in stages]
+            layout = tuple(len(set(s)) if lay.whole_blocks else len(s) for s in units)
+        return Prediction(
+            lay, step, compute, comm, bubble, recompute, memory, tokens_per_s, mfu, layout
+        )
 
     def _note(self, nbytes: float, where: str) -> None:
         if nbytes < self.smallest[0]:

@@ -25,11 +25,20 @@ Size helpers shared with the passes (``nbytes``, ``evaluate``) are :mod:`moec.fx
 
 from moec.analysis.cost import moec_rules  # noqa: F401  (registers the moec:: ops' rules)
 from moec.analysis.cost.memory import VIEW_LIKE, SavedRef, backward_workspace
-from moec.analysis.cost.model import BlockCost, CostTotals, FFNInfo, GraphCost, graph_cost
+from moec.analysis.cost.model import (
+    PRICED_KINDS,
+    BlockCost,
+    CostTotals,
+    FFNInfo,
+    GraphCost,
+    graph_cost,
+    work_by_kind,
+)
 from moec.analysis.cost.report import CostReport, format_count
 from moec.analysis.cost.rules import RULES, NodeCost, cost_rule, node_cost
 
 __all__ = [
+    "PRICED_KINDS",
     "RULES",
     "VIEW_LIKE",
     "BlockCost",
@@ -43,5 +52,6 @@ __all__ = [
     "cost_rule",
     "format_count",
     "graph_cost",
+    "work_by_kind",
     "node_cost",
 ]

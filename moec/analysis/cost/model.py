@@ -53,6 +53,26 @@ class CostTotals:
         return 3 * self.matmul_flops
 
 
+PRICED_KINDS = ("matmul", "attention", "experts")
+"""Node kinds the time model prices by FLOPs; every other node by the bytes it writes."""
+
+
+def work_by_kind(costs: Iterable[NodeCost]) -> tuple[dict[str, Expr], Expr]:
+    """Forward FLOPs of each of :data:`PRICED_KINDS` (a region's, e.g. a recomputed block, as
+    ``matmul``) and the bytes the other nodes write."""
+    flops: dict[str, Expr] = {kind: sympy.Integer(0) for kind in PRICED_KINDS}
+    other = sympy.Integer(0)
+    for c in costs:
+        if c.kind in PRICED_KINDS:
+            flops[c.kind] += c.flops
+        elif c.kind == "region":
+            flops["matmul"] += c.flops
+            other += c.bytes_out
+        else:
+            other += c.bytes_out
+    return flops, other
+
+
 @dataclasses.dataclass
 class FFNInfo:
     path: str

@@ -106,6 +106,31 @@ def memory_time(nbytes: float, gpu: GPUSpec, eff: Efficiency = Efficiency()) -> 
     return nbytes / (gpu.ceiling("hbm_gbps") * 1e9 * eff.memory) if nbytes > 0 else 0.0
 
 
+@dataclasses.dataclass(frozen=True)
+class ForwardWork:
+    """A piece of a program's forward by what prices it: the time model's inputs."""
+
+    matmul_flops: float = 0.0
+    attention_flops: float = 0.0
+    expert_gemms: tuple[tuple[float, float], ...] = ()
+    """(FLOPs, rows per expert) of each MoE layer's expert GEMMs."""
+    moved_bytes: float = 0.0
+    """Bytes the memory-bound ops read and write."""
+    rows: float = 0.0
+    """Rows of the dense GEMMs (the microbatch's tokens)."""
+
+
+def forward_time(
+    work: ForwardWork, gpu: GPUSpec, eff: Efficiency = Efficiency(), expert_precision: str = "bf16"
+) -> float:
+    """Seconds of ``work`` on one GPU, launch gaps included (``eff.device_busy``)."""
+    seconds = gemm_time(work.matmul_flops, work.rows, gpu, "bf16", eff)
+    seconds += attention_time(work.attention_flops, gpu, eff)
+    seconds += memory_time(work.moved_bytes, gpu, eff)
+    seconds += sum(gemm_time(f, r, gpu, expert_precision, eff) for f, r in work.expert_gemms)
+    return seconds / eff.device_busy
+
+
 COLLECTIVE_SHARE = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n,

@@ -1,26 +1,26 @@
-"""Balance: contiguous blocks per stage minimising the most expensive stage.
+"""Balance: contiguous units per stage minimising the most expensive stage.
 
-:func:`balance` assigns blocks to ``S`` stages in order by exact dynamic programming over
-prefixes, minimising lexicographically (the most expensive stage's forward FLOPs, then its
-predicted peak activation bytes: ``in_flight[s]`` times the blocks' kept bytes per microbatch,
-plus the largest transient of recomputing one of them). With a heavy LM head in the last block's
-costs this gives the last stage fewer blocks.
+:func:`balance` assigns units (blocks or half blocks) to ``S`` stages in order by exact dynamic
+programming over prefixes, minimising lexicographically (the most expensive stage's cost, e.g.
+its predicted forward seconds, then its predicted peak activation bytes: ``in_flight[s]`` times
+the units' kept bytes per microbatch, plus the largest transient of recomputing one of them).
+With a heavy LM head in the last unit's cost this gives the last stage fewer units.
 """
 
 from __future__ import annotations
 
 
 def balance(
-    flops: list[int], saved: list[tuple[int, int]], num_stages: int, in_flight: list[int]
+    cost: list[float], saved: list[tuple[int, int]], num_stages: int, in_flight: list[int]
 ) -> list[int]:
-    """Start index of every stage (contiguous blocks) minimising (max stage FLOPs, max stage
-    predicted activation bytes); ``saved`` holds (kept, transient) bytes per block."""
-    n = len(flops)
-    prefix = [0]
-    for f in flops:
-        prefix.append(prefix[-1] + f)
+    """Start index of every stage (contiguous units) minimising (max stage cost, max stage
+    predicted activation bytes); ``saved`` holds (kept, transient) bytes per unit."""
+    n = len(cost)
+    prefix = [0.0]
+    for c in cost:
+        prefix.append(prefix[-1] + c)
 
-    def stage_cost(s: int, i: int, j: int) -> tuple[int, int]:
+    def stage_cost(s: int, i: int, j: int) -> tuple[float, int]:
         kept = sum(k for k, _ in saved[i:j])
         transient = max(t for _, t in saved[i:j])
         return prefix[j] - prefix[i], in_flight[s] * kept + transient

@@ -1,9 +1,10 @@
 """When a plan can pipeline a model: the checks the ``pipeline`` pass runs before splitting.
 
 :func:`check_splittable` raises :class:`~moec.plan.PlanError` naming the plan field: at most one
-stage per residual block (``parallel.pp``), 2 stages per rank for the V-shaped schedules and 2+
-for interleaved 1F1B, 1 for GPipe and 1F1B (``parallel.virtual_stages``), and as many
-microbatches as the schedule needs (``parallel.microbatches``).
+stage per unit (residual block, or half block: ``parallel.pp``), 2 stages per rank for the
+V-shaped schedules and 2+ for interleaved 1F1B, 1 for GPipe and 1F1B
+(``parallel.virtual_stages``), and as many microbatches as the schedule needs
+(``parallel.microbatches``).
 """
 
 from __future__ import annotations
@@ -12,15 +13,15 @@ from moec.analysis.pipeline_schedule import V_SHAPED
 from moec.plan import ParallelPlan, PlanError
 
 
-def check_splittable(p: ParallelPlan, num_blocks: int) -> None:
-    """Raise :class:`PlanError` naming the field when ``p`` cannot split ``num_blocks`` blocks."""
+def check_splittable(p: ParallelPlan, num_units: int) -> None:
+    """Raise :class:`PlanError` naming the field when ``p`` cannot split ``num_units`` units."""
     stages = p.pp * p.virtual_stages
-    if stages > num_blocks:
+    if stages > num_units:
         raise PlanError(
             "parallel.pp",
             p.pp,
-            f"pp * virtual_stages = {stages} stages but the model has {num_blocks} blocks; "
-            "use at most one stage per block",
+            f"pp * virtual_stages = {stages} stages but the model has {num_units} units "
+            f"(parallel.pp_units={p.pp_units!r}); use at most one stage per unit",
         )
     if p.pp_schedule in V_SHAPED and p.virtual_stages != 2:
         raise PlanError(

@@ -25,6 +25,7 @@ def stage_row(s: StageInfo) -> dict[str, Any]:
         "rank": s.rank,
         "blocks": f"{s.blocks[0]}..{s.blocks[-1]}" if len(s.blocks) > 1 else s.blocks[0],
         "flops": s.flops,
+        "forward_ms": round(s.forward_s * 1e3, 2),
         "saved_bytes_per_mb": s.saved_bytes,
         "in_flight": s.in_flight,
         "peak_activation_bytes": s.peak_activation_bytes,
@@ -34,13 +35,13 @@ def stage_row(s: StageInfo) -> dict[str, Any]:
 
 def format_stage_table(split: Pipeline) -> str:
     """The stage cost table as aligned text (``moec debug`` prints the stats' rows)."""
-    head = f"{'stage':>5} {'rank':>4} {'blocks':<24} {'flops':>8} {'saved/mb':>9} {'in-flt':>6} "
-    lines = [head + f"{'peak act':>9} {'params':>8}"]
+    head = f"{'stage':>5} {'rank':>4} {'units':<44} {'flops':>8} {'fwd ms':>7} {'saved/mb':>9} "
+    lines = [head + f"{'in-flt':>6} {'peak act':>9} {'params':>8}"]
     for s in split.info:
         row = stage_row(s)
         lines.append(
-            f"{s.index:>5} {s.rank:>4} {row['blocks']:<24} {format_count(s.flops):>8} "
-            f"{format_count(s.saved_bytes):>9} {s.in_flight:>6} "
+            f"{s.index:>5} {s.rank:>4} {row['blocks']:<44} {format_count(s.flops):>8} "
+            f"{row['forward_ms']:>7} {format_count(s.saved_bytes):>9} {s.in_flight:>6} "
             f"{format_count(s.peak_activation_bytes):>9} {format_count(s.params):>8}"
         )
     return "\n".join(lines)

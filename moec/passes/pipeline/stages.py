@@ -1,6 +1,7 @@
 """Stage graphs: the full graph cut into ``S`` ``fx.GraphModule`` stages at unit boundaries.
 
-Stage s holds the units ``[starts[s], starts[s+1])`` (:mod:`~moec.passes.pipeline.units`).
+Stage s holds the units ``[starts[s], starts[s+1])`` (:mod:`~moec.passes.pipeline.units`:
+blocks or half blocks).
 Values crossing a boundary become stage outputs and the next stage's inputs (threaded through
 intermediate stages when used further on); stage 0 receives the graph's inputs and the last
 stage sends the user outputs. A later stage that reads a graph input itself (the targets of a
@@ -29,7 +30,7 @@ from moec.analysis.cost import CostTotals, GraphCost
 from moec.analysis.pipeline_schedule import stage_rank
 from moec.fx import evaluate, node_order, parameter_count, placeholders_for
 from moec.passes.pipeline.split import PipelinePassError
-from moec.passes.pipeline.units import block_paths, loss_flops, unit_saved_bytes
+from moec.passes.pipeline.units import loss_flops, unit_saved_bytes
 from moec.passes.verify import verify_graph
 from moec.plan import Plan
 from moec.program import GraphSignature, Pipeline, Program, StageInfo
@@ -41,19 +42,21 @@ def build_split(
     program: Program,
     cost: GraphCost,
     units: list[list[fx.Node]],
+    names: list[str],
+    seconds: list[float],
     starts: list[int],
     plan: Plan,
     in_flight: list[int],
     verify: bool,
 ) -> Pipeline:
-    """The stage programs of ``units`` split at ``starts``, with their placement and costs at
-    the example sizes; ``verify`` runs the verifier on every stage."""
+    """The stage programs of ``units`` (named ``names``, ``seconds`` of predicted forward each)
+    split at ``starts``, with their placement and costs at the example sizes; ``verify`` runs
+    the verifier on every stage."""
     gm, sig = program.graph, program.signature
     p = plan.parallel
     values = cost.sizes()
     num_stages = len(starts)
     ends = starts[1:] + [len(units)]
-    paths = block_paths(gm, cost)
     stage_of: dict[fx.Node, int] = {}
     for s, (i, j) in enumerate(zip(starts, ends, strict=True)):
         for unit in units[i:j]:
@@ -98,7 +101,7 @@ def build_split(
             StageInfo(
                 index=s,
                 rank=stage_rank(s, p.pp, p.pp_schedule),
-                blocks=paths[starts[s] : ends[s]],
+                blocks=names[starts[s] : ends[s]],
                 inputs=[n.name for n in inputs],
                 outputs=[n.name for n in sends],
                 aux_outputs=[key for _, key in stage_aux],
@@ -110,6 +113,7 @@ def build_split(
                 ),
                 in_flight=in_flight[s],
                 params=parameter_count(stage.graph),
+                forward_s=sum(seconds[starts[s] : ends[s]]),
             )
         )
     return Pipeline(stages, infos, p.pp, p.virtual_stages, p.pp_schedule, p.microbatches)

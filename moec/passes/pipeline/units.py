@@ -1,16 +1,24 @@
-"""The units the ``pipeline`` pass splits at: one residual block each, with its costs.
+"""The units the ``pipeline`` pass splits at: residual blocks or their halves, with their costs.
 
 A block is one the cost model finds (dense FFN regions and the MoE layers of the ``moe`` pass)
 or one the ``recompute`` pass moved into a region; it ends at its **boundary**, the last
-data-dependent node of the block's module. Unit k is the data-dependent compute after boundary
-k-1 up to boundary k; the prologue (embedding) joins unit 0 and the epilogue (final norm, LM
-head) the last unit. Nodes that depend on no input data (``sym_size``, slices of buffers) belong
+data-dependent node of the block's module. Block k is the data-dependent compute after boundary
+k-1 up to boundary k; the prologue (embedding) joins block 0 and the epilogue (final norm, LM
+head) the last block. Nodes that depend on no input data (``sym_size``, slices of buffers) belong
 to no unit: every stage that reads them recomputes them.
 
-Per unit, at the example sizes (one microbatch): forward FLOPs (the last unit adds the loss the
-runtime computes, ``CE_FLOPS_PER_LOGIT`` per logit) and (kept, transient) activation bytes: a
-recompute region keeps its inputs (the cost model's rule) and, while recomputed in backward,
-materialises what its sub-graph saves (the transient).
+Units (:func:`pipeline_units`) are the blocks, or with ``sublayers`` each block cut once more
+before its FFN, at the point where the fewest values cross (the residual stream after the
+attention's add: one tensor, the same a block boundary sends): ``layers.3 (pre-FFN)`` holds the
+norm, attention and their residual add, ``layers.3 (FFN)`` the FFN's norm, the FFN or MoE layer
+and its add. Half-block units let a balanced split move an attention's worth of work between
+stages instead of a block's. A recompute region is one call and stays whole.
+
+Per unit, at the example sizes (one microbatch): its forward work by kind
+(:func:`unit_work`, which the time model prices; the last unit adds the cross-entropy the
+runtime computes, ``CE_FLOPS_PER_LOGIT`` per logit), forward FLOPs and (kept, transient)
+activation bytes: a recompute region keeps its inputs (the cost model's rule) and, while
+recomputed in backward, materialises what its sub-graph saves (the transient).
 """
 
 from __future__ import annotations
@@ -19,16 +27,20 @@ import sympy
 import torch
 import torch.fx as fx
 
-from moec.analysis.cost import CostTotals, GraphCost, graph_cost, node_cost
+from moec.analysis.cost import CostTotals, GraphCost, graph_cost, node_cost, work_by_kind
+from moec.analysis.cost.time import ForwardWork
 from moec.analysis.structure import module_path
 from moec.fx import called_graph, evaluate, nbytes, under
 from moec.passes.pipeline.split import PipelinePassError
-from moec.program import Program
+from moec.program import MoELayer, Program
 
 aten = torch.ops.aten
 
 _COMPUTE = ("call_function", "call_module")
 """Ops that compute in a unit: the ``fsdp`` pass's group and release calls are modules."""
+
+PRE_FFN, FFN = " (pre-FFN)", " (FFN)"
+"""Suffixes of a block's half-units' names (after the block's module path)."""
 
 CE_FLOPS_PER_LOGIT = 6
 """Cross-entropy on the last stage: max, subtract, exp, sum, log, gather per logit."""
@@ -43,22 +55,64 @@ def block_units(program: Program | fx.GraphModule) -> tuple[GraphCost, list[list
 
 def find_units(gm: fx.GraphModule, cost: GraphCost) -> list[list[fx.Node]]:
     """The data-dependent compute nodes of each block, prologue and epilogue merged in."""
+    return pipeline_units(gm, cost)[1]
+
+
+def pipeline_units(
+    gm: fx.GraphModule, cost: GraphCost, sublayers: bool = False
+) -> tuple[list[str], list[list[fx.Node]]]:
+    """(names, nodes) of the units: the blocks (named by their module path), or with
+    ``sublayers`` their pre-FFN and FFN halves (see module)."""
     dependent = _data_dependent(gm)
     nodes = [n for n in gm.graph.nodes if n.op in _COMPUTE and n in dependent]
+    paths = block_paths(gm, cost)
     ends = []
-    for path in block_paths(gm, cost):
+    for path in paths:
         owned = [i for i, n in enumerate(nodes) if under(module_path(n), path)]
         if not owned:
             raise PipelinePassError(f"block {path} has no compute nodes to split at")
         ends.append(owned[-1])
     if not ends:
         raise PipelinePassError("pipeline found no residual blocks (no FFN region) to split at")
-    result, start = [], 0
-    for end in ends:
-        result.append(nodes[start : end + 1])
+    ends[-1] = len(nodes) - 1  # the epilogue joins the last block
+    names, cuts = [], []
+    ffn_paths = {b.path: b.ffn.path for b in cost.blocks}
+    start = 0
+    for path, end in zip(paths, ends, strict=True):
+        cut = _ffn_cut(nodes, start, end, ffn_paths.get(path)) if sublayers else None
+        if cut is None:
+            names.append(path)
+        else:
+            names += [path + PRE_FFN, path + FFN]
+            cuts.append(cut)
+        cuts.append(end)
         start = end + 1
-    result[-1] += nodes[start:]
-    return result
+    units, start = [], 0
+    for cut in cuts:
+        units.append(nodes[start : cut + 1])
+        start = cut + 1
+    return names, units
+
+
+def _ffn_cut(nodes: list[fx.Node], start: int, end: int, ffn_path: str | None) -> int | None:
+    """The last node of a block's pre-FFN half (``nodes[start:end + 1]`` is the block): of the
+    positions before the FFN's first node, the latest after which the fewest values are still
+    read later (graph inputs aside: they are never sent). None when the block has no FFN nodes
+    of its own to cut before (a recompute region) or nothing before them."""
+    if ffn_path is None:
+        return None
+    first = next((i for i in range(start, end + 1) if under(module_path(nodes[i]), ffn_path)), None)
+    if first is None or first == start:
+        return None
+    index = {n: i for i, n in enumerate(nodes)}
+    crossing = [0] * (first - start)
+    for i, node in enumerate(nodes[:first]):
+        reads = [index.get(u, len(nodes)) for u in node.users if u.op == "output" or u in index]
+        last = max(reads, default=i)
+        for p in range(max(i, start), min(last, first)):
+            crossing[p - start] += 1
+    fewest = min(crossing)
+    return start + max(p for p, c in enumerate(crossing) if c == fewest)
 
 
 def _data_dependent(gm: fx.GraphModule) -> set[fx.Node]:
@@ -90,12 +144,45 @@ def block_paths(gm: fx.GraphModule, cost: GraphCost) -> list[str]:
 def unit_costs(
     gm: fx.GraphModule, cost: GraphCost, units: list[list[fx.Node]]
 ) -> tuple[list[int], list[tuple[int, int]]]:
-    """Per block (prologue/epilogue and loss included): forward FLOPs and (kept, transient)
+    """Per unit (prologue/epilogue and loss included): forward FLOPs and (kept, transient)
     saved bytes per microbatch, at the example sizes."""
     values = cost.sizes()
     flops = [cost.value(CostTotals.of(cost.nodes, u).flops) for u in units]
     flops[-1] += cost.value(loss_flops(gm))
     return flops, [unit_saved_bytes(cost, u, values) for u in units]
+
+
+def unit_work(
+    gm: fx.GraphModule,
+    cost: GraphCost,
+    units: list[list[fx.Node]],
+    layers: list[MoELayer],
+    ep: int = 1,
+) -> list[ForwardWork]:
+    """Per unit, its forward work at the example sizes, as the time model prices it: a MoE
+    layer's expert GEMMs at the rows each local expert sees (``ep`` ranks send to it)."""
+    values = cost.sizes()
+    tokens = float(cost.value(cost.tokens))
+    result = []
+    for i, unit in enumerate(units):
+        flops, other = work_by_kind(cost.nodes[n] for n in unit)
+        if i == len(units) - 1:  # the loss reads its fp32 logits
+            other += loss_flops(gm) * 4 / CE_FLOPS_PER_LOGIT
+        paths = {module_path(n) for n in unit}
+        # a layer's parameters live at ``<ffn>.moe``; its nodes run in the FFN's module
+        mine = [m for m in layers if any(under(p, m.path.rpartition(".")[0]) for p in paths)]
+        expert = float(evaluate(flops["experts"], values))
+        gemms = tuple((expert / len(mine), tokens * m.top_k * ep / m.num_experts) for m in mine)
+        result.append(
+            ForwardWork(
+                matmul_flops=float(evaluate(flops["matmul"], values)),
+                attention_flops=float(evaluate(flops["attention"], values)),
+                expert_gemms=gemms,
+                moved_bytes=2 * float(evaluate(other, values)),
+                rows=tokens,
+            )
+        )
+    return result
 
 
 def loss_flops(gm: fx.GraphModule) -> sympy.Expr:
