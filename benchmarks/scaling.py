@@ -155,17 +155,30 @@ def stage_ms(compiled, step: Callable, device: torch.device, reps: int = 3) -> f
     return (time.perf_counter() - start) / reps * 1e3
 
 
-def kernel_times(fn: Callable[[], None]) -> dict[str, float]:
-    """Device microseconds per kernel name over one call of ``fn`` (torch profiler)."""
+def kernel_times(fn: Callable[[], None], trace: str | None = None) -> dict[str, float]:
+    """Device microseconds per kernel name over one call of ``fn`` (torch profiler), and the
+    host's blocking CUDA calls (``host:<name>``: allocations, synchronizations) by time;
+    ``trace``: also write the profiler's Chrome trace there."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()  # the profiled window's end (outside any timed step)
     times: dict[str, float] = {}
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            times[event.name] = times.get(event.name, 0.0) + event.device_time
+            key = event.name
+        elif event.name.startswith(("cudaMalloc", "cudaFree", "cudaStreamSynchronize",
+                                    "cudaEventSynchronize", "cudaDeviceSynchronize")):  # fmt: skip
+            key = f"host:{event.name}"
+        else:
+            continue
+        times[key] = times.get(key, 0.0) + (
+            event.device_time if event.device_type == torch.autograd.DeviceType.CUDA
+            else event.cpu_time_total
+        )  # fmt: skip
+    if trace:
+        prof.export_chrome_trace(trace)
     return times
 
 
@@ -231,7 +244,7 @@ def run(
 ) -> dict:
     """Build, warm up and time one parallel configuration; the job's totals on every rank.
     ``kernels``: write this rank's kernel times of one stage pass (pp > 1) or one step to
-    ``{kernels}_pp{pp}_mb{microbatches}_rank{r}.json``."""
+    ``{kernels}_pp{pp}_mb{microbatches}_rank{r}.json`` (its profiler trace to ``.trace``)."""
     world = dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
         else torch.device("cpu")  # fmt: skip
@@ -247,8 +260,8 @@ def run(
         dist.all_gather(ranks, mine)
         result["stage_ms_by_rank"] = [round(float(t), 1) for t in ranks]
     if kernels and device.type == "cuda":
-        times = kernel_times(step.stage_pass() if pp > 1 else step)
         out = f"{kernels}_pp{pp}_mb{microbatches}_rank{dist.get_rank()}.json"
+        times = kernel_times(step.stage_pass() if pp > 1 else step, out.replace(".json", ".trace"))
         with open(out, "w") as f:
             json.dump(times, f, indent=1)
     del step  # the compiled model and its runtime: freed before the next configuration
@@ -345,7 +358,7 @@ def main() -> None:
         "--kernels",
         metavar="PREFIX",
         help="write each rank's kernel times (one stage pass, or one step at pp = 1) to "
-        "PREFIX_pp{pp}_mb{microbatches}_rank{r}.json",
+        "PREFIX_pp{pp}_mb{microbatches}_rank{r}.json and its profiler trace to .trace",
     )
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=3)

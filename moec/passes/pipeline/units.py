@@ -77,9 +77,10 @@ def pipeline_units(
     ends[-1] = len(nodes) - 1  # the epilogue joins the last block
     names, cuts = [], []
     ffn_paths = {b.path: b.ffn.path for b in cost.blocks}
+    crossing = _crossing(nodes) if sublayers else []
     start = 0
     for path, end in zip(paths, ends, strict=True):
-        cut = _ffn_cut(nodes, start, end, ffn_paths.get(path)) if sublayers else None
+        cut = _ffn_cut(nodes, crossing, start, end, ffn_paths.get(path)) if sublayers else None
         if cut is None:
             names.append(path)
         else:
@@ -94,25 +95,42 @@ def pipeline_units(
     return names, units
 
 
-def _ffn_cut(nodes: list[fx.Node], start: int, end: int, ffn_path: str | None) -> int | None:
+def _crossing(nodes: list[fx.Node]) -> list[int]:
+    """``crossing[p]``: how many values a cut after ``nodes[p]`` sends on (defined at or before
+    ``p``, read after it or by the output; graph inputs aside: they are never sent)."""
+    index = {n: i for i, n in enumerate(nodes)}
+    change = [0] * (len(nodes) + 1)
+    for i, node in enumerate(nodes):
+        reads = [index.get(u, len(nodes)) for u in node.users if u.op == "output" or u in index]
+        last = max(reads, default=i)
+        if last > i:
+            change[i] += 1
+            change[last] -= 1
+    crossing, live = [], 0
+    for delta in change[:-1]:
+        live += delta
+        crossing.append(live)
+    return crossing
+
+
+def _ffn_cut(
+    nodes: list[fx.Node], crossing: list[int], start: int, end: int, ffn_path: str | None
+) -> int | None:
     """The last node of a block's pre-FFN half (``nodes[start:end + 1]`` is the block): of the
-    positions before the FFN's first node, the latest after which the fewest values are still
-    read later (graph inputs aside: they are never sent). None when the block has no FFN nodes
-    of its own to cut before (a recompute region) or nothing before them."""
+    positions before the FFN's first node, the latest after which the fewest values cross.
+    None when the block has no FFN nodes of its own to cut before (a recompute region) or
+    nothing before them, or when more values would cross than at a block boundary (e.g. the
+    FFN's parameters an FSDP group gathers with the attention's)."""
     if ffn_path is None:
         return None
     first = next((i for i in range(start, end + 1) if under(module_path(nodes[i]), ffn_path)), None)
     if first is None or first == start:
         return None
-    index = {n: i for i, n in enumerate(nodes)}
-    crossing = [0] * (first - start)
-    for i, node in enumerate(nodes[:first]):
-        reads = [index.get(u, len(nodes)) for u in node.users if u.op == "output" or u in index]
-        last = max(reads, default=i)
-        for p in range(max(i, start), min(last, first)):
-            crossing[p - start] += 1
-    fewest = min(crossing)
-    return start + max(p for p, c in enumerate(crossing) if c == fewest)
+    fewest = min(crossing[start:first])
+    boundary = crossing[start - 1] if start > 0 else crossing[end]
+    if fewest > boundary:
+        return None
+    return max(p for p in range(start, first) if crossing[p] == fewest)
 
 
 def _data_dependent(gm: fx.GraphModule) -> set[fx.Node]:
