@@ -127,7 +127,8 @@ def test_upcycled_ep4_fsdp4_job_equals_one_process_and_holds_a_quarter(tmp_path)
     dense = _dense_checkpoint(tmp_path / "dense")
     checkpoint = str(tmp_path / "dense")
     report = tmp_path / "sharded.pt"
-    spawn(_sharded_worker, WORLD, checkpoint, str(tmp_path / "sharded"), str(report))
+    # fresh interpreters: a forked rank's peak RSS would count the library pages it faults in
+    spawn(_sharded_worker, WORLD, checkpoint, str(tmp_path / "sharded"), str(report), fresh=True)
     got = torch.load(report)
 
     single = _trainer(checkpoint, SINGLE, str(tmp_path / "single"), BATCH)
