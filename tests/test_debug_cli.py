@@ -202,13 +202,27 @@ def test_debug_shows_an_ep_rank_graph_without_a_process_group(tmp_path):
     assert "moec.ep_dispatch" in (stage / "graph.py").read_text()
 
 
+TWO_BLOCK_LLAMA = """
+import torch
+from moec.models import Llama, LlamaConfig
+
+def make():
+    cfg = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64)
+    return Llama(cfg), (torch.randint(0, 256, (2, 16)),)
+"""
+
+
 def test_debug_writes_the_lowered_program(tmp_path):
     """With ``lowering.inductor``, ``moec debug`` adds Inductor's trace of one step: generated
-    code for the forward and the backward graph, the moec ops called in it as opaque ops."""
+    code for the forward and the backward graph, the moec ops called in it as opaque ops. Two
+    blocks (a dense one, an MoE one) instead of the bundled four: Inductor's time grows with
+    the graph."""
     plan = tmp_path / "plan.yaml"
     moec.Plan.from_dict({**PLAN, "lowering": {"inductor": True}}).save(plan)
+    factory = tmp_path / "llama.py"
+    factory.write_text(TWO_BLOCK_LLAMA)
     out = tmp_path / "dump"
-    assert main(["debug", "llama", "--plan", str(plan), "--out", str(out)]) == 0
+    assert main(["debug", f"{factory}:make", "--plan", str(plan), "--out", str(out)]) == 0
     generated = sorted((out / "lowered").rglob("output_code.py"))
     names = {path.parent.name for path in generated}
     assert any("forward" in n for n in names) and any("backward" in n for n in names), names
