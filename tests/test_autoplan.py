@@ -334,19 +334,25 @@ def test_plan_auto_cli_writes_the_chosen_plan(tmp_path, capsys, monkeypatch, pro
     assert plan.moe.num_experts == 8 or plan.moe.num_experts == Plan().moe.num_experts
 
 
-@pytest.mark.parametrize("recompute", ["none", "block"])
-def test_forced_pipeline_plan_carries_the_split_the_pass_runs(profile, recompute):
+@pytest.mark.parametrize("recompute, dp_shard", [("none", 1), ("block", 1), ("none", 2)])
+def test_forced_pipeline_plan_carries_the_split_the_pass_runs(profile, recompute, dp_shard):
     """``pp`` forces the pipeline degree; a chosen plan's ``parallel.pp_layout`` is the priced
-    split in the pass's units (half blocks, or blocks under block recompute), and the pass
+    split in the pass's units (half blocks; blocks under block recompute or FSDP), and the pass
     splits the compiled program exactly so."""
-    search = Search(profile, Request(2, GPUS["h200"], 8 * 128, 128, pp=2))
-    preds = [p for p in search.candidates() if p.layout.recompute == recompute]
+    world = 2 * dp_shard
+    search = Search(profile, Request(world, GPUS["h200"], 8 * 128, 128, pp=2))
+    preds = [
+        p
+        for p in search.candidates()
+        if p.layout.recompute == recompute and p.layout.dp_shard == dp_shard and p.layout.ep == 1
+    ]
     assert preds and all(p.layout.pp == 2 for p in search.candidates())
     pred = min(preds, key=lambda p: p.step_s)
     plan = pred.plan(_plan())
     assert plan.parallel.pp_layout == list(pred.pp_layout)
-    units = profile.num_units if recompute == "none" else profile.num_blocks
-    assert sum(pred.pp_layout) == units
+    assert pred.layout.whole_blocks == (recompute == "block" or dp_shard > 1)
+    units = profile.num_blocks if pred.layout.whole_blocks else profile.num_units
+    assert sum(pred.pp_layout) == units and profile.num_units > profile.num_blocks
     stats = _build(plan).pass_results["pipeline"].stats
     assert stats["units_per_stage"] == list(pred.pp_layout)
     with pytest.raises(NoPlanFitsError, match="pp = 3 must be a divisor"):

@@ -32,6 +32,7 @@ def _plan(schedule: str, dtype: str, dp_shard: int) -> moec.Plan:
     parallel |= {
         "pp_schedule": schedule,
         "virtual_stages": 1 if schedule in ("gpipe", "1f1b") else 2,
+        "pp_units": "block",  # FSDP groups are whole blocks: the replicated job splits alike
     }
     precision = {"compute_dtype": dtype}
     return moec.Plan.from_dict({"moe": MOE, "parallel": parallel, "precision": precision})

@@ -21,8 +21,9 @@ data-parallel gradient reduction (and FSDP gathers) not hidden by the backward
 (``Efficiency.dp_hidden`` of it), and the optimizer step at HBM bandwidth (28 bytes per
 parameter element, RESULTS.md's AdamW). The stage split is the ``pipeline`` pass's objective
 (contiguous units, the least predicted forward time of the slowest stage, on the searched GPU):
-half blocks, or whole blocks under block recompute (a recompute region is not cut); the chosen
-plan carries it as ``parallel.pp_layout``, so the pass runs the split that was priced.
+half blocks, or whole blocks under block recompute or FSDP (a recompute region or an FSDP group
+is not cut); the chosen plan carries it as ``parallel.pp_layout``, so the pass runs the split
+that was priced.
 """
 
 from __future__ import annotations
@@ -93,8 +94,9 @@ class Layout:
 
     @property
     def whole_blocks(self) -> bool:
-        """Stages cut between blocks only: block recompute makes each block one region."""
-        return self.recompute == "block"
+        """Stages cut between blocks only: block recompute makes each block one region, FSDP
+        gathers each block's parameters in one call."""
+        return self.recompute == "block" or self.dp_shard > 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +112,7 @@ class Prediction:
     mfu: float
     pp_layout: tuple[int, ...] | None = None
     """Units per stage of the priced split (the pass's units: half blocks, or blocks under
-    block recompute); None without pipeline parallelism."""
+    block recompute or FSDP); None without pipeline parallelism."""
 
     def plan(self, base: Plan) -> Plan:
         """``base`` (its MoE, loss and lowering sections) with this layout."""

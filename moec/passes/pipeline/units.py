@@ -12,7 +12,8 @@ before its FFN, at the point where the fewest values cross (the residual stream 
 attention's add: one tensor, the same a block boundary sends): ``layers.3 (pre-FFN)`` holds the
 norm, attention and their residual add, ``layers.3 (FFN)`` the FFN's norm, the FFN or MoE layer
 and its add. Half-block units let a balanced split move an attention's worth of work between
-stages instead of a block's. A recompute region is one call and stays whole.
+stages instead of a block's. A recompute region is one call and an FSDP group (the ``fsdp``
+pass) gathers the block's parameters in one call: both stay whole.
 
 Per unit, at the example sizes (one microbatch): its forward work by kind
 (:func:`unit_work`, which the time model prices; the last unit adds the cross-entropy the
@@ -31,6 +32,7 @@ from moec.analysis.cost import CostTotals, GraphCost, graph_cost, node_cost, wor
 from moec.analysis.cost.time import ForwardWork
 from moec.analysis.structure import module_path
 from moec.fx import called_graph, evaluate, nbytes, under
+from moec.ops.param_groups import ParamGroup
 from moec.passes.pipeline.split import PipelinePassError
 from moec.program import MoELayer, Program
 
@@ -80,7 +82,8 @@ def pipeline_units(
     crossing = _crossing(nodes) if sublayers else []
     start = 0
     for path, end in zip(paths, ends, strict=True):
-        cut = _ffn_cut(nodes, crossing, start, end, ffn_paths.get(path)) if sublayers else None
+        whole = not sublayers or _gathers_params(gm, nodes[start : end + 1])
+        cut = None if whole else _ffn_cut(nodes, crossing, start, end, ffn_paths.get(path))
         if cut is None:
             names.append(path)
         else:
@@ -93,6 +96,15 @@ def pipeline_units(
         units.append(nodes[start : cut + 1])
         start = cut + 1
     return names, units
+
+
+def _gathers_params(gm: fx.GraphModule, block: list[fx.Node]) -> bool:
+    """Whether the block is an FSDP group: its parameters are gathered together (one call
+    before the block's first read), so its halves cannot run in different stages."""
+    return any(
+        n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)), ParamGroup)
+        for n in block
+    )
 
 
 def _crossing(nodes: list[fx.Node]) -> list[int]:
@@ -119,8 +131,7 @@ def _ffn_cut(
     """The last node of a block's pre-FFN half (``nodes[start:end + 1]`` is the block): of the
     positions before the FFN's first node, the latest after which the fewest values cross.
     None when the block has no FFN nodes of its own to cut before (a recompute region) or
-    nothing before them, or when more values would cross than at a block boundary (e.g. the
-    FFN's parameters an FSDP group gathers with the attention's)."""
+    nothing before them, or when more values would cross than at a block boundary."""
     if ffn_path is None:
         return None
     first = next((i for i in range(start, end + 1) if under(module_path(nodes[i]), ffn_path)), None)
