@@ -409,8 +409,10 @@ def main(argv: list[str] | None = None) -> int:
     for c in rows:
         plan = c.predicted.plan(moe_plan(s))
         t0 = time.perf_counter()
+        say(f"  measuring {describe(c.layout)} ...")  # a run cut short shows where it was
         try:
             step, holder = build(s, plan, c.layout, device, out)
+            say(f"    built in {time.perf_counter() - t0:.0f} s")
             c.measured = measure(step, device, args.steps, args.warmup)
             del step
             release(holder, device)
