@@ -21,7 +21,10 @@ training step, one process per GPU under torchrun (EP = the number of processes)
   work), and two_batch is first checked against halves. ``two_batch/N``: rowwise with its split
   copies on N programs per column tile (``--split-programs``). ``exposed ms``: time the profiler
   saw exchange kernels (NCCL, the rowwise push and barrier) run with no other kernel running,
-  one fwd+bwd. The step part then runs the e2e step with ``parallel.overlap`` none and
+  one fwd+bwd; ``predicted``: what :mod:`moec.analysis.cost.overlap` predicts for it from this
+  run's probe (the whole's dispatch and combine alone give the rate, the local experts' forward
+  and backward the compute to hide under; issue #22's check, within 20%). The step part then
+  runs the e2e step with ``parallel.overlap`` none and
   two_batch (``--step-micro`` sequences per rank, default 4: the pass halves an even batch;
   rowwise dropless, since pass overlap keeps rowwise only where its rank capacity cannot bind).
 
@@ -137,6 +140,22 @@ class Layer:
         outs = [ops.ep_combine_wait(returning[h], weights[h], *comm[h])[0] for h in (0, 1)]
         return torch.cat(outs)
 
+    def expert_ms(self, path: str, iters: int) -> tuple[float, float]:
+        """(forward, backward) ms of the local experts on the whole batch's dispatched rows:
+        the compute an exchange can hide under."""
+        _, (slots, recv, loffs, counts, sent, _) = self.route(path)
+        comm = (self.group, self.world, path)
+        buffer = ops.ep_dispatch(self.x.detach(), slots, recv, sent, counts, *comm)
+        buffer.requires_grad_()
+
+        def forward() -> torch.Tensor:
+            return ops.expert_mlp(buffer, self.w_up, self.w_down, loffs, None, None, "swiglu")[0]
+
+        grad = torch.randn_like(buffer)
+        fwd = timed(forward, iters)
+        both = timed(lambda: forward().backward(grad), iters)
+        return fwd, max(both - fwd, 0.0)
+
     def transports(self, path: str, iters: int) -> dict:
         """Dispatch and combine forward alone, and NCCL all-to-all of the same bytes."""
         weights, (slots, recv, loffs, counts, sent, dropped) = self.route(path)
@@ -233,6 +252,37 @@ def set_split_programs(programs: int | None) -> None:
         ep_rowwise.SPLIT_PROGRAMS = programs
 
 
+def predicted_exposed(layer: Layer, path: str, iters: int) -> dict[str, float]:
+    """The cost model's exposed exchange ms (``moec.analysis.cost.overlap``), forward + backward,
+    for the whole layer, its halves one after the other and two_batch, from this run's probe:
+    the whole's dispatch and combine alone (their rate) and the local experts' time."""
+    from moec.analysis.cost.overlap import exposed_comm, two_batch_half_share
+    from moec.ops.routing import capacity
+
+    probe = layer.transports(path, iters)
+    exchanged = 2 * probe["bytes_per_gpu"]  # dispatch + combine, one row per accepted route
+    rate = exchanged / ((probe["dispatch_ms"] + probe["combine_ms"]) / 1e3)
+    s = layer.s
+    cap = (
+        capacity(s["tokens"], s["top_k"], s["experts"], s["cf"]) if path == "a2a_capacity" else None
+    )
+    share = two_batch_half_share(path, s["tokens"], cap)
+    forward, backward = layer.expert_ms(path, iters)
+    result = {}
+    for label, overlap, halves in (
+        ("whole", "none", 1),
+        ("halves", "none", 2),
+        ("two_batch", "two_batch", 1),
+    ):
+        moved = exchanged * (share if halves == 2 else 1)
+        total = sum(
+            halves * exposed_comm(moved, rate, compute / 1e3 / halves, overlap, 0.0, share).exposed
+            for compute in (forward, backward)
+        )
+        result[label] = 1e3 * total
+    return result
+
+
 def measure_overlap(
     shape: dict, rank: int, world: int, paths: list[str], iters: int, split_programs: list[int]
 ) -> dict:
@@ -252,6 +302,7 @@ def measure_overlap(
             "two_batch": lambda p=path: layer.two_batch(p, True).backward(layer.grad),
         }
         results[path] = {}
+        predicted = predicted_exposed(layer, path, iters)
         for cap in [None] + (split_programs if path == "rowwise" else []):
             set_split_programs(cap)
             for name, run in runs.items():
@@ -260,8 +311,12 @@ def measure_overlap(
                 label = name if cap is None else f"{name}/{cap}"
                 ms = timed(run, iters)
                 exposed, kernels = profiled(run)
-                results[path][label] = {"fwd_bwd_ms": ms, "exposed_ms": exposed}
-                results[path][label]["kernel_ms"] = kernels
+                results[path][label] = {
+                    "fwd_bwd_ms": ms,
+                    "exposed_ms": exposed,
+                    "predicted_exposed_ms": predicted.get(label),
+                    "kernel_ms": kernels,
+                }
         set_split_programs(None)
         if ops_pending():
             raise RuntimeError(f"{path}: exchanges issued and never waited for")
@@ -378,13 +433,20 @@ def report_overlap(results: dict, paths: list[str]) -> None:
     if "overlap" in results:
         where = f"EP = {results['ep']} on {results['device']}"
         print(f"\n{where}: MoE layer fwd+bwd, two-batch overlap")
-        print(f"{'path':14} {'schedule':12} {'ms':>8} {'exposed ms':>11} {'whole / this':>13}")
+        print(f"{'path':14} {'schedule':12} {'ms':>8} {'exposed ms':>11} {'predicted':>10} "
+              f"{'pred / exp':>10} {'whole / this':>13}")  # fmt: skip
     for path in paths if "overlap" in results else []:
         rows = results["overlap"][path]
         for name, r in rows.items():
             exposed = "-" if r["exposed_ms"] is None else f"{r['exposed_ms']:.2f}"
+            pred = r.get("predicted_exposed_ms")
+            versus = f"{pred / r['exposed_ms']:.2f}" if pred and r["exposed_ms"] else "-"
+            pred = "-" if pred is None else f"{pred:.2f}"
             ratio = rows["whole"]["fwd_bwd_ms"] / r["fwd_bwd_ms"]
-            print(f"{path:14} {name:12} {r['fwd_bwd_ms']:8.2f} {exposed:>11} {ratio:12.2f}x")
+            print(
+                f"{path:14} {name:12} {r['fwd_bwd_ms']:8.2f} {exposed:>11} {pred:>10} "
+                f"{versus:>10} {ratio:12.2f}x"
+            )
         for name in ("halves", "two_batch") if results.get("kernels") else ():
             whole, this = rows["whole"]["kernel_ms"], rows[name]["kernel_ms"]
             delta = {k: this.get(k, 0.0) - whole.get(k, 0.0) for k in {*whole, *this}}
