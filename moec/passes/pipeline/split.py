@@ -25,7 +25,7 @@ def stage_row(s: StageInfo) -> dict[str, Any]:
         "rank": s.rank,
         "blocks": f"{s.blocks[0]}..{s.blocks[-1]}" if len(s.blocks) > 1 else s.blocks[0],
         "flops": s.flops,
-        "forward_ms": round(s.forward_s * 1e3, 2),
+        "forward_ms": s.forward_s * 1e3,
         "saved_bytes_per_mb": s.saved_bytes,
         "in_flight": s.in_flight,
         "peak_activation_bytes": s.peak_activation_bytes,
@@ -41,7 +41,7 @@ def format_stage_table(split: Pipeline) -> str:
         row = stage_row(s)
         lines.append(
             f"{s.index:>5} {s.rank:>4} {row['blocks']:<44} {format_count(s.flops):>8} "
-            f"{row['forward_ms']:>7} {format_count(s.saved_bytes):>9} {s.in_flight:>6} "
+            f"{row['forward_ms']:>7.3g} {format_count(s.saved_bytes):>9} {s.in_flight:>6} "
             f"{format_count(s.peak_activation_bytes):>9} {format_count(s.params):>8}"
         )
     return "\n".join(lines)
