@@ -2,7 +2,7 @@
 (same routing, capacity binding or not): outputs, losses and gradients at EP = 1 and, on gloo,
 at EP = 2 and 4 with the exchanges split into issue and wait (run asynchronously on gloo, each
 wait after the other half's experts in the lowered graph); its legality (odd batch, sync_1d),
-the issue order it records, recompute on top."""
+the issue order it records, recompute on top, pipeline stages of a two_batch program."""
 
 from __future__ import annotations
 
@@ -207,6 +207,20 @@ def test_recompute_block_composes(dense):
     assert two.pass_results["overlap"].stats["applied"]
     assert two.pass_results["recompute"].stats["blocks_recomputed"] == 2
     _assert_same(_step(two, tokens, targets), _step(ref, tokens, targets))
+
+
+def test_pipeline_stages_split_a_two_batch_program(dense):
+    """Overlap composes with the pipeline pass: the stage graphs of a two_batch program, run one
+    after the other, give the unsplit one-chain program's logits."""
+    tokens, _ = _batch(4)
+    ref = moec.compile(copy.deepcopy(dense), _plan("none"), (tokens,))
+    two = moec.compile(copy.deepcopy(dense), _plan("two_batch", pp=2, microbatches=2), (tokens,))
+    assert two.pass_results["overlap"].stats["applied"]
+    split = two.program.pipeline
+    values = [tokens]
+    for stage, info in zip(split.stages, split.info, strict=True):
+        values = list(stage.graph(*values)[: len(info.outputs)])
+    torch.testing.assert_close(values[0], ref(tokens), **TOL)
 
 
 # --- EP = 2 on gloo ----------------------------------------------------------------------------
