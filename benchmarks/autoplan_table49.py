@@ -293,7 +293,7 @@ ROWS = [
 
 def build_profile(spec: ModelSpec) -> ModelProfile:
     """Capture the model with its dense blocks and three MoE blocks, then repeat the middle MoE
-    unit to full depth (the dense blocks join the first unit: they are not units of their own)."""
+    block to full depth."""
     layers = spec.dense_first + CAPTURED_MOE_LAYERS
     cfg = LlamaConfig(
         vocab_size=VOCAB,
@@ -328,11 +328,9 @@ def build_profile(spec: ModelSpec) -> ModelProfile:
         model, inputs = with_next_token_loss(model, (tokens,), {}, "llama")
         programs.append(build_program(model, _one_rank(plan, **parallel), inputs, {}, verify=False))
     profile = profile_program(*programs)
-    if profile.num_blocks != CAPTURED_MOE_LAYERS:
-        raise RuntimeError(
-            f"expected {CAPTURED_MOE_LAYERS} blocks, the capture has {profile.num_blocks}"
-        )
-    return profile.repeat_block(1, spec.layers - spec.dense_first)
+    if profile.num_blocks != layers:
+        raise RuntimeError(f"expected {layers} blocks, the capture has {profile.num_blocks}")
+    return profile.repeat_block(spec.dense_first + 1, spec.layers)  # the middle MoE block
 
 
 def param_counts(profile: ModelProfile) -> tuple[float, float]:
