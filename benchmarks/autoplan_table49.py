@@ -423,12 +423,12 @@ def breakdown(d: dict) -> str:
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", help=f"comma-separated keys ({', '.join(r.key for r in ROWS)})")
     parser.add_argument("--inter-node-gbps", type=float, help="network GB/s per GPU, one way")
     parser.add_argument("--json", help="write the numbers here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     keys = {r.key for r in ROWS}
     wanted = set(args.rows.split(",")) if args.rows else keys
     if wanted - keys:

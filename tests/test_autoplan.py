@@ -400,3 +400,18 @@ def test_autoplan_validate_small_runs_on_the_cpu(tmp_path, capsys):
     assert "search #1" in names and "profiling_workload.yaml" in names
     assert all("step_s" in plan for plan in data["plans"]), data["plans"]
     assert data["calibrated_efficiency"]["gemm"] != Efficiency().gemm
+
+
+def test_table49_script_plans_a_row(tmp_path):
+    """benchmarks/autoplan_table49.py --rows tiny: the Tiny-64E model built to the report's
+    parameter counts, grown to full depth, its report layout evaluated and the search's plan
+    fitting a B300 (the script broke unseen once when the profile's units changed)."""
+    from benchmarks.autoplan_table49 import main
+
+    out = tmp_path / "t49.json"
+    main(["--rows", "tiny", "--json", str(out)])
+    (row,) = json.loads(out.read_text())["rows"]
+    chosen = row["chosen"][0]
+    assert row["row"]["config"] == "Tiny-64E, no EP" and row["report_layout"]
+    assert 0 < chosen["memory_gib"] < 0.92 * GPUS["b300"].memory_bytes / 2**30
+    assert chosen["step_s"] <= row["best_bf16"]["step_s"]
