@@ -180,6 +180,8 @@ class Search:
                         continue
                     shards = sorted({1, dp} | ({8} if dp > 8 and dp % 8 == 0 else set()))
                     for dp_shard in shards:
+                        if dp_shard > 1 and pp * v > self.profile.num_blocks:
+                            continue  # an FSDP group is one unit: stages cut between blocks
                         yield pp, v, schedule, dp, ep, dp_shard
 
     def candidates(self, prune: bool = True) -> Iterator[Prediction]:
@@ -341,7 +343,8 @@ class Search:
         self, pp: int, v: int, schedule: str, dp: int, ep: int, dp_shard: int
     ) -> float:
         # bf16 gradients with one microbatch are the least state a layout can have
-        return max(sum(r) for r in self.state(pp, v, schedule, dp, ep, dp_shard, 1))
+        states = self.state(pp, v, schedule, dp, ep, dp_shard, 1, dp_shard > 1)
+        return max(sum(r) for r in states)
 
     # --- one candidate ---------------------------------------------------------------------
 
