@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from benchmarks import scaling
 from benchmarks.e2e import FULL
+from moec.analysis.cost.time import merged_spans
 from moec.runtime.metrics import bf16_peak_tflops, useful_mfu
 
 ops = torch.ops.moec
@@ -208,16 +209,6 @@ COMM_KERNELS = ("nccl", "push_rows", "barrier")
 """Name parts of the kernels that move rows between ranks (NCCL, the rowwise transport)."""
 
 
-def _union(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    merged: list[list[int]] = []
-    for start, end in sorted(spans):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(a, b) for a, b in merged]
-
-
 def profiled(fn: Callable[[], object]) -> tuple[float | None, dict[str, float]]:
     """One ``fn()`` under the profiler (this rank): the milliseconds in which an exchange kernel
     runs and no other kernel does, and milliseconds per kernel name (None, {} on CPU)."""
@@ -237,8 +228,8 @@ def profiled(fn: Callable[[], object]) -> tuple[float | None, dict[str, float]]:
         (comm if any(k in e.name.lower() for k in COMM_KERNELS) else compute).append(span)
         kernels[e.name[:60]] = kernels.get(e.name[:60], 0.0) + e.time_range.elapsed_us() / 1e3
     exposed = 0.0
-    busy = _union(compute)
-    for start, end in _union(comm):
+    busy = merged_spans(compute)
+    for start, end in merged_spans(comm):
         covered = sum(max(0, min(end, b) - max(start, a)) for a, b in busy)
         exposed += end - start - covered
     return exposed / 1e3, kernels

@@ -38,6 +38,7 @@ from moec.passes.pipeline.units import (
     FFN,
     block_paths,
     loss_flops,
+    moe_layers_in,
     pipeline_units,
 )
 from moec.program import MoELayer, Program
@@ -329,9 +330,7 @@ def _unit(
         kept_block += sympy.Add(*(r.nbytes() for r in inputs))
     transients = [saved_of(whole[key]) for key in by_block]
     unit_paths = [p for p in paths if any(under(module_path(n), p) for n in block)]
-    node_paths = {module_path(n) for n in nodes}
-    # a layer's parameters live at ``<ffn>.moe``; its nodes run in the FFN's module
-    moe = [m for m in layers if any(under(p, m.path.rpartition(".")[0]) for p in node_paths)]
+    moe = moe_layers_in(nodes, layers)
     return UnitProfile(
         name=name,
         block=index,

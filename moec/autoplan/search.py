@@ -40,6 +40,7 @@ from moec.analysis.cost.time import (
     bubble_fraction,
     collective_time,
     forward_time,
+    forward_work,
     gemm_time,
     memory_time,
 )
@@ -295,15 +296,15 @@ class Search:
 
     def work(self, unit: UnitProfile, micro_seqs: int, ep: int) -> ForwardWork:
         """``unit``'s forward work per microbatch of ``micro_seqs`` sequences at EP ``ep``."""
-        seq = self.req.seq
-        tokens = micro_seqs * seq
-        share = unit.expert_flops(micro_seqs, seq) / max(len(unit.moe), 1)
-        return ForwardWork(
-            matmul_flops=unit.matmul_flops(micro_seqs, seq),
-            attention_flops=unit.attention_flops(micro_seqs, seq),
-            expert_gemms=tuple((share, tokens * m.top_k * ep / m.num_experts) for m in unit.moe),
-            moved_bytes=2 * unit.other_bytes(micro_seqs, seq),
-            rows=tokens,
+        b, seq = micro_seqs, self.req.seq
+        return forward_work(
+            unit.matmul_flops(b, seq),
+            unit.attention_flops(b, seq),
+            unit.expert_flops(b, seq),
+            [(m.top_k, m.num_experts) for m in unit.moe],
+            unit.other_bytes(b, seq),
+            b * seq,
+            ep,
         )
 
     @functools.cache  # noqa: B019

@@ -120,6 +120,29 @@ class ForwardWork:
     """Rows of the dense GEMMs (the microbatch's tokens)."""
 
 
+def forward_work(
+    matmul_flops: float,
+    attention_flops: float,
+    expert_flops: float,
+    routing: list[tuple[int, int]],
+    written_bytes: float,
+    tokens: float,
+    ep: int = 1,
+) -> ForwardWork:
+    """The :class:`ForwardWork` of a piece of forward over ``tokens`` rows: ``expert_flops``
+    shared evenly by its MoE layers, one ``(top_k, num_experts)`` each, whose local experts see
+    ``tokens * top_k * ep / num_experts`` rows each (``ep`` ranks send to them); the other ops
+    read and write what they write (``2 * written_bytes``)."""
+    share = expert_flops / max(len(routing), 1)
+    return ForwardWork(
+        matmul_flops=matmul_flops,
+        attention_flops=attention_flops,
+        expert_gemms=tuple((share, tokens * k * ep / n) for k, n in routing),
+        moved_bytes=2 * written_bytes,
+        rows=tokens,
+    )
+
+
 def forward_time(
     work: ForwardWork, gpu: GPUSpec, eff: Efficiency = Efficiency(), expert_precision: str = "bf16"
 ) -> float:
@@ -379,22 +402,29 @@ def read_trace(trace: dict[str, Any] | str | Path) -> TraceOps:
     return TraceOps(samples, other_s, comm_s, ops, bool(kernels), busy_s, span_s)
 
 
+def merged_spans(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of ``(start, end)`` intervals as disjoint intervals, in order."""
+    merged: list[list[float]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
 def _busy(kernels: list[dict[str, Any]]) -> tuple[float, float]:
     """(union of the kernels' spans, first start to last end), seconds."""
-    spans = sorted(
-        (float(k.get("ts", 0.0)), float(k.get("ts", 0.0)) + float(k.get("dur", 0.0)))
-        for k in kernels
+    spans = merged_spans(
+        [
+            (float(k.get("ts", 0.0)), float(k.get("ts", 0.0)) + float(k.get("dur", 0.0)))
+            for k in kernels
+        ]
     )
     if not spans:
         return 0.0, 0.0
-    busy, (start, end) = 0.0, spans[0]
-    for a, b in spans[1:]:
-        if a > end:
-            busy, start, end = busy + end - start, a, b
-        else:
-            end = max(end, b)
-    busy += end - start
-    return busy * 1e-6, (max(b for _, b in spans) - spans[0][0]) * 1e-6
+    busy = sum(b - a for a, b in spans)
+    return busy * 1e-6, (spans[-1][1] - spans[0][0]) * 1e-6
 
 
 def samples_from_trace(trace: dict[str, Any] | str | Path) -> list[OpSample]:

@@ -82,13 +82,7 @@ from moec.passes.pipeline.balance import balance
 from moec.passes.pipeline.legality import check_splittable
 from moec.passes.pipeline.split import PipelinePassError, format_stage_table, stage_row
 from moec.passes.pipeline.stages import build_split
-from moec.passes.pipeline.units import (
-    block_units,
-    pipeline_units,
-    unit_costs,
-    unit_saved_bytes,
-    unit_work,
-)
+from moec.passes.pipeline.units import pipeline_units, unit_saved_bytes, unit_work
 from moec.plan import ParallelPlan, Plan, PlanError
 from moec.program import Pipeline
 
@@ -100,11 +94,9 @@ __all__ = [
     "PipelinePass",
     "PipelinePassError",
     "balance",
-    "block_units",
     "check_splittable",
     "pipeline_units",
     "format_stage_table",
-    "unit_costs",
 ]
 
 

@@ -28,13 +28,13 @@ import sympy
 import torch
 import torch.fx as fx
 
-from moec.analysis.cost import CostTotals, GraphCost, graph_cost, node_cost, work_by_kind
-from moec.analysis.cost.time import ForwardWork
+from moec.analysis.cost import CostTotals, GraphCost, node_cost, work_by_kind
+from moec.analysis.cost.time import ForwardWork, forward_work
 from moec.analysis.structure import module_path
 from moec.fx import called_graph, evaluate, nbytes, under
 from moec.ops.param_groups import ParamGroup
 from moec.passes.pipeline.split import PipelinePassError
-from moec.program import MoELayer, Program
+from moec.program import MoELayer
 
 aten = torch.ops.aten
 
@@ -46,13 +46,6 @@ PRE_FFN, FFN = " (pre-FFN)", " (FFN)"
 
 CE_FLOPS_PER_LOGIT = 6
 """Cross-entropy on the last stage: max, subtract, exp, sum, log, gather per logit."""
-
-
-def block_units(program: Program | fx.GraphModule) -> tuple[GraphCost, list[list[fx.Node]]]:
-    """The cost model of ``program`` and its blocks' nodes, as the pass splits them."""
-    cost = graph_cost(program)
-    gm = program if isinstance(program, fx.GraphModule) else program.graph
-    return cost, find_units(gm, cost)
 
 
 def find_units(gm: fx.GraphModule, cost: GraphCost) -> list[list[fx.Node]]:
@@ -170,17 +163,6 @@ def block_paths(gm: fx.GraphModule, cost: GraphCost) -> list[str]:
     return sorted(first, key=first.__getitem__)
 
 
-def unit_costs(
-    gm: fx.GraphModule, cost: GraphCost, units: list[list[fx.Node]]
-) -> tuple[list[int], list[tuple[int, int]]]:
-    """Per unit (prologue/epilogue and loss included): forward FLOPs and (kept, transient)
-    saved bytes per microbatch, at the example sizes."""
-    values = cost.sizes()
-    flops = [cost.value(CostTotals.of(cost.nodes, u).flops) for u in units]
-    flops[-1] += cost.value(loss_flops(gm))
-    return flops, [unit_saved_bytes(cost, u, values) for u in units]
-
-
 def unit_work(
     gm: fx.GraphModule,
     cost: GraphCost,
@@ -197,21 +179,22 @@ def unit_work(
         flops, other = work_by_kind(cost.nodes[n] for n in unit)
         if i == len(units) - 1:  # the loss reads its fp32 logits
             other += loss_flops(gm) * 4 / CE_FLOPS_PER_LOGIT
-        paths = {module_path(n) for n in unit}
-        # a layer's parameters live at ``<ffn>.moe``; its nodes run in the FFN's module
-        mine = [m for m in layers if any(under(p, m.path.rpartition(".")[0]) for p in paths)]
-        expert = float(evaluate(flops["experts"], values))
-        gemms = tuple((expert / len(mine), tokens * m.top_k * ep / m.num_experts) for m in mine)
+        kinds = {kind: float(evaluate(f, values)) for kind, f in flops.items()}
+        routing = [(m.top_k, m.num_experts) for m in moe_layers_in(unit, layers)]
+        written = float(evaluate(other, values))
         result.append(
-            ForwardWork(
-                matmul_flops=float(evaluate(flops["matmul"], values)),
-                attention_flops=float(evaluate(flops["attention"], values)),
-                expert_gemms=gemms,
-                moved_bytes=2 * float(evaluate(other, values)),
-                rows=tokens,
+            forward_work(
+                kinds["matmul"], kinds["attention"], kinds["experts"], routing, written, tokens, ep
             )
         )
     return result
+
+
+def moe_layers_in(nodes: list[fx.Node], layers: list[MoELayer]) -> list[MoELayer]:
+    """The MoE layers that run in ``nodes`` (a layer's parameters live at ``<ffn>.moe``, its
+    nodes in the FFN's module)."""
+    paths = {module_path(n) for n in nodes}
+    return [m for m in layers if any(under(p, m.path.rpartition(".")[0]) for p in paths)]
 
 
 def loss_flops(gm: fx.GraphModule) -> sympy.Expr:
