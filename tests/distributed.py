@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import socket
 import sys
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,12 @@ def _entry(
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         worker(rank, world, *args)
+    except BaseException:
+        # printed here: the other ranks then fail at the barrier ("connection closed by peer"),
+        # and the spawner may report one of those instead of this, the cause
+        print(f"rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        raise
+    else:
         dist.barrier()  # no rank tears its group down while another still talks to it
     finally:
         dist.destroy_process_group()

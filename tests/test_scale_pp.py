@@ -112,7 +112,9 @@ def _worker(rank: int, world: int, path: str, data: str) -> None:
     torch.testing.assert_close(losses[0], saved["dense"][d], rtol=1e-5, atol=1e-5)
     # (c) and trains as the single process does
     torch.testing.assert_close(torch.stack(losses), saved["reference"][d], rtol=1e-5, atol=1e-6)
-    assert losses[-1] < losses[0], losses
+    # SGD at lr 1 on a tiny model: its first step lowers the loss; a later one may overshoot
+    # (seen with MOEC_TEST_SEED=372657389: 4.90, 4.70, 5.00, the single process's too)
+    assert losses[1] < losses[0], losses
 
 
 @pytest.mark.slow
