@@ -1,12 +1,14 @@
 """The ``moec::`` custom ops: MoE semantics as opaque, autograd-aware graph nodes.
 
 Importing this package registers ``torch.ops.moec.{route, router_losses, dispatch, combine,
-expert_mlp, glu, linear_cross_entropy, rope}``. Each op's Python body is the pure-PyTorch reference,
-the oracle for every faster implementation; :func:`moec.ops.cuda.register_kernels` registers CUDA
-implementations on the Triton kernels of :mod:`moec.kernels` over the same schemas.
+expert_mlp, expert_mlp_gathered, glu, linear_cross_entropy, rope}``. Each op's Python body is the
+pure-PyTorch reference, the oracle for every faster implementation;
+:func:`moec.ops.cuda.register_kernels` registers CUDA implementations on the Triton kernels of
+:mod:`moec.kernels` over the same schemas.
 """
 
 from moec.ops.experts import expert_mlp
+from moec.ops.gathered_experts import expert_mlp_gathered
 from moec.ops.glu import glu
 from moec.ops.loss import linear_cross_entropy
 from moec.ops.movement import combine, dispatch
@@ -18,6 +20,7 @@ __all__ = [
     "combine",
     "dispatch",
     "expert_mlp",
+    "expert_mlp_gathered",
     "glu",
     "linear_cross_entropy",
     "rope",

@@ -7,7 +7,7 @@ runs the kernel when the kernel takes the inputs, and the op's reference otherwi
 match the reference whatever the inputs:
 
 - float32/16/bf16 data on the kernels' device (:func:`moec.kernels.arch.float_supported`);
-- for the expert MLP, int32 offsets;
+- for the expert MLP (plain and gathered), int32 offsets;
 - for the expert MLP and ``moec::glu``, an activation the kernels compute
   (:func:`kernel_activation`): other activations (user-registered ones, built-ins without a
   kernel code) run the reference on CUDA too;
@@ -34,6 +34,12 @@ from moec.ops.experts import (
     check_expert_mlp_args,
     expert_mlp_backward_reference,
     expert_mlp_reference,
+)
+from moec.ops.gathered_experts import (
+    check_gathered_args,
+    expert_mlp_gathered_backward_reference,
+    expert_mlp_gathered_reference,
+    row_sources,
 )
 from moec.ops.movement import combine_reference, dispatch_reference
 from moec.ops.rope import rotate
@@ -112,11 +118,33 @@ def expert_mlp(
     return experts.expert_mlp(x, w_up, w_down, offsets, b_up, b_down, act)
 
 
+def expert_mlp_gathered(
+    x: Tensor,
+    rows: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    offsets: Tensor,
+    b_up: Tensor | None,
+    b_down: Tensor | None,
+    activation: str,
+) -> tuple[Tensor, Tensor]:
+    """``moec::expert_mlp_gathered``: (y, h), the up projection reading token rows where it
+    runs on the CuTe DSL (:func:`moec.kernels.experts.expert_mlp_gathered`)."""
+    check_gathered_args(x, rows, w_up, w_down, offsets, activation)
+    args = (x, rows, w_up, w_down, offsets, b_up, b_down)
+    act = kernel_activation(activation)
+    if act is None or not float_supported(x, w_up, w_down, offsets) or offsets.dtype != torch.int32:
+        return expert_mlp_gathered_reference(*args, activation)
+    flat = x.reshape(-1, x.shape[-1])
+    return experts.expert_mlp_gathered(flat, row_sources(rows), *args[2:], act)
+
+
 _OPS: dict[str, Callable[..., Any]] = {
     "route": route,
     "dispatch": dispatch,
     "combine": combine,
     "expert_mlp": expert_mlp,
+    "expert_mlp_gathered": expert_mlp_gathered,
 }
 """The CUDA implementations by op name (``moec::<name>``)."""
 
@@ -139,6 +167,30 @@ def expert_mlp_backward(
     if act is None:
         return expert_mlp_backward_reference(x, w_up, w_down, offsets, h, d_y, activation)
     return experts.expert_mlp_backward(x, w_up, w_down, offsets, h, d_y, act, up_bias)
+
+
+def expert_mlp_gathered_backward(
+    x: Tensor,
+    rows: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    offsets: Tensor,
+    h: Tensor,
+    d_y: Tensor,
+    activation: str,
+    up_bias: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(d_rows, d_w_up, d_w_down, d_h) of ``moec::expert_mlp_gathered`` (x [T, D]); the
+    reference where the forward ran it (its h is laid out as the reference's)."""
+    act = kernel_activation(activation)
+    if act is None or not float_supported(x, w_up, w_down, offsets) or offsets.dtype != torch.int32:
+        return expert_mlp_gathered_backward_reference(
+            x, rows, w_up, w_down, offsets, h, d_y, activation
+        )
+    sources = row_sources(rows)
+    return experts.expert_mlp_gathered_backward(
+        x, sources, w_up, w_down, offsets, h, d_y, act, up_bias
+    )
 
 
 def glu_forward(h: Tensor, activation: str) -> Tensor:
@@ -180,6 +232,7 @@ def _hooks() -> dict[str, Callable[..., Any]]:
         "dispatch_backward": _dispatch_backward,
         "combine_backward": movement.combine_backward,
         "expert_mlp_backward": expert_mlp_backward,
+        "expert_mlp_gathered_backward": expert_mlp_gathered_backward,
         "cross_entropy_rows": cross_entropy.cross_entropy_rows,
         "rope": rope,
         "glu_forward": glu_forward,

@@ -1,0 +1,143 @@
+"""``moec::expert_mlp_gathered`` equals ``moec::expert_mlp(moec::dispatch(x, rows), ...)``.
+
+Forward (every row below ``offsets[-1]``) and backward (x, weights, biases) in float32 on the
+CPU, on routings with dropped routes, empty experts and one expert taking every row; its fake
+implementation's shapes; its argument errors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import moec.ops  # noqa: F401  (registers torch.ops.moec)
+from moec.ops.gathered_experts import row_sources
+from moec.ops.routing import assign_rows
+
+ops = torch.ops.moec
+TOKENS, TOP_K, DIM, EXPERTS, HIDDEN = 24, 3, 16, 6, 12
+
+
+def routing(case: str, tokens: int = TOKENS, top_k: int = TOP_K) -> tuple[torch.Tensor, ...]:
+    """(rows [T, K], offsets [N] int32) of a routing: ``drops`` (capacity below the load),
+    ``empty_experts`` (half the experts get nothing), ``one_expert`` (every route to expert 2)."""
+    if case == "one_expert":
+        ids = torch.full((tokens, top_k), 2)
+    else:
+        scores = torch.randn(tokens, EXPERTS)
+        if case == "empty_experts":
+            scores[:, ::2] -= 100.0
+        ids = scores.topk(top_k, dim=-1).indices
+    cap = max(1, tokens * top_k // EXPERTS - 2) if case == "drops" else tokens * top_k
+    rows, offsets, _ = assign_rows(ids, EXPERTS, cap)
+    return rows, offsets
+
+
+def weights(activation: str, bias: bool) -> list[torch.Tensor | None]:
+    width = 2 * HIDDEN if activation in ("swiglu", "geglu") else HIDDEN
+    leaves = [
+        torch.randn(EXPERTS, DIM, width) / DIM**0.5,
+        torch.randn(EXPERTS, HIDDEN, DIM) / HIDDEN**0.5,
+        torch.randn(EXPERTS, width) if bias else None,
+        torch.randn(EXPERTS, DIM) if bias else None,
+    ]
+    return [None if t is None else t.requires_grad_() for t in leaves]
+
+
+@pytest.mark.parametrize("case", ["drops", "empty_experts", "one_expert"])
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gathered_equals_dispatch_then_expert_mlp(case, activation, bias):
+    torch.manual_seed(0)
+    rows, offsets = routing(case)
+    used = int(offsets[-1])
+    if case == "drops":
+        assert (rows < 0).any()
+    if case == "empty_experts":
+        assert (offsets.diff(prepend=offsets.new_zeros(1)) == 0).any()
+    x = torch.randn(2, TOKENS // 2, DIM, requires_grad=True)  # leading dims as the pass sees
+    rows = rows.view(2, TOKENS // 2, TOP_K)
+    w_up, w_down, b_up, b_down = weights(activation, bias)
+    y, h = ops.expert_mlp_gathered(x, rows, w_up, w_down, offsets, b_up, b_down, activation)
+    buffer = ops.dispatch(x, rows)
+    y_ref, h_ref = ops.expert_mlp(buffer, w_up, w_down, offsets, b_up, b_down, activation)
+    assert y.shape == y_ref.shape and h.shape == h_ref.shape
+    torch.testing.assert_close(y[:used], y_ref[:used], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(h[:used], h_ref[:used], atol=1e-5, rtol=1e-5)
+
+    d_y = torch.randn_like(y)
+    d_y[used:] = float("nan")  # rows past the offsets contribute nothing
+    leaves = [t for t in (x, w_up, w_down, b_up, b_down) if t is not None]
+    got = torch.autograd.grad(y, leaves, d_y)
+    want = torch.autograd.grad(y_ref, leaves, d_y)
+    for name, g, w in zip(["x", "w_up", "w_down", "b_up", "b_down"], got, want, strict=False):
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        assert torch.isfinite(g).all(), name
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_bf16_weights_get_gradients_in_their_dtype():
+    torch.manual_seed(1)
+    rows, offsets = routing("drops")
+    x = torch.randn(TOKENS, DIM, requires_grad=True)
+    w_up, w_down = (t.detach().bfloat16().requires_grad_() for t in weights("gelu", False)[:2])
+    y, _ = ops.expert_mlp_gathered(x, rows, w_up, w_down, offsets, None, None, "gelu")
+    d_x, d_w_up, d_w_down = torch.autograd.grad(y[: int(offsets[-1])].sum(), (x, w_up, w_down))
+    assert (d_x.dtype, d_w_up.dtype, d_w_down.dtype) == (x.dtype, torch.bfloat16, torch.bfloat16)
+
+
+def test_row_sources_maps_each_accepted_row_to_its_token():
+    torch.manual_seed(2)
+    rows, offsets = routing("drops")
+    sources = row_sources(rows)
+    assert sources.shape == (TOKENS * TOP_K,) and sources.dtype == torch.int32
+    token, k = (rows >= 0).nonzero(as_tuple=True)
+    assert torch.equal(sources[rows[token, k]].long(), token)
+    assert ((sources >= 0) & (sources < TOKENS)).all()
+
+
+def test_fake_shapes():
+    rows, offsets = routing("drops")
+    w_up, w_down, b_up, b_down = (
+        None if t is None else t.detach() for t in weights("swiglu", True)
+    )
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fx_ = mode.from_tensor(torch.randn(2, TOKENS // 2, DIM).bfloat16())
+        f_rows = mode.from_tensor(rows.view(2, TOKENS // 2, TOP_K))
+        args = [mode.from_tensor(t) for t in (w_up, w_down, offsets, b_up, b_down)]
+        y, h = ops.expert_mlp_gathered(fx_, f_rows, *args, "swiglu")
+        grads = ops.expert_mlp_gathered_backward(
+            fx_, f_rows, args[0], args[1], args[2], h, y, "swiglu", True
+        )
+    assert y.shape == (TOKENS * TOP_K, DIM) and h.shape == (TOKENS * TOP_K, 2 * HIDDEN)
+    assert y.dtype == h.dtype == torch.bfloat16
+    assert [tuple(g.shape) for g in grads] == [
+        (TOKENS * TOP_K, DIM),
+        tuple(w_up.shape),
+        tuple(w_down.shape),
+        (TOKENS * TOP_K, 2 * HIDDEN),
+    ]
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"x": torch.randn(TOKENS + 1, DIM)}, "x .* and rows .* must share"),
+        ({"rows": torch.zeros(TOKENS, TOP_K)}, "rows must be int32 or int64"),
+        ({"x": torch.randn(TOKENS, DIM + 1)}, "x .* has not w_up's D"),
+        ({"w_down": torch.randn(EXPERTS, HIDDEN + 1, DIM)}, "w_down .* does not fit w_up"),
+        (
+            {"offsets": torch.zeros(EXPERTS + 1, dtype=torch.int32)},
+            "offsets .*: expected one per expert",
+        ),
+    ],
+)
+def test_bad_arguments_raise_naming_them(change, message):
+    rows, offsets = routing("drops")
+    w_up, w_down = (t.detach() for t in weights("gelu", False)[:2])
+    args = {"x": torch.randn(TOKENS, DIM), "rows": rows, "w_up": w_up, "w_down": w_down}
+    args["offsets"] = offsets
+    args.update(change)
+    with pytest.raises(ValueError, match=f"moec::expert_mlp_gathered: {message}"):
+        ops.expert_mlp_gathered(*args.values(), None, None, "gelu")
