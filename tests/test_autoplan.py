@@ -32,7 +32,7 @@ from moec.autoplan.memory import rank_memory_of
 from moec.compiler import build_program
 from moec.debug import with_next_token_loss
 from moec.models.zoo import load_model
-from moec.plan import Plan
+from moec.plan import Plan, PlanError
 from moec.program import EPGroup
 
 MOE = {"num_experts": 8, "top_k": 2, "init": "random", "expert_width": 128, "dense_first": 1}
@@ -357,6 +357,29 @@ def test_forced_pipeline_plan_carries_the_split_the_pass_runs(profile, recompute
     assert stats["units_per_stage"] == list(pred.pp_layout)
     with pytest.raises(NoPlanFitsError, match="pp = 3 must be a divisor"):
         Search(profile, Request(2, GPUS["h200"], 8 * 128, 128, pp=3))
+
+
+@pytest.mark.parametrize("split_backward", [True, False])
+def test_search_offers_only_schedules_the_runtime_runs(profile, split_backward):
+    """zbv only where the plan's torch splits the backward, and never beside FSDP (the
+    pipeline runtime refuses both)."""
+    request = Request(4, GPUS["h200"], 16 * 128, 128, pp=2, split_backward=split_backward)
+    search = Search(profile, request)
+    layouts = {(p.layout.schedule, p.layout.dp_shard) for p in search.candidates()}
+    assert ("zbv", 1) in layouts if split_backward else "zbv" not in {s for s, _ in layouts}
+    assert not [s for s, shard in layouts if s == "zbv" and shard > 1]
+    assert ("1f1b", 2) in layouts
+
+
+def test_split_backward_schedule_is_refused_where_torch_cannot_run_it(monkeypatch):
+    """A torch whose autograd cannot start the weight pass at a moec op gets a PlanError naming
+    the field and the schedules it can run, instead of a failure mid-step."""
+    from moec.analysis import pipeline_schedule
+
+    monkeypatch.setattr(pipeline_schedule, "split_backward_runs", lambda: False)
+    with pytest.raises(PlanError, match="parallel.pp_schedule.*use 1f1b, interleaved_1f1b"):
+        pipeline_schedule.check_schedule_runs("zbv")
+    pipeline_schedule.check_schedule_runs("interleaved_1f1b")
 
 
 def test_profile_needs_an_unpipelined_program():

@@ -9,7 +9,9 @@ For a plan's ``parallel`` section (pp ranks, v stages per rank, a ``pp_schedule`
   rank's action order as torch's schedule class computes it (F adds one; a full backward B, or
   the weight backward W of zero-bubble schedules, after which the retained graph is freed,
   removes one);
-- :func:`schedule_class`: the ``torch.distributed.pipelining`` class that runs the schedule.
+- :func:`schedule_class`: the ``torch.distributed.pipelining`` class that runs the schedule;
+- :func:`split_backward_runs`: whether this torch can run the schedules that split the backward
+  into input and weight passes (:data:`SPLIT_BACKWARD`) through moec's ops.
 
 Nothing here needs a process group: the action order comes from the schedule class's own planner
 run on a stand-in.
@@ -17,7 +19,9 @@ run on a stand-in.
 
 from __future__ import annotations
 
+import functools
 import types
+from typing import Any
 
 import torch
 
@@ -27,6 +31,8 @@ V_SHAPED = ("zbv", "dualpipev")
 """Schedules placing stage s and 2*pp-1-s on one rank."""
 MULTI_STAGE = ("interleaved_1f1b", *V_SHAPED)
 """Schedules holding several stages per rank."""
+SPLIT_BACKWARD = V_SHAPED
+"""Schedules that run each backward as an input pass and a later weight pass (zero bubble)."""
 SCHEDULE_CLASSES = {
     "gpipe": "ScheduleGPipe",
     "1f1b": "Schedule1F1B",
@@ -90,6 +96,51 @@ def schedule_class(name: str) -> type:
             f"({SCHEDULE_CLASSES[name]} is missing)",
         )
     return cls
+
+
+def split_backward_runs() -> bool:
+    """Whether this torch runs :data:`SPLIT_BACKWARD` schedules through moec's custom ops.
+
+    The weight pass differentiates from the autograd nodes where a parameter's path meets the
+    input's; for a moec op that node is a Python ``autograd.Function`` node, and torch's
+    ``autograd.grad`` reads its ``_input_metadata``, which torch 2.11 refuses on Python nodes
+    (newer releases expose it). Probed once on a stand-in function."""
+    return _python_nodes_expose_metadata()
+
+
+@functools.cache
+def _python_nodes_expose_metadata() -> bool:
+    class _Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            return grad
+
+    out = _Probe.apply(torch.zeros(1, requires_grad=True))
+    try:
+        out.grad_fn._input_metadata  # noqa: B018 (the access is the probe)
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
+def check_schedule_runs(name: str) -> None:
+    """Raise PlanError if this torch cannot run the ``pp_schedule`` ``name`` (see
+    :func:`split_backward_runs`)."""
+    schedule_class(name)
+    if name in SPLIT_BACKWARD and not split_backward_runs():
+        raise PlanError(
+            "parallel.pp_schedule",
+            name,
+            f"a schedule this torch {torch.__version__} runs through moec's ops: {name!r} "
+            "splits each backward into input and weight passes, and this torch's autograd "
+            "cannot start the weight pass at a custom op's node (it reads the Python node's "
+            "input metadata, which newer torch releases expose); use 1f1b, interleaved_1f1b "
+            "or gpipe, or a newer torch",
+        )
 
 
 def _pipeline_order(p: ParallelPlan) -> dict[int, list]:

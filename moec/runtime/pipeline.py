@@ -73,7 +73,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from moec.analysis.pipeline_schedule import MULTI_STAGE, V_SHAPED, schedule_class
+from moec.analysis.pipeline_schedule import (
+    MULTI_STAGE,
+    V_SHAPED,
+    check_schedule_runs,
+    schedule_class,
+)
 from moec.optim import AdamW
 from moec.plan import Plan
 from moec.program import EPGroup, Pipeline, Program
@@ -306,6 +311,7 @@ class PipelineRuntime:
                 "detaches the stage outputs in place, which FSDP's gather/release views refuse; "
                 "use gpipe, 1f1b or interleaved_1f1b, or dp_shard=1"
             )
+        check_schedule_runs(split.schedule)
         self.split, self.plan, self.mesh, self.grad_clip = split, plan, mesh, grad_clip
         self.local = split.local_stages(mesh.pp_rank)
         self.num_stages = len(split.stages)
