@@ -279,6 +279,12 @@ class LoweringPlan:
     graph and replay it (:mod:`moec.runtime.step_graph`): the host launches one graph instead of
     every kernel. Needs a CUDA device and one process; elsewhere the trainer says why and runs
     eagerly. Off by default until it measures faster (benchmarks/e2e.py --cuda-graph)."""
+    gather_up: bool = False
+    """Fold each MoE layer's dispatch into its expert MLP (pass ``gather_up``,
+    ``moec::expert_mlp_gathered``): where the up projection runs on the CuTe DSL it reads the
+    token rows through a row index, so the dispatched T*K x D buffer is neither written nor kept
+    for backward. Off by default until it measures faster on the GPU
+    (benchmarks/moe_layer.py)."""
 
     def validate(self) -> None:
         pass

@@ -2,10 +2,13 @@
 
 Forward (every row below ``offsets[-1]``) and backward (x, weights, biases) in float32 on the
 CPU, on routings with dropped routes, empty experts and one expert taking every row; its fake
-implementation's shapes; its argument errors.
+implementation's shapes; its argument errors. And pass ``gather_up`` on a tiny Llama: the same
+loss and gradients as without it, with and without recompute regions.
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import moec.ops  # noqa: F401  (registers torch.ops.moec)
 from moec.ops.gathered_experts import row_sources
 from moec.ops.routing import assign_rows
+from tests.models import tiny_llama, tokens
 
 ops = torch.ops.moec
 TOKENS, TOP_K, DIM, EXPERTS, HIDDEN = 24, 3, 16, 6, 12
@@ -141,3 +145,48 @@ def test_bad_arguments_raise_naming_them(change, message):
     args.update(change)
     with pytest.raises(ValueError, match=f"moec::expert_mlp_gathered: {message}"):
         ops.expert_mlp_gathered(*args.values(), None, None, "gelu")
+
+
+# --- the pass on a whole model -----------------------------------------------------------------
+
+
+def _compiled(model, ids, gather_up: bool, recompute: str):
+    import moec
+
+    plan = {
+        "moe": {"num_experts": 4, "top_k": 2, "dense_first": 1},
+        "recompute": {"policy": recompute},
+        "lowering": {"gather_up": gather_up},
+    }
+    return moec.compile(copy.deepcopy(model), moec.Plan.from_dict(plan), (ids,))
+
+
+def _loss_and_grads(compiled, ids) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    out = compiled(ids)
+    loss = out.float().square().mean() + compiled.aux_loss()
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in compiled.graph_module.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def llama_case():
+    """A tiny Llama, its tokens, and the loss and gradients of its compile without the pass
+    (the reference for recompute too: recompute keeps gradients, tests/test_recompute.py)."""
+    torch.manual_seed(0)
+    model, ids = tiny_llama(layers=2), tokens(batch=2, seq=16)
+    base = _compiled(model, ids, False, "none")
+    assert "gather_up" not in base.pass_results
+    return model, ids, _loss_and_grads(base, ids)
+
+
+@pytest.mark.parametrize("recompute", ["none", "block"])
+def test_tiny_llama_same_loss_and_gradients_with_gather_up(llama_case, recompute):
+    model, ids, (want_loss, want) = llama_case
+    gathered = _compiled(model, ids, True, recompute)
+    stats = gathered.pass_results["gather_up"].stats
+    assert stats["fused"] == 1 and stats["in_regions"] == (recompute != "none")
+    got_loss, got = _loss_and_grads(gathered, ids)
+    torch.testing.assert_close(got_loss, want_loss, atol=1e-6, rtol=1e-6)
+    assert got.keys() == want.keys()
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, atol=1e-6, rtol=1e-5, msg=name)

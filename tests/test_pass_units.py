@@ -18,11 +18,13 @@ from moec.ops.recompute import recompute_region
 from moec.passes.base import PassContext, PassResult
 from moec.passes.casts import SharedCastsPass
 from moec.passes.expert_parallel import ExpertParallelError, ExpertParallelPass
+from moec.passes.gather_up import GatherUpPass
 from moec.passes.loss import FusedLossPass
 from moec.passes.moe import MoEPass
 from moec.passes.pipeline import PipelinePass, PipelinePassError
 from moec.passes.precision import PrecisionPass
 from moec.passes.recompute import RecomputePass
+from moec.passes.rewrite import GraphEditor
 from moec.passes.rope import FuseRopePass
 from moec.passes.verify import verify_graph
 from moec.passes.working_weights import WorkingWeightsPass
@@ -288,6 +290,58 @@ def test_recompute_leaves_a_graph_without_blocks():
     result = _run(RecomputePass(), gm, {"recompute": {"policy": "block"}})
     assert not result.modified and result.stats["blocks_recomputed"] == 0
     assert _count(result.gm, aten.linear.default) == 1
+
+
+# --- gather_up ---------------------------------------------------------------------------------
+
+GATHER = {"moe": MOE, "lowering": {"gather_up": True}}
+
+
+def test_gather_up_folds_the_dispatch_into_the_expert_mlp():
+    x = _x()
+    gm = _moe_graph()
+    want = gm(x)[0]
+    (mlp,) = gm.graph.find_nodes(op="call_function", target=moec_ops.expert_mlp.default)
+    stack = mlp.meta["nn_module_stack"]
+    result = _run(GatherUpPass(), gm, GATHER)
+    assert result.stats["fused"] == 1 and result.stats["left_alone"] == {}
+    assert _count(result.gm, moec_ops.dispatch.default) == 0
+    assert _count(result.gm, moec_ops.expert_mlp.default) == 0
+    (new,) = result.gm.graph.find_nodes(
+        op="call_function", target=moec_ops.expert_mlp_gathered.default
+    )
+    assert new.meta["nn_module_stack"] == stack and new.meta["from_pass"] == "gather_up"
+    torch.testing.assert_close(result.gm(x)[0], want)
+
+
+def test_gather_up_leaves_a_dispatch_with_another_reader():
+    gm = _moe_graph()
+    (buffer,) = gm.graph.find_nodes(op="call_function", target=moec_ops.dispatch.default)
+    with gm.graph.inserting_after(buffer):
+        GraphEditor(gm, "test").call(aten.clone.default, (buffer,), buffer)
+    gm.recompile()
+    result = _run(GatherUpPass(), gm, GATHER)
+    assert not result.modified and result.stats["fused"] == 0
+    assert "other readers" in next(iter(result.stats["left_alone"].values()))
+    assert _count(result.gm, moec_ops.dispatch.default) == 1
+    assert _count(result.gm, moec_ops.expert_mlp.default) == 1
+
+
+def test_gather_up_folds_inside_a_recompute_region():
+    x = _x()
+    gm = _moe_graph()
+    want = gm(x)[0]
+    gm = _run(RecomputePass(), gm, {"moe": MOE, "recompute": {"policy": "block"}}).gm
+    result = _run(GatherUpPass(), gm, {**GATHER, "recompute": {"policy": "block"}})
+    assert result.stats["fused"] == 1 and result.stats["in_regions"] == 1
+    (region,) = (
+        m
+        for _, m in result.gm.named_modules()
+        if isinstance(m, fx.GraphModule) and m is not result.gm
+    )
+    assert _count(region, moec_ops.expert_mlp_gathered.default) == 1
+    assert _count(region, moec_ops.dispatch.default) == 0
+    torch.testing.assert_close(result.gm(x)[0], want)
 
 
 # --- pipeline ----------------------------------------------------------------------------------

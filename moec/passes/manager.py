@@ -39,6 +39,7 @@ PASS_MODULES = (
     "moec.passes.working_weights",
     "moec.passes.recompute",
     "moec.passes.fsdp",
+    "moec.passes.gather_up",
     "moec.passes.pipeline",
 )
 """The modules whose import registers moec's passes; their order breaks ordering ties."""
