@@ -4,6 +4,9 @@ The report's profiling workload: tokens 2 x 8192, d 1536, 32 routed experts top-
 width 1536, one shared SwiGLU expert of width 1536, capacity factor 1.25, bf16 weights.
 
   moec      torch.ops.moec.{route, dispatch, expert_mlp, combine} with the CUDA kernels registered
+  moec_gathered  the same with dispatch + expert_mlp as one moec.expert_mlp_gathered (pass
+            gather_up, lowering.gather_up): the up projection reads token rows through quack's
+            A_idx where it runs on the CuTe DSL, else the buffer is gathered (the run prints which)
   loop      (a) torch routing, then per expert: nonzero -> gather -> two matmuls -> index_add
   sorted    (b) torch routing (stable sort ranks), gather, torch._grouped_mm x2, bmm combine
   reference the ops' *_reference functions under autograd (the oracle all three must match)
@@ -30,10 +33,12 @@ import torch.nn.functional as F
 from torch import Tensor
 from triton.testing import do_bench
 
+from moec.kernels import experts as kernel_experts
 from moec.kernels import gemm_backend, grouped_gemm
 from moec.ops import grouped
 from moec.ops.cuda import kernel_activation, register_kernels
 from moec.ops.experts import expert_mlp_reference
+from moec.ops.gathered_experts import row_sources
 from moec.ops.movement import combine_reference, dispatch_reference
 from moec.ops.routing import assign_rows, capacity, route_reference
 
@@ -74,6 +79,23 @@ def layer_moec(x: Tensor, p: dict[str, Tensor]) -> Tensor:
     buf = ops.dispatch(x, rows)
     y, _ = ops.expert_mlp(buf, p["w_up"], p["w_down"], offsets, None, None, "swiglu")
     return ops.combine(y, weights, rows) + shared(x, p)
+
+
+def layer_moec_gathered(x: Tensor, p: dict[str, Tensor]) -> Tensor:
+    ops = torch.ops.moec
+    _, weights, rows, offsets, _ = ops.route(x @ p["router"], K, CF, "softmax", True, "learned")
+    y, _ = ops.expert_mlp_gathered(x, rows, p["w_up"], p["w_down"], offsets, None, None, "swiglu")
+    return ops.combine(y, weights, rows) + shared(x, p)
+
+
+def gathered_up_text(x: Tensor, rows: Tensor, w_up: Tensor) -> str:
+    """Which backend runs the gathered layer's up projection, and so whether the buffer exists."""
+    chosen = kernel_experts.gathered_up_backend(
+        x, row_sources(rows), w_up.detach().to(x.dtype), False, kernel_activation("swiglu")
+    )
+    if chosen in ("cute", "cute_glu"):
+        return f"{chosen}: token rows read through A_idx, no buffer"
+    return f"{chosen}: buffer gathered (index_select), re-gathered in backward"
 
 
 def layer_reference(x: Tensor, p: dict[str, Tensor]) -> Tensor:
@@ -120,6 +142,7 @@ def layer_loop(x: Tensor, p: dict[str, Tensor]) -> Tensor:
 
 LAYERS: dict[str, Callable[[Tensor, dict[str, Tensor]], Tensor]] = {
     "moec": layer_moec,
+    "moec_gathered": layer_moec_gathered,
     "sorted": layer_sorted,
     "loop": layer_loop,
 }
@@ -242,14 +265,24 @@ def main() -> None:
         ms = do_bench(lambda fn=LAYERS[name]: fwd_bwd(fn, x, p, grad), rep=200)
         results["layers"][name] = {"ms": ms, "max_rel_err": err}
         print(f"{name:<8} fwd+bwd {ms:8.3f} ms   (max rel err vs reference {err:.2e})")
+    up = gathered_up_text(x, rows, p["w_up"])
+    results["layers"]["moec_gathered"]["up"] = up
+    print(f"moec_gathered up projection: {up}")
 
     if gemm_backend.have_quack():
         with gemm_backend.without_quack():
-            err = check("moec_triton", layer_moec, x, p, grad, want)
-            ms = do_bench(lambda: fwd_bwd(layer_moec, x, p, grad), rep=200)
-        results["layers"]["moec_triton"] = {"ms": ms, "max_rel_err": err}
-        names.append("moec_triton")
-        print(f"{'moec_triton':<8} fwd+bwd {ms:8.3f} ms   (max rel err vs reference {err:.2e})")
+            for name, fn in (
+                ("moec_triton", layer_moec),
+                ("moec_gathered_triton", layer_moec_gathered),
+            ):
+                err = check(name, fn, x, p, grad, want)
+                ms = do_bench(lambda fn=fn: fwd_bwd(fn, x, p, grad), rep=200)
+                results["layers"][name] = {"ms": ms, "max_rel_err": err}
+                names.append(name)
+                print(f"{name:<8} fwd+bwd {ms:8.3f} ms   (max rel err vs reference {err:.2e})")
+            up = gathered_up_text(x, rows, p["w_up"])
+        results["layers"]["moec_gathered_triton"]["up"] = up
+        print(f"moec_gathered_triton up projection: {up}")
 
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)  # keep the device busy: measure what the host alone takes
