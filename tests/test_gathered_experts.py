@@ -2,8 +2,9 @@
 
 Forward (every row below ``offsets[-1]``) and backward (x, weights, biases) in float32 on the
 CPU, on routings with dropped routes, empty experts and one expert taking every row; its fake
-implementation's shapes; its argument errors. And pass ``gather_up`` on a tiny Llama: the same
-loss and gradients as without it, with and without recompute regions.
+implementation's shapes; its argument errors; the kernels' CuTe DSL path (token rows read
+through quack's ``A_idx``) with a torch stand-in for quack. And pass ``gather_up`` on a tiny
+Llama: the same loss and gradients as without it, with and without recompute regions.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import moec.ops  # noqa: F401  (registers torch.ops.moec)
+from moec.ops.experts import expert_mlp_reference
 from moec.ops.gathered_experts import row_sources
 from moec.ops.routing import assign_rows
 from tests.models import tiny_llama, tokens
@@ -190,3 +192,101 @@ def test_tiny_llama_same_loss_and_gradients_with_gather_up(llama_case, recompute
     assert got.keys() == want.keys()
     for name, grad in want.items():
         torch.testing.assert_close(got[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+# --- the CuTe DSL path's plumbing, on a stand-in for quack -------------------------------------
+
+
+def _mm_varlen(a, b, cu_m=None, cu_k=None, a_idx=None, out=None):
+    """quack's ``gemm`` semantics (as its ``gemm_ref``), checking the layouts it requires."""
+    if cu_m is not None:
+        assert a.stride(-1) == 1, "varlen-M takes A k-major"
+        rows = a[a_idx.long()] if a_idx is not None else a
+        out = rows.new_zeros(rows.shape[0], b.shape[-1]) if out is None else out
+        bounds = cu_m.tolist()
+        for e in range(len(bounds) - 1):
+            out[bounds[e] : bounds[e + 1]] = rows[bounds[e] : bounds[e + 1]] @ b[e].to(a.dtype)
+        return out
+    assert a.stride(-2) == 1, "varlen-K takes A m-major"
+    cols = a[:, a_idx.long()] if a_idx is not None else a
+    bounds = cu_k.tolist()
+    for e in range(len(bounds) - 1):
+        out[e] = cols[:, bounds[e] : bounds[e + 1]] @ b[bounds[e] : bounds[e + 1]]
+    return out
+
+
+def _quack_act(h, name):
+    unary = {"silu": torch.nn.functional.silu, "relu": torch.relu, "swiglu": None}
+    if name == "swiglu":  # gated: columns (2j, 2j + 1) are (gate, up)
+        return torch.nn.functional.silu(h[:, 0::2]) * h[:, 1::2]
+    return unary[name](h)
+
+
+class _FakeQuack:
+    """The three quack calls :mod:`moec.kernels.cute_gemm` makes, in torch; records A_idx."""
+
+    def __init__(self):
+        self.gathered = []
+
+    def gemm(self, a, b, out=None, cu_seqlens_m=None, cu_seqlens_k=None, A_idx=None, tuned=True):
+        if A_idx is not None:
+            assert A_idx.dtype == torch.int32
+            self.gathered.append("m" if cu_seqlens_m is not None else "k")
+        return _mm_varlen(a, b, cu_seqlens_m, cu_seqlens_k, A_idx, out)
+
+    def gemm_act(self, a, b, activation, cu_seqlens_m, A_idx=None, store_preact=True, tuned=True):
+        h = self.gemm(a, b, cu_seqlens_m=cu_seqlens_m, A_idx=A_idx)
+        return h, _quack_act(h, activation)
+
+    def gemm_dact(self, d_y, w_t, h, activation, cu_seqlens_m, tuned=True):
+        d_a = _mm_varlen(d_y, w_t, cu_seqlens_m)
+        a, vjp = torch.func.vjp(lambda t: _quack_act(t, activation), h)
+        return vjp(d_a)[0], a
+
+
+@pytest.mark.parametrize(
+    "backend,activation", [("cute", "silu"), ("cute", "relu"), ("cute_glu", "swiglu")]
+)
+def test_cute_path_reads_token_rows_through_a_idx(monkeypatch, backend, activation):
+    """The kernels' gathered expert MLP with every piece on the CuTe DSL, quack stood in for by
+    torch: y, h and every gradient equal the plain expert MLP on the dispatched buffer, the up
+    GEMM and its wgrad ran with A_idx, and no buffer was gathered."""
+    from moec.kernels import cute_gemm, grouped_gemm
+    from moec.kernels import experts as kernel_experts
+    from moec.ops.cuda import kernel_activation
+
+    def policy(piece, x, w, kernels=True, glu_epilogue=False):
+        return "cute_glu" if backend == "cute_glu" and glu_epilogue else "cute"
+
+    quack = _FakeQuack()
+    monkeypatch.setattr(cute_gemm, "_quack", lambda: quack)
+    monkeypatch.setattr(grouped_gemm, "backend", policy)
+    monkeypatch.setattr(kernel_experts, "backend", policy)
+    torch.manual_seed(3)
+    rows, offsets = routing("drops")
+    used = int(offsets[-1])
+    x = torch.randn(TOKENS, DIM)
+    w_up, w_down = (t.detach() for t in weights(activation, False)[:2])
+    act = kernel_activation(activation)
+    sources = row_sources(rows)
+    buffer = x[sources.long()]
+    d_y = torch.randn(TOKENS * TOP_K, DIM)
+
+    monkeypatch.setattr(torch.Tensor, "index_select", None)  # the buffer path would call it
+    y, h = kernel_experts.expert_mlp_gathered(x, sources, w_up, w_down, offsets, None, None, act)
+    assert quack.gathered == ["m"]
+    got = kernel_experts.expert_mlp_gathered_backward(
+        x, sources, w_up, w_down, offsets, h, d_y, act
+    )
+    assert quack.gathered == ["m", "k"]
+    y_ref, h_ref = kernel_experts.expert_mlp(buffer, w_up, w_down, offsets, None, None, act)
+    want = kernel_experts.expert_mlp_backward(buffer, w_up, w_down, offsets, h_ref, d_y, act)
+    close = dict(atol=1e-5, rtol=1e-5)
+    oracle = expert_mlp_reference(buffer, w_up, w_down, offsets, None, None, activation)[0]
+    torch.testing.assert_close(y[:used], oracle[:used], **close)  # the stand-in is quack's math
+    torch.testing.assert_close(y[:used], y_ref[:used], **close)
+    torch.testing.assert_close(h[:used], h_ref[:used], **close)
+    for name, g, w in zip(["d_rows", "d_w_up", "d_w_down", "d_h"], got, want, strict=True):
+        if name in ("d_rows", "d_h"):
+            g, w = g[:used], w[:used]
+        torch.testing.assert_close(g, w, **close, msg=name)
