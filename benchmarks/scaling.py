@@ -8,6 +8,7 @@ efficiency against a single-GPU run of the same model (Table 51).
     ... --single results.json     # benchmarks/e2e.py --json output: prints the efficiency
     ... --sync-trace              # where each host sync of one steady step comes from
     ... --inductor                # plan.lowering.inductor (the program, or each stage, compiled)
+    ... --timeline PREFIX         # one profiled step per rank: where its GPU idles (JSON)
 
 ``pp = 1``: the Trainer (data + expert parallel, dp = world, each rank 3 sequences of 8192 per
 step). ``pp > 1``: ``CompiledModel.train_step`` (the pipeline runtime, 1F1B over each of
@@ -47,6 +48,7 @@ import torch.distributed as dist
 import moec
 from benchmarks.e2e import FULL, SMALL, dense_model, moe_plan, warm_up
 from moec.analysis.cost import graph_cost
+from moec.analysis.cost.time import merged_spans
 from moec.analysis.pipeline_schedule import V_SHAPED
 from moec.runtime.distributed import NO_MULTICAST_ENV, join_process_group
 from moec.runtime.metrics import bf16_peak_tflops, sync_debug_mode, useful_mfu
@@ -182,6 +184,61 @@ def kernel_times(fn: Callable[[], None], trace: str | None = None) -> dict[str, 
     return times
 
 
+COMM_KERNELS = ("nccl",)
+"""Name parts of the kernels that move data between ranks (P2P, collectives)."""
+
+
+def step_timeline(step: Callable, gaps: int = 12) -> dict:
+    """One ``step()`` of this rank under the profiler: from its first kernel's start to its last
+    kernel's end, the ms in which a compute kernel runs, in which only communication kernels
+    run, and in which none runs (idle), with the ``gaps`` longest idle gaps and the kernels on
+    either side of each (what the GPU waited between)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()  # the profiled window's end (outside any timed step)
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0
+    )
+    if not kernels:
+        return {}
+    is_comm = [any(k in name.lower() for k in COMM_KERNELS) for _, _, name in kernels]
+    compute = merged_spans([(a, b) for (a, b, _), c in zip(kernels, is_comm) if not c])
+    busy = merged_spans([(a, b) for a, b, _ in kernels])
+    span = kernels[-1][1] - kernels[0][0]
+    compute_us = sum(b - a for a, b in compute)
+    busy_us = sum(b - a for a, b in busy)
+    holes = sorted(
+        ((nxt[0] - prev[1], prev[1], nxt[0]) for prev, nxt in zip(busy, busy[1:])), reverse=True
+    )[:gaps]
+
+    def last_before(t: float) -> str:
+        return max((k for k in kernels if k[1] <= t), key=lambda k: k[1])[2][:80]
+
+    def first_after(t: float) -> str:
+        return min((k for k in kernels if k[0] >= t), key=lambda k: k[0])[2][:80]
+
+    return {
+        "span_ms": span / 1e3,
+        "compute_ms": compute_us / 1e3,
+        "comm_only_ms": (busy_us - compute_us) / 1e3,
+        "idle_ms": (span - busy_us) / 1e3,
+        "kernels": len(kernels),
+        "longest_gaps": [
+            {
+                "ms": gap / 1e3,
+                "at_ms": (start - kernels[0][0]) / 1e3,
+                "after": last_before(start),
+                "before": first_after(end),
+            }  # fmt: skip
+            for gap, start, end in holes
+        ],
+    }
+
+
 def sync_trace(step: Callable, device: torch.device) -> list[str]:
     """Run ``step`` once in CUDA's sync debug mode and return, per synchronizing call, the
     innermost frames of moec, benchmarks or torch.distributed that made it (empty on CPU)."""
@@ -241,10 +298,13 @@ def run(
     schedule: str = "1f1b",
     inductor: bool = False,
     kernels: str | None = None,
+    timeline: str | None = None,
 ) -> dict:
     """Build, warm up and time one parallel configuration; the job's totals on every rank.
     ``kernels``: write this rank's kernel times of one stage pass (pp > 1) or one step to
-    ``{kernels}_pp{pp}_mb{microbatches}_rank{r}.json`` (its profiler trace to ``.trace``)."""
+    ``{kernels}_pp{pp}_mb{microbatches}_rank{r}.json`` (its profiler trace to ``.trace``);
+    ``timeline``: this rank's :func:`step_timeline` of one step to
+    ``{timeline}_pp{pp}_mb{microbatches}_rank{r}.json``."""
     world = dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
         else torch.device("cpu")  # fmt: skip
@@ -264,6 +324,10 @@ def run(
         times = kernel_times(step.stage_pass() if pp > 1 else step, out.replace(".json", ".trace"))
         with open(out, "w") as f:
             json.dump(times, f, indent=1)
+    if timeline and device.type == "cuda":
+        out = f"{timeline}_pp{pp}_mb{microbatches}_rank{dist.get_rank()}.json"
+        with open(out, "w") as f:
+            json.dump(step_timeline(step), f, indent=1)
     del step  # the compiled model and its runtime: freed before the next configuration
     gc.collect()
     if device.type == "cuda":
@@ -360,6 +424,12 @@ def main() -> None:
         help="write each rank's kernel times (one stage pass, or one step at pp = 1) to "
         "PREFIX_pp{pp}_mb{microbatches}_rank{r}.json and its profiler trace to .trace",
     )
+    parser.add_argument(
+        "--timeline",
+        metavar="PREFIX",
+        help="profile one step per rank: compute, communication-only and idle ms and the "
+        "longest idle gaps, to PREFIX_pp{pp}_mb{microbatches}_rank{r}.json",
+    )
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--small", action="store_true", help="a CPU-sized smoke run")
@@ -385,6 +455,7 @@ def main() -> None:
                 schedule=args.schedule,
                 inductor=args.inductor,
                 kernels=args.kernels,
+                timeline=args.timeline,
             )
         )
         if dist.get_rank() == 0:  # each row as soon as it is measured

@@ -16,6 +16,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import moec.ops  # noqa: F401  (registers torch.ops.moec)
+from moec.analysis.cost import graph_cost
 from moec.ops.experts import expert_mlp_reference
 from moec.ops.gathered_experts import row_sources
 from moec.ops.routing import assign_rows
@@ -189,6 +190,10 @@ def test_tiny_llama_same_loss_and_gradients_with_gather_up(llama_case, recompute
     assert stats["fused"] == 1 and stats["in_regions"] == (recompute != "none")
     got_loss, got = _loss_and_grads(gathered, ids)
     torch.testing.assert_close(got_loss, want_loss, atol=1e-6, rtol=1e-6)
+    base = _compiled(model, ids, False, recompute)  # the cost model counts the same work
+    assert graph_cost(gathered.program).evaluate().train_flops_per_token == pytest.approx(
+        graph_cost(base.program).evaluate().train_flops_per_token
+    )
     assert got.keys() == want.keys()
     for name, grad in want.items():
         torch.testing.assert_close(got[name], grad, atol=1e-6, rtol=1e-5, msg=name)

@@ -102,9 +102,10 @@ def split_backward_runs() -> bool:
     """Whether this torch runs :data:`SPLIT_BACKWARD` schedules through moec's custom ops.
 
     The weight pass differentiates from the autograd nodes where a parameter's path meets the
-    input's; for a moec op that node is a Python ``autograd.Function`` node, and torch's
-    ``autograd.grad`` reads its ``_input_metadata``, which torch 2.11 refuses on Python nodes
-    (newer releases expose it). Probed once on a stand-in function."""
+    input's, kept after the input pass has freed the graph above them. For a moec op that node
+    is a Python ``autograd.Function`` node, which torch 2.11 keeps only weakly: once the nodes
+    that consumed it are freed, reading its ``_input_metadata`` (``autograd.grad`` does) fails
+    (newer releases keep it). Probed once on a stand-in function whose consumer is freed."""
     return _python_nodes_expose_metadata()
 
 
@@ -120,8 +121,10 @@ def _python_nodes_expose_metadata() -> bool:
             return grad
 
     out = _Probe.apply(torch.zeros(1, requires_grad=True))
+    node = out.grad_fn
+    del out  # the graph above the node is freed, as after a zero-bubble input pass
     try:
-        out.grad_fn._input_metadata  # noqa: B018 (the access is the probe)
+        node._input_metadata  # noqa: B018 (the access is the probe)
     except (RuntimeError, AttributeError):
         return False
     return True
@@ -136,10 +139,10 @@ def check_schedule_runs(name: str) -> None:
             "parallel.pp_schedule",
             name,
             f"a schedule this torch {torch.__version__} runs through moec's ops: {name!r} "
-            "splits each backward into input and weight passes, and this torch's autograd "
-            "cannot start the weight pass at a custom op's node (it reads the Python node's "
-            "input metadata, which newer torch releases expose); use 1f1b, interleaved_1f1b "
-            "or gpipe, or a newer torch",
+            "splits each backward into input and weight passes, and this torch frees a moec "
+            "op's autograd node (a Python node) with the graph above it, where the weight pass "
+            "starts (newer torch releases keep it); use 1f1b, interleaved_1f1b or gpipe, or a "
+            "newer torch",
         )
 
 

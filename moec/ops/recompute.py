@@ -59,7 +59,9 @@ GEMMS = (
             "_scaled_dot_product_cudnn_attention",
         ),
     )
-    | _overloads(moec_ops, ("expert_mlp", "quantized_expert_mlp", "quantized_linear"))
+    | _overloads(
+        moec_ops, ("expert_mlp", "expert_mlp_gathered", "quantized_expert_mlp", "quantized_linear")
+    )
 )
 """GEMMs as the dispatcher sees them at run time (``linear``/``matmul`` decompose to these)."""
 GRAPH_GEMMS = (

@@ -24,7 +24,7 @@ import torch.fx as fx
 
 import moec.ops  # noqa: F401  (registers torch.ops.moec)
 from moec.analysis.structure import TRANSPOSE_OPS, VIEW_OPS
-from moec.fx import nbytes, sym
+from moec.fx import nbytes, numel, sym
 from moec.ops.working_weights import working_copy
 
 aten = torch.ops.aten
@@ -118,7 +118,8 @@ def backward_workspace(node: fx.Node) -> sympy.Expr:
     """Bytes live together while ``node``'s backward runs, besides saved tensors: the gradients
     of its outputs and of its floating inputs (a parameter's arrives in the dtype the op read
     before it is accumulated), plus what the backward allocates inside: ``moec.expert_mlp``
-    holds the pre-activation's gradient [R, U] and the recomputed activation [R, H] as well."""
+    holds the pre-activation's gradient [R, U] and the recomputed activation [R, H] as well,
+    ``moec.expert_mlp_gathered`` also its rows' input gradient [R, D]."""
     if node.op != "call_function" or node.target in VIEW_LIKE:
         return ZERO
     val = node.meta.get("val")
@@ -132,4 +133,8 @@ def backward_workspace(node: fx.Node) -> sympy.Expr:
         x, w_up, w_down = (value_of(a) for a in node.args[:3])
         rows = sym(x.shape[0])
         grads += rows * (sym(w_up.shape[-1]) + sym(w_down.shape[1])) * x.element_size()
+    elif node.target is torch.ops.moec.expert_mlp_gathered.default:  # also the rows' d_x
+        x, routes, w_up, w_down = (value_of(a) for a in node.args[:4])
+        width = sym(w_up.shape[-1]) + sym(w_down.shape[1]) + sym(x.shape[-1])
+        grads += numel(routes) * width * x.element_size()
     return grads

@@ -4,7 +4,8 @@ The ops (:mod:`moec.ops`) import no analysis; their rules live here, each keyed 
 overload. Over R = T*K routed rows of T tokens, top-K:
 
 - ``moec.expert_mlp``: 2*R*(D*U + H*D) (an EP receive buffer counts this rank's T*K routes, not
-  its padding); saves its input rows and the pre-activation h;
+  its padding); saves its input rows and the pre-activation h; ``moec.expert_mlp_gathered``
+  the same over R = T*K rows of its route table, saving the tokens, the table and h;
 - ``moec.route``: 4 FLOPs per logit, saving the logits and the chosen expert ids;
   ``moec.router_losses``: 6 per logit, saving its inputs;
 - ``moec.dispatch``: data movement, saving the row indices; ``moec.combine``: its weighted sum,
@@ -53,6 +54,15 @@ def _expert_mlp(node: fx.Node) -> RuleResult:
     hidden = sym(w_down.shape[1])
     flops = 2 * rows * (dim * up + hidden * dim)
     return flops, "experts", [stored_ref(node.args[0]), SavedRef(node, 1)]
+
+
+@cost_rule(ops.expert_mlp_gathered.default)
+def _expert_mlp_gathered(node: fx.Node) -> RuleResult:
+    x, rows, w_up, w_down = (value_of(a) for a in node.args[:4])
+    dim, up, hidden = sym(x.shape[-1]), sym(w_up.shape[-1]), sym(w_down.shape[1])
+    flops = 2 * numel(rows) * (dim * up + hidden * dim)
+    saved = [stored_ref(node.args[0]), stored_ref(node.args[1]), SavedRef(node, 1)]
+    return flops, "experts", saved
 
 
 @cost_rule(ops.route.default)
