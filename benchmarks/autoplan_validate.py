@@ -46,6 +46,7 @@ import json
 import os
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -418,6 +419,12 @@ def main(argv: list[str] | None = None) -> int:
             release(holder, device)
         except Exception as exc:  # one plan's failure is a result, the others still run
             c.measured = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+            print(f"rank {rank()}: {describe(c.layout)} failed:\n{traceback.format_exc()}",
+                  flush=True)  # fmt: skip
+            if c.layout.pp > 1 and world > 1:
+                # a pipeline rank that failed mid-step leaves its peers waiting in a P2P
+                # transfer that never comes: stop here (torchrun ends the others) rather than hang
+                raise
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -132,6 +132,18 @@ def nbytes(val: Any) -> sympy.Expr:
     return sympy.Integer(0)
 
 
+def symbolic_input_dims(gm: fx.GraphModule) -> dict[str, tuple[int, ...]]:
+    """Per tensor placeholder of ``gm``, the dimensions whose size is still a symbol."""
+    dims = {}
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            dims[node.name] = tuple(
+                d for d, size in enumerate(val.shape) if not sym(size).is_number
+            )
+    return dims
+
+
 def example_sizes(gm: fx.GraphModule) -> dict[sympy.Symbol, int]:
     """The value of every size symbol at the example inputs ``gm`` was captured with."""
     shape_env = fake_mode(gm).shape_env

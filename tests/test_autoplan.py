@@ -388,6 +388,17 @@ def test_profile_needs_an_unpipelined_program():
         profile_program(program)
 
 
+def test_profile_of_a_program_with_fixed_sizes_is_refused(monkeypatch):
+    """A program whose input sizes are numbers (a static capture, or a pass that specialized
+    them) cannot price other microbatches: a clear error, not every size priced as the
+    example's."""
+    import moec.frontend
+
+    monkeypatch.setattr(moec.frontend, "_auto_dims", lambda *args: None)
+    with pytest.raises(ValueError, match="tokens per step are a number"):
+        profile_program(_build(_plan()))
+
+
 def test_repeating_a_unit_counts_its_flops_in_the_useful_flops(profile):
     """Useful FLOPs per token are 3x the units' forward FLOPs, before and after a unit is
     repeated to full depth (the MFU of a grown profile counts every layer)."""

@@ -8,6 +8,7 @@ import torch.fx as fx
 import moec
 from moec.cli import main
 from moec.frontend import capture
+from moec.fx import fake_mode, symbolic_input_dims
 from moec.passes.base import Pass, PassContext, PassPipelineError, PassResult
 from moec.passes.manager import (
     PassManager,
@@ -147,6 +148,36 @@ def test_a_pass_that_changes_the_graph_must_say_so():
     program = capture(_Linear(), (torch.randn(2, 3, 8),))
     with pytest.raises(VerificationError, match="reported modified=False but changed"):
         _manager(_Counting(True, False)).run(program, PassContext(Plan(), program))
+
+
+class _Specializing(Pass):
+    """Gives the input a concrete example size, as a pass that read a symbolic size as an int
+    would leave it."""
+
+    name = "specializing"
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        (x,) = gm.graph.find_nodes(op="placeholder")
+        val = x.meta["val"]
+        with fake_mode(gm):
+            x.meta["val"] = torch.empty([int(d) for d in val.shape], dtype=val.dtype)
+        return PassResult(gm, True, {})
+
+
+def test_a_pass_that_specializes_an_input_size_is_named():
+    """The program would run (and be priced) at the example's sizes only: the manager warns,
+    naming the pass and the sizes, and records them in its statistics."""
+    program = capture(_Linear(), (torch.randn(2, 3, 8),))
+    ctx = PassContext(Plan(), program)
+    assert symbolic_input_dims(program.graph)["x"] == (0, 1)
+    _manager(_Counting(False, False)).run(program, ctx)
+    assert "specialized_inputs" not in ctx.results["counting"].stats
+    with pytest.warns(UserWarning, match=r"pass specializing specialized input sizes \(x.size"):
+        _manager(_Specializing()).run(program, ctx)
+    assert ctx.results["specializing"].stats["specialized_inputs"] == [
+        "x.size(0) = 2",
+        "x.size(1) = 3",
+    ]
 
 
 def test_compile_runs_the_selected_passes_and_records_their_string():

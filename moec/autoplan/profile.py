@@ -191,6 +191,12 @@ def profile_program(program: Program, fsdp_program: Program | None = None) -> Mo
         raise ValueError("profile a program built without pipeline parallelism (pp = 1)")
     gm = program.graph
     cost = graph_cost(program)
+    if sympy.sympify(cost.tokens).is_number:
+        raise ValueError(
+            f"the program's tokens per step are a number ({cost.tokens}), not an expression in "
+            "the batch and sequence sizes: a pass specialized the input sizes (the compile "
+            "warned which), so the profile cannot price other microbatch sizes"
+        )
     roles = size_roles(program)
     names, units = pipeline_units(gm, cost, sublayers=True)
     paths = block_paths(gm, cost)

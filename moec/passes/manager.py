@@ -10,6 +10,8 @@ options in braces are printed from the plan and, when given back, must match it.
 
 After each pass the manager runs the verifier (graph lint, fake-tensor propagation, parameter
 bookkeeping) when asked, and calls the dump hook for the stages selected by ``print_after``.
+A pass that turns a symbolic input size into a number (the program then runs, and is priced,
+only at the example's size) is named in a warning and in its ``specialized_inputs`` statistic.
 Analyses cached in the :class:`PassContext` are dropped when a pass reports ``modified``.
 """
 
@@ -18,10 +20,11 @@ from __future__ import annotations
 import importlib
 import re
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from moec.fx import parameter_count
+from moec.fx import parameter_count, symbolic_input_dims
 from moec.passes.base import REGISTRY, PassContext, PassPipelineError
 from moec.passes.verify import VerificationError, verify_graph, verify_program
 from moec.plan import Plan
@@ -200,6 +203,7 @@ class PassManager:
         if self.verify:
             verify_graph(gm, "capture", program.signature)
         self._dump("capture", program, {})
+        symbolic = symbolic_input_dims(gm)
         for p in self.passes:
             before = parameter_count(gm)
             text = str(gm.graph) if self.verify else ""
@@ -212,6 +216,7 @@ class PassManager:
                     "(cached analyses would be stale)"
                 )
             gm = program.graph = result.gm
+            symbolic = _check_sizes_stay_symbolic(p.name, symbolic, gm, result.stats)
             if result.modified:
                 ctx.invalidate_analyses()
             if self.verify:
@@ -229,3 +234,27 @@ class PassManager:
     def _dump(self, stage: str, program: Program, stats: dict[str, Any]) -> None:
         if self.dump is not None and (self.print_after is None or stage in self.print_after):
             self.dump(stage, program, stats)
+
+
+def _check_sizes_stay_symbolic(
+    name: str, symbolic: dict[str, tuple[int, ...]], gm: Any, stats: dict[str, Any]
+) -> dict[str, tuple[int, ...]]:
+    """The inputs' symbolic dims after pass ``name``; those it made concrete are warned about
+    and listed in ``stats["specialized_inputs"]``."""
+    now = symbolic_input_dims(gm)
+    vals = {n.name: n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")}
+    lost = [
+        f"{input_name}.size({d}) = {int(vals[input_name].shape[d])}"
+        for input_name, dims in symbolic.items()
+        if input_name in now
+        for d in dims
+        if d not in now[input_name]
+    ]
+    if lost:
+        stats["specialized_inputs"] = lost
+        warnings.warn(
+            f"moec: pass {name} specialized input sizes ({', '.join(lost)}): the program now "
+            "runs, and its cost is counted, at these sizes only",
+            stacklevel=3,
+        )
+    return now
