@@ -8,10 +8,11 @@ cast or add, a few per block and direction.
 Matches  ops autocast runs in bf16 (linear, mm, matmul, bmm, addmm, baddbmm,
          scaled_dot_product_attention, moec.linear_cross_entropy) and explicit casts to bf16,
          reading a source whose *runtime* dtype is float32 (found by propagating fake tensors
-         through the graph under bf16 autocast; the captured ``meta["val"]`` is
-         autocast-free); and the weights of moec ops that cast their weights to their bf16
-         activation's dtype themselves (``expert_mlp``: in the forward and again in the
-         backward, and it cast the weight gradients back, every step).
+         through the graph under bf16 autocast, at the example's sizes in a fake mode of its
+         own; the captured ``meta["val"]`` is autocast-free); and the weights of moec ops
+         that cast their weights to their bf16 activation's dtype themselves
+         (``expert_mlp``: in the forward and again in the backward, and it cast the weight
+         gradients back, every step).
 Emits    one ``aten._to_copy(source, dtype=bfloat16)`` per such source, right after it; every
          such reader reads it (explicit casts of the same source are merged into it). The
          matmuls are then all-bf16, so the graph means the same with and without autocast;
@@ -35,10 +36,11 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import moec.ops  # noqa: F401  (registers torch.ops.moec)
 from moec.analysis.structure import CASTS, MATMUL_OPS
-from moec.fx import fake_mode
+from moec.fx import evaluate, example_sizes, sym
 from moec.passes.base import Pass, PassContext, PassResult, register_pass
 from moec.passes.rewrite import GraphEditor, refresh_meta
 from moec.plan import Plan
@@ -54,23 +56,34 @@ SELF_CASTING = {torch.ops.moec.expert_mlp.default: (1, 2)}
 
 
 class _RuntimeDtypes(fx.Interpreter):
-    """Fake propagation that reads placeholders and parameters from ``meta["val"]``; values of a
-    graph captured on the meta device become fake tensors of ``device_type`` (autocast only
-    acts on tensors of its own device: on meta ones it would leave every matmul in float32, and
-    bf16 values would look float32 and be cast again)."""
+    """Fake propagation from the placeholders' and parameters' ``meta["val"]`` at the example's
+    sizes, in a fake mode of its own: dtypes do not depend on sizes, and the device's dispatch
+    (CUDA attention choosing its backend by shape) must not add guards to the program's
+    symbolic sizes. Values of a graph captured on the meta device become fake tensors of
+    ``device_type`` (autocast only acts on tensors of its own device: on meta ones it would
+    leave every matmul in float32, and bf16 values would look float32 and be cast again)."""
 
     def __init__(self, gm: fx.GraphModule, device_type: str):
         super().__init__(gm, garbage_collect_values=False)
         self.device_type = device_type
+        self.sizes = example_sizes(gm)
+
+    def _example(self, sizes: Any) -> list[int]:
+        """Sizes (ints or SymInts) at the capture's example values."""
+        return [evaluate(sym(size), self.sizes) for size in sizes]
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op in ("placeholder", "get_attr"):
             val = n.meta["val"]
-            if isinstance(val, torch.Tensor) and val.device.type == "meta":
+            if isinstance(val, torch.Tensor):
+                device = self.device_type if val.device.type == "meta" else val.device
                 return torch.empty_strided(
-                    val.shape, val.stride(), dtype=val.dtype, device=self.device_type
+                    self._example(val.shape),
+                    self._example(val.stride()),
+                    dtype=val.dtype,
+                    device=device,
                 )
-            return val
+            return self._example([val])[0] if isinstance(val, torch.SymInt) else val
         return super().run_node(n)
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
@@ -87,7 +100,7 @@ class _RuntimeDtypes(fx.Interpreter):
 def runtime_dtypes(gm: fx.GraphModule, device_type: str) -> dict[fx.Node, torch.dtype]:
     """The dtype of every tensor-valued node when the graph runs under bf16 autocast."""
     interp = _RuntimeDtypes(gm, device_type)
-    with fake_mode(gm), torch.autocast(device_type, dtype=torch.bfloat16):
+    with FakeTensorMode(), torch.autocast(device_type, dtype=torch.bfloat16):
         interp.run(*[None] * len(gm.graph.find_nodes(op="placeholder")))
     return {n: v.dtype for n, v in interp.env.items() if isinstance(v, torch.Tensor)}
 
