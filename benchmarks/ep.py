@@ -22,8 +22,9 @@ training step, one process per GPU under torchrun (EP = the number of processes)
   copies on N programs per column tile (``--split-programs``). ``exposed ms``: time the profiler
   saw exchange kernels (NCCL, the rowwise push and barrier) run with no other kernel running,
   one fwd+bwd; ``predicted``: what :mod:`moec.analysis.cost.overlap` predicts for it from this
-  run's probe (the whole's dispatch and combine alone give the rate, the local experts' forward
-  and backward the compute to hide under; issue #22's check, within 20%). The step part then
+  run's probe (the exchange kernels of the whole's dispatch and combine, profiled alone, give
+  the rate, the local experts' forward and backward the compute to hide under; issue #22's
+  check, within 20%). The step part then
   runs the e2e step with ``parallel.overlap`` none and
   two_batch (``--step-micro`` sequences per rank, default 4: the pass halves an even batch;
   rowwise dropless, since pass overlap keeps rowwise only where its rank capacity cannot bind).
@@ -243,6 +244,21 @@ def set_split_programs(programs: int | None) -> None:
         ep_rowwise.SPLIT_PROGRAMS = programs
 
 
+def exchange_kernel_ms(layer: Layer, path: str) -> float | None:
+    """Milliseconds the exchange kernels of one forward dispatch + combine of the whole run
+    with no other kernel beside them (None on the CPU): the probe's moving time."""
+    weights, (slots, recv, _, counts, sent, _) = layer.route(path)
+    comm = (layer.group, layer.world, path)
+    x, w = layer.x.detach(), weights.detach()
+
+    def both() -> None:
+        buffer = ops.ep_dispatch(x, slots, recv, sent, counts, *comm)
+        ops.ep_combine(buffer, w, slots, recv, sent, counts, *comm)
+
+    both()  # warm
+    return profiled(both)[0]
+
+
 def predicted_exposed(layer: Layer, path: str, iters: int) -> dict[str, float]:
     """The cost model's exposed exchange ms (``moec.analysis.cost.overlap``), forward + backward,
     for the whole layer, its halves one after the other and two_batch, from this run's probe:
@@ -252,7 +268,10 @@ def predicted_exposed(layer: Layer, path: str, iters: int) -> dict[str, float]:
 
     probe = layer.transports(path, iters)
     exchanged = 2 * probe["bytes_per_gpu"]  # dispatch + combine, one row per accepted route
-    rate = exchanged / ((probe["dispatch_ms"] + probe["combine_ms"]) / 1e3)
+    # the rate of what the profile counts as exchange: its kernels' time (the ops' packing
+    # and local copies are compute the experts' stream runs), or the ops' wall time on the CPU
+    moving = exchange_kernel_ms(layer, path)
+    rate = exchanged / ((moving or probe["dispatch_ms"] + probe["combine_ms"]) / 1e3)
     s = layer.s
     cap = (
         capacity(s["tokens"], s["top_k"], s["experts"], s["cf"]) if path == "a2a_capacity" else None
