@@ -10,15 +10,10 @@ quack's ``cu_seqlens = [0, offsets...]`` without a host read)::
         d_a = d_y @ w_down[e]^T with the activation's backward in the epilogue (quack gemm_dact)
     gmm_wgrad(x[R, K], dy[R, M], offsets, out_dtype) -> dw[N, K, M]      varlen-K
 
-Gathered forms read buffer row ``r`` as token row ``x[sources[r]]`` (quack's ``A_idx``, int32
-on the device) from x [T, D], so the dispatched buffer is never written::
-
-    gmm_gathered(x[T, K], sources[R], w[N, K, M], offsets) -> out[R, M]
-    gmm_act_gathered(x[T, D], sources[R], w_up[N, D, U], offsets, act) -> h[R, U], a[R, H]
-    gmm_wgrad_gathered(x[T, K], sources[R], dy[R, M], offsets, out_dtype) -> dw[N, K, M]
-
-(varlen-M with ``A_idx`` indexing A's rows; varlen-K with ``A_idx`` indexing the columns of
-the m-major ``A = x^T``, which quack's varlen-K requires).
+Gathered: ``gmm``, ``gmm_act`` and ``gmm_wgrad`` given ``sources[R]`` (int32 on the device)
+read buffer row ``r`` as token row ``x[sources[r]]`` of x [T, D] (quack's ``A_idx``: varlen-M
+indexing A's rows; varlen-K indexing the columns of the m-major ``A = x^T``, which quack's
+varlen-K requires), so the dispatched buffer is never written.
 
 Rows past ``offsets[-1]`` are neither read into a valid result nor written (garbage stays
 garbage); empty experts get zero weight gradients.
@@ -101,26 +96,44 @@ def deinterleave(w: Tensor, dtype: torch.dtype) -> Tensor:
     return out.view(n, d, width)
 
 
-def gmm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
-    """``out[r] = x[r] @ w[e(r)]``; ``w`` may be a transposed view."""
-    out = x.new_empty(x.shape[0], w.shape[-1])
-    if x.shape[0] == 0:
+def _rows(x: Tensor, sources: Tensor | None) -> int:
+    return x.shape[0] if sources is None else sources.shape[0]
+
+
+def gmm(x: Tensor, w: Tensor, offsets: Tensor, sources: Tensor | None = None) -> Tensor:
+    """``out[r] = x[r] @ w[e(r)]`` (gathered: ``x[sources[r]]``); ``w`` may be a transposed
+    view."""
+    out = x.new_empty(_rows(x, sources), w.shape[-1])
+    if out.shape[0] == 0:
         return out
-    _quack().gemm(x, w.to(x.dtype), out=out, cu_seqlens_m=cu_seqlens(offsets), tuned=_tuned())
+    _quack().gemm(
+        x.contiguous() if sources is not None else x,
+        w.to(x.dtype),
+        out=out,
+        cu_seqlens_m=cu_seqlens(offsets),
+        A_idx=sources,
+        tuned=_tuned(),
+    )
     return out
 
 
 def gmm_act(
-    x: Tensor, w_up: Tensor, offsets: Tensor, act: KernelActivation
+    x: Tensor,
+    w_up: Tensor,
+    offsets: Tensor,
+    act: KernelActivation,
+    sources: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(h, a): the up projection with the activation in the epilogue; ``w_up`` in moec's layout,
-    ``h`` interleaved when ``act`` is gated (see module)."""
+    """(h, a): the up projection with the activation in the epilogue (gathered: on rows
+    ``x[sources[r]]``); ``w_up`` in moec's layout, ``h`` interleaved when ``act`` is gated (see
+    module)."""
     w = interleave(w_up, x.dtype) if act.gated else w_up.to(x.dtype)
     return _quack().gemm_act(
-        x,
+        x.contiguous() if sources is not None else x,
         w,
         activation=_QUACK_NAMES[act],
         cu_seqlens_m=cu_seqlens(offsets),
+        A_idx=sources,
         store_preact=True,
         tuned=_tuned(),
     )
@@ -142,60 +155,29 @@ def gmm_act_backward(
     return d_h, a
 
 
-def gmm_wgrad(x: Tensor, dy: Tensor, offsets: Tensor, out_dtype: torch.dtype) -> Tensor:
-    """``dw[e] = x_e^T @ dy_e`` (N, K, M) in ``out_dtype``, accumulated in float32 and written
-    once; empty experts get 0."""
-    num_experts = offsets.shape[0]
-    dw = torch.empty(num_experts, x.shape[1], dy.shape[1], dtype=out_dtype, device=x.device)
-    if dw.numel() == 0:
-        return dw
-    _quack().gemm(x.t(), dy, out=dw, cu_seqlens_k=cu_seqlens(offsets), tuned=_tuned())
-    return dw
-
-
-def gmm_gathered(x: Tensor, sources: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
-    """``out[r] = x[sources[r]] @ w[e(r)]`` (R = len(sources) rows); ``w`` may be a transposed
-    view."""
-    out = x.new_empty(sources.shape[0], w.shape[-1])
-    if out.shape[0] == 0:
-        return out
-    _quack().gemm(
-        x.contiguous(),
-        w.to(x.dtype),
-        out=out,
-        cu_seqlens_m=cu_seqlens(offsets),
-        A_idx=sources,
-        tuned=_tuned(),
-    )
-    return out
-
-
-def gmm_act_gathered(
-    x: Tensor, sources: Tensor, w_up: Tensor, offsets: Tensor, act: KernelActivation
-) -> tuple[Tensor, Tensor]:
-    """:func:`gmm_act` on buffer rows ``x[sources[r]]``: (h, a), R = len(sources) rows, ``h``
-    interleaved when ``act`` is gated."""
-    w = interleave(w_up, x.dtype) if act.gated else w_up.to(x.dtype)
-    return _quack().gemm_act(
-        x.contiguous(),
-        w,
-        activation=_QUACK_NAMES[act],
-        cu_seqlens_m=cu_seqlens(offsets),
-        A_idx=sources,
-        store_preact=True,
-        tuned=_tuned(),
-    )
-
-
-def gmm_wgrad_gathered(
-    x: Tensor, sources: Tensor, dy: Tensor, offsets: Tensor, out_dtype: torch.dtype
+def gmm_wgrad(
+    x: Tensor,
+    dy: Tensor,
+    offsets: Tensor,
+    out_dtype: torch.dtype,
+    sources: Tensor | None = None,
 ) -> Tensor:
-    """``dw[e] = sum over e's rows r of x[sources[r]]^T dy[r]`` (N, K, M) in ``out_dtype``;
-    empty experts get 0. quack's varlen-K takes A m-major: ``x.t()`` of a contiguous x."""
+    """``dw[e] = x_e^T @ dy_e`` (N, K, M) in ``out_dtype`` (gathered: x_e's rows are
+    ``x[sources[r]]`` for e's rows r), accumulated in float32 and written once; empty experts
+    get 0. quack's varlen-K takes A m-major: ``x.t()`` of a contiguous x."""
     num_experts = offsets.shape[0]
     dw = torch.empty(num_experts, x.shape[1], dy.shape[1], dtype=out_dtype, device=x.device)
     if dw.numel() == 0:
         return dw
+    _quack().gemm(
+        x.contiguous().t(),
+        dy.contiguous(),
+        out=dw,
+        cu_seqlens_k=cu_seqlens(offsets),
+        A_idx=sources,
+        tuned=_tuned(),
+    )
+    return dw
     _quack().gemm(
         x.contiguous().t(),
         dy.contiguous(),

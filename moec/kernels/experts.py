@@ -104,9 +104,9 @@ def expert_mlp_gathered(
     if chosen not in ("cute", "cute_glu"):
         return expert_mlp(x.index_select(0, sources), w_up, w_down, offsets, b_up, b_down, act)
     if chosen == "cute_glu" or (not act.gated and cute_gemm.computes(act)):
-        h, a = cute_gemm.gmm_act_gathered(x, sources, w_up, offsets, act)  # as gg.gmm_act
+        h, a = cute_gemm.gmm_act(x, w_up, offsets, act, sources)  # as gg.gmm_act
     else:
-        h = cute_gemm.gmm_gathered(x, sources, w_up_x, offsets)
+        h = cute_gemm.gmm(x, w_up_x, offsets, sources)
         a = act_forward(h, act)
     y = gg.gmm(a, w_down.to(x.dtype), offsets, b_down, piece="down")
     return y, h
@@ -116,7 +116,7 @@ def _up_wgrad(x: Tensor, sources: Tensor, d_h: Tensor, offsets: Tensor, out_dtyp
     """The up projection's weight gradient from the token rows: quack's varlen-K with ``A_idx``
     where the policy runs the wgrad on the CuTe DSL, else on the gathered buffer."""
     if backend("wgrad", _buffer_like(x, sources), d_h) == "cute":
-        return cute_gemm.gmm_wgrad_gathered(x, sources, d_h, offsets, out_dtype)
+        return cute_gemm.gmm_wgrad(x, d_h, offsets, out_dtype, sources)
     return gg.gmm_wgrad(x.index_select(0, sources), d_h, offsets, out_dtype=out_dtype)
 
 

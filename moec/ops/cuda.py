@@ -101,6 +101,17 @@ def combine(y: Tensor, weights: Tensor, rows: Tensor) -> Tensor:
     return combine_reference(y, weights, rows)
 
 
+def _expert_kernel_activation(
+    x: Tensor, w_up: Tensor, w_down: Tensor, offsets: Tensor, activation: str
+) -> KernelActivation | None:
+    """The kernels' activation where they run this expert MLP (float data on their device,
+    int32 offsets, an activation with a kernel code), else None: the reference runs."""
+    act = kernel_activation(activation)
+    if act is None or not float_supported(x, w_up, w_down, offsets) or offsets.dtype != torch.int32:
+        return None
+    return act
+
+
 def expert_mlp(
     x: Tensor,
     w_up: Tensor,
@@ -112,8 +123,8 @@ def expert_mlp(
 ) -> tuple[Tensor, Tensor]:
     """``moec::expert_mlp``: (y, h)."""
     check_expert_mlp_args(x, w_up, w_down, offsets, activation)
-    act = kernel_activation(activation)
-    if act is None or not float_supported(x, w_up, w_down, offsets) or offsets.dtype != torch.int32:
+    act = _expert_kernel_activation(x, w_up, w_down, offsets, activation)
+    if act is None:
         return expert_mlp_reference(x, w_up, w_down, offsets, b_up, b_down, activation)
     return experts.expert_mlp(x, w_up, w_down, offsets, b_up, b_down, act)
 
@@ -132,8 +143,8 @@ def expert_mlp_gathered(
     runs on the CuTe DSL (:func:`moec.kernels.experts.expert_mlp_gathered`)."""
     check_gathered_args(x, rows, w_up, w_down, offsets, activation)
     args = (x, rows, w_up, w_down, offsets, b_up, b_down)
-    act = kernel_activation(activation)
-    if act is None or not float_supported(x, w_up, w_down, offsets) or offsets.dtype != torch.int32:
+    act = _expert_kernel_activation(x, w_up, w_down, offsets, activation)
+    if act is None:
         return expert_mlp_gathered_reference(*args, activation)
     flat = x.reshape(-1, x.shape[-1])
     return experts.expert_mlp_gathered(flat, row_sources(rows), *args[2:], act)
@@ -182,8 +193,8 @@ def expert_mlp_gathered_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(d_rows, d_w_up, d_w_down, d_h) of ``moec::expert_mlp_gathered`` (x [T, D]); the
     reference where the forward ran it (its h is laid out as the reference's)."""
-    act = kernel_activation(activation)
-    if act is None or not float_supported(x, w_up, w_down, offsets) or offsets.dtype != torch.int32:
+    act = _expert_kernel_activation(x, w_up, w_down, offsets, activation)
+    if act is None:
         return expert_mlp_gathered_backward_reference(
             x, rows, w_up, w_down, offsets, h, d_y, activation
         )

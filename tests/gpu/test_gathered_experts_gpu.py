@@ -67,15 +67,16 @@ class _Calls:
 
     def __init__(self, monkeypatch):
         self.counts = {"up": 0, "wgrad": 0}
-        for name, key in (
-            ("gmm_gathered", "up"),
-            ("gmm_act_gathered", "up"),
-            ("gmm_wgrad_gathered", "wgrad"),
+        for name, key, position in (
+            ("gmm", "up", 3),
+            ("gmm_act", "up", 4),
+            ("gmm_wgrad", "wgrad", 4),
         ):
             original = getattr(cute_gemm, name)
 
-            def counted(*args, _original=original, _key=key, **kwargs):
-                self.counts[_key] += 1
+            def counted(*args, _original=original, _key=key, _at=position, **kwargs):
+                sources = args[_at] if len(args) > _at else kwargs.get("sources")
+                self.counts[_key] += sources is not None
                 return _original(*args, **kwargs)
 
             monkeypatch.setattr(cute_gemm, name, counted)
