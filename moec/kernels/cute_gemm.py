@@ -178,12 +178,3 @@ def gmm_wgrad(
         tuned=_tuned(),
     )
     return dw
-    _quack().gemm(
-        x.contiguous().t(),
-        dy.contiguous(),
-        out=dw,
-        cu_seqlens_k=cu_seqlens(offsets),
-        A_idx=sources,
-        tuned=_tuned(),
-    )
-    return dw

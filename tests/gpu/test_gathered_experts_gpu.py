@@ -20,6 +20,7 @@ from moec.ops.cuda import kernel_activation, register_kernels
 from moec.ops.gathered_experts import row_sources
 from moec.ops.routing import assign_rows
 from moec.runtime.metrics import run_without_host_sync
+from tests.gpu.test_kernels_ops import layer_inputs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -156,12 +157,7 @@ def _layer(x, router, w_up, w_down):
 def test_gathered_layer_step_is_sync_free(backend):
     """One forward + backward of a layer on the gathered op under
     ``torch.cuda.set_sync_debug_mode("error")`` (benchmarks/moe_layer.py's sizes)."""
-    tokens, dim, experts, hidden = 16384, 1536, 32, 1536
-    bf = dict(device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(tokens, dim, **bf, requires_grad=True)
-    router = torch.randn(dim, experts, **bf, requires_grad=True)
-    w_up = (torch.randn(experts, dim, 2 * hidden, **bf) / dim**0.5).requires_grad_()
-    w_down = (torch.randn(experts, hidden, dim, **bf) / hidden**0.5).requires_grad_()
+    x, router, w_up, w_down = layer_inputs()
 
     def step():
         _layer(x, router, w_up, w_down).float().square().mean().backward()

@@ -268,13 +268,20 @@ def test_layer_step_is_sync_free_and_runs_ahead(backend):
         _check_layer_step()
 
 
-def _check_layer_step():
-    tokens, dim, experts, hidden = 16384, 1536, 32, 1536  # benchmarks/moe_layer.py, top-8
+def layer_inputs() -> tuple[torch.Tensor, ...]:
+    """(x, router, w_up, w_down) of benchmarks/moe_layer.py's layer (top-8, SwiGLU), bf16 leaves
+    on the GPU, fresh random values."""
+    tokens, dim, experts, hidden = 16384, 1536, 32, 1536
     bf = dict(device="cuda", dtype=torch.bfloat16)
     x = torch.randn(tokens, dim, **bf, requires_grad=True)
     router = torch.randn(dim, experts, **bf, requires_grad=True)
     w_up = (torch.randn(experts, dim, 2 * hidden, **bf) / dim**0.5).requires_grad_()
     w_down = (torch.randn(experts, hidden, dim, **bf) / hidden**0.5).requires_grad_()
+    return x, router, w_up, w_down
+
+
+def _check_layer_step():
+    x, router, w_up, w_down = layer_inputs()
 
     def step():
         _layer(x, router, w_up, w_down).float().square().mean().backward()
