@@ -14,10 +14,10 @@ per GPU). The plans:
   experts) <= the plan's, ``dp_shard`` kept if it divides dp (the plan's full FSDP stays full),
   the microbatch count the divisor of the rank's sequences nearest the plan's (>= pp when
   pipelined; >= 2 sequences each, as the search's plans), ``mxfp8`` the GPU's native low
-  precision where it has no MXFP8 MMA (sm90: ``fp8_rowwise``), the precision scope the routed
-  experts (the time model prices low precision there only), ``ep_path: auto`` as ``rowwise``.
-  Plans that adapt to the same layout
-  are measured once.
+  precision where it has no MXFP8 MMA (sm90: ``fp8_rowwise``), ``interleaved_1f1b`` for zbv /
+  dualpipev where this torch cannot run them (``split_backward_runs``), the precision scope the
+  routed experts (the time model prices low precision there only), ``ep_path: auto`` as
+  ``rowwise``. Plans that adapt to the same layout are measured once.
 
 Each plan is compiled once (the Trainer for ``pp = 1``; for ``pp > 1`` the step of
 ``benchmarks/scaling.py``: ``CompiledModel.train_step`` with the loss in the last stage, the
@@ -57,6 +57,7 @@ import torch.distributed as dist
 from benchmarks.e2e import FULL, SMALL, dense_model, moe_plan, warm_up
 from moec.analysis.cost.time import Efficiency, format_efficiency
 from moec.analysis.gpus import GPUSpec, gpu_spec
+from moec.analysis.pipeline_schedule import SPLIT_BACKWARD, split_backward_runs
 from moec.analysis.rank_memory import GIB
 from moec.autoplan.calibration import fit, load_measurement
 from moec.autoplan.cli import capture_model
@@ -85,6 +86,8 @@ def adapt(plan: Plan, world: int, seqs: int, experts: int, gpu: GPUSpec) -> Layo
     shard = dp if p.dp_shard > 1 and p.dp_shard == p.dp else p.dp_shard
     shard = shard if dp % shard == 0 else 1
     v, schedule = (p.virtual_stages, p.pp_schedule) if pp > 1 else (1, "1f1b")
+    if schedule in SPLIT_BACKWARD and not split_backward_runs():
+        schedule = "interleaved_1f1b"  # the v = 2 schedule this torch runs (the search's too)
     per_rank = seqs // dp
     counts = [
         m

@@ -155,7 +155,10 @@ class ParallelPlan:
     virtual_stages: int = 1
     """Stages per pipeline rank (2 for interleaved and V-shaped schedules)."""
     pp_schedule: Schedule = "1f1b"
-    """Pipeline schedule."""
+    """Pipeline schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b``, or the zero-bubble ``zbv``
+    / ``dualpipev`` (V-shaped, 2 stages per rank; their split backward needs a torch that keeps
+    a custom op's autograd node alive after the input pass, which torch 2.11 does not, and no
+    FSDP)."""
     microbatches: int = 1
     """Microbatches per optimizer step (gradient accumulation, or the pipeline's microbatches)."""
     pp_units: Literal["block", "sublayer"] = "sublayer"
