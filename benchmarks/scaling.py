@@ -192,7 +192,8 @@ def step_timeline(step: Callable, gaps: int = 12) -> dict:
     """One ``step()`` of this rank under the profiler: from its first kernel's start to its last
     kernel's end, the ms in which a compute kernel runs, in which only communication kernels
     run, and in which none runs (idle), with the ``gaps`` longest idle gaps and the kernels on
-    either side of each (what the GPU waited between)."""
+    either side of each (what the GPU waited between), and ms per kernel name (to set beside
+    ``--kernels``' table of the stages run alone)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -209,6 +210,9 @@ def step_timeline(step: Callable, gaps: int = 12) -> dict:
     compute = merged_spans([(a, b) for (a, b, _), c in zip(kernels, is_comm) if not c])
     busy = merged_spans([(a, b) for a, b, _ in kernels])
     span = kernels[-1][1] - kernels[0][0]
+    by_name: dict[str, float] = collections.defaultdict(float)
+    for a, b, name in kernels:
+        by_name[name[:120]] += (b - a) / 1e3
     compute_us = sum(b - a for a, b in compute)
     busy_us = sum(b - a for a, b in busy)
     holes = sorted(
@@ -227,6 +231,7 @@ def step_timeline(step: Callable, gaps: int = 12) -> dict:
         "comm_only_ms": (busy_us - compute_us) / 1e3,
         "idle_ms": (span - busy_us) / 1e3,
         "kernels": len(kernels),
+        "ms_by_kernel": dict(sorted(by_name.items(), key=lambda kv: -kv[1])),
         "longest_gaps": [
             {
                 "ms": gap / 1e3,
