@@ -411,9 +411,11 @@ class Search:
             sent = b * seq * prof.hidden * prof.act_itemsize
             p2p = 2 * (eff.latency_s + sent / (link * 1e9 * eff.link))  # activation + its grad
         per_rank = []
+        pace = eff.pp_stage if lay.pp > 1 else 1.0
         for stages_held in held:
             busy = sum(
-                stage_compute[s] + stage_recompute[s] + stage_comm[s] + p2p for s in stages_held
+                (stage_compute[s] + stage_recompute[s]) / pace + stage_comm[s] + p2p
+                for s in stages_held
             )
             per_rank.append(busy)
         slowest = max(range(len(held)), key=per_rank.__getitem__)
@@ -447,8 +449,8 @@ class Search:
         optimizer = memory_time(OPTIMIZER_BYTES * (dense_el + expert_el), gpu, eff)
 
         step = m * busy + bubble + exposed_dp + optimizer
-        compute = m * sum(stage_compute[s] for s in held[slowest]) + optimizer
-        recompute = m * sum(stage_recompute[s] for s in held[slowest])
+        compute = m * sum(stage_compute[s] for s in held[slowest]) / pace + optimizer
+        recompute = m * sum(stage_recompute[s] for s in held[slowest]) / pace
         comm = m * sum(stage_comm[s] + p2p for s in held[slowest]) + exposed_dp
 
         memory = self._memory(lay, stages, flight, held, states)

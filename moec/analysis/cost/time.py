@@ -67,6 +67,11 @@ class Efficiency:
     device_busy: float = 1.0
     """Share of a step's compute time the GPU spends in kernels (the rest: launch and host gaps
     between them); a profiled CUDA step fits it (one H200, e2e step: ~0.9)."""
+    pp_stage: float = 0.83
+    """Share of the time model's rate a pipeline stage keeps (pp > 1): the P2P kernels running
+    beside its compute and what a stage pass costs beyond its kernels. 2 H200s, e2e model, 16
+    microbatches of 3 sequences (RESULTS.md, session 11): the slower stage took 150 ms per
+    microbatch in the 1F1B step, where the time model priced 124.5 ms."""
     dp_hidden: float = 0.0
     """Share of the last backward that hides the data-parallel gradient reduction. 0: none
     (2 H200s, autoplan_validate.py: the e2e step at dp = 2 took 323-327 ms against 296 ms on
