@@ -102,6 +102,24 @@ def _expert_mlp_backward() -> list[Sample]:
     return samples
 
 
+def _expert_mlp_gathered() -> list[Sample]:
+    samples = []
+    for activation, bias, lead in (("swiglu", False, (T,)), ("gelu", True, (2, 3))):
+        _, rows, offsets, _ = _routed(0.0, lead)  # dropless: every buffer row is a route
+        w_up, w_down, b_up, b_down = _expert_weights(activation, True, bias)
+        x = _randn(*lead, D, grad=True)
+        samples.append(((x, rows, w_up, w_down, offsets, b_up, b_down, activation), {}))
+    return samples
+
+
+def _expert_mlp_gathered_backward() -> list[Sample]:
+    _, rows, offsets, _ = _routed(0.0)
+    w_up, w_down, _, _ = _expert_weights("swiglu", False, False)
+    h = _randn(T * K, w_up.shape[-1])
+    args = (_randn(T, D), rows, w_up, w_down, offsets, h, _randn(T * K, D), "swiglu", False)
+    return [(args, {})]
+
+
 def _glu() -> list[Sample]:
     return [((_randn(T, 2 * H, grad=True), "swiglu"), {}),
             ((_randn(2, 3, 2 * H, grad=True), "geglu"), {})]  # fmt: skip
@@ -294,6 +312,8 @@ SAMPLES: dict[str, Callable[[], list[Sample]]] = {
     "combine_backward": _combine_backward,
     "expert_mlp": _expert_mlp,
     "expert_mlp_backward": _expert_mlp_backward,
+    "expert_mlp_gathered": _expert_mlp_gathered,
+    "expert_mlp_gathered_backward": _expert_mlp_gathered_backward,
     "glu": _glu,
     "glu_backward": _glu_backward,
     "rope": _rope,
