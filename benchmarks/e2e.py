@@ -16,6 +16,7 @@ wide (24576: the width that gives the report's 2.01B total / 0.995B active param
             fp32 weights, and again with pure bf16 weights: the strongest baseline a careful
             user writes (skip with ``--no-compiled-baselines``)
   --inductor  moec again with ``plan.lowering.inductor`` (its dense ops through Inductor)
+  --attention B  moec again with ``plan.lowering.attention = B`` (cudnn: Hopper's FA3-class kernel)
   --cuda-graph  moec again with ``plan.lowering.cuda_graph`` (the step replayed as one CUDA
             graph; with ``--inductor`` also both together). ``--small`` shows the launch-bound
             end, where the graph matters most
@@ -27,6 +28,7 @@ Printed: steady-state step time, tokens/s, useful MFU
 model), peak memory and host syncs per step (CUDA sync debug mode over one step).
 
     python benchmarks/e2e.py [--steps 10] [--small] [--moec-only] [--inductor] [--cuda-graph]
+                             [--attention cudnn]
                              [--json out.json]
 
 The last column is each row's step time over moec's (moec's speedup over it).
@@ -40,6 +42,7 @@ import gc
 import json
 import tempfile
 import time
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -238,9 +241,11 @@ def measure(
 BASELINES = ("eager", "compiled-fp32", "compiled-bf16")
 
 
-def lowering_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, bool]]]:
+def lowering_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
     """The ``plan.lowering`` settings asked for beside the default one: (row name, fields)."""
-    variants = []
+    variants: list[tuple[str, dict[str, Any]]] = []
+    if args.attention:
+        variants.append((f"moec + {args.attention} attention", {"attention": args.attention}))
     if args.inductor:
         variants.append(("moec + inductor", {"inductor": True}))
     if args.cuda_graph:
@@ -263,6 +268,11 @@ def main() -> None:
         "--cuda-graph",
         action="store_true",
         help="also moec with plan.lowering.cuda_graph (with --inductor: both, too)",
+    )
+    parser.add_argument(
+        "--attention",
+        choices=["cudnn", "flash", "efficient", "math"],
+        help="also moec with plan.lowering.attention (the attention backend tried first)",
     )
     parser.add_argument(
         "--no-compiled-baselines",

@@ -49,6 +49,7 @@ GemmPrecision = Literal["bf16", "mxfp8", "fp8_rowwise"]
 GemmScope = Literal["routed_experts", "shared_expert", "attn_qkv", "attn_out"]
 RecomputePolicy = Literal["none", "block", "selective", "budget"]
 FFNDropout = Literal["error", "drop"]
+Attention = Literal["auto", "cudnn", "flash", "efficient", "math"]
 
 
 @dataclass
@@ -277,6 +278,12 @@ class LoweringPlan:
     """Hand the final graph (each pipeline stage's on its own) to ``torch.compile``'s Inductor,
     which fuses the dense ops between moec's; the ``moec::`` ops stay opaque calls. Off by
     default until it measures faster on the GPU (benchmarks/e2e.py)."""
+    attention: Attention = "auto"
+    """The backend ``scaled_dot_product_attention`` tries first: ``auto`` keeps torch's order;
+    ``cudnn`` / ``flash`` / ``efficient`` / ``math`` go first, then the others (an attention
+    the first backend does not take falls to the next). The choice is made in the
+    forward and the backward follows it. On Hopper, cuDNN's attention is the FA3-class kernel;
+    ``auto`` until it measures faster (benchmarks/e2e.py --attention cudnn)."""
     cuda_graph: bool = False
     """Capture the steady-state training step (forward, backward, clipping, AdamW) as one CUDA
     graph and replay it (:mod:`moec.runtime.step_graph`): the host launches one graph instead of

@@ -38,6 +38,7 @@ from moec.plan import Plan, PlanError
         ({"recompute": {"policy": "all"}}, "recompute.policy"),
         ({"moe": {"experts": 8}}, "moe.experts"),
         ({"moe": {"ffn_dropout": "keep"}}, "moe.ffn_dropout"),
+        ({"lowering": {"attention": "fa3"}}, "lowering.attention"),
         ({"moe": {"activations": ["mish"]}}, "moe.activations"),
         ({"moe": {"activations": {"mish": 3}}}, "moe.activations"),
         (

@@ -1,13 +1,34 @@
-"""The precision context every program of a plan runs in (whole programs and pipeline stages)."""
+"""The context every program of a plan runs in (whole programs and pipeline stages): its
+precision (bf16 autocast) and its attention backend preference (``plan.lowering.attention``)."""
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from moec.plan import Plan
+from moec.plan import Plan, PlanError
+
+ATTENTION_BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+"""``plan.lowering.attention`` -> torch's backend; after the chosen one the others are tried in
+this order (``auto``: torch's own order)."""
+
+
+def program_context(plan: Plan, inputs: list[Any]) -> contextlib.AbstractContextManager:
+    """Everything a plan's program runs under: :func:`compute_autocast` and
+    :func:`attention_preference`."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(compute_autocast(plan, inputs))
+    stack.enter_context(attention_preference(plan))
+    return stack
 
 
 def compute_autocast(plan: Plan, inputs: list[Any]) -> contextlib.AbstractContextManager:
@@ -17,3 +38,20 @@ def compute_autocast(plan: Plan, inputs: list[Any]) -> contextlib.AbstractContex
         return contextlib.nullcontext()
     device = next((t.device.type for t in inputs if isinstance(t, torch.Tensor)), "cpu")
     return torch.autocast(device, dtype=torch.bfloat16)
+
+
+def attention_preference(plan: Plan) -> contextlib.AbstractContextManager:
+    """``plan.lowering.attention``'s backend first, then the others in
+    :data:`ATTENTION_BACKENDS`' order."""
+    chosen = plan.lowering.attention
+    if chosen == "auto":
+        return contextlib.nullcontext()
+    if "set_priority" not in inspect.signature(sdpa_kernel).parameters:
+        raise PlanError(
+            "lowering.attention",
+            chosen,
+            f"'auto' on torch {torch.__version__}, whose sdpa_kernel cannot order the backends",
+        )
+    first = ATTENTION_BACKENDS[chosen]
+    order = [first, *(b for b in ATTENTION_BACKENDS.values() if b != first)]
+    return sdpa_kernel(order, set_priority=True)

@@ -48,7 +48,7 @@ from moec.errors import MoecError
 from moec.ops.routing import capacity
 from moec.plan import Plan
 from moec.program import MoELayer, Program
-from moec.runtime.autocast import compute_autocast
+from moec.runtime.autocast import program_context
 from moec.runtime.fsdp import shard_dense_parameters
 from moec.runtime.lowering import InductorGraphs
 from moec.runtime.router_losses import router_loss_objective
@@ -147,7 +147,7 @@ class CompiledModel(nn.Module):
             self.working_weights.refresh()
         graph = self._graph()
         run = graph if self._inductor is None else self._inductor(graph)
-        with compute_autocast(self.plan, flat):
+        with program_context(self.plan, flat):
             outputs = run(*flat)
         self.aux_outputs = dict(zip(sig.aux_outputs, outputs[sig.num_user_outputs :]))
         return sig.unflatten_outputs(outputs)

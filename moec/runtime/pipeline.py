@@ -82,7 +82,7 @@ from moec.analysis.pipeline_schedule import (
 from moec.optim import AdamW
 from moec.plan import Plan
 from moec.program import EPGroup, Pipeline, Program
-from moec.runtime.autocast import compute_autocast
+from moec.runtime.autocast import program_context
 from moec.runtime.distributed import (
     DistributedError,
     GradientReducer,
@@ -243,7 +243,7 @@ class StageModule(nn.Module):
             *received, acc = received
         args = [*received, *(graph_inputs[key] for key in self.side_inputs)]
         with self.meter.track() if self.meter else contextlib.nullcontext():
-            with compute_autocast(self.plan, args):
+            with program_context(self.plan, args):
                 run = (
                     self.graph_module
                     if self._inductor is None
