@@ -16,7 +16,8 @@ wide (24576: the width that gives the report's 2.01B total / 0.995B active param
             fp32 weights, and again with pure bf16 weights: the strongest baseline a careful
             user writes (skip with ``--no-compiled-baselines``)
   --inductor  moec again with ``plan.lowering.inductor`` (its dense ops through Inductor)
-  --attention B  moec again with ``plan.lowering.attention = B`` (cudnn: Hopper's FA3-class kernel)
+  --attention B  moec again with ``plan.lowering.attention = B`` (cudnn: Hopper's FA3-class
+            kernel); the hand-written baselines then run with B first too
   --cuda-graph  moec again with ``plan.lowering.cuda_graph`` (the step replayed as one CUDA
             graph; with ``--inductor`` also both together). ``--small`` shows the launch-bound
             end, where the graph matters most
@@ -51,6 +52,7 @@ from torch import nn
 from moec.kernels import gemm_backend
 from moec.models import Llama, LlamaConfig
 from moec.plan import Plan
+from moec.runtime.autocast import attention_preference
 from moec.runtime.metrics import bf16_peak_tflops, count_host_syncs, useful_mfu
 from moec.train import TrainConfig, Trainer, language_model_loss
 
@@ -164,7 +166,8 @@ def hand_written(s: dict, dense: Llama) -> Llama:
 class EagerTrainer:
     """The hand-written MoE's training step. ``compiled``: each block (and the rest of the
     model) under ``torch.compile`` as a careful user would write it; ``bf16_weights``: pure bf16
-    parameters (no autocast, bf16 AdamW state) instead of bf16 autocast over fp32 weights."""
+    parameters (no autocast, bf16 AdamW state) instead of bf16 autocast over fp32 weights;
+    ``attention``: the attention backend tried first, as moec's ``lowering.attention``."""
 
     def __init__(
         self,
@@ -173,9 +176,10 @@ class EagerTrainer:
         device: torch.device,
         compiled: bool = False,
         bf16_weights: bool = False,
+        attention: str = "auto",
     ):
         self.model, self.device, self.s = model.to(device), device, s
-        self.bf16_weights = bf16_weights
+        self.bf16_weights, self.attention = bf16_weights, attention
         if bf16_weights:
             self.model.to(torch.bfloat16)
         if compiled:
@@ -190,7 +194,8 @@ class EagerTrainer:
         )
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16)
         with contextlib.nullcontext() if self.bf16_weights else autocast:
-            logits = self.model(tokens[:, :-1])
+            with attention_preference(self.attention):
+                logits = self.model(tokens[:, :-1])
         loss = language_model_loss(logits, tokens[:, 1:])
         (loss + sum(m.aux for m in self.moes)).backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
@@ -334,8 +339,12 @@ def main() -> None:
         options = baselines[name]
         _release(device)
         torch.manual_seed(0)
-        hand = EagerTrainer(hand_written(s, dense_model(s)), s, device, **options)
-        results.append(measure(name, hand.train_step, *common))
+        attention = args.attention or "auto"  # a careful user picks the same attention
+        hand = EagerTrainer(
+            hand_written(s, dense_model(s)), s, device, **options, attention=attention
+        )
+        label = name if attention == "auto" else f"{name}, {attention} attention"
+        results.append(measure(label, hand.train_step, *common))
         del hand
     for r in results:
         r["moec_speedup"] = r["step_s"] / results[0]["step_s"]
@@ -346,7 +355,7 @@ def main() -> None:
         f"{flops / tokens / 1e9:.2f} useful GFLOP/token"
     )
     print(
-        f"{'':24} {'step s':>8} {'tok/s':>10} {'MFU':>6} {'peak GB':>8} {'syncs':>6} "
+        f"{'':40} {'step s':>8} {'tok/s':>10} {'MFU':>6} {'peak GB':>8} {'syncs':>6} "
         f"{'vs last':>8} {'moec/this':>10}"
     )
     for r in results:
@@ -354,7 +363,7 @@ def main() -> None:
         mem = "-" if r["peak_mem_gb"] is None else f"{r['peak_mem_gb']:.1f}"
         syncs = "-" if r["host_syncs_per_step"] is None else str(r["host_syncs_per_step"])
         print(
-            f"{r['name']:24} {r['step_s']:8.3f} {r['tokens_per_s']:10.0f} {mfu:>6} {mem:>8} "
+            f"{r['name']:40} {r['step_s']:8.3f} {r['tokens_per_s']:10.0f} {mfu:>6} {mem:>8} "
             f"{syncs:>6} {base / r['step_s']:7.2f}x {r['moec_speedup']:9.2f}x"
         )
     if args.json:

@@ -27,7 +27,7 @@ def program_context(plan: Plan, inputs: list[Any]) -> contextlib.AbstractContext
     :func:`attention_preference`."""
     stack = contextlib.ExitStack()
     stack.enter_context(compute_autocast(plan, inputs))
-    stack.enter_context(attention_preference(plan))
+    stack.enter_context(attention_preference(plan.lowering.attention))
     return stack
 
 
@@ -40,10 +40,9 @@ def compute_autocast(plan: Plan, inputs: list[Any]) -> contextlib.AbstractContex
     return torch.autocast(device, dtype=torch.bfloat16)
 
 
-def attention_preference(plan: Plan) -> contextlib.AbstractContextManager:
-    """``plan.lowering.attention``'s backend first, then the others in
-    :data:`ATTENTION_BACKENDS`' order."""
-    chosen = plan.lowering.attention
+def attention_preference(chosen: str) -> contextlib.AbstractContextManager:
+    """The attention backend ``chosen`` (a ``plan.lowering.attention`` value) first, then the
+    others in :data:`ATTENTION_BACKENDS`' order."""
     if chosen == "auto":
         return contextlib.nullcontext()
     if "set_priority" not in inspect.signature(sdpa_kernel).parameters:
