@@ -95,3 +95,31 @@ def test_a_program_captured_on_the_meta_device_gets_the_same_casts():
         return [stats["sources_cast"], stats["readers"], *ops]
 
     assert final_ops("meta") == final_ops("cpu")
+
+
+def _size_checking_attention(q, k, v, *args, **kwargs):
+    """SDPA that reads its sequence length, as CUDA's backend choice does."""
+    assert q.shape[-2] % 8 == 0  # an alignment check, as the flash kernels make
+    return torch.ops.aten.scaled_dot_product_attention.default(q, k, v, *args, **kwargs)
+
+
+def test_dtype_analysis_adds_no_guard_to_the_program_sizes():
+    """The analysis runs at the example's sizes in a fake mode of its own: an op that reads a
+    size while it runs (on CUDA, attention choosing its backend by shape) cannot guard, or
+    specialize, the program's symbolic batch and sequence sizes."""
+    from moec.frontend import capture
+    from moec.fx import fake_mode
+
+    program = capture(LanguageModelWithLoss(tiny_llama(2)), (tokens(2, 16), tokens(2, 16)))
+    gm = program.graph
+    sdpa = gm.graph.find_nodes(
+        op="call_function", target=torch.ops.aten.scaled_dot_product_attention.default
+    )
+    assert sdpa
+    for node in sdpa:
+        node.target = _size_checking_attention
+    shape_env = fake_mode(gm).shape_env
+    guards, replacements = len(shape_env.guards), dict(shape_env.replacements)
+    dtypes = runtime_dtypes(gm, "cpu")
+    assert all(dtypes[n] == torch.bfloat16 for n in sdpa)
+    assert len(shape_env.guards) == guards and shape_env.replacements == replacements

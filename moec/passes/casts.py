@@ -87,13 +87,17 @@ class _RuntimeDtypes(fx.Interpreter):
         return super().run_node(n)
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
-        # factories captured on meta (arange(device=meta) for a rotary table) move along
-        args, kwargs = fx.node.map_aggregate((args, kwargs), self._off_meta)
+        args, kwargs = fx.node.map_aggregate((args, kwargs), self._concrete)
         return super().call_function(target, args, kwargs)
 
-    def _off_meta(self, arg: Any) -> Any:
+    def _concrete(self, arg: Any) -> Any:
+        # factories captured on meta (arange(device=meta) for a rotary table) move along; a
+        # size a pass wrote into the graph as a SymInt is read at its example value, so no
+        # guard reaches the program's shape environment
         if isinstance(arg, torch.device) and arg.type == "meta":
             return torch.device(self.device_type)
+        if isinstance(arg, torch.SymInt):
+            return self._example([arg])[0]
         return arg
 
 
