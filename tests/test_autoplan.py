@@ -145,10 +145,10 @@ def test_largest_model_searches_in_seconds(profile):
     search space) searches in a few seconds."""
     big = profile.repeat_block(1, 63)
     assert big.num_blocks == 63
-    start = time.perf_counter()
+    start = time.process_time()  # this process's CPU time: other jobs on the machine do not count
     search = Search(big, Request(512, GPUS["b300"], 64 * 2**20, 8192))
     best = search.best(3)
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     assert best and elapsed < 20, elapsed
     assert search.evaluated > 100
 
