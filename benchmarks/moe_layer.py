@@ -33,7 +33,6 @@ import torch.nn.functional as F
 from torch import Tensor
 from triton.testing import do_bench
 
-from moec.kernels import experts as kernel_experts
 from moec.kernels import gemm_backend, grouped_gemm
 from moec.ops import grouped
 from moec.ops.cuda import kernel_activation, register_kernels
@@ -90,8 +89,9 @@ def layer_moec_gathered(x: Tensor, p: dict[str, Tensor]) -> Tensor:
 
 def gathered_up_text(x: Tensor, rows: Tensor, w_up: Tensor) -> str:
     """Which backend runs the gathered layer's up projection, and so whether the buffer exists."""
-    chosen = kernel_experts.gathered_up_backend(
-        x, row_sources(rows), w_up.detach().to(x.dtype), False, kernel_activation("swiglu")
+    buffer = grouped_gemm.buffer_like(x, row_sources(rows))
+    chosen = grouped_gemm.up_backend(
+        buffer, w_up.detach().to(x.dtype), False, kernel_activation("swiglu")
     )
     if chosen in ("cute", "cute_glu"):
         return f"{chosen}: token rows read through A_idx, no buffer"

@@ -278,7 +278,7 @@ def test_cute_path_reads_token_rows_through_a_idx(monkeypatch, backend, activati
     d_y = torch.randn(TOKENS * TOP_K, DIM)
 
     monkeypatch.setattr(torch.Tensor, "index_select", None)  # the buffer path would call it
-    y, h = kernel_experts.expert_mlp_gathered(x, sources, w_up, w_down, offsets, None, None, act)
+    y, h = kernel_experts.expert_mlp(x, w_up, w_down, offsets, None, None, act, sources)
     assert quack.gathered == ["m"]
     got = kernel_experts.expert_mlp_gathered_backward(
         x, sources, w_up, w_down, offsets, h, d_y, act

@@ -10,8 +10,8 @@ backward: d_h, a = gmm_act_backward(d_y, w_down, h)      d_a = d_y @ w_down^T, t
 Inputs the kernels take: float32/16/bf16 x, int32 offsets, an activation with a kernel code.
 The backward returns d_h, from which the caller reduces the bias gradients.
 
-Gathered (:func:`expert_mlp_gathered`, :func:`expert_mlp_gathered_backward`): x is the token
-rows [T, D] and buffer row r is ``x[sources[r]]``. Where the policy runs the up projection on
+Gathered (:func:`expert_mlp` given ``sources``, :func:`expert_mlp_gathered_backward`): x is the
+token rows [T, D] and buffer row r is ``x[sources[r]]``. Where the policy runs the up projection on
 the CuTe DSL (``"cute"``/``"cute_glu"`` for a buffer of R = len(sources) rows), its GEMM and its
 wgrad read the token rows through quack's ``A_idx`` and the buffer is never written; on any
 other backend the buffer is gathered (one ``index_select``) and the plain functions run, the
@@ -20,11 +20,12 @@ backward gathering it again rather than keeping it.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from moec.kernels import cute_gemm
 from moec.kernels import grouped_gemm as gg
-from moec.kernels.activation import KernelActivation, act_forward
+from moec.kernels.activation import KernelActivation
 from moec.kernels.gemm_backend import backend
 
 
@@ -36,10 +37,12 @@ def expert_mlp(
     b_up: Tensor | None,
     b_down: Tensor | None,
     act: KernelActivation,
+    sources: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(y, h): the expert MLP's output and pre-activation; weights cast to x's dtype."""
+    """(y, h): the expert MLP's output and pre-activation; weights cast to x's dtype.
+    ``sources``: x is token rows, buffer row r is ``x[sources[r]]`` (see module)."""
     x = x.contiguous()
-    h, a = gg.gmm_act(x, w_up.to(x.dtype), offsets, b_up, act)
+    h, a = gg.gmm_act(x, w_up.to(x.dtype), offsets, b_up, act, sources)
     y = gg.gmm(a, w_down.to(x.dtype), offsets, b_down, piece="down")
     return y, h
 
@@ -53,69 +56,38 @@ def expert_mlp_backward(
     d_y: Tensor,
     act: KernelActivation,
     up_bias: bool = False,
+    sources: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(d_x, d_w_up, d_w_down, d_h) for the output gradient d_y; weight gradients in the
     weights' dtype. ``up_bias``: the forward had an up-projection bias (it decides, with the
     operands, how the forward laid out a gated h: :func:`grouped_gemm.h_interleaved`); d_h is
-    returned in ``[gate | up]`` order unless h was interleaved, which never has a bias."""
+    returned in ``[gate | up]`` order unless h was interleaved, which never has a bias.
+    ``sources``: x is the token rows of a gathered forward (buffer row r = ``x[sources[r]]``,
+    see the module) whose up projection read them through ``A_idx``; d_x is then per buffer row."""
     d_y = d_y.to(x.dtype).contiguous()
     w_up_x = w_up.to(x.dtype)  # what the forward's GEMM read
-    interleaved = gg.h_interleaved(x, w_up_x, up_bias, act)
+    rows = x if sources is None else gg.buffer_like(x, sources)
+    interleaved = gg.h_interleaved(rows, w_up_x, up_bias, act)
     d_h, a = gg.gmm_act_backward(d_y, w_down.to(x.dtype), offsets, h, act, interleaved)
     d_w_down = gg.gmm_wgrad(a, d_y, offsets, out_dtype=w_down.dtype)
     if interleaved:
-        d_w_up = cute_gemm.deinterleave(gg.gmm_wgrad(x, d_h, offsets), w_up.dtype)
+        d_w_up = cute_gemm.deinterleave(_up_wgrad(x, sources, d_h, offsets, x.dtype), w_up.dtype)
         w_up_x = cute_gemm.interleave(w_up_x, x.dtype)
     else:
-        d_w_up = gg.gmm_wgrad(x, d_h, offsets, out_dtype=w_up.dtype)
+        d_w_up = _up_wgrad(x, sources, d_h, offsets, w_up.dtype)
     d_x = gg.gmm(d_h, w_up_x.transpose(-1, -2), offsets, piece="dgrad")
     return d_x, d_w_up, d_w_down, d_h
 
 
-def _buffer_like(x: Tensor, sources: Tensor) -> Tensor:
-    """A stand-in for the buffer [R, D] the policy decides on (it reads shape, dtype and
-    device only): a stride-0 view, nothing allocated."""
-    return x[:1].expand(sources.shape[0], x.shape[1])
-
-
-def gathered_up_backend(
-    x: Tensor, sources: Tensor, w_up_x: Tensor, has_bias: bool, act: KernelActivation
-) -> str:
-    """The backend of the gathered expert MLP's up projection: the policy's for the buffer
-    (``w_up_x``: w_up in x's dtype); ``"cute"``/``"cute_glu"`` read the token rows through
-    quack's ``A_idx``, any other runs on the gathered buffer."""
-    return gg.up_backend(_buffer_like(x, sources), w_up_x, has_bias, act)
-
-
-def expert_mlp_gathered(
-    x: Tensor,
-    sources: Tensor,
-    w_up: Tensor,
-    w_down: Tensor,
-    offsets: Tensor,
-    b_up: Tensor | None,
-    b_down: Tensor | None,
-    act: KernelActivation,
-) -> tuple[Tensor, Tensor]:
-    """(y, h) of the expert MLP on buffer rows ``x[sources[r]]``; x [T, D], sources [R] int32."""
-    x = x.contiguous()
-    w_up_x = w_up.to(x.dtype)
-    chosen = gathered_up_backend(x, sources, w_up_x, b_up is not None, act)
-    if chosen not in ("cute", "cute_glu"):
-        return expert_mlp(x.index_select(0, sources), w_up, w_down, offsets, b_up, b_down, act)
-    if chosen == "cute_glu" or (not act.gated and cute_gemm.computes(act)):
-        h, a = cute_gemm.gmm_act(x, w_up, offsets, act, sources)  # as gg.gmm_act
-    else:
-        h = cute_gemm.gmm(x, w_up_x, offsets, sources)
-        a = act_forward(h, act)
-    y = gg.gmm(a, w_down.to(x.dtype), offsets, b_down, piece="down")
-    return y, h
-
-
-def _up_wgrad(x: Tensor, sources: Tensor, d_h: Tensor, offsets: Tensor, out_dtype) -> Tensor:
-    """The up projection's weight gradient from the token rows: quack's varlen-K with ``A_idx``
-    where the policy runs the wgrad on the CuTe DSL, else on the gathered buffer."""
-    if backend("wgrad", _buffer_like(x, sources), d_h) == "cute":
+def _up_wgrad(
+    x: Tensor, sources: Tensor | None, d_h: Tensor, offsets: Tensor, out_dtype: torch.dtype
+) -> Tensor:
+    """The up projection's weight gradient: of the buffer x, or of the token rows x through
+    ``sources`` (quack's varlen-K with ``A_idx`` where the policy runs the wgrad on the CuTe DSL,
+    else on the gathered buffer)."""
+    if sources is None:
+        return gg.gmm_wgrad(x, d_h, offsets, out_dtype=out_dtype)
+    if backend("wgrad", gg.buffer_like(x, sources), d_h) == "cute":
         return cute_gemm.gmm_wgrad(x, d_h, offsets, out_dtype, sources)
     return gg.gmm_wgrad(x.index_select(0, sources), d_h, offsets, out_dtype=out_dtype)
 
@@ -131,21 +103,11 @@ def expert_mlp_gathered_backward(
     act: KernelActivation,
     up_bias: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(d_rows [R, D], d_w_up, d_w_down, d_h) of :func:`expert_mlp_gathered`, as
-    :func:`expert_mlp_backward` on the buffer; the caller sums d_rows over each token's routes."""
+    """(d_rows [R, D], d_w_up, d_w_down, d_h) of :func:`expert_mlp` given ``sources``: as on the
+    buffer, which is gathered again unless the forward read the token rows; the caller sums
+    d_rows over each token's routes."""
     x = x.contiguous()
-    w_up_x = w_up.to(x.dtype)
-    if gathered_up_backend(x, sources, w_up_x, up_bias, act) not in ("cute", "cute_glu"):
-        buffer = x.index_select(0, sources)
-        return expert_mlp_backward(buffer, w_up, w_down, offsets, h, d_y, act, up_bias)
-    d_y = d_y.to(x.dtype).contiguous()
-    interleaved = gg.h_interleaved(_buffer_like(x, sources), w_up_x, up_bias, act)
-    d_h, a = gg.gmm_act_backward(d_y, w_down.to(x.dtype), offsets, h, act, interleaved)
-    d_w_down = gg.gmm_wgrad(a, d_y, offsets, out_dtype=w_down.dtype)
-    if interleaved:
-        d_w_up = cute_gemm.deinterleave(_up_wgrad(x, sources, d_h, offsets, x.dtype), w_up.dtype)
-        w_up_x = cute_gemm.interleave(w_up_x, x.dtype)
-    else:
-        d_w_up = _up_wgrad(x, sources, d_h, offsets, w_up.dtype)
-    d_rows = gg.gmm(d_h, w_up_x.transpose(-1, -2), offsets, piece="dgrad")
-    return d_rows, d_w_up, d_w_down, d_h
+    if gg.reads_token_rows(x, sources, w_up.to(x.dtype), up_bias, act):
+        return expert_mlp_backward(x, w_up, w_down, offsets, h, d_y, act, up_bias, sources)
+    buffer = x.index_select(0, sources)
+    return expert_mlp_backward(buffer, w_up, w_down, offsets, h, d_y, act, up_bias)

@@ -327,17 +327,41 @@ def h_interleaved(x: Tensor, w_up: Tensor, has_bias: bool, act: KernelActivation
     return act.gated and up_backend(x, w_up, has_bias, act) == "cute_glu"
 
 
+def buffer_like(x: Tensor, sources: Tensor) -> Tensor:
+    """A stand-in for the buffer ``x[sources]`` [R, D] the policy decides on (it reads shape,
+    dtype and device only): a stride-0 view, nothing allocated."""
+    return x[:1].expand(sources.shape[0], x.shape[1])
+
+
+def reads_token_rows(
+    x: Tensor, sources: Tensor, w_up: Tensor, has_bias: bool, act: KernelActivation
+) -> bool:
+    """Whether :func:`gmm_act` given ``sources`` reads the token rows x through them (the CuTe
+    DSL's ``A_idx``) rather than gathering the buffer first."""
+    return up_backend(buffer_like(x, sources), w_up, has_bias, act) in ("cute", "cute_glu")
+
+
 def gmm_act(
-    x: Tensor, w_up: Tensor, offsets: Tensor, bias: Tensor | None, act: KernelActivation
+    x: Tensor,
+    w_up: Tensor,
+    offsets: Tensor,
+    bias: Tensor | None,
+    act: KernelActivation,
+    sources: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(h, a): the up projection with the activation fused into its epilogue (``h`` interleaved
-    where :func:`h_interleaved`), or run after it on the activation kernel."""
+    where :func:`h_interleaved`), or run after it on the activation kernel. ``sources``: x is
+    token rows and buffer row r is ``x[sources[r]]``, read through the CuTe DSL's ``A_idx``
+    where it runs (:func:`reads_token_rows`), else gathered first."""
     width = w_up.shape[-1]
-    chosen = up_backend(x, w_up, bias is not None, act)
+    rows = x if sources is None else buffer_like(x, sources)
+    chosen = up_backend(rows, w_up, bias is not None, act)
+    if sources is not None and chosen not in ("cute", "cute_glu"):
+        x, sources = x.index_select(0, sources), None
     if chosen == "cute_glu" or (chosen == "cute" and not act.gated and cute_gemm.computes(act)):
-        return cute_gemm.gmm_act(x, w_up, offsets, act)
+        return cute_gemm.gmm_act(x, w_up, offsets, act, sources)
     if chosen == "cute":
-        h = cute_gemm.gmm(x, w_up, offsets)
+        h = cute_gemm.gmm(x, w_up, offsets, sources)
         return h, act_forward(h, act)
     if chosen == "grouped_mm":
         h = torch._grouped_mm(x.contiguous(), w_up, offs=offsets)

@@ -140,14 +140,14 @@ def expert_mlp_gathered(
     activation: str,
 ) -> tuple[Tensor, Tensor]:
     """``moec::expert_mlp_gathered``: (y, h), the up projection reading token rows where it
-    runs on the CuTe DSL (:func:`moec.kernels.experts.expert_mlp_gathered`)."""
+    runs on the CuTe DSL (:func:`moec.kernels.experts.expert_mlp` given the rows' sources)."""
     check_gathered_args(x, rows, w_up, w_down, offsets, activation)
     args = (x, rows, w_up, w_down, offsets, b_up, b_down)
     act = _expert_kernel_activation(x, w_up, w_down, offsets, activation)
     if act is None:
         return expert_mlp_gathered_reference(*args, activation)
     flat = x.reshape(-1, x.shape[-1])
-    return experts.expert_mlp_gathered(flat, row_sources(rows), *args[2:], act)
+    return experts.expert_mlp(flat, *args[2:], act, row_sources(rows))
 
 
 _OPS: dict[str, Callable[..., Any]] = {

@@ -14,8 +14,7 @@ import contextlib
 import pytest
 import torch
 
-from moec.kernels import cute_gemm, gemm_backend
-from moec.kernels import experts as kernel_experts
+from moec.kernels import cute_gemm, gemm_backend, grouped_gemm
 from moec.ops.cuda import kernel_activation, register_kernels
 from moec.ops.gathered_experts import row_sources
 from moec.ops.routing import assign_rows
@@ -114,10 +113,10 @@ def test_gathered_expert_mlp_equals_reference(monkeypatch, backend, activation, 
         d_y[used:] = 1e4  # rows past the offsets: must reach no result
         grads = torch.autograd.grad(y, (x, w_up, w_down), d_y)
         sources = row_sources(rows)
-        chosen = kernel_experts.gathered_up_backend(
-            x, sources, w_up.to(x.dtype), False, kernel_activation(activation)
+        buffer = grouped_gemm.buffer_like(x, sources)  # the policy reads the buffer's shape
+        chosen = grouped_gemm.up_backend(
+            buffer, w_up.to(x.dtype), False, kernel_activation(activation)
         )
-        buffer = x[:1].expand(sources.shape[0], dim)  # the policy reads the buffer's shape
         wgrad = gemm_backend.backend("wgrad", buffer, h)
     # forced: the operands (bf16, 8-aligned dims) take the CuTe DSL; cute_glu only with a gated
     # activation quack's epilogue computes (else the policy passes to "pointer")
