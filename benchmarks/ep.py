@@ -215,25 +215,16 @@ def profiled(fn: Callable[[], object]) -> tuple[float | None, dict[str, float]]:
     runs and no other kernel does, and milliseconds per kernel name (None, {} on CPU)."""
     if DEVICE != "cuda":
         return None, {}
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as trace:
-        fn()
-        torch.cuda.synchronize()
-    comm, compute, kernels = [], [], {}
-    for e in trace.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA or e.time_range.elapsed_us() <= 0:
-            continue
-        span = (e.time_range.start, e.time_range.end)
-        (comm if any(k in e.name.lower() for k in COMM_KERNELS) else compute).append(span)
-        kernels[e.name[:60]] = kernels.get(e.name[:60], 0.0) + e.time_range.elapsed_us() / 1e3
+    kernels = scaling.profiled_kernels(fn)
+    comm, compute = [], []
+    for start, end, name in kernels:
+        (comm if any(k in name.lower() for k in COMM_KERNELS) else compute).append((start, end))
     exposed = 0.0
     busy = merged_spans(compute)
     for start, end in merged_spans(comm):
         covered = sum(max(0, min(end, b) - max(start, a)) for a, b in busy)
         exposed += end - start - covered
-    return exposed / 1e3, kernels
+    return exposed / 1e3, scaling.ms_by_kernel(kernels, 60)
 
 
 def set_split_programs(programs: int | None) -> None:

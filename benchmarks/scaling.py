@@ -188,31 +188,43 @@ COMM_KERNELS = ("nccl",)
 """Name parts of the kernels that move data between ranks (P2P, collectives)."""
 
 
+def profiled_kernels(fn: Callable[[], object]) -> list[tuple[float, float, str]]:
+    """(start us, end us, name) of every CUDA kernel one ``fn()`` of this rank ran, in start
+    order (torch profiler; the device drained before and after)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()  # the profiled window's end (outside any timed step)
+    return sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0
+    )
+
+
+def ms_by_kernel(kernels: list[tuple[float, float, str]], width: int) -> dict[str, float]:
+    """Milliseconds per kernel name (its first ``width`` characters), longest first."""
+    by_name: dict[str, float] = collections.defaultdict(float)
+    for a, b, name in kernels:
+        by_name[name[:width]] += (b - a) / 1e3
+    return dict(sorted(by_name.items(), key=lambda kv: -kv[1]))
+
+
 def step_timeline(step: Callable, gaps: int = 12) -> dict:
     """One ``step()`` of this rank under the profiler: from its first kernel's start to its last
     kernel's end, the ms in which a compute kernel runs, in which only communication kernels
     run, and in which none runs (idle), with the ``gaps`` longest idle gaps and the kernels on
     either side of each (what the GPU waited between), and ms per kernel name (to set beside
     ``--kernels``' table of the stages run alone)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()  # the profiled window's end (outside any timed step)
-    kernels = sorted(
-        (e.time_range.start, e.time_range.end, e.name)
-        for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0
-    )
+    kernels = profiled_kernels(step)
     if not kernels:
         return {}
     is_comm = [any(k in name.lower() for k in COMM_KERNELS) for _, _, name in kernels]
     compute = merged_spans([(a, b) for (a, b, _), c in zip(kernels, is_comm) if not c])
     busy = merged_spans([(a, b) for a, b, _ in kernels])
     span = kernels[-1][1] - kernels[0][0]
-    by_name: dict[str, float] = collections.defaultdict(float)
-    for a, b, name in kernels:
-        by_name[name[:120]] += (b - a) / 1e3
     compute_us = sum(b - a for a, b in compute)
     busy_us = sum(b - a for a, b in busy)
     holes = sorted(
@@ -231,7 +243,7 @@ def step_timeline(step: Callable, gaps: int = 12) -> dict:
         "comm_only_ms": (busy_us - compute_us) / 1e3,
         "idle_ms": (span - busy_us) / 1e3,
         "kernels": len(kernels),
-        "ms_by_kernel": dict(sorted(by_name.items(), key=lambda kv: -kv[1])),
+        "ms_by_kernel": ms_by_kernel(kernels, 120),
         "longest_gaps": [
             {
                 "ms": gap / 1e3,

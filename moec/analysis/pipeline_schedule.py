@@ -98,6 +98,7 @@ def schedule_class(name: str) -> type:
     return cls
 
 
+@functools.cache
 def split_backward_runs() -> bool:
     """Whether this torch runs :data:`SPLIT_BACKWARD` schedules through moec's custom ops.
 
@@ -106,11 +107,7 @@ def split_backward_runs() -> bool:
     is a Python ``autograd.Function`` node, which torch 2.11 keeps only weakly: once the nodes
     that consumed it are freed, reading its ``_input_metadata`` (``autograd.grad`` does) fails
     (newer releases keep it). Probed once on a stand-in function whose consumer is freed."""
-    return _python_nodes_expose_metadata()
 
-
-@functools.cache
-def _python_nodes_expose_metadata() -> bool:
     class _Probe(torch.autograd.Function):
         @staticmethod
         def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,8 @@ ATTENTION_BACKENDS = {
 }
 """``plan.lowering.attention`` -> torch's backend; after the chosen one the others are tried in
 this order (``auto``: torch's own order)."""
+_ORDERS_BACKENDS = "set_priority" in inspect.signature(sdpa_kernel).parameters
+"""Whether this torch's ``sdpa_kernel`` can put a backend first."""
 
 
 def program_context(plan: Plan, inputs: list[Any]) -> contextlib.AbstractContextManager:
@@ -45,7 +47,7 @@ def attention_preference(chosen: str) -> contextlib.AbstractContextManager:
     others in :data:`ATTENTION_BACKENDS`' order."""
     if chosen == "auto":
         return contextlib.nullcontext()
-    if "set_priority" not in inspect.signature(sdpa_kernel).parameters:
+    if not _ORDERS_BACKENDS:
         raise PlanError(
             "lowering.attention",
             chosen,
