@@ -54,7 +54,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.e2e import FULL, SMALL, dense_model, moe_plan, warm_up
+from benchmarks.e2e import FULL, LR, SMALL, dense_model, moe_plan, warm_up
 from moec.analysis.cost.time import Efficiency, format_efficiency
 from moec.analysis.gpus import GPUSpec, gpu_spec
 from moec.analysis.pipeline_schedule import SPLIT_BACKWARD, split_backward_runs
@@ -173,6 +173,7 @@ def build(s: dict, plan: Plan, lay: Layout, device: torch.device, out: Path) -> 
         from moec.train import TrainConfig, Trainer
 
         cfg = TrainConfig(
+            lr=LR,
             steps=10**6, batch_size=lay.micro_seqs * lay.microbatches, seq_len=s["seq"],
             device=str(device), synthetic=True, plots=False,
             out=tempfile.mkdtemp(prefix=f"rank{rank()}_", dir=out),
@@ -203,7 +204,7 @@ def release(holder: Any, device: torch.device) -> None:
 def measure(step: Callable, device: torch.device, steps: int, warmup: int) -> dict[str, Any]:
     """The slowest rank's mean step time over ``steps`` after ``warmup`` (+1 counting host
     syncs), and the job's peak memory."""
-    syncs = warm_up(step, device, warmup)
+    syncs, _, _ = warm_up(step, device, warmup)
     barrier()
     start = time.perf_counter()
     for _ in range(steps):

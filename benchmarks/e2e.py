@@ -15,6 +15,9 @@ wide (24576: the width that gives the report's 2.01B total / 0.995B active param
   compiled  that model with every block under ``torch.compile`` (Inductor), bf16 autocast over
             fp32 weights, and again with pure bf16 weights: the strongest baseline a careful
             user writes (skip with ``--no-compiled-baselines``)
+  --dropless  moec again without the capacity bound: the hand-written MoE's dropless routing.
+            moec's rows print the share of routes dropped per step (as training moves the
+            router, capacity drops can cut the expert work the default plan does)
   --inductor  moec again with ``plan.lowering.inductor`` (its dense ops through Inductor)
   --attention B  moec again with ``plan.lowering.attention = B`` (cudnn: Hopper's FA3-class
             kernel); the hand-written baselines then run with B first too
@@ -39,10 +42,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -55,6 +60,12 @@ from moec.plan import Plan
 from moec.runtime.autocast import attention_preference
 from moec.runtime.metrics import bf16_peak_tflops, count_host_syncs, useful_mfu
 from moec.train import TrainConfig, Trainer, language_model_loss
+
+# Every benchmark trains at the hand-written baseline's learning rate. At moec's default (3e-3,
+# warming up over 20 steps) the router collapses on synthetic tokens within ten steps: the
+# capacity plan then drops most routes and its steps get faster for doing less expert work.
+LR = 1e-4
+DROP_WARNING = 0.05  # a timed window dropping more routes than this is flagged
 
 FULL = dict(
     dim=1536,
@@ -186,7 +197,7 @@ class EagerTrainer:
             for block in self.model.layers:
                 block.compile()
         self.moes = [m for m in model.modules() if isinstance(m, HandMoE)]
-        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+        self.opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=device.type == "cuda")
 
     def train_step(self) -> torch.Tensor:
         tokens = torch.randint(
@@ -210,53 +221,128 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def warm_up(step, device: torch.device, warmup: int) -> int | None:
+def warm_up(
+    step, device: torch.device, warmup: int, drops: Callable[[], float] | None = None
+) -> tuple[int | None, list[float], list[float]]:
     """Run ``warmup`` steps, count the host syncs of one more, then drain the device and reset
-    its peak-memory counter: the timed window starts clean."""
+    its peak-memory counter: the timed window starts clean. Also returns each warm-up step's
+    device time in ms (so a run shows whether its warm-up reached the steady state) and, given
+    ``drops`` (a program's routed-token drop rate, read from the device), each step's."""
+    marks = _StepMarks(device)
+    drop_rates = []
     for _ in range(warmup):
         step()
+        marks.mark()
+        if drops is not None:
+            drop_rates.append(drops())
     syncs = count_host_syncs(step, device)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    return syncs
+    return syncs, marks.step_ms(), drop_rates
+
+
+class _StepMarks:
+    """CUDA events between steps: per-step device time without a host sync inside the window
+    (the events are read once, after it). On the CPU, host time."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+        self.mark()
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def step_ms(self) -> list[float]:
+        if self.cuda:
+            self.marks[-1].synchronize()
+            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
+        return [1e3 * (b - a) for a, b in zip(self.marks, self.marks[1:])]
 
 
 def measure(
-    name: str, step, device: torch.device, steps: int, warmup: int, flops: float, tokens: int
+    name: str,
+    step,
+    device: torch.device,
+    steps: int,
+    warmup: int,
+    flops: float,
+    tokens: int,
+    drops: Callable[[], float] | None = None,
 ) -> dict:
-    syncs = warm_up(step, device, warmup)
+    """Mean step time over ``steps`` after ``warmup``; ``drops``: the program's drop rate
+    (moec's capacity-bounded routing drops tokens, the hand-written MoE is dropless: a step
+    that drops most routes does less expert work, so the rate goes beside the time)."""
+    syncs, warmup_ms, warmup_drops = warm_up(step, device, warmup, drops)
+    marks = _StepMarks(device)
     start = time.perf_counter()
-    losses = [step() for _ in range(steps)]
+    losses = []
+    for _ in range(steps):
+        losses.append(step())
+        marks.mark()
     final = float(losses[-1])  # reads the device: the end of the timed window
     seconds = (time.perf_counter() - start) / steps
+    step_ms = marks.step_ms()
     peak = bf16_peak_tflops(device)
-    print(f"{name}: {seconds:.4f} s/step", flush=True)  # kept if a later row fails
+    trail = " ".join(f"{ms:.0f}" for ms in warmup_ms + step_ms)
+    print(f"{name}: {seconds:.4f} s/step (ms per step, warm-up then timed: {trail})", flush=True)
+    drop_rate = None if drops is None else drops()
+    if drops is not None:
+        rates = " ".join(f"{100 * r:.0f}" for r in [*warmup_drops, drop_rate])
+        print(f"{name}: routes dropped, % (warm-up steps, then the last timed one): {rates}")
+        if drop_rate > DROP_WARNING:
+            print(
+                f"warning: {name} dropped {100 * drop_rate:.0f}% of its routes in the timed "
+                "window: it did less expert work than a dropless row of the same model"
+            )
     return {
         "name": name,
         "step_s": seconds,
+        "warmup_step_ms": warmup_ms,
+        "timed_step_ms": step_ms,
         "tokens_per_s": tokens / seconds,
         "useful_mfu": useful_mfu(flops, seconds, 1, peak),
         "loss": final,
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "host_syncs_per_step": syncs,
+        "warmup_drop_rate": warmup_drops,
+        "drop_rate": drop_rate,
     }
+
+
+def drop_rate(trainer: Trainer) -> float:
+    """The share of routes the program's MoE blocks dropped in the last step (reads the
+    device)."""
+    layers = trainer.compiled.routing_stats().values()
+    return sum(layer["drop_rate"] for layer in layers) / len(layers)
 
 
 BASELINES = ("eager", "compiled-fp32", "compiled-bf16")
 
 
-def lowering_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
-    """The ``plan.lowering`` settings asked for beside the default one: (row name, fields)."""
-    variants: list[tuple[str, dict[str, Any]]] = []
+def plan_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, dict[str, Any]]]]:
+    """The plan changes asked for beside the default plan: (row name, {section: fields})."""
+    variants: list[tuple[str, dict[str, dict[str, Any]]]] = []
+    if args.dropless:
+        variants.append(("moec, dropless", {"moe": {"capacity_factor": None}}))
     if args.attention:
-        variants.append((f"moec + {args.attention} attention", {"attention": args.attention}))
+        variants.append(
+            (f"moec + {args.attention} attention", {"lowering": {"attention": args.attention}})
+        )
     if args.inductor:
-        variants.append(("moec + inductor", {"inductor": True}))
+        variants.append(("moec + inductor", {"lowering": {"inductor": True}}))
     if args.cuda_graph:
-        variants.append(("moec + cuda graph", {"cuda_graph": True}))
+        variants.append(("moec + cuda graph", {"lowering": {"cuda_graph": True}}))
     if args.inductor and args.cuda_graph:
-        variants.append(("moec + inductor + graph", {"inductor": True, "cuda_graph": True}))
+        variants.append(
+            ("moec + inductor + graph", {"lowering": {"inductor": True, "cuda_graph": True}})
+        )
     return variants
 
 
@@ -273,6 +359,11 @@ def main() -> None:
         "--cuda-graph",
         action="store_true",
         help="also moec with plan.lowering.cuda_graph (with --inductor: both, too)",
+    )
+    parser.add_argument(
+        "--dropless",
+        action="store_true",
+        help="also moec without a capacity bound (the hand-written MoE's routing: no drops)",
     )
     parser.add_argument(
         "--attention",
@@ -298,6 +389,7 @@ def main() -> None:
     torch.manual_seed(0)
     tokens = s["micro"] * s["seq"]
     cfg = TrainConfig(
+        lr=LR,
         steps=args.steps + args.warmup + 1,
         batch_size=s["micro"],
         seq_len=s["seq"],
@@ -308,23 +400,44 @@ def main() -> None:
     )
     trainer = Trainer(dense_model(s), moe_plan(s), cfg)
     flops = trainer.train_flops_per_token * tokens
-    results = [measure("moec", trainer.train_step, device, args.steps, args.warmup, flops, tokens)]
+    results = [
+        measure(
+            "moec",
+            trainer.train_step,
+            device,
+            args.steps,
+            args.warmup,
+            flops,
+            tokens,
+            drops=functools.partial(drop_rate, trainer),
+        )
+    ]
     results[0]["data_stalls"] = trainer.batches.stalls  # steps that waited for their batch
     if device.type == "cuda" and gemm_backend.have_quack():  # the policy before the CuTe DSL
         with gemm_backend.without_quack():
             common = (device, args.steps, args.warmup, flops, tokens)
-            results.append(measure("moec without CuTe DSL", trainer.train_step, *common))
+            results.append(
+                measure(
+                    "moec without CuTe DSL",
+                    trainer.train_step,
+                    *common,
+                    drops=functools.partial(drop_rate, trainer),
+                )
+            )
         print(f"moec CuTe DSL policy: {results[1]['step_s'] / results[0]['step_s']:.3f}x")
     del trainer
     common = (device, args.steps, args.warmup, flops, tokens)
-    for name, lowering in lowering_variants(args):
+    for name, changes in plan_variants(args):
         _release(device)
         torch.manual_seed(0)
         plan = moe_plan(s)
-        for field, value in lowering.items():
-            setattr(plan.lowering, field, value)
+        for section, fields in changes.items():
+            for field, value in fields.items():
+                setattr(getattr(plan, section), field, value)
         lowered = Trainer(dense_model(s), plan, cfg)
-        results.append(measure(name, lowered.train_step, *common))
+        results.append(
+            measure(name, lowered.train_step, *common, drops=functools.partial(drop_rate, lowered))
+        )
         results[-1]["data_stalls"] = lowered.batches.stalls
         del lowered
     baselines = {

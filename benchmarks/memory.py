@@ -16,7 +16,7 @@ import tempfile
 
 import torch
 
-from benchmarks.e2e import FULL, SMALL, dense_model, moe_plan
+from benchmarks.e2e import FULL, LR, SMALL, dense_model, moe_plan
 from moec.analysis.rank_memory import GIB, rank_memory
 from moec.train import TrainConfig, Trainer
 
@@ -30,6 +30,7 @@ def main() -> None:
     s = SMALL if args.small else FULL
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = TrainConfig(
+        lr=LR,
         steps=args.steps + 1,
         batch_size=s["micro"],
         seq_len=s["seq"],

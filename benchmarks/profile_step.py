@@ -17,7 +17,7 @@ import tempfile
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.e2e import FULL, SMALL, EagerTrainer, dense_model, hand_written, moe_plan
+from benchmarks.e2e import FULL, LR, SMALL, EagerTrainer, dense_model, hand_written, moe_plan
 from moec.train import TrainConfig, Trainer
 
 BLOCKING = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
@@ -55,6 +55,7 @@ def main() -> None:
     args = parser.parse_args()
     s = SMALL if args.small else FULL
     cfg = TrainConfig(
+        lr=LR,
         steps=100,
         batch_size=s["micro"],
         seq_len=s["seq"],

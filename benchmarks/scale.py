@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from benchmarks.e2e import FULL, SMALL, dense_model, measure, moe_plan
+from benchmarks.e2e import FULL, LR, SMALL, dense_model, measure, moe_plan
 from moec.analysis.rank_memory import GIB, rank_memory
 from moec.plan import Plan
 from moec.runtime.distributed import join_process_group
@@ -94,6 +94,7 @@ def _meta_model(path: Path) -> torch.nn.Module:
 
 def _config(args: argparse.Namespace, steps: int, **extra) -> TrainConfig:
     return TrainConfig(
+        lr=LR,
         steps=steps,
         batch_size=args.batch,
         seq_len=args.seq,

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 import moec
-from benchmarks.e2e import FULL, SMALL, dense_model, moe_plan, warm_up
+from benchmarks.e2e import FULL, LR, SMALL, dense_model, moe_plan, warm_up
 from moec.analysis.cost import graph_cost
 from moec.analysis.cost.time import merged_spans
 from moec.analysis.pipeline_schedule import V_SHAPED
@@ -83,6 +83,7 @@ def parallel_plan(
 def trainer_step(s: dict, plan, device: torch.device) -> tuple[Callable, float, int]:
     """(step, useful FLOPs per step on this rank, tokens per step on this rank): the Trainer."""
     cfg = TrainConfig(
+        lr=LR,
         steps=1000, batch_size=s["micro"], seq_len=s["seq"], device=str(device), synthetic=True,
         out=tempfile.mkdtemp(prefix="moec_scaling_"), plots=False,
     )  # fmt: skip
@@ -286,7 +287,7 @@ def measure(
 ) -> dict:
     """Steady-state step time (the slowest rank's), host syncs, peak memory of this rank;
     ``trace``: where this rank's syncs come from (printed)."""
-    syncs = warm_up(step, device, warmup)
+    syncs, _, _ = warm_up(step, device, warmup)
     if trace:
         for where, count in collections.Counter(sync_trace(step, device)).items():
             print(f"rank {dist.get_rank()}: {count} x sync at {where}", flush=True)
