@@ -20,7 +20,6 @@ should be checked for FX traceability) and exports the result, so the IR is the 
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import operator
 from typing import Any
@@ -33,7 +32,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export import Dim
 
 from moec.errors import MoecError
-from moec.fx import module_path
+from moec.fx import module_path, symbolic_dispatch
 from moec.program import GraphSignature, Program
 
 
@@ -242,7 +241,7 @@ def _fake_call(op: Any, args: tuple, kwargs: dict, mode: FakeTensorMode | None) 
     fake_args, fake_kwargs = pytree.tree_map_only(
         fx.Node, lambda n: n.meta.get("val"), (args, kwargs)
     )
-    with mode if mode is not None else contextlib.nullcontext():
+    with symbolic_dispatch(mode):
         return op(*fake_args, **fake_kwargs)
 
 

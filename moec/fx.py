@@ -16,15 +16,18 @@ Layer: imports torch and sympy only (no moec module), so kernels aside every lay
 
 from __future__ import annotations
 
-from collections.abc import Container
+import contextlib
+from collections.abc import Container, Iterator
 from typing import Any
 
 import sympy
 import torch
 import torch.fx as fx
 from torch import nn
+from torch._dispatch.python import enable_python_dispatcher
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 # --- graphs ------------------------------------------------------------------------------------
 
@@ -38,6 +41,23 @@ def fake_mode(gm: fx.GraphModule) -> FakeTensorMode:
             "graph placeholders carry no FakeTensor meta['val']; capture with moec.trace"
         )
     return mode
+
+
+@contextlib.contextmanager
+def symbolic_dispatch(mode: FakeTensorMode | None) -> Iterator[None]:
+    """Run ops on fake values of ``mode`` (none: as they come) the way ``torch.export`` traced
+    them, through the Python dispatcher: composite ops (``linear`` of a 3-D input, ``matmul``)
+    then decompose on symbolic sizes. Without it torch 2.11's C++ ``matmul`` reads the sizes as
+    numbers and so specializes the program's batch and sequence sizes (torch 2.13 does not)."""
+    with mode if mode is not None else contextlib.nullcontext(), enable_python_dispatcher():
+        yield
+
+
+def propagate_fake(gm: fx.GraphModule) -> None:
+    """Recompute every node's ``meta["val"]`` from the placeholders' (see symbolic_dispatch)."""
+    inputs = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
+    with enable_python_dispatcher():
+        FakeTensorProp(gm, mode=fake_mode(gm)).propagate_dont_convert_inputs(*inputs)
 
 
 def node_order(graph: fx.Graph) -> dict[fx.Node, int]:

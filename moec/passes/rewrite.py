@@ -20,9 +20,8 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from moec.fx import fake_mode, node_order
+from moec.fx import fake_mode, node_order, propagate_fake, symbolic_dispatch
 
 __all__ = ["GraphEditor", "delete_attribute", "erase_unused", "fake_mode", "refresh_meta"]
 
@@ -41,7 +40,7 @@ class GraphEditor:
         fake_args, fake_kwargs = pytree.tree_map_only(
             fx.Node, lambda n: n.meta["val"], (args, kwargs)
         )
-        with self.mode:
+        with symbolic_dispatch(self.mode):
             node.meta["val"] = target(*fake_args, **fake_kwargs)
         self._stamp(node, like)
         return node
@@ -86,8 +85,7 @@ class GraphEditor:
 def refresh_meta(gm: fx.GraphModule) -> None:
     """Recompute every node's ``meta["val"]`` by fake propagation from the placeholders' (after
     a rewrite that changes dtypes or shapes downstream of the nodes it made)."""
-    inputs = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
-    FakeTensorProp(gm, mode=fake_mode(gm)).propagate_dont_convert_inputs(*inputs)
+    propagate_fake(gm)
 
 
 def _ensure_module(gm: fx.GraphModule, path: str) -> torch.nn.Module:

@@ -9,9 +9,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from moec.fx import fake_mode, parameter_count
+from moec.fx import parameter_count, propagate_fake
 from moec.program import GraphSignature, Program
 
 
@@ -90,9 +89,8 @@ def _is_attr(gm: fx.GraphModule, target: str) -> bool:
 
 def _check_fake_propagation(gm: fx.GraphModule, fail) -> None:
     stored = {n: n.meta.get("val") for n in gm.graph.nodes}
-    inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
     try:
-        FakeTensorProp(gm, mode=fake_mode(gm)).propagate_dont_convert_inputs(*inputs)
+        propagate_fake(gm)
     except Exception as exc:
         fail(f"fake-tensor propagation failed: {exc}")
     for node, before in stored.items():
