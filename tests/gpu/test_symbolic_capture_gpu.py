@@ -1,9 +1,10 @@
 """GPU: a program compiled on a CUDA machine keeps symbolic batch and sequence sizes.
 
-On the CPU no pass sees CUDA's dispatch rules; on a CUDA machine the bf16 dtype analysis of
-``shared_casts`` runs autocast on fake CUDA tensors, whose attention picks its backend by shape.
-Torch 2.11 on an H200 specialized the e2e capture's input sizes there (RESULTS.md, session 11):
-the plan search then priced every microbatch size as the example's."""
+Torch 2.11 on the GPU image specialized every capture's input sizes (RESULTS.md, sessions 11
+and 12): its C++ ``matmul`` read the sizes of the router's 3-D ``linear`` as numbers when the moe
+pass typed the new node outside the Python dispatcher. The plan search then priced every
+microbatch size as the example's. The CPU wheel (2.13) never did, so this runs on the GPU image;
+``cuda`` also covers CUDA's dispatch rules in the bf16 dtype analysis of ``shared_casts``."""
 
 import pytest
 import torch
@@ -27,8 +28,12 @@ def test_bf16_compile_keeps_the_input_sizes_symbolic(device):
     plan = Plan.from_dict(
         {"moe": {"num_experts": 4, "top_k": 2}, "precision": {"compute_dtype": "bf16"}}
     )
-    with torch.device(device):
+    if device == "meta":
+        with torch.device(device):
+            model, inputs, kwargs = load_model("llama")
+    else:  # the zoo draws its example tokens from a CPU generator
         model, inputs, kwargs = load_model("llama")
+        model, inputs = model.to(device), tuple(x.to(device) for x in inputs)
     model, inputs = with_next_token_loss(model, inputs, kwargs, "llama")
     program = build_program(model, _one_rank(plan), inputs, {}, verify=False)
     assert all(symbolic_input_dims(program.graph).values()), symbolic_input_dims(program.graph)
