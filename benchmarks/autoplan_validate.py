@@ -230,7 +230,9 @@ def profile_one_gpu_step(s: dict, device: torch.device, out: Path, warmup: int) 
         for i in range(warmup + 1):
             with profiler.step(i):
                 step()
-        release(trainer, device)
+        trainer.batches.close()
+        del step, trainer, profiler
+        release(device)
     barrier()
     return path
 

@@ -123,9 +123,7 @@ def test_moe_graph_counts_routed_rows_and_active_params():
     grads = rows * d * 2 + e * (d * 2 * h + h * d) + rows * 3 * h
     assert cost.value(backward_workspace(mlp), batch=b, seq=s) == 4 * grads
     expert = sum(
-        p.numel()
-        for name, p in gm.named_parameters()
-        if compiled.program.role(name) == "expert"
+        p.numel() for name, p in gm.named_parameters() if compiled.program.role(name) == "expert"
     )
     assert cost.params == sum(p.numel() for p in gm.parameters())
     assert cost.active_params == cost.params - expert + expert * 2 // 4
@@ -143,3 +141,33 @@ def test_unknown_size_name_is_an_error():
     cost = graph_cost(moec.trace(OneLinear(), (torch.randn(2, 8, 16),)))
     with pytest.raises(KeyError, match="unknown size"):
         cost.evaluate(heads=3)
+
+
+@pytest.mark.parametrize("gemm", ["fp8_rowwise", "mxfp8"])
+def test_low_precision_gemms_count_the_same_work(gemm):
+    """The quantized ops do the GEMMs of the ops they replace: same FLOPs and kinds, so useful
+    MFU and the time model see a low-precision program's work (they once counted it as zero)."""
+    model, _ = _tiny_llama()
+    example = (torch.randint(0, 256, (2, 16)),)
+    costs = {}
+    for precision in ("bf16", gemm):
+        plan = moec.Plan.from_dict(
+            {
+                "moe": {"num_experts": 4, "top_k": 2, "dense_first": 1, "shared_expert": True},
+                "precision": {
+                    "gemm": precision,
+                    "scope": ["routed_experts", "shared_expert", "attn_qkv", "attn_out"],
+                },
+            }
+        )
+        costs[precision] = graph_cost(moec.compile(model, plan, example_inputs=example).program)
+    quantized = [n for n in costs[gemm].nodes if "quantized" in str(getattr(n, "target", ""))]
+    assert {str(n.target) for n in quantized} == {
+        "moec.quantized_expert_mlp.default",
+        "moec.quantized_linear.default",
+    }
+    assert {costs[gemm].nodes[n].kind for n in quantized} == {"experts", "matmul"}
+    for sizes in SIZES:
+        low, high = costs[gemm].evaluate(**sizes), costs["bf16"].evaluate(**sizes)
+        assert low.matmul_flops == high.matmul_flops
+        assert low.train_flops == high.train_flops

@@ -118,6 +118,7 @@ def backward_workspace(node: fx.Node) -> sympy.Expr:
     """Bytes live together while ``node``'s backward runs, besides saved tensors: the gradients
     of its outputs and of its floating inputs (a parameter's arrives in the dtype the op read
     before it is accumulated), plus what the backward allocates inside: ``moec.expert_mlp``
+    (and its quantized form)
     holds the pre-activation's gradient [R, U] and the recomputed activation [R, H] as well,
     ``moec.expert_mlp_gathered`` also its rows' input gradient [R, D]."""
     if node.op != "call_function" or node.target in VIEW_LIKE:
@@ -129,7 +130,10 @@ def backward_workspace(node: fx.Node) -> sympy.Expr:
     grads = _grad_bytes(val) + sympy.Add(
         *(_grad_bytes(value_of(a)) for a in dict.fromkeys(node.all_input_nodes))
     )
-    if node.target is torch.ops.moec.expert_mlp.default:
+    if node.target in (
+        torch.ops.moec.expert_mlp.default,
+        torch.ops.moec.quantized_expert_mlp.default,
+    ):
         x, w_up, w_down = (value_of(a) for a in node.args[:3])
         rows = sym(x.shape[0])
         grads += rows * (sym(w_up.shape[-1]) + sym(w_down.shape[1])) * x.element_size()

@@ -3,13 +3,15 @@
 The ops (:mod:`moec.ops`) import no analysis; their rules live here, each keyed by its op
 overload. Over R = T*K routed rows of T tokens, top-K:
 
-- ``moec.expert_mlp``: 2*R*(D*U + H*D) (an EP receive buffer counts this rank's T*K routes, not
-  its padding); saves its input rows and the pre-activation h; ``moec.expert_mlp_gathered``
-  the same over R = T*K rows of its route table, saving the tokens, the table and h;
+- ``moec.expert_mlp`` and ``moec.quantized_expert_mlp``: 2*R*(D*U + H*D) (an EP receive
+  buffer counts this rank's T*K routes, not its padding); saves its input rows and the
+  pre-activation h; ``moec.expert_mlp_gathered`` the same over R = T*K rows of its route table,
+  saving the tokens, the table and h;
 - ``moec.route``: 4 FLOPs per logit, saving the logits and the chosen expert ids;
   ``moec.router_losses``: 6 per logit, saving its inputs;
 - ``moec.dispatch``: data movement, saving the row indices; ``moec.combine``: its weighted sum,
   2*T*K*D, saving its inputs;
+- ``moec.quantized_linear``: as ``aten.linear`` (the recipe changes the rate, not the work);
 - ``moec.linear_cross_entropy``: the head's 2*N*D*V, saving the gradients it computed in the
   forward (held until the backward scales them);
 - ``moec.rope``: 3 FLOPs per element, saving nothing but its (buffer) tables; ``moec.glu``:
@@ -23,8 +25,9 @@ import torch
 import torch.fx as fx
 
 import moec.ops  # noqa: F401  (registers torch.ops.moec)
+import moec.ops.quantized  # noqa: F401  (registers moec::quantized_*)
 from moec.analysis.cost.memory import SavedRef, activation_refs, stored_ref, value_of
-from moec.analysis.cost.rules import RuleResult, cost_rule
+from moec.analysis.cost.rules import RuleResult, cost_rule, matmul_rule
 from moec.fx import numel, sym
 
 ops = torch.ops.moec
@@ -47,7 +50,7 @@ def _expert_rows(buffer: fx.Node) -> sympy.Expr:
     return sym(value_of(buffer).shape[0])
 
 
-@cost_rule(ops.expert_mlp.default)
+@cost_rule(ops.expert_mlp.default, ops.quantized_expert_mlp.default)
 def _expert_mlp(node: fx.Node) -> RuleResult:
     x, w_up, w_down = (value_of(a) for a in node.args[:3])
     rows, dim, up = _expert_rows(node.args[0]), sym(x.shape[1]), sym(w_up.shape[-1])
@@ -63,6 +66,10 @@ def _expert_mlp_gathered(node: fx.Node) -> RuleResult:
     flops = 2 * numel(rows) * (dim * up + hidden * dim)
     saved = [stored_ref(node.args[0]), stored_ref(node.args[1]), SavedRef(node, 1)]
     return flops, "experts", saved
+
+
+# x[*, K] times weight[N, K] as aten.linear, whatever the recipe's operand precision
+cost_rule(ops.quantized_linear.default)(matmul_rule)
 
 
 @cost_rule(ops.route.default)

@@ -114,7 +114,7 @@ def cost_rule(*ops: Any) -> Callable[[Rule], Rule]:
 
 
 @cost_rule(*MATMUL_OPS)
-def _matmul(node: fx.Node) -> RuleResult:
+def matmul_rule(node: fx.Node) -> RuleResult:
     operands = (
         node.args[1:3]
         if node.target in (aten.addmm.default, aten.baddbmm.default)
