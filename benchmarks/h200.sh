@@ -5,6 +5,7 @@
 #   bash benchmarks/h200.sh multigpu ep scaling scale ddp-fsdp   # machines with several GPUs
 #   bash benchmarks/h200.sh e2e-moec pp ep-inductor overlap        # PP sweep, EP + Inductor, overlap
 #   bash benchmarks/h200.sh new-gpu-tests attention e2e-moec pp-timeline plan-search-pp plan-search
+#   bash benchmarks/h200.sh e2e-equal-lr profile-vs-compiled   # #20: the honest gap, by kernel kind
 #   bash benchmarks/h200.sh wheel-part          # a call carrying one part of a split wheel (.whl-parts)
 #   bash benchmarks/h200.sh wheels cute-tests cute-gemm cute-layer   # the next, carrying .whl and
 #                                               # the last part: quack-kernels + the CuTe DSL
@@ -32,6 +33,7 @@ for stage in "$@"; do
     layer) timeout $STAGE_LIMIT python benchmarks/moe_layer.py --json "$OUT/layer.json" ;;
     e2e) timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 6 --warmup 3 --json "$OUT/e2e.json" ;;
     profile) timeout $STAGE_LIMIT python -m benchmarks.profile_step --shapes --moec-only --rows 30 ;;
+    profile-vs-compiled) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python -m benchmarks.profile_step --baseline compiled-bf16 --rows 30 ;;
     recompute) timeout $STAGE_LIMIT python -m benchmarks.recompute --full --steps 4 --out "$OUT/recompute_full.json" ;;
     precision) timeout $STAGE_LIMIT python benchmarks/precision_gemm.py --out "$OUT/precision_gemm.json" ;;
     gemm) timeout $STAGE_LIMIT python benchmarks/grouped_gemm.py --json "$OUT/gg.json" ;;
@@ -54,6 +56,7 @@ for stage in "$@"; do
     plan-search) timeout $STAGE_LIMIT $RUN benchmarks/autoplan_validate.py --json "$OUT/autoplan.json" ;;
     plan-search-pp) timeout $STAGE_LIMIT $RUN benchmarks/autoplan_validate.py --pp $GPUS --global-seqs 48 --top 3 --no-examples --json "$OUT/autoplan_pp.json" ;;
     new-gpu-tests) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_symbolic_capture_gpu.py tests/gpu/test_attention_backend_gpu.py tests/gpu/test_gathered_experts_gpu.py ;;
+    e2e-equal-lr) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 8 --warmup 6 --dropless --inductor --baselines compiled-bf16 --json "$OUT/e2e_equal_lr.json" ;;
     attention) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 6 --warmup 4 --attention cudnn --baselines compiled-bf16 --json "$OUT/e2e_attention.json" ;;
     scale) timeout $STAGE_LIMIT $RUN benchmarks/scale.py upcycle --json "$OUT/scale_upcycle.json" ;;
     ddp-fsdp) timeout $STAGE_LIMIT $RUN benchmarks/scale.py ddp-vs-fsdp --json "$OUT/ddp_fsdp.json" ;;

@@ -1,10 +1,13 @@
-"""Where a training step's GPU time goes: top CUDA kernels of the moec step and the eager one.
+"""Where a training step's GPU time goes: the moec step beside a hand-written baseline's.
 
-Uses the e2e workload (``benchmarks/e2e.py``); prints the torch profiler's kernel table for one
-steady-state step of each, and counts cudaStreamSynchronize / cudaEventSynchronize /
-cudaMemcpy device-to-host calls in the trace (the report's B.6 check).
+Uses the e2e workload (``benchmarks/e2e.py``, its learning rate: the router does not collapse);
+prints the torch profiler's kernel table for one steady-state step of each, counts
+cudaStreamSynchronize / cudaEventSynchronize / cudaMemcpy device-to-host calls in the trace (the
+report's B.6 check), and ends with kernel time by kind (:data:`KERNEL_KINDS`) side by side:
+where moec gains on the baseline and where it loses.
 
     python -m benchmarks.profile_step [--small] [--rows 25] [--shapes] [--moec-only]
+                                      [--baseline eager|compiled-fp32|compiled-bf16]
 
 ``--shapes`` adds a table grouped by op and input shapes (which copies, which elementwise ops).
 """
@@ -12,18 +15,82 @@ cudaMemcpy device-to-host calls in the trace (the report's B.6 check).
 from __future__ import annotations
 
 import argparse
+import collections
 import tempfile
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.e2e import FULL, LR, SMALL, EagerTrainer, dense_model, hand_written, moe_plan
+from benchmarks.e2e import (
+    BASELINES,
+    FULL,
+    LR,
+    SMALL,
+    EagerTrainer,
+    dense_model,
+    hand_written,
+    moe_plan,
+)
 from moec.train import TrainConfig, Trainer
 
 BLOCKING = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
 
+KERNEL_KINDS = (  # (kind, lower-case substrings of a CUDA kernel's name); the first match wins
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("expert GEMMs", ("_gmm", "groupproblemshape", "grouped", "quack", "cute")),
+    ("dense GEMMs", ("gemm", "nvjet", "xmma", "cublas", "cutlass")),
+    ("routing, dispatch, combine", ("_dispatch_kernel", "_combine", "_route", "_push")),
+    ("LM head loss", ("cross_entropy", "log_softmax", "nll_loss")),
+    ("optimizer", ("adam", "multi_tensor")),
+    ("casts and copies", ("copy", "cast", "catarray")),
+    ("Inductor kernels", ("triton_",)),
+    ("moec elementwise (RoPE, GLU)", ("_rope", "_act_kernel")),
+    ("norms, reductions", ("norm", "reduce")),
+    ("other elementwise", ("elementwise", "vectorized")),
+    ("communication", ("nccl",)),
+)
 
-def profile_step(name: str, step, rows: int, shapes: bool = False) -> None:
+
+def kernel_kind(name: str) -> str:
+    lower = name.lower()
+    for kind, keys in KERNEL_KINDS:
+        if any(k in lower for k in keys):
+            return kind
+    return "other"
+
+
+def ms_by_kind(prof: profile) -> dict[str, float]:
+    """Device milliseconds of the profiled window's CUDA kernels, by :func:`kernel_kind`."""
+    by_kind: dict[str, float] = collections.defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0:
+            by_kind[kernel_kind(e.name)] += e.time_range.elapsed_us() / 1e3
+    return dict(by_kind)
+
+
+def print_kinds(steps: dict[str, dict[str, float]]) -> None:
+    """Kernel ms by kind, one column per profiled step, and each column's difference to the
+    first (moec's): positive where the other step spends more."""
+    names = list(steps)
+    kinds = sorted(
+        {k for kinds in steps.values() for k in kinds}, key=lambda k: -steps[names[0]].get(k, 0)
+    )
+    print(f"\n=== kernel ms by kind, one step each ({', '.join(names)})")
+    print(
+        f"{'kind':32}"
+        + "".join(f"{n[:22]:>24}" for n in names)
+        + "".join(f"{'minus moec':>14}" for _ in names[1:])
+    )
+    for kind in [*kinds, "total"]:
+        row = [sum(v.values()) if kind == "total" else v.get(kind, 0.0) for v in steps.values()]
+        print(
+            f"{kind:32}"
+            + "".join(f"{ms:24.1f}" for ms in row)
+            + "".join(f"{ms - row[0]:+14.1f}" for ms in row[1:])
+        )
+
+
+def profile_step(name: str, step, rows: int, shapes: bool = False) -> dict[str, float]:
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -44,6 +111,7 @@ def profile_step(name: str, step, rows: int, shapes: bool = False) -> None:
             max_shapes_column_width=90,
         )
         print(table)
+    return ms_by_kind(prof)
 
 
 def main() -> None:
@@ -51,7 +119,13 @@ def main() -> None:
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--shapes", action="store_true", help="also group by input shapes")
-    parser.add_argument("--moec-only", action="store_true", help="skip the eager baseline")
+    parser.add_argument("--moec-only", action="store_true", help="skip the baseline")
+    parser.add_argument(
+        "--baseline",
+        choices=BASELINES,
+        default="eager",
+        help="the hand-written step set beside moec's (e2e.py's baselines)",
+    )
     args = parser.parse_args()
     s = SMALL if args.small else FULL
     cfg = TrainConfig(
@@ -66,13 +140,19 @@ def main() -> None:
     )
     torch.manual_seed(0)
     trainer = Trainer(dense_model(s), moe_plan(s), cfg)
-    profile_step("moec", trainer.train_step, args.rows, args.shapes)
-    if args.moec_only:
-        return
-    del trainer
-    torch.cuda.empty_cache()
-    eager = EagerTrainer(hand_written(s, dense_model(s)), s, torch.device("cuda"))
-    profile_step("eager sort+grouped_mm", eager.train_step, args.rows, args.shapes)
+    kinds = {"moec": profile_step("moec", trainer.train_step, args.rows, args.shapes)}
+    if not args.moec_only:
+        trainer.batches.close()
+        del trainer
+        torch.cuda.empty_cache()
+        options = {
+            "eager": {},
+            "compiled-fp32": {"compiled": True},
+            "compiled-bf16": {"compiled": True, "bf16_weights": True},
+        }[args.baseline]
+        hand = EagerTrainer(hand_written(s, dense_model(s)), s, torch.device("cuda"), **options)
+        kinds[args.baseline] = profile_step(args.baseline, hand.train_step, args.rows, args.shapes)
+    print_kinds(kinds)
 
 
 if __name__ == "__main__":
