@@ -18,6 +18,8 @@ wide (24576: the width that gives the report's 2.01B total / 0.995B active param
   --dropless  moec again without the capacity bound: the hand-written MoE's dropless routing.
             moec's rows print the share of routes dropped per step (as training moves the
             router, capacity drops can cut the expert work the default plan does)
+  --shared-stream  moec again with ``plan.lowering.shared_expert_stream`` (each shared expert
+            on a second CUDA stream, beside the routed experts)
   --inductor  moec again with ``plan.lowering.inductor`` (its dense ops through Inductor)
   --attention B  moec again with ``plan.lowering.attention = B`` (cudnn: Hopper's FA3-class
             kernel); the hand-written baselines then run with B first too
@@ -335,6 +337,10 @@ def plan_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, dict[st
         variants.append(
             (f"moec + {args.attention} attention", {"lowering": {"attention": args.attention}})
         )
+    if args.shared_stream:
+        variants.append(
+            ("moec + shared-expert stream", {"lowering": {"shared_expert_stream": True}})
+        )
     if args.inductor:
         variants.append(("moec + inductor", {"lowering": {"inductor": True}}))
     if args.cuda_graph:
@@ -359,6 +365,11 @@ def main() -> None:
         "--cuda-graph",
         action="store_true",
         help="also moec with plan.lowering.cuda_graph (with --inductor: both, too)",
+    )
+    parser.add_argument(
+        "--shared-stream",
+        action="store_true",
+        help="also moec with plan.lowering.shared_expert_stream (shared expert on a 2nd stream)",
     )
     parser.add_argument(
         "--dropless",

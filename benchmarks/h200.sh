@@ -4,8 +4,8 @@
 #   bash benchmarks/h200.sh graph-tests lowering lowering-small   # Inductor and the CUDA-graph step
 #   bash benchmarks/h200.sh multigpu ep scaling scale ddp-fsdp   # machines with several GPUs
 #   bash benchmarks/h200.sh e2e-moec pp ep-inductor overlap        # PP sweep, EP + Inductor, overlap
-#   bash benchmarks/h200.sh new-gpu-tests attention e2e-moec pp-timeline plan-search-pp plan-search
-#   bash benchmarks/h200.sh e2e-equal-lr profile-vs-compiled   # #20: the honest gap, by kernel kind
+#   bash benchmarks/h200.sh attention e2e-moec pp-timeline plan-search-pp plan-search
+#   bash benchmarks/h200.sh new-gpu-tests e2e-equal-lr profile-vs-compiled  # #20's honest gap
 #   bash benchmarks/h200.sh wheel-part          # a call carrying one part of a split wheel (.whl-parts)
 #   bash benchmarks/h200.sh wheels cute-tests cute-gemm cute-layer   # the next, carrying .whl and
 #                                               # the last part: quack-kernels + the CuTe DSL
@@ -55,8 +55,8 @@ for stage in "$@"; do
       timeout $STAGE_LIMIT $RUN benchmarks/scaling.py --pp $GPUS --microbatches 16 --timeline "$OUT/tl" --kernels "$OUT/k" $single --json "$OUT/pp_timeline.json" ;;
     plan-search) timeout $STAGE_LIMIT $RUN benchmarks/autoplan_validate.py --json "$OUT/autoplan.json" ;;
     plan-search-pp) timeout $STAGE_LIMIT $RUN benchmarks/autoplan_validate.py --pp $GPUS --global-seqs 48 --top 3 --no-examples --json "$OUT/autoplan_pp.json" ;;
-    new-gpu-tests) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_symbolic_capture_gpu.py tests/gpu/test_attention_backend_gpu.py tests/gpu/test_gathered_experts_gpu.py ;;
-    e2e-equal-lr) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 8 --warmup 6 --dropless --inductor --baselines compiled-bf16 --json "$OUT/e2e_equal_lr.json" ;;
+    new-gpu-tests) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_symbolic_capture_gpu.py tests/gpu/test_shared_stream_gpu.py ;;
+    e2e-equal-lr) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 8 --warmup 6 --dropless --shared-stream --inductor --baselines compiled-bf16 --json "$OUT/e2e_equal_lr.json" ;;
     attention) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 6 --warmup 4 --attention cudnn --baselines compiled-bf16 --json "$OUT/e2e_attention.json" ;;
     scale) timeout $STAGE_LIMIT $RUN benchmarks/scale.py upcycle --json "$OUT/scale_upcycle.json" ;;
     ddp-fsdp) timeout $STAGE_LIMIT $RUN benchmarks/scale.py ddp-vs-fsdp --json "$OUT/ddp_fsdp.json" ;;

@@ -77,6 +77,24 @@ def called_graph(node: fx.Node) -> fx.GraphModule | None:
     return sub if isinstance(sub, fx.GraphModule) else None
 
 
+def graph_modules(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """``gm`` and the sub-GraphModules it holds (recompute regions): what a pass that rewrites
+    inside regions visits, each graph alone."""
+    subs = [m for _, m in gm.named_modules() if isinstance(m, fx.GraphModule) and m is not gm]
+    return [gm, *subs]
+
+
+def ancestors(node: fx.Node) -> set[fx.Node]:
+    """``node`` and every node it reads, directly or not."""
+    found, stack = {node}, [node]
+    while stack:
+        for arg in stack.pop().all_input_nodes:
+            if arg not in found:
+                found.add(arg)
+                stack.append(arg)
+    return found
+
+
 def external_inputs(nodes: list[fx.Node]) -> list[fx.Node]:
     """The nodes outside ``nodes`` that they read, in first-read order: the inputs of a
     sub-graph made of ``nodes``."""

@@ -296,8 +296,20 @@ class LoweringPlan:
     for backward. Off by default until it measures faster on the GPU
     (benchmarks/moe_layer.py)."""
 
+    shared_expert_stream: bool = False
+    """Run each MoE layer's shared expert on a second CUDA stream, beside the routed experts
+    (pass ``shared_stream``); its backward follows on that stream. Not with ``inductor`` (which
+    traces the graph whole) or FSDP sharding (whose gradient hooks assume one stream). Off by
+    default until it measures faster on the GPU (benchmarks/e2e.py --shared-stream)."""
+
     def validate(self) -> None:
-        pass
+        _require(
+            not (self.shared_expert_stream and self.inductor),
+            "lowering.shared_expert_stream",
+            self.shared_expert_stream,
+            "false when lowering.inductor is true: Inductor compiles the graph whole and "
+            "cannot keep part of it on a second stream; choose one",
+        )
 
 
 @dataclass
@@ -321,6 +333,13 @@ class Plan:
                 raise PlanError(section, value, f"a {_SECTIONS[section].__name__} or a dict")
             _check_types(value, section)
             value.validate()
+        _require(
+            not (self.lowering.shared_expert_stream and self.parallel.dp_shard > 1),
+            "lowering.shared_expert_stream",
+            self.lowering.shared_expert_stream,
+            f"false when parallel.dp_shard = {self.parallel.dp_shard} shards parameters: "
+            "FSDP2's gradient hooks assume the gradients arrive on one stream",
+        )
         _require(
             self.moe.num_experts % self.parallel.ep == 0,
             "parallel.ep",

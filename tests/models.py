@@ -72,6 +72,15 @@ def hf_family(name: str) -> torch.nn.Module:
     return getattr(tf, f"{prefix}ForCausalLM")(config)
 
 
+def loss_and_grads(compiled, ids) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A compiled model's loss on ``ids`` (its output's mean square plus the router losses)
+    after its backward, and the gradients of its parameters by name."""
+    out = compiled(ids)
+    loss = out.float().square().mean() + compiled.aux_loss()
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in compiled.graph_module.named_parameters()}
+
+
 def tokens(batch: int = 2, seq: int = 16) -> torch.Tensor:
     return torch.randint(0, 256, (batch, seq))
 

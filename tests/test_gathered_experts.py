@@ -20,7 +20,7 @@ from moec.analysis.cost import graph_cost
 from moec.ops.experts import expert_mlp_reference
 from moec.ops.gathered_experts import row_sources
 from moec.ops.routing import assign_rows
-from tests.models import tiny_llama, tokens
+from tests.models import loss_and_grads, tiny_llama, tokens
 
 ops = torch.ops.moec
 TOKENS, TOP_K, DIM, EXPERTS, HIDDEN = 24, 3, 16, 6, 12
@@ -164,13 +164,6 @@ def _compiled(model, ids, gather_up: bool, recompute: str):
     return moec.compile(copy.deepcopy(model), moec.Plan.from_dict(plan), (ids,))
 
 
-def _loss_and_grads(compiled, ids) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    out = compiled(ids)
-    loss = out.float().square().mean() + compiled.aux_loss()
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in compiled.graph_module.named_parameters()}
-
-
 @pytest.fixture(scope="module")
 def llama_case():
     """A tiny Llama, its tokens, and the loss and gradients of its compile without the pass
@@ -179,7 +172,7 @@ def llama_case():
     model, ids = tiny_llama(layers=2), tokens(batch=2, seq=16)
     base = _compiled(model, ids, False, "none")
     assert "gather_up" not in base.pass_results
-    return model, ids, _loss_and_grads(base, ids)
+    return model, ids, loss_and_grads(base, ids)
 
 
 @pytest.mark.parametrize("recompute", ["none", "block"])
@@ -188,7 +181,7 @@ def test_tiny_llama_same_loss_and_gradients_with_gather_up(llama_case, recompute
     gathered = _compiled(model, ids, True, recompute)
     stats = gathered.pass_results["gather_up"].stats
     assert stats["fused"] == 1 and stats["in_regions"] == (recompute != "none")
-    got_loss, got = _loss_and_grads(gathered, ids)
+    got_loss, got = loss_and_grads(gathered, ids)
     torch.testing.assert_close(got_loss, want_loss, atol=1e-6, rtol=1e-6)
     base = _compiled(model, ids, False, recompute)  # the cost model counts the same work
     assert graph_cost(gathered.program).evaluate().train_flops_per_token == pytest.approx(

@@ -36,17 +36,12 @@ import torch
 import torch.fx as fx
 
 import moec.ops  # noqa: F401  (registers torch.ops.moec)
+from moec.fx import graph_modules
 from moec.passes.base import Pass, PassContext, PassResult, register_pass
 from moec.passes.rewrite import GraphEditor
 from moec.plan import Plan
 
 moec_ops = torch.ops.moec
-
-
-def _graphs(gm: fx.GraphModule) -> list[fx.GraphModule]:
-    """``gm`` and the sub-GraphModules it holds (recompute regions), each rewritten alone."""
-    subs = [m for _, m in gm.named_modules() if isinstance(m, fx.GraphModule) and m is not gm]
-    return [gm, *subs]
 
 
 def _why_not(mlp: fx.Node) -> str | None:
@@ -99,7 +94,7 @@ class GatherUpPass(Pass):
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         fused = in_regions = 0
         left_alone: dict[str, str] = {}
-        for sub in _graphs(gm):
+        for sub in graph_modules(gm):
             mlps = sub.graph.find_nodes(op="call_function", target=moec_ops.expert_mlp.default)
             changed = False
             for mlp in list(mlps):

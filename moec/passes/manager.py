@@ -43,6 +43,7 @@ PASS_MODULES = (
     "moec.passes.recompute",
     "moec.passes.fsdp",
     "moec.passes.gather_up",
+    "moec.passes.shared_stream",
     "moec.passes.pipeline",
 )
 """The modules whose import registers moec's passes; their order breaks ordering ties."""

@@ -103,7 +103,7 @@ __all__ = [
 @register_pass
 class PipelinePass(Pass):
     name = "pipeline"
-    after: tuple[str, ...] = ("recompute", "fsdp")  # recompute runs after every other rewrite
+    after: tuple[str, ...] = ("recompute", "fsdp", "gather_up", "shared_stream")  # the last
 
     @staticmethod
     def applies(plan: Plan) -> bool:
