@@ -135,3 +135,27 @@ def test_the_calls_return_their_inputs_on_cpu_and_fake_tensors():
 def test_plans_it_cannot_run_name_the_fields(change, message):
     with pytest.raises(PlanError, match=f"lowering.shared_expert_stream.*{message}"):
         Plan.from_dict({"moe": {"shared_expert": True}, **change}).validate()
+
+
+def test_pipeline_stages_keep_each_layer_s_calls_together():
+    """The pipeline pass runs after this one: every stage holding a shared expert holds its
+    enter, leave and join too (a stage cut never falls inside the stretch)."""
+    torch.manual_seed(0)
+    plan = Plan.from_dict(
+        {
+            "moe": {"num_experts": 4, "top_k": 2, "dense_first": 1, "shared_expert": True},
+            "parallel": {"pp": 2, "microbatches": 2},
+            "lowering": {"shared_expert_stream": True},
+        }
+    )
+    compiled = moec.compile(tiny_llama(layers=4), plan, (tokens(),), verify=False)
+    assert compiled.pass_results["shared_stream"].stats["layers"] == 3
+    counts = []
+    for stage in compiled.program.pipeline.stages:
+        found = {call: 0 for call in CALLS}
+        for node in stage.graph.graph.nodes:
+            if node.target in found:
+                found[node.target] += 1
+        assert len(set(found.values())) == 1, found
+        counts.append(found[side_stream_enter])
+    assert sum(counts) == 3 and all(counts)
