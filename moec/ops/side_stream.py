@@ -4,18 +4,19 @@ The ``shared_stream`` pass (:mod:`moec.passes.shared_stream`) brackets a MoE lay
 expert with these three calls, so that its GEMMs run while the routed experts' routing,
 dispatch, grouped GEMMs and combine run on the program's stream::
 
-    x_s, = side_stream_enter(x)        # the side stream waits for x; later ops launch on it
-    ... the shared expert's nodes, reading x_s ...
+    side_stream_enter(x)               # the side stream waits for x; later ops launch on it
+    ... the shared expert's nodes ...
     y_s, = side_stream_leave(y)        # later ops launch on the program's stream again
     ... the routed experts' nodes ...
     y_m, = side_stream_join(y_s)       # the program's stream waits for y
     out = aten.add(y_m, routed)
 
-Each returns its tensors unchanged (the graph's data edges order the calls and keep them
-alive); autograd sees none of them. The backward follows by autograd's stream semantics: each
-op's backward runs on the stream its forward ran on, and the engine makes a stream wait for the
-gradients another stream produced, so the shared expert's backward overlaps the routed experts'
-as well.
+Each returns its tensors unchanged and autograd sees none of them. Leave and join carry the
+shared output, so data edges order them; enter, whose result nothing reads, is marked
+side-effectful so no dead-code elimination drops it, and the stretch follows it in graph order.
+The backward follows by autograd's stream semantics: each op's backward runs on the stream its
+forward ran on, and the engine makes a stream wait for the gradients another stream produced,
+so the shared expert's backward overlaps the routed experts' as well.
 
 Tensors made on one stream and read on the other are marked used there (``record_stream``), so
 the caching allocator does not hand their memory out before that stream is done with it. On CPU
