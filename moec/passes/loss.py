@@ -109,7 +109,10 @@ class FusedLossPass(Pass):
             linear, chain = head
             h, weight, *bias = linear.args
             with gm.graph.inserting_before(loss):
-                rows = edit.call(aten.reshape.default, (h, [-1, h.meta["val"].shape[-1]]), linear)
+                width = h.meta["val"].shape[-1]
+                if isinstance(width, torch.SymInt):  # a size the graph reads, not a number
+                    width = edit.call(aten.sym_size.int, (h, h.meta["val"].dim() - 1), linear)
+                rows = edit.call(aten.reshape.default, (h, [-1, width]), linear)
                 out = edit.call(
                     torch.ops.moec.linear_cross_entropy.default,
                     (rows, weight, bias[0] if bias else None, loss.args[1], *options),
