@@ -9,6 +9,8 @@ where moec gains on the baseline and where it loses.
     python -m benchmarks.profile_step [--small] [--rows 25] [--shapes] [--moec-only]
                                       [--baseline eager|compiled-fp32|compiled-bf16]
 
+On a machine without CUDA it runs both steps as a smoke run (no kernel times).
+
 ``--shapes`` adds a table grouped by op and input shapes (which copies, which elementwise ops).
 """
 
@@ -91,13 +93,16 @@ def print_kinds(steps: dict[str, dict[str, float]]) -> None:
 
 
 def profile_step(name: str, step, rows: int, shapes: bool = False) -> dict[str, float]:
+    cuda = torch.cuda.is_available()
     for _ in range(3):
         step()
-    torch.cuda.synchronize()
-    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    if cuda:
+        torch.cuda.synchronize()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities, record_shapes=shapes) as prof:
         step()
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
     events = prof.key_averages()
     blocking = {e.key: e.count for e in events if e.key in BLOCKING or "DtoH" in e.key}
     print(f"\n=== {name}: blocking host calls {blocking or 'none'}")
@@ -128,12 +133,13 @@ def main() -> None:
     )
     args = parser.parse_args()
     s = SMALL if args.small else FULL
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: a smoke run
     cfg = TrainConfig(
         lr=LR,
         steps=100,
         batch_size=s["micro"],
         seq_len=s["seq"],
-        device="cuda",
+        device=str(device),
         synthetic=True,
         out=tempfile.mkdtemp(prefix="moec_profile_"),  # a fresh run directory per run
         plots=False,
@@ -144,13 +150,14 @@ def main() -> None:
     if not args.moec_only:
         trainer.batches.close()
         del trainer
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         options = {
             "eager": {},
             "compiled-fp32": {"compiled": True},
             "compiled-bf16": {"compiled": True, "bf16_weights": True},
         }[args.baseline]
-        hand = EagerTrainer(hand_written(s, dense_model(s)), s, torch.device("cuda"), **options)
+        hand = EagerTrainer(hand_written(s, dense_model(s)), s, device, **options)
         kinds[args.baseline] = profile_step(args.baseline, hand.train_step, args.rows, args.shapes)
     print_kinds(kinds)
 
