@@ -480,15 +480,16 @@ def main() -> None:
     )
     print(
         f"{'':40} {'step s':>8} {'tok/s':>10} {'MFU':>6} {'peak GB':>8} {'syncs':>6} "
-        f"{'vs last':>8} {'moec/this':>10}"
+        f"{'dropped':>8} {'vs last':>8} {'moec/this':>10}"
     )
     for r in results:
         mfu = "-" if r["useful_mfu"] is None else f"{100 * r['useful_mfu']:.1f}%"
         mem = "-" if r["peak_mem_gb"] is None else f"{r['peak_mem_gb']:.1f}"
         syncs = "-" if r["host_syncs_per_step"] is None else str(r["host_syncs_per_step"])
+        dropped = "-" if r.get("drop_rate") is None else f"{100 * r['drop_rate']:.1f}%"
         print(
             f"{r['name']:40} {r['step_s']:8.3f} {r['tokens_per_s']:10.0f} {mfu:>6} {mem:>8} "
-            f"{syncs:>6} {base / r['step_s']:7.2f}x {r['moec_speedup']:9.2f}x"
+            f"{syncs:>6} {dropped:>8} {base / r['step_s']:7.2f}x {r['moec_speedup']:9.2f}x"
         )
     if args.json:
         with open(args.json, "w") as f:
