@@ -295,7 +295,6 @@ class LoweringPlan:
     token rows through a row index, so the dispatched T*K x D buffer is neither written nor kept
     for backward. Off by default until it measures faster on the GPU
     (benchmarks/moe_layer.py)."""
-
     shared_expert_stream: bool = False
     """Run each MoE layer's shared expert on a second CUDA stream, beside the routed experts
     (pass ``shared_stream``); its backward follows on that stream. Not with ``inductor`` (which

@@ -81,6 +81,13 @@ def loss_and_grads(compiled, ids) -> tuple[torch.Tensor, dict[str, torch.Tensor]
     return loss.detach(), {n: p.grad for n, p in compiled.graph_module.named_parameters()}
 
 
+def assert_same_grads(got: dict, want: dict, atol: float, rtol: float) -> None:
+    """The same parameters, each gradient within the tolerance."""
+    assert got.keys() == want.keys()
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, atol=atol, rtol=rtol, msg=name)
+
+
 def tokens(batch: int = 2, seq: int = 16) -> torch.Tensor:
     return torch.randint(0, 256, (batch, seq))
 

@@ -20,7 +20,7 @@ from moec.analysis.cost import graph_cost
 from moec.ops.experts import expert_mlp_reference
 from moec.ops.gathered_experts import row_sources
 from moec.ops.routing import assign_rows
-from tests.models import loss_and_grads, tiny_llama, tokens
+from tests.models import assert_same_grads, loss_and_grads, tiny_llama, tokens
 
 ops = torch.ops.moec
 TOKENS, TOP_K, DIM, EXPERTS, HIDDEN = 24, 3, 16, 6, 12
@@ -187,9 +187,7 @@ def test_tiny_llama_same_loss_and_gradients_with_gather_up(llama_case, recompute
     assert graph_cost(gathered.program).evaluate().train_flops_per_token == pytest.approx(
         graph_cost(base.program).evaluate().train_flops_per_token
     )
-    assert got.keys() == want.keys()
-    for name, grad in want.items():
-        torch.testing.assert_close(got[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+    assert_same_grads(got, want, atol=1e-6, rtol=1e-5)
 
 
 # --- the CuTe DSL path's plumbing, on a stand-in for quack -------------------------------------

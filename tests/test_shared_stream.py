@@ -19,14 +19,16 @@ from moec.fx import ancestors, node_order
 from moec.ops.side_stream import side_stream_enter, side_stream_join, side_stream_leave
 from moec.passes.shared_stream import shared_expert_nodes
 from moec.plan import Plan, PlanError
-from tests.models import loss_and_grads, tiny_llama, tokens
+from tests.models import assert_same_grads, loss_and_grads, tiny_llama, tokens
 
 CALLS = (side_stream_enter, side_stream_leave, side_stream_join)
 
 
-def _compiled(model, ids, on: bool, recompute: str):
+def compile_shared(model, ids, on: bool, recompute: str = "none", dtype: str = "fp32"):
+    """``model`` compiled with a shared expert per MoE layer, the pass on or off."""
     plan = {
         "moe": {"num_experts": 4, "top_k": 2, "dense_first": 1, "shared_expert": True},
+        "precision": {"compute_dtype": dtype},
         "recompute": {"policy": recompute},
         "lowering": {"shared_expert_stream": on},
     }
@@ -37,7 +39,7 @@ def _compiled(model, ids, on: bool, recompute: str):
 def llama_case():
     torch.manual_seed(0)
     model, ids = tiny_llama(layers=2), tokens(batch=2, seq=16)
-    base = _compiled(model, ids, False, "none")
+    base = compile_shared(model, ids, False, "none")
     assert "shared_stream" not in base.pass_results
     return model, ids, loss_and_grads(base, ids)
 
@@ -54,7 +56,7 @@ def _graph_with_calls(compiled) -> fx.Graph:
 @pytest.mark.parametrize("recompute", ["none", "block"])
 def test_the_shared_expert_sits_between_enter_and_leave_and_values_stay(llama_case, recompute):
     model, ids, (want_loss, want) = llama_case
-    streamed = _compiled(model, ids, True, recompute)
+    streamed = compile_shared(model, ids, True, recompute)
     stats = streamed.pass_results["shared_stream"].stats
     assert stats["layers"] == 1 and stats["in_regions"] == (recompute != "none")
     assert stats["left_alone"] == {}
@@ -80,15 +82,13 @@ def test_the_shared_expert_sits_between_enter_and_leave_and_values_stay(llama_ca
     assert order[leave] < order[routed] < order[join] < order[total]  # routed work in between
     assert total.args[0].args[0] is join
 
-    base = _compiled(model, ids, False, recompute)  # the cost model counts the same work
+    base = compile_shared(model, ids, False, recompute)  # the cost model counts the same work
     assert graph_cost(streamed.program).evaluate().train_flops == pytest.approx(
         graph_cost(base.program).evaluate().train_flops
     )
     got_loss, got = loss_and_grads(streamed, ids)
     torch.testing.assert_close(got_loss, want_loss, atol=0, rtol=0)
-    assert got.keys() == want.keys()
-    for name, grad in want.items():
-        torch.testing.assert_close(got[name], grad, atol=0, rtol=0, msg=name)
+    assert_same_grads(got, want, atol=0, rtol=0)
 
 
 def _sum_graph(extra_reader: bool) -> fx.Node:

@@ -34,10 +34,9 @@ def _overloads(namespace: Any, names: Iterable[str]) -> frozenset:
     return frozenset(getattr(namespace, n).default for n in names if hasattr(namespace, n))
 
 
-NEVER_RECOMPUTE = _overloads(
+EXCHANGES = _overloads(
     moec_ops,
     (
-        "route",
         "ep_layout",
         "ep_dispatch",
         "ep_combine",
@@ -47,6 +46,8 @@ NEVER_RECOMPUTE = _overloads(
         "ep_combine_wait",
     ),
 )
+"""The expert-parallel exchanges."""
+NEVER_RECOMPUTE = EXCHANGES | _overloads(moec_ops, ("route",))
 """The routing decision and the EP exchanges: always cached, never run twice."""
 GEMMS = (
     frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default})
@@ -71,15 +72,20 @@ GRAPH_GEMMS = (
 """GEMMs as they appear in the captured graph (for the prediction)."""
 
 
-def _is_communication(func: Any) -> bool:
-    return func in NEVER_RECOMPUTE or getattr(func, "namespace", "") == "_c10d_functional"
+def is_communication(func: Any) -> bool:
+    """An EP exchange or a functional collective: every rank must run it, in the same order."""
+    return func in EXCHANGES or getattr(func, "namespace", "") == "_c10d_functional"
+
+
+def _never_recomputed(func: Any) -> bool:
+    return func in NEVER_RECOMPUTE or is_communication(func)
 
 
 def saved_ops(level: str) -> Any:
     """The predicate "this op's output is cached" of a recompute level."""
     if level == "block":
-        return _is_communication
-    return lambda func: _is_communication(func) or func in GEMMS or func in GRAPH_GEMMS
+        return _never_recomputed
+    return lambda func: _never_recomputed(func) or func in GEMMS or func in GRAPH_GEMMS
 
 
 def _sac_policy(level: str, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

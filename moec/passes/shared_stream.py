@@ -41,19 +41,13 @@ import torch
 import torch.fx as fx
 
 from moec.fx import ancestors, external_inputs, graph_modules, node_order
+from moec.ops.recompute import is_communication
 from moec.ops.side_stream import side_stream_enter, side_stream_join, side_stream_leave
 from moec.passes.base import Pass, PassContext, PassResult, register_pass
 from moec.passes.rewrite import GraphEditor
 from moec.plan import Plan
 
 aten = torch.ops.aten
-
-
-def _is_collective(node: fx.Node) -> bool:
-    name = getattr(node.target, "name", lambda: "")()
-    return getattr(node.target, "namespace", "") == "_c10d_functional" or name.startswith(
-        "moec::ep_"
-    )
 
 
 def shared_expert_nodes(total: fx.Node) -> tuple[list[fx.Node], str | None]:
@@ -75,13 +69,15 @@ def shared_expert_nodes(total: fx.Node) -> tuple[list[fx.Node], str | None]:
         readers = [u.name for u in node.users if u not in nodes and u is not total]
         if readers:
             return [], f"{node.name} of its shared expert is also read by {sorted(readers)}"
-        if _is_collective(node):
+        if is_communication(node.target):
             return [], f"its shared expert runs the collective {node.name}"
     order = node_order(total.graph)
     return sorted(nodes, key=order.__getitem__), None
 
 
-def _move_to_side_stream(sub: fx.GraphModule, total: fx.Node, nodes: list[fx.Node], name: str):
+def _move_to_side_stream(
+    sub: fx.GraphModule, total: fx.Node, nodes: list[fx.Node], name: str
+) -> None:
     graph, edit = sub.graph, GraphEditor(sub, name)
     order = node_order(graph)
     inputs = external_inputs(nodes)

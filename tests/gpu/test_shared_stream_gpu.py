@@ -3,16 +3,14 @@ with the values of the program without it and no host sync."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import moec
 from moec.ops.side_stream import side_stream
 from moec.plan import Plan
-from tests.models import loss_and_grads, tiny_llama, tokens
+from tests.models import assert_same_grads, loss_and_grads, tiny_llama, tokens
+from tests.test_shared_stream import compile_shared
 
 pytestmark = [
     pytest.mark.gpu,
@@ -33,22 +31,13 @@ class _StreamsOfOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _compiled(model, ids, on: bool, dtype: str):
-    plan = {
-        "moe": {"num_experts": 4, "top_k": 2, "dense_first": 1, "shared_expert": True},
-        "precision": {"compute_dtype": dtype},
-        "lowering": {"shared_expert_stream": on},
-    }
-    return moec.compile(copy.deepcopy(model), Plan.from_dict(plan), (ids,))
-
-
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_shared_expert_on_the_side_stream_keeps_values_and_syncs_nothing(dtype):
     torch.manual_seed(0)
     model = tiny_llama(layers=2).cuda()
     ids = tokens(batch=2, seq=64).cuda()
-    want_loss, want = loss_and_grads(_compiled(model, ids, False, dtype), ids)
-    streamed = _compiled(model, ids, True, dtype)
+    want_loss, want = loss_and_grads(compile_shared(model, ids, False, dtype=dtype), ids)
+    streamed = compile_shared(model, ids, True, dtype=dtype)
     assert streamed.pass_results["shared_stream"].stats["layers"] == 1
 
     mode = _StreamsOfOps()
@@ -71,9 +60,7 @@ def test_shared_expert_on_the_side_stream_keeps_values_and_syncs_nothing(dtype):
 
     tol = {"fp32": (1e-6, 1e-5), "bf16": (1e-2, 1e-2)}[dtype]
     torch.testing.assert_close(got_loss, want_loss, atol=tol[0], rtol=tol[1])
-    assert got.keys() == want.keys()
-    for name, grad in want.items():
-        torch.testing.assert_close(got[name], grad, atol=tol[0], rtol=tol[1], msg=name)
+    assert_same_grads(got, want, atol=tol[0], rtol=tol[1])
 
 
 def test_the_graphed_step_with_the_shared_expert_stream_trains_as_the_eager_step(tmp_path):
