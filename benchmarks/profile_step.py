@@ -6,12 +6,13 @@ cudaStreamSynchronize / cudaEventSynchronize / cudaMemcpy device-to-host calls i
 report's B.6 check), and ends with kernel time by kind (:data:`KERNEL_KINDS`) side by side:
 where moec gains on the baseline and where it loses.
 
-    python -m benchmarks.profile_step [--small] [--rows 25] [--shapes] [--moec-only]
+    python -m benchmarks.profile_step [--small] [--rows 25] [--shapes] [--kernels N] [--moec-only]
                                       [--baseline eager|compiled-fp32|compiled-bf16]
 
 On a machine without CUDA it runs both steps as a smoke run (no kernel times).
 
-``--shapes`` adds a table grouped by op and input shapes (which copies, which elementwise ops).
+``--shapes`` adds a table grouped by op and input shapes (which copies, which elementwise ops);
+``--kernels N`` lists each kind's N largest kernels.
 """
 
 from __future__ import annotations
@@ -61,13 +62,36 @@ def kernel_kind(name: str) -> str:
     return "other"
 
 
-def ms_by_kind(prof: profile) -> dict[str, float]:
-    """Device milliseconds of the profiled window's CUDA kernels, by :func:`kernel_kind`."""
-    by_kind: dict[str, float] = collections.defaultdict(float)
+def kernel_times(prof: profile) -> dict[str, tuple[float, int]]:
+    """Device milliseconds and launch count of the profiled window's CUDA kernels, by name."""
+    times: dict[str, tuple[float, int]] = {}
     for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0:
-            by_kind[kernel_kind(e.name)] += e.time_range.elapsed_us() / 1e3
+        # a region annotated on the GPU (the optimizer's step) spans kernels counted already
+        kernel = e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation
+        if kernel and e.time_range.elapsed_us() > 0:
+            ms, count = times.get(e.name, (0.0, 0))
+            times[e.name] = (ms + e.time_range.elapsed_us() / 1e3, count + 1)
+    return times
+
+
+def ms_by_kind(kernels: dict[str, tuple[float, int]]) -> dict[str, float]:
+    """:func:`kernel_times` summed by :func:`kernel_kind`."""
+    by_kind: dict[str, float] = collections.defaultdict(float)
+    for name, (ms, _) in kernels.items():
+        by_kind[kernel_kind(name)] += ms
     return dict(by_kind)
+
+
+def print_largest_by_kind(name: str, kernels: dict[str, tuple[float, int]], top: int) -> None:
+    """Each kind's ``top`` largest kernels: which launches a kind's milliseconds are."""
+    print(f"\n=== {name}: the {top} largest kernels of each kind (ms, launches)")
+    by_kind: dict[str, list[tuple[float, int, str]]] = collections.defaultdict(list)
+    for kernel, (ms, count) in kernels.items():
+        by_kind[kernel_kind(kernel)].append((ms, count, kernel))
+    for kind, rows in sorted(by_kind.items(), key=lambda kv: -sum(r[0] for r in kv[1])):
+        print(f"{kind}: {sum(r[0] for r in rows):.1f} ms")
+        for ms, count, kernel in sorted(rows, reverse=True)[:top]:
+            print(f"  {ms:8.2f} {count:5d}  {kernel[:100]}")
 
 
 def print_kinds(steps: dict[str, dict[str, float]]) -> None:
@@ -92,7 +116,9 @@ def print_kinds(steps: dict[str, dict[str, float]]) -> None:
         )
 
 
-def profile_step(name: str, step, rows: int, shapes: bool = False) -> dict[str, float]:
+def profile_step(
+    name: str, step, rows: int, shapes: bool = False, top: int = 0
+) -> dict[str, float]:
     cuda = torch.cuda.is_available()
     for _ in range(3):
         step()
@@ -116,7 +142,10 @@ def profile_step(name: str, step, rows: int, shapes: bool = False) -> dict[str, 
             max_shapes_column_width=90,
         )
         print(table)
-    return ms_by_kind(prof)
+    kernels = kernel_times(prof)
+    if top:
+        print_largest_by_kind(name, kernels, top)
+    return ms_by_kind(kernels)
 
 
 def main() -> None:
@@ -124,6 +153,7 @@ def main() -> None:
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--shapes", action="store_true", help="also group by input shapes")
+    parser.add_argument("--kernels", type=int, default=0, help="list each kind's largest N kernels")
     parser.add_argument("--moec-only", action="store_true", help="skip the baseline")
     parser.add_argument(
         "--baseline",
@@ -146,7 +176,7 @@ def main() -> None:
     )
     torch.manual_seed(0)
     trainer = Trainer(dense_model(s), moe_plan(s), cfg)
-    kinds = {"moec": profile_step("moec", trainer.train_step, args.rows, args.shapes)}
+    kinds = {"moec": profile_step("moec", trainer.train_step, args.rows, args.shapes, args.kernels)}
     if not args.moec_only:
         trainer.batches.close()
         del trainer
@@ -158,7 +188,9 @@ def main() -> None:
             "compiled-bf16": {"compiled": True, "bf16_weights": True},
         }[args.baseline]
         hand = EagerTrainer(hand_written(s, dense_model(s)), s, device, **options)
-        kinds[args.baseline] = profile_step(args.baseline, hand.train_step, args.rows, args.shapes)
+        kinds[args.baseline] = profile_step(
+            args.baseline, hand.train_step, args.rows, args.shapes, args.kernels
+        )
     print_kinds(kinds)
 
 
