@@ -68,7 +68,8 @@ for stage in "$@"; do
         python3 -c "import cutlass, quack; print('quack', quack.__version__, cutlass.__file__)" ;;
     cute-tests) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_kernels_ops.py -k "cute or layer_step" ;;
     cute-gemm) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/grouped_gemm.py --m 1024 4096 32768 131072 --json "$OUT/gg_cute.json" ;;
-    cute-e2e) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --moec-only --steps 6 --warmup 3 --json "$OUT/e2e_cute.json" ;;
+    cute-e2e) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --moec-only --steps 8 --warmup 6 --json "$OUT/e2e_cute.json" ;;
+    kernels) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python -m benchmarks.profile_step --moec-only --rows 5 --kernels 5 ;;
     cute-layer) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/moe_layer.py --pieces --skip-loop --json "$OUT/layer_cute.json" ;;
     *) echo "unknown stage $stage"; continue ;;
   esac > "$OUT/$stage.log" 2>&1
