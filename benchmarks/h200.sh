@@ -70,6 +70,8 @@ for stage in "$@"; do
     cute-gemm) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/grouped_gemm.py --m 1024 4096 32768 131072 --json "$OUT/gg_cute.json" ;;
     cute-e2e) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --moec-only --steps 8 --warmup 6 --json "$OUT/e2e_cute.json" ;;
     kernels) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python -m benchmarks.profile_step --moec-only --rows 5 --kernels 5 ;;
+    op-tests) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_kernels_ops.py -k "expert_mlp_forward or cross_entropy or layer_step or glu" tests/gpu/test_sync_free.py ;;
+    e2e-inductor) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 8 --warmup 6 --inductor --baselines compiled-bf16 --json "$OUT/e2e_inductor.json" ;;
     kernel-shapes) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python -m benchmarks.profile_step --moec-only --rows 40 --shapes --kernels 8 ;;
     cute-layer) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/moe_layer.py --pieces --skip-loop --json "$OUT/layer_cute.json" ;;
     *) echo "unknown stage $stage"; continue ;;

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.autograd import gradcheck
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import moec.ops  # noqa: F401
 from moec.ops import grouped
@@ -93,3 +94,32 @@ def test_grouped_loop_and_grouped_mm_agree(monkeypatch):
     slow = grouped.gmm(x, w_up, offsets)[:valid]
     torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(F.gelu(fast), F.gelu(slow), rtol=1e-5, atol=1e-5)
+
+
+class _ZeroFills(TorchDispatchMode):
+    """Records the shapes of the zero-filled tensors the dispatcher makes."""
+
+    FILLS = {torch.ops.aten.zeros_like.default, torch.ops.aten.zero_.default,
+             torch.ops.aten.zeros.default, torch.ops.aten.new_zeros.default}  # fmt: skip
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        filled = func in self.FILLS or (func is torch.ops.aten.fill_.Scalar and args[1] == 0)
+        if filled and isinstance(out, torch.Tensor):
+            self.shapes.append(tuple(out.shape))
+        return out
+
+
+def test_backward_fills_no_zero_gradient_for_the_saved_pre_activation():
+    x, w_up, w_down, offsets, _, _ = _problem("swiglu", d=16, h=24, rows=40)
+    params = [t.requires_grad_() for t in (x, w_up, w_down)]
+    y, h = expert_mlp(*params, offsets, None, None, "swiglu")
+    assert not h.requires_grad  # h is saved for the backward, not a differentiable output
+    with _ZeroFills() as fills:
+        y.backward(torch.randn_like(y))
+    assert tuple(h.shape) not in fills.shapes
+    assert all(torch.isfinite(p.grad).all() for p in params[1:])

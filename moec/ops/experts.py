@@ -92,9 +92,18 @@ def _expert_mlp_fake(x, w_up, w_down, offsets, b_up, b_down, activation):
     return x.new_empty(x.shape), x.new_empty((x.shape[0], w_up.shape[-1]))
 
 
+def h_saved_only(ctx, h: Tensor) -> None:
+    """An expert MLP op returns its pre-activation h only for its backward to save: h takes no
+    gradient (a use of it elsewhere would get none rather than a silently dropped one), and
+    autograd hands the backward None for it instead of filling an (R, U) buffer with zeros."""
+    ctx.mark_non_differentiable(h)
+    ctx.set_materialize_grads(False)
+
+
 def _setup(ctx, inputs, output):
     x, w_up, w_down, offsets, b_up, b_down, activation = inputs
     ctx.save_for_backward(x, w_up, w_down, offsets, output[1])
+    h_saved_only(ctx, output[1])
     ctx.activation = activation
     ctx.bias_dtypes = (
         None if b_up is None else b_up.dtype,
@@ -183,6 +192,8 @@ def _expert_mlp_backward_fake(x, w_up, w_down, offsets, h, d_y, activation, up_b
 
 
 def _backward(ctx, d_y, d_h_unused):
+    if d_y is None:  # y was not used (h takes no gradient): no gradient flows
+        return (None,) * 7
     x, w_up, w_down, offsets, h = ctx.saved_tensors
     d_y = d_y.to(x.dtype)
     up_bias = ctx.bias_dtypes[0] is not None

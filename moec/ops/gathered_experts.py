@@ -33,6 +33,7 @@ from moec.ops.experts import (
     expert_mlp_backward_reference,
     expert_mlp_grads_like,
     expert_mlp_reference,
+    h_saved_only,
 )
 from moec.ops.grouped import cuda_kernel
 
@@ -139,6 +140,7 @@ def _expert_mlp_gathered_fake(x, rows, w_up, w_down, offsets, b_up, b_down, acti
 def _setup(ctx, inputs, output):
     x, rows, w_up, w_down, offsets, b_up, b_down, activation = inputs
     ctx.save_for_backward(x, rows, w_up, w_down, offsets, output[1])  # x, never the buffer
+    h_saved_only(ctx, output[1])
     ctx.activation = activation
     ctx.x_shape = x.shape
     ctx.bias_dtypes = (
@@ -193,6 +195,8 @@ def _expert_mlp_gathered_backward_fake(x, rows, w_up, w_down, offsets, h, d_y, a
 
 
 def _backward(ctx, d_y, d_h_unused):
+    if d_y is None:  # y was not used (h takes no gradient): no gradient flows
+        return (None,) * 8
     x, rows, w_up, w_down, offsets, h = ctx.saved_tensors
     d_y = d_y.to(x.dtype)
     up_bias = ctx.bias_dtypes[0] is not None

@@ -65,11 +65,23 @@ def _cross_entropy_rows(logits: Tensor, targets: Tensor, ignore_index: int) -> T
     return cross_entropy_rows_reference(logits, targets, ignore_index)
 
 
-def _mm_accumulate(a: Tensor, b: Tensor) -> Tensor:
-    """a @ b in the accumulation dtype (on CUDA straight from the MMA, without a bf16 round)."""
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return torch.mm(a, b).to(_accumulation_dtype(a))
+def _mm_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
+    """out (the accumulation dtype) = a @ b, or += a @ b: on CUDA in the GEMM's epilogue (the
+    product is never materialised, nor rounded to bf16), elsewhere through a temporary."""
+    if a.dtype == out.dtype:
+        if accumulate:
+            out.addmm_(a, b)
+        else:
+            torch.mm(a, b, out=out)
+    elif a.is_cuda:  # bf16/fp16 operands, fp32 out
+        if accumulate:
+            torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+        else:
+            torch.mm(a, b, out_dtype=out.dtype, out=out)
+    elif accumulate:
+        out += torch.mm(a, b).to(out.dtype)
+    else:
+        out.copy_(torch.mm(a, b))
 
 
 def _check(h: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, reduction: str):
@@ -114,7 +126,8 @@ def linear_cross_entropy(
     rows, acc = h.shape[0], _accumulation_dtype(h)
     loss = torch.zeros((), dtype=acc, device=h.device)
     d_h, d_weight, d_bias = _grad_buffers(h, weight, bias, with_grads)
-    d_weight.zero_()
+    if rows == 0:
+        d_weight.zero_()
     d_bias.zero_()
     step = chunk_rows(rows, weight.shape[0])
     for start in range(0, rows, step):
@@ -124,7 +137,7 @@ def linear_cross_entropy(
         if not with_grads:
             continue
         torch.mm(grad, weight, out=d_h[start : start + step])
-        d_weight += _mm_accumulate(grad.t(), h_chunk)
+        _mm_into(d_weight, grad.t(), h_chunk, accumulate=start > 0)
         if bias is not None:
             d_bias += grad.sum(0, dtype=acc)
     if reduction == "mean":
@@ -154,11 +167,14 @@ def _setup(ctx, inputs, output):
     _, d_h, d_weight, d_bias = output
     ctx.save_for_backward(d_h, d_weight, d_bias, targets)
     ctx.mark_non_differentiable(d_h, d_weight, d_bias)
+    ctx.set_materialize_grads(False)  # no zero-filled buffers for the outputs never used
     ctx.dtypes = (h.dtype, weight.dtype, None if bias is None else bias.dtype)
     ctx.ignore_index, ctx.mean, ctx.with_grads = ignore_index, reduction == "mean", with_grads
 
 
 def _backward(ctx, d_loss, *unused):
+    if d_loss is None:  # the loss was not used: no gradient flows
+        return (None,) * 7
     if not ctx.with_grads:
         raise RuntimeError(
             "moec::linear_cross_entropy ran with with_grads=False (a forward-only program, e.g. "

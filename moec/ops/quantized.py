@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from moec.ops.activations import activate, activate_backward, check_activation, is_gated
-from moec.ops.experts import bias_grads, expert_mlp_grads_like
+from moec.ops.experts import bias_grads, expert_mlp_grads_like, h_saved_only
 from moec.ops.grouped import add_row_bias, gmm, gmm_wgrad, row_experts
 
 Recipe = Literal["mxfp8", "fp8_rowwise"]
@@ -250,6 +250,7 @@ def _quantized_expert_mlp_fake(x, w_up, w_down, offsets, b_up, b_down, activatio
 def _mlp_setup(ctx, inputs, output):
     x, w_up, w_down, offsets, b_up, b_down, activation, recipe = inputs
     ctx.save_for_backward(x, w_up, w_down, offsets, output[1])
+    h_saved_only(ctx, output[1])
     ctx.activation, ctx.recipe = activation, recipe
     ctx.bias_dtypes = tuple(None if b is None else b.dtype for b in (b_up, b_down))
 
@@ -283,6 +284,8 @@ def _quantized_expert_mlp_backward_fake(x, w_up, w_down, offsets, h, d_y, activa
 
 
 def _mlp_backward(ctx, d_y, d_h_unused):
+    if d_y is None:  # y was not used (h takes no gradient): no gradient flows
+        return (None,) * 8
     x, w_up, w_down, offsets, h = ctx.saved_tensors
     d_y = d_y.to(x.dtype)
     d_x, d_w_up, d_w_down, d_h = torch.ops.moec.quantized_expert_mlp_backward(
