@@ -3,7 +3,7 @@
 #   bash benchmarks/h200.sh tests movement layer e2e profile recompute precision gemm
 #   bash benchmarks/h200.sh graph-tests lowering lowering-small   # Inductor and the CUDA-graph step
 #   bash benchmarks/h200.sh multigpu ep scaling scale ddp-fsdp   # machines with several GPUs
-#   bash benchmarks/h200.sh e2e-moec pp ep-inductor overlap        # PP sweep, EP + Inductor, overlap
+#   bash benchmarks/h200.sh e2e-moec pp ep-no-inductor overlap     # PP sweep, EP without Inductor, overlap
 #   bash benchmarks/h200.sh attention e2e-moec pp-timeline plan-search-pp plan-search
 #   bash benchmarks/h200.sh new-gpu-tests e2e-equal-lr profile-vs-compiled  # #20's honest gap
 #   bash benchmarks/h200.sh wheel-part          # a call carrying one part of a split wheel (.whl-parts)
@@ -38,8 +38,8 @@ for stage in "$@"; do
     precision) timeout $STAGE_LIMIT python benchmarks/precision_gemm.py --out "$OUT/precision_gemm.json" ;;
     gemm) timeout $STAGE_LIMIT python benchmarks/grouped_gemm.py --json "$OUT/gg.json" ;;
     graph-tests) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_step_graph_gpu.py tests/gpu/test_sync_free.py ;;
-    lowering) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 6 --warmup 4 --inductor --cuda-graph --json "$OUT/e2e_lowering.json" ;;
-    lowering-small) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --small --steps 30 --warmup 5 --inductor --cuda-graph --json "$OUT/e2e_lowering_small.json" ;;
+    lowering) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 6 --warmup 4 --no-inductor --cuda-graph --json "$OUT/e2e_lowering.json" ;;
+    lowering-small) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --small --steps 30 --warmup 5 --no-inductor --cuda-graph --json "$OUT/e2e_lowering_small.json" ;;
     e2e-moec) timeout $STAGE_LIMIT python benchmarks/e2e.py --moec-only --json "$OUT/e2e.json" ;;
     multigpu) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_multigpu.py ;;
     ep) timeout $STAGE_LIMIT $RUN benchmarks/ep.py --json "$OUT/ep.json" $([ "$GPUS" -gt 1 ] || echo --no-step) ;;
@@ -48,15 +48,15 @@ for stage in "$@"; do
         timeout $STAGE_LIMIT $RUN benchmarks/scaling.py $args $single; done ;;
     pp) single=$([ -f "$OUT/e2e.json" ] && echo "--single $OUT/e2e.json")
       timeout $STAGE_LIMIT $RUN benchmarks/scaling.py --pp $GPUS --microbatches 4 8 16 --sync-trace $single --json "$OUT/pp.json" ;;
-    ep-inductor) single=$([ -f "$OUT/e2e.json" ] && echo "--single $OUT/e2e.json")
-      timeout $STAGE_LIMIT $RUN benchmarks/scaling.py --ep $GPUS --path rowwise --inductor $single --json "$OUT/ep_inductor.json" ;;
+    ep-no-inductor) single=$([ -f "$OUT/e2e.json" ] && echo "--single $OUT/e2e.json")
+      timeout $STAGE_LIMIT $RUN benchmarks/scaling.py --ep $GPUS --path rowwise --no-inductor $single --json "$OUT/ep_no_inductor.json" ;;
     overlap) timeout $STAGE_LIMIT $RUN benchmarks/ep.py --overlap --paths rowwise,a2a_capacity --iters 20 --steps 5 --kernels 8 --json "$OUT/ep_overlap.json" ;;
     pp-timeline) single=$([ -f "$OUT/e2e.json" ] && echo "--single $OUT/e2e.json")
       timeout $STAGE_LIMIT $RUN benchmarks/scaling.py --pp $GPUS --microbatches 16 --timeline "$OUT/tl" --kernels "$OUT/k" $single --json "$OUT/pp_timeline.json" ;;
     plan-search) timeout $STAGE_LIMIT $RUN benchmarks/autoplan_validate.py --json "$OUT/autoplan.json" ;;
     plan-search-pp) timeout $STAGE_LIMIT $RUN benchmarks/autoplan_validate.py --pp $GPUS --global-seqs 48 --top 3 --no-examples --json "$OUT/autoplan_pp.json" ;;
     new-gpu-tests) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_symbolic_capture_gpu.py tests/gpu/test_shared_stream_gpu.py ;;
-    e2e-equal-lr) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 8 --warmup 6 --dropless --shared-stream --inductor --baselines compiled-bf16 --json "$OUT/e2e_equal_lr.json" ;;
+    e2e-equal-lr) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 8 --warmup 6 --dropless --shared-stream --no-inductor --baselines compiled-bf16 --json "$OUT/e2e_equal_lr.json" ;;
     attention) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 6 --warmup 4 --attention cudnn --baselines compiled-bf16 --json "$OUT/e2e_attention.json" ;;
     scale) timeout $STAGE_LIMIT $RUN benchmarks/scale.py upcycle --json "$OUT/scale_upcycle.json" ;;
     ddp-fsdp) timeout $STAGE_LIMIT $RUN benchmarks/scale.py ddp-vs-fsdp --json "$OUT/ddp_fsdp.json" ;;
@@ -71,7 +71,7 @@ for stage in "$@"; do
     cute-e2e) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --moec-only --steps 8 --warmup 6 --json "$OUT/e2e_cute.json" ;;
     kernels) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python -m benchmarks.profile_step --moec-only --rows 5 --kernels 5 ;;
     op-tests) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_kernels_ops.py -k "expert_mlp_forward or cross_entropy or layer_step or glu" tests/gpu/test_sync_free.py ;;
-    e2e-inductor) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 8 --warmup 6 --inductor --baselines compiled-bf16 --json "$OUT/e2e_inductor.json" ;;
+    e2e-inductor) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 8 --warmup 6 --no-inductor --baselines compiled-bf16 --json "$OUT/e2e_inductor.json" ;;
     kernel-shapes) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python -m benchmarks.profile_step --moec-only --rows 40 --shapes --kernels 8 ;;
     cute-layer) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/moe_layer.py --pieces --skip-loop --json "$OUT/layer_cute.json" ;;
     *) echo "unknown stage $stage"; continue ;;

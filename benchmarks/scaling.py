@@ -7,7 +7,8 @@ efficiency against a single-GPU run of the same model (Table 51).
     ... --pp 2 --schedule interleaved_1f1b      # or zbv / dualpipev (2 stages per rank)
     ... --single results.json     # benchmarks/e2e.py --json output: prints the efficiency
     ... --sync-trace              # where each host sync of one steady step comes from
-    ... --inductor                # plan.lowering.inductor (the program, or each stage, compiled)
+    ... --no-inductor             # plan.lowering.inductor false (on CUDA the default compiles
+                                  # the program, or each stage, with Inductor)
     ... --timeline PREFIX         # one profiled step per rank: where its GPU idles (JSON)
 
 ``pp = 1``: the Trainer (data + expert parallel, dp = world, each rank 3 sequences of 8192 per
@@ -68,7 +69,7 @@ def parallel_plan(
     microbatches: int,
     fused_loss: bool = True,
     schedule: str = "1f1b",
-    inductor: bool = False,
+    inductor: bool | str = "auto",
 ):
     parallel = {"dp": world // pp, "ep": ep, "pp": pp, "ep_path": path}
     if pp > 1:
@@ -314,7 +315,7 @@ def run(
     fused_loss: bool = True,
     trace: bool = False,
     schedule: str = "1f1b",
-    inductor: bool = False,
+    inductor: bool | str = "auto",
     kernels: str | None = None,
     timeline: str | None = None,
 ) -> dict:
@@ -434,7 +435,9 @@ def main() -> None:
         "--sync-trace", action="store_true", help="print where each rank's host syncs come from"
     )
     parser.add_argument(
-        "--inductor", action="store_true", help="plan.lowering.inductor (each stage compiled)"
+        "--no-inductor",
+        action="store_true",
+        help="plan.lowering.inductor false (the default compiles each stage on CUDA)",
     )
     parser.add_argument(
         "--kernels",
@@ -471,7 +474,7 @@ def main() -> None:
                 fused_loss=not args.unfused_loss,
                 trace=args.sync_trace,
                 schedule=args.schedule,
-                inductor=args.inductor,
+                inductor=False if args.no_inductor else "auto",
                 kernels=args.kernels,
                 timeline=args.timeline,
             )

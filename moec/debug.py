@@ -48,6 +48,7 @@ from moec.passes.manager import pipeline_string
 from moec.plan import Plan
 from moec.program import Program
 from moec.repro import write_repro
+from moec.runtime.lowering import device_type
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ class DebugDump:
         FX graph it was given, its IR before and after fusion, and ``output_code.py``, the
         generated program); None without an output directory, without the lowering, or when the
         step failed (logged)."""
-        if self.out is None or not self.plan.lowering.inductor:
+        if self.out is None or not self.plan.lowers_to_inductor(device_type(args)):
             return None
         return self._safely("lowered", lambda: self._trace_lowered(compiled, args, kwargs))
 

@@ -274,10 +274,13 @@ class LossPlan:
 class LoweringPlan:
     """How the final program runs (:mod:`moec.runtime.lowering`)."""
 
-    inductor: bool = False
+    inductor: bool | Literal["auto"] = "auto"
     """Hand the final graph (each pipeline stage's on its own) to ``torch.compile``'s Inductor,
-    which fuses the dense ops between moec's; the ``moec::`` ops stay opaque calls. Off by
-    default until it measures faster on the GPU (benchmarks/e2e.py)."""
+    which fuses the dense ops between moec's; the ``moec::`` ops stay opaque calls. ``auto``
+    (the default): on for a program that runs on CUDA, where it measured faster at small and
+    large shapes (benchmarks/RESULTS.md), unless the plan runs the shared expert on a side
+    stream or shards parameters (FSDP: not measured with Inductor); off on the CPU, where
+    compiling costs more than the fusion saves. :meth:`Plan.lowers_to_inductor` decides."""
     attention: Attention = "auto"
     """The backend ``scaled_dot_product_attention`` tries first: ``auto`` keeps torch's order;
     ``cudnn`` / ``flash`` / ``efficient`` / ``math`` go first, then the others (an attention
@@ -297,13 +300,14 @@ class LoweringPlan:
     (benchmarks/moe_layer.py)."""
     shared_expert_stream: bool = False
     """Run each MoE layer's shared expert on a second CUDA stream, beside the routed experts
-    (pass ``shared_stream``); its backward follows on that stream. Not with ``inductor`` (which
-    traces the graph whole) or FSDP sharding (whose gradient hooks assume one stream). Off by
-    default until it measures faster on the GPU (benchmarks/e2e.py --shared-stream)."""
+    (pass ``shared_stream``); its backward follows on that stream. Not with ``inductor: true``
+    (which traces the graph whole; ``auto`` then runs the program eagerly) or FSDP sharding
+    (whose gradient hooks assume one stream). Off: it measured within noise of the default on
+    an H200 (benchmarks/RESULTS.md)."""
 
     def validate(self) -> None:
         _require(
-            not (self.shared_expert_stream and self.inductor),
+            not (self.shared_expert_stream and self.inductor is True),
             "lowering.shared_expert_stream",
             self.shared_expert_stream,
             "false when lowering.inductor is true: Inductor compiles the graph whole and "
@@ -324,6 +328,17 @@ class Plan:
 
     def __post_init__(self) -> None:
         self.validate()
+
+    def lowers_to_inductor(self, device_type: str) -> bool:
+        """Whether the program, run on a ``device_type`` device, goes through Inductor
+        (``lowering.inductor``; ``auto`` as its docstring says)."""
+        if self.lowering.inductor != "auto":
+            return self.lowering.inductor
+        return (
+            device_type == "cuda"
+            and not self.lowering.shared_expert_stream
+            and self.parallel.dp_shard == 1
+        )
 
     def validate(self) -> None:
         for section in _SECTIONS:

@@ -48,12 +48,33 @@ def test_inductor_program_equals_eager_forward_and_backward():
 
 
 def test_the_lowered_program_is_compiled_once_per_graph():
-    graphs = InductorGraphs()
     _, lowered = _pair(PLAN, PLAN)
+    graphs = InductorGraphs(lowered.plan)
     graph = lowered.program.graph
-    assert graphs(graph) is graphs(graph)
+    assert graphs.compiled(graph) is graphs.compiled(graph)
     other = copy.deepcopy(graph)
-    assert graphs(other) is not graphs(graph)
+    assert graphs.compiled(other) is not graphs.compiled(graph)
+
+
+def test_auto_lowers_to_inductor_on_cuda_only_where_the_plan_allows():
+    auto = moec.Plan.from_dict(PLAN)
+    assert auto.lowering.inductor == "auto"  # the default
+    assert auto.lowers_to_inductor("cuda") and not auto.lowers_to_inductor("cpu")
+    side_stream = moec.Plan.from_dict({**PLAN, "lowering": {"shared_expert_stream": True}})
+    assert not side_stream.lowers_to_inductor("cuda")
+    sharded = moec.Plan.from_dict({**PLAN, "parallel": {"dp": 2, "dp_shard": 2}})
+    assert not sharded.lowers_to_inductor("cuda")
+    forced = moec.Plan.from_dict(INDUCTOR)
+    assert forced.lowers_to_inductor("cpu") and forced.lowers_to_inductor("cuda")
+    off = moec.Plan.from_dict({**PLAN, "lowering": {"inductor": False}})
+    assert not off.lowers_to_inductor("cuda")
+
+
+def test_auto_runs_the_graph_itself_on_the_cpu():
+    _, model = _pair(PLAN, PLAN)
+    graph = model.program.graph
+    assert InductorGraphs(model.plan)(graph, [tokens()]) is graph
+    assert InductorGraphs(moec.Plan.from_dict(INDUCTOR))(graph, [tokens()]) is not graph
 
 
 def test_attention_backend_goes_first_while_the_program_runs():

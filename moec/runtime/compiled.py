@@ -86,8 +86,8 @@ class CompiledModel(nn.Module):
         """Set by :mod:`moec.runtime.profiling` while a profile window is open: the graph runs
         through this rewrite (its block and op ranges), made once per graph."""
         self._initialize = initialize
-        self._inductor = InductorGraphs() if plan.lowering.inductor else None
-        """``plan.lowering.inductor``: each graph run through Inductor (:mod:`.lowering`)."""
+        self._lowering = InductorGraphs(plan)
+        """``plan.lowering.inductor``: what runs each graph (:mod:`.lowering`)."""
         if program is not None:
             self._adopt(program)
 
@@ -146,7 +146,7 @@ class CompiledModel(nn.Module):
         if self.working_weights is not None:
             self.working_weights.refresh()
         graph = self._graph()
-        run = graph if self._inductor is None else self._inductor(graph)
+        run = self._lowering(graph, flat)
         with program_context(self.plan, flat):
             outputs = run(*flat)
         self.aux_outputs = dict(zip(sig.aux_outputs, outputs[sig.num_user_outputs :]))
@@ -211,8 +211,7 @@ class CompiledModel(nn.Module):
             )
         state = self.__dict__.copy()
         state.update(_variants={}, aux_outputs={}, working_weights=None, instrument=None)
-        if self._inductor is not None:  # compiled code does not pickle: compiled again on load
-            state["_inductor"] = InductorGraphs()
+        state["_lowering"] = InductorGraphs(self.plan)  # compiled code does not pickle
         # the passes' reports hold their intermediate graphs: not part of the trained model
         state["program"] = dataclasses.replace(self.program, pass_results={})
         return state

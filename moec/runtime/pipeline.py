@@ -235,7 +235,7 @@ class StageModule(nn.Module):
         self.side_inputs = [graph_input_key(i) for i in side_inputs]
         self.aux_outputs: dict[tuple[str, str], torch.Tensor] = {}
         self.meter: SavedTensorMeter | None = None
-        self._inductor = InductorGraphs() if plan.lowering.inductor else None
+        self._lowering = InductorGraphs(plan)
 
     def forward(self, *received: torch.Tensor, **graph_inputs: torch.Tensor) -> Any:
         acc = None
@@ -244,12 +244,7 @@ class StageModule(nn.Module):
         args = [*received, *(graph_inputs[key] for key in self.side_inputs)]
         with self.meter.track() if self.meter else contextlib.nullcontext():
             with program_context(self.plan, args):
-                run = (
-                    self.graph_module
-                    if self._inductor is None
-                    else (self._inductor(self.graph_module))
-                )
-                outputs = run(*args)
+                outputs = self._lowering(self.graph_module, args)(*args)
             sig = self.program.signature
             sends = list(outputs[: sig.num_user_outputs])
             aux = dict(zip(sig.aux_outputs, outputs[sig.num_user_outputs :]))
