@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch.nn.attention import SDPBackend
 
@@ -95,3 +96,52 @@ def test_attention_backend_goes_first_while_the_program_runs():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for g, w in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+def _no_compile(gm: torch.fx.GraphModule, example_inputs) -> None:
+    raise RuntimeError("this backend compiles nothing")
+
+
+def _forward_only(gm: torch.fx.GraphModule, example_inputs):
+    from functorch.compile import make_boxed_func
+
+    return make_boxed_func(gm.forward)
+
+
+def _graph_and_inputs():
+    graph = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()))
+    return graph, [torch.randn(4, 8, requires_grad=True)]
+
+
+def _plan(inductor, monkeypatch) -> moec.Plan:
+    plan = moec.Plan.from_dict({"lowering": {"inductor": inductor}})
+    monkeypatch.setattr(plan, "lowers_to_inductor", lambda device_type: True)  # CPU as CUDA
+    return plan
+
+
+@pytest.mark.parametrize("fails", ["forward", "backward"])
+def test_auto_runs_a_graph_eagerly_where_it_fails_to_compile(monkeypatch, fails):
+    """Under ``auto`` a compile failure warns and the graph runs eagerly, now and later; a
+    backward that fails to compile fails in the forward call, before a compiled forward ran."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    backend = _no_compile
+    if fails == "backward":
+        backend = aot_autograd(fw_compiler=_forward_only, bw_compiler=_no_compile)
+    graph, inputs = _graph_and_inputs()
+    graphs = InductorGraphs(_plan("auto", monkeypatch), backend=backend)
+    with pytest.warns(UserWarning, match="runs eagerly"):
+        out = graphs(graph, inputs)(*inputs)
+    torch.testing.assert_close(out, graph(*inputs))
+    out.sum().backward()
+    assert inputs[0].grad is not None
+    assert graphs(graph, inputs) is graph
+
+
+def test_forced_inductor_raises_the_compile_failure(monkeypatch):
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    graph, inputs = _graph_and_inputs()
+    graphs = InductorGraphs(_plan(True, monkeypatch), backend=_no_compile)
+    with pytest.raises(BackendCompilerFailed, match="compiles nothing"):
+        graphs(graph, inputs)(*inputs)

@@ -12,15 +12,24 @@ pipeline stage is compiled on its own.
 Sizes: the first call specializes on its shapes; a call with another batch or sequence length
 recompiles once with those dimensions symbolic (``dynamic=None``), after which any size runs
 without recompiling.
+
+Failures: under ``inductor: auto`` a graph Inductor fails to compile (forward or backward: the
+backward is compiled with the forward, so its failure surfaces there too) runs eagerly from
+then on, with a warning naming the graph and the error; ``inductor: true`` raises it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch._functorch.config
 from torch import fx
+from torch._dynamo.exc import BackendCompilerFailed
 
 if TYPE_CHECKING:
     from moec.plan import Plan
@@ -32,25 +41,61 @@ class InductorGraphs:
     Inductor-compiled form, made once per graph object (a new graph, e.g. a mode variant rebuilt
     after ``.to()``, is compiled anew)."""
 
-    def __init__(self, plan: Plan) -> None:
+    def __init__(self, plan: Plan, backend: str | Callable[..., Any] = "inductor") -> None:
         self.plan = plan
+        self.backend = backend
+        """``torch.compile``'s backend (tests pass one that fails)."""
         self._compiled: dict[int, tuple[fx.GraphModule, Callable[..., Any]]] = {}
 
     def __call__(self, graph: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
         if not self.plan.lowers_to_inductor(device_type(inputs)):
             return graph
-        return self.compiled(graph)
+        compiled = self.compiled(graph)
+        if compiled is graph or self.plan.lowering.inductor is True:
+            return compiled
+        return functools.partial(self._or_eager, graph, compiled)
 
     def compiled(self, graph: fx.GraphModule) -> Callable[..., Any]:
-        """``graph``'s Inductor-compiled form."""
+        """``graph``'s Inductor-compiled form (the graph itself once compiling it failed)."""
         held = self._compiled.get(id(graph))
         if held is None or held[0] is not graph:
-            held = (graph, torch.compile(graph, backend="inductor", dynamic=None))
+            held = (graph, torch.compile(graph, backend=self.backend, dynamic=None))
             self._compiled[id(graph)] = held
         return held[1]
 
+    def _or_eager(self, graph: fx.GraphModule, compiled: Callable[..., Any], *args: Any) -> Any:
+        """``compiled(*args)``; where compiling fails, a warning, and ``graph`` runs instead,
+        now and from then on."""
+        try:
+            with _backward_compiled_with_forward():
+                return compiled(*args)
+        except BackendCompilerFailed as error:
+            warnings.warn(
+                f"moec: Inductor could not compile the program's graph ({_first_line(error)}); "
+                "it runs eagerly. Set plan.lowering.inductor to false to skip the attempt, or "
+                "to true to raise the error",
+                stacklevel=2,
+            )
+            self._compiled[id(graph)] = (graph, graph)
+            return graph(*args)
+
     def clear(self) -> None:
         self._compiled.clear()
+
+
+def _backward_compiled_with_forward() -> contextlib.AbstractContextManager[Any]:
+    """AOTAutograd compiles the backward with the forward, so a backward that Inductor cannot
+    compile fails in the forward call (by default it would fail in the first backward, after
+    the compiled forward ran)."""
+    config = torch._functorch.config
+    if not hasattr(config, "force_non_lazy_backward_lowering"):
+        return contextlib.nullcontext()
+    return config.patch(force_non_lazy_backward_lowering=True)
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
 def device_type(inputs: Sequence[Any]) -> str:
