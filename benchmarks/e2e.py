@@ -47,6 +47,7 @@ import contextlib
 import functools
 import gc
 import json
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -293,7 +294,11 @@ def measure(
     step_ms = marks.step_ms()
     peak = bf16_peak_tflops(device)
     trail = " ".join(f"{ms:.0f}" for ms in warmup_ms + step_ms)
-    print(f"{name}: {seconds:.4f} s/step (ms per step, warm-up then timed: {trail})", flush=True)
+    median = f", median {statistics.median(step_ms):.1f} ms" if step_ms else ""
+    print(
+        f"{name}: {seconds:.4f} s/step{median} (ms per step, warm-up then timed: {trail})",
+        flush=True,
+    )
     drop_rate = None if drops is None else drops()
     if drops is not None:
         rates = " ".join(f"{100 * r:.0f}" for r in [*warmup_drops, drop_rate])
@@ -308,6 +313,7 @@ def measure(
         "step_s": seconds,
         "warmup_step_ms": warmup_ms,
         "timed_step_ms": step_ms,
+        "median_step_ms": statistics.median(step_ms) if step_ms else None,
         "tokens_per_s": tokens / seconds,
         "useful_mfu": useful_mfu(flops, seconds, 1, peak),
         "loss": final,
