@@ -278,8 +278,9 @@ class LoweringPlan:
     """Hand the final graph (each pipeline stage's on its own) to ``torch.compile``'s Inductor,
     which fuses the dense ops between moec's; the ``moec::`` ops stay opaque calls. ``auto``
     (the default): on for a program that runs on CUDA, where it measured faster at small and
-    large shapes (benchmarks/RESULTS.md), unless the plan runs the shared expert on a side
-    stream or shards parameters (FSDP: not measured with Inductor); off on the CPU, where
+    large shapes and at EP = 2 (benchmarks/RESULTS.md), unless the plan runs the shared expert
+    on a side stream, shards parameters (FSDP) or pipelines the program (neither measured with
+    Inductor); off on the CPU, where
     compiling costs more than the fusion saves; a graph Inductor fails to compile then runs
     eagerly, with a warning (``true`` raises the error). :meth:`Plan.lowers_to_inductor`
     decides."""
@@ -340,6 +341,7 @@ class Plan:
             device_type == "cuda"
             and not self.lowering.shared_expert_stream
             and self.parallel.dp_shard == 1
+            and self.parallel.pp == 1
         )
 
     def validate(self) -> None:

@@ -65,6 +65,8 @@ def test_auto_lowers_to_inductor_on_cuda_only_where_the_plan_allows():
     assert not side_stream.lowers_to_inductor("cuda")
     sharded = moec.Plan.from_dict({**PLAN, "parallel": {"dp": 2, "dp_shard": 2}})
     assert not sharded.lowers_to_inductor("cuda")
+    pipelined = moec.Plan.from_dict({**PLAN, "parallel": {"pp": 2, "microbatches": 2}})
+    assert not pipelined.lowers_to_inductor("cuda")
     forced = moec.Plan.from_dict(INDUCTOR)
     assert forced.lowers_to_inductor("cpu") and forced.lowers_to_inductor("cuda")
     off = moec.Plan.from_dict({**PLAN, "lowering": {"inductor": False}})
