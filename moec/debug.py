@@ -12,8 +12,9 @@
     out_dir/NN_<stage>/stats.json   nodes, parameters, active parameters, FLOPs/token, pass stats
 
 and, after the compile, ``dump.write_repro(compiled, args, kwargs)`` adds ``out_dir/repro.py``:
-the final program as a standalone script with random weights (see :mod:`moec.repro`); with
-``plan.lowering.inductor``, ``dump.write_lowered(compiled, args, kwargs)`` adds
+the final program as a standalone script with random weights (see :mod:`moec.repro`); where the
+plan lowers to Inductor on the inputs' device (``plan.lowering.inductor``: ``auto`` on CUDA, or
+``true``), ``dump.write_lowered(compiled, args, kwargs)`` adds
 ``out_dir/lowered/``: Inductor's trace of one step (``output_code.py`` per compiled graph).
 
 With ``print_after_all=True`` (``moec debug --print-after-all``) the code, op table, diff and
@@ -137,11 +138,11 @@ class DebugDump:
         )
 
     def write_lowered(self, compiled: Any, args: tuple, kwargs: dict) -> Path | None:
-        """With ``plan.lowering.inductor``: ``out_dir/lowered/``, Inductor's trace of one
-        forward and backward of ``compiled`` on the example inputs (per compiled graph: the
-        FX graph it was given, its IR before and after fusion, and ``output_code.py``, the
-        generated program); None without an output directory, without the lowering, or when the
-        step failed (logged)."""
+        """Where the plan lowers to Inductor on the inputs' device: ``out_dir/lowered/``,
+        Inductor's trace of one forward and backward of ``compiled`` on the example inputs (per
+        compiled graph: the FX graph it was given, its IR before and after fusion, and
+        ``output_code.py``, the generated program); None without an output directory, without
+        the lowering, or when the step failed (logged)."""
         if self.out is None or not self.plan.lowers_to_inductor(device_type(args)):
             return None
         return self._safely("lowered", lambda: self._trace_lowered(compiled, args, kwargs))
