@@ -49,7 +49,9 @@ for stage in "$@"; do
     pp) single=$([ -f "$OUT/e2e.json" ] && echo "--single $OUT/e2e.json")
       timeout $STAGE_LIMIT $RUN benchmarks/scaling.py --pp $GPUS --microbatches 4 8 16 --sync-trace $single --json "$OUT/pp.json" ;;
     ep-no-inductor) single=$([ -f "$OUT/e2e.json" ] && echo "--single $OUT/e2e.json")
-      timeout $STAGE_LIMIT $RUN benchmarks/scaling.py --ep $GPUS --path rowwise --no-inductor $single --json "$OUT/ep_no_inductor.json" ;;
+      timeout $STAGE_LIMIT $RUN benchmarks/scaling.py --ep $GPUS --path rowwise --inductor false $single --json "$OUT/ep_no_inductor.json" ;;
+    pp-inductor) single=$([ -f "$OUT/e2e.json" ] && echo "--single $OUT/e2e.json")
+      timeout $STAGE_LIMIT $RUN benchmarks/scaling.py --pp $GPUS --microbatches 8 --inductor true $single --json "$OUT/pp_inductor.json" ;;
     overlap) timeout $STAGE_LIMIT $RUN benchmarks/ep.py --overlap --paths rowwise,a2a_capacity --iters 20 --steps 5 --kernels 8 --json "$OUT/ep_overlap.json" ;;
     pp-timeline) single=$([ -f "$OUT/e2e.json" ] && echo "--single $OUT/e2e.json")
       timeout $STAGE_LIMIT $RUN benchmarks/scaling.py --pp $GPUS --microbatches 16 --timeline "$OUT/tl" --kernels "$OUT/k" $single --json "$OUT/pp_timeline.json" ;;

@@ -7,8 +7,8 @@ efficiency against a single-GPU run of the same model (Table 51).
     ... --pp 2 --schedule interleaved_1f1b      # or zbv / dualpipev (2 stages per rank)
     ... --single results.json     # benchmarks/e2e.py --json output: prints the efficiency
     ... --sync-trace              # where each host sync of one steady step comes from
-    ... --no-inductor             # plan.lowering.inductor false (on CUDA the default compiles
-                                  # the program, or each stage, with Inductor)
+    ... --inductor auto|true|false  # plan.lowering.inductor (auto, the default: Inductor on CUDA
+                                    # except for pipelines; true compiles each stage too)
     ... --timeline PREFIX         # one profiled step per rank: where its GPU idles (JSON)
 
 ``pp = 1``: the Trainer (data + expert parallel, dp = world, each rank 3 sequences of 8192 per
@@ -58,6 +58,10 @@ from moec.train import LanguageModelWithLoss, TrainConfig, Trainer
 
 ONE_STAGE_PER_RANK = ("gpipe", "1f1b")
 ZERO_BUBBLE = V_SHAPED
+
+
+INDUCTOR_CHOICES: dict[str, bool | str] = {"auto": "auto", "true": True, "false": False}
+"""``--inductor`` -> ``plan.lowering.inductor``."""
 
 
 def parallel_plan(
@@ -435,9 +439,10 @@ def main() -> None:
         "--sync-trace", action="store_true", help="print where each rank's host syncs come from"
     )
     parser.add_argument(
-        "--no-inductor",
-        action="store_true",
-        help="plan.lowering.inductor false (the default compiles each stage on CUDA)",
+        "--inductor",
+        choices=list(INDUCTOR_CHOICES),
+        default="auto",
+        help="plan.lowering.inductor (auto: Inductor on CUDA except for pipelines)",
     )
     parser.add_argument(
         "--kernels",
@@ -474,7 +479,7 @@ def main() -> None:
                 fused_loss=not args.unfused_loss,
                 trace=args.sync_trace,
                 schedule=args.schedule,
-                inductor=False if args.no_inductor else "auto",
+                inductor=INDUCTOR_CHOICES[args.inductor],
                 kernels=args.kernels,
                 timeline=args.timeline,
             )
