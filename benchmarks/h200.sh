@@ -23,6 +23,12 @@ OUT=${OUT:-/tmp/moec_out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/device.txt"
+# SM clock, power and temperature every 200 ms while the stages run (slow steps that come with
+# clock dips under the power cap show there); summarised at the end over the busy samples
+nvidia-smi --query-gpu=index,timestamp,clocks.sm,power.draw,temperature.gpu \
+  --format=csv,noheader,nounits -lms 200 > "$OUT/clocks.csv" 2>/dev/null &
+CLOCKS=$!
+trap 'kill $CLOCKS 2>/dev/null' EXIT
 for stage in "$@"; do
   start=$(date +%s)
   case $stage in
@@ -81,3 +87,7 @@ for stage in "$@"; do
   echo "== $stage rc=$? $(( $(date +%s) - start ))s"
   tail -n 25 "$OUT/$stage.log"
 done
+kill $CLOCKS 2>/dev/null
+awk -F', ' '$4 > 300 {n++; c=$3; p=$4; if (n == 1 || c < lo) lo = c; if (c > hi) hi = c;
+  if (p > pmax) pmax = p} END {if (n) printf "SM clock while busy (> 300 W) %d-%d MHz, power up to %.0f W (%d samples)\n",
+  lo, hi, pmax, n}' "$OUT/clocks.csv"
