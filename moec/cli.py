@@ -34,6 +34,7 @@ from moec.models.zoo import SHORT_NAMES, load_model
 from moec.passes.manager import pipeline_string, select
 from moec.plan import Plan
 from moec.program import EPGroup
+from moec.train.config import TrainConfig
 
 
 def _console() -> Console:
@@ -398,6 +399,17 @@ def _add_data_and_trainer_arguments(train: argparse.ArgumentParser) -> None:
         "--prefetch", type=int, default=2, help="batches loaded ahead in a background thread"
     )
     trainer = train.add_argument_group("trainer")
+    trainer.add_argument(
+        "--lr",
+        type=float,
+        default=TrainConfig.lr,
+        help="peak learning rate of the warmup-stable-decay schedule (the benchmarks train at "
+        "1e-4: at high rates the router can collapse onto few experts)",
+    )
+    trainer.add_argument(
+        "--warmup-steps", type=int, default=TrainConfig.warmup_steps, help="linear warmup steps"
+    )
+    trainer.add_argument("--weight-decay", type=float, default=TrainConfig.weight_decay)
     trainer.add_argument(
         "--batch-warmup",
         metavar="B:STEP,...",

@@ -129,12 +129,27 @@ def test_compile_of_an_expert_parallel_plan_without_a_mesh_says_how_to_launch():
 
 @pytest.mark.parametrize(
     "flags, named",
-    [(["--batch-size", "0"], "--batch-size"), (["--steps", "0"], "--steps")],
+    [
+        (["--batch-size", "0"], "--batch-size"),
+        (["--steps", "0"], "--steps"),
+        (["--lr", "0"], "--lr"),
+        (["--lr", "nan"], "--lr"),
+        (["--warmup-steps", "-1"], "--warmup-steps"),
+        (["--weight-decay", "-0.1"], "--weight-decay"),
+    ],
 )
 def test_bad_train_flags_are_one_line(tmp_path, capsys, flags, named):
     args = ["train", "--steps", "1", "--synthetic", "--out", str(tmp_path / "run")]
     assert main([*args, *flags]) == 2
     assert named in _error_line(capsys)
+
+
+@pytest.mark.parametrize("field, value", [("min_lr_ratio", 1.5), ("decay_fraction", -0.1)])
+def test_schedule_fractions_out_of_range_name_the_field(field, value):
+    from moec.train.config import TrainConfig, TrainConfigError
+
+    with pytest.raises(TrainConfigError, match=rf"TrainConfig\.{field} = {value}: must be in"):
+        TrainConfig(**{field: value})
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

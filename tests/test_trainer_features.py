@@ -211,6 +211,9 @@ def test_moec_train_flags_reach_the_config(tmp_path, monkeypatch):
             "--spike-min-steps", "32",
             "--z-loss", "1e-4",
             "--no-decay", "embeddings,norms,lm_head",
+            "--lr", "2e-4",
+            "--warmup-steps", "5",
+            "--weight-decay", "0.01",
         ]
     )  # fmt: skip
     args.func(args)
@@ -220,3 +223,4 @@ def test_moec_train_flags_reach_the_config(tmp_path, monkeypatch):
     assert cfg.batch_warmup == ((4, 0), (8, 10))
     assert (cfg.spike_sigma, cfg.spike_window, cfg.spike_min_steps) == (6.0, 64, 32)
     assert cfg.z_loss == 1e-4 and cfg.no_decay == ("embeddings", "norms", "lm_head")
+    assert (cfg.lr, cfg.warmup_steps, cfg.weight_decay) == (2e-4, 5, 0.01)

@@ -107,6 +107,9 @@ def cli_train(args) -> int:
         z_loss=args.z_loss,
         no_decay=args.no_decay,
         profile=args.profile,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        weight_decay=args.weight_decay,
     )
     torch.manual_seed(cfg.seed)  # the model's initialisation is part of the run
     # from a checkpoint or fresh, the model is built on shapes: each rank builds only its part

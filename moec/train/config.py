@@ -120,6 +120,7 @@ class TrainConfig:
             "keep_checkpoints": 1,
             "max_nonfinite_steps": 1,
             "warmup_log_steps": 0,
+            "warmup_steps": 0,
         }
         for name, minimum in at_least.items():
             value = getattr(self, name)
@@ -154,10 +155,16 @@ class TrainConfig:
             raise TrainConfigError(
                 f"{flag_of('spike_window')} = {self.spike_window!r}: must be an integer >= 2"
             )
-        for name in ("spike_sigma", "z_loss"):
+        for name in ("spike_sigma", "z_loss", "weight_decay"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise TrainConfigError(f"{flag_of(name)} = {value!r}: must be a number >= 0")
+        if not isinstance(self.lr, (int, float)) or not math.isfinite(self.lr) or self.lr <= 0:
+            raise TrainConfigError(f"{flag_of('lr')} = {self.lr!r}: must be a number > 0")
+        for name in ("min_lr_ratio", "decay_fraction"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0 <= value <= 1:
+                raise TrainConfigError(f"{flag_of(name)} = {value!r}: must be in [0, 1]")
         if isinstance(self.no_decay, str):
             self.no_decay = tuple(k.strip() for k in self.no_decay.split(",") if k.strip())
         unknown = [k for k in self.no_decay if k not in NO_DECAY_KINDS]
@@ -174,7 +181,7 @@ _CLI_FIELDS = frozenset(
     "steps batch_size seq_len log_every checkpoint_every keep_checkpoints on_checkpoint_error "
     "device seed init_from max_nonfinite_steps memory_limit_gib profile data data_dtype tokenizer "
     "text_column prefetch batch_warmup spike_sigma spike_window spike_min_steps z_loss "
-    "no_decay".split()
+    "no_decay lr warmup_steps weight_decay".split()
 )
 """TrainConfig fields that ``moec train`` sets from a flag of the same name."""
 
