@@ -6,10 +6,12 @@
 #   bash benchmarks/h200.sh e2e-moec pp ep-no-inductor overlap     # PP sweep, EP without Inductor, overlap
 #   bash benchmarks/h200.sh attention e2e-moec pp-timeline plan-search-pp plan-search
 #   bash benchmarks/h200.sh new-gpu-tests e2e-equal-lr profile-vs-compiled  # #20's honest gap
-#   bash benchmarks/h200.sh wheel-part          # a call carrying one part of a split wheel (.whl-parts)
-#   bash benchmarks/h200.sh wheels cute-tests cute-gemm cute-layer   # the next, carrying .whl and
-#                                               # the last part: quack-kernels + the CuTe DSL
-# (../shared/tools/device-wheels .whl prepares .whl and .whl-parts; the calls go back to back)
+#   bash benchmarks/h200.sh wheel-part          # a call carrying the split wheel's first part (.wpa)
+#   bash benchmarks/h200.sh wheels cute-e2e cute-layer   # the next, carrying .whl and the last
+#                                               # part (.wpb): quack-kernels + the CuTe DSL
+# (../shared/tools/device-wheels .whl prepares .whl and .whl-parts; one call carries at most
+# 64 MiB, so move the .part.aa file into .wpa/ and .part.ab into .wpb/; the two calls go back to
+# back, within the 30 s the machine stays warm)
 # Stages run in the order given; a failing stage is logged and the next one still runs; each is
 # killed after $STAGE_LIMIT seconds (a hung collective must not eat the session).
 set -u
@@ -68,12 +70,13 @@ for stage in "$@"; do
     attention) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 6 --warmup 4 --attention cudnn --baselines compiled-bf16 --json "$OUT/e2e_attention.json" ;;
     scale) timeout $STAGE_LIMIT $RUN benchmarks/scale.py upcycle --json "$OUT/scale_upcycle.json" ;;
     ddp-fsdp) timeout $STAGE_LIMIT $RUN benchmarks/scale.py ddp-vs-fsdp --json "$OUT/ddp_fsdp.json" ;;
-    wheel-part) mkdir -p ~/wheelparts && cp -v .whl-parts/* ~/wheelparts/ ;;
-    wheels) cp -v .whl-parts/* ~/wheelparts/ 2>/dev/null
+    wheel-part) mkdir -p ~/wheelparts && cp -v .whl-parts/* .wp?/* ~/wheelparts/ 2>/dev/null ;;
+    wheels) mkdir -p ~/wheelparts && cp -v .whl-parts/* .wp?/* ~/wheelparts/ 2>/dev/null
       for w in $(ls ~/wheelparts | sed 's/\.part\...$//' | sort -u); do
         cat ~/wheelparts/"$w".part.* > /tmp/"$w"; done
-      python3 -m pip install -q --no-index --no-deps /tmp/*.whl $(ls .whl/*.whl | grep -v torchao) &&
-        python3 -c "import cutlass, quack; print('quack', quack.__version__, cutlass.__file__)" ;;
+      # the interpreter of the stages: a bare `pip` there installs for another one
+      python -m pip install -q --no-index --no-deps /tmp/*.whl $(ls .whl/*.whl | grep -v torchao) &&
+        python -c "import cutlass, quack; print('quack', quack.__version__, cutlass.__file__)" ;;
     cute-tests) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_kernels_ops.py -k "cute or layer_step" ;;
     cute-gemm) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/grouped_gemm.py --m 1024 4096 32768 131072 --json "$OUT/gg_cute.json" ;;
     cute-e2e) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --moec-only --steps 8 --warmup 6 --json "$OUT/e2e_cute.json" ;;
