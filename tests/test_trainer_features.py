@@ -190,6 +190,14 @@ def test_z_loss_trains_and_is_noted_with_the_fused_loss(tmp_path, capsys):
     assert all(math.isfinite(v) for v in result.losses)
 
 
+def test_the_inductor_lowering_is_announced_where_it_runs(tmp_path, capsys):
+    lowered = Plan.from_dict({**PLAN, "lowering": {"inductor": True}})
+    Trainer(tiny_llama(), lowered, _cfg(tmp_path / "lowered", steps=1))
+    assert "runs through Inductor" in capsys.readouterr().err
+    Trainer(tiny_llama(), Plan.from_dict(PLAN), _cfg(tmp_path / "auto", steps=1))  # auto: CPU
+    assert "Inductor" not in capsys.readouterr().err
+
+
 def test_moec_train_flags_reach_the_config(tmp_path, monkeypatch):
     import moec.train.cli as train_cli
     from moec.cli import build_parser

@@ -167,6 +167,12 @@ class Trainer:
         )
         if plan.lowering.cuda_graph and graph_off:
             self._say(f"note: lowering.cuda_graph: the step is not captured: {graph_off}")
+        if plan.lowers_to_inductor(self.device.type):
+            self._say(
+                f"note: lowering.inductor ({plan.lowering.inductor}): the program runs through "
+                "Inductor, which compiles it during the first step (tens of seconds on a large "
+                "model); lowering.inductor: false runs it eagerly"
+            )
         self.optimizer = AdamW(
             parameter_groups(self.compiled, cfg.weight_decay, cfg.no_decay),
             lr=cfg.lr,
