@@ -1,5 +1,6 @@
 """Tiny models shared by the tests."""
 
+import pytest
 import torch
 import transformers as tf
 
@@ -90,6 +91,24 @@ def assert_same_grads(got: dict, want: dict, atol: float, rtol: float) -> None:
 
 def tokens(batch: int = 2, seq: int = 16) -> torch.Tensor:
     return torch.randint(0, 256, (batch, seq))
+
+
+def rewrite_reference(compile_without_pass, pass_name: str):
+    """(model, tokens, (loss, gradients)) for a tiny Llama compiled by ``compile_without_pass``
+    (model, ids) -> compiled: what a value-keeping rewrite ``pass_name`` is compared against."""
+    torch.manual_seed(0)
+    model, ids = tiny_llama(layers=2), tokens(batch=2, seq=16)
+    base = compile_without_pass(model, ids)
+    assert pass_name not in base.pass_results
+    return model, ids, loss_and_grads(base, ids)
+
+
+def assert_same_work(compiled, other) -> None:
+    """The cost model counts the same training FLOPs for both programs."""
+    from moec.analysis.cost import graph_cost
+
+    flops = [graph_cost(c.program).evaluate().train_flops for c in (compiled, other)]
+    assert flops[0] == pytest.approx(flops[1])
 
 
 def compile_without(model, args: tuple, plan, skipped: str | None):

@@ -16,11 +16,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import moec.ops  # noqa: F401  (registers torch.ops.moec)
-from moec.analysis.cost import graph_cost
 from moec.ops.experts import expert_mlp_reference
 from moec.ops.gathered_experts import row_sources
 from moec.ops.routing import assign_rows
-from tests.models import assert_same_grads, loss_and_grads, tiny_llama, tokens
+from tests.models import assert_same_grads, assert_same_work, loss_and_grads, rewrite_reference
 
 ops = torch.ops.moec
 TOKENS, TOP_K, DIM, EXPERTS, HIDDEN = 24, 3, 16, 6, 12
@@ -166,13 +165,9 @@ def _compiled(model, ids, gather_up: bool, recompute: str):
 
 @pytest.fixture(scope="module")
 def llama_case():
-    """A tiny Llama, its tokens, and the loss and gradients of its compile without the pass
-    (the reference for recompute too: recompute keeps gradients, tests/test_recompute.py)."""
-    torch.manual_seed(0)
-    model, ids = tiny_llama(layers=2), tokens(batch=2, seq=16)
-    base = _compiled(model, ids, False, "none")
-    assert "gather_up" not in base.pass_results
-    return model, ids, loss_and_grads(base, ids)
+    """The reference without the pass (for recompute too: recompute keeps gradients,
+    tests/test_recompute.py)."""
+    return rewrite_reference(lambda model, ids: _compiled(model, ids, False, "none"), "gather_up")
 
 
 @pytest.mark.parametrize("recompute", ["none", "block"])
@@ -183,10 +178,7 @@ def test_tiny_llama_same_loss_and_gradients_with_gather_up(llama_case, recompute
     assert stats["fused"] == 1 and stats["in_regions"] == (recompute != "none")
     got_loss, got = loss_and_grads(gathered, ids)
     torch.testing.assert_close(got_loss, want_loss, atol=1e-6, rtol=1e-6)
-    base = _compiled(model, ids, False, recompute)  # the cost model counts the same work
-    assert graph_cost(gathered.program).evaluate().train_flops_per_token == pytest.approx(
-        graph_cost(base.program).evaluate().train_flops_per_token
-    )
+    assert_same_work(gathered, _compiled(model, ids, False, recompute))
     assert_same_grads(got, want, atol=1e-6, rtol=1e-5)
 
 

@@ -14,12 +14,18 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import moec
-from moec.analysis.cost import graph_cost
 from moec.fx import ancestors, node_order
 from moec.ops.side_stream import side_stream_enter, side_stream_join, side_stream_leave
 from moec.passes.shared_stream import shared_expert_nodes
 from moec.plan import Plan, PlanError
-from tests.models import assert_same_grads, loss_and_grads, tiny_llama, tokens
+from tests.models import (
+    assert_same_grads,
+    assert_same_work,
+    loss_and_grads,
+    rewrite_reference,
+    tiny_llama,
+    tokens,
+)
 
 CALLS = (side_stream_enter, side_stream_leave, side_stream_join)
 
@@ -37,11 +43,7 @@ def compile_shared(model, ids, on: bool, recompute: str = "none", dtype: str = "
 
 @pytest.fixture(scope="module")
 def llama_case():
-    torch.manual_seed(0)
-    model, ids = tiny_llama(layers=2), tokens(batch=2, seq=16)
-    base = compile_shared(model, ids, False, "none")
-    assert "shared_stream" not in base.pass_results
-    return model, ids, loss_and_grads(base, ids)
+    return rewrite_reference(lambda model, ids: compile_shared(model, ids, False), "shared_stream")
 
 
 def _graph_with_calls(compiled) -> fx.Graph:
@@ -82,10 +84,7 @@ def test_the_shared_expert_sits_between_enter_and_leave_and_values_stay(llama_ca
     assert order[leave] < order[routed] < order[join] < order[total]  # routed work in between
     assert total.args[0].args[0] is join
 
-    base = compile_shared(model, ids, False, recompute)  # the cost model counts the same work
-    assert graph_cost(streamed.program).evaluate().train_flops == pytest.approx(
-        graph_cost(base.program).evaluate().train_flops
-    )
+    assert_same_work(streamed, compile_shared(model, ids, False, recompute))
     got_loss, got = loss_and_grads(streamed, ids)
     torch.testing.assert_close(got_loss, want_loss, atol=0, rtol=0)
     assert_same_grads(got, want, atol=0, rtol=0)
