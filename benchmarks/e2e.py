@@ -415,33 +415,17 @@ def main() -> None:
     )
     trainer = Trainer(dense_model(s), moe_plan(s), cfg)
     flops = trainer.train_flops_per_token * tokens
-    results = [
-        measure(
-            "moec",
-            trainer.train_step,
-            device,
-            args.steps,
-            args.warmup,
-            flops,
-            tokens,
-            drops=functools.partial(drop_rate, trainer),
-        )
-    ]
+    common = (device, args.steps, args.warmup, flops, tokens)
+    drops = functools.partial(drop_rate, trainer)
+    results = [measure("moec", trainer.train_step, *common, drops=drops)]
     results[0]["data_stalls"] = trainer.batches.stalls  # steps that waited for their batch
     if device.type == "cuda" and gemm_backend.have_quack():  # the policy before the CuTe DSL
         with gemm_backend.without_quack():
-            common = (device, args.steps, args.warmup, flops, tokens)
             results.append(
-                measure(
-                    "moec without CuTe DSL",
-                    trainer.train_step,
-                    *common,
-                    drops=functools.partial(drop_rate, trainer),
-                )
+                measure("moec without CuTe DSL", trainer.train_step, *common, drops=drops)
             )
         print(f"moec CuTe DSL policy: {results[1]['step_s'] / results[0]['step_s']:.3f}x")
-    del trainer
-    common = (device, args.steps, args.warmup, flops, tokens)
+    del trainer, drops
     for name, changes in plan_variants(args):
         _release(device)
         torch.manual_seed(0)

@@ -280,10 +280,9 @@ class LoweringPlan:
     (the default): on for a program that runs on CUDA, where it measured faster at small and
     large shapes and at EP = 2 (benchmarks/RESULTS.md), unless the plan runs the shared expert
     on a side stream, shards parameters (FSDP) or pipelines the program (neither measured with
-    Inductor); off on the CPU, where
-    compiling costs more than the fusion saves; a graph Inductor fails to compile then runs
-    eagerly, with a warning (``true`` raises the error). :meth:`Plan.lowers_to_inductor`
-    decides."""
+    Inductor); off on the CPU, where compiling costs more than the fusion saves. Under ``auto``
+    a graph Inductor fails to compile runs eagerly, with a warning; ``true`` raises the error.
+    :meth:`Plan.lowers_to_inductor` decides."""
     attention: Attention = "auto"
     """The backend ``scaled_dot_product_attention`` tries first: ``auto`` keeps torch's order;
     ``cudnn`` / ``flash`` / ``efficient`` / ``math`` go first, then the others (an attention
