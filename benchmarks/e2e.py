@@ -349,6 +349,15 @@ def plan_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, dict[st
         )
     if args.no_inductor:
         variants.append(("moec without inductor", {"lowering": {"inductor": False}}))
+    if args.fp8:
+        variants.append(("moec, fp8 rowwise experts", {"precision": {"gemm": "fp8_rowwise"}}))
+        every = ["routed_experts", "shared_expert", "attn_qkv", "attn_out"]
+        variants.append(
+            (
+                "moec, fp8 rowwise experts+shared+attn",
+                {"precision": {"gemm": "fp8_rowwise", "scope": every}},
+            )
+        )
     if args.cuda_graph:
         variants.append(("moec + cuda graph", {"lowering": {"cuda_graph": True}}))
     return variants
@@ -364,6 +373,11 @@ def main() -> None:
         "--no-inductor",
         action="store_true",
         help="also moec with plan.lowering.inductor false (on CUDA the default lowers to it)",
+    )
+    parser.add_argument(
+        "--fp8",
+        action="store_true",
+        help="also moec with precision.gemm fp8_rowwise: routed experts, then every scope",
     )
     parser.add_argument(
         "--cuda-graph",

@@ -6,6 +6,7 @@
 #   bash benchmarks/h200.sh e2e-moec pp ep-no-inductor overlap     # PP sweep, EP without Inductor, overlap
 #   bash benchmarks/h200.sh attention e2e-moec pp-timeline plan-search-pp plan-search
 #   bash benchmarks/h200.sh new-gpu-tests e2e-equal-lr profile-vs-compiled  # #20's honest gap
+#   bash benchmarks/h200.sh fp8-tests e2e-fp8 kernels-fp8      # FP8 rowwise experts on sm90
 #   bash benchmarks/h200.sh wheel-part          # a call carrying the split wheel's first part (.wpa)
 #   bash benchmarks/h200.sh wheels cute-e2e cute-layer   # the next, carrying .whl and the last
 #                                               # part (.wpb): quack-kernels + the CuTe DSL
@@ -85,6 +86,10 @@ for stage in "$@"; do
     e2e-inductor) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 8 --warmup 6 --no-inductor --baselines compiled-bf16 --json "$OUT/e2e_inductor.json" ;;
     kernel-shapes) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python -m benchmarks.profile_step --moec-only --rows 40 --shapes --kernels 8 ;;
     cute-layer) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/moe_layer.py --pieces --skip-loop --json "$OUT/layer_cute.json" ;;
+    fp8-tests) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_fp8_experts_gpu.py tests/gpu/test_mxfp8_gpu.py ;;
+    e2e-fp8) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 8 --warmup 6 --fp8 --baselines compiled-bf16 --json "$OUT/e2e_fp8.json" ;;
+    kernels-fp8) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python -m benchmarks.profile_step --moec-only --rows 5 --kernels 5 --fp8 ;;
+    kernels-fp8-all) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python -m benchmarks.profile_step --moec-only --rows 5 --kernels 5 --fp8 routed_experts shared_expert attn_qkv attn_out ;;
     *) echo "unknown stage $stage"; continue ;;
   esac > "$OUT/$stage.log" 2>&1
   echo "== $stage rc=$? $(( $(date +%s) - start ))s"

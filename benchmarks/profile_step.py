@@ -42,6 +42,7 @@ KERNEL_KINDS = (  # (kind, lower-case substrings of a CUDA kernel's name); the f
     ("attention", ("flash", "fmha", "attention", "sdpa")),
     ("expert GEMMs", ("_gmm", "groupproblemshape", "grouped", "quack", "cute")),
     ("dense GEMMs", ("gemm", "nvjet", "xmma", "cublas", "cutlass")),
+    ("FP8 quantizers", ("rowwise_quantize",)),
     ("routing, dispatch, combine", ("_dispatch_kernel", "_combine", "_route", "_push")),
     ("LM head loss", ("cross_entropy", "log_softmax", "nll_loss")),
     ("optimizer", ("adam", "multi_tensor")),
@@ -156,6 +157,12 @@ def main() -> None:
     parser.add_argument("--kernels", type=int, default=0, help="list each kind's largest N kernels")
     parser.add_argument("--moec-only", action="store_true", help="skip the baseline")
     parser.add_argument(
+        "--fp8",
+        nargs="*",
+        metavar="SCOPE",
+        help="moec with precision.gemm fp8_rowwise over these scopes (none named: the default)",
+    )
+    parser.add_argument(
         "--baseline",
         choices=BASELINES,
         default="eager",
@@ -175,7 +182,11 @@ def main() -> None:
         plots=False,
     )
     torch.manual_seed(0)
-    trainer = Trainer(dense_model(s), moe_plan(s), cfg)
+    plan = moe_plan(s)
+    if args.fp8 is not None:
+        plan.precision.gemm = "fp8_rowwise"
+        plan.precision.scope = args.fp8 or plan.precision.scope
+    trainer = Trainer(dense_model(s), plan, cfg)
     kinds = {"moec": profile_step("moec", trainer.train_step, args.rows, args.shapes, args.kernels)}
     if not args.moec_only:
         trainer.batches.close()

@@ -4,7 +4,8 @@
 ``scale = amax(row) / 448`` (1 for an all-zero row), the layout of
 :func:`moec.ops.quantized.rowwise_quantize_reference`. ``rowwise_gmm`` runs
 ``torch._scaled_grouped_mm`` (row scales for the activations, per output channel for the
-weights) where torch ships it for this device: sm90 only here, checked from the capability,
+weights; ``rowwise_mm`` the same for one matrix through ``torch._scaled_mm``) where torch ships
+it for this device: sm90 only here, checked from the capability,
 so no call ever reaches a kernel built for another architecture. ``fast_accum=True`` lets
 Hopper's FP8 MMA accumulate without the periodic promotion to fp32 (and torch then picks a
 256 x 128 tile for large groups): faster, a little less exact; the ops use it for the forward
@@ -17,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moec.kernels.activation import KernelActivation, act_value
+
 
 @triton.jit
 def rowwise_quantize_kernel(
@@ -24,43 +27,54 @@ def rowwise_quantize_kernel(
     codes_ptr,
     scales_ptr,  # pointers
     R,
-    K,  # sizes
+    K,  # sizes: K is the width quantized (for a gated activation, half of x's)
     stride_xr,
     stride_xk,
     stride_qr,  # strides
+    ACT: tl.constexpr,  # -1: x itself; else the code of an activation applied first
+    GATED: tl.constexpr,  # with ACT: x = [gate | up], the row quantized is act(gate) * up
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,  # BLOCK_K >= K: one pass over a row
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_K)
     mask = (rows < R)[:, None] & (cols < K)[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :] * stride_xk, mask=mask, other=0.0)
-    x = x.to(tl.float32)
+    offs = rows[:, None].to(tl.int64) * stride_xr + cols[None, :] * stride_xk
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if ACT >= 0:
+        if GATED:
+            up = tl.load(x_ptr + offs + K * stride_xk, mask=mask, other=0.0).to(tl.float32)
+            x = act_value(x, ACT) * up
+        else:
+            x = act_value(x, ACT)
     amax = tl.max(tl.abs(x), axis=1)
     scale = tl.where(amax > 0, amax / 448.0, 1.0)
     y = tl.clamp(x / scale[:, None], -448.0, 448.0)
-    tl.store(codes_ptr + rows[:, None] * stride_qr + cols[None, :], y.to(tl.float8e4nv), mask=mask)
+    q_offs = rows[:, None].to(tl.int64) * stride_qr + cols[None, :]
+    tl.store(codes_ptr + q_offs, y.to(tl.float8e4nv), mask=mask)
     tl.store(scales_ptr + rows, scale, mask=rows < R)
 
 
-def rowwise_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rowwise_quantize(
+    x: torch.Tensor, act: KernelActivation | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and row scales of x (R, K), or of ``act(x)`` (R, K or K / 2 if gated) computed in
+    float32 on the way (the activation's output is never stored in x's dtype)."""
     rows, k = x.shape
+    if act is not None and act.gated:
+        k //= 2
     codes = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if rows == 0 or k == 0:
+        return codes, scales
     block_k = triton.next_power_of_2(k)
     block_r = max(1, min(16, 8192 // block_k))
     rowwise_quantize_kernel[(triton.cdiv(rows, block_r),)](
-        x,
-        codes,
-        scales,
-        rows,
-        k,
-        x.stride(0),
-        x.stride(1),
-        codes.stride(0),
-        BLOCK_R=block_r,
-        BLOCK_K=block_k,
-    )
+        x, codes, scales,
+        rows, k, x.stride(0), x.stride(1), codes.stride(0),
+        ACT=-1 if act is None else act.code, GATED=act is not None and act.gated,
+        BLOCK_R=block_r, BLOCK_K=block_k,
+    )  # fmt: skip
     return codes, scales
 
 
@@ -96,6 +110,25 @@ def rowwise_gmm(
         a_scales,
         b_scales,
         offs=offsets,
+        out_dtype=out_dtype,
+        use_fast_accum=fast_accum,
+    )
+
+
+def rowwise_mm(
+    a: tuple[torch.Tensor, torch.Tensor],
+    b: tuple[torch.Tensor, torch.Tensor],
+    out_dtype: torch.dtype = torch.bfloat16,
+    fast_accum: bool = False,
+) -> torch.Tensor:
+    """``(a * sa) @ (b * sb)`` for one matrix: a from :func:`rowwise_quantize` (R, K), b codes
+    (K, N) column-major with scales (1, N) (:func:`quantize_weight` of b[None], group 0)."""
+    (a_codes, a_scales), (b_codes, b_scales) = a, b
+    return torch._scaled_mm(
+        a_codes,
+        b_codes,
+        a_scales[:, None],
+        b_scales.reshape(1, -1),
         out_dtype=out_dtype,
         use_fast_accum=fast_accum,
     )

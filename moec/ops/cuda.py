@@ -11,7 +11,11 @@ match the reference whatever the inputs:
 - for the expert MLP and ``moec::glu``, an activation the kernels compute
   (:func:`kernel_activation`): other activations (user-registered ones, built-ins without a
   kernel code) run the reference on CUDA too;
-- for ``moec::rope``, x of at most :data:`moec.kernels.rope.MAX_DIMS` dimensions.
+- for ``moec::rope``, x of at most :data:`moec.kernels.rope.MAX_DIMS` dimensions;
+- for ``moec::quantized_expert_mlp`` (and its backward), the ``fp8_rowwise`` recipe on bf16
+  data where torch has the FP8 grouped GEMM (:func:`moec.kernels.fp8_experts.takes`), no
+  biases; other recipes and operands run the op's reference (which itself uses the FP8 GEMM or
+  the MXFP8 kernels where they apply).
 
 The decisions and the op-level arithmetic (capacity, the experts of the ``random`` / ``uniform``
 routing policies, bias gradients) live here and in the ops; the kernels take plain tensors and
@@ -42,6 +46,11 @@ from moec.ops.gathered_experts import (
     row_sources,
 )
 from moec.ops.movement import combine_reference, dispatch_reference
+from moec.ops.quantized import (
+    check_quantized_mlp_args,
+    quantized_expert_mlp_backward_reference,
+    quantized_expert_mlp_reference,
+)
 from moec.ops.rope import rotate
 from moec.ops.routing import (
     capacity,
@@ -52,7 +61,7 @@ from moec.ops.routing import (
 )
 
 if HAVE_TRITON:
-    from moec.kernels import cross_entropy, experts, grouped_gemm, movement, router
+    from moec.kernels import cross_entropy, experts, fp8_experts, grouped_gemm, movement, router
     from moec.kernels import rope as rope_kernel
     from moec.kernels.activation import UNARY_CODES, KernelActivation, act_backward, act_forward
 
@@ -150,12 +159,63 @@ def expert_mlp_gathered(
     return experts.expert_mlp(flat, *args[2:], act, row_sources(rows))
 
 
+def _fp8_kernel_activation(
+    x: Tensor, w_up: Tensor, w_down: Tensor, offsets: Tensor, activation: str, recipe: str
+) -> KernelActivation | None:
+    """The kernels' activation where the FP8 rowwise kernels run this quantized expert MLP
+    (:func:`moec.kernels.fp8_experts.takes`), else None: the reference runs."""
+    if recipe != "fp8_rowwise" or not fp8_experts.takes(x, w_up, w_down, offsets):
+        return None
+    return kernel_activation(activation)
+
+
+def quantized_expert_mlp(
+    x: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    offsets: Tensor,
+    b_up: Tensor | None,
+    b_down: Tensor | None,
+    activation: str,
+    recipe: str,
+) -> tuple[Tensor, Tensor]:
+    """``moec::quantized_expert_mlp``: (y, h); biases run the reference."""
+    check_quantized_mlp_args(x, w_up, w_down, offsets, activation, recipe)
+    args = (x, w_up, w_down, offsets)
+    act = _fp8_kernel_activation(*args, activation, recipe)
+    if act is None or b_up is not None or b_down is not None:
+        return quantized_expert_mlp_reference(*args, b_up, b_down, activation, recipe)
+    return fp8_experts.expert_mlp(*args, act)
+
+
+def quantized_expert_mlp_backward(
+    x: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    offsets: Tensor,
+    h: Tensor,
+    d_y: Tensor,
+    activation: str,
+    recipe: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``moec::quantized_expert_mlp_backward``: (d_x, d_w_up, d_w_down, d_h); h is laid out
+    the same by either forward, so the kernels take any h of the operands they take."""
+    check_quantized_mlp_args(x, w_up, w_down, offsets, activation, recipe)
+    args = (x, w_up, w_down, offsets, h, d_y)
+    act = _fp8_kernel_activation(x, w_up, w_down, offsets, activation, recipe)
+    if act is None:
+        return quantized_expert_mlp_backward_reference(*args, activation, recipe)
+    return fp8_experts.expert_mlp_backward(*args, act)
+
+
 _OPS: dict[str, Callable[..., Any]] = {
     "route": route,
     "dispatch": dispatch,
     "combine": combine,
     "expert_mlp": expert_mlp,
     "expert_mlp_gathered": expert_mlp_gathered,
+    "quantized_expert_mlp": quantized_expert_mlp,
+    "quantized_expert_mlp_backward": quantized_expert_mlp_backward,
 }
 """The CUDA implementations by op name (``moec::<name>``)."""
 

@@ -15,6 +15,9 @@ Recipes (the weights stay high precision masters; every step quantizes them afre
 The functions here in plain torch are the oracle (:func:`mx_quantize_reference` follows the
 spec literally); on CUDA (or under ``TRITON_INTERPRET=1``) the GEMMs run as the fused Triton
 kernels of :mod:`moec.kernels.mxfp8`, which equal the reference bit for bit in quantization.
+``fp8_rowwise`` on sm90 runs ``torch._scaled_grouped_mm``; the expert MLP there runs whole on
+:mod:`moec.kernels.fp8_experts` (installed by :mod:`moec.ops.cuda`), its activation fused into
+the down projection's quantizer.
 
 Each op's backward GEMMs are an internal op, so AOTAutograd traces them as one opaque call
 (never a kernel launch on fake tensors); bias gradients stay plain torch in the formulas::
@@ -183,7 +186,7 @@ def quantized_gmm_wgrad(a: Tensor, b: Tensor, offsets: Tensor, recipe: str) -> T
     """``out[g] = a_g^T @ b_g`` over the rows of group g: a (R, K), b (R, N) -> (G, K, N).
 
     mxfp8: both quantized along the rows, 32-row blocks from each group's first row.
-    fp8_rowwise: in high precision (float32 accumulation).
+    fp8_rowwise: unquantized, with float32 accumulation (bf16 operands stay bf16 on CUDA).
     """
     if _kernels_apply(a, b, recipe):
         from moec.kernels.mxfp8 import mx_gmm_wgrad
@@ -191,6 +194,8 @@ def quantized_gmm_wgrad(a: Tensor, b: Tensor, offsets: Tensor, recipe: str) -> T
         return mx_gmm_wgrad(a, b, offsets, a.dtype)
     if recipe == "mxfp8":
         a, b = _fake_quantize_groups(a, offsets), _fake_quantize_groups(b, offsets)
+    elif a.is_cuda and a.dtype == b.dtype == torch.bfloat16:
+        return gmm_wgrad(a, b, offsets)  # the CUDA kernels accumulate bf16 products in float32
     return gmm_wgrad(a.float(), b.float(), offsets).to(a.dtype)
 
 
@@ -202,7 +207,8 @@ def _check_recipe(recipe: str) -> None:
         raise ValueError(f"unknown quantization recipe {recipe!r}; known: {RECIPES}")
 
 
-def _check_mlp(x, w_up, w_down, offsets, activation, recipe) -> None:
+def check_quantized_mlp_args(x, w_up, w_down, offsets, activation, recipe) -> None:
+    """Raise ValueError unless the shapes fit, the activation and the recipe are known."""
     check_activation(activation)
     _check_recipe(recipe)
     n, d, u = w_up.shape
@@ -236,14 +242,14 @@ def quantized_expert_mlp(
     activation: str,
     recipe: str,
 ) -> tuple[Tensor, Tensor]:
-    _check_mlp(x, w_up, w_down, offsets, activation, recipe)
+    check_quantized_mlp_args(x, w_up, w_down, offsets, activation, recipe)
     args = (x, w_up, w_down, offsets, b_up, b_down, activation, recipe)
     return quantized_expert_mlp_reference(*args)
 
 
 @quantized_expert_mlp.register_fake
 def _quantized_expert_mlp_fake(x, w_up, w_down, offsets, b_up, b_down, activation, recipe):
-    _check_mlp(x, w_up, w_down, offsets, activation, recipe)
+    check_quantized_mlp_args(x, w_up, w_down, offsets, activation, recipe)
     return x.new_empty(x.shape), x.new_empty((x.shape[0], w_up.shape[-1]))
 
 
@@ -266,7 +272,14 @@ def quantized_expert_mlp_backward(
     activation: str,
     recipe: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    _check_mlp(x, w_up, w_down, offsets, activation, recipe)
+    check_quantized_mlp_args(x, w_up, w_down, offsets, activation, recipe)
+    return quantized_expert_mlp_backward_reference(
+        x, w_up, w_down, offsets, h, d_y, activation, recipe
+    )
+
+
+def quantized_expert_mlp_backward_reference(x, w_up, w_down, offsets, h, d_y, activation, recipe):
+    """The oracle backward without biases: (d_x, d_w_up, d_w_down, d_h)."""
     d_y = d_y.to(x.dtype)
     act = activate(h, activation)
     d_w_down = quantized_gmm_wgrad(act, d_y, offsets, recipe).to(w_down.dtype)
@@ -279,7 +292,7 @@ def quantized_expert_mlp_backward(
 
 @quantized_expert_mlp_backward.register_fake
 def _quantized_expert_mlp_backward_fake(x, w_up, w_down, offsets, h, d_y, activation, recipe):
-    _check_mlp(x, w_up, w_down, offsets, activation, recipe)
+    check_quantized_mlp_args(x, w_up, w_down, offsets, activation, recipe)
     return expert_mlp_grads_like(x, w_up, w_down, h)
 
 
@@ -305,10 +318,23 @@ def _one_group(rows: int, device: torch.device) -> Tensor:
     return torch.full((1,), rows, dtype=torch.int32, device=device)
 
 
+def quantized_mm(a: Tensor, b: Tensor, recipe: str, forward: bool = False) -> Tensor:
+    """``a @ b`` for a (R, K), b (K, N), each quantized along K: :func:`quantized_gmm` with one
+    group, or on the sm90 fp8_rowwise path ``torch._scaled_mm`` (no offsets, no row mask)."""
+    if _rowwise_fast_path(a, b, recipe):
+        from moec.kernels import fp8_rowwise
+
+        a_q, (b_codes, b_scales) = (
+            fp8_rowwise.rowwise_quantize(a),
+            fp8_rowwise.quantize_weight(b[None]),
+        )
+        return fp8_rowwise.rowwise_mm(a_q, (b_codes[0], b_scales), a.dtype, fast_accum=forward)
+    return quantized_gmm(a, b[None], _one_group(a.shape[0], a.device), recipe, forward)
+
+
 def quantized_linear_reference(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: str):
     x2 = x.reshape(-1, x.shape[-1])
-    w = weight.t().unsqueeze(0)  # (1, K, N)
-    y = quantized_gmm(x2, w, _one_group(x2.shape[0], x.device), recipe, forward=True)
+    y = quantized_mm(x2, weight.t(), recipe, forward=True)
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*x.shape[:-1], weight.shape[0])
@@ -342,9 +368,12 @@ def quantized_linear_backward(
 ) -> tuple[Tensor, Tensor]:
     _check_recipe(recipe)
     x2, d_y2 = x.reshape(-1, x.shape[-1]), d_y.reshape(-1, d_y.shape[-1]).to(x.dtype)
-    group = _one_group(x2.shape[0], x.device)
-    d_x = quantized_gmm(d_y2, weight.unsqueeze(0), group, recipe).reshape(x.shape)
-    d_w = quantized_gmm_wgrad(d_y2, x2, group, recipe)[0].to(weight.dtype)
+    d_x = quantized_mm(d_y2, weight, recipe).reshape(x.shape)
+    if recipe == "fp8_rowwise" and x.is_cuda:
+        d_w = d_y2.t().mm(x2)  # unquantized, float32 accumulation: quantized_gmm_wgrad's sums
+    else:
+        d_w = quantized_gmm_wgrad(d_y2, x2, _one_group(x2.shape[0], x.device), recipe)[0]
+    d_w = d_w.to(weight.dtype)
     return d_x.to(x.dtype).contiguous(), d_w.contiguous()
 
 

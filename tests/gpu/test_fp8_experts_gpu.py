@@ -1,0 +1,131 @@
+"""The FP8 rowwise expert MLP (``moec.kernels.fp8_experts``, sm90) against the references.
+
+The fused activation quantizer equals quantizing the float32 activation; the op on CUDA (the
+kernels) equals the op's own reference (the same FP8 GEMMs, torch activation and quantizer) in
+forward and backward, and the unquantized float64 expert MLP within FP8's error. Cases: empty
+experts, one expert taking every row, rows past ``offsets[-1]`` poisoned with NaN; the op runs
+without a host sync. The FP8 linear (``torch._scaled_mm``) against the same references.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moec.kernels import fp8_rowwise
+from moec.ops.activations import activate
+from moec.ops.cuda import kernel_activation, register_kernels
+from moec.ops.experts import expert_mlp_reference
+from moec.ops.quantized import (
+    quantized_expert_mlp_backward_reference,
+    quantized_expert_mlp_reference,
+    rowwise_fake_quantize,
+    rowwise_quantize_reference,
+)
+from moec.runtime.metrics import run_without_host_sync
+
+CUDA = torch.device("cuda")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or not fp8_rowwise.scaled_grouped_mm_available(CUDA),
+        reason="needs the FP8 grouped GEMM (sm90)",
+    ),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _registered():
+    assert register_kernels()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-12)).item()
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "geglu", "gelu", "relu"])
+def test_activation_quantizer_equals_quantized_activation(activation):
+    h = torch.randn(300, 2 * 256, device=CUDA, dtype=torch.bfloat16) * 3
+    codes, scales = fp8_rowwise.rowwise_quantize(h, kernel_activation(activation))
+    want_codes, want_scales = rowwise_quantize_reference(activate(h.float(), activation))
+    torch.testing.assert_close(scales, want_scales[:, 0], rtol=1e-5, atol=0)
+    # float32 activation math may differ in the last bits: a code one e4m3 step away, rarely
+    diff = (codes.float() - want_codes.float()).abs()
+    assert (diff <= want_codes.float().abs() * 2**-3 + 2**-9).all()
+    assert (diff > 0).float().mean() < 1e-2
+
+
+def _offsets(case: str, experts: int, rows: int) -> torch.Tensor:
+    if case == "empty_experts":
+        counts = torch.zeros(experts, dtype=torch.long)
+        counts[1::3] = rows // len(counts[1::3])
+    elif case == "one_expert":
+        counts = torch.zeros(experts, dtype=torch.long)
+        counts[experts // 2] = rows
+    else:
+        counts = torch.multinomial(torch.ones(experts), rows, replacement=True).bincount(
+            minlength=experts
+        )
+    return counts.cumsum(0).to(torch.int32).to(CUDA)
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.parametrize("case", ["random", "empty_experts", "one_expert"])
+def test_fp8_expert_mlp_equals_reference(case, activation):
+    experts, dim, hidden, used, tail = 8, 256, 384, 900, 124
+    width = 2 * hidden if activation == "swiglu" else hidden
+    offsets = _offsets(case, experts, used)
+    x = torch.randn(used + tail, dim, device=CUDA, dtype=torch.bfloat16)
+    x[used:] = float("nan")  # rows past offsets[-1] must not reach any valid result
+    w_up = torch.randn(experts, dim, width, device=CUDA) / dim**0.5  # float32 masters
+    w_down = torch.randn(experts, hidden, dim, device=CUDA) / hidden**0.5
+    d_y = torch.randn(used + tail, dim, device=CUDA, dtype=torch.bfloat16)
+    leaves = [t.clone().requires_grad_() for t in (x, w_up, w_down)]
+
+    def step():
+        y, _ = torch.ops.moec.quantized_expert_mlp(
+            *leaves, offsets, None, None, activation, "fp8_rowwise"
+        )
+        return y, torch.autograd.grad(y, leaves, d_y)
+
+    step()  # compiles the kernels
+    ((y, grads),) = run_without_host_sync(step, 1)
+
+    args = (x, w_up, w_down, offsets)
+    ref_y, ref_h = quantized_expert_mlp_reference(*args, None, None, activation, "fp8_rowwise")
+    ref_d_x, ref_d_w_up, ref_d_w_down, _ = quantized_expert_mlp_backward_reference(
+        *args, ref_h, d_y, activation, "fp8_rowwise"
+    )
+    exact = [t.double() for t in (x[:used], w_up, w_down)]
+    leaves64 = [t.clone().requires_grad_() for t in exact]
+    y64, _ = expert_mlp_reference(*leaves64, offsets, None, None, activation)
+    grads64 = torch.autograd.grad(y64, leaves64, d_y[:used].double())
+
+    got = [y[:used], grads[0][:used], grads[1], grads[2]]
+    ref = [ref_y[:used], ref_d_x[:used], ref_d_w_up, ref_d_w_down]
+    for name, a, b, c in zip(["y", "d_x", "d_w_up", "d_w_down"], got, ref, [y64, *grads64]):
+        assert torch.isfinite(a).all(), name
+        assert _rel(a, b) < 2e-2, (name, _rel(a, b))  # same FP8 GEMMs; activation rounding
+        assert _rel(a, c) < 8e-2, (name, _rel(a, c))  # FP8 against unquantized float64
+    assert grads[1].dtype == grads[2].dtype == torch.float32  # the masters' dtype
+
+
+def test_fp8_linear_through_scaled_mm():
+    """``moec::quantized_linear`` (``torch._scaled_mm`` on sm90) against the fake-quantized
+    product in float32 and the unquantized float64 linear, forward and backward."""
+    x = torch.randn(4, 96, 256, device=CUDA, dtype=torch.bfloat16)
+    weight = torch.randn(384, 256, device=CUDA) / 16  # a float32 master
+    bias = torch.randn(384, device=CUDA)
+    leaves = [t.clone().requires_grad_() for t in (x, weight, bias)]
+    y = torch.ops.moec.quantized_linear(*leaves, "fp8_rowwise")
+    d_y = torch.randn_like(y)
+    grads = torch.autograd.grad(y, leaves, d_y)
+    fake = rowwise_fake_quantize(x.float()) @ rowwise_fake_quantize(weight.t(), dim=-2) + bias
+    assert y.dtype == torch.bfloat16 and _rel(y, fake) < 1e-2
+    leaves64 = [t.double().requires_grad_() for t in (x, weight, bias)]
+    y64 = torch.nn.functional.linear(*leaves64)
+    grads64 = torch.autograd.grad(y64, leaves64, d_y.double())
+    assert _rel(y, y64) < 8e-2
+    for name, a, b in zip(["d_x", "d_weight", "d_bias"], grads, grads64, strict=True):
+        assert _rel(a, b) < 8e-2, (name, _rel(a, b))
+    assert grads[1].dtype == torch.float32 and grads[2].dtype == torch.float32
