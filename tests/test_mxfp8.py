@@ -224,6 +224,50 @@ def test_precision_pass_scope_routed_only_leaves_linears():
     assert torch.ops.moec.quantized_linear.default not in ops
 
 
+def _quantized_nodes(compiled) -> list:
+    targets = (torch.ops.moec.quantized_linear.default, torch.ops.moec.quantized_expert_mlp.default)
+    return [n for n in compiled.graph_module.graph.nodes if n.target in targets]
+
+
+@pytest.mark.parametrize("compute_dtype", ["fp32", "bf16"])
+def test_shared_scope_stops_at_its_block(compute_dtype):
+    """The shared expert's linears only: not the router beside it, nor the dense FFN, the
+    attention or the MoE block before it. The search stops at the block's MoE input, which
+    dispatch reads through a view (fp32) or a bf16 cast (bf16 compute) of the norm's output
+    that the shared expert reads directly."""
+    tokens = torch.randint(0, 64, (2, 16))
+    plan = _plan("fp8_rowwise", ["shared_expert"])
+    plan.moe.dense_first = 1
+    plan.precision.compute_dtype = compute_dtype
+    config = LlamaConfig(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=128, vocab_size=64)
+    compiled = moec.compile(Llama(config), plan, (tokens,))
+    assert compiled.pass_results["precision"].stats["shared_linears_quantized"] == 6
+    if compute_dtype == "fp32":  # the weights are the parameters (no working copies)
+        weights = sorted(n.args[1].name for n in _quantized_nodes(compiled))
+        projections = ("down", "gate", "up")
+        assert weights == [f"layers_{i}_ffn_{p}_proj_weight" for i in (1, 2) for p in projections]
+
+
+def test_bf16_compute_quantizes_bf16_working_copies():
+    """Under bf16 compute the quantized ops read bf16 activations and the weights' bf16 working
+    copies, as the bf16 GEMMs they replace do (not float32 activations and masters)."""
+    tokens = torch.randint(0, 64, (2, 16))
+    plan = _plan("fp8_rowwise", SCOPES)
+    plan.precision.compute_dtype = "bf16"
+    compiled = moec.compile(Llama(TINY), plan, (tokens,))
+    nodes = _quantized_nodes(compiled)
+    assert len(nodes) == 16  # 2 blocks: experts, 3 shared, 3 qkv, 1 out
+    for node in nodes:
+        x, *weights = (
+            node.args[:3] if node.target.__name__.startswith("quantized_expert") else node.args[:2]
+        )
+        assert x.meta["val"].dtype == torch.bfloat16, node
+        for w in weights:
+            assert w.meta["val"].dtype == torch.bfloat16 and w.target.__name__ == "working_copy", (
+                node
+            )
+
+
 def _train(gemm: str, steps: int = 50) -> list[float]:
     torch.manual_seed(0)
     seq = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
@@ -300,8 +344,12 @@ def test_kernels_under_interpreter_match_reference():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
     done = subprocess.run(
-        [sys.executable, "-c", _INTERPRETER_CHECK], env=env, cwd=root, capture_output=True,
-        text=True, timeout=600,
+        [sys.executable, "-c", _INTERPRETER_CHECK],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert "interpreter kernels OK" in done.stdout

@@ -13,9 +13,9 @@ backward: d_a = gmm8(q(d_y), q(w_down^T))                exact accumulation
 as in torchao's float8 training: a rowwise scale along the summed token dimension would not be
 per-row. Rows past ``offsets[-1]`` are garbage in every output, as in the bf16 expert MLP.
 
-Inputs the kernels take: bf16 x, int32 offsets, weights of any float dtype (quantized from
-their own values), an activation with a kernel code, no biases, every GEMM dimension a
-multiple of 16 (:func:`takes`).
+Inputs the kernels take: bf16 x, int32 offsets, weights of any float dtype (read in x's
+dtype, as the bf16 expert MLP reads them), an activation with a kernel code, no biases, every
+GEMM dimension a multiple of 16 (:func:`takes`).
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def expert_mlp(
 ) -> tuple[Tensor, Tensor]:
     """(y, h): the output and the pre-activation, both in x's dtype."""
     x = x.contiguous()
-    w_up_q, w_down_q = fp8_rowwise.quantize_weight(w_up), fp8_rowwise.quantize_weight(w_down)
+    w_up_q = fp8_rowwise.quantize_weight(w_up.to(x.dtype))
+    w_down_q = fp8_rowwise.quantize_weight(w_down.to(x.dtype))
     h = fp8_rowwise.rowwise_gmm(
         fp8_rowwise.rowwise_quantize(x), w_up_q, offsets, x.dtype, fast_accum=True
     )
@@ -66,11 +67,11 @@ def expert_mlp_backward(
     """(d_x, d_w_up, d_w_down, d_h) for the output gradient d_y; weight gradients in the
     weights' dtype, the others in x's."""
     x, d_y = x.contiguous(), d_y.to(x.dtype).contiguous()
-    d_a = _dgrad(d_y, w_down, offsets)
+    d_a = _dgrad(d_y, w_down.to(x.dtype), offsets)
     d_h, a = act_backward(h, d_a, act)
     d_w_down = gg.gmm_wgrad(a, d_y, offsets, out_dtype=w_down.dtype)
     d_w_up = gg.gmm_wgrad(x, d_h, offsets, out_dtype=w_up.dtype)
-    return _dgrad(d_h, w_up, offsets), d_w_up, d_w_down, d_h
+    return _dgrad(d_h, w_up.to(x.dtype), offsets), d_w_up, d_w_down, d_h
 
 
 def _dgrad(d_out: Tensor, w: Tensor, offsets: Tensor) -> Tensor:

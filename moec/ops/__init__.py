@@ -1,7 +1,8 @@
 """The ``moec::`` custom ops: MoE semantics as opaque, autograd-aware graph nodes.
 
 Importing this package registers ``torch.ops.moec.{route, router_losses, dispatch, combine,
-expert_mlp, expert_mlp_gathered, glu, linear_cross_entropy, rope}``. Each op's Python body is the
+expert_mlp, expert_mlp_gathered, glu, linear_cross_entropy, rope, quantized_expert_mlp,
+quantized_linear}``. Each op's Python body is the
 pure-PyTorch reference, the oracle for every faster implementation;
 :func:`moec.ops.cuda.register_kernels` registers CUDA implementations on the Triton kernels of
 :mod:`moec.kernels` over the same schemas.
@@ -12,6 +13,7 @@ from moec.ops.gathered_experts import expert_mlp_gathered
 from moec.ops.glu import glu
 from moec.ops.loss import linear_cross_entropy
 from moec.ops.movement import combine, dispatch
+from moec.ops.quantized import quantized_expert_mlp, quantized_linear
 from moec.ops.rope import rope
 from moec.ops.routing import capacity, route, router_losses
 
@@ -23,6 +25,8 @@ __all__ = [
     "expert_mlp_gathered",
     "glu",
     "linear_cross_entropy",
+    "quantized_expert_mlp",
+    "quantized_linear",
     "rope",
     "route",
     "router_losses",

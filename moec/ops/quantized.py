@@ -5,7 +5,10 @@ quantized_expert_mlp(x, w_up, w_down, offsets, b_up?, b_down?, activation, recip
 quantized_linear(x[*, K], weight[N, K], bias[N]?, recipe) -> y[*, N]
     ``aten.linear`` with its GEMMs in ``recipe``.
 
-Recipes (the weights stay high precision masters; every step quantizes them afresh):
+Recipes (the weights stay high precision masters; every step quantizes them afresh). The expert
+MLP reads its weights in x's dtype, as ``moec::expert_mlp`` does (bf16 activations: the bf16
+working copies where the runtime keeps them); the linear follows autocast like ``aten.linear``
+(registered for CPU and CUDA), so under bf16 compute both quantize from bf16:
 
 - ``mxfp8``: OCP MX v1.0 e4m3 with E8M0 scales per 32 contraction elements, for the forward,
   dgrad and wgrad GEMMs (wgrad blocks run along the rows of each group, from its first row).
@@ -222,6 +225,7 @@ def check_quantized_mlp_args(x, w_up, w_down, offsets, activation, recipe) -> No
 
 def quantized_expert_mlp_reference(x, w_up, w_down, offsets, b_up, b_down, activation, recipe):
     experts = row_experts(offsets, x.shape[0])
+    w_up, w_down = w_up.to(x.dtype), w_down.to(x.dtype)
     h = quantized_gmm(x, w_up, offsets, recipe, forward=True)
     if b_up is not None:
         h = add_row_bias(h, b_up, experts)
@@ -283,10 +287,10 @@ def quantized_expert_mlp_backward_reference(x, w_up, w_down, offsets, h, d_y, ac
     d_y = d_y.to(x.dtype)
     act = activate(h, activation)
     d_w_down = quantized_gmm_wgrad(act, d_y, offsets, recipe).to(w_down.dtype)
-    d_act = quantized_gmm(d_y, w_down.transpose(-1, -2), offsets, recipe)
+    d_act = quantized_gmm(d_y, w_down.to(x.dtype).transpose(-1, -2), offsets, recipe)
     d_h = activate_backward(h, d_act, activation).to(x.dtype)
     d_w_up = quantized_gmm_wgrad(x, d_h, offsets, recipe).to(w_up.dtype)
-    d_x = quantized_gmm(d_h, w_up.transpose(-1, -2), offsets, recipe).to(x.dtype)
+    d_x = quantized_gmm(d_h, w_up.to(x.dtype).transpose(-1, -2), offsets, recipe).to(x.dtype)
     return d_x.contiguous(), d_w_up.contiguous(), d_w_down.contiguous(), d_h.contiguous()
 
 
@@ -392,3 +396,5 @@ def _linear_backward(ctx, d_y):
 
 
 quantized_linear.register_autograd(_linear_backward, setup_context=_linear_setup)
+for _device in ("cpu", "cuda"):
+    torch.library.register_autocast("moec::quantized_linear", _device, torch.bfloat16)

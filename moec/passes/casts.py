@@ -6,13 +6,14 @@ is cast back to float32 and the copies are added in float32: a full pass over th
 cast or add, a few per block and direction.
 
 Matches  ops autocast runs in bf16 (linear, mm, matmul, bmm, addmm, baddbmm,
-         scaled_dot_product_attention, moec.linear_cross_entropy) and explicit casts to bf16,
+         scaled_dot_product_attention, moec.linear_cross_entropy, moec.quantized_linear) and
+         explicit casts to bf16,
          reading a source whose *runtime* dtype is float32 (found by propagating fake tensors
          through the graph under bf16 autocast, at the example's sizes in a fake mode of its
          own; the captured ``meta["val"]`` is autocast-free); and the weights of moec ops
          that cast their weights to their bf16 activation's dtype themselves
-         (``expert_mlp``: in the forward and again in the backward, and it cast the weight
-         gradients back, every step).
+         (``expert_mlp``, ``quantized_expert_mlp``: in the forward and again in the backward,
+         and they cast the weight gradients back, every step).
 Emits    one ``aten._to_copy(source, dtype=bfloat16)`` per such source, right after it; every
          such reader reads it (explicit casts of the same source are merged into it). The
          matmuls are then all-bf16, so the graph means the same with and without autocast;
@@ -49,9 +50,13 @@ aten = torch.ops.aten
 AUTOCAST_BF16 = MATMUL_OPS | {
     aten.scaled_dot_product_attention.default,
     torch.ops.moec.linear_cross_entropy.default,  # registered with autocast by moec.ops.loss
+    torch.ops.moec.quantized_linear.default,  # and by moec.ops.quantized
 }
 """Ops on autocast's lower-precision list for both CUDA and CPU: they cast float inputs."""
-SELF_CASTING = {torch.ops.moec.expert_mlp.default: (1, 2)}
+SELF_CASTING = {
+    torch.ops.moec.expert_mlp.default: (1, 2),
+    torch.ops.moec.quantized_expert_mlp.default: (1, 2),
+}
 """moec ops that cast the float inputs at these positions to their first input's dtype."""
 
 

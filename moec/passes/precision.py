@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 
 import moec.ops.quantized  # noqa: F401  (registers moec::quantized_*)
-from moec.analysis.structure import TRANSPOSE_OPS, VIEW_OPS, linear_site
+from moec.analysis.structure import CASTS, TRANSPOSE_OPS, VIEW_OPS, linear_site
 from moec.passes.base import Pass, PassContext, PassResult, register_pass
 from moec.passes.rewrite import GraphEditor
 from moec.plan import Plan
@@ -81,7 +81,8 @@ def routed_expert_nodes(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 def shared_expert_linears(gm: fx.GraphModule) -> list[fx.Node]:
-    """Linears of the dense branch added to each ``moec.combine`` output."""
+    """Linears of the dense branch added to each ``moec.combine`` output, up to the block's
+    MoE input (the tensor dispatch reads, and what it is a view or cast of)."""
     linears: list[fx.Node] = []
     for combine in (n for n in gm.graph.nodes if n.target == moec_ops.combine.default):
         expert_in = _dispatch_input(combine)
@@ -89,8 +90,18 @@ def shared_expert_linears(gm: fx.GraphModule) -> list[fx.Node]:
             if add.target != aten.add.Tensor or expert_in is None:
                 continue
             (dense,) = [a for a in add.args if isinstance(a, fx.Node) and a is not combine]
-            linears += _linears_behind(dense, {expert_in}, through=True)
+            linears += _linears_behind(dense, _views_of(expert_in), through=True)
     return linears
+
+
+def _views_of(node: fx.Node) -> set[fx.Node]:
+    """``node`` and the nodes it is a view or cast of: the shared expert may read the norm's
+    output directly while dispatch reads it reshaped."""
+    chain = {node}
+    while node.target in _PASS_THROUGH | CASTS and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+        chain.add(node)
+    return chain
 
 
 def _dispatch_input(combine: fx.Node) -> fx.Node | None:
