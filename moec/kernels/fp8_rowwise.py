@@ -5,8 +5,9 @@
 :func:`moec.ops.quantized.rowwise_quantize_reference`. ``rowwise_gmm`` runs
 ``torch._scaled_grouped_mm`` (row scales for the activations, per output channel for the
 weights; ``rowwise_mm`` the same for one matrix through ``torch._scaled_mm``) where torch ships
-it for this device: sm90 only here, checked from the capability,
-so no call ever reaches a kernel built for another architecture. ``fast_accum=True`` lets
+it for this device: sm90 only here, checked from the capability, so no call ever reaches a
+kernel built for another architecture. ``quantize_weight`` quantizes a (G, K, N) weight per
+output channel in place, whatever its strides, into the column-major codes those GEMMs take. ``fast_accum=True`` lets
 Hopper's FP8 MMA accumulate without the periodic promotion to fp32 (and torch then picks a
 256 x 128 tile for large groups): faster, a little less exact; the ops use it for the forward
 GEMMs only, as torchao's float8 training does, and keep dgrad exact.
@@ -87,11 +88,52 @@ def scaled_grouped_mm_available(device: torch.device) -> bool:
     )
 
 
+@triton.jit
+def columnwise_quantize_kernel(
+    w_ptr,
+    codes_ptr,
+    scales_ptr,  # pointers
+    K,
+    N,  # sizes of one group: w[g] is (K, N), quantized per column over K
+    stride_wg,
+    stride_wk,
+    stride_wn,  # w's strides, any layout
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    g = tl.program_id(1).to(tl.int64)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_base = w_ptr + g * stride_wg + cols[None, :] * stride_wn
+    amax = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # pass 1: each column's amax
+        ks = k0 + tl.arange(0, BLOCK_K)
+        mask = (ks < K)[:, None] & (cols < N)[None, :]
+        w = tl.load(w_base + ks[:, None] * stride_wk, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(w), axis=0))
+    scale = tl.where(amax > 0, amax / 448.0, 1.0)
+    codes_base = codes_ptr + g * N * K + cols[:, None].to(tl.int64) * K
+    for k0 in range(0, K, BLOCK_K):  # pass 2 (tiles still in L2): codes, stored (N, K)
+        ks = k0 + tl.arange(0, BLOCK_K)
+        mask = (ks < K)[:, None] & (cols < N)[None, :]
+        w = tl.load(w_base + ks[:, None] * stride_wk, mask=mask, other=0.0).to(tl.float32)
+        q = tl.clamp(w / scale[None, :], -448.0, 448.0).to(tl.float8e4nv)
+        tl.store(codes_base + ks[None, :], tl.trans(q), mask=tl.trans(mask))
+    tl.store(scales_ptr + g * N + cols, scale, mask=cols < N)
+
+
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w (G, K, N) -> codes (G, K, N) column-major in (K, N), scales (G, N) per output channel."""
+    """w (G, K, N), any strides -> codes (G, K, N) column-major in (K, N), scales (G, N) per
+    output channel; read in place (a transposed weight needs no copy first)."""
     groups, k, n = w.shape
-    codes, scales = rowwise_quantize(w.transpose(1, 2).reshape(groups * n, k))
-    return codes.view(groups, n, k).transpose(1, 2), scales.view(groups, n)
+    codes = torch.empty(groups, n, k, dtype=torch.float8_e4m3fn, device=w.device)
+    scales = torch.empty(groups, n, dtype=torch.float32, device=w.device)
+    if codes.numel() > 0:
+        block_k, block_n = 64, 64
+        columnwise_quantize_kernel[(triton.cdiv(n, block_n), groups)](
+            w, codes, scales, k, n, w.stride(0), w.stride(1), w.stride(2),
+            BLOCK_K=block_k, BLOCK_N=block_n,
+        )  # fmt: skip
+    return codes.transpose(1, 2), scales
 
 
 def rowwise_gmm(

@@ -49,10 +49,28 @@ def test_activation_quantizer_equals_quantized_activation(activation):
     codes, scales = fp8_rowwise.rowwise_quantize(h, kernel_activation(activation))
     want_codes, want_scales = rowwise_quantize_reference(activate(h.float(), activation))
     torch.testing.assert_close(scales, want_scales[:, 0], rtol=1e-5, atol=0)
-    # float32 activation math may differ in the last bits: a code one e4m3 step away, rarely
-    diff = (codes.float() - want_codes.float()).abs()
-    assert (diff <= want_codes.float().abs() * 2**-3 + 2**-9).all()
+    _assert_codes_close(codes, want_codes)  # float32 activation math may differ in last bits
+
+
+def _assert_codes_close(codes: torch.Tensor, want: torch.Tensor) -> None:
+    """Codes equal, or rarely one e4m3 step apart (reciprocal multiply vs division)."""
+    diff = (codes.float() - want.float()).abs()
+    assert (diff <= want.float().abs() * 2**-3 + 2**-9).all()
     assert (diff > 0).float().mean() < 1e-2
+
+
+@pytest.mark.parametrize("layout", ["N contiguous", "K contiguous"])
+def test_weight_quantizer_per_output_channel(layout):
+    """``quantize_weight`` reads (G, K, N) in either layout in place and equals the reference
+    quantized along K, in the column-major layout the FP8 GEMMs take."""
+    w = torch.randn(5, 200, 136, device=CUDA, dtype=torch.bfloat16) * 2
+    if layout == "K contiguous":
+        w = w.transpose(1, 2).contiguous().transpose(1, 2)
+    codes, scales = fp8_rowwise.quantize_weight(w)
+    want_codes, want_scales = rowwise_quantize_reference(w.float(), dim=-2)
+    assert codes.shape == w.shape and codes.stride() == (200 * 136, 1, 200)
+    torch.testing.assert_close(scales, want_scales[:, 0, :], rtol=1e-6, atol=0)
+    _assert_codes_close(codes, want_codes)
 
 
 def _offsets(case: str, experts: int, rows: int) -> torch.Tensor:
