@@ -42,7 +42,7 @@ KERNEL_KINDS = (  # (kind, lower-case substrings of a CUDA kernel's name); the f
     ("attention", ("flash", "fmha", "attention", "sdpa")),
     ("expert GEMMs", ("_gmm", "groupproblemshape", "grouped", "quack", "cute")),
     ("dense GEMMs", ("gemm", "nvjet", "xmma", "cublas", "cutlass")),
-    ("FP8 quantizers", ("rowwise_quantize",)),
+    ("FP8 quantizers", ("rowwise_quantize", "columnwise_quantize")),
     ("routing, dispatch, combine", ("_dispatch_kernel", "_combine", "_route", "_push")),
     ("LM head loss", ("cross_entropy", "log_softmax", "nll_loss")),
     ("optimizer", ("adam", "multi_tensor")),
