@@ -349,6 +349,15 @@ def plan_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, dict[st
         )
     if args.no_inductor:
         variants.append(("moec without inductor", {"lowering": {"inductor": False}}))
+    if args.recompute:
+        block = {"recompute": {"policy": "block"}}
+        variants.append(("moec, block recompute", block))
+        variants.append(
+            (
+                "moec, block recompute, no inductor",
+                {**block, "lowering": {"inductor": False}},
+            )
+        )
     if args.fp8:
         variants.append(("moec, fp8 rowwise experts", {"precision": {"gemm": "fp8_rowwise"}}))
         every = ["routed_experts", "shared_expert", "attn_qkv", "attn_out"]
@@ -373,6 +382,11 @@ def main() -> None:
         "--no-inductor",
         action="store_true",
         help="also moec with plan.lowering.inductor false (on CUDA the default lowers to it)",
+    )
+    parser.add_argument(
+        "--recompute",
+        action="store_true",
+        help="also moec with recompute.policy block, with and without Inductor (time, memory)",
     )
     parser.add_argument(
         "--fp8",
