@@ -42,9 +42,7 @@ def test_pass_fuses_dense_blocks_and_shared_experts_and_keeps_the_step(dtype):
     model, ids = tiny_llama(), tokens(2, 17)
     plan = {"moe": {"num_experts": 4, "top_k": 2, "dense_first": 1, "shared_expert": True},
             "precision": {"compute_dtype": dtype}}  # fmt: skip
-    fused, plain = (
-        compile_without(model, (ids,), plan, s) for s in (None, "fuse_glu")
-    )
+    fused, plain = (compile_without(model, (ids,), plan, s) for s in (None, "fuse_glu"))
     assert fused.pass_results["fuse_glu"].stats["fused"] == 3  # 1 dense FFN + 2 shared experts
     assert sum(n.target == torch.ops.moec.glu.default for n in fused.graph_module.graph.nodes) == 3
     for compiled in (fused, plain):  # blocks still found: through the fused form and bf16 casts

@@ -20,12 +20,31 @@ GEMM_META = {"G": 4, "G_POW2": 4, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128
 
 
 def _gemm_signature(a: str, b: str) -> dict[str, str]:
-    sig = {"a_ptr": a, "a_scale_ptr": "*u8", "b_ptr": b, "b_scale_ptr": "*u8",
-           "out_ptr": "*bf16", "offsets_ptr": "*i32"}
+    sig = {
+        "a_ptr": a,
+        "a_scale_ptr": "*u8",
+        "b_ptr": b,
+        "b_scale_ptr": "*u8",
+        "out_ptr": "*bf16",
+        "offsets_ptr": "*i32",
+    }
     sig |= dict.fromkeys(["M", "N", "K"], I32)
     sig |= dict.fromkeys(
-        ["stride_am", "stride_ak", "stride_asm", "stride_ask", "stride_bg", "stride_bn",
-         "stride_bk", "stride_bsg", "stride_bsn", "stride_bsk", "stride_om", "stride_on"], I32
+        [
+            "stride_am",
+            "stride_ak",
+            "stride_asm",
+            "stride_ask",
+            "stride_bg",
+            "stride_bn",
+            "stride_bk",
+            "stride_bsg",
+            "stride_bsn",
+            "stride_bsk",
+            "stride_om",
+            "stride_on",
+        ],
+        I32,
     )
     return sig
 
@@ -34,21 +53,43 @@ def _variants() -> dict[str, tuple[object, dict[str, str], dict[str, object], bo
     """name -> (kernel, signature, constexprs, expects block-scaled MMA)."""
     quantize_sig = {"x_ptr": "*bf16", "codes_ptr": "*u8", "scales_ptr": "*u8", "R": I32, "K": I32}
     quantize_sig |= dict.fromkeys(["stride_xr", "stride_xk", "stride_qr", "stride_sr"], I32)
-    wgrad_sig = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*fp32", "offsets_ptr": "*i32",
-                 "K": I32, "N": I32}
+    wgrad_sig = {
+        "a_ptr": "*bf16",
+        "b_ptr": "*bf16",
+        "out_ptr": "*fp32",
+        "offsets_ptr": "*i32",
+        "K": I32,
+        "N": I32,
+    }
     wgrad_sig |= dict.fromkeys(
-        ["stride_ar", "stride_ak", "stride_br", "stride_bn", "stride_og", "stride_ok",
-         "stride_on"], I32
+        ["stride_ar", "stride_ak", "stride_br", "stride_bn", "stride_og", "stride_ok", "stride_on"],
+        I32,
     )
     return {
-        "quantize": (mxfp8.mx_quantize_kernel, quantize_sig, {"BLOCK_R": 32, "BLOCK_K": 128},
-                     False),
-        "gmm_prequantized": (mxfp8.mx_gmm_kernel, _gemm_signature("*u8", "*u8"),
-                             GEMM_META | {"A_QUANT": False, "B_QUANT": False}, True),
-        "gmm_fused_a": (mxfp8.mx_gmm_kernel, _gemm_signature("*bf16", "*u8"),
-                        GEMM_META | {"A_QUANT": True, "B_QUANT": False}, True),
-        "wgrad": (mxfp8.mx_gmm_wgrad_kernel, wgrad_sig,
-                  {"BLOCK_K": 128, "BLOCK_N": 128, "BLOCK_R": 128}, True),
+        "quantize": (
+            mxfp8.mx_quantize_kernel,
+            quantize_sig,
+            {"BLOCK_R": 32, "BLOCK_K": 128},
+            False,
+        ),
+        "gmm_prequantized": (
+            mxfp8.mx_gmm_kernel,
+            _gemm_signature("*u8", "*u8"),
+            GEMM_META | {"A_QUANT": False, "B_QUANT": False},
+            True,
+        ),
+        "gmm_fused_a": (
+            mxfp8.mx_gmm_kernel,
+            _gemm_signature("*bf16", "*u8"),
+            GEMM_META | {"A_QUANT": True, "B_QUANT": False},
+            True,
+        ),
+        "wgrad": (
+            mxfp8.mx_gmm_wgrad_kernel,
+            wgrad_sig,
+            {"BLOCK_K": 128, "BLOCK_N": 128, "BLOCK_R": 128},
+            True,
+        ),
     }
 
 

@@ -47,9 +47,7 @@ def test_pass_fuses_llama_rope_and_keeps_the_step(dtype):
     model, ids = tiny_llama(), tokens(2, 17)
     plan = {"moe": {"num_experts": 4, "top_k": 2, "dense_first": 1},
             "precision": {"compute_dtype": dtype}}  # fmt: skip
-    fused, plain = (
-        compile_without(model, (ids,), plan, s) for s in (None, "fuse_rope")
-    )
+    fused, plain = (compile_without(model, (ids,), plan, s) for s in (None, "fuse_rope"))
     stats = fused.pass_results["fuse_rope"].stats
     assert stats["fused"] == 6  # q and k of 3 blocks
     assert stats["casts_folded"] == (3 if dtype == "bf16" else 0)  # q's cast before attention

@@ -232,3 +232,28 @@ def test_moec_train_flags_reach_the_config(tmp_path, monkeypatch):
     assert (cfg.spike_sigma, cfg.spike_window, cfg.spike_min_steps) == (6.0, 64, 32)
     assert cfg.z_loss == 1e-4 and cfg.no_decay == ("embeddings", "norms", "lm_head")
     assert (cfg.lr, cfg.warmup_steps, cfg.weight_decay) == (2e-4, 5, 0.01)
+
+
+@pytest.mark.parametrize(
+    "capability,gemm,says",
+    [
+        ((9, 0), "fp8_rowwise", None),
+        ((9, 0), "mxfp8", "mxfp8 has no kernels on this GPU (sm90): it runs emulated"),
+        ((10, 0), "mxfp8", None),
+        ((10, 3), "fp8_rowwise", "mxfp8 is the recipe with kernels here"),
+        ((10, 0), "bf16", None),
+    ],
+)
+def test_trainer_names_an_emulated_precision(monkeypatch, capability, gemm, says):
+    """The note a trainer prints when the plan's GEMM recipe has no kernels on its GPU."""
+    from moec.kernels import arch
+    from moec.train.trainer import emulated_precision
+
+    monkeypatch.setattr(arch, "_capability", lambda index: capability)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    note = emulated_precision(gemm, torch.device("cuda"))
+    if says is None:
+        assert note is None
+    else:
+        assert says in note and "right values, not faster" in note
+    assert emulated_precision(gemm, torch.device("cpu")) is None

@@ -60,3 +60,11 @@ def arch(device: torch.device) -> Arch:
     if major >= 10:
         return "sm100"
     return "sm90" if major == 9 else "other"
+
+
+def native_low_precision(device: torch.device) -> Literal["fp8_rowwise", "mxfp8"] | None:
+    """The low-precision GEMM recipe this CUDA device runs on its own kernels: ``fp8_rowwise``
+    on sm90 (torch's FP8 rowwise GEMMs), ``mxfp8`` on sm100+ (block-scaled MMA); None
+    elsewhere. Any other recipe runs emulated there: right values, not speed."""
+    family = arch(device)
+    return {"sm90": "fp8_rowwise", "sm100": "mxfp8"}.get(family)  # type: ignore[return-value]

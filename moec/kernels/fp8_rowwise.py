@@ -7,10 +7,10 @@
 weights; ``rowwise_mm`` the same for one matrix through ``torch._scaled_mm``) where torch ships
 it for this device: sm90 only here, checked from the capability, so no call ever reaches a
 kernel built for another architecture. ``quantize_weight`` quantizes a (G, K, N) weight per
-output channel in place, whatever its strides, into the column-major codes those GEMMs take. ``fast_accum=True`` lets
-Hopper's FP8 MMA accumulate without the periodic promotion to fp32 (and torch then picks a
-256 x 128 tile for large groups): faster, a little less exact; the ops use it for the forward
-GEMMs only, as torchao's float8 training does, and keep dgrad exact.
+output channel in place, whatever its strides, into the column-major codes those GEMMs take.
+``fast_accum=True`` lets Hopper's FP8 MMA accumulate without the periodic promotion to fp32
+(and torch then picks a 256 x 128 tile for large groups): faster, a little less exact; the ops
+use it for the forward GEMMs only, as torchao's float8 training does, and keep dgrad exact.
 """
 
 from __future__ import annotations
