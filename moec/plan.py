@@ -281,7 +281,7 @@ class LoweringPlan:
     large shapes and at EP = 2 (benchmarks/RESULTS.md), unless the plan runs the shared expert
     on a side stream, shards parameters (FSDP) or pipelines the program (neither measured with
     Inductor), or recomputes activations: a plan that recomputes does so for memory, and
-    Inductor's partitioner kept 8% more at peak for 1.4% speed (block recompute, e2e model),
+    the compiled step kept 8% more at peak for 1.4% speed (block recompute, e2e model),
     beyond what the memory model predicts. Off on the CPU, where compiling costs more than the
     fusion saves. Under ``auto``
     a graph Inductor fails to compile runs eagerly, with a warning; ``true`` raises the error.
