@@ -44,6 +44,7 @@ from rich.table import Table
 from moec.analysis.cost import format_count, graph_cost
 from moec.errors import MoecError
 from moec.fx import module_path, parameter_count
+from moec.kernels.arch import arch, emulated_precision
 from moec.kernels.gemm_backend import policy_text
 from moec.passes.manager import pipeline_string
 from moec.plan import Plan
@@ -165,6 +166,13 @@ class DebugDump:
     def _start(self) -> None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         text = f"{self.pass_pipeline}\n\n{self.plan.to_yaml()}\n{policy_text(device)}"
+        gemm = self.plan.precision.gemm
+        if gemm != "bf16":
+            if device.type != "cuda":
+                runs = f"the ops' reference on {device.type} (fake quantization)"
+            else:
+                runs = emulated_precision(gemm, device) or f"its kernels ({arch(device)})"
+            text += f"\nprecision.gemm {gemm}: {runs}"
         if self.print_after_all:
             self.console.rule("pipeline")
             self.console.print(text, markup=False, highlight=False)

@@ -30,6 +30,17 @@ def plan_file(tmp_path):
     return path
 
 
+def test_debug_says_where_the_quantized_gemms_run(tmp_path):
+    """pipeline.txt names what runs a low-precision recipe on this machine (no GPU here: the
+    reference's fake quantization), beside the bf16 expert GEMMs' backend table."""
+    path = tmp_path / "plan.yaml"
+    moec.Plan.from_dict({**PLAN, "precision": {"gemm": "fp8_rowwise"}}).save(path)
+    out = tmp_path / "dump"
+    assert main(["debug", "llama", "--plan", str(path), "--out", str(out)]) == 0
+    text = (out / "pipeline.txt").read_text()
+    assert "precision.gemm fp8_rowwise: the ops' reference on cpu (fake quantization)" in text
+
+
 @pytest.mark.parametrize("model, ffns", [("llama", 4), ("hf-gpt2", 2)])
 def test_debug_writes_every_artifact_for_every_pass(tmp_path, plan_file, model, ffns):
     out = tmp_path / "dump"

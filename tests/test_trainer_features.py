@@ -247,13 +247,12 @@ def test_moec_train_flags_reach_the_config(tmp_path, monkeypatch):
 def test_trainer_names_an_emulated_precision(monkeypatch, capability, gemm, says):
     """The note a trainer prints when the plan's GEMM recipe has no kernels on its GPU."""
     from moec.kernels import arch
-    from moec.train.trainer import emulated_precision
 
     monkeypatch.setattr(arch, "_capability", lambda index: capability)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    note = emulated_precision(gemm, torch.device("cuda"))
+    note = arch.emulated_precision(gemm, torch.device("cuda"))
     if says is None:
         assert note is None
     else:
         assert says in note and "right values, not faster" in note
-    assert emulated_precision(gemm, torch.device("cpu")) is None
+    assert arch.emulated_precision(gemm, torch.device("cpu")) is None

@@ -68,3 +68,16 @@ def native_low_precision(device: torch.device) -> Literal["fp8_rowwise", "mxfp8"
     elsewhere. Any other recipe runs emulated there: right values, not speed."""
     family = arch(device)
     return {"sm90": "fp8_rowwise", "sm100": "mxfp8"}.get(family)  # type: ignore[return-value]
+
+
+def emulated_precision(gemm: str, device: torch.device) -> str | None:
+    """Why ``precision.gemm`` runs emulated on this CUDA device (its GEMMs fake-quantized or on
+    a kernel without that MMA), or None where it has its own kernels (or is bf16, or on CPU)."""
+    if gemm == "bf16" or device.type != "cuda":
+        return None
+    native = native_low_precision(device)
+    if gemm == native:
+        return None
+    here = f"this GPU ({arch(device)})"
+    instead = f"; {native} is the recipe with kernels here" if native else ""
+    return f"{gemm} has no kernels on {here}: it runs emulated (right values, not faster){instead}"

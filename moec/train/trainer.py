@@ -174,7 +174,7 @@ class Trainer:
                 "Inductor, which compiles it during the first step (tens of seconds on a large "
                 "model); lowering.inductor: false runs it eagerly"
             )
-        emulated = emulated_precision(plan.precision.gemm, self.device)
+        emulated = arch.emulated_precision(plan.precision.gemm, self.device)
         if emulated:
             self._say(f"note: precision.gemm: {emulated}")
         self.optimizer = AdamW(
@@ -570,19 +570,6 @@ class Trainer:
             else None,
             "routing": {path: {k: v for k, v in s.items()} for path, s in routing.items()},
         }
-
-
-def emulated_precision(gemm: str, device: torch.device) -> str | None:
-    """Why ``precision.gemm`` runs emulated on this CUDA device (its GEMMs fake-quantized or on
-    a kernel without that MMA), or None where it has its own kernels (or is bf16, or on CPU)."""
-    if gemm == "bf16" or device.type != "cuda":
-        return None
-    native = arch.native_low_precision(device)
-    if gemm == native:
-        return None
-    here = f"this GPU ({arch.arch(device)})"
-    instead = f"; {native} is the recipe with kernels here" if native else ""
-    return f"{gemm} has no kernels on {here}: it runs emulated (right values, not faster){instead}"
 
 
 def model_vocab(model: torch.nn.Module) -> int:
