@@ -23,6 +23,7 @@ from moec.kernels import (
     adamw,
     cross_entropy,
     ep_push,
+    fp8_rowwise,
     grouped_gemm,
     grouped_tma,
     movement,
@@ -153,6 +154,7 @@ def kernel_specs(capability: int) -> list[KernelSpec]:
              "HAS_FOUND_INF": True, "BLOCK": adamw.BLOCK},
         ),
         *_ep_specs(),
+        *_fp8_specs(),
         *_gmm_specs(family),
     ]  # fmt: skip
 
@@ -175,6 +177,27 @@ def _ep_specs() -> list[KernelSpec]:
             tile | {"TOP_K": top_k, "HAS_WEIGHTS": top_k > 1},
         )
         for top_k in (8, 1)  # dispatch (weighted in combine's backward); combine
+    ]  # fmt: skip
+
+
+def _fp8_specs() -> list[KernelSpec]:
+    """The FP8 rowwise quantizers: rows (plain, and after a fused SwiGLU) and weight columns."""
+    rows = {"x_ptr": "*bf16", "codes_ptr": "*fp8e4nv", "scales_ptr": "*fp32"}
+    tile = {"BLOCK_R": 4, "BLOCK_K": 2048}
+    return [
+        KernelSpec(
+            "fp8_quantize_rows", fp8_rowwise.rowwise_quantize_kernel, rows,
+            tile | {"ACT": -1, "GATED": False},
+        ),
+        KernelSpec(
+            "fp8_quantize_swiglu_rows", fp8_rowwise.rowwise_quantize_kernel, rows,
+            tile | {"ACT": 2, "GATED": True},
+        ),
+        KernelSpec(
+            "fp8_quantize_weight", fp8_rowwise.columnwise_quantize_kernel,
+            {"w_ptr": "*bf16", "codes_ptr": "*fp8e4nv", "scales_ptr": "*fp32"},
+            {"BLOCK_K": 64, "BLOCK_N": 64},
+        ),
     ]  # fmt: skip
 
 
