@@ -47,6 +47,8 @@ import contextlib
 import functools
 import gc
 import json
+import os
+import re
 import statistics
 import tempfile
 import time
@@ -324,6 +326,23 @@ def measure(
     }
 
 
+def snapshot_step(step: Callable[[], Any], name: str, out_dir: str) -> str:
+    """One more step with the CUDA allocator's history recorded; the snapshot written to
+    ``out_dir/<name>.pickle`` (load it at pytorch.org/memory_viz: which tensors are alive at
+    the peak, and who allocated them). Python frames only, to keep the file small."""
+    path = os.path.join(out_dir, re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") + ".pickle")
+    os.makedirs(out_dir, exist_ok=True)
+    torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")
+    try:
+        step()
+        torch.cuda.synchronize()  # outside the timed window: the snapshot must see the step end
+        torch.cuda.memory._dump_snapshot(path)
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    print(f"{name}: memory snapshot of one step -> {path}")
+    return path
+
+
 def drop_rate(trainer: Trainer) -> float:
     """The share of routes the program's MoE blocks dropped in the last step (reads the
     device)."""
@@ -425,10 +444,17 @@ def main() -> None:
         default=list(BASELINES),
         help="which hand-written baselines run (default: all three)",
     )
+    parser.add_argument(
+        "--memory-snapshot",
+        metavar="DIR",
+        help="after each moec row, one step with the CUDA allocator's history: DIR/<row>.pickle",
+    )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     s = SMALL if args.small else FULL
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.memory_snapshot and device.type != "cuda":
+        parser.error("--memory-snapshot records the CUDA allocator: it needs a GPU")
     torch.manual_seed(0)
     tokens = s["micro"] * s["seq"]
     cfg = TrainConfig(
@@ -446,6 +472,9 @@ def main() -> None:
     common = (device, args.steps, args.warmup, flops, tokens)
     drops = functools.partial(drop_rate, trainer)
     results = [measure("moec", trainer.train_step, *common, drops=drops)]
+    if args.memory_snapshot:
+        snapshot = snapshot_step(trainer.train_step, "moec", args.memory_snapshot)
+        results[0]["memory_snapshot"] = snapshot
     results[0]["data_stalls"] = trainer.batches.stalls  # steps that waited for their batch
     if device.type == "cuda" and gemm_backend.have_quack():  # the policy before the CuTe DSL
         with gemm_backend.without_quack():
@@ -466,6 +495,10 @@ def main() -> None:
             measure(name, lowered.train_step, *common, drops=functools.partial(drop_rate, lowered))
         )
         results[-1]["data_stalls"] = lowered.batches.stalls
+        if args.memory_snapshot:
+            results[-1]["memory_snapshot"] = snapshot_step(
+                lowered.train_step, name, args.memory_snapshot
+            )
         del lowered
     baselines = {
         "eager sort+grouped_mm": {},
