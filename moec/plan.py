@@ -283,9 +283,8 @@ class LoweringPlan:
     Inductor), or recomputes activations: a plan that recomputes does so for memory, and
     the compiled step kept 8% more at peak for 1.4% speed (block recompute, e2e model),
     beyond what the memory model predicts. Off on the CPU, where compiling costs more than the
-    fusion saves. Under ``auto``
-    a graph Inductor fails to compile runs eagerly, with a warning; ``true`` raises the error.
-    :meth:`Plan.lowers_to_inductor` decides."""
+    fusion saves. Under ``auto`` a graph Inductor fails to compile runs eagerly, with a
+    warning; ``true`` raises the error. :meth:`Plan.lowers_to_inductor` decides."""
     attention: Attention = "auto"
     """The backend ``scaled_dot_product_attention`` tries first: ``auto`` keeps torch's order;
     ``cudnn`` / ``flash`` / ``efficient`` / ``math`` go first, then the others (an attention

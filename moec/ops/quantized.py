@@ -336,6 +336,14 @@ def quantized_mm(a: Tensor, b: Tensor, recipe: str, forward: bool = False) -> Te
     return quantized_gmm(a, b[None], _one_group(a.shape[0], a.device), recipe, forward)
 
 
+def quantized_mm_wgrad(a: Tensor, b: Tensor, recipe: str) -> Tensor:
+    """``a^T @ b`` over all rows of a (R, M) and b (R, K): :func:`quantized_gmm_wgrad` with one
+    group; fp8_rowwise on CUDA is one unquantized ``mm`` (float32 accumulation, as there)."""
+    if recipe == "fp8_rowwise" and a.is_cuda:
+        return a.t().mm(b)
+    return quantized_gmm_wgrad(a, b, _one_group(a.shape[0], a.device), recipe)[0]
+
+
 def quantized_linear_reference(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: str):
     x2 = x.reshape(-1, x.shape[-1])
     y = quantized_mm(x2, weight.t(), recipe, forward=True)
@@ -373,11 +381,7 @@ def quantized_linear_backward(
     _check_recipe(recipe)
     x2, d_y2 = x.reshape(-1, x.shape[-1]), d_y.reshape(-1, d_y.shape[-1]).to(x.dtype)
     d_x = quantized_mm(d_y2, weight, recipe).reshape(x.shape)
-    if recipe == "fp8_rowwise" and x.is_cuda:
-        d_w = d_y2.t().mm(x2)  # unquantized, float32 accumulation: quantized_gmm_wgrad's sums
-    else:
-        d_w = quantized_gmm_wgrad(d_y2, x2, _one_group(x2.shape[0], x.device), recipe)[0]
-    d_w = d_w.to(weight.dtype)
+    d_w = quantized_mm_wgrad(d_y2, x2, recipe).to(weight.dtype)
     return d_x.to(x.dtype).contiguous(), d_w.contiguous()
 
 
