@@ -206,10 +206,6 @@ def measure_layer(shape: dict, rank: int, world: int, paths: list[str], iters: i
     }
 
 
-COMM_KERNELS = ("nccl", "push_rows", "barrier")
-"""Name parts of the kernels that move rows between ranks (NCCL, the rowwise transport)."""
-
-
 def profiled(fn: Callable[[], object]) -> tuple[float | None, dict[str, float]]:
     """One ``fn()`` under the profiler (this rank): the milliseconds in which an exchange kernel
     runs and no other kernel does, and milliseconds per kernel name (None, {} on CPU)."""
@@ -218,7 +214,7 @@ def profiled(fn: Callable[[], object]) -> tuple[float | None, dict[str, float]]:
     kernels = scaling.profiled_kernels(fn)
     comm, compute = [], []
     for start, end, name in kernels:
-        (comm if any(k in name.lower() for k in COMM_KERNELS) else compute).append((start, end))
+        (comm if any(k in name.lower() for k in scaling.COMM_KERNELS) else compute).append((start, end))
     exposed = 0.0
     busy = merged_spans(compute)
     for start, end in merged_spans(comm):

@@ -190,8 +190,9 @@ def kernel_times(fn: Callable[[], None], trace: str | None = None) -> dict[str, 
     return times
 
 
-COMM_KERNELS = ("nccl",)
-"""Name parts of the kernels that move data between ranks (P2P, collectives)."""
+COMM_KERNELS = ("nccl", "push_rows", "barrier")
+"""Name parts of the kernels that move data between ranks (NCCL's P2P and collectives, the
+rowwise EP transport's pushes and barriers)."""
 
 
 def profiled_kernels(fn: Callable[[], object]) -> list[tuple[float, float, str]]:
