@@ -214,7 +214,8 @@ def profiled(fn: Callable[[], object]) -> tuple[float | None, dict[str, float]]:
     kernels = scaling.profiled_kernels(fn)
     comm, compute = [], []
     for start, end, name in kernels:
-        (comm if any(k in name.lower() for k in scaling.COMM_KERNELS) else compute).append((start, end))
+        is_comm = any(k in name.lower() for k in scaling.COMM_KERNELS)
+        (comm if is_comm else compute).append((start, end))
     exposed = 0.0
     busy = merged_spans(compute)
     for start, end in merged_spans(comm):
