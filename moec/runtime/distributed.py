@@ -243,6 +243,7 @@ class _Bucket:
     params: list[nn.Parameter]
     group: dist.ProcessGroup
     pending: int = 0
+    launched: bool = False
     flat: torch.Tensor | None = None
     work: object | None = None
 
@@ -251,9 +252,12 @@ class GradientReducer:
     """Bucketed, backward-overlapped gradient averaging (dense over DP, experts over EDP; dense
     parameters FSDP shards, ``DTensor`` s, are FSDP's to reduce).
 
-    A post-accumulate-grad hook counts down each bucket; a full bucket is flattened, scaled by
-    ``1/dp`` and all-reduced asynchronously while backward continues. ``finish()`` launches the
-    buckets whose parameters got no gradient (as zeros), waits, and writes the averages back.
+    A post-accumulate-grad hook counts down each bucket; a full bucket is flattened and
+    all-reduced asynchronously, scaled by ``1/dp`` (inside NCCL's pre-multiplied sum where the
+    group is NCCL's), while backward continues. A bucket whose group is this rank alone (the
+    experts at EP = dp) is only scaled, in place: flattening it and copying it back would move
+    every expert gradient three times for nothing. ``finish()`` launches the buckets whose
+    parameters got no gradient (as zeros), waits, and writes the averages back.
     """
 
     def __init__(
@@ -287,7 +291,8 @@ class GradientReducer:
 
     def _reset(self) -> None:
         for bucket in self.buckets:
-            bucket.pending, bucket.flat, bucket.work = len(bucket.params), None, None
+            bucket.pending, bucket.launched = len(bucket.params), False
+            bucket.flat, bucket.work = None, None
 
     def _ready(self, param: nn.Parameter) -> None:
         if not self._enabled:
@@ -298,6 +303,13 @@ class GradientReducer:
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
+        bucket.launched = True
+        if dist.get_world_size(bucket.group) == 1:
+            for p in bucket.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p, dtype=p.grad_dtype or p.dtype)
+            torch._foreach_mul_([p.grad for p in bucket.params], self.scale)
+            return
         # reduced in float32 at least, whatever the gradients' dtype (working weights': bf16)
         dtype = functools.reduce(torch.promote_types, [p.dtype for p in bucket.params])
         dtype = torch.promote_types(dtype, torch.float32)
@@ -307,18 +319,21 @@ class GradientReducer:
             else p.grad.reshape(-1).to(dtype)
             for p in bucket.params
         ]
-        bucket.flat = torch.cat(grads).mul_(self.scale)
-        if dist.get_world_size(bucket.group) > 1:
-            bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
+        bucket.flat = torch.cat(grads)
+        bucket.work = dist.all_reduce(
+            bucket.flat, op=_scaled_sum(bucket.flat, self.scale, bucket.group), async_op=True
+        )
 
     def finish(self) -> None:
         """Complete every bucket's reduction and write the averaged gradients back."""
         for bucket in self.buckets:
-            if bucket.flat is None:
+            if not bucket.launched:
                 self._launch(bucket)
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
+            if bucket.flat is None:  # scaled in place
+                continue
             offset = 0
             for param in bucket.params:
                 grad = bucket.flat[offset : offset + param.numel()].view_as(param)
@@ -328,6 +343,15 @@ class GradientReducer:
                     param.grad.copy_(grad)
                 offset += param.numel()
         self._reset()
+
+
+def _scaled_sum(flat: torch.Tensor, scale: float, group: dist.ProcessGroup) -> Any:
+    """The all-reduce op summing ``scale`` x each rank's ``flat``: NCCL's pre-multiplied sum
+    (the scaling inside the collective), elsewhere a sum after scaling ``flat`` in place."""
+    if dist.get_backend(group) == "nccl" and hasattr(dist, "_make_nccl_premul_sum"):
+        return dist._make_nccl_premul_sum(scale)
+    flat.mul_(scale)
+    return dist.ReduceOp.SUM
 
 
 def _buckets(
