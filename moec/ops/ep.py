@@ -367,11 +367,17 @@ def _send(x, top_k, weights, slots, recv_rows, sent, counts, group, ep_size, pat
     return _send_a2a(values, slots, recv_rows, sent, counts, pg, path)
 
 
-def _fetch(buffer, slots, recv_rows, sent, counts, group, ep_size, path):
+def _fetch(buffer, slots, recv_rows, sent, counts, group, ep_size, path, consume=None):
+    """``[T*K, D]``, zero for routes without a row, or ``consume`` of it: on ``rowwise`` it
+    reads the transport's workspace (no copy out; it masks the routes ``slots < 0`` itself)."""
     pg = resolve_group(group, ep_size)
     if path == "rowwise":
-        return _rowwise().send(buffer, recv_rows, slots.numel(), pg, fill=0)
-    return _fetch_a2a(buffer, slots, recv_rows, sent, counts, pg, path)
+        home = slots >= 0  # the routes whose rows come back
+        return _rowwise().send(
+            buffer, recv_rows, slots.numel(), pg, fill=0, written=home, consume=consume
+        )
+    picked = _fetch_a2a(buffer, slots, recv_rows, sent, counts, pg, path)
+    return picked if consume is None else consume(picked)
 
 
 class RowwiseTransport(Protocol):
@@ -389,10 +395,15 @@ class RowwiseTransport(Protocol):
         top_k: int = 1,
         weights: Tensor | None = None,
         fill: float | None = None,
+        written: Tensor | None = None,
+        consume: Callable[[Tensor], Tensor] | None = None,
     ) -> Tensor:
         """Push route ``i``'s row ``x[i // top_k]`` (times ``weights[i]``) to ``address[i] =
         dest * rows + row`` (-1: nowhere); return this rank's ``[rows, D]`` buffer, rows no route
-        wrote holding ``fill`` (:data:`_POISON` when None and set, else unspecified)."""
+        wrote holding ``fill`` (:data:`_POISON` when None and set, else unspecified). With
+        ``written`` (which rows arrive) the rows it marks False hold ``fill`` (0 when None);
+        with ``consume``, ``consume(buffer)`` is returned instead, reading the transport's
+        workspace before the next exchange (rows no route wrote hold garbage)."""
 
     def issue(
         self,
@@ -452,10 +463,16 @@ def _route_rows(x: Tensor, top_k: int, weights: Tensor | None = None) -> Tensor:
     return rows.reshape(-1, x.shape[-1])
 
 
-def _sum_routes(picked: Tensor, top_k: int, weights: Tensor | None = None) -> Tensor:
-    """(T*K, D) -> (T, D): sum over k of weights * picked, accumulated in :func:`_acc`. It is
-    ``moec::combine`` over the identity rows, so CUDA runs the combine kernel."""
-    routes = torch.arange(picked.shape[0], device=picked.device).view(-1, top_k)
+def _sum_routes(
+    picked: Tensor, top_k: int, weights: Tensor | None = None, valid: Tensor | None = None
+) -> Tensor:
+    """(T*K, D) -> (T, D): sum over k of weights * picked, accumulated in :func:`_acc`, rows
+    ``valid`` marks False left out (not read). It is ``moec::combine`` over the identity rows,
+    so CUDA runs the combine kernel."""
+    routes = torch.arange(picked.shape[0], device=picked.device)
+    if valid is not None:
+        routes = torch.where(valid.reshape(-1), routes, -1)
+    routes = routes.view(-1, top_k)
     if weights is None:
         weights = torch.ones(routes.shape, dtype=_acc(picked), device=picked.device)
     return torch.ops.moec.combine(picked, weights.reshape(routes.shape), routes)
@@ -505,8 +522,9 @@ def ep_dispatch_backward(
 ) -> Tensor:
     _check_path(path)
     comm = (recv_rows, sent, counts, group, ep_size, path)
-    picked = _fetch(d_buffer, slots.reshape(-1), *comm)
-    return _sum_routes(picked, slots.shape[-1]).reshape(-1, d_buffer.shape[-1]).contiguous()
+    flat, top_k = slots.reshape(-1), slots.shape[-1]
+    d_x = _fetch(d_buffer, flat, *comm, consume=lambda p: _sum_routes(p, top_k, valid=flat >= 0))
+    return d_x.reshape(-1, d_buffer.shape[-1]).contiguous()
 
 
 @ep_dispatch_backward.register_fake

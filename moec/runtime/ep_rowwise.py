@@ -102,19 +102,30 @@ def send(
     top_k: int = 1,
     weights: Tensor | None = None,
     fill: float | None = None,
+    written: Tensor | None = None,
+    consume: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
     """Push route ``i``'s row ``x[i // top_k]`` (times ``weights[i]`` if given) to
     ``address[i] = dest * rows + row``; return this rank's ``[rows, D]`` buffer. Rows no route
-    wrote hold ``fill`` (unspecified when None)."""
+    wrote hold ``fill`` (unspecified when None). ``written`` (bool ``[rows]``, where the caller
+    knows which rows arrive: the routes coming home) puts ``fill`` in the others as the buffer
+    is copied out, in the same pass (no fill before the push). ``consume``: return
+    ``consume(workspace)`` instead of a copy; it must read the workspace on the current stream
+    and keep no view of it (the next exchange of the shape overwrites it), and mask the rows no
+    route wrote itself."""
     check_available(x)
     buffer, handle, peers = _workspace_for(rows, x, pg)
-    if fill is None:
-        fill = ep_ops._POISON  # tests: rows no route writes hold garbage
-    if fill is not None:
-        buffer.fill_(fill)
+    masked_later = written is not None or consume is not None
+    before = ep_ops._POISON if masked_later or fill is None else fill  # tests: NaN garbage
+    if before is not None:
+        buffer.fill_(before)
     handle.barrier(channel=0)  # every peer done with its last copy out of its buffer
     push_rows(x, address, peers, rows, top_k, weights)  # weighted as the other paths weight rows
     handle.barrier(channel=0)  # every peer's rows have landed here
+    if consume is not None:
+        return consume(buffer)
+    if written is not None:
+        return torch.where(written[:, None], buffer, 0.0 if fill is None else fill)
     return buffer.clone()
 
 
