@@ -16,6 +16,7 @@ from moec.analysis.cost.time import (
     Efficiency,
     OpSample,
     calibrate,
+    collective_time,
     gemm_time,
     load_efficiency,
     load_samples,
@@ -252,9 +253,25 @@ def test_samples_from_profiler_trace():
     assert ("aten::copy_", "memory") in names and ("moec::expert_mlp_backward", "gemm") in names
 
 
+def test_collective_time_follows_each_collectives_measured_rate():
+    """Each collective runs at its own share of the link (NCCL's reduce-scatter and all-gather
+    slower than its all-reduce at the same bytes moved); a kind without a factor is refused."""
+    eff = Efficiency(latency_s=0.0, collective_factor=(("all_reduce", 0.5), ("all_gather", 0.25)))
+    link, gb = 400.0, 8e9
+    # ring all-reduce over 2 ranks moves each rank's bytes once, all-gather half of them
+    assert collective_time("all_reduce", gb, 2, link, eff) == pytest.approx(gb / (link * 1e9 * 0.5))
+    assert collective_time("all_gather", gb, 2, link, eff) == pytest.approx(
+        gb / 2 / (link * 1e9 * 0.25)
+    )
+    assert collective_time("all_reduce", gb, 1, link, eff) == 0.0  # one rank: nothing moves
+    with pytest.raises(CalibrationError, match="no collective factor for 'reduce_scatter'"):
+        collective_time("reduce_scatter", gb, 2, link, eff)
+
+
 def test_efficiency_round_trips_through_json(tmp_path):
     eff = Efficiency(gemm=0.7, gemm_half_rows=250.0, memory=0.5,
-                     ep_path_factor=(("rowwise", 0.5), ("sync_1d", 0.2)))  # fmt: skip
+                     ep_path_factor=(("rowwise", 0.5), ("sync_1d", 0.2)),
+                     collective_factor=(("all_reduce", 0.4), ("all_to_all", 0.7)))  # fmt: skip
     path = tmp_path / "eff.json"
     save_efficiency(eff, path)
     assert load_efficiency(path) == eff

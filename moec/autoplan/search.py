@@ -18,8 +18,9 @@ attention, memory-bound ops at HBM bandwidth, forward + backward = 3x the forwar
 recompute (the blocks' forward again), EP exchanges exposed per MoE layer
 (:func:`moec.analysis.cost.overlap.exposed_comm`, the link: NVLink inside a node, the network
 across), pipeline P2P and bubble (:func:`~moec.analysis.cost.time.bubble_fraction`),
-data-parallel gradient reduction (and FSDP gathers) not hidden by the backward
-(``Efficiency.dp_hidden`` of it), and the optimizer step at HBM bandwidth (28 bytes per
+data-parallel gradient reduction not hidden by the backward (``Efficiency.dp_hidden`` of
+it), FSDP's parameter gathers not hidden by the compute (``Efficiency.fsdp_gather_hidden``
+of it), and the optimizer step at HBM bandwidth (28 bytes per
 parameter element, RESULTS.md's AdamW). The stage split is the ``pipeline`` pass's objective
 (contiguous units, the least predicted forward time of the slowest stage, on the searched GPU):
 half blocks, or whole blocks under block recompute or FSDP (a recompute region or an FSDP group
@@ -444,7 +445,7 @@ class Search:
         dp_comm += collective_time("all_reduce", 4 * expert_el, lay.dp // lay.ep, dp_link, eff)
         last_backward = sum(stage_compute[s] for s in held[slowest]) * 2 / 3
         exposed_dp = max(0.0, dp_comm - eff.dp_hidden * last_backward) + max(
-            0.0, gathers - m * busy
+            0.0, gathers - eff.fsdp_gather_hidden * m * busy
         )
         optimizer = memory_time(OPTIMIZER_BYTES * (dense_el + expert_el), gpu, eff)
 

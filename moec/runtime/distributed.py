@@ -238,6 +238,15 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+BUCKET_BYTES = 25 * 2**20
+"""Gradient bucket size where the backward hands gradients over as it goes (eager autograd):
+small buckets start reducing early, behind the rest of the backward."""
+LATE_BUCKET_BYTES = 400 * 2**20
+"""Gradient bucket size where every gradient arrives at the end of the backward (a program
+lowered to Inductor runs one AOTAutograd backward): nothing is left to hide the reduction
+behind, and NCCL's rate grows with the message (``benchmarks/collectives.py``)."""
+
+
 @dataclasses.dataclass
 class _Bucket:
     params: list[nn.Parameter]
@@ -264,7 +273,7 @@ class GradientReducer:
         self,
         module: nn.Module,
         mesh: MoEMesh,
-        bucket_bytes: int = 25 * 2**20,
+        bucket_bytes: int = BUCKET_BYTES,
     ):
         self.scale = 1.0 / mesh.dp
         self._enabled = True
@@ -320,9 +329,8 @@ class GradientReducer:
             for p in bucket.params
         ]
         bucket.flat = torch.cat(grads)
-        bucket.work = dist.all_reduce(
-            bucket.flat, op=_scaled_sum(bucket.flat, self.scale, bucket.group), async_op=True
-        )
+        op = _scaled_sum(bucket.flat, self.scale, bucket.group)
+        bucket.work = dist.all_reduce(bucket.flat, op=op, group=bucket.group, async_op=True)
 
     def finish(self) -> None:
         """Complete every bucket's reduction and write the averaged gradients back."""

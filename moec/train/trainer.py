@@ -66,6 +66,8 @@ from moec.runtime.checkpoint_store import (
     Committed,
 )
 from moec.runtime.distributed import (
+    BUCKET_BYTES,
+    LATE_BUCKET_BYTES,
     GradientReducer,
     MoEMesh,
     clip_gradients_,
@@ -160,7 +162,11 @@ class Trainer:
             init_device=self.device,
             check=self._check_memory,
         )
-        self.reducer = GradientReducer(self.compiled, self.mesh) if self.mesh else None
+        self.reducer = None
+        if self.mesh:
+            late = plan.lowers_to_inductor(self.device.type)  # every gradient at the end
+            bucket = LATE_BUCKET_BYTES if late else BUCKET_BYTES
+            self.reducer = GradientReducer(self.compiled, self.mesh, bucket_bytes=bucket)
         graph_off = (
             graph_blocker(self.device, self.mesh is not None)
             if plan.lowering.cuda_graph

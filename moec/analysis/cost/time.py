@@ -61,7 +61,19 @@ class Efficiency:
     """Elementwise / norm / movement ops, of the HBM ceiling (fused kernels reach ~0.95,
     unfused torch ops less; the e2e profile's elementwise share gives ~0.6)."""
     link: float = 1.0
-    """Collectives, of the link ceiling (the H200's is NCCL's measured all-to-all)."""
+    """Collectives, of the link ceiling (the H200's is NCCL's measured all-to-all), on top of
+    ``collective_factor`` (a calibration fits this one)."""
+    collective_factor: tuple[tuple[str, float], ...] = (
+        ("all_gather", 0.49),
+        ("all_reduce", 0.59),
+        ("all_to_all", 0.61),
+        ("reduce_scatter", 0.48),
+    )
+    """Rate of each NCCL collective over the link ceiling, as the ring share of the bytes it
+    moves (:data:`COLLECTIVE_SHARE`) per second, at a step's message sizes (2 H200s,
+    ``benchmarks/collectives.py``, RESULTS.md session 15: float32 messages of 600 MiB per rank;
+    ``all_reduce``: the gradient reducer's 2.4 GiB in 400 MiB buckets). Smaller messages run
+    slower (25 MiB: 0.25-0.36)."""
     latency_s: float = 20e-6
     """Fixed cost of one collective or exchange."""
     device_busy: float = 1.0
@@ -76,6 +88,11 @@ class Efficiency:
     """Share of the last backward that hides the data-parallel gradient reduction. 0: none
     (2 H200s, autoplan_validate.py: the e2e step at dp = 2 took 323-327 ms against 296 ms on
     one GPU, more than the whole ~16 ms reduction, though it is issued during backward)."""
+    fsdp_gather_hidden: float = 0.0
+    """Share of the step's compute that hides FSDP's parameter all-gathers (forward and
+    backward). 0: none (2 H200s, RESULTS.md session 15: the e2e step with FSDP at dp = 2 took
+    327.5 ms against 316.8 ms with DDP, more than FSDP's reduce-scatter explains and the order
+    the model gave when it hid every gather reversed)."""
     ep_path_factor: tuple[tuple[str, float], ...] = (
         ("rowwise", 0.66),
         ("a2a_capacity", 0.26),
@@ -84,6 +101,12 @@ class Efficiency:
     """EP exchange rate of each path over the link's all-to-all rate (2 H200s, RESULTS.md
     session 4: rowwise dispatch/combine 365/317 GB/s, a2a_capacity 122/143, sync_1d 135/149,
     against NCCL's 519 GB/s), and ``sync_1d``'s host waits are not modelled."""
+
+    def collective_share(self, kind: str) -> float:
+        factors = dict(self.collective_factor)
+        if kind not in factors:
+            raise CalibrationError(f"no collective factor for {kind!r}; known: {sorted(factors)}")
+        return factors[kind]
 
     def path_factor(self, path: str) -> float:
         factors = dict(self.ep_path_factor)
@@ -178,7 +201,7 @@ def collective_time(
     if kind not in COLLECTIVE_SHARE:
         raise CalibrationError(f"unknown collective {kind!r}; known: {sorted(COLLECTIVE_SHARE)}")
     moved = nbytes * COLLECTIVE_SHARE[kind](ranks)
-    return eff.latency_s + moved / (link_gbps * 1e9 * eff.link)
+    return eff.latency_s + moved / (link_gbps * 1e9 * eff.link * eff.collective_share(kind))
 
 
 def bubble_fraction(schedule: str, pp: int, virtual_stages: int, microbatches: int) -> float:
@@ -519,9 +542,14 @@ def _gemm_flops(name: str, dims: list[list[int]]) -> tuple[float, float]:
 # --- efficiency factors as JSON ---------------------------------------------------------------
 
 
+MAPPED_FACTORS = ("collective_factor", "ep_path_factor")
+"""The :class:`Efficiency` fields that map names to factors (JSON objects)."""
+
+
 def efficiency_to_dict(eff: Efficiency) -> dict[str, Any]:
     data = dataclasses.asdict(eff)
-    data["ep_path_factor"] = dict(eff.ep_path_factor)
+    for key in MAPPED_FACTORS:
+        data[key] = dict(getattr(eff, key))
     return data
 
 
@@ -536,15 +564,18 @@ def efficiency_from_dict(data: dict[str, Any], source: str = "efficiency") -> Ef
                                f"{sorted(known)}")  # fmt: skip
     values = dict(data)
     for key, value in values.items():
-        if key == "ep_path_factor":
+        if key in MAPPED_FACTORS:
             continue
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
             raise CalibrationError(f"{source}: {key} = {value!r}; expected a number >= 0")
-    if "ep_path_factor" in values:
-        paths = values["ep_path_factor"]
-        if not isinstance(paths, dict):
-            raise CalibrationError(f"{source}: ep_path_factor must map EP paths to factors")
-        values["ep_path_factor"] = tuple(sorted((str(k), float(v)) for k, v in paths.items()))
+    for key in MAPPED_FACTORS:
+        if key not in values:
+            continue
+        named = values[key]
+        if not isinstance(named, dict):
+            what = "EP paths" if key == "ep_path_factor" else "collectives"
+            raise CalibrationError(f"{source}: {key} must map {what} to factors")
+        values[key] = tuple(sorted((str(k), float(v)) for k, v in named.items()))
     return Efficiency(**values)
 
 
@@ -564,7 +595,7 @@ def format_efficiency(eff: Efficiency, base: Efficiency | None = None) -> str:
     """One line of the factors (with ``base``'s value where a factor changed)."""
     parts = []
     for key, value in efficiency_to_dict(eff).items():
-        if key == "ep_path_factor":
+        if key in MAPPED_FACTORS:
             continue
         old = None if base is None else getattr(base, key)
         text = f"{key} {value:.4g}"
