@@ -110,3 +110,8 @@ kill $CLOCKS 2>/dev/null
 awk -F', ' '$4 > 300 {n++; c=$3; p=$4; if (n == 1 || c < lo) lo = c; if (c > hi) hi = c;
   if (p > pmax) pmax = p} END {if (n) printf "SM clock while busy (> 300 W) %d-%d MHz, power up to %.0f W (%d samples)\n",
   lo, hi, pmax, n}' "$OUT/clocks.csv"
+# the device tool brings back at most 8 files from $OUT: more (profiles, traces) travel as one tarball
+if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
+  tar czf /tmp/moec_results.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete &&
+    mv /tmp/moec_results.tgz "$OUT/results.tgz" && echo "results in $OUT/results.tgz"
+fi
