@@ -18,9 +18,8 @@ attention, memory-bound ops at HBM bandwidth, forward + backward = 3x the forwar
 recompute (the blocks' forward again), EP exchanges exposed per MoE layer
 (:func:`moec.analysis.cost.overlap.exposed_comm`, the link: NVLink inside a node, the network
 across), pipeline P2P and bubble (:func:`~moec.analysis.cost.time.bubble_fraction`),
-data-parallel gradient reduction not hidden by the backward (``Efficiency.dp_hidden`` of
-it), FSDP's parameter gathers not hidden by the compute (``Efficiency.fsdp_gather_hidden``
-of it), and the optimizer step at HBM bandwidth (28 bytes per
+data-parallel gradient reduction (and FSDP gathers) not hidden by the backward
+(``Efficiency.dp_hidden`` of it), and the optimizer step at HBM bandwidth (28 bytes per
 parameter element, RESULTS.md's AdamW). The stage split is the ``pipeline`` pass's objective
 (contiguous units, the least predicted forward time of the slowest stage, on the searched GPU):
 half blocks, or whole blocks under block recompute or FSDP (a recompute region or an FSDP group
@@ -149,6 +148,15 @@ class Prediction:
         data["precision"] = precision
         data["recompute"] = {"policy": lay.recompute, "budget_bytes": None}
         return Plan.from_dict(data)
+
+
+@functools.cache
+def _runs_eagerly(dp_shard: int, recompute: str) -> bool:
+    """Whether the default lowering (``lowering.inductor: auto``, on CUDA) leaves a one-stage
+    plan of this sharding and recompute policy eager (:meth:`Plan.lowers_to_inductor`)."""
+    parallel = {"dp": dp_shard, "dp_shard": dp_shard}
+    plan = Plan.from_dict({"parallel": parallel, "recompute": {"policy": recompute}})
+    return not plan.lowers_to_inductor("cuda")
 
 
 def _divisors(n: int) -> list[int]:
@@ -412,7 +420,10 @@ class Search:
             sent = b * seq * prof.hidden * prof.act_itemsize
             p2p = 2 * (eff.latency_s + sent / (link * 1e9 * eff.link))  # activation + its grad
         per_rank = []
-        pace = eff.pp_stage if lay.pp > 1 else 1.0
+        if lay.pp > 1:
+            pace = eff.pp_stage  # measured on eager stages: includes eager
+        else:
+            pace = eff.eager if _runs_eagerly(lay.dp_shard, lay.recompute) else 1.0
         for stages_held in held:
             busy = sum(
                 (stage_compute[s] + stage_recompute[s]) / pace + stage_comm[s] + p2p
@@ -445,7 +456,7 @@ class Search:
         dp_comm += collective_time("all_reduce", 4 * expert_el, lay.dp // lay.ep, dp_link, eff)
         last_backward = sum(stage_compute[s] for s in held[slowest]) * 2 / 3
         exposed_dp = max(0.0, dp_comm - eff.dp_hidden * last_backward) + max(
-            0.0, gathers - eff.fsdp_gather_hidden * m * busy
+            0.0, gathers - m * busy
         )
         optimizer = memory_time(OPTIMIZER_BYTES * (dense_el + expert_el), gpu, eff)
 
