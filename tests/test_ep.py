@@ -6,8 +6,10 @@ Multi-process tests spawn ``world`` gloo ranks inside pytest (each on a free por
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -22,6 +24,7 @@ from moec.passes.base import PassContext
 from moec.passes.expert_parallel import ExpertParallelError, ExpertParallelPass
 from moec.program import EPGroup
 from moec.runtime import distributed as mdist
+from tests import rowwise_emulation
 from tests.distributed import spawn
 
 ops = torch.ops.moec
@@ -138,20 +141,41 @@ CASES = {
         ("a2a_capacity", 0.6, True),
         ("sync_1d", 4.0, True),
         ("a2a_capacity", 0.6, True, True),
+        ("rowwise", 4.0, True),
+        ("rowwise", 0.6, True),
+        ("rowwise", 4.0, True, True),
     ],
     4: [
         ("a2a_capacity", 0.6, False),
         ("sync_1d", 4.0, False),
         ("a2a_capacity", 4.0, True),
         ("a2a_capacity", 4.0, True, True),
+        ("rowwise", 0.6, True),
+        ("rowwise", 4.0, False, True),
     ],
 }
-"""One spawn per world size runs all its cases (a process spends ~10 s importing torch)."""
+"""One spawn per world size runs all its cases (a process spends ~10 s importing torch).
+``rowwise`` runs on :mod:`tests.rowwise_emulation` here (its transport needs CUDA)."""
+
+
+@contextlib.contextmanager
+def _emulated_rowwise(path: str) -> Iterator[None]:
+    """``rowwise`` on :mod:`tests.rowwise_emulation` (CPU) for the block, then the runtime's."""
+    if path != "rowwise":
+        yield
+        return
+    loader = ep_ops._load_rowwise
+    ep_ops.register_rowwise_transport(lambda: rowwise_emulation)
+    try:
+        yield
+    finally:
+        ep_ops._load_rowwise = loader
 
 
 def _ops_cases_worker(rank: int, world: int) -> None:
     for case in CASES[world]:
-        _ops_worker(rank, world, *case)
+        with _emulated_rowwise(case[0]):
+            _ops_worker(rank, world, *case)
     if world == 2:
         _errors_worker(rank, world)
 

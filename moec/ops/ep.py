@@ -266,7 +266,7 @@ def _layout(rows, offsets, group, ep_size, capacity_factor, path):
         transport = _rowwise()
         transport.check_available(rows)
         all_counts = accepted.new_empty(ep_size, num_experts)
-        dist.all_gather_into_tensor(all_counts, accepted, group=pg)
+        dist.all_gather_into_tensor(all_counts.view(-1), accepted, group=pg)  # gloo: flat
         rank = dist.get_rank(pg)
         slots, dropped = rowwise_route_map(rows, offsets, all_counts, rank, num_rows)
         counts = all_counts.view(ep_size, ep_size, -1)[:, rank]
