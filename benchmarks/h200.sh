@@ -7,6 +7,7 @@
 #   bash benchmarks/h200.sh attention e2e-moec pp-timeline plan-search-pp plan-search
 #   bash benchmarks/h200.sh e2e-moec ep-timeline    # where the EP step's time goes, one GPU's beside
 #   bash benchmarks/h200.sh rowwise-tests collectives scaling-ep   # NCCL rates; the EP step alone
+#   bash benchmarks/h200.sh e2e-moec regions   # DDP and EP steps, compiled whole against block by block
 #   bash benchmarks/h200.sh new-gpu-tests e2e-equal-lr profile-vs-compiled  # #20's honest gap
 #   bash benchmarks/h200.sh fp8-tests e2e-fp8 kernels-fp8      # FP8 rowwise experts on sm90
 #   bash benchmarks/h200.sh wheel-part          # a call carrying the split wheel's first part (.wpa)
@@ -73,6 +74,9 @@ for stage in "$@"; do
     rowwise-tests) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_multigpu.py -k "one_gpu or every_path" ;;
     scaling-ep) single=$([ -f "$OUT/e2e.json" ] && echo "--single $OUT/e2e.json")
       timeout $STAGE_LIMIT $RUN benchmarks/scaling.py --ep $GPUS --path rowwise $single --json "$OUT/scaling_ep.json" ;;
+    regions) single=$([ -f "$OUT/e2e.json" ] && echo "--single $OUT/e2e.json")
+      for ep in 1 $GPUS; do for r in whole blocks; do
+        timeout $STAGE_LIMIT $RUN benchmarks/scaling.py --ep $ep --path rowwise --regions $r $single; done; done ;;
     plan-search) timeout $STAGE_LIMIT $RUN benchmarks/autoplan_validate.py --json "$OUT/autoplan.json" ;;
     plan-search-pp) timeout $STAGE_LIMIT $RUN benchmarks/autoplan_validate.py --pp $GPUS --global-seqs 48 --top 3 --no-examples --json "$OUT/autoplan_pp.json" ;;
     new-gpu-tests) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_symbolic_capture_gpu.py tests/gpu/test_shared_stream_gpu.py ;;

@@ -10,6 +10,8 @@ efficiency against a single-GPU run of the same model (Table 51).
     ... --inductor auto|true|false  # plan.lowering.inductor (auto, the default: Inductor on CUDA
                                     # except for pipelines; true compiles each stage too)
     ... --timeline PREFIX         # one profiled step per rank: where its GPU idles (JSON)
+    ... --regions blocks          # plan.lowering.regions: a graph per block (DP reduction hidden)
+    ... --dp-shard N              # parallel.dp_shard: FSDP (HSDP below dp)
 
 ``pp = 1``: the Trainer (data + expert parallel, dp = world, each rank 3 sequences of 8192 per
 step). ``pp > 1``: ``CompiledModel.train_step`` (the pipeline runtime, 1F1B over each of
@@ -74,14 +76,17 @@ def parallel_plan(
     fused_loss: bool = True,
     schedule: str = "1f1b",
     inductor: bool | str = "auto",
+    regions: str = "whole",
+    dp_shard: int = 1,
 ):
-    parallel = {"dp": world // pp, "ep": ep, "pp": pp, "ep_path": path}
+    parallel = {"dp": world // pp, "ep": ep, "pp": pp, "ep_path": path, "dp_shard": dp_shard}
     if pp > 1:
         v = 1 if schedule in ONE_STAGE_PER_RANK else 2
         parallel |= {"microbatches": microbatches, "pp_schedule": schedule, "virtual_stages": v}
     plan = moe_plan(s, parallel)
     plan.loss.fused = fused_loss
     plan.lowering.inductor = inductor
+    plan.lowering.regions = regions
     return plan
 
 
@@ -323,6 +328,8 @@ def run(
     inductor: bool | str = "auto",
     kernels: str | None = None,
     timeline: str | None = None,
+    regions: str = "whole",
+    dp_shard: int = 1,
 ) -> dict:
     """Build, warm up and time one parallel configuration; the job's totals on every rank.
     ``kernels``: write this rank's kernel times of one stage pass (pp > 1) or one step to
@@ -333,7 +340,9 @@ def run(
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
         else torch.device("cpu")  # fmt: skip
     torch.manual_seed(0)  # the same dense init on every rank
-    plan = parallel_plan(s, world, ep, pp, path, microbatches, fused_loss, schedule, inductor)
+    plan = parallel_plan(
+        s, world, ep, pp, path, microbatches, fused_loss, schedule, inductor, regions, dp_shard
+    )
     v = plan.parallel.virtual_stages
     build = pipeline_step if pp > 1 else trainer_step
     step, flops, tokens = build(s, plan, device)
@@ -363,6 +372,7 @@ def run(
     peak_mem = torch.tensor([result["peak_mem_gb"]], device=device)
     dist.all_reduce(peak_mem, op=dist.ReduceOp.MAX)
     config = f"dp={world // pp} ep={ep} pp={pp}" + (f" {path}" if ep > 1 else "")
+    config += (f" shard={dp_shard}" if dp_shard > 1 else "") + (f" {regions}" if pp == 1 else "")
     if pp > 1:
         config += f" {schedule} mb={microbatches}" + ("" if fused_loss else " unfused")
     return {
@@ -457,6 +467,14 @@ def main() -> None:
         help="profile one step per rank: compute, communication-only and idle ms and the "
         "longest idle gaps, to PREFIX_pp{pp}_mb{microbatches}_rank{r}.json",
     )
+    parser.add_argument(
+        "--regions",
+        choices=["whole", "blocks"],
+        default="whole",
+        help="plan.lowering.regions: blocks compiles a graph per block, so the DP gradient "
+        "reduction runs behind the backward",
+    )
+    parser.add_argument("--dp-shard", type=int, default=1, help="parallel.dp_shard (FSDP)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--small", action="store_true", help="a CPU-sized smoke run")
@@ -483,6 +501,8 @@ def main() -> None:
                 inductor=INDUCTOR_CHOICES[args.inductor],
                 kernels=args.kernels,
                 timeline=args.timeline,
+                regions=args.regions,
+                dp_shard=args.dp_shard,
             )
         )
         if dist.get_rank() == 0:  # each row as soon as it is measured

@@ -302,6 +302,14 @@ class LoweringPlan:
     token rows through a row index, so the dispatched T*K x D buffer is neither written nor kept
     for backward. Off by default until it measures faster on the GPU
     (benchmarks/moe_layer.py)."""
+    regions: Literal["whole", "blocks"] = "whole"
+    """How Inductor compiles a one-stage program (pass ``regions``). ``whole``: one graph, whose
+    one backward hands every gradient to the data-parallel reduction at its end, which then
+    runs exposed. ``blocks``: a graph per residual block (graph breaks at the block
+    boundaries), so each block's gradients are reduced behind the backward of the blocks
+    before it, as Dynamo splits a DDP model's graph at its buckets. ``whole`` until ``blocks``
+    measures faster (``benchmarks/scaling.py --regions blocks``). Needs ``parallel.pp = 1``:
+    a pipeline's stages are compiled one by one already."""
     shared_expert_stream: bool = False
     """Run each MoE layer's shared expert on a second CUDA stream, beside the routed experts
     (pass ``shared_stream``); its backward follows on that stream. Not with ``inductor: true``
@@ -353,6 +361,13 @@ class Plan:
                 raise PlanError(section, value, f"a {_SECTIONS[section].__name__} or a dict")
             _check_types(value, section)
             value.validate()
+        _require(
+            not (self.lowering.regions == "blocks" and self.parallel.pp > 1),
+            "lowering.regions",
+            self.lowering.regions,
+            f"'whole' when parallel.pp = {self.parallel.pp}: each pipeline stage is compiled on "
+            "its own already",
+        )
         _require(
             not (self.lowering.shared_expert_stream and self.parallel.dp_shard > 1),
             "lowering.shared_expert_stream",

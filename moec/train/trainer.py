@@ -164,7 +164,8 @@ class Trainer:
         )
         self.reducer = None
         if self.mesh:
-            late = plan.lowers_to_inductor(self.device.type)  # every gradient at the end
+            # one compiled backward hands every gradient over at its end
+            late = plan.lowers_to_inductor(self.device.type) and plan.lowering.regions == "whole"
             bucket = LATE_BUCKET_BYTES if late else BUCKET_BYTES
             self.reducer = GradientReducer(self.compiled, self.mesh, bucket_bytes=bucket)
         graph_off = (
