@@ -1,6 +1,7 @@
 """Pass ``regions``: a graph break after every residual block but the last; under Inductor (its
 CPU backend) the program compiles to one graph and one backward node per block and computes
-what the whole program computes, in float32 and bf16; pipelines refuse it."""
+what the whole program computes, in float32 and bf16, and a DP = 2 job trains the same;
+pipelines refuse it."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch._dynamo.utils import counters
 import moec
 from moec.models import Llama, LlamaConfig
 from moec.passes.regions import BREAK
+from tests.distributed import spawn
 
 CFG = LlamaConfig(vocab_size=128, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=128)
 MOE = {"num_experts": 4, "top_k": 2, "capacity_factor": 4.0, "init": "random"}
@@ -84,3 +86,34 @@ def test_pipelines_refuse_blocks():
     plan = {"lowering": {"regions": "blocks"}, "parallel": {"pp": 2, "microbatches": 2}}
     with pytest.raises(moec.PlanError, match="lowering.regions.*parallel.pp = 2"):
         moec.Plan.from_dict(plan)
+
+
+def _regions_worker(rank: int, world: int, out: str) -> None:
+    """Two DP = 2 trainers (EP = 1, Inductor on the CPU), compiled whole and block by block:
+    the same losses and parameters (the reducer's hooks fire per block with ``blocks``)."""
+    from moec.train import TrainConfig, Trainer
+    from tests.models import tiny_llama
+
+    finals = {}
+    for regions in ("whole", "blocks"):
+        torch.manual_seed(0)  # the same init on every rank and for both
+        torch._dynamo.reset()
+        cfg = TrainConfig(
+            steps=2, batch_size=4, seq_len=16, lr=1e-3, warmup_steps=1, log_every=1,
+            out=f"{out}/{regions}", plots=False, device="cpu",
+        )  # fmt: skip
+        lowering = {"regions": regions, "inductor": True}
+        plan = {"moe": MOE, "parallel": {"dp": 2}, "lowering": lowering}
+        trainer = Trainer(tiny_llama(2), moec.Plan.from_dict(plan), cfg)
+        losses = trainer.run().losses
+        params = {n: p.detach().clone() for n, p in trainer.compiled.named_parameters()}
+        finals[regions] = (losses, params)
+    (losses_w, params_w), (losses_b, params_b) = finals.values()
+    torch.testing.assert_close(torch.tensor(losses_b), torch.tensor(losses_w), rtol=1e-5, atol=0)
+    for name, value in params_w.items():
+        torch.testing.assert_close(params_b[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_data_parallel_training_is_the_same_block_by_block(tmp_path):
+    spawn(_regions_worker, 2, str(tmp_path))
