@@ -1,7 +1,7 @@
 """Pass ``regions``: a graph break after every residual block but the last; under Inductor (its
 CPU backend) the program compiles to one graph and one backward node per block and computes
 what the whole program computes, in float32 and bf16, and a DP = 2 job trains the same;
-pipelines refuse it."""
+pipelines refuse it; the reducer's buckets are large only for a program compiled whole."""
 
 from __future__ import annotations
 
@@ -117,3 +117,19 @@ def _regions_worker(rank: int, world: int, out: str) -> None:
 @pytest.mark.slow
 def test_data_parallel_training_is_the_same_block_by_block(tmp_path):
     spawn(_regions_worker, 2, str(tmp_path))
+
+
+def test_gradient_buckets_are_large_only_where_every_gradient_comes_at_once():
+    """One compiled backward hands every gradient over at its end: large buckets (NCCL's rate
+    grows with the message); eagerly or block by block they arrive during the backward."""
+    from moec.runtime.distributed import BUCKET_BYTES, LATE_BUCKET_BYTES, bucket_bytes_for
+
+    def plan(regions: str, **extra) -> moec.Plan:
+        return moec.Plan.from_dict({"parallel": {"dp": 2}, "lowering": {"regions": regions},
+                                    **extra})  # fmt: skip
+
+    assert bucket_bytes_for(plan("whole"), "cuda") == LATE_BUCKET_BYTES
+    assert bucket_bytes_for(plan("blocks"), "cuda") == BUCKET_BYTES
+    assert bucket_bytes_for(plan("whole"), "cpu") == BUCKET_BYTES  # auto: eager on the CPU
+    eager = plan("whole", recompute={"policy": "block"})  # auto leaves recompute plans eager
+    assert bucket_bytes_for(eager, "cuda") == BUCKET_BYTES

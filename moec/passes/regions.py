@@ -22,8 +22,9 @@ a guard check per graph and call.
 
 Invariants: the data flow is unchanged (no value is read or written by the calls); parameters,
 inputs and outputs are unchanged; the calls are the graph's last pass (a dead-code elimination
-would remove them). Options: ``plan.lowering.regions``. Statistics: ``regions`` (graphs Dynamo
-will compile), ``boundaries`` (the nodes after which a graph ends).
+would remove them). A graph with no residual block to cut at stays whole, with the reason in
+``declined``. Options: ``plan.lowering.regions``. Statistics: ``regions`` (graphs Dynamo will
+compile), ``boundaries`` (the nodes after which a graph ends), ``declined``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch.fx as fx
 
 from moec.analysis.cost import graph_cost
 from moec.passes.base import Pass, PassContext, PassResult, register_pass
+from moec.passes.pipeline.split import PipelinePassError
 from moec.passes.pipeline.units import pipeline_units
 from moec.plan import Plan
 
@@ -52,7 +54,10 @@ class RegionsPass(Pass):
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         program = ctx.require_program(self.name)
-        _, blocks = pipeline_units(gm, ctx.analysis(graph_cost, program))
+        try:
+            _, blocks = pipeline_units(gm, ctx.analysis(graph_cost, program))
+        except PipelinePassError as exc:  # no residual block to cut at: one graph it stays
+            return PassResult(gm, False, {"regions": 1, "boundaries": [], "declined": str(exc)})
         ends = [block[-1] for block in blocks[:-1]]
         for end in ends:
             with gm.graph.inserting_after(end):

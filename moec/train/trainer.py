@@ -66,10 +66,9 @@ from moec.runtime.checkpoint_store import (
     Committed,
 )
 from moec.runtime.distributed import (
-    BUCKET_BYTES,
-    LATE_BUCKET_BYTES,
     GradientReducer,
     MoEMesh,
+    bucket_bytes_for,
     clip_gradients_,
     global_grad_norm,
     init_from_env,
@@ -164,9 +163,7 @@ class Trainer:
         )
         self.reducer = None
         if self.mesh:
-            # one compiled backward hands every gradient over at its end
-            late = plan.lowers_to_inductor(self.device.type) and plan.lowering.regions == "whole"
-            bucket = LATE_BUCKET_BYTES if late else BUCKET_BYTES
+            bucket = bucket_bytes_for(plan, self.device.type)
             self.reducer = GradientReducer(self.compiled, self.mesh, bucket_bytes=bucket)
         graph_off = (
             graph_blocker(self.device, self.mesh is not None)
