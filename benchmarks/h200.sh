@@ -69,7 +69,8 @@ for stage in "$@"; do
       timeout $STAGE_LIMIT $RUN benchmarks/scaling.py --pp $GPUS --microbatches 16 --timeline "$OUT/tl" --kernels "$OUT/k" $single --json "$OUT/pp_timeline.json" ;;
     ep-timeline) single=$([ -f "$OUT/e2e.json" ] && echo "--single $OUT/e2e.json")
       timeout $STAGE_LIMIT $RUN benchmarks/scaling.py --ep $GPUS --path rowwise --timeline "$OUT/tl" --kernels "$OUT/k" $single --json "$OUT/ep_timeline.json" &&
-      timeout $STAGE_LIMIT torchrun --standalone --nproc-per-node 1 benchmarks/scaling.py --timeline "$OUT/tl1" --kernels "$OUT/k1" ;;
+      timeout $STAGE_LIMIT torchrun --standalone --nproc-per-node 1 benchmarks/scaling.py --timeline "$OUT/tl1" --kernels "$OUT/k1" &&
+      python -m benchmarks.timeline_diff "$OUT/tl_pp1_mb4_rank0.json" "$OUT/tl1_pp1_mb4_rank0.json" ;;
     collectives) timeout $STAGE_LIMIT $RUN benchmarks/collectives.py --json "$OUT/collectives.json" ;;
     rowwise-tests) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_multigpu.py -k "one_gpu or every_path" ;;
     scaling-ep) single=$([ -f "$OUT/e2e.json" ] && echo "--single $OUT/e2e.json")
