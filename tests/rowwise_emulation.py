@@ -72,8 +72,9 @@ def issue(
     top_k: int = 1,
     weights: Tensor | None = None,
     fill: float | None = None,
+    written: Tensor | None = None,
 ) -> tuple[Tensor, Callable[[], None]]:
     """:func:`send`, done by the time it returns: the wait has nothing to wait for."""
     out = x.new_full((out_rows, x.shape[-1]), float("nan") if x.is_floating_point() else 0)
-    out[:rows] = send(x, address, rows, pg, top_k, weights, fill)
+    out[:rows] = send(x, address, rows, pg, top_k, weights, fill, written)
     return out, lambda: None

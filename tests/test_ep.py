@@ -144,6 +144,7 @@ CASES = {
         ("rowwise", 4.0, True),
         ("rowwise", 0.6, True),
         ("rowwise", 4.0, True, True),
+        ("rowwise", 0.6, True, True),  # split, and the rank capacity drops routes
     ],
     4: [
         ("a2a_capacity", 0.6, False),

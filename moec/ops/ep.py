@@ -415,6 +415,7 @@ class RowwiseTransport(Protocol):
         top_k: int = 1,
         weights: Tensor | None = None,
         fill: float | None = None,
+        written: Tensor | None = None,
     ) -> tuple[Tensor, Callable[[], None]]:
         """:meth:`send` started on the transport's own stream: returns this rank's ``[out_rows,
         D]`` result (rows ``[0, rows)`` as :meth:`send` fills them, the rest unspecified), valid
@@ -671,8 +672,10 @@ def _issue_a2a(send: Tensor, pg: dist.ProcessGroup) -> Tensor:
     return out
 
 
-def _issue_rowwise(x, address, rows, out_rows, pg, top_k=1, weights=None, fill=None) -> Tensor:
-    out, wait = _rowwise().issue(x, address, rows, out_rows, pg, top_k, weights, fill)
+def _issue_rowwise(
+    x, address, rows, out_rows, pg, top_k=1, weights=None, fill=None, written=None
+) -> Tensor:
+    out, wait = _rowwise().issue(x, address, rows, out_rows, pg, top_k, weights, fill, written)
     _register(out, wait)
     return out
 
@@ -693,7 +696,8 @@ def _combine_issue(y, slots, recv_rows, group, ep_size, path) -> Tensor:
     pg = resolve_group(group, ep_size)
     if path == "rowwise":
         rows = pending_rows(slots, recv_rows, path)
-        return _issue_rowwise(y, recv_rows, slots.numel(), rows, pg, fill=0)
+        home = slots.reshape(-1) >= 0  # the routes whose rows come back
+        return _issue_rowwise(y, recv_rows, slots.numel(), rows, pg, fill=0, written=home)
     return _issue_a2a(_take(y, recv_rows), pg)
 
 

@@ -115,8 +115,7 @@ def send(
     route wrote itself."""
     check_available(x)
     buffer, handle, peers = _workspace_for(rows, x, pg)
-    masked_later = written is not None or consume is not None
-    before = ep_ops._POISON if masked_later or fill is None else fill  # tests: NaN garbage
+    before = _fill_before(fill, written is not None or consume is not None)
     if before is not None:
         buffer.fill_(before)
     handle.barrier(channel=0)  # every peer done with its last copy out of its buffer
@@ -124,9 +123,23 @@ def send(
     handle.barrier(channel=0)  # every peer's rows have landed here
     if consume is not None:
         return consume(buffer)
-    if written is not None:
-        return torch.where(written[:, None], buffer, 0.0 if fill is None else fill)
-    return buffer.clone()
+    return _copy_out(buffer, written, fill, buffer.new_empty(buffer.shape))
+
+
+def _fill_before(fill: float | None, masked_later: bool) -> float | None:
+    """What the workspace holds before the push: ``fill``, unless the copy out (or the
+    consumer) masks the rows no route wrote; then, and where ``fill`` is None, the tests'
+    poison (:data:`moec.ops.ep._POISON`: None, no fill, outside them)."""
+    return ep_ops._POISON if masked_later or fill is None else fill
+
+
+def _copy_out(buffer: Tensor, written: Tensor | None, fill: float | None, out: Tensor) -> Tensor:
+    """``out`` = the workspace, with ``fill`` (0 when None) in the rows ``written`` marks
+    False, in one pass."""
+    if written is None:
+        return out.copy_(buffer)
+    other = buffer.new_full((), 0.0 if fill is None else fill)  # where(out=) takes no scalar
+    return torch.where(written[:, None], buffer, other, out=out)
 
 
 def issue(
@@ -138,27 +151,27 @@ def issue(
     top_k: int = 1,
     weights: Tensor | None = None,
     fill: float | None = None,
+    written: Tensor | None = None,
 ) -> tuple[Tensor, Callable[[], None]]:
     """:func:`send` on the communication stream (module docstring): this rank's ``[out_rows,
     D]`` result (rows ``[0, rows)`` as :func:`send` fills them) and the ``wait()`` after which
     the current stream may read it."""
     check_available(x)
     buffer, handle, peers = _workspace_for(rows, x, pg, lane="split")
-    if fill is None:
-        fill = ep_ops._POISON
+    before = _fill_before(fill, written is not None)
     compute, comm = torch.cuda.current_stream(x.device), _comm_stream(x.device)
     out = x.new_empty(out_rows, x.shape[-1])  # on the compute stream, which reads it
     comm.wait_stream(compute)  # x, address and weights are written
     with torch.cuda.stream(comm):
-        if fill is not None:
-            buffer.fill_(fill)
+        if before is not None:
+            buffer.fill_(before)
         handle.barrier(channel=0)
         push_rows(x, address, peers, rows, top_k, weights, SPLIT_PROGRAMS)
         handle.barrier(channel=0)
-        out[:rows].copy_(buffer)
+        _copy_out(buffer, written, fill, out[:rows])
         done = torch.cuda.Event()
         done.record(comm)
-    for t in (x, address, weights, out):
+    for t in (x, address, weights, written, out):
         if t is not None:
             t.record_stream(comm)
     return out, lambda: torch.cuda.current_stream(out.device).wait_event(done)
