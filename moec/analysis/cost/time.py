@@ -13,8 +13,9 @@ efficiency factors (:class:`Efficiency`) that a profiled step calibrates (:func:
   writes (the caller counts both);
 - collectives over ``n`` ranks of a link (GB/s one direction): ring all-reduce moves
   ``2 (n-1)/n`` of the bytes, all-gather and reduce-scatter ``(n-1)/n``, all-to-all
-  ``(n-1)/n`` per rank; each pays ``latency_s``; an EP exchange on a path runs at
-  ``link * ep_path_factor[path]`` of the link;
+  ``(n-1)/n`` per rank, at ``link * collective_factor[kind]`` of the link; each pays
+  ``latency_s``; an EP exchange on a path runs at ``link * ep_path_factor[path]`` of the link;
+- a one-stage program the default lowering leaves eager runs at ``eager`` of the rates;
 - pipeline bubble (:func:`bubble_fraction`): idle share of a stage's busy time per step.
 
 Calibration (:func:`calibrate`) fits the factors to measured :class:`OpSample` s: GEMM
