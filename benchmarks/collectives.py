@@ -15,7 +15,7 @@ own pattern (issue #22).
   all-reduce of the whole.
 
 Times are CUDA events around each call on the current stream (NCCL's stream is joined by the
-work's wait), a barrier before each timed call.
+work's wait), a barrier before each timed call (:func:`benchmarks.ep.timed`).
 """
 
 from __future__ import annotations
@@ -23,44 +23,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
+from benchmarks.ep import timed
 from moec.analysis.cost.time import COLLECTIVE_SHARE
 from moec.analysis.gpus import gpu_spec
 from moec.runtime.distributed import NO_MULTICAST_ENV, join_process_group
 
 MIB = 2**20
-
-
-def timed_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
-    """The slowest rank's median milliseconds of ``fn`` (CUDA events; CPU: wall time)."""
-    cuda = torch.cuda.is_available()
-    times = []
-    for i in range(warmup + iters):
-        dist.barrier()
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            ms = start.elapsed_time(end)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            ms = (time.perf_counter() - t0) * 1e3
-        if i >= warmup:
-            times.append(ms)
-    worst = torch.tensor([statistics.median(times)], dtype=torch.float64)
-    if cuda:
-        worst = worst.cuda()
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return float(worst)
 
 
 def collective(kind: str, numel: int, device: torch.device) -> Callable[[], object]:
@@ -113,14 +86,14 @@ def main() -> None:
     for kind in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all"):
         for mib in args.mib:
             numel = int(mib * MIB) // 4 // world * world
-            ms = timed_ms(collective(kind, numel, device), args.iters)
+            ms = timed(collective(kind, numel, device), args.iters)
             rate = numel * 4 * COLLECTIVE_SHARE[kind](world) / (ms / 1e3) / 1e9
             rows.append({"kind": kind, "mib": mib, "ms": ms, "gbps": rate, "of_link": rate / link})
     total = int(args.total_mib * MIB) // 4
-    whole = timed_ms(collective("all_reduce", total, device), args.iters)
+    whole = timed(collective("all_reduce", total, device), args.iters)
     pattern = {"total_mib": args.total_mib, "whole_ms": whole, "buckets": {}}
     for mib in args.bucket_mib:
-        pattern["buckets"][mib] = timed_ms(bucketed(total, int(mib * MIB) // 4, device), args.iters)
+        pattern["buckets"][mib] = timed(bucketed(total, int(mib * MIB) // 4, device), args.iters)
     if rank == 0:
         name = torch.cuda.get_device_name() if cuda else "cpu"
         print(f"{world} x {name}: float32 collectives, rate = bytes x ring share / time; "

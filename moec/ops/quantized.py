@@ -328,10 +328,8 @@ def quantized_mm(a: Tensor, b: Tensor, recipe: str, forward: bool = False) -> Te
     if _rowwise_fast_path(a, b, recipe):
         from moec.kernels import fp8_rowwise
 
-        a_q, (b_codes, b_scales) = (
-            fp8_rowwise.rowwise_quantize(a),
-            fp8_rowwise.quantize_weight(b[None]),
-        )
+        b_codes, b_scales = fp8_rowwise.quantize_weight(b[None])
+        a_q = fp8_rowwise.rowwise_quantize(a)
         return fp8_rowwise.rowwise_mm(a_q, (b_codes[0], b_scales), a.dtype, fast_accum=forward)
     return quantized_gmm(a, b[None], _one_group(a.shape[0], a.device), recipe, forward)
 

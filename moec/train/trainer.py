@@ -161,10 +161,11 @@ class Trainer:
             init_device=self.device,
             check=self._check_memory,
         )
-        self.reducer = None
-        if self.mesh:
-            bucket = bucket_bytes_for(plan, self.device.type)
-            self.reducer = GradientReducer(self.compiled, self.mesh, bucket_bytes=bucket)
+        self.reducer = (
+            GradientReducer(self.compiled, self.mesh, bucket_bytes_for(plan, self.device.type))
+            if self.mesh
+            else None
+        )
         graph_off = (
             graph_blocker(self.device, self.mesh is not None)
             if plan.lowering.cuda_graph
