@@ -10,6 +10,10 @@ width 1536, one shared SwiGLU expert of width 1536, capacity factor 1.25, bf16 w
   loop      (a) torch routing, then per expert: nonzero -> gather -> two matmuls -> index_add
   sorted    (b) torch routing (stable sort ranks), gather, torch._grouped_mm x2, bmm combine
   reference the ops' *_reference functions under autograd (the oracle all three must match)
+  sonic     the anchor, where sonic-moe is installed: SonicMoE's layer (its top-k router,
+            quack GEMMs with the gather in the up projection's A loads, route weights and their
+            gradient in the down projection's dgrad epilogue) + the same shared expert, its
+            weights held in its own layout (gate/up interleaved, contraction dim contiguous)
 
 Prints the layer time, the expert-path TFLOP/s (expert_mlp forward + backward alone, FLOPs of
 the accepted routes) and ratios; ``--pieces`` also times each expert GEMM on every backend
@@ -18,7 +22,10 @@ when installed), which is how :data:`moec.kernels.gemm_backend.GEMM_BACKENDS` is
 installed, "moec" runs the policy with its CuTe DSL rules and "moec_triton" the same policy
 without them (what runs where quack is not installed), both in the same run.
 
-    python benchmarks/moe_layer.py [--pieces] [--json out.json]
+``--kernels N`` profiles a few steps of the moec layer (and of the anchor, where installed) and
+prints each one's N largest kernels, ms per step: where the two layers' time differs.
+
+    python benchmarks/moe_layer.py [--pieces] [--kernels N] [--json out.json]
 """
 
 from __future__ import annotations
@@ -148,6 +155,50 @@ LAYERS: dict[str, Callable[[Tensor, dict[str, Tensor]], Tensor]] = {
 }
 
 
+def sonic_params(p: dict[str, Tensor]) -> dict[str, Tensor]:
+    """p in SonicMoE's layouts, as leaves: router (N, D); w1 (N, 2H, D) with gate and up rows
+    interleaved; w2 (N, D, H). Same keys order as p, so gradients line up."""
+
+    def leaf(t: Tensor) -> Tensor:
+        return t.detach().contiguous().requires_grad_()
+
+    gate, up = p["w_up"].detach().chunk(2, dim=-1)
+    w1 = torch.stack((gate, up), dim=-1).flatten(-2).transpose(1, 2)
+    return {
+        "router": leaf(p["router"].t()),
+        "w1": leaf(w1),
+        "w2": leaf(p["w_down"].transpose(1, 2)),
+        "s_up": p["s_up"],
+        "s_down": p["s_down"],
+    }
+
+
+def sonic_grads_to_p(grads: list[Tensor]) -> list[Tensor]:
+    """[x, router, w1, w2, s_up, s_down] gradients in p's layouts."""
+    d_x, d_router, d_w1, d_w2, *rest = grads
+    d_w1 = d_w1.transpose(1, 2)  # (N, D, 2H), interleaved
+    d_up = torch.cat((d_w1[..., 0::2], d_w1[..., 1::2]), dim=-1)
+    return [d_x, d_router.t(), d_up, d_w2.transpose(1, 2), *rest]
+
+
+def layer_sonic(x: Tensor, ps: dict[str, Tensor]) -> Tensor:
+    from sonicmoe.functional import moe_TC_softmax_topk_layer
+
+    out, _, _ = moe_TC_softmax_topk_layer(
+        x, ps["router"], ps["w1"].permute(1, 2, 0), None, ps["w2"].permute(1, 2, 0), None, K,
+        torch.cuda.current_stream().cuda_stream, "swiglu",
+    )  # fmt: skip
+    return out + shared(x, ps)
+
+
+def have_sonic() -> bool:
+    try:
+        import sonicmoe  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def fwd_bwd(fn: Callable, x: Tensor, p: dict[str, Tensor], grad: Tensor) -> list[Tensor]:
     for t in (x, *p.values()):
         t.grad = None
@@ -167,9 +218,10 @@ def reference(x: Tensor, p: dict[str, Tensor], grad: Tensor) -> list[Tensor]:
 
 
 def check(name: str, fn: Callable, x: Tensor, p: dict[str, Tensor], grad: Tensor,
-          want: list[Tensor]) -> float:  # fmt: skip
-    """Max relative error over the output and all gradients against the reference."""
-    got = [fn(x, p).detach(), *fwd_bwd(fn, x, p, grad)]
+          want: list[Tensor], to_p: Callable = lambda g: g) -> float:  # fmt: skip
+    """Max relative error over the output and all gradients (``to_p`` maps them into the
+    reference's layouts) against the reference."""
+    got = [fn(x, p).detach(), *to_p(fwd_bwd(fn, x, p, grad))]
     errs = [
         (a.float() - b.float()).norm() / b.float().norm() for a, b in zip(got, want, strict=True)
     ]
@@ -231,6 +283,29 @@ def pieces(buf: Tensor, offsets: Tensor, p: dict[str, Tensor]) -> list[dict]:
     return out
 
 
+def profiled_kernels(fn: Callable, x: Tensor, p: dict[str, Tensor], grad: Tensor,
+                     steps: int = 5) -> dict[str, tuple[float, int]]:  # fmt: skip
+    """Device ms and launches per fwd+bwd step of ``fn``, by kernel name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.profile_step import kernel_times
+
+    fwd_bwd(fn, x, p, grad)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fwd_bwd(fn, x, p, grad)
+        torch.cuda.synchronize()
+    return {k: (ms / steps, n // steps) for k, (ms, n) in kernel_times(prof).items()}
+
+
+def print_kernels(name: str, kernels: dict[str, tuple[float, int]], top: int) -> None:
+    total = sum(ms for ms, _ in kernels.values())
+    print(f"\n=== {name}: {total:.3f} ms of kernels per step; the {top} largest (ms, launches)")
+    for kernel, (ms, count) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"  {ms:7.3f} {count:4d}  {kernel[:110]}")
+
+
 def base_ms(results: dict) -> float:
     return results["layers"]["moec"]["ms"]
 
@@ -239,6 +314,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pieces", action="store_true", help="time each expert GEMM both ways")
     parser.add_argument("--skip-loop", action="store_true")
+    parser.add_argument(
+        "--kernels",
+        type=int,
+        default=0,
+        metavar="N",
+        help="profile the moec (and anchor) layer: N largest kernels each",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     register_kernels()
@@ -265,6 +347,17 @@ def main() -> None:
         ms = do_bench(lambda fn=LAYERS[name]: fwd_bwd(fn, x, p, grad), rep=200)
         results["layers"][name] = {"ms": ms, "max_rel_err": err}
         print(f"{name:<8} fwd+bwd {ms:8.3f} ms   (max rel err vs reference {err:.2e})")
+    if have_sonic() and accepted < T * K:
+        print("sonic-moe is dropless and the capacity dropped routes: no anchor row")
+    elif have_sonic():
+        ps = sonic_params(p)
+        err = check("sonic", layer_sonic, x, ps, grad, want, sonic_grads_to_p)
+        ms = do_bench(lambda: fwd_bwd(layer_sonic, x, ps, grad), rep=200)
+        results["layers"]["sonic"] = {"ms": ms, "max_rel_err": err}
+        names.append("sonic")
+        print(f"{'sonic':<8} fwd+bwd {ms:8.3f} ms   (max rel err vs reference {err:.2e})")
+    else:
+        print("sonic-moe not installed: no anchor row")
     up = gathered_up_text(x, rows, p["w_up"])
     results["layers"]["moec_gathered"]["up"] = up
     print(f"moec_gathered up projection: {up}")
@@ -312,6 +405,15 @@ def main() -> None:
         for r in results["pieces"]:
             times = "  ".join(f"{b} {ms:6.3f}" for b, ms in r.items() if b != "piece")
             print(f"piece {r['piece']:<11} {times} ms")
+    if args.kernels:
+        profiled = {"moec": (layer_moec, p)}
+        if "sonic" in results["layers"]:
+            profiled["sonic"] = (layer_sonic, ps)
+        results["kernels"] = {}
+        for name, (fn, params) in profiled.items():
+            kernels = profiled_kernels(fn, x, params, grad)
+            results["kernels"][name] = kernels
+            print_kernels(name, kernels, args.kernels)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
