@@ -101,6 +101,7 @@ for stage in "$@"; do
     kernel-shapes) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python -m benchmarks.profile_step --moec-only --rows 40 --shapes --kernels 8 ;;
     sonic-layer) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/moe_layer.py --skip-loop --json "$OUT/layer_sonic.json" ;;
     layer-kernels) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/moe_layer.py --skip-loop --kernels 30 --json "$OUT/layer_kernels.json" ;;
+    quack-layouts) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/quack_layouts.py --json "$OUT/quack_layouts.json" ;;
     cute-layer) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/moe_layer.py --pieces --skip-loop --json "$OUT/layer_cute.json" ;;
     e2e-recompute) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 4 --warmup 2 --moec-only --recompute --json "$OUT/e2e_recompute.json" ;;
     recompute-snapshot) timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 2 --warmup 2 --moec-only --recompute --memory-snapshot "$OUT/snapshots" --json "$OUT/e2e_recompute_snapshot.json" ;;
