@@ -10,6 +10,9 @@ width 1536, one shared SwiGLU expert of width 1536, capacity factor 1.25, bf16 w
   loop      (a) torch routing, then per expert: nonzero -> gather -> two matmuls -> index_add
   sorted    (b) torch routing (stable sort ranks), gather, torch._grouped_mm x2, bmm combine
   reference the ops' *_reference functions under autograd (the oracle all three must match)
+  moec_k_major  the moec layer with k-major expert weights (stacked nn.Linear layout, what
+            SonicMoE keeps): with quack, the gated epilogues read w_up's [gate | up] dim as
+            pairs, no weight copies
   sonic     the anchor, where sonic-moe is installed: SonicMoE's layer (its top-k router,
             quack GEMMs with the gather in the up projection's A loads, route weights and their
             gradient in the down projection's dgrad epilogue) + the same shared expert, its
@@ -181,6 +184,11 @@ def sonic_grads_to_p(grads: list[Tensor]) -> list[Tensor]:
     return [d_x, d_router.t(), d_up, d_w2.transpose(1, 2), *rest]
 
 
+def k_major_leaf(w: Tensor) -> Tensor:
+    """``w`` (N, K, M) with the same values, its contraction dim K unit-stride."""
+    return w.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+
+
 def layer_sonic(x: Tensor, ps: dict[str, Tensor]) -> Tensor:
     from sonicmoe.functional import moe_TC_softmax_topk_layer
 
@@ -347,6 +355,13 @@ def main() -> None:
         ms = do_bench(lambda fn=LAYERS[name]: fwd_bwd(fn, x, p, grad), rep=200)
         results["layers"][name] = {"ms": ms, "max_rel_err": err}
         print(f"{name:<8} fwd+bwd {ms:8.3f} ms   (max rel err vs reference {err:.2e})")
+    if gemm_backend.have_quack():
+        pk = {**p, "w_up": k_major_leaf(p["w_up"]), "w_down": k_major_leaf(p["w_down"])}
+        err = check("moec_k_major", layer_moec, x, pk, grad, want)
+        ms = do_bench(lambda: fwd_bwd(layer_moec, x, pk, grad), rep=200)
+        results["layers"]["moec_k_major"] = {"ms": ms, "max_rel_err": err}
+        names.append("moec_k_major")
+        print(f"{'moec_k_major':<8} fwd+bwd {ms:8.3f} ms   (max rel err vs reference {err:.2e})")
     if have_sonic() and accepted < T * K:
         print("sonic-moe is dropless and the capacity dropped routes: no anchor row")
     elif have_sonic():
@@ -407,6 +422,8 @@ def main() -> None:
             print(f"piece {r['piece']:<11} {times} ms")
     if args.kernels:
         profiled = {"moec": (layer_moec, p)}
+        if "moec_k_major" in results["layers"]:
+            profiled["moec_k_major"] = (layer_moec, pk)
         if "sonic" in results["layers"]:
             profiled["sonic"] = (layer_sonic, ps)
         results["kernels"] = {}

@@ -210,19 +210,48 @@ def _quack_act(h, name):
     return unary[name](h)
 
 
+def _pairs(t, dim):
+    """``[gate | up]`` along ``dim`` -> interleaved ``(gate_j, up_j)`` pairs."""
+    gate, up = t.chunk(2, dim=dim)
+    return torch.stack((gate, up), dim=dim + 1 if dim >= 0 else dim).flatten(dim - 1, dim)
+
+
+def _concat_dim_strided(t, dim):
+    """quack's ``concat_layout`` takes a tensor whose concat dim is not its contiguous one."""
+    assert t.stride(dim) != 1, "concat_layout: the [gate | up] dim must be the strided one"
+
+
 class _FakeQuack:
-    """The three quack calls :mod:`moec.kernels.cute_gemm` makes, in torch; records A_idx."""
+    """The three quack calls :mod:`moec.kernels.cute_gemm` makes, in torch; records A_idx and
+    each ``concat_layout`` (its [gate | up] dim read or written as interleaved pairs)."""
 
     def __init__(self):
         self.gathered = []
+        self.concat = []
 
-    def gemm(self, a, b, out=None, cu_seqlens_m=None, cu_seqlens_k=None, A_idx=None, tuned=True):
+    def gemm(self, a, b, out=None, cu_seqlens_m=None, cu_seqlens_k=None, A_idx=None, tuned=True,
+             concat_layout=None):  # fmt: skip
         if A_idx is not None:
             assert A_idx.dtype == torch.int32
             self.gathered.append("m" if cu_seqlens_m is not None else "k")
+        if concat_layout == ("B",):  # pairs along B's contraction dim (a's columns are pairs)
+            self.concat.append("B^T")
+            _concat_dim_strided(b, -2)
+            b = _pairs(b, -2)
+        if concat_layout == ("out",):  # a's rows x pairs -> out's strided [gate | up] dim
+            self.concat.append("out")
+            _concat_dim_strided(out, -1)
+            paired = _mm_varlen(a, b, cu_seqlens_m, cu_seqlens_k, A_idx, torch.empty(out.shape))
+            out.copy_(torch.cat((paired[..., 0::2], paired[..., 1::2]), dim=-1))
+            return out
         return _mm_varlen(a, b, cu_seqlens_m, cu_seqlens_k, A_idx, out)
 
-    def gemm_act(self, a, b, activation, cu_seqlens_m, A_idx=None, store_preact=True, tuned=True):
+    def gemm_act(self, a, b, activation, cu_seqlens_m, A_idx=None, store_preact=True, tuned=True,
+                 concat_layout=None):  # fmt: skip
+        if concat_layout == ("B",):  # B's strided [gate | up] columns computed as pairs
+            self.concat.append("B")
+            _concat_dim_strided(b, -1)
+            b = _pairs(b, -1)
         h = self.gemm(a, b, cu_seqlens_m=cu_seqlens_m, A_idx=A_idx)
         return h, _quack_act(h, activation)
 
@@ -278,3 +307,86 @@ def test_cute_path_reads_token_rows_through_a_idx(monkeypatch, backend, activati
         if name in ("d_rows", "d_h"):
             g, w = g[:used], w[:used]
         torch.testing.assert_close(g, w, **close, msg=name)
+
+
+def test_k_major_w_up_runs_the_gated_epilogues_without_weight_copies(monkeypatch):
+    """A k-major w_up (stacked nn.Linear layout): the policy's ``cute`` becomes ``cute_glu``,
+    quack reads its [gate | up] dim as pairs in the up projection, the dgrad and the wgrad
+    (concat_layout), no interleave copy runs, every value equals the n-major run, and d_w_up
+    comes back k-major."""
+    from moec.kernels import cute_gemm, grouped_gemm
+    from moec.kernels import experts as kernel_experts
+    from moec.ops.cuda import kernel_activation
+
+    quack = _FakeQuack()
+    monkeypatch.setattr(cute_gemm, "_quack", lambda: quack)
+    policy = {"up": "cute_glu"}  # the reference: n-major w_up on cute_glu (interleave copies)
+
+    def backend(piece, x, w, kernels=True, glu_epilogue=False):
+        return policy.get(piece, "cute")
+
+    for module in (grouped_gemm, kernel_experts):
+        monkeypatch.setattr(module, "backend", backend)
+    torch.manual_seed(5)
+    rows, offsets = routing("empty_experts")
+    used = int(offsets[-1])
+    buffer = torch.randn(TOKENS * TOP_K, DIM)
+    w_up, w_down = (t.detach() for t in weights("swiglu", False)[:2])
+    w_up_k = w_up.transpose(1, 2).contiguous().transpose(1, 2)
+    assert cute_gemm.k_major(w_up_k) and not cute_gemm.k_major(w_up)
+    act = kernel_activation("swiglu")
+    d_y = torch.randn(TOKENS * TOP_K, DIM)
+
+    y_ref, h_ref = kernel_experts.expert_mlp(buffer, w_up, w_down, offsets, None, None, act)
+    want = kernel_experts.expert_mlp_backward(buffer, w_up, w_down, offsets, h_ref, d_y, act)
+    assert quack.concat == []  # n-major: interleaved copies of w_up and of its gradient
+    policy.clear()  # the policy says "cute" for the k-major run: up_backend makes it cute_glu
+
+    def no_copy(*args):
+        raise AssertionError("a k-major w_up needs no interleave copy")
+
+    monkeypatch.setattr(cute_gemm, "interleave", no_copy)
+    monkeypatch.setattr(cute_gemm, "deinterleave", no_copy)
+    y, h = kernel_experts.expert_mlp(buffer, w_up_k, w_down, offsets, None, None, act)
+    got = kernel_experts.expert_mlp_backward(buffer, w_up_k, w_down, offsets, h, d_y, act)
+    assert quack.concat == ["B", "out", "B^T"]
+    close = dict(atol=1e-5, rtol=1e-5)
+    oracle = expert_mlp_reference(buffer, w_up, w_down, offsets, None, None, "swiglu")[0]
+    torch.testing.assert_close(y[:used], oracle[:used], **close)
+    torch.testing.assert_close(y[:used], y_ref[:used], **close)
+    torch.testing.assert_close(h[:used], h_ref[:used], **close)  # both interleaved
+    for name, g, w in zip(["d_x", "d_w_up", "d_w_down", "d_h"], got, want, strict=True):
+        if name in ("d_x", "d_h"):
+            g, w = g[:used], w[:used]
+        torch.testing.assert_close(g, w, **close, msg=name)
+    assert cute_gemm.k_major(got[1])
+
+
+@pytest.mark.parametrize("op", ["expert_mlp", "expert_mlp_gathered"])
+def test_weight_gradients_come_back_in_the_weights_layout(op):
+    """Weight gradients have the weights' strides (a k-major weight, k-major gradient: autograd
+    accumulates it without a copy), values as with contiguous weights; the fake agrees."""
+    torch.manual_seed(6)
+    rows, offsets = routing("drops")
+    x = torch.randn(TOKENS, DIM)
+    w_up, w_down = (t.detach() for t in weights("swiglu", False)[:2])
+
+    def run(w_up, w_down):
+        w_up, w_down = w_up.clone().requires_grad_(), w_down.clone().requires_grad_()
+        if op == "expert_mlp":
+            y, _ = ops.expert_mlp(ops.dispatch(x, rows), w_up, w_down, offsets, None, None,
+                                  "swiglu")  # fmt: skip
+        else:
+            y, _ = ops.expert_mlp_gathered(x, rows, w_up, w_down, offsets, None, None, "swiglu")
+        used = int(offsets[-1])
+        (y[:used] * torch.arange(used * DIM).view(used, DIM).cos()).sum().backward()
+        return w_up.grad, w_down.grad
+
+    def k_major(w):
+        return w.transpose(1, 2).contiguous().transpose(1, 2)
+
+    want = run(w_up, w_down)
+    got = run(k_major(w_up), k_major(w_down))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+        assert g.stride() == k_major(w).stride()

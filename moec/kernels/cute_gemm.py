@@ -28,6 +28,12 @@ of the interleaved weight back, again in its dtype cast. Only the expert MLP's b
 ``"cute"`` backend runs a gated activation on moec's activation kernel instead and keeps
 ``[gate | up]``.
 
+A :func:`k_major` ``w_up`` (the contraction dim unit-stride: stacked ``nn.Linear`` weights,
+``(N, U, D)`` in memory, as SonicMoE keeps them) needs none of those copies: its ``[gate | up]``
+dim is the strided one, which quack's ``concat_layout`` reads as pairs, in the up projection
+(``B``), the up projection's dgrad (``B`` of ``w_up^T``, pairs along the contraction) and its
+wgrad (``out``, written k-major like the weight).
+
 quack compiles each kernel on first use (and autotunes it unless ``MOEC_AUTOTUNE=0``; the first
 steps of a run then take minutes); after that a call launches without reading the device. quack
 is optional (``pip install moec[cutlass]``): without it
@@ -96,13 +102,27 @@ def deinterleave(w: Tensor, dtype: torch.dtype) -> Tensor:
     return out.view(n, d, width)
 
 
+def k_major(w: Tensor) -> bool:
+    """Whether ``w`` (N, K, M) is dense with its contraction dim K unit-stride ((N, M, K) in
+    memory)."""
+    return w.dim() == 3 and w.stride(-2) == 1 and w.stride(-1) == w.shape[-2]
+
+
 def _rows(x: Tensor, sources: Tensor | None) -> int:
     return x.shape[0] if sources is None else sources.shape[0]
 
 
-def gmm(x: Tensor, w: Tensor, offsets: Tensor, sources: Tensor | None = None) -> Tensor:
+def gmm(
+    x: Tensor,
+    w: Tensor,
+    offsets: Tensor,
+    sources: Tensor | None = None,
+    paired_k: bool = False,
+) -> Tensor:
     """``out[r] = x[r] @ w[e(r)]`` (gathered: ``x[sources[r]]``); ``w`` may be a transposed
-    view."""
+    view. ``paired_k``: x's columns are interleaved gate/up pairs and ``w``'s contraction dim
+    (strided) is ``[gate | up]``: the dgrad of a gated up projection of a :func:`k_major`
+    ``w_up``, given ``w_up^T``."""
     out = x.new_empty(_rows(x, sources), w.shape[-1])
     if out.shape[0] == 0:
         return out
@@ -113,6 +133,7 @@ def gmm(x: Tensor, w: Tensor, offsets: Tensor, sources: Tensor | None = None) ->
         cu_seqlens_m=cu_seqlens(offsets),
         A_idx=sources,
         tuned=_tuned(),
+        **({"concat_layout": ("B",)} if paired_k else {}),
     )
     return out
 
@@ -125,9 +146,10 @@ def gmm_act(
     sources: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(h, a): the up projection with the activation in the epilogue (gathered: on rows
-    ``x[sources[r]]``); ``w_up`` in moec's layout, ``h`` interleaved when ``act`` is gated (see
-    module)."""
-    w = interleave(w_up, x.dtype) if act.gated else w_up.to(x.dtype)
+    ``x[sources[r]]``); ``w_up`` ``[gate | up]``, ``h`` interleaved when ``act`` is gated (see
+    module: a :func:`k_major` ``w_up`` is read as it is, any other interleaved in a copy)."""
+    paired = act.gated and k_major(w_up)
+    w = interleave(w_up, x.dtype) if act.gated and not paired else w_up.to(x.dtype)
     return _quack().gemm_act(
         x.contiguous() if sources is not None else x,
         w,
@@ -136,6 +158,7 @@ def gmm_act(
         A_idx=sources,
         store_preact=True,
         tuned=_tuned(),
+        concat_layout=("B",) if paired else None,
     )
 
 
@@ -161,12 +184,18 @@ def gmm_wgrad(
     offsets: Tensor,
     out_dtype: torch.dtype,
     sources: Tensor | None = None,
+    paired_out: bool = False,
 ) -> Tensor:
     """``dw[e] = x_e^T @ dy_e`` (N, K, M) in ``out_dtype`` (gathered: x_e's rows are
     ``x[sources[r]]`` for e's rows r), accumulated in float32 and written once; empty experts
-    get 0. quack's varlen-K takes A m-major: ``x.t()`` of a contiguous x."""
-    num_experts = offsets.shape[0]
-    dw = torch.empty(num_experts, x.shape[1], dy.shape[1], dtype=out_dtype, device=x.device)
+    get 0. quack's varlen-K takes A m-major: ``x.t()`` of a contiguous x. ``paired_out``: dy's
+    columns are interleaved gate/up pairs, and dw is written :func:`k_major` in ``[gate | up]``
+    order (the wgrad of a gated up projection of a k-major ``w_up``)."""
+    num_experts, depth, width = offsets.shape[0], x.shape[1], dy.shape[1]
+    shape = (num_experts, width, depth) if paired_out else (num_experts, depth, width)
+    dw = torch.empty(shape, dtype=out_dtype, device=x.device)
+    if paired_out:
+        dw = dw.transpose(-1, -2)
     if dw.numel() == 0:
         return dw
     _quack().gemm(
@@ -176,5 +205,6 @@ def gmm_wgrad(
         cu_seqlens_k=cu_seqlens(offsets),
         A_idx=sources,
         tuned=_tuned(),
+        **({"concat_layout": ("out",)} if paired_out else {}),
     )
     return dw

@@ -70,6 +70,10 @@ def expert_mlp_backward(
     interleaved = gg.h_interleaved(rows, w_up_x, up_bias, act)
     d_h, a = gg.gmm_act_backward(d_y, w_down.to(x.dtype), offsets, h, act, interleaved)
     d_w_down = gg.gmm_wgrad(a, d_y, offsets, out_dtype=w_down.dtype)
+    if interleaved and cute_gemm.k_major(w_up_x):  # pairs read in place (see cute_gemm)
+        d_w_up = _up_wgrad(x, sources, d_h, offsets, w_up.dtype, paired=True)
+        d_x = cute_gemm.gmm(d_h, w_up_x.transpose(-1, -2), offsets, paired_k=True)
+        return d_x, d_w_up, d_w_down, d_h
     if interleaved:
         d_w_up = cute_gemm.deinterleave(_up_wgrad(x, sources, d_h, offsets, x.dtype), w_up.dtype)
         w_up_x = cute_gemm.interleave(w_up_x, x.dtype)
@@ -80,11 +84,20 @@ def expert_mlp_backward(
 
 
 def _up_wgrad(
-    x: Tensor, sources: Tensor | None, d_h: Tensor, offsets: Tensor, out_dtype: torch.dtype
+    x: Tensor,
+    sources: Tensor | None,
+    d_h: Tensor,
+    offsets: Tensor,
+    out_dtype: torch.dtype,
+    paired: bool = False,
 ) -> Tensor:
     """The up projection's weight gradient: of the buffer x, or of the token rows x through
     ``sources`` (quack's varlen-K with ``A_idx`` where the policy runs the wgrad on the CuTe DSL,
-    else on the gathered buffer)."""
+    else on the gathered buffer). ``paired``: d_h is interleaved and the gradient is written
+    k-major in ``[gate | up]`` order, on the CuTe DSL whatever the policy (no other kernel reads
+    pairs; quack runs, as it ran the up projection)."""
+    if paired:
+        return cute_gemm.gmm_wgrad(x, d_h, offsets, out_dtype, sources, paired_out=True)
     if sources is None:
         return gg.gmm_wgrad(x, d_h, offsets, out_dtype=out_dtype)
     if backend("wgrad", gg.buffer_like(x, sources), d_h) == "cute":

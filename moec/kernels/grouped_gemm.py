@@ -314,10 +314,16 @@ def gmm(
 
 def up_backend(x: Tensor, w_up: Tensor, has_bias: bool, act: KernelActivation) -> str:
     """The backend of the up projection (:func:`gmm_act`) for these operands; the pointer
-    kernels are the only ones with a bias epilogue."""
+    kernels are the only ones with a bias epilogue. Where the policy picks ``"cute"`` for a
+    gated activation quack computes and ``w_up`` is :func:`cute_gemm.k_major`, ``"cute_glu"``
+    runs: its epilogues then cost no weight copies (see :mod:`moec.kernels.cute_gemm`)."""
     if has_bias:
         return "pointer"
-    return backend("up", x, w_up, glu_epilogue=act.gated and cute_gemm.computes(act))
+    glu_epilogue = act.gated and cute_gemm.computes(act)
+    chosen = backend("up", x, w_up, glu_epilogue=glu_epilogue)
+    if chosen == "cute" and glu_epilogue and cute_gemm.k_major(w_up):
+        return "cute_glu"
+    return chosen
 
 
 def h_interleaved(x: Tensor, w_up: Tensor, has_bias: bool, act: KernelActivation) -> bool:

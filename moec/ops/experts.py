@@ -22,7 +22,9 @@ The backward's GEMMs are the internal op::
 
 so AOTAutograd traces them as one opaque call (on CUDA the kernels of
 :mod:`moec.kernels.experts`, never launched on fake tensors); the bias gradients, row sums of
-d_h and d_y, stay plain torch in the autograd formula. All outputs are contiguous.
+d_h and d_y, stay plain torch in the autograd formula. Weight gradients have their weights'
+strides (``torch.empty_like``'s: a k-major weight, the stacked ``nn.Linear`` layout, gets a
+k-major gradient, which autograd accumulates without a copy); every other output is contiguous.
 """
 
 from __future__ import annotations
@@ -169,7 +171,27 @@ def expert_mlp_backward(
         grads = expert_mlp_backward_reference(*args)
     else:  # the kernels' h layout depends on whether the up projection had a bias
         grads = kernel(*args, up_bias=up_bias)
-    return tuple(g.contiguous() for g in grads)
+    return expert_mlp_grads_laid_out(grads, w_up, w_down)
+
+
+def in_layout_of(t: Tensor, like: Tensor) -> Tensor:
+    """``t`` with the strides ``torch.empty_like(like)`` has (a copy only where they differ)."""
+    laid_out = torch.empty_like(like, dtype=t.dtype)
+    return t if t.stride() == laid_out.stride() else laid_out.copy_(t)
+
+
+def expert_mlp_grads_laid_out(
+    grads: tuple[Tensor, ...], w_up: Tensor, w_down: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(d_x, d_w_up, d_w_down, d_h) as the expert MLP backward ops return them: weight
+    gradients in their weights' layouts, the rest contiguous (see module)."""
+    d_x, d_w_up, d_w_down, d_h = grads
+    return (
+        d_x.contiguous(),
+        in_layout_of(d_w_up, w_up),
+        in_layout_of(d_w_down, w_down),
+        d_h.contiguous(),
+    )
 
 
 def expert_mlp_grads_like(
@@ -179,8 +201,8 @@ def expert_mlp_grads_like(
     result of every expert MLP backward op."""
     return (
         x.new_empty(x.shape),
-        w_up.new_empty(w_up.shape),
-        w_down.new_empty(w_down.shape),
+        torch.empty_like(w_up),
+        torch.empty_like(w_down),
         x.new_empty(h.shape),
     )
 

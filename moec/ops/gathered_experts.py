@@ -31,6 +31,7 @@ from moec.ops.activations import check_activation, is_gated
 from moec.ops.experts import (
     bias_grads,
     expert_mlp_backward_reference,
+    expert_mlp_grads_laid_out,
     expert_mlp_grads_like,
     expert_mlp_reference,
     h_saved_only,
@@ -185,7 +186,7 @@ def expert_mlp_gathered_backward(
         grads = expert_mlp_gathered_backward_reference(*args)
     else:  # the kernels' h layout depends on whether the up projection had a bias
         grads = kernel(*args, up_bias=up_bias)
-    return tuple(g.contiguous() for g in grads)
+    return expert_mlp_grads_laid_out(grads, w_up, w_down)
 
 
 @expert_mlp_gathered_backward.register_fake

@@ -7,6 +7,7 @@ buffer tails poisoned with NaN / 1e4. Also: a steady-state layer step raises no 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 
@@ -182,7 +183,23 @@ def test_expert_mlp_on_the_cute_dsl(backend, activation, case, shape):
         _check_expert_mlp(torch.bfloat16, activation, case, False, shape, tol)
 
 
-def _check_expert_mlp(dtype, activation, case, bias, shape=(8, 1000, 128, 96), tol=None):
+@needs_quack
+@pytest.mark.parametrize("backend", ["policy", "cute"])
+@pytest.mark.parametrize("activation", ["swiglu", "geglu_tanh", "silu"])
+@pytest.mark.parametrize("case", ["random", "empty_experts", "one_expert"])
+@pytest.mark.parametrize("shape", [(8, 8192, 128, 96), (32, 8192, 512, 384)])
+def test_expert_mlp_with_k_major_weights(backend, activation, case, shape):
+    """k-major weights (stacked nn.Linear layout): a gated up projection runs quack's gated
+    epilogues reading w_up's [gate | up] dim as pairs (concat_layout) in the GEMM, its dgrad and
+    its wgrad; against the float64 reference, poisoned tails, gradients k-major."""
+    forced = gemm_backend.forced_backend("cute") if backend == "cute" else contextlib.nullcontext()
+    with forced:
+        _check_expert_mlp(torch.bfloat16, activation, case, False, shape, 2e-2, k_major=True)
+
+
+def _check_expert_mlp(
+    dtype, activation, case, bias, shape=(8, 1000, 128, 96), tol=None, k_major=False
+):
     experts, rows, dim, hidden = shape
     gated = is_gated(activation)
     width = 2 * hidden if gated else hidden
@@ -192,8 +209,11 @@ def _check_expert_mlp(dtype, activation, case, bias, shape=(8, 1000, 128, 96), t
     x[used:] = float("nan")
     x.requires_grad_()
     masters = dict(device="cuda", dtype=torch.float32)
-    w_up = (torch.randn(experts, dim, width, **masters) / dim**0.5).requires_grad_()
-    w_down = (torch.randn(experts, hidden, dim, **masters) / hidden**0.5).requires_grad_()
+    w_up = torch.randn(experts, dim, width, **masters) / dim**0.5
+    w_down = torch.randn(experts, hidden, dim, **masters) / hidden**0.5
+    if k_major:
+        w_up, w_down = (w.transpose(1, 2).contiguous().transpose(1, 2) for w in (w_up, w_down))
+    w_up, w_down = w_up.requires_grad_(), w_down.requires_grad_()
     b_up = torch.randn(experts, width, **masters).requires_grad_() if bias else None
     b_down = torch.randn(experts, dim, **masters).requires_grad_() if bias else None
     y, h = torch.ops.moec.expert_mlp(x, w_up, w_down, offsets, b_up, b_down, activation)
@@ -222,6 +242,7 @@ def _check_expert_mlp(dtype, activation, case, bias, shape=(8, 1000, 128, 96), t
         assert torch.isfinite(g).all(), name
         assert _rel(g.cpu(), r) < tol, name
     assert grads[1].dtype == torch.float32
+    assert grads[1].stride() == w_up.stride() and grads[2].stride() == w_down.stride()
 
 
 @pytest.mark.parametrize("activation", ["quick_gelu", "relu2_glu"])
@@ -257,31 +278,39 @@ def _layer(x, router, w_up, w_down):
 
 
 @pytest.mark.parametrize(
-    "backend", ["policy", *(pytest.param(b, marks=needs_quack) for b in ("cute", "cute_glu"))]
+    "backend",
+    [
+        "policy",
+        *(pytest.param(b, marks=needs_quack) for b in ("cute", "cute_glu", "policy_k_major")),
+    ],
 )
 def test_layer_step_is_sync_free_and_runs_ahead(backend):
-    """With the policy's backends, and with every piece forced onto the CuTe DSL kernels."""
-    if backend != "policy":
+    """With the policy's backends, with every piece forced onto the CuTe DSL kernels, and with
+    k-major expert weights (the gated epilogues reading them as they are)."""
+    if backend.startswith("policy"):
+        _check_layer_step(k_major=backend == "policy_k_major")
+    else:
         with gemm_backend.forced_backend(backend):
             _check_layer_step()
-    else:
-        _check_layer_step()
 
 
-def layer_inputs() -> tuple[torch.Tensor, ...]:
+def layer_inputs(k_major: bool = False) -> tuple[torch.Tensor, ...]:
     """(x, router, w_up, w_down) of benchmarks/moe_layer.py's layer (top-8, SwiGLU), bf16 leaves
-    on the GPU, fresh random values."""
+    on the GPU, fresh random values; ``k_major``: the expert weights' contraction dim
+    unit-stride."""
     tokens, dim, experts, hidden = 16384, 1536, 32, 1536
     bf = dict(device="cuda", dtype=torch.bfloat16)
     x = torch.randn(tokens, dim, **bf, requires_grad=True)
     router = torch.randn(dim, experts, **bf, requires_grad=True)
-    w_up = (torch.randn(experts, dim, 2 * hidden, **bf) / dim**0.5).requires_grad_()
-    w_down = (torch.randn(experts, hidden, dim, **bf) / hidden**0.5).requires_grad_()
-    return x, router, w_up, w_down
+    w_up = torch.randn(experts, dim, 2 * hidden, **bf) / dim**0.5
+    w_down = torch.randn(experts, hidden, dim, **bf) / hidden**0.5
+    if k_major:
+        w_up, w_down = (w.transpose(1, 2).contiguous().transpose(1, 2) for w in (w_up, w_down))
+    return x, router, w_up.requires_grad_(), w_down.requires_grad_()
 
 
-def _check_layer_step():
-    x, router, w_up, w_down = layer_inputs()
+def _check_layer_step(k_major: bool = False):
+    x, router, w_up, w_down = layer_inputs(k_major)
 
     def step():
         _layer(x, router, w_up, w_down).float().square().mean().backward()
