@@ -103,6 +103,7 @@ for stage in "$@"; do
     layer-kernels) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/moe_layer.py --skip-loop --kernels 30 --json "$OUT/layer_kernels.json" ;;
     quack-layouts) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/quack_layouts.py --json "$OUT/quack_layouts.json" ;;
     kmajor-tests) timeout $STAGE_LIMIT python -m pytest -q -x tests/gpu/test_kernels_ops.py -k "k_major" ;;
+    layer-kmajor) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/moe_layer.py --skip-loop --layers sorted,moec_k_major,sonic --kernels 12 --json "$OUT/layer_kmajor.json" ;;
     cute-layer) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/moe_layer.py --pieces --skip-loop --json "$OUT/layer_cute.json" ;;
     e2e-recompute) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 4 --warmup 2 --moec-only --recompute --json "$OUT/e2e_recompute.json" ;;
     recompute-snapshot) timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 2 --warmup 2 --moec-only --recompute --memory-snapshot "$OUT/snapshots" --json "$OUT/e2e_recompute_snapshot.json" ;;

@@ -329,6 +329,9 @@ def main() -> None:
         metavar="N",
         help="profile the moec (and anchor) layer: N largest kernels each",
     )
+    parser.add_argument(
+        "--layers", default=None, help="comma-separated rows to run (default all; moec always)"
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     register_kernels()
@@ -348,21 +351,28 @@ def main() -> None:
     print(f"accepted routes {accepted} of {T * K}; expert-path GFLOP {expert_flops / 1e9:.0f}")
 
     results: dict = {"accepted": accepted, "layers": {}, "policy": gemm_backend.GEMM_BACKENDS}
-    names = [n for n in LAYERS if not (args.skip_loop and n == "loop")]
+    wanted = set(args.layers.split(",")) if args.layers else None
+
+    def want(name: str) -> bool:
+        return wanted is None or name in wanted or name == "moec"
+
+    names = [n for n in LAYERS if not (args.skip_loop and n == "loop") and want(n)]
     want = reference(x, p, grad)
     for name in names:
         err = check(name, LAYERS[name], x, p, grad, want)
         ms = do_bench(lambda fn=LAYERS[name]: fwd_bwd(fn, x, p, grad), rep=200)
         results["layers"][name] = {"ms": ms, "max_rel_err": err}
         print(f"{name:<8} fwd+bwd {ms:8.3f} ms   (max rel err vs reference {err:.2e})")
-    if gemm_backend.have_quack():
+    if gemm_backend.have_quack() and want("moec_k_major"):
         pk = {**p, "w_up": k_major_leaf(p["w_up"]), "w_down": k_major_leaf(p["w_down"])}
         err = check("moec_k_major", layer_moec, x, pk, grad, want)
         ms = do_bench(lambda: fwd_bwd(layer_moec, x, pk, grad), rep=200)
         results["layers"]["moec_k_major"] = {"ms": ms, "max_rel_err": err}
         names.append("moec_k_major")
         print(f"{'moec_k_major':<8} fwd+bwd {ms:8.3f} ms   (max rel err vs reference {err:.2e})")
-    if have_sonic() and accepted < T * K:
+    if not want("sonic"):
+        pass
+    elif have_sonic() and accepted < T * K:
         print("sonic-moe is dropless and the capacity dropped routes: no anchor row")
     elif have_sonic():
         ps = sonic_params(p)
@@ -373,11 +383,12 @@ def main() -> None:
         print(f"{'sonic':<8} fwd+bwd {ms:8.3f} ms   (max rel err vs reference {err:.2e})")
     else:
         print("sonic-moe not installed: no anchor row")
-    up = gathered_up_text(x, rows, p["w_up"])
-    results["layers"]["moec_gathered"]["up"] = up
-    print(f"moec_gathered up projection: {up}")
+    if want("moec_gathered"):
+        up = gathered_up_text(x, rows, p["w_up"])
+        results["layers"]["moec_gathered"]["up"] = up
+        print(f"moec_gathered up projection: {up}")
 
-    if gemm_backend.have_quack():
+    if gemm_backend.have_quack() and want("moec_triton"):
         with gemm_backend.without_quack():
             for name, fn in (
                 ("moec_triton", layer_moec),
@@ -405,7 +416,7 @@ def main() -> None:
     buf = torch.ops.moec.dispatch(x.detach(), rows).requires_grad_()
     dy = torch.randn_like(buf)
     ep = expert_path(buf, offsets, p, dy)
-    if gemm_backend.have_quack():
+    if gemm_backend.have_quack() and want("moec_triton"):
         with gemm_backend.without_quack():
             ep["moec_triton"] = expert_path(buf, offsets, p, dy)["moec"]
     results["expert_path_ms"] = ep

@@ -310,10 +310,10 @@ def test_cute_path_reads_token_rows_through_a_idx(monkeypatch, backend, activati
 
 
 def test_k_major_w_up_runs_the_gated_epilogues_without_weight_copies(monkeypatch):
-    """A k-major w_up (stacked nn.Linear layout): the policy's ``cute`` becomes ``cute_glu``,
-    quack reads its [gate | up] dim as pairs in the up projection, the dgrad and the wgrad
-    (concat_layout), no interleave copy runs, every value equals the n-major run, and d_w_up
-    comes back k-major."""
+    """k-major expert weights (stacked nn.Linear layout): the policy's ``cute`` becomes
+    ``cute_glu``, quack reads w_up's [gate | up] dim as pairs in the up projection, the dgrad and
+    the wgrad (concat_layout), no interleave copy runs, every value equals the n-major run, and
+    both weight gradients are written k-major."""
     from moec.kernels import cute_gemm, grouped_gemm
     from moec.kernels import experts as kernel_experts
     from moec.ops.cuda import kernel_activation
@@ -332,7 +332,7 @@ def test_k_major_w_up_runs_the_gated_epilogues_without_weight_copies(monkeypatch
     used = int(offsets[-1])
     buffer = torch.randn(TOKENS * TOP_K, DIM)
     w_up, w_down = (t.detach() for t in weights("swiglu", False)[:2])
-    w_up_k = w_up.transpose(1, 2).contiguous().transpose(1, 2)
+    w_up_k, w_down_k = (w.transpose(1, 2).contiguous().transpose(1, 2) for w in (w_up, w_down))
     assert cute_gemm.k_major(w_up_k) and not cute_gemm.k_major(w_up)
     act = kernel_activation("swiglu")
     d_y = torch.randn(TOKENS * TOP_K, DIM)
@@ -347,8 +347,8 @@ def test_k_major_w_up_runs_the_gated_epilogues_without_weight_copies(monkeypatch
 
     monkeypatch.setattr(cute_gemm, "interleave", no_copy)
     monkeypatch.setattr(cute_gemm, "deinterleave", no_copy)
-    y, h = kernel_experts.expert_mlp(buffer, w_up_k, w_down, offsets, None, None, act)
-    got = kernel_experts.expert_mlp_backward(buffer, w_up_k, w_down, offsets, h, d_y, act)
+    y, h = kernel_experts.expert_mlp(buffer, w_up_k, w_down_k, offsets, None, None, act)
+    got = kernel_experts.expert_mlp_backward(buffer, w_up_k, w_down_k, offsets, h, d_y, act)
     assert quack.concat == ["B", "out", "B^T"]
     close = dict(atol=1e-5, rtol=1e-5)
     oracle = expert_mlp_reference(buffer, w_up, w_down, offsets, None, None, "swiglu")[0]
@@ -359,7 +359,7 @@ def test_k_major_w_up_runs_the_gated_epilogues_without_weight_copies(monkeypatch
         if name in ("d_x", "d_h"):
             g, w = g[:used], w[:used]
         torch.testing.assert_close(g, w, **close, msg=name)
-    assert cute_gemm.k_major(got[1])
+    assert cute_gemm.k_major(got[1]) and cute_gemm.k_major(got[2])  # written so, not copied
 
 
 @pytest.mark.parametrize("op", ["expert_mlp", "expert_mlp_gathered"])

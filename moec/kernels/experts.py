@@ -20,7 +20,6 @@ backward gathering it again rather than keeping it.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from moec.kernels import cute_gemm
@@ -69,16 +68,16 @@ def expert_mlp_backward(
     rows = x if sources is None else gg.buffer_like(x, sources)
     interleaved = gg.h_interleaved(rows, w_up_x, up_bias, act)
     d_h, a = gg.gmm_act_backward(d_y, w_down.to(x.dtype), offsets, h, act, interleaved)
-    d_w_down = gg.gmm_wgrad(a, d_y, offsets, out_dtype=w_down.dtype)
+    d_w_down = _wgrad_like(a, d_y, offsets, w_down)
     if interleaved and cute_gemm.k_major(w_up_x):  # pairs read in place (see cute_gemm)
-        d_w_up = _up_wgrad(x, sources, d_h, offsets, w_up.dtype, paired=True)
+        d_w_up = _up_wgrad(x, sources, d_h, offsets, w_up, paired=True)
         d_x = cute_gemm.gmm(d_h, w_up_x.transpose(-1, -2), offsets, paired_k=True)
         return d_x, d_w_up, d_w_down, d_h
     if interleaved:
-        d_w_up = cute_gemm.deinterleave(_up_wgrad(x, sources, d_h, offsets, x.dtype), w_up.dtype)
+        d_w_up = cute_gemm.deinterleave(_up_wgrad(x, sources, d_h, offsets, w_up_x), w_up.dtype)
         w_up_x = cute_gemm.interleave(w_up_x, x.dtype)
     else:
-        d_w_up = _up_wgrad(x, sources, d_h, offsets, w_up.dtype)
+        d_w_up = _up_wgrad(x, sources, d_h, offsets, w_up)
     d_x = gg.gmm(d_h, w_up_x.transpose(-1, -2), offsets, piece="dgrad")
     return d_x, d_w_up, d_w_down, d_h
 
@@ -88,21 +87,31 @@ def _up_wgrad(
     sources: Tensor | None,
     d_h: Tensor,
     offsets: Tensor,
-    out_dtype: torch.dtype,
+    like: Tensor,
     paired: bool = False,
 ) -> Tensor:
-    """The up projection's weight gradient: of the buffer x, or of the token rows x through
-    ``sources`` (quack's varlen-K with ``A_idx`` where the policy runs the wgrad on the CuTe DSL,
-    else on the gathered buffer). ``paired``: d_h is interleaved and the gradient is written
-    k-major in ``[gate | up]`` order, on the CuTe DSL whatever the policy (no other kernel reads
-    pairs; quack runs, as it ran the up projection)."""
+    """The up projection's weight gradient in ``like``'s dtype: of the buffer x (in ``like``'s
+    layout, :func:`_wgrad_like`), or of the token rows x through ``sources`` (quack's varlen-K
+    with ``A_idx`` where the policy runs the wgrad on the CuTe DSL, else on the gathered buffer).
+    ``paired``: d_h is interleaved and the gradient is written k-major in ``[gate | up]`` order,
+    on the CuTe DSL whatever the policy (no other kernel reads pairs; quack runs, as it ran the
+    up projection)."""
+    out_dtype = like.dtype
     if paired:
         return cute_gemm.gmm_wgrad(x, d_h, offsets, out_dtype, sources, paired_out=True)
     if sources is None:
-        return gg.gmm_wgrad(x, d_h, offsets, out_dtype=out_dtype)
+        return _wgrad_like(x, d_h, offsets, like)
     if backend("wgrad", gg.buffer_like(x, sources), d_h) == "cute":
         return cute_gemm.gmm_wgrad(x, d_h, offsets, out_dtype, sources)
     return gg.gmm_wgrad(x.index_select(0, sources), d_h, offsets, out_dtype=out_dtype)
+
+
+def _wgrad_like(x: Tensor, dy: Tensor, offsets: Tensor, like: Tensor) -> Tensor:
+    """``x_e^T dy_e`` per expert in ``like``'s dtype, and for a :func:`cute_gemm.k_major`
+    ``like`` in its layout: computed as ``(dy_e^T x_e)^T``, which no transposing copy follows."""
+    if cute_gemm.k_major(like):
+        return gg.gmm_wgrad(dy, x, offsets, out_dtype=like.dtype).transpose(-1, -2)
+    return gg.gmm_wgrad(x, dy, offsets, out_dtype=like.dtype)
 
 
 def expert_mlp_gathered_backward(
