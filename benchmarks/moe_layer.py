@@ -353,24 +353,24 @@ def main() -> None:
     results: dict = {"accepted": accepted, "layers": {}, "policy": gemm_backend.GEMM_BACKENDS}
     wanted = set(args.layers.split(",")) if args.layers else None
 
-    def want(name: str) -> bool:
+    def runs(name: str) -> bool:
         return wanted is None or name in wanted or name == "moec"
 
-    names = [n for n in LAYERS if not (args.skip_loop and n == "loop") and want(n)]
+    names = [n for n in LAYERS if not (args.skip_loop and n == "loop") and runs(n)]
     want = reference(x, p, grad)
     for name in names:
         err = check(name, LAYERS[name], x, p, grad, want)
         ms = do_bench(lambda fn=LAYERS[name]: fwd_bwd(fn, x, p, grad), rep=200)
         results["layers"][name] = {"ms": ms, "max_rel_err": err}
         print(f"{name:<8} fwd+bwd {ms:8.3f} ms   (max rel err vs reference {err:.2e})")
-    if gemm_backend.have_quack() and want("moec_k_major"):
+    if gemm_backend.have_quack() and runs("moec_k_major"):
         pk = {**p, "w_up": k_major_leaf(p["w_up"]), "w_down": k_major_leaf(p["w_down"])}
         err = check("moec_k_major", layer_moec, x, pk, grad, want)
         ms = do_bench(lambda: fwd_bwd(layer_moec, x, pk, grad), rep=200)
         results["layers"]["moec_k_major"] = {"ms": ms, "max_rel_err": err}
         names.append("moec_k_major")
         print(f"{'moec_k_major':<8} fwd+bwd {ms:8.3f} ms   (max rel err vs reference {err:.2e})")
-    if not want("sonic"):
+    if not runs("sonic"):
         pass
     elif have_sonic() and accepted < T * K:
         print("sonic-moe is dropless and the capacity dropped routes: no anchor row")
@@ -383,12 +383,12 @@ def main() -> None:
         print(f"{'sonic':<8} fwd+bwd {ms:8.3f} ms   (max rel err vs reference {err:.2e})")
     else:
         print("sonic-moe not installed: no anchor row")
-    if want("moec_gathered"):
+    if runs("moec_gathered"):
         up = gathered_up_text(x, rows, p["w_up"])
         results["layers"]["moec_gathered"]["up"] = up
         print(f"moec_gathered up projection: {up}")
 
-    if gemm_backend.have_quack() and want("moec_triton"):
+    if gemm_backend.have_quack() and runs("moec_triton"):
         with gemm_backend.without_quack():
             for name, fn in (
                 ("moec_triton", layer_moec),
@@ -416,7 +416,7 @@ def main() -> None:
     buf = torch.ops.moec.dispatch(x.detach(), rows).requires_grad_()
     dy = torch.randn_like(buf)
     ep = expert_path(buf, offsets, p, dy)
-    if gemm_backend.have_quack() and want("moec_triton"):
+    if gemm_backend.have_quack() and runs("moec_triton"):
         with gemm_backend.without_quack():
             ep["moec_triton"] = expert_path(buf, offsets, p, dy)["moec"]
     results["expert_path_ms"] = ep
