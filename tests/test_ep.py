@@ -339,6 +339,48 @@ def test_rowwise_route_map_matches_python_loop(ep_size, cf):
         assert ep_ops.local_offsets(counts, rank_cap).tolist() == ends
 
 
+@pytest.mark.parametrize("ep_size,cf", [(2, 0.4), (4, 4.0)])
+def test_rowwise_tokens_cross_once_per_rank(ep_size, cf):
+    """The dispatch direction's addresses (one per token and rank that gets any of its
+    accepted routes, into row source*T + t of that rank's token workspace) and the receiver's
+    expansion (each buffer row reads its route's token) equal Python loops, and a token's row
+    crosses to a rank once, however many of its routes go there."""
+    tokens = 10
+    routed = [_route(torch.randn(tokens, N), cf) for _ in range(ep_size)]
+    all_counts = torch.stack([ep_ops.accepted_counts(o) for _, _, o in routed])
+    rank_cap = ep_ops.rank_capacity(tokens, K, N, ep_size, cf)
+    slots = [
+        ep_ops.rowwise_route_map(r, o, all_counts, s, rank_cap)[0]
+        for s, (_, r, o) in enumerate(routed)
+    ]
+    recv = [torch.full((rank_cap,), -1, dtype=torch.int64) for _ in range(ep_size)]
+    for s, address in enumerate(slots):  # the layout's origins: source * T*K + route
+        for route, a in enumerate(address.tolist()):
+            if a >= 0:
+                recv[a // rank_cap][a % rank_cap] = s * tokens * K + route
+    for s, address in enumerate(slots):
+        got = ep_ops.token_rank_addresses(address, rank_cap, K, ep_size, s).view(tokens, ep_size)
+        for t in range(tokens):
+            ranks = {a // rank_cap for a in address[t * K : (t + 1) * K].tolist() if a >= 0}
+            for d in range(ep_size):
+                want = d * ep_size * tokens + s * tokens + t if d in ranks else -1
+                assert int(got[t, d]) == want
+        routes_sent = int((address >= 0).sum())
+        assert (
+            int((got >= 0).sum())
+            == sum(
+                len({a // rank_cap for a in address[t * K : (t + 1) * K].tolist() if a >= 0})
+                for t in range(tokens)
+            )
+            <= routes_sent
+        )
+    for dest in range(ep_size):
+        got = ep_ops.token_workspace_rows(recv[dest], tokens, K).tolist()
+        for r, origin in enumerate(recv[dest].tolist()):
+            source, route = divmod(origin, tokens * K)
+            assert got[r] == (-1 if origin < 0 else source * tokens + route // K)
+
+
 def test_receive_maps_match_python_loop():
     ep_size, local, cap = 3, 2, 4
     counts = torch.randint(0, cap + 1, (ep_size, local))

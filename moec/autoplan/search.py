@@ -34,7 +34,7 @@ import functools
 import math
 from collections.abc import Iterator
 
-from moec.analysis.cost.overlap import exposed_comm
+from moec.analysis.cost.overlap import exposed_comm, once_per_rank_share
 from moec.analysis.cost.time import (
     Efficiency,
     ForwardWork,
@@ -332,6 +332,40 @@ class Search:
         )
 
     @functools.cache  # noqa: B019
+    def unit_times(
+        self, u: int, b: int, ep: int, ep_path: str, gemm: str, overlap: str, recompute: str
+    ) -> tuple[float, float, float]:
+        """Seconds of unit ``u`` per microbatch of ``b`` sequences: compute (forward and
+        backward), block recompute, and exposed EP exchanges (forward and backward); layouts
+        that share these arguments share the answer."""
+        req, prof, gpu, eff = self.req, self.profile, self.req.gpu, self.req.eff
+        seq, unit = req.seq, prof.units[u]
+        ep_link = gpu.ceiling("nvlink_gbps" if ep <= gpu.gpus_per_node else "inter_node_gbps")
+        ep_rate = ep_link * 1e9 * eff.link * (eff.path_factor(ep_path) if ep > 1 else 1)
+        work = self.work(unit, b, ep)
+        fwd = forward_time(work, gpu, eff, gemm)
+        comm = recomputed = 0.0
+        for moe, (flops, rows) in zip(unit.moe, work.expert_gemms, strict=True):
+            if ep == 1:
+                break
+            t_exp = gemm_time(flops, rows, gpu, gemm, eff)
+            row_bytes = moe.dim * prof.act_itemsize * (ep - 1) / ep
+            home = work.rows * moe.top_k * (moe.capacity_factor or 1.0) * row_bytes
+            toward = home  # a row per route, unless each token crosses once per rank
+            if ep_path == "rowwise" and overlap == "none":
+                share = once_per_rank_share(moe.top_k, moe.num_experts, ep)
+                toward = work.rows * moe.top_k * share * row_bytes
+            for compute_s in (t_exp, 2 * t_exp):  # forward, backward
+                exposed = exposed_comm(toward + home, ep_rate, compute_s, overlap, eff.latency_s)
+                comm += exposed.exposed
+        if recompute == "block":
+            total = sum(
+                f(b, seq) for f in (unit.matmul_flops, unit.attention_flops, unit.expert_flops)
+            )
+            recomputed = fwd * (unit.recompute_flops(b, seq) / total if total else 0)
+        return 3 * fwd, recomputed, comm
+
+    @functools.cache  # noqa: B019
     def in_flight(self, pp: int, v: int, schedule: str, m: int) -> tuple[int, ...]:
         if pp == 1:
             return (1,)
@@ -381,37 +415,17 @@ class Search:
         flight = self.in_flight(lay.pp, lay.virtual_stages, lay.schedule, m)
         held = self.ranks(lay.pp, lay.virtual_stages, lay.schedule)
         node = gpu.gpus_per_node
-        ep_link = gpu.ceiling("nvlink_gbps" if lay.ep <= node else "inter_node_gbps")
-        ep_rate = ep_link * 1e9 * eff.link * (eff.path_factor(lay.ep_path) if lay.ep > 1 else 1)
 
         # per stage and microbatch: compute, recompute, exposed EP
         stage_compute, stage_recompute, stage_comm = [], [], []
         for units in stages:
-            compute = recompute = comm = 0.0
-            for u in units:
-                unit = prof.units[u]
-                work = self.work(unit, b, lay.ep)
-                fwd = forward_time(work, gpu, eff, lay.gemm)
-                compute += 3 * fwd
-                for moe, (flops, rows) in zip(unit.moe, work.expert_gemms, strict=True):
-                    if lay.ep == 1:
-                        break
-                    t_exp = gemm_time(flops, rows, gpu, lay.gemm, eff)
-                    routed = work.rows * moe.top_k * (moe.capacity_factor or 1.0)
-                    sent = 2 * routed * moe.dim * prof.act_itemsize * (lay.ep - 1) / lay.ep
-                    for compute_s in (t_exp, 2 * t_exp):  # forward, backward
-                        comm += exposed_comm(
-                            sent, ep_rate, compute_s, lay.overlap, eff.latency_s
-                        ).exposed
-                if lay.recompute == "block":
-                    total = sum(
-                        f(b, seq)
-                        for f in (unit.matmul_flops, unit.attention_flops, unit.expert_flops)
-                    )
-                    recompute += fwd * (unit.recompute_flops(b, seq) / total if total else 0)
-            stage_compute.append(compute)
-            stage_recompute.append(recompute)
-            stage_comm.append(comm)
+            times = [
+                self.unit_times(u, b, lay.ep, lay.ep_path, lay.gemm, lay.overlap, lay.recompute)
+                for u in units
+            ]
+            stage_compute.append(sum(t[0] for t in times))
+            stage_recompute.append(sum(t[1] for t in times))
+            stage_comm.append(sum(t[2] for t in times))
 
         # pipeline: the slowest rank's busy time per microbatch, P2P at stage boundaries
         p2p = 0.0

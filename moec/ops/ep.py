@@ -39,12 +39,15 @@ Paths (``path``):
   step 1). The receive buffer is padded to ``R = N * C`` so the graph keeps static shapes.
 - ``rowwise`` (sync-free, CUDA + symmetric memory): counts all-gathered on the device; each
   route's destination rank and row computed on the device (:func:`rowwise_route_map`); a Triton
-  kernel writes rows straight into the peers' symmetric-memory buffers (``R = Cr``), the layout
-  sends each row's origin along (``recv_rows[r] = source * T*K + route``, -1 for no route), and
-  combine pushes every expert-output row back to its origin. The transport is the runtime's
-  (it owns the symmetric-memory workspaces): importing ``moec.runtime`` registers it with
-  :func:`register_rowwise_transport`. Without CUDA/symmetric memory, or with no transport
-  registered, it raises :class:`EPPathError` naming ``a2a_capacity``.
+  kernel writes rows straight into the peers' symmetric-memory buffers, the layout sends each
+  row's origin along (``recv_rows[r] = source * T*K + route``, -1 for no route), and combine
+  pushes every expert-output row back to its origin. Toward the experts (dispatch, combine's
+  backward) a token's row crosses to a rank once, however many of its routes go there (DeepEP's
+  layout: :func:`token_rank_addresses`, up to K times fewer bytes at top-K), and the
+  receiver expands it into the ``R = Cr`` rows of its buffer with one gather. The transport is
+  the runtime's (it owns the symmetric-memory workspaces): importing ``moec.runtime`` registers
+  it with :func:`register_rowwise_transport`. Without CUDA/symmetric memory, or with no
+  transport registered, it raises :class:`EPPathError` naming ``a2a_capacity``.
 
 Backward: dispatch's is the reverse exchange plus an unweighted sum (a combine); combine's is a
 weighted dispatch plus ``d_weights = <picked, d_out>``. All three every rank of the group must
@@ -362,9 +365,58 @@ def _fetch_a2a(buffer, slots, recv_rows, sent, counts, pg, path):
 def _send(x, top_k, weights, slots, recv_rows, sent, counts, group, ep_size, path):
     pg = resolve_group(group, ep_size)
     if path == "rowwise":
-        return _rowwise().send(x, slots, recv_rows.shape[0], pg, top_k, weights)
+        return _send_once_per_rank(x, top_k, weights, slots, recv_rows, pg, ep_size)
     values = _route_rows(x, top_k, weights)
     return _send_a2a(values, slots, recv_rows, sent, counts, pg, path)
+
+
+def token_rank_addresses(slots: Tensor, num_rows, top_k: int, ep_size: int, source: int):
+    """``rowwise``, sending each token once per destination rank: address ``[T * ep]`` of
+    (token t, rank d) = ``d * (ep*T) + source*T + t`` (row ``source*T + t`` of d's token
+    workspace ``[ep*T, D]``) where t has an accepted route on d (``slots``: route addresses
+    ``dest * num_rows + row``, -1 dropped), else -1."""
+    routes = slots.reshape(-1, top_k)
+    tokens = routes.shape[0]
+    dest = torch.where(routes >= 0, routes // num_rows, -1)  # [T, K]
+    ranks = torch.arange(ep_size, device=slots.device)
+    reached = (dest[:, :, None] == ranks).any(1)  # [T, ep]
+    token = torch.arange(tokens, device=slots.device)[:, None]
+    address = ranks * (ep_size * tokens) + source * tokens + token
+    return torch.where(reached, address, -1).reshape(-1)
+
+
+def token_workspace_rows(recv_rows: Tensor, tokens, top_k: int) -> Tensor:
+    """Row of the token workspace holding each buffer row's token (``recv_rows[r] = source *
+    T*K + route``, route ``t*K + k``): ``source * T + t``; -1 where no route arrives."""
+    routes = tokens * top_k
+    row = (recv_rows // routes) * tokens + (recv_rows % routes) // top_k
+    return torch.where(recv_rows >= 0, row, -1)
+
+
+def _send_once_per_rank(x, top_k, weights, slots, recv_rows, pg, ep_size):
+    """``rowwise`` dispatch direction (DeepEP's layout): each token's row crosses to a rank
+    once, however many of its routes go there, into that rank's ``[ep*T, D]`` token workspace
+    (:func:`token_rank_addresses`); the receiver expands it into its expert buffer with one
+    gather (:func:`token_workspace_rows`), which is also the copy out of the workspace. With
+    ``weights`` (combine's backward), the route weights cross separately, a float each, and the
+    receiver scales its rows. Rows no route fills are unspecified (poisoned in the tests)."""
+    transport = _rowwise()
+    tokens, num_rows = x.shape[0], recv_rows.shape[0]
+    address = token_rank_addresses(slots, num_rows, top_k, ep_size, dist.get_rank(pg))
+    source_row = token_workspace_rows(recv_rows, tokens, top_k)
+
+    def expand(workspace: Tensor) -> Tensor:
+        rows = workspace.index_select(0, source_row.clamp(min=0))
+        if _POISON is not None:
+            rows = torch.where((source_row >= 0)[:, None], rows, _POISON)
+        return rows
+
+    buffer = transport.send(x, address, ep_size * tokens, pg, ep_size, consume=expand)
+    if weights is None:
+        return buffer
+    acc = _acc(x)
+    row_weights = transport.send(weights.reshape(-1, 1).to(acc), slots, num_rows, pg, fill=0)
+    return (buffer.to(acc) * row_weights).to(x.dtype)
 
 
 def _fetch(buffer, slots, recv_rows, sent, counts, group, ep_size, path, consume=None):

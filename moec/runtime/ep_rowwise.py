@@ -7,12 +7,15 @@ NVLink. Addresses are ``dest * rows + row`` (-1: nowhere), computed on the devic
 (:func:`moec.ops.ep.rowwise_route_map`), so nothing is copied to the host. One primitive serves
 every direction::
 
-    send(x[T, D], slots[T*K], Cr, pg, top_k=K)     -> buffer[Cr, D]   # dispatch
+    send(x[T, D], to[T*ep], ep*T, pg, top_k=ep, consume=expand) -> buffer[Cr, D]  # dispatch
     send(route_ids[T*K, 1], slots, Cr, pg, fill=-1) -> origins[Cr]    # layout: who sent row r
     send(y[Cr, D], origins, T*K, pg, fill=0)         -> picked[T*K, D] # combine: rows go home
 
-Dispatch reads route ``i``'s row straight from the token row ``x[i // K]`` (scaled by the route
-weight in combine's backward): the ``[T*K, D]`` copy of the tokens is never written. Combine
+Dispatch sends each token's row once per rank that gets any of its routes (``to``: one address
+per token and rank, :func:`moec.ops.ep.token_rank_addresses`), read straight from ``x``; the
+receiver's ``expand`` gathers its buffer rows from that ``[ep*T, D]`` workspace (combine's
+backward sends its route weights beside). The ``[T*K, D]`` copy of the tokens is never
+written. Combine
 pushes each expert-output row back to the route that sent it (``origins``), zeros where no row
 came back (dropped routes). One kernel for both directions; pushing instead of pulling did not by
 itself speed the combine up: its time was the route sum and copies around the transfer

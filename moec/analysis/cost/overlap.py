@@ -28,11 +28,18 @@ and two halves cost more than one whole (two layouts, smaller GEMMs): neither is
 
 Backward mirrors the forward (two exchanges per block, in the reversed order, against the
 expert GEMMs' backward), so the same function answers for it with the backward's compute time.
+
+``rowwise``'s fused exchanges send a token's row to a rank once, however many of its routes go
+there (:func:`moec.ops.ep.token_rank_addresses`): toward the experts they move
+:func:`once_per_rank_share` of a row per route. Its split exchanges (``two_batch``) still move
+one row per route.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,3 +131,18 @@ def overlap_gain(
     none = exposed_comm(*args, "none", latency_s)
     two = exposed_comm(*args, "two_batch", latency_s, half_share)
     return none.makespan - two.makespan
+
+
+@functools.cache
+def once_per_rank_share(top_k: int, num_experts: int, ep: int) -> float:
+    """Rows per route that cross toward the experts when each token's row goes to a rank once:
+    the ranks its ``top_k`` routes reach over ``top_k``, for experts drawn uniformly without
+    replacement, ``num_experts / ep`` per rank: ``ep * (1 - C(N - L, K) / C(N, K)) / K``."""
+    if not 1 <= top_k <= num_experts or ep < 1 or num_experts % ep:
+        raise ValueError(
+            f"top_k={top_k}, num_experts={num_experts}, ep={ep}: expected 1 <= top_k <= "
+            "num_experts and ep dividing num_experts"
+        )
+    local = num_experts // ep
+    missed = math.comb(num_experts - local, top_k) / math.comb(num_experts, top_k)
+    return ep * (1 - missed) / top_k
