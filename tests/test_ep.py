@@ -342,9 +342,10 @@ def test_rowwise_route_map_matches_python_loop(ep_size, cf):
 @pytest.mark.parametrize("ep_size,cf", [(2, 0.4), (4, 4.0)])
 def test_rowwise_tokens_cross_once_per_rank(ep_size, cf):
     """The dispatch direction's addresses (one per token and rank that gets any of its
-    accepted routes, into row source*T + t of that rank's token workspace) and the receiver's
-    expansion (each buffer row reads its route's token) equal Python loops, and a token's row
-    crosses to a rank once, however many of its routes go there."""
+    accepted routes, into row source*T + t of that rank's token workspace), the receiver's
+    expansion (each buffer row reads its route's token) and the table dispatch's backward sums
+    a token's rows by equal Python loops, and a token's row crosses to a rank once, however many
+    of its routes go there."""
     tokens = 10
     routed = [_route(torch.randn(tokens, N), cf) for _ in range(ep_size)]
     all_counts = torch.stack([ep_ops.accepted_counts(o) for _, _, o in routed])
@@ -376,9 +377,14 @@ def test_rowwise_tokens_cross_once_per_rank(ep_size, cf):
         )
     for dest in range(ep_size):
         got = ep_ops.token_workspace_rows(recv[dest], tokens, K).tolist()
+        table = ep_ops.token_route_table(recv[dest], tokens, K, ep_size)
+        want_table = torch.full((ep_size * tokens, K), -1, dtype=torch.int64)
         for r, origin in enumerate(recv[dest].tolist()):
             source, route = divmod(origin, tokens * K)
             assert got[r] == (-1 if origin < 0 else source * tokens + route // K)
+            if origin >= 0:  # dispatch's backward sums these rows per (source, token)
+                want_table[source * tokens + route // K, route % K] = r
+        assert torch.equal(table, want_table)
 
 
 def test_receive_maps_match_python_loop():

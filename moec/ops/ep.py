@@ -44,7 +44,9 @@ Paths (``path``):
   pushes every expert-output row back to its origin. Toward the experts (dispatch, combine's
   backward) a token's row crosses to a rank once, however many of its routes go there (DeepEP's
   layout: :func:`token_rank_addresses`, up to K times fewer bytes at top-K), and the
-  receiver expands it into the ``R = Cr`` rows of its buffer with one gather. The transport is
+  receiver expands it into the ``R = Cr`` rows of its buffer with one gather; dispatch's
+  backward sums a token's rows on each rank first and sends one partial home per rank
+  (:func:`token_route_table`). Only combine's forward moves a row per route. The transport is
   the runtime's (it owns the symmetric-memory workspaces): importing ``moec.runtime`` registers
   it with :func:`register_rowwise_transport`. Without CUDA/symmetric memory, or with no
   transport registered, it raises :class:`EPPathError` naming ``a2a_capacity``.
@@ -97,6 +99,7 @@ reverse exchange's in-flight result, not the gradient of ``pending`` itself (the
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Protocol
@@ -393,6 +396,42 @@ def token_workspace_rows(recv_rows: Tensor, tokens, top_k: int) -> Tensor:
     return torch.where(recv_rows >= 0, row, -1)
 
 
+def token_route_table(recv_rows: Tensor, tokens, top_k: int, ep_size: int) -> Tensor:
+    """``[ep*T, K]``: for each (source s, token t), row ``s*T + t``, the buffer rows holding its
+    routes that arrived here (column k for route ``t*K + k``), -1 elsewhere; one scatter."""
+    size = ep_size * tokens * top_k  # recv_rows = s*T*K + t*K + k = (s*T + t)*K + k
+    table = torch.full((size + 1,), -1, dtype=torch.int64, device=recv_rows.device)
+    rows = torch.arange(recv_rows.shape[0], device=recv_rows.device)
+    table.index_copy_(0, torch.where(recv_rows >= 0, recv_rows, size), rows)
+    return table[:size].view(ep_size * tokens, top_k)
+
+
+def _sum_home_once_per_rank(d_buffer, slots, recv_rows, top_k, pg, ep_size):
+    """``rowwise`` dispatch backward, each token's rows crossing home once per rank: every rank
+    sums the rows of each token's routes it holds (:func:`token_route_table`), sends the one
+    partial home (row ``rank*T + t`` of the home's ``[ep*T, D]`` workspace), and the home sums
+    the partials of the ranks its token reached. Both sums are the combine kernel's
+    (deterministic); a partial is rounded to the buffer's dtype once on the way."""
+    transport = _rowwise()
+    tokens, num_rows, me = slots.numel() // top_k, recv_rows.shape[0], dist.get_rank(pg)
+    table = token_route_table(recv_rows, tokens, top_k, ep_size)
+    ones = torch.ones(table.shape, dtype=_acc(d_buffer), device=d_buffer.device)
+    partial = torch.ops.moec.combine(d_buffer, ones, table)  # [ep*T, D], row s*T + t
+    source = torch.arange(ep_size * tokens, device=table.device) // tokens
+    token = torch.arange(ep_size * tokens, device=table.device) % tokens
+    home = source * (ep_size * tokens) + me * tokens + token
+    address = torch.where((table >= 0).any(1), home, -1)
+    reached = token_rank_addresses(slots, num_rows, top_k, ep_size, me).view(tokens, ep_size)
+    ranks = torch.arange(ep_size, device=table.device)
+    gathered = torch.where(reached >= 0, ranks * tokens + token[:tokens, None], -1)  # [T, ep]
+
+    def sum_partials(workspace: Tensor) -> Tensor:
+        weights = torch.ones(gathered.shape, dtype=ones.dtype, device=ones.device)
+        return torch.ops.moec.combine(workspace, weights, gathered)
+
+    return transport.send(partial, address, ep_size * tokens, pg, consume=sum_partials)
+
+
 def _send_once_per_rank(x, top_k, weights, slots, recv_rows, pg, ep_size):
     """``rowwise`` dispatch direction (DeepEP's layout): each token's row crosses to a rank
     once, however many of its routes go there, into that rank's ``[ep*T, D]`` token workspace
@@ -576,7 +615,12 @@ def ep_dispatch_backward(
     _check_path(path)
     comm = (recv_rows, sent, counts, group, ep_size, path)
     flat, top_k = slots.reshape(-1), slots.shape[-1]
-    d_x = _fetch(d_buffer, flat, *comm, consume=lambda p: _sum_routes(p, top_k, valid=flat >= 0))
+    if path == "rowwise":
+        pg = resolve_group(group, ep_size)
+        d_x = _sum_home_once_per_rank(d_buffer, flat, recv_rows, top_k, pg, ep_size)
+    else:
+        sum_routes = functools.partial(_sum_routes, top_k=top_k, valid=flat >= 0)
+        d_x = _fetch(d_buffer, flat, *comm, consume=sum_routes)
     return d_x.reshape(-1, d_buffer.shape[-1]).contiguous()
 
 

@@ -176,8 +176,9 @@ def expert_mlp_backward(
 
 def in_layout_of(t: Tensor, like: Tensor) -> Tensor:
     """``t`` with the strides ``torch.empty_like(like)`` has (a copy only where they differ)."""
-    laid_out = torch.empty_like(like, dtype=t.dtype)
-    return t if t.stride() == laid_out.stride() else laid_out.copy_(t)
+    if t.stride() == torch.empty_like(like, device="meta").stride():
+        return t
+    return torch.empty_like(like, dtype=t.dtype).copy_(t)
 
 
 def expert_mlp_grads_laid_out(

@@ -10,12 +10,13 @@ every direction::
     send(x[T, D], to[T*ep], ep*T, pg, top_k=ep, consume=expand) -> buffer[Cr, D]  # dispatch
     send(route_ids[T*K, 1], slots, Cr, pg, fill=-1) -> origins[Cr]    # layout: who sent row r
     send(y[Cr, D], origins, T*K, pg, fill=0)         -> picked[T*K, D] # combine: rows go home
+    send(partial[ep*T, D], home[ep*T], ep*T, pg, consume=sum) -> d_x[T, D] # dispatch backward
 
 Dispatch sends each token's row once per rank that gets any of its routes (``to``: one address
 per token and rank, :func:`moec.ops.ep.token_rank_addresses`), read straight from ``x``; the
 receiver's ``expand`` gathers its buffer rows from that ``[ep*T, D]`` workspace (combine's
-backward sends its route weights beside). The ``[T*K, D]`` copy of the tokens is never
-written. Combine
+backward sends its route weights beside); dispatch's backward returns one partial sum per token
+and rank the same way. The ``[T*K, D]`` copy of the tokens is never written. Combine
 pushes each expert-output row back to the route that sent it (``origins``), zeros where no row
 came back (dropped routes). One kernel for both directions; pushing instead of pulling did not by
 itself speed the combine up: its time was the route sum and copies around the transfer
