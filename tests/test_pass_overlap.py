@@ -14,7 +14,12 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import moec
-from moec.analysis.cost.overlap import exposed_comm, overlap_gain, two_batch_half_share
+from moec.analysis.cost.overlap import (
+    exposed_comm,
+    once_per_rank_share,
+    overlap_gain,
+    two_batch_half_share,
+)
 from moec.models import Llama, LlamaConfig
 from moec.ops import ep as ep_ops
 from moec.passes.manager import default_pipeline
@@ -324,3 +329,19 @@ def test_a2a_capacity_halves_keep_the_whole_capacity_and_move_up_to_twice_the_by
         exposed_comm(1.0, 1.0, 1.0, "two_batch", half_share=1.5)
     with pytest.raises(ValueError, match="'a2a_capacity' or 'rowwise'"):
         two_batch_half_share("sync_1d", 64, 16)
+
+
+@pytest.mark.parametrize("top_k,num_experts,ep", [(3, 8, 2), (3, 8, 4), (2, 6, 3), (8, 8, 2)])
+def test_once_per_rank_share_is_the_mean_over_every_choice_of_experts(top_k, num_experts, ep):
+    """Rows per route when a token crosses to each rank it reaches once: the mean over every
+    set of ``top_k`` distinct experts of (ranks reached) / top_k."""
+    import itertools
+
+    local = num_experts // ep
+    choices = list(itertools.combinations(range(num_experts), top_k))
+    reached = [len({e // local for e in chosen}) for chosen in choices]
+    want = sum(reached) / len(choices) / top_k
+    assert once_per_rank_share(top_k, num_experts, ep) == pytest.approx(want)
+    assert once_per_rank_share(top_k, num_experts, 1) == pytest.approx(1 / top_k)
+    with pytest.raises(ValueError, match="ep dividing num_experts"):
+        once_per_rank_share(top_k, num_experts, num_experts + 1)
