@@ -417,8 +417,8 @@ def _sum_home_once_per_rank(d_buffer, slots, recv_rows, top_k, pg, ep_size):
     table = token_route_table(recv_rows, tokens, top_k, ep_size)
     ones = torch.ones(table.shape, dtype=_acc(d_buffer), device=d_buffer.device)
     partial = torch.ops.moec.combine(d_buffer, ones, table)  # [ep*T, D], row s*T + t
-    source = torch.arange(ep_size * tokens, device=table.device) // tokens
-    token = torch.arange(ep_size * tokens, device=table.device) % tokens
+    row = torch.arange(ep_size * tokens, device=table.device)
+    source, token = row // tokens, row % tokens
     home = source * (ep_size * tokens) + me * tokens + token
     address = torch.where((table >= 0).any(1), home, -1)
     reached = token_rank_addresses(slots, num_rows, top_k, ep_size, me).view(tokens, ep_size)
@@ -437,25 +437,27 @@ def _send_once_per_rank(x, top_k, weights, slots, recv_rows, pg, ep_size):
     once, however many of its routes go there, into that rank's ``[ep*T, D]`` token workspace
     (:func:`token_rank_addresses`); the receiver expands it into its expert buffer with one
     gather (:func:`token_workspace_rows`), which is also the copy out of the workspace. With
-    ``weights`` (combine's backward), the route weights cross separately, a float each, and the
-    receiver scales its rows. Rows no route fills are unspecified (poisoned in the tests)."""
+    ``weights`` (combine's backward), the route weights cross first, a float each, and the
+    gather scales its rows in place. Rows no route fills are unspecified (poisoned in the
+    tests)."""
     transport = _rowwise()
     tokens, num_rows = x.shape[0], recv_rows.shape[0]
     address = token_rank_addresses(slots, num_rows, top_k, ep_size, dist.get_rank(pg))
     source_row = token_workspace_rows(recv_rows, tokens, top_k)
+    row_weights = None
+    if weights is not None:  # [R, 1], in the accumulation dtype
+        route_weights = weights.reshape(-1, 1).to(_acc(x))
+        row_weights = transport.send(route_weights, slots, num_rows, pg, fill=0)
 
     def expand(workspace: Tensor) -> Tensor:
         rows = workspace.index_select(0, source_row.clamp(min=0))
+        if row_weights is not None:
+            rows.mul_(row_weights)  # computed in the weights' dtype, rounded once to x's
         if _POISON is not None:
             rows = torch.where((source_row >= 0)[:, None], rows, _POISON)
         return rows
 
-    buffer = transport.send(x, address, ep_size * tokens, pg, ep_size, consume=expand)
-    if weights is None:
-        return buffer
-    acc = _acc(x)
-    row_weights = transport.send(weights.reshape(-1, 1).to(acc), slots, num_rows, pg, fill=0)
-    return (buffer.to(acc) * row_weights).to(x.dtype)
+    return transport.send(x, address, ep_size * tokens, pg, ep_size, consume=expand)
 
 
 def _fetch(buffer, slots, recv_rows, sent, counts, group, ep_size, path, consume=None):
