@@ -247,8 +247,8 @@ class AdamW(torch.optim.AdamW):
             copy = self.working_weights.copy_of(param) if self.working_weights else None
             # an FSDP shard (DTensor) steps its local part, in place
             local, grad = _local(param), _local(param.grad)
-            kernel = kernel_applies(local, grad)
             moments = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+            kernel = kernel_applies(local, grad, *moments, copy)
             step_ = adamw_step_ if kernel else adamw_reference_
             step_(local, grad, *moments, copy, grad_scale, update, found_inf)
             if kernel:  # written through a raw pointer: tell autograd, as in-place ops do

@@ -310,6 +310,13 @@ class LoweringPlan:
     before it, as Dynamo splits a DDP model's graph at its buckets. ``whole`` until ``blocks``
     measures faster (``benchmarks/scaling.py --regions blocks``). Needs ``parallel.pp = 1``:
     a pipeline's stages are compiled one by one already."""
+    expert_weights: Literal["auto", "n_major", "k_major"] = "auto"
+    """Memory layout of the routed experts' ``w_up`` [N, D, U] and ``w_down`` [N, H, D] (the
+    logical shapes are the same either way). ``n_major``: the output dim unit-stride.
+    ``k_major``: the contraction dim unit-stride, as stacked ``nn.Linear`` weights; the CuTe DSL
+    then runs the activation in the up projection's epilogue and the activation backward in
+    the down dgrad's, reading ``[gate | up]`` in place, and every weight gradient is written in
+    the weight's layout. ``auto``: :meth:`Plan.expert_weights_k_major` decides."""
     shared_expert_stream: bool = False
     """Run each MoE layer's shared expert on a second CUDA stream, beside the routed experts
     (pass ``shared_stream``); its backward follows on that stream. Not with ``inductor: true``
@@ -354,6 +361,18 @@ class Plan:
             and self.recompute.policy == "none"
         )
 
+    def expert_weights_k_major(self) -> bool:
+        """Whether the routed experts' weights are k-major (``lowering.expert_weights``). ``auto``
+        takes k-major unless FSDP shards the experts (its shards split dim 1, which k-major
+        makes strided) or the routed experts' GEMMs run in FP8/MXFP8 (whose quantizers write
+        their own layouts, so they gain nothing from it)."""
+        if self.lowering.expert_weights != "auto":
+            return self.lowering.expert_weights == "k_major"
+        low_precision = (
+            self.precision.gemm != "bf16" and "routed_experts" in self.precision.scope
+        )
+        return not (self.parallel.shards_experts or low_precision)
+
     def validate(self) -> None:
         for section in _SECTIONS:
             value = getattr(self, section)
@@ -374,6 +393,14 @@ class Plan:
             self.lowering.shared_expert_stream,
             f"false when parallel.dp_shard = {self.parallel.dp_shard} shards parameters: "
             "FSDP2's gradient hooks assume the gradients arrive on one stream",
+        )
+        _require(
+            not (self.lowering.expert_weights == "k_major" and self.parallel.shards_experts),
+            "lowering.expert_weights",
+            self.lowering.expert_weights,
+            "'n_major' or 'auto' when FSDP shards the experts (parallel.dp_shard = "
+            f"{self.parallel.dp_shard} > 1 with dp = {self.parallel.dp} > ep = "
+            f"{self.parallel.ep}): the shards split dim 1, which a k-major weight holds strided",
         )
         _require(
             self.moe.num_experts % self.parallel.ep == 0,

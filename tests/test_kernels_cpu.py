@@ -388,7 +388,24 @@ def test_adamw_kernel_equals_torch_adamw_and_writes_the_working_copies():
     module.b = torch.nn.Parameter(torch.randn(400, 5))  # crosses the 1024-element block edge
     # an fp16 copy: the interpreter truncates float32 -> bf16 (the GPU rounds to nearest even)
     module.register_buffer("copy", torch.full((437, 5), float("nan"), dtype=torch.float16))
-    copies = WorkingWeights(module, {"copy": ["a", "b"]}, torch.bfloat16)  # bf16 gradients
-    step_both_and_compare([module.a, module.b], copies, torch.tensor(1.7))
-    for p in (module.a, module.b):
+    # a k-major expert weight: its copy, moments and gradients share its strides
+    module.c = torch.nn.Parameter(torch.randn(3, 9, 130).transpose(1, 2))
+    k_major_copy = torch.full((3, 9, 130), float("nan"), dtype=torch.float16).transpose(1, 2)
+    module.register_buffer("k_major_copy", k_major_copy)
+    copies = WorkingWeights(
+        module, {"copy": ["a", "b"], "k_major_copy": ["c"]}, torch.bfloat16
+    )  # bf16 gradients
+    step_both_and_compare([module.a, module.b, module.c], copies, torch.tensor(1.7))
+    for p in (module.a, module.b, module.c):
         assert torch.equal(copies.copy_of(p), p.detach().half())
+    assert module.c.stride() == module.k_major_copy.stride() == (1170, 1, 130)
+
+
+def test_adamw_kernel_takes_dense_layouts_alike_only():
+    from moec.kernels.adamw import _dense
+
+    w = torch.randn(3, 9, 130)
+    k_major = w.transpose(1, 2).contiguous().transpose(1, 2)
+    assert _dense(w) and _dense(k_major) and _dense(torch.randn(4, 1, 6)[:, :, :])
+    assert not _dense(w[:, :, ::2]) and not _dense(w[:, :5])
+    assert not _dense(torch.randn(1, 6).expand(4, 6))

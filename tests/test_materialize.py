@@ -54,6 +54,7 @@ def _assert_same(got: dict, want: dict) -> None:
     for name, value in want.items():
         assert got[name].device.type == "cpu", name
         assert got[name].dtype == value.dtype and torch.equal(got[name], value), name
+        assert got[name].stride() == value.stride(), name  # k-major expert weights stay so
 
 
 @pytest.mark.parametrize(

@@ -110,8 +110,8 @@ def adamw_step_(
     update: AdamWStep,
     found_inf: Tensor | None = None,
 ) -> None:
-    """Update ``param``, ``exp_avg``, ``exp_avg_sq`` (and ``copy``) in place; all contiguous,
-    of one shape."""
+    """Update ``param``, ``exp_avg``, ``exp_avg_sq`` (and ``copy``) in place; all of one shape
+    and one dense layout (:func:`kernel_applies`): the kernel walks their storage as flat."""
     n = param.numel()
     device_step = isinstance(update.step, Tensor)
     device_lr = isinstance(update.lr, Tensor)
@@ -150,16 +150,30 @@ def adamw_step_(
     )
 
 
-def kernel_applies(param: Tensor, grad: Tensor) -> bool:
-    """Whether :func:`adamw_step_` takes this parameter (else torch's AdamW does)."""
+def kernel_applies(param: Tensor, grad: Tensor, *others: Tensor | None) -> bool:
+    """Whether :func:`adamw_step_` takes this parameter (else torch's AdamW does): float32 on a
+    supported device, and ``grad`` and ``others`` (moments, working copy; None: absent) of its
+    shape and strides, all dense (a k-major expert weight, whose moments and gradient follow
+    its strides, qualifies)."""
     from moec.kernels import arch
 
+    tensors = [param, grad, *(t for t in others if t is not None)]
     return (
         arch.supported(param, grad)
         and param.dtype == torch.float32
         and grad.dtype in (torch.float32, torch.bfloat16)
         and not grad.is_sparse
-        and param.is_contiguous()
-        and grad.is_contiguous()
-        and grad.shape == param.shape
+        and _dense(param)
+        and all(t.shape == param.shape and t.stride() == param.stride() for t in tensors)
     )
+
+
+def _dense(t: Tensor) -> bool:
+    """Whether ``t``'s elements fill its storage span exactly once (some order of its dims is
+    contiguous)."""
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda d: d[1]):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True

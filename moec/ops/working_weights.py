@@ -32,6 +32,15 @@ class _WorkingCopy(torch.autograd.Function):
         return None, *pieces
 
 
+def joined_copy(masters: list[Tensor], dtype: torch.dtype, device: torch.device | None = None
+) -> Tensor:
+    """The working copy of ``masters`` in ``dtype``: one master keeps its strides (a k-major
+    expert weight stays k-major, so its copy and gradient are too), several are
+    row-concatenated (contiguous)."""
+    joined = masters[0] if len(masters) == 1 else torch.cat(masters)
+    return joined.to(device=device, dtype=dtype, copy=True)
+
+
 def working_copy(copy: Tensor, masters: list[Tensor]) -> Tensor:
     rows = sum(m.shape[0] for m in masters)
     trailing = {tuple(m.shape[1:]) for m in masters}

@@ -16,8 +16,9 @@ Emits::
     losses = moec.router_losses(logits, counts, K, gating)               # extra graph output
 
 Parameters live under ``<ffn module path>.moe`` (``router_weight``, ``w_up`` [N, D, U],
-``w_down`` [N, H, D], ``b_up``, ``b_down``); the dense FFN's parameters are removed unless it
-becomes the shared expert. Init (``plan.moe.init``), all keeping the dense function where stated:
+``w_down`` [N, H, D], ``b_up``, ``b_down``; ``w_up`` and ``w_down`` k-major, the contraction
+dim unit-stride, when :meth:`~moec.plan.Plan.expert_weights_k_major`); the dense FFN's parameters
+are removed unless it becomes the shared expert. Init (``plan.moe.init``), all keeping the dense function where stated:
 
 - ``upcycle``: every expert a copy of the dense FFN; with normalized weights the MoE equals the
   dense FFN at init. Router: normal(0, router_init_std).
@@ -47,8 +48,9 @@ message lists the rejected candidates and the supported activations), and an FFN
 with a dropout of rate p > 0 on its hidden activation, which the fused expert op cannot apply,
 unless ``plan.moe.ffn_dropout`` is ``drop``. FFNs kept dense keep their dropout.
 
-Options: everything in ``plan.moe``. Statistics: ``ffns_replaced``, ``ffns_kept_dense``,
-``params_added``, ``params_removed``, ``ffn_dropouts_dropped``. Invariants: those of
+Options: everything in ``plan.moe``, and ``plan.lowering.expert_weights``. Statistics:
+``ffns_replaced``, ``ffns_kept_dense``, ``params_added``, ``params_removed``,
+``ffn_dropouts_dropped``, ``expert_weights`` (the layout). Invariants: those of
 :mod:`moec.passes.rewrite`; the graph's user outputs are unchanged; per MoE block three aux
 outputs are appended (``router_losses``, ``expert_counts``, ``expert_offsets``); the program
 records each block as a :class:`~moec.program.MoELayer`, its parameters' roles (``router``,
@@ -125,7 +127,8 @@ class MoEPass(Pass):
         return (
             f"experts={m.num_experts},top_k={m.top_k},init={m.init},gating={m.gating},"
             f"capacity={m.capacity_factor},shared={int(m.shared_expert)},"
-            f"dense_first={m.dense_first}"
+            f"dense_first={m.dense_first},"
+            f"expert_weights={'k_major' if plan.expert_weights_k_major() else 'n_major'}"
         )
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
@@ -144,6 +147,7 @@ class MoEPass(Pass):
             )
         editor = GraphEditor(gm, self.name)
         compute_dtype = torch.bfloat16 if ctx.plan.precision.compute_dtype == "bf16" else None
+        k_major = ctx.plan.expert_weights_k_major()
         sig, roles, layers = program.signature, program.param_roles, program.moe_layers
         added = removed = 0
         aux: list[fx.Node] = []
@@ -152,6 +156,10 @@ class MoEPass(Pass):
             region = block.ffn
             prefix = f"{region.module_path or 'ffn_' + str(block.index)}.moe"
             weights, sources = build_expert_weights(gm, region, plan, prefix)
+            if k_major:
+                weights = dataclasses.replace(
+                    weights, w_up=_k_major(weights.w_up), w_down=_k_major(weights.w_down)
+                )
             program.provenance.update(sources)
             nodes = self._rewrite(editor, region, weights, plan, prefix, compute_dtype)
             added += sum(t.numel() for t in dataclasses.astuple(weights) if t is not None)
@@ -196,6 +204,7 @@ class MoEPass(Pass):
             "params_added": added,
             "params_removed": removed,
             "ffn_dropouts_dropped": sum(dropouts),
+            "expert_weights": "k_major" if k_major else "n_major",
         }
         return PassResult(gm, True, stats)
 
@@ -343,6 +352,12 @@ def build_expert_weights(
     )
     named = {f"{prefix}.{name}": s for name, s in sources.items() if s is not None}
     return weights, named
+
+
+def _k_major(w: torch.Tensor) -> torch.Tensor:
+    """``w`` [N, K, M] with the same values, laid out with K unit-stride (stacked ``nn.Linear``
+    weights: ``lowering.expert_weights``)."""
+    return w.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def _reader(gm: fx.GraphModule) -> SourceReader:

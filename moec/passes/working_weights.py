@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from moec.ops.working_weights import working_copy
+from moec.ops.working_weights import joined_copy, working_copy
 from moec.passes.base import Pass, PassContext, PassResult, register_pass
 from moec.passes.casts import is_bf16_cast
 from moec.passes.rewrite import GraphEditor
@@ -105,7 +105,7 @@ class WorkingWeightsPass(Pass):
             masters = [gm.get_parameter(str(p.target)).detach() for p in params]
             name = f"working_bf16_{len(copies)}"
             with gm.graph.inserting_before(old):
-                buffer = edit.buffer(name, torch.cat(masters).to(torch.bfloat16), old)
+                buffer = edit.buffer(name, joined_copy(masters, torch.bfloat16), old)
                 new = edit.call(working_copy, (buffer, params), old)
             old.replace_all_uses_with(new)
             for node in dict.fromkeys([old, *casts]):

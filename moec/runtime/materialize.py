@@ -73,6 +73,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from moec.errors import MoecError
+from moec.ops.working_weights import joined_copy
 from moec.program import ParamSource, Pipeline, Program, TensorBuilder, cut, fresh_seed
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -430,7 +431,10 @@ def _build(
             f"parameter {name}: the program has shape {tuple(param.shape)} but its source "
             f"{source} gives {tuple(value.shape)}"
         )
-    return value
+    if isinstance(param, DTensor) or value.stride() == param.stride():
+        return value
+    # the program's layout (k-major expert weights: lowering.expert_weights)
+    return torch.empty_like(param, device=value.device).copy_(value)
 
 
 def _checked_reader(tensors: TensorSource, expected: Mapping[str, torch.Size]):
@@ -479,8 +483,7 @@ def _refresh_working_weights(
     for name, params in copies.items():
         buffer = gm.get_buffer(name)
         masters = [gm.get_parameter(p).detach() for p in params]
-        value = torch.cat(masters).to(device=masters[0].device, dtype=buffer.dtype)
-        holders.replace(buffer, value)
+        holders.replace(buffer, joined_copy(masters, buffer.dtype, masters[0].device))
 
 
 def _initializer_text(model: nn.Module | None) -> str:
