@@ -17,8 +17,9 @@ Emits::
 
 Parameters live under ``<ffn module path>.moe`` (``router_weight``, ``w_up`` [N, D, U],
 ``w_down`` [N, H, D], ``b_up``, ``b_down``; ``w_up`` and ``w_down`` k-major, the contraction
-dim unit-stride, when :meth:`~moec.plan.Plan.expert_weights_k_major`); the dense FFN's parameters
-are removed unless it becomes the shared expert. Init (``plan.moe.init``), all keeping the dense function where stated:
+dim unit-stride, when :meth:`~moec.plan.Plan.expert_weights_k_major`); the dense FFN's
+parameters are removed unless it becomes the shared expert. Init (``plan.moe.init``), all
+keeping the dense function where stated:
 
 - ``upcycle``: every expert a copy of the dense FFN; with normalized weights the MoE equals the
   dense FFN at init. Router: normal(0, router_init_std).
