@@ -24,6 +24,8 @@ wide (24576: the width that gives the report's 2.01B total / 0.995B active param
             runs the program through Inductor; this row runs its dense ops eagerly)
   --attention B  moec again with ``plan.lowering.attention = B`` (cudnn: Hopper's FA3-class
             kernel); the hand-written baselines then run with B first too
+  --n-major  moec again with ``plan.lowering.expert_weights: n_major`` (the default plan's
+            routed expert weights are k-major)
   --cuda-graph  moec again with ``plan.lowering.cuda_graph`` (the step replayed as one CUDA
             graph). ``--small`` shows the launch-bound end, where the graph matters most
 
@@ -351,6 +353,8 @@ def drop_rate(trainer: Trainer) -> float:
 
 
 BASELINES = ("eager", "compiled-fp32", "compiled-bf16")
+N_MAJOR = "moec, n-major experts"
+WITHOUT_QUACK_TOO = {N_MAJOR}  # variants also measured under the policy without the CuTe DSL
 
 
 def plan_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, dict[str, Any]]]]:
@@ -383,6 +387,8 @@ def plan_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, dict[st
                 {"precision": {"gemm": "fp8_rowwise", "scope": every}},
             )
         )
+    if args.n_major:
+        variants.append((N_MAJOR, {"lowering": {"expert_weights": "n_major"}}))
     if args.cuda_graph:
         variants.append(("moec + cuda graph", {"lowering": {"cuda_graph": True}}))
     return variants
@@ -413,6 +419,11 @@ def main() -> None:
         "--cuda-graph",
         action="store_true",
         help="also moec with plan.lowering.cuda_graph",
+    )
+    parser.add_argument(
+        "--n-major",
+        action="store_true",
+        help="also moec with plan.lowering.expert_weights n_major (the default is k-major)",
     )
     parser.add_argument(
         "--shared-stream",
@@ -488,15 +499,18 @@ def main() -> None:
             for field, value in fields.items():
                 setattr(getattr(plan, section), field, value)
         lowered = Trainer(dense_model(s), plan, cfg)
-        results.append(
-            measure(name, lowered.train_step, *common, drops=functools.partial(drop_rate, lowered))
-        )
+        lowered_drops = functools.partial(drop_rate, lowered)
+        results.append(measure(name, lowered.train_step, *common, drops=lowered_drops))
         results[-1]["data_stalls"] = lowered.batches.stalls
+        if name in WITHOUT_QUACK_TOO and device.type == "cuda" and gemm_backend.have_quack():
+            with gemm_backend.without_quack():
+                row = f"{name} without CuTe DSL"
+                results.append(measure(row, lowered.train_step, *common, drops=lowered_drops))
         if args.memory_snapshot:
             results[-1]["memory_snapshot"] = snapshot_step(
                 lowered.train_step, name, args.memory_snapshot
             )
-        del lowered
+        del lowered, lowered_drops
     baselines = {
         "eager sort+grouped_mm": {},
         "compiled, fp32 weights": {"compiled": True},

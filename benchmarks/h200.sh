@@ -10,6 +10,7 @@
 #   bash benchmarks/h200.sh e2e-moec regions   # DDP and EP steps, compiled whole against block by block
 #   bash benchmarks/h200.sh new-gpu-tests e2e-equal-lr profile-vs-compiled  # #20's honest gap
 #   bash benchmarks/h200.sh fp8-tests e2e-fp8 kernels-fp8      # FP8 rowwise experts on sm90
+#   bash benchmarks/h200.sh wheels dense-ffn kmajor-compile-tests e2e-kmajor  # k-major experts
 #   bash benchmarks/h200.sh wheel-part          # a call carrying the split wheel's first part (.wpa)
 #   bash benchmarks/h200.sh wheels cute-e2e cute-layer   # the next, carrying .whl and the last
 #                                               # part (.wpb): quack-kernels + the CuTe DSL
@@ -104,6 +105,9 @@ for stage in "$@"; do
     quack-layouts) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/quack_layouts.py --json "$OUT/quack_layouts.json" ;;
     kmajor-tests) timeout $STAGE_LIMIT python -m pytest -q -x tests/gpu/test_kernels_ops.py -k "k_major" ;;
     layer-kmajor) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/moe_layer.py --skip-loop --layers sorted,moec_k_major,sonic --kernels 12 --json "$OUT/layer_kmajor.json" ;;
+    kmajor-compile-tests) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_sync_free.py tests/gpu/test_step_graph_gpu.py tests/gpu/test_kernels_ops.py -k "k_major or adamw or sync or graph or layer_step" ;;
+    dense-ffn) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/dense_ffn.py --json "$OUT/dense_ffn.json" ;;
+    e2e-kmajor) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --moec-only --n-major --steps 8 --warmup 6 --json "$OUT/e2e_kmajor.json" ;;
     cute-layer) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/moe_layer.py --pieces --skip-loop --json "$OUT/layer_cute.json" ;;
     e2e-recompute) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 4 --warmup 2 --moec-only --recompute --json "$OUT/e2e_recompute.json" ;;
     recompute-snapshot) timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 2 --warmup 2 --moec-only --recompute --memory-snapshot "$OUT/snapshots" --json "$OUT/e2e_recompute_snapshot.json" ;;

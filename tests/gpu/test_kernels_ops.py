@@ -398,8 +398,14 @@ def test_adamw_kernel_equals_torch_adamw_and_writes_bf16_copies():
     module.w = torch.nn.Parameter(torch.randn(3000, 1000, device="cuda"))  # bf16 gradients
     module.b = torch.nn.Parameter(torch.randn(77, device="cuda"))  # float32, no copy
     module.register_buffer("copy", torch.full_like(module.w, float("nan"), dtype=torch.bfloat16))
-    copies = WorkingWeights(module, {"copy": ["w"]}, torch.bfloat16)
+    # a k-major expert weight (lowering.expert_weights): copy and moments follow its strides
+    module.e = torch.nn.Parameter(torch.randn(4, 300, 500, device="cuda").transpose(1, 2))
+    e_copy = torch.full_like(module.e, float("nan"), dtype=torch.bfloat16)
+    module.register_buffer("e_copy", e_copy)
+    copies = WorkingWeights(module, {"copy": ["w"], "e_copy": ["e"]}, torch.bfloat16)
     scale = torch.tensor(3.0, device="cuda")
     synced = functools.partial(run_without_host_sync, steps=1)
-    step_both_and_compare([module.w, module.b], copies, scale, synced)
-    assert torch.equal(copies.copy_of(module.w), module.w.detach().bfloat16())
+    step_both_and_compare([module.w, module.b, module.e], copies, scale, synced)
+    for p in (module.w, module.e):
+        assert torch.equal(copies.copy_of(p), p.detach().bfloat16())
+    assert module.e_copy.stride() == module.e.stride() == (150000, 1, 300)
