@@ -24,6 +24,8 @@ wide (24576: the width that gives the report's 2.01B total / 0.995B active param
             runs the program through Inductor; this row runs its dense ops eagerly)
   --attention B  moec again with ``plan.lowering.attention = B`` (cudnn: Hopper's FA3-class
             kernel); the hand-written baselines then run with B first too
+  --gather-up  moec again with ``plan.lowering.gather_up`` (each dispatch folded into its
+            experts' up projection: no dispatched buffer where the CuTe DSL runs it)
   --n-major  moec again with ``plan.lowering.expert_weights: n_major`` (the default plan's
             routed expert weights are k-major)
   --cuda-graph  moec again with ``plan.lowering.cuda_graph`` (the step replayed as one CUDA
@@ -387,6 +389,8 @@ def plan_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, dict[st
                 {"precision": {"gemm": "fp8_rowwise", "scope": every}},
             )
         )
+    if args.gather_up:
+        variants.append(("moec + gather_up", {"lowering": {"gather_up": True}}))
     if args.n_major:
         variants.append((N_MAJOR, {"lowering": {"expert_weights": "n_major"}}))
     if args.cuda_graph:
@@ -419,6 +423,11 @@ def main() -> None:
         "--cuda-graph",
         action="store_true",
         help="also moec with plan.lowering.cuda_graph",
+    )
+    parser.add_argument(
+        "--gather-up",
+        action="store_true",
+        help="also moec with plan.lowering.gather_up (dispatch folded into the up projection)",
     )
     parser.add_argument(
         "--n-major",

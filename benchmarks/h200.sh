@@ -86,7 +86,10 @@ for stage in "$@"; do
     attention) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 6 --warmup 4 --attention cudnn --baselines compiled-bf16 --json "$OUT/e2e_attention.json" ;;
     scale) timeout $STAGE_LIMIT $RUN benchmarks/scale.py upcycle --json "$OUT/scale_upcycle.json" ;;
     ddp-fsdp) timeout $STAGE_LIMIT $RUN benchmarks/scale.py ddp-vs-fsdp --json "$OUT/ddp_fsdp.json" ;;
-    wheel-part) mkdir -p ~/wheelparts && cp -v .whl-parts/* .wp?/* ~/wheelparts/ 2>/dev/null ;;
+    wheel-part) mkdir -p ~/wheelparts && cp -v .whl-parts/* .wp?/* ~/wheelparts/ 2>/dev/null
+      # a quack cache a previous session brought back (stage quack-cache): no cold compiles
+      if [ -f .qcache/quack_cache.tgz ]; then mkdir -p "$QUACK_CACHE_DIR" &&
+        tar xzf .qcache/quack_cache.tgz -C "$QUACK_CACHE_DIR" && du -sh "$QUACK_CACHE_DIR"; fi ;;
     wheels) mkdir -p ~/wheelparts && cp -v .whl-parts/* .wp?/* ~/wheelparts/ 2>/dev/null
       for w in $(ls ~/wheelparts | sed 's/\.part\...$//' | sort -u); do
         cat ~/wheelparts/"$w".part.* > /tmp/"$w"; done
@@ -108,6 +111,9 @@ for stage in "$@"; do
     kmajor-compile-tests) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_sync_free.py tests/gpu/test_step_graph_gpu.py tests/gpu/test_kernels_ops.py -k "k_major or adamw or sync or graph or layer_step" ;;
     dense-ffn) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/dense_ffn.py --json "$OUT/dense_ffn.json" ;;
     e2e-kmajor) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --moec-only --n-major --steps 8 --warmup 6 --json "$OUT/e2e_kmajor.json" ;;
+    e2e-gather) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --gather-up --baselines compiled-bf16 --steps 8 --warmup 6 --json "$OUT/e2e_gather.json" ;;
+    profile-moec) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python -m benchmarks.profile_step --moec-only --rows 30 ;;
+    quack-cache) du -sh "$QUACK_CACHE_DIR"; tar czf "$OUT/quack_cache.tgz" -C "$QUACK_CACHE_DIR" . && ls -la "$OUT/quack_cache.tgz" ;;
     cute-layer) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/moe_layer.py --pieces --skip-loop --json "$OUT/layer_cute.json" ;;
     e2e-recompute) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 4 --warmup 2 --moec-only --recompute --json "$OUT/e2e_recompute.json" ;;
     recompute-snapshot) timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 2 --warmup 2 --moec-only --recompute --memory-snapshot "$OUT/snapshots" --json "$OUT/e2e_recompute_snapshot.json" ;;

@@ -93,6 +93,19 @@ def _forced(backend: str):
 @pytest.mark.parametrize("case", ["drops", "empty_experts", "one_expert"])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_gathered_expert_mlp_equals_reference(monkeypatch, backend, activation, case, shape):
+    _check_gathered(monkeypatch, backend, activation, case, shape, k_major=False)
+
+
+@pytest.mark.parametrize("backend", ["policy", pytest.param("cute_glu", marks=needs_quack)])
+@pytest.mark.parametrize("case", ["drops", "one_expert"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gathered_expert_mlp_with_k_major_weights(monkeypatch, backend, case, shape):
+    """The compiler's default layout (``lowering.expert_weights``): the gathered up projection
+    reads w_up's ``[gate | up]`` dim as pairs, its gradients come back k-major."""
+    _check_gathered(monkeypatch, backend, "swiglu", case, shape, k_major=True)
+
+
+def _check_gathered(monkeypatch, backend, activation, case, shape, k_major):
     experts, num_rows, dim, hidden = shape
     top_k = TOP_K[num_rows]
     tokens = num_rows // top_k
@@ -102,8 +115,11 @@ def test_gathered_expert_mlp_equals_reference(monkeypatch, backend, activation, 
     width = 2 * hidden if gated else hidden
     masters = dict(device="cuda", dtype=torch.float32)
     x = torch.randn(tokens, dim, device="cuda", dtype=torch.bfloat16).requires_grad_()
-    w_up = (torch.randn(experts, dim, width, **masters) / dim**0.5).requires_grad_()
-    w_down = (torch.randn(experts, hidden, dim, **masters) / hidden**0.5).requires_grad_()
+    w_up = torch.randn(experts, dim, width, **masters) / dim**0.5
+    w_down = torch.randn(experts, hidden, dim, **masters) / hidden**0.5
+    if k_major:
+        w_up, w_down = (w.transpose(1, 2).contiguous().transpose(1, 2) for w in (w_up, w_down))
+    w_up, w_down = w_up.requires_grad_(), w_down.requires_grad_()
     calls = _Calls(monkeypatch)
     with _forced(backend):
         y, h = torch.ops.moec.expert_mlp_gathered(
@@ -123,7 +139,8 @@ def test_gathered_expert_mlp_equals_reference(monkeypatch, backend, activation, 
     if backend == "cute" or (backend == "cute_glu" and gated):
         assert chosen == backend
     on_cute = chosen in ("cute", "cute_glu")
-    want_calls = {"up": int(on_cute), "wgrad": int(on_cute and wgrad == "cute")}
+    paired = k_major and chosen == "cute_glu"  # its wgrad reads pairs: on quack whatever the policy
+    want_calls = {"up": int(on_cute), "wgrad": int(on_cute and (wgrad == "cute" or paired))}
     assert calls.counts == want_calls, (chosen, wgrad, calls.counts)
 
     # the reference op on the CPU in float64 (reference forward and the op's own backward)
@@ -141,6 +158,7 @@ def test_gathered_expert_mlp_equals_reference(monkeypatch, backend, activation, 
         assert torch.isfinite(g).all(), name
         assert _rel(g.cpu(), r) < tol, name
     assert grads[0].dtype == torch.bfloat16 and grads[1].dtype == torch.float32
+    assert grads[1].stride() == w_up.stride() and grads[2].stride() == w_down.stride()
 
 
 def _layer(x, router, w_up, w_down):
