@@ -36,6 +36,11 @@ nvidia-smi --query-gpu=index,timestamp,clocks.sm,power.draw,temperature.gpu \
   --format=csv,noheader,nounits -lms 200 > "$OUT/clocks.csv" 2>/dev/null &
 CLOCKS=$!
 trap 'kill $CLOCKS 2>/dev/null' EXIT
+# a quack cache a previous session brought back (stage quack-cache) in .qcache: no cold compiles
+restore_quack_cache() {
+  if [ -f .qcache/quack_cache.tgz ]; then mkdir -p "$QUACK_CACHE_DIR" &&
+    tar xzf .qcache/quack_cache.tgz -C "$QUACK_CACHE_DIR" && du -sh "$QUACK_CACHE_DIR"; fi
+}
 for stage in "$@"; do
   start=$(date +%s)
   case $stage in
@@ -87,10 +92,9 @@ for stage in "$@"; do
     scale) timeout $STAGE_LIMIT $RUN benchmarks/scale.py upcycle --json "$OUT/scale_upcycle.json" ;;
     ddp-fsdp) timeout $STAGE_LIMIT $RUN benchmarks/scale.py ddp-vs-fsdp --json "$OUT/ddp_fsdp.json" ;;
     wheel-part) mkdir -p ~/wheelparts && cp -v .whl-parts/* .wp?/* ~/wheelparts/ 2>/dev/null
-      # a quack cache a previous session brought back (stage quack-cache): no cold compiles
-      if [ -f .qcache/quack_cache.tgz ]; then mkdir -p "$QUACK_CACHE_DIR" &&
-        tar xzf .qcache/quack_cache.tgz -C "$QUACK_CACHE_DIR" && du -sh "$QUACK_CACHE_DIR"; fi ;;
+      restore_quack_cache ;;
     wheels) mkdir -p ~/wheelparts && cp -v .whl-parts/* .wp?/* ~/wheelparts/ 2>/dev/null
+      restore_quack_cache
       for w in $(ls ~/wheelparts | sed 's/\.part\...$//' | sort -u); do
         cat ~/wheelparts/"$w".part.* > /tmp/"$w"; done
       # the interpreter of the stages: a bare `pip` there installs for another one
