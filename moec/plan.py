@@ -302,6 +302,13 @@ class LoweringPlan:
     token rows through a row index, so the dispatched T*K x D buffer is neither written nor kept
     for backward. Off by default until it measures faster on the GPU
     (benchmarks/moe_layer.py)."""
+    combine_in_experts: bool = False
+    """Fold each MoE layer's combine into its gathered expert MLP (pass ``combine_experts``,
+    ``moec::expert_mlp_combined``; needs ``gather_up``): on the CuTe DSL the backward applies
+    the route weights and reduces their gradient in the down projection's dgrad epilogue,
+    reading the output gradient's token rows, so the experts' output rows are not kept for
+    backward and their gradient is never written. Off by default until it measures faster
+    (benchmarks/moe_layer.py, benchmarks/e2e.py --combine-in-experts)."""
     regions: Literal["whole", "blocks"] = "whole"
     """How Inductor compiles a one-stage program (pass ``regions``). ``whole``: one graph, whose
     one backward hands every gradient to the data-parallel reduction at its end, which then
@@ -325,6 +332,13 @@ class LoweringPlan:
     an H200 (benchmarks/RESULTS.md)."""
 
     def validate(self) -> None:
+        _require(
+            self.gather_up or not self.combine_in_experts,
+            "lowering.combine_in_experts",
+            self.combine_in_experts,
+            "false unless lowering.gather_up is true: the combine folds into the gathered "
+            "expert MLP that pass gather_up makes",
+        )
         _require(
             not (self.shared_expert_stream and self.inductor is True),
             "lowering.shared_expert_stream",

@@ -20,6 +20,7 @@ from moec.ops.experts import expert_mlp_reference
 from moec.ops.gathered_experts import row_sources
 from moec.ops.routing import assign_rows
 from tests.models import assert_same_grads, assert_same_work, loss_and_grads, rewrite_reference
+from tests.quack_stand_in import FakeQuack
 
 ops = torch.ops.moec
 TOKENS, TOP_K, DIM, EXPERTS, HIDDEN = 24, 3, 16, 6, 12
@@ -185,82 +186,6 @@ def test_tiny_llama_same_loss_and_gradients_with_gather_up(llama_case, recompute
 # --- the CuTe DSL path's plumbing, on a stand-in for quack -------------------------------------
 
 
-def _mm_varlen(a, b, cu_m=None, cu_k=None, a_idx=None, out=None):
-    """quack's ``gemm`` semantics (as its ``gemm_ref``), checking the layouts it requires."""
-    if cu_m is not None:
-        assert a.stride(-1) == 1, "varlen-M takes A k-major"
-        rows = a[a_idx.long()] if a_idx is not None else a
-        out = rows.new_zeros(rows.shape[0], b.shape[-1]) if out is None else out
-        bounds = cu_m.tolist()
-        for e in range(len(bounds) - 1):
-            out[bounds[e] : bounds[e + 1]] = rows[bounds[e] : bounds[e + 1]] @ b[e].to(a.dtype)
-        return out
-    assert a.stride(-2) == 1, "varlen-K takes A m-major"
-    cols = a[:, a_idx.long()] if a_idx is not None else a
-    bounds = cu_k.tolist()
-    for e in range(len(bounds) - 1):
-        out[e] = cols[:, bounds[e] : bounds[e + 1]] @ b[bounds[e] : bounds[e + 1]]
-    return out
-
-
-def _quack_act(h, name):
-    unary = {"silu": torch.nn.functional.silu, "relu": torch.relu, "swiglu": None}
-    if name == "swiglu":  # gated: columns (2j, 2j + 1) are (gate, up)
-        return torch.nn.functional.silu(h[:, 0::2]) * h[:, 1::2]
-    return unary[name](h)
-
-
-def _pairs(t, dim):
-    """``[gate | up]`` along ``dim`` -> interleaved ``(gate_j, up_j)`` pairs."""
-    gate, up = t.chunk(2, dim=dim)
-    return torch.stack((gate, up), dim=dim + 1 if dim >= 0 else dim).flatten(dim - 1, dim)
-
-
-def _concat_dim_strided(t, dim):
-    """quack's ``concat_layout`` takes a tensor whose concat dim is not its contiguous one."""
-    assert t.stride(dim) != 1, "concat_layout: the [gate | up] dim must be the strided one"
-
-
-class _FakeQuack:
-    """The three quack calls :mod:`moec.kernels.cute_gemm` makes, in torch; records A_idx and
-    each ``concat_layout`` (its [gate | up] dim read or written as interleaved pairs)."""
-
-    def __init__(self):
-        self.gathered = []
-        self.concat = []
-
-    def gemm(self, a, b, out=None, cu_seqlens_m=None, cu_seqlens_k=None, A_idx=None, tuned=True,
-             concat_layout=None):  # fmt: skip
-        if A_idx is not None:
-            assert A_idx.dtype == torch.int32
-            self.gathered.append("m" if cu_seqlens_m is not None else "k")
-        if concat_layout == ("B",):  # pairs along B's contraction dim (a's columns are pairs)
-            self.concat.append("B^T")
-            _concat_dim_strided(b, -2)
-            b = _pairs(b, -2)
-        if concat_layout == ("out",):  # a's rows x pairs -> out's strided [gate | up] dim
-            self.concat.append("out")
-            _concat_dim_strided(out, -1)
-            paired = _mm_varlen(a, b, cu_seqlens_m, cu_seqlens_k, A_idx, torch.empty(out.shape))
-            out.copy_(torch.cat((paired[..., 0::2], paired[..., 1::2]), dim=-1))
-            return out
-        return _mm_varlen(a, b, cu_seqlens_m, cu_seqlens_k, A_idx, out)
-
-    def gemm_act(self, a, b, activation, cu_seqlens_m, A_idx=None, store_preact=True, tuned=True,
-                 concat_layout=None):  # fmt: skip
-        if concat_layout == ("B",):  # B's strided [gate | up] columns computed as pairs
-            self.concat.append("B")
-            _concat_dim_strided(b, -1)
-            b = _pairs(b, -1)
-        h = self.gemm(a, b, cu_seqlens_m=cu_seqlens_m, A_idx=A_idx)
-        return h, _quack_act(h, activation)
-
-    def gemm_dact(self, d_y, w_t, h, activation, cu_seqlens_m, tuned=True):
-        d_a = _mm_varlen(d_y, w_t, cu_seqlens_m)
-        a, vjp = torch.func.vjp(lambda t: _quack_act(t, activation), h)
-        return vjp(d_a)[0], a
-
-
 @pytest.mark.parametrize(
     "backend,activation", [("cute", "silu"), ("cute", "relu"), ("cute_glu", "swiglu")]
 )
@@ -275,7 +200,7 @@ def test_cute_path_reads_token_rows_through_a_idx(monkeypatch, backend, activati
     def policy(piece, x, w, kernels=True, glu_epilogue=False):
         return "cute_glu" if backend == "cute_glu" and glu_epilogue else "cute"
 
-    quack = _FakeQuack()
+    quack = FakeQuack()
     monkeypatch.setattr(cute_gemm, "_quack", lambda: quack)
     monkeypatch.setattr(grouped_gemm, "backend", policy)
     monkeypatch.setattr(kernel_experts, "backend", policy)
@@ -318,7 +243,7 @@ def test_k_major_w_up_runs_the_gated_epilogues_without_weight_copies(monkeypatch
     from moec.kernels import experts as kernel_experts
     from moec.ops.cuda import kernel_activation
 
-    quack = _FakeQuack()
+    quack = FakeQuack()
     monkeypatch.setattr(cute_gemm, "_quack", lambda: quack)
     policy = {"up": "cute_glu"}  # the reference: n-major w_up on cute_glu (interleave copies)
 

@@ -8,6 +8,9 @@ quack's ``cu_seqlens = [0, offsets...]`` without a host read)::
     gmm_act(x[R, D], w_up[N, D, U], offsets, act) -> h[R, U], a[R, H]   activation in the epilogue
     gmm_act_backward(d_y[R, D], w_down[N, H, D], offsets, h, act) -> d_h[R, U], a[R, H]
         d_a = d_y @ w_down[e]^T with the activation's backward in the epilogue (quack gemm_dact)
+    gmm_act_backward_combined(d_out[T, D], w_down, offsets, h, act, sources, row_weights)
+        -> d_h, row_weights * a, d_row_weights[R]: the same for rows a combine weighs, reading
+        d_out's token rows, with the route weight and its gradient in the epilogue
     gmm_wgrad(x[R, K], dy[R, M], offsets, out_dtype) -> dw[N, K, M]      varlen-K
 
 Gathered: ``gmm``, ``gmm_act`` and ``gmm_wgrad`` given ``sources[R]`` (int32 on the device)
@@ -167,15 +170,43 @@ def gmm_act_backward(
 ) -> tuple[Tensor, Tensor]:
     """(d_h, a): ``d_a = d_y @ w_down[e]^T`` then the activation's backward at ``h`` (interleaved
     when gated, as :func:`gmm_act` wrote it), with ``a`` recomputed for the wgrad."""
-    d_h, a = _quack().gemm_dact(
+    d_h, a = _dact(d_y, w_down, offsets, h, act)
+    return d_h, a
+
+
+def gmm_act_backward_combined(
+    d_out: Tensor,
+    w_down: Tensor,
+    offsets: Tensor,
+    h: Tensor,
+    act: KernelActivation,
+    sources: Tensor,
+    row_weights: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(d_h, a_w, d_row_weights): :func:`gmm_act_backward` of rows the combine weighs
+    (``out[t] = sum of row_weights[r] * y[r]`` over t's rows), without their ``d_y``: buffer row
+    r reads the output gradient's token row ``d_out[sources[r]]`` (``A_idx``), the epilogue
+    scales ``d_a`` by ``row_weights[r]`` (float32) before the activation's backward and writes
+    ``a_w = row_weights[r] * a`` (what the down wgrad pairs with the unscaled token rows), and
+    reduces ``d_row_weights[r] = <a[r], d_out[sources[r]] @ w_down^T> = <y[r], d_out[t]>``
+    (float32): the route weight's gradient."""
+    return _dact(
+        d_out, w_down, offsets, h, act, A_idx=sources, colvec_scale=row_weights, colvec_reduce=True
+    )
+
+
+def _dact(
+    d_y: Tensor, w_down: Tensor, offsets: Tensor, h: Tensor, act: KernelActivation, **epilogue
+) -> tuple[Tensor, ...]:
+    return _quack().gemm_dact(
         d_y,
         w_down.to(d_y.dtype).transpose(-1, -2),
         h,
         activation=_QUACK_NAMES[act],
         cu_seqlens_m=cu_seqlens(offsets),
         tuned=_tuned(),
+        **epilogue,
     )
-    return d_h, a
 
 
 def gmm_wgrad(

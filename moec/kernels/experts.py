@@ -16,6 +16,12 @@ the CuTe DSL (``"cute"``/``"cute_glu"`` for a buffer of R = len(sources) rows), 
 wgrad read the token rows through quack's ``A_idx`` and the buffer is never written; on any
 other backend the buffer is gathered (one ``index_select``) and the plain functions run, the
 backward gathering it again rather than keeping it.
+
+Combined (:func:`expert_mlp_combined_backward`): the gathered expert MLP whose output rows a
+combine weighs and sums per token. On the CuTe DSL its backward reads the output gradient's
+token rows in the down dgrad (``A_idx``), applies the route weight there and reduces the
+weight's gradient in the same epilogue, so neither the rows' output gradient d_y nor the
+forward's y exist.
 """
 
 from __future__ import annotations
@@ -69,17 +75,30 @@ def expert_mlp_backward(
     interleaved = gg.h_interleaved(rows, w_up_x, up_bias, act)
     d_h, a = gg.gmm_act_backward(d_y, w_down.to(x.dtype), offsets, h, act, interleaved)
     d_w_down = _wgrad_like(a, d_y, offsets, w_down)
+    d_x, d_w_up = _up_backward(x, sources, w_up, offsets, d_h, interleaved)
+    return d_x, d_w_up, d_w_down, d_h
+
+
+def _up_backward(
+    x: Tensor,
+    sources: Tensor | None,
+    w_up: Tensor,
+    offsets: Tensor,
+    d_h: Tensor,
+    interleaved: bool,
+) -> tuple[Tensor, Tensor]:
+    """(d_x per buffer row, d_w_up) of the up projection, given d_h in the layout the forward's
+    h had (``interleaved``: see :func:`grouped_gemm.h_interleaved`)."""
+    w_up_x = w_up.to(x.dtype)
     if interleaved and cute_gemm.k_major(w_up_x):  # pairs read in place (see cute_gemm)
         d_w_up = _up_wgrad(x, sources, d_h, offsets, w_up, paired=True)
-        d_x = cute_gemm.gmm(d_h, w_up_x.transpose(-1, -2), offsets, paired_k=True)
-        return d_x, d_w_up, d_w_down, d_h
+        return cute_gemm.gmm(d_h, w_up_x.transpose(-1, -2), offsets, paired_k=True), d_w_up
     if interleaved:
         d_w_up = cute_gemm.deinterleave(_up_wgrad(x, sources, d_h, offsets, w_up_x), w_up.dtype)
         w_up_x = cute_gemm.interleave(w_up_x, x.dtype)
     else:
         d_w_up = _up_wgrad(x, sources, d_h, offsets, w_up)
-    d_x = gg.gmm(d_h, w_up_x.transpose(-1, -2), offsets, piece="dgrad")
-    return d_x, d_w_up, d_w_down, d_h
+    return gg.gmm(d_h, w_up_x.transpose(-1, -2), offsets, piece="dgrad"), d_w_up
 
 
 def _up_wgrad(
@@ -104,6 +123,60 @@ def _up_wgrad(
     if backend("wgrad", gg.buffer_like(x, sources), d_h) == "cute":
         return cute_gemm.gmm_wgrad(x, d_h, offsets, out_dtype, sources)
     return gg.gmm_wgrad(x.index_select(0, sources), d_h, offsets, out_dtype=out_dtype)
+
+
+def expert_mlp_combined_backward(
+    x: Tensor,
+    sources: Tensor,
+    row_weights: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    offsets: Tensor,
+    h: Tensor,
+    d_out: Tensor,
+    act: KernelActivation,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(d_rows [R, D], d_row_weights [R] float32, d_w_up, d_w_down, d_h) of the gathered expert
+    MLP (no biases; x token rows [T, D], buffer row r = ``x[sources[r]]``) followed by the
+    combine ``out[t] = sum of row_weights[r] * y[r]`` over t's rows, for d_out [T, D].
+
+    Where the down dgrad runs in a CuTe DSL epilogue
+    (:func:`grouped_gemm.dact_in_cute_epilogue`), it reads d_out's token rows through
+    ``A_idx`` with the route weight as its row scale and reduces the weight's gradient
+    (:func:`cute_gemm.gmm_act_backward_combined`): no [R, D] d_y is written, and y need not
+    have been kept. Elsewhere d_y is gathered and scaled, and y recomputed from h for the
+    weights' gradient. d_rows is per buffer row; the caller sums it over each token's routes."""
+    d_out = d_out.to(x.dtype).contiguous()
+    w_up_x, w_down_x = w_up.to(x.dtype), w_down.to(x.dtype)
+    up_sources = sources if gg.reads_token_rows(x, sources, w_up_x, False, act) else None
+    rows = gg.buffer_like(x, sources)
+    interleaved = gg.h_interleaved(rows, w_up_x, False, act)
+    if gg.dact_in_cute_epilogue(rows, w_down_x, act, interleaved):
+        d_h, a_w, d_row_weights = cute_gemm.gmm_act_backward_combined(
+            d_out, w_down_x, offsets, h, act, sources, row_weights
+        )
+        d_w_down = _down_wgrad_of_token_rows(a_w, d_out, sources, offsets, w_down)
+    else:
+        picked = d_out.index_select(0, sources)
+        d_y = (picked * row_weights[:, None]).to(x.dtype)
+        d_h, a = gg.gmm_act_backward(d_y, w_down_x, offsets, h, act, interleaved)
+        y = gg.gmm(a, w_down_x, offsets, piece="down")
+        d_row_weights = (y.float() * picked.float()).sum(-1)
+        d_w_down = _wgrad_like(a, d_y, offsets, w_down)
+    x_up = x if up_sources is not None else x.index_select(0, sources)
+    d_rows, d_w_up = _up_backward(x_up, up_sources, w_up, offsets, d_h, interleaved)
+    return d_rows, d_row_weights, d_w_up, d_w_down, d_h
+
+
+def _down_wgrad_of_token_rows(
+    a_w: Tensor, d_out: Tensor, sources: Tensor, offsets: Tensor, like: Tensor
+) -> Tensor:
+    """``sum over e's rows r of a_w[r]^T d_out[sources[r]]`` per expert, in ``like``'s dtype and
+    layout: for a k-major ``like`` on the CuTe DSL, ``(d_out[sources]^T a_w)^T`` with the token
+    rows read through ``A_idx`` and written in place; else on the gathered rows."""
+    if cute_gemm.k_major(like) and backend("wgrad", gg.buffer_like(d_out, sources), a_w) == "cute":
+        return cute_gemm.gmm_wgrad(d_out, a_w, offsets, like.dtype, sources).transpose(-1, -2)
+    return _wgrad_like(a_w, d_out.index_select(0, sources), offsets, like)
 
 
 def _wgrad_like(x: Tensor, dy: Tensor, offsets: Tensor, like: Tensor) -> Tensor:

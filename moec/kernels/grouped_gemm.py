@@ -378,6 +378,18 @@ def gmm_act(
     return h, a
 
 
+def dact_in_cute_epilogue(
+    d_y: Tensor, w_down: Tensor, act: KernelActivation, interleaved: bool
+) -> bool:
+    """Whether :func:`gmm_act_backward` runs the activation's backward in a CuTe DSL epilogue
+    (:func:`cute_gemm.gmm_act_backward`): always for an interleaved h, else where the policy
+    picks ``"cute"`` for the dgrad and quack computes the (ungated) activation."""
+    if interleaved:
+        return True
+    chosen = backend("dgrad_act", d_y, w_down.transpose(-1, -2))
+    return chosen == "cute" and not act.gated and cute_gemm.computes(act)
+
+
 def gmm_act_backward(
     d_y: Tensor,
     w_down: Tensor,
@@ -389,10 +401,10 @@ def gmm_act_backward(
     """(d_h, a): ``d_a = d_y @ w_down[e]^T`` then the activation backward (in the GEMM's
     epilogue, or on the activation kernel); an ``interleaved`` h (see :func:`h_interleaved`)
     gives an interleaved d_h."""
-    w_t = w_down.transpose(-1, -2)
-    chosen = "cute_glu" if interleaved else backend("dgrad_act", d_y, w_t)
-    if chosen == "cute_glu" or (chosen == "cute" and not act.gated and cute_gemm.computes(act)):
+    if dact_in_cute_epilogue(d_y, w_down, act, interleaved):
         return cute_gemm.gmm_act_backward(d_y, w_down, offsets, h, act)
+    w_t = w_down.transpose(-1, -2)
+    chosen = backend("dgrad_act", d_y, w_t)
     if chosen == "cute":
         return act_backward(h, cute_gemm.gmm(d_y, w_t, offsets), act)
     if chosen == "grouped_mm":

@@ -34,12 +34,17 @@ from torch import Tensor
 from moec.kernels.arch import HAVE_TRITON, float_supported
 from moec.ops import grouped
 from moec.ops.activations import activate, activate_backward, gated_from_unary, is_gated
+from moec.ops.combined_experts import (
+    check_combined_args,
+    expert_mlp_combined_backward_reference,
+)
 from moec.ops.experts import (
     check_expert_mlp_args,
     expert_mlp_backward_reference,
     expert_mlp_reference,
 )
 from moec.ops.gathered_experts import (
+    by_row,
     check_gathered_args,
     expert_mlp_gathered_backward_reference,
     expert_mlp_gathered_reference,
@@ -159,6 +164,21 @@ def expert_mlp_gathered(
     return experts.expert_mlp(flat, *args[2:], act, row_sources(rows))
 
 
+def expert_mlp_combined(
+    x: Tensor,
+    rows: Tensor,
+    weights: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    offsets: Tensor,
+    activation: str,
+) -> tuple[Tensor, Tensor]:
+    """``moec::expert_mlp_combined``: (out, h), the gathered expert MLP then the combine kernel."""
+    check_combined_args(x, rows, weights, w_up, w_down, offsets, activation)
+    y, h = expert_mlp_gathered(x, rows, w_up, w_down, offsets, None, None, activation)
+    return combine(y, weights, rows), h
+
+
 def _fp8_kernel_activation(
     x: Tensor, w_up: Tensor, w_down: Tensor, offsets: Tensor, activation: str, recipe: str
 ) -> KernelActivation | None:
@@ -214,6 +234,7 @@ _OPS: dict[str, Callable[..., Any]] = {
     "combine": combine,
     "expert_mlp": expert_mlp,
     "expert_mlp_gathered": expert_mlp_gathered,
+    "expert_mlp_combined": expert_mlp_combined,
     "quantized_expert_mlp": quantized_expert_mlp,
     "quantized_expert_mlp_backward": quantized_expert_mlp_backward,
 }
@@ -264,6 +285,40 @@ def expert_mlp_gathered_backward(
     )
 
 
+def expert_mlp_combined_backward(
+    x: Tensor,
+    rows: Tensor,
+    weights: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    offsets: Tensor,
+    h: Tensor,
+    d_out: Tensor,
+    activation: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(d_rows, d_weights, d_w_up, d_w_down, d_h) of ``moec::expert_mlp_combined``; the
+    reference where the forward ran it."""
+    act = _expert_kernel_activation(x, w_up, w_down, offsets, activation)
+    if act is None:
+        return expert_mlp_combined_backward_reference(
+            x, rows, weights, w_up, w_down, offsets, h, d_out, activation
+        )
+    row_weights = by_row(weights.float(), rows)
+    d_rows, d_row_weights, d_w_up, d_w_down, d_h = experts.expert_mlp_combined_backward(
+        x.reshape(-1, x.shape[-1]),
+        row_sources(rows),
+        row_weights,
+        w_up,
+        w_down,
+        offsets,
+        h,
+        d_out.reshape(-1, d_out.shape[-1]),
+        act,
+    )
+    d_weights = torch.where(rows >= 0, d_row_weights[rows.clamp(min=0).long()], 0.0)
+    return d_rows, d_weights, d_w_up, d_w_down, d_h
+
+
 def glu_forward(h: Tensor, activation: str) -> Tensor:
     """The gated activation of h (R, 2H) -> (R, H)."""
     act = kernel_activation(activation)
@@ -304,6 +359,7 @@ def _hooks() -> dict[str, Callable[..., Any]]:
         "combine_backward": movement.combine_backward,
         "expert_mlp_backward": expert_mlp_backward,
         "expert_mlp_gathered_backward": expert_mlp_gathered_backward,
+        "expert_mlp_combined_backward": expert_mlp_combined_backward,
         "cross_entropy_rows": cross_entropy.cross_entropy_rows,
         "rope": rope,
         "glu_forward": glu_forward,

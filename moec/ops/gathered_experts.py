@@ -77,16 +77,22 @@ def _flat(t: Tensor) -> Tensor:
 
 def row_sources(rows: Tensor) -> Tensor:
     """``sources[R]`` int32: the token of every buffer row (``sources[rows[t, k]] = t``; rows no
-    accepted route points at: 0). One scatter into a fixed-size tensor, dropped routes (-1) sent
-    to a dump slot that is cut off: no host sync."""
+    accepted route points at: 0)."""
     flat = _flat(rows)
     tokens, top_k = flat.shape
-    num_rows = flat.numel()
     token = torch.arange(tokens, device=rows.device, dtype=torch.int32)
-    token = token[:, None].expand(tokens, top_k).reshape(-1)
+    return by_row(token[:, None].expand(tokens, top_k), rows)
+
+
+def by_row(values: Tensor, rows: Tensor) -> Tensor:
+    """``out[R]``: each route's value at its buffer row (``out[rows[t, k]] = values[t, k]``;
+    rows no accepted route points at: 0). One scatter into a fixed-size tensor, dropped routes
+    (-1) sent to a dump slot that is cut off: no host sync."""
+    flat = _flat(rows)
+    num_rows = flat.numel()
     target = torch.where(flat >= 0, flat, num_rows).reshape(-1).long()
-    sources = torch.zeros(num_rows + 1, device=rows.device, dtype=torch.int32)
-    return sources.index_copy_(0, target, token)[:num_rows]
+    out = values.new_zeros(num_rows + 1)
+    return out.index_copy_(0, target, values.reshape(-1))[:num_rows]
 
 
 def gather_rows(x: Tensor, rows: Tensor) -> Tensor:

@@ -43,6 +43,7 @@ PASS_MODULES = (
     "moec.passes.recompute",
     "moec.passes.fsdp",
     "moec.passes.gather_up",
+    "moec.passes.combine_experts",
     "moec.passes.shared_stream",
     "moec.passes.pipeline",
     "moec.passes.regions",

@@ -45,7 +45,14 @@ BREAK = torch._dynamo.graph_break
 @register_pass
 class RegionsPass(Pass):
     name = "regions"
-    after: tuple[str, ...] = ("recompute", "fsdp", "gather_up", "shared_stream", "pipeline")
+    after: tuple[str, ...] = (
+        "recompute",
+        "fsdp",
+        "gather_up",
+        "combine_experts",
+        "shared_stream",
+        "pipeline",
+    )
 
     @staticmethod
     def applies(plan: Plan) -> bool:

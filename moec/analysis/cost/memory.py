@@ -114,13 +114,20 @@ def _grad_bytes(val: Any) -> sympy.Expr:
     return ZERO
 
 
+_GATHERED_W_UP_AT = {  # expert ops over token rows (args x, rows, ...): the index of w_up
+    torch.ops.moec.expert_mlp_gathered.default: 2,
+    torch.ops.moec.expert_mlp_combined.default: 3,
+}
+
+
 def backward_workspace(node: fx.Node) -> sympy.Expr:
     """Bytes live together while ``node``'s backward runs, besides saved tensors: the gradients
     of its outputs and of its floating inputs (a parameter's arrives in the dtype the op read
     before it is accumulated), plus what the backward allocates inside: ``moec.expert_mlp``
     (and its quantized form)
     holds the pre-activation's gradient [R, U] and the recomputed activation [R, H] as well,
-    ``moec.expert_mlp_gathered`` also its rows' input gradient [R, D]."""
+    ``moec.expert_mlp_gathered`` and ``moec.expert_mlp_combined`` also their rows' input
+    gradient [R, D]."""
     if node.op != "call_function" or node.target in VIEW_LIKE:
         return ZERO
     val = node.meta.get("val")
@@ -137,8 +144,9 @@ def backward_workspace(node: fx.Node) -> sympy.Expr:
         x, w_up, w_down = (value_of(a) for a in node.args[:3])
         rows = sym(x.shape[0])
         grads += rows * (sym(w_up.shape[-1]) + sym(w_down.shape[1])) * x.element_size()
-    elif node.target is torch.ops.moec.expert_mlp_gathered.default:  # also the rows' d_x
-        x, routes, w_up, w_down = (value_of(a) for a in node.args[:4])
+    elif node.target in _GATHERED_W_UP_AT:  # also the rows' d_x
+        at = _GATHERED_W_UP_AT[node.target]
+        x, routes, w_up, w_down = (value_of(node.args[i]) for i in (0, 1, at, at + 1))
         width = sym(w_up.shape[-1]) + sym(w_down.shape[1]) + sym(x.shape[-1])
         grads += numel(routes) * width * x.element_size()
     return grads

@@ -6,7 +6,8 @@ overload. Over R = T*K routed rows of T tokens, top-K:
 - ``moec.expert_mlp`` and ``moec.quantized_expert_mlp``: 2*R*(D*U + H*D) (an EP receive
   buffer counts this rank's T*K routes, not its padding); saves its input rows and the
   pre-activation h; ``moec.expert_mlp_gathered`` the same over R = T*K rows of its route table,
-  saving the tokens, the table and h;
+  saving the tokens, the table and h; ``moec.expert_mlp_combined`` that plus its combine's
+  2*R*D, saving the tokens, the table, the route weights and h (not the experts' output);
 - ``moec.route``: 4 FLOPs per logit, saving the logits and the chosen expert ids;
   ``moec.router_losses``: 6 per logit, saving its inputs;
 - ``moec.dispatch``: data movement, saving the row indices; ``moec.combine``: its weighted sum,
@@ -65,6 +66,15 @@ def _expert_mlp_gathered(node: fx.Node) -> RuleResult:
     dim, up, hidden = sym(x.shape[-1]), sym(w_up.shape[-1]), sym(w_down.shape[1])
     flops = 2 * numel(rows) * (dim * up + hidden * dim)
     saved = [stored_ref(node.args[0]), stored_ref(node.args[1]), SavedRef(node, 1)]
+    return flops, "experts", saved
+
+
+@cost_rule(ops.expert_mlp_combined.default)
+def _expert_mlp_combined(node: fx.Node) -> RuleResult:
+    x, rows, _, w_up, w_down = (value_of(a) for a in node.args[:5])
+    dim, up, hidden = sym(x.shape[-1]), sym(w_up.shape[-1]), sym(w_down.shape[1])
+    flops = 2 * numel(rows) * (dim * up + hidden * dim + dim)
+    saved = [*(stored_ref(a) for a in node.args[:3]), SavedRef(node, 1)]
     return flops, "experts", saved
 
 

@@ -103,7 +103,13 @@ __all__ = [
 @register_pass
 class PipelinePass(Pass):
     name = "pipeline"
-    after: tuple[str, ...] = ("recompute", "fsdp", "gather_up", "shared_stream")  # the last
+    after: tuple[str, ...] = (  # the last
+        "recompute",
+        "fsdp",
+        "gather_up",
+        "combine_experts",
+        "shared_stream",
+    )
 
     @staticmethod
     def applies(plan: Plan) -> bool:
