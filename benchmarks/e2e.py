@@ -26,6 +26,8 @@ wide (24576: the width that gives the report's 2.01B total / 0.995B active param
             kernel); the hand-written baselines then run with B first too
   --gather-up  moec again with ``plan.lowering.gather_up`` (each dispatch folded into its
             experts' up projection: no dispatched buffer where the CuTe DSL runs it)
+  --combine-in-experts  moec again with ``plan.lowering.combine_in_experts`` (and gather_up,
+            which it needs: each combine folded into its gathered expert MLP)
   --n-major  moec again with ``plan.lowering.expert_weights: n_major`` (the default plan's
             routed expert weights are k-major)
   --cuda-graph  moec again with ``plan.lowering.cuda_graph`` (the step replayed as one CUDA
@@ -391,6 +393,9 @@ def plan_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, dict[st
         )
     if args.gather_up:
         variants.append(("moec + gather_up", {"lowering": {"gather_up": True}}))
+    if args.combine_in_experts:
+        both = {"lowering": {"gather_up": True, "combine_in_experts": True}}
+        variants.append(("moec + gather_up + combine_in_experts", both))
     if args.n_major:
         variants.append((N_MAJOR, {"lowering": {"expert_weights": "n_major"}}))
     if args.cuda_graph:
@@ -428,6 +433,11 @@ def main() -> None:
         "--gather-up",
         action="store_true",
         help="also moec with plan.lowering.gather_up (dispatch folded into the up projection)",
+    )
+    parser.add_argument(
+        "--combine-in-experts",
+        action="store_true",
+        help="also moec with plan.lowering.gather_up and combine_in_experts",
     )
     parser.add_argument(
         "--n-major",

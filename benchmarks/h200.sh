@@ -11,6 +11,7 @@
 #   bash benchmarks/h200.sh new-gpu-tests e2e-equal-lr profile-vs-compiled  # #20's honest gap
 #   bash benchmarks/h200.sh fp8-tests e2e-fp8 kernels-fp8      # FP8 rowwise experts on sm90
 #   bash benchmarks/h200.sh wheels dense-ffn kmajor-compile-tests e2e-kmajor  # k-major experts
+#   bash benchmarks/h200.sh wheels combined-tests layer-combined e2e-combined  # combine in experts
 #   bash benchmarks/h200.sh wheel-part          # a call carrying the split wheel's first part (.wpa)
 #   bash benchmarks/h200.sh wheels cute-e2e cute-layer   # the next, carrying .whl and the last
 #                                               # part (.wpb): quack-kernels + the CuTe DSL
@@ -118,6 +119,9 @@ for stage in "$@"; do
     e2e-gather) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --gather-up --baselines compiled-bf16 --steps 8 --warmup 6 --json "$OUT/e2e_gather.json" ;;
     profile-moec) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python -m benchmarks.profile_step --moec-only --rows 30 ;;
     quack-cache) du -sh "$QUACK_CACHE_DIR"; tar czf "$OUT/quack_cache.tgz" -C "$QUACK_CACHE_DIR" . && ls -la "$OUT/quack_cache.tgz" ;;
+    combined-tests) timeout $STAGE_LIMIT python -m pytest -q -x tests/gpu/test_combined_experts_gpu.py ;;
+    layer-combined) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/moe_layer.py --skip-loop --layers sorted,moec_k_major,moec_combined --json "$OUT/layer_combined.json" ;;
+    e2e-combined) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --moec-only --gather-up --combine-in-experts --steps 8 --warmup 6 --json "$OUT/e2e_combined.json" ;;
     cute-layer) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/moe_layer.py --pieces --skip-loop --json "$OUT/layer_cute.json" ;;
     e2e-recompute) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 4 --warmup 2 --moec-only --recompute --json "$OUT/e2e_recompute.json" ;;
     recompute-snapshot) timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 2 --warmup 2 --moec-only --recompute --memory-snapshot "$OUT/snapshots" --json "$OUT/e2e_recompute_snapshot.json" ;;

@@ -13,6 +13,10 @@ width 1536, one shared SwiGLU expert of width 1536, capacity factor 1.25, bf16 w
   moec_k_major  the moec layer with k-major expert weights (stacked nn.Linear layout, what
             SonicMoE keeps): with quack, the gated epilogues read w_up's [gate | up] dim as
             pairs, no weight copies
+  moec_combined  k-major weights, the gathered expert MLP and its combine as one
+            moec.expert_mlp_combined (lowering.combine_in_experts): with quack, the route
+            weights and their gradient in the down dgrad's epilogue, d_out's token rows read
+            through A_idx
   sonic     the anchor, where sonic-moe is installed: SonicMoE's layer (its top-k router,
             quack GEMMs with the gather in the up projection's A loads, route weights and their
             gradient in the down projection's dgrad epilogue) + the same shared expert, its
@@ -97,6 +101,13 @@ def layer_moec_gathered(x: Tensor, p: dict[str, Tensor]) -> Tensor:
     return ops.combine(y, weights, rows) + shared(x, p)
 
 
+def layer_moec_combined(x: Tensor, p: dict[str, Tensor]) -> Tensor:
+    ops = torch.ops.moec
+    _, weights, rows, offsets, _ = ops.route(x @ p["router"], K, CF, "softmax", True, "learned")
+    out, _ = ops.expert_mlp_combined(x, rows, weights, p["w_up"], p["w_down"], offsets, "swiglu")
+    return out + shared(x, p)
+
+
 def gathered_up_text(x: Tensor, rows: Tensor, w_up: Tensor) -> str:
     """Which backend runs the gathered layer's up projection, and so whether the buffer exists."""
     buffer = grouped_gemm.buffer_like(x, row_sources(rows))
@@ -156,6 +167,12 @@ LAYERS: dict[str, Callable[[Tensor, dict[str, Tensor]], Tensor]] = {
     "sorted": layer_sorted,
     "loop": layer_loop,
 }
+
+K_MAJOR_LAYERS: dict[str, Callable[[Tensor, dict[str, Tensor]], Tensor]] = {
+    "moec_k_major": layer_moec,
+    "moec_combined": layer_moec_combined,
+}
+"""Rows run with k-major expert weights (the compiler's default layout), where quack is."""
 
 
 def sonic_params(p: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -363,13 +380,15 @@ def main() -> None:
         ms = do_bench(lambda fn=LAYERS[name]: fwd_bwd(fn, x, p, grad), rep=200)
         results["layers"][name] = {"ms": ms, "max_rel_err": err}
         print(f"{name:<8} fwd+bwd {ms:8.3f} ms   (max rel err vs reference {err:.2e})")
-    if gemm_backend.have_quack() and runs("moec_k_major"):
-        pk = {**p, "w_up": k_major_leaf(p["w_up"]), "w_down": k_major_leaf(p["w_down"])}
-        err = check("moec_k_major", layer_moec, x, pk, grad, want)
-        ms = do_bench(lambda: fwd_bwd(layer_moec, x, pk, grad), rep=200)
-        results["layers"]["moec_k_major"] = {"ms": ms, "max_rel_err": err}
-        names.append("moec_k_major")
-        print(f"{'moec_k_major':<8} fwd+bwd {ms:8.3f} ms   (max rel err vs reference {err:.2e})")
+    pk = {**p, "w_up": k_major_leaf(p["w_up"]), "w_down": k_major_leaf(p["w_down"])}
+    for name, layer in K_MAJOR_LAYERS.items():
+        if not (gemm_backend.have_quack() and runs(name)):
+            continue
+        err = check(name, layer, x, pk, grad, want)
+        ms = do_bench(lambda layer=layer: fwd_bwd(layer, x, pk, grad), rep=200)
+        results["layers"][name] = {"ms": ms, "max_rel_err": err}
+        names.append(name)
+        print(f"{name:<8} fwd+bwd {ms:8.3f} ms   (max rel err vs reference {err:.2e})")
     if not runs("sonic"):
         pass
     elif have_sonic() and accepted < T * K:
@@ -433,8 +452,9 @@ def main() -> None:
             print(f"piece {r['piece']:<11} {times} ms")
     if args.kernels:
         profiled = {"moec": (layer_moec, p)}
-        if "moec_k_major" in results["layers"]:
-            profiled["moec_k_major"] = (layer_moec, pk)
+        for name, layer in K_MAJOR_LAYERS.items():
+            if name in results["layers"]:
+                profiled[name] = (layer, pk)
         if "sonic" in results["layers"]:
             profiled["sonic"] = (layer_sonic, ps)
         results["kernels"] = {}
