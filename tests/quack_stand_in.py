@@ -92,3 +92,20 @@ class FakeQuack:
         scaled = ((a.float() * scale).to(a.dtype),)
         reduced = ((a.float() * d_a.float()).sum(-1),) if colvec_reduce else ()
         return d_h, *scaled, *reduced
+
+
+def run_on_stand_in(monkeypatch, glu_epilogue_backend: str = "cute_glu") -> FakeQuack:
+    """Route every expert GEMM of :mod:`moec.kernels` to the CuTe DSL, quack stood in for by a
+    :class:`FakeQuack` (returned): the policy picks ``glu_epilogue_backend`` where a gated
+    activation could run in the epilogue, ``"cute"`` everywhere else."""
+    from moec.kernels import cute_gemm, grouped_gemm
+    from moec.kernels import experts as kernel_experts
+
+    def policy(piece, x, w, kernels=True, glu_epilogue=False):
+        return glu_epilogue_backend if glu_epilogue else "cute"
+
+    quack = FakeQuack()
+    monkeypatch.setattr(cute_gemm, "_quack", lambda: quack)
+    monkeypatch.setattr(grouped_gemm, "backend", policy)
+    monkeypatch.setattr(kernel_experts, "backend", policy)
+    return quack

@@ -21,7 +21,7 @@ import moec.ops  # noqa: F401  (registers torch.ops.moec)
 from moec.ops.gathered_experts import by_row, row_sources
 from moec.plan import PlanError
 from tests.models import assert_same_grads, loss_and_grads, rewrite_reference
-from tests.quack_stand_in import FakeQuack
+from tests.quack_stand_in import run_on_stand_in
 from tests.test_gathered_experts import DIM, HIDDEN, TOKENS, TOP_K, routing, weights
 
 ops = torch.ops.moec
@@ -125,17 +125,10 @@ def test_cute_path_weighs_rows_in_the_dgrad_epilogue(monkeypatch, layout):
     """The kernels' combined backward with every piece on the CuTe DSL (quack stood in for by
     torch): every gradient equals the op's reference, the down dgrad read d_out's token rows
     through A_idx with the route weights as its row scale, and (k-major) no rows were gathered."""
-    from moec.kernels import cute_gemm, grouped_gemm
     from moec.kernels import experts as kernel_experts
     from moec.ops.cuda import kernel_activation
 
-    def policy(piece, x, w, kernels=True, glu_epilogue=False):
-        return "cute_glu" if glu_epilogue else "cute"
-
-    quack = FakeQuack()
-    monkeypatch.setattr(cute_gemm, "_quack", lambda: quack)
-    monkeypatch.setattr(grouped_gemm, "backend", policy)
-    monkeypatch.setattr(kernel_experts, "backend", policy)
+    quack = run_on_stand_in(monkeypatch)
     torch.manual_seed(3)
     rows, offsets = routing("drops")
     x = torch.randn(TOKENS, DIM)

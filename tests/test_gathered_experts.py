@@ -20,7 +20,7 @@ from moec.ops.experts import expert_mlp_reference
 from moec.ops.gathered_experts import row_sources
 from moec.ops.routing import assign_rows
 from tests.models import assert_same_grads, assert_same_work, loss_and_grads, rewrite_reference
-from tests.quack_stand_in import FakeQuack
+from tests.quack_stand_in import FakeQuack, run_on_stand_in
 
 ops = torch.ops.moec
 TOKENS, TOP_K, DIM, EXPERTS, HIDDEN = 24, 3, 16, 6, 12
@@ -193,17 +193,10 @@ def test_cute_path_reads_token_rows_through_a_idx(monkeypatch, backend, activati
     """The kernels' gathered expert MLP with every piece on the CuTe DSL, quack stood in for by
     torch: y, h and every gradient equal the plain expert MLP on the dispatched buffer, the up
     GEMM and its wgrad ran with A_idx, and no buffer was gathered."""
-    from moec.kernels import cute_gemm, grouped_gemm
     from moec.kernels import experts as kernel_experts
     from moec.ops.cuda import kernel_activation
 
-    def policy(piece, x, w, kernels=True, glu_epilogue=False):
-        return "cute_glu" if backend == "cute_glu" and glu_epilogue else "cute"
-
-    quack = FakeQuack()
-    monkeypatch.setattr(cute_gemm, "_quack", lambda: quack)
-    monkeypatch.setattr(grouped_gemm, "backend", policy)
-    monkeypatch.setattr(kernel_experts, "backend", policy)
+    quack = run_on_stand_in(monkeypatch, backend)
     torch.manual_seed(3)
     rows, offsets = routing("drops")
     used = int(offsets[-1])

@@ -9,15 +9,19 @@ row. Also: a layer step with the op raises no host sync.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 from moec.kernels import cute_gemm, gemm_backend
 from moec.ops.cuda import register_kernels
-from moec.runtime.metrics import run_without_host_sync
-from tests.gpu.test_gathered_experts_gpu import SHAPES, TOP_K, _rel, _routing
+from tests.gpu.test_gathered_experts_gpu import (
+    SHAPES,
+    TOP_K,
+    _forced,
+    _rel,
+    _routing,
+    assert_layer_step_sync_free,
+)
 from tests.gpu.test_kernels_ops import layer_inputs
 
 pytestmark = [
@@ -32,10 +36,6 @@ needs_quack = pytest.mark.skipif(
 @pytest.fixture(scope="module", autouse=True)
 def _registered():
     assert register_kernels()
-
-
-def _forced(backend: str):
-    return contextlib.nullcontext() if backend == "policy" else gemm_backend.forced_backend(backend)
 
 
 def _k_major(w: torch.Tensor) -> torch.Tensor:
@@ -101,14 +101,4 @@ def _layer(x, router, w_up, w_down):
 def test_combined_layer_step_is_sync_free(backend):
     """One forward + backward of a layer on the combined op (k-major weights, the compiler's
     default) under ``torch.cuda.set_sync_debug_mode("error")``."""
-    x, router, w_up, w_down = layer_inputs(k_major=True)
-
-    def step():
-        _layer(x, router, w_up, w_down).float().square().mean().backward()
-
-    with _forced(backend):
-        for _ in range(3):  # warm-up: autotuning and compilation may sync
-            step()
-        run_without_host_sync(step, 1)
-    torch.cuda.synchronize()
-    assert torch.isfinite(x.grad).all() and torch.isfinite(w_down.grad).all()
+    assert_layer_step_sync_free(_layer, layer_inputs(k_major=True), backend)
