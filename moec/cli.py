@@ -54,7 +54,8 @@ def cmd_plan_show(args: argparse.Namespace) -> int:
         plan = plan_for_world(plan, args.world)
     console = _console()
     console.print(plan.to_yaml(), end="", markup=False)
-    console.print(f"passes: {pipeline_string(plan)}", markup=False)
+    # one line, never wrapped: it is what --passes takes back
+    console.print(f"passes: {pipeline_string(plan)}", markup=False, soft_wrap=True)
     if args.world is not None:
         console.print(describe_layout(plan), markup=False)
     if args.model is not None:
@@ -192,7 +193,7 @@ def cmd_debug(args: argparse.Namespace) -> int:
     console = _console()
     names = select(plan, args.passes, args.disable)
     pass_pipeline = pipeline_string(plan, names)
-    console.print(f"passes: {pass_pipeline}", markup=False)
+    console.print(f"passes: {pass_pipeline}", markup=False, soft_wrap=True)
     dump = DebugDump(
         args.out,
         plan,
