@@ -120,6 +120,24 @@ def _expert_mlp_gathered_backward() -> list[Sample]:
     return [(args, {})]
 
 
+def _expert_mlp_combined() -> list[Sample]:
+    samples = []
+    for activation, lead in (("swiglu", (T,)), ("gelu", (2, 3))):
+        weights, rows, offsets, _ = _routed(0.0, lead)  # dropless: no garbage rows in h
+        w_up, w_down, _, _ = _expert_weights(activation, True, False)
+        x, weights = _randn(*lead, D, grad=True), weights.detach().requires_grad_()
+        samples.append(((x, rows, weights, w_up, w_down, offsets, activation), {}))
+    return samples
+
+
+def _expert_mlp_combined_backward() -> list[Sample]:
+    weights, rows, offsets, _ = _routed(0.0)
+    w_up, w_down, _, _ = _expert_weights("swiglu", False, False)
+    h = _randn(T * K, w_up.shape[-1])
+    args = (_randn(T, D), rows, weights, w_up, w_down, offsets, h, _randn(T, D), "swiglu")
+    return [(args, {})]
+
+
 def _glu() -> list[Sample]:
     return [((_randn(T, 2 * H, grad=True), "swiglu"), {}),
             ((_randn(2, 3, 2 * H, grad=True), "geglu"), {})]  # fmt: skip
@@ -314,6 +332,8 @@ SAMPLES: dict[str, Callable[[], list[Sample]]] = {
     "expert_mlp_backward": _expert_mlp_backward,
     "expert_mlp_gathered": _expert_mlp_gathered,
     "expert_mlp_gathered_backward": _expert_mlp_gathered_backward,
+    "expert_mlp_combined": _expert_mlp_combined,
+    "expert_mlp_combined_backward": _expert_mlp_combined_backward,
     "glu": _glu,
     "glu_backward": _glu_backward,
     "rope": _rope,
