@@ -337,8 +337,11 @@ def test_activation_kernels_match_reference():
         d_a = torch.randn(20, 33 if act.gated else 66)
         torch.testing.assert_close(activation.act_forward(h, act), activate(h, name), msg=name)
         d_h, a = activation.act_backward(h, d_a, act)
+        # the tanh form's derivative holds 1 - tanh^2, which float32 rounds away at |h| ~ 3-10
+        # (h is ~N(0, 9) here); the kernel and torch round it differently
+        tol = 1e-4 if "tanh" in name else 1e-5
         torch.testing.assert_close(
-            d_h, activate_backward(h, d_a, name), atol=1e-5, rtol=1e-5, msg=name
+            d_h, activate_backward(h, d_a, name), atol=tol, rtol=1e-5, msg=name
         )
         torch.testing.assert_close(a, activate(h, name), msg=name)
 
