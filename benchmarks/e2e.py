@@ -30,6 +30,9 @@ wide (24576: the width that gives the report's 2.01B total / 0.995B active param
             which it needs: each combine folded into its gathered expert MLP)
   --n-major  moec again with ``plan.lowering.expert_weights: n_major`` (the default plan's
             routed expert weights are k-major)
+  --copies-traced  moec again with its working copies traced into the Inductor graph, as before
+            the lowering lifted them out (each bf16 gradient then cast to float32 in the
+            compiled backward and back to bf16 by the engine)
   --cuda-graph  moec again with ``plan.lowering.cuda_graph`` (the step replayed as one CUDA
             graph). ``--small`` shows the launch-bound end, where the graph matters most
 
@@ -68,6 +71,7 @@ from torch import nn
 from moec.kernels import gemm_backend
 from moec.models import Llama, LlamaConfig
 from moec.plan import Plan
+from moec.runtime import lowering
 from moec.runtime.autocast import attention_preference
 from moec.runtime.metrics import bf16_peak_tflops, count_host_syncs, useful_mfu
 from moec.train import TrainConfig, Trainer, language_model_loss
@@ -361,6 +365,18 @@ N_MAJOR = "moec, n-major experts"
 WITHOUT_QUACK_TOO = {N_MAJOR}  # variants also measured under the policy without the CuTe DSL
 
 
+@contextlib.contextmanager
+def copies_traced() -> Any:
+    """Programs compiled meanwhile trace their working copies into the Inductor graph (what
+    :func:`moec.runtime.lowering.lift_working_copies` avoids)."""
+    original = lowering.lift_working_copies
+    lowering.lift_working_copies = lambda graph: (graph, [])
+    try:
+        yield
+    finally:
+        lowering.lift_working_copies = original
+
+
 def plan_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, dict[str, Any]]]]:
     """The plan changes asked for beside the default plan: (row name, {section: fields})."""
     variants: list[tuple[str, dict[str, dict[str, Any]]]] = []
@@ -428,6 +444,11 @@ def main() -> None:
         "--cuda-graph",
         action="store_true",
         help="also moec with plan.lowering.cuda_graph",
+    )
+    parser.add_argument(
+        "--copies-traced",
+        action="store_true",
+        help="also moec with its working copies traced into the Inductor graph (as before)",
     )
     parser.add_argument(
         "--gather-up",
@@ -530,6 +551,20 @@ def main() -> None:
                 lowered.train_step, name, args.memory_snapshot
             )
         del lowered, lowered_drops
+    if args.copies_traced:
+        _release(device)
+        torch.manual_seed(0)
+        traced = Trainer(dense_model(s), moe_plan(s), cfg)
+        with copies_traced():  # the graph is compiled in the first (warm-up) step
+            results.append(
+                measure(
+                    "moec, copies traced",
+                    traced.train_step,
+                    *common,
+                    drops=functools.partial(drop_rate, traced),
+                )
+            )
+        del traced
     baselines = {
         "eager sort+grouped_mm": {},
         "compiled, fp32 weights": {"compiled": True},

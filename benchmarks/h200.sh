@@ -12,6 +12,7 @@
 #   bash benchmarks/h200.sh fp8-tests e2e-fp8 kernels-fp8      # FP8 rowwise experts on sm90
 #   bash benchmarks/h200.sh wheels dense-ffn kmajor-compile-tests e2e-kmajor  # k-major experts
 #   bash benchmarks/h200.sh wheels combined-tests layer-combined e2e-combined  # combine in experts
+#   bash benchmarks/h200.sh wheels copies-tests e2e-copies  # working copies outside Inductor
 #   bash benchmarks/h200.sh wheel-part          # a call carrying the split wheel's first part (.wpa)
 #   bash benchmarks/h200.sh wheels cute-e2e cute-layer   # the next, carrying .whl and the last
 #                                               # part (.wpb): quack-kernels + the CuTe DSL
@@ -120,8 +121,10 @@ for stage in "$@"; do
     profile-moec) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python -m benchmarks.profile_step --moec-only --rows 30 ;;
     quack-cache) du -sh "$QUACK_CACHE_DIR"; tar czf "$OUT/quack_cache.tgz" -C "$QUACK_CACHE_DIR" . && ls -la "$OUT/quack_cache.tgz" ;;
     combined-tests) timeout $STAGE_LIMIT python -m pytest -q -x tests/gpu/test_combined_experts_gpu.py ;;
-    layer-combined) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/moe_layer.py --skip-loop --layers sorted,moec_k_major,moec_combined --json "$OUT/layer_combined.json" ;;
+    layer-combined) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/moe_layer.py --skip-loop --layers sorted,moec_k_major,moec_combined --kernels 12 --json "$OUT/layer_combined.json" ;;
     e2e-combined) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --moec-only --gather-up --combine-in-experts --steps 8 --warmup 6 --json "$OUT/e2e_combined.json" ;;
+    e2e-copies) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --copies-traced --baselines compiled-bf16 --steps 8 --warmup 6 --json "$OUT/e2e_copies.json" ;;
+    copies-tests) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_sync_free.py tests/gpu/test_step_graph_gpu.py tests/gpu/test_symbolic_capture_gpu.py ;;
     cute-layer) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/moe_layer.py --pieces --skip-loop --json "$OUT/layer_cute.json" ;;
     e2e-recompute) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 4 --warmup 2 --moec-only --recompute --json "$OUT/e2e_recompute.json" ;;
     recompute-snapshot) timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 2 --warmup 2 --moec-only --recompute --memory-snapshot "$OUT/snapshots" --json "$OUT/e2e_recompute_snapshot.json" ;;

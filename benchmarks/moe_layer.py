@@ -257,10 +257,11 @@ def check(name: str, fn: Callable, x: Tensor, p: dict[str, Tensor], grad: Tensor
 
 
 def expert_path(buf: Tensor, offsets: Tensor, p: dict[str, Tensor], dy: Tensor) -> dict[str, float]:
-    """Milliseconds of expert_mlp forward + backward: moec op vs _grouped_mm under autograd."""
+    """Milliseconds of expert_mlp forward + backward: moec op (n-major weights, and k-major
+    where quack is installed) vs _grouped_mm under autograd."""
     w_up, w_down = p["w_up"], p["w_down"]
 
-    def moec_step() -> None:
+    def moec_step(w_up: Tensor = w_up, w_down: Tensor = w_down) -> None:
         y, _ = torch.ops.moec.expert_mlp(buf, w_up, w_down, offsets, None, None, "swiglu")
         torch.autograd.grad(y, (buf, w_up, w_down), dy)
 
@@ -269,7 +270,11 @@ def expert_path(buf: Tensor, offsets: Tensor, p: dict[str, Tensor], dy: Tensor) 
         y = torch._grouped_mm(swiglu(h), w_down, offs=offsets)
         torch.autograd.grad(y, (buf, w_up, w_down), dy)
 
-    return {"moec": do_bench(moec_step), "sorted": do_bench(sorted_step)}
+    times = {"moec": do_bench(moec_step), "sorted": do_bench(sorted_step)}
+    if gemm_backend.have_quack():
+        k_up, k_down = k_major_leaf(w_up), k_major_leaf(w_down)
+        times["k_major"] = do_bench(lambda: moec_step(k_up, k_down))
+    return times
 
 
 def pieces(buf: Tensor, offsets: Tensor, p: dict[str, Tensor]) -> list[dict]:

@@ -10,7 +10,9 @@ module path is under ``layers.3``), e.g. after ``moe`` on x: f32[B, S, D]::
     add_7 = aten.add(add_6, combine_default)               # the block's residual output
 
 Emits, for each block the policy recomputes, one sub-GraphModule holding the block's nodes
-(parameters come in as arguments, so every ``get_attr`` stays in the outer graph)::
+(parameters and their working copies come in as arguments, so every ``get_attr`` and
+``working_copy`` stays in the outer graph, where the Inductor lowering lifts the copies out of
+the compiled graph: :mod:`moec.runtime.lowering`)::
 
     recompute_layers_1 = self.recompute_layers_1           # fx.GraphModule of the block
     recompute_region = moec.ops.recompute.recompute_region(
@@ -73,6 +75,7 @@ from moec.analysis.cost.memory import is_activation, stored_ref
 from moec.analysis.structure import module_path
 from moec.fx import external_inputs, nbytes, node_order, placeholders_for, under
 from moec.ops.recompute import recompute_region, saved_ops
+from moec.ops.working_weights import working_copy
 from moec.passes.base import Pass, PassContext, PassResult, register_pass
 from moec.plan import Plan, PlanError
 
@@ -193,7 +196,9 @@ def block_regions(gm: fx.GraphModule, cost: GraphCost | None = None) -> list[Blo
         nodes = [
             n
             for n in gm.graph.nodes
-            if n.op == "call_function" and under(module_path(n), block.path)
+            if n.op == "call_function"
+            and n.target is not working_copy  # an alias: the region takes it as an argument
+            and under(module_path(n), block.path)
         ]
         saved = {level: _level_saved(nodes, level) for level in LEVELS}
         flops = {level: _level_flops(nodes, level, cost) for level in LEVELS}

@@ -9,6 +9,13 @@ around the graph is unchanged: autocast is entered outside the compiled call (Dy
 it), the working weights are refreshed before it, EP collectives run inside moec's ops, and a
 pipeline stage is compiled on its own.
 
+Working weights: each ``working_copy(buffer, [P, ...])`` call is lifted out of the compiled graph
+and made in front of it, and the graph takes the bf16 copy as an input. Traced inside, the
+copy's backward hands float32 parameters a bf16 gradient, which AOTAutograd casts to the
+parameters' dtype in the compiled backward, and which the engine then casts back to the
+parameters' ``grad_dtype``: 12 bytes moved per parameter for nothing. Outside, the compiled
+backward returns the copy's gradient as computed (bf16) and the engine hands it on.
+
 Sizes: the first call specializes on its shapes; a call with another batch or sequence length
 recompiles once with those dimensions symbolic (``dynamic=None``), after which any size runs
 without recompiling.
@@ -21,6 +28,7 @@ then on, with a warning naming the graph and the error; ``inductor: true`` raise
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import warnings
 from collections.abc import Callable, Sequence
@@ -30,6 +38,8 @@ import torch
 import torch._functorch.config
 from torch import fx
 from torch._dynamo.exc import BackendCompilerFailed
+
+from moec.ops.working_weights import working_copy
 
 if TYPE_CHECKING:
     from moec.plan import Plan
@@ -56,10 +66,15 @@ class InductorGraphs:
         return functools.partial(self._or_eager, graph, compiled)
 
     def compiled(self, graph: fx.GraphModule) -> Callable[..., Any]:
-        """``graph``'s Inductor-compiled form (the graph itself once compiling it failed)."""
+        """``graph``'s Inductor-compiled form (the graph itself once compiling it failed), its
+        working copies made outside it (see the module)."""
         held = self._compiled.get(id(graph))
         if held is None or held[0] is not graph:
-            held = (graph, torch.compile(graph, backend=self.backend, dynamic=None))
+            inner, copies = lift_working_copies(graph)
+            compiled = torch.compile(inner, backend=self.backend, dynamic=None)
+            if copies:
+                compiled = functools.partial(_with_copies, graph, copies, compiled)
+            held = (graph, compiled)
             self._compiled[id(graph)] = held
         return held[1]
 
@@ -81,6 +96,46 @@ class InductorGraphs:
 
     def clear(self) -> None:
         self._compiled.clear()
+
+
+WorkingCopy = tuple[str, tuple[str, ...]]
+"""A lifted ``working_copy`` call: the buffer's target and its parameters' targets."""
+
+
+def lift_working_copies(graph: fx.GraphModule) -> tuple[fx.GraphModule, list[WorkingCopy]]:
+    """``graph`` with each top-level ``working_copy`` call replaced by an input after its own
+    (in graph order), and what those calls were. A graph without one is returned as it is."""
+    calls = [n for n in graph.graph.nodes if n.op == "call_function" and n.target is working_copy]
+    if not calls:
+        return graph, []
+    lifted = copy.deepcopy(graph.graph)
+    nodes = {n.name: n for n in lifted.nodes}
+    last_input = [n for n in lifted.nodes if n.op == "placeholder"][-1]
+    copies: list[WorkingCopy] = []
+    for call in calls:
+        buffer, params = call.args
+        copies.append((str(buffer.target), tuple(str(p.target) for p in params)))
+        with lifted.inserting_after(last_input):
+            last_input = lifted.placeholder(f"{call.name}_input")
+        node = nodes[call.name]
+        node.replace_all_uses_with(last_input)
+        lifted.erase_node(node)
+    for node in reversed(lifted.nodes):  # the copies' get_attrs, now unread
+        if node.op == "get_attr" and not node.users:
+            lifted.erase_node(node)
+    return fx.GraphModule(graph, lifted), copies
+
+
+def _with_copies(
+    graph: fx.GraphModule, copies: list[WorkingCopy], compiled: Callable[..., Any], *args: Any
+) -> Any:
+    """``compiled`` (a :func:`lift_working_copies` graph) on ``args`` and the working copies,
+    made here from ``graph``'s current buffers and parameters."""
+    made = [
+        working_copy(graph.get_buffer(buffer), [graph.get_parameter(p) for p in params])
+        for buffer, params in copies
+    ]
+    return compiled(*args, *made)
 
 
 def _backward_compiled_with_forward() -> contextlib.AbstractContextManager[Any]:
