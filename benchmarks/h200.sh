@@ -125,6 +125,7 @@ for stage in "$@"; do
     e2e-combined) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --moec-only --gather-up --combine-in-experts --steps 8 --warmup 6 --json "$OUT/e2e_combined.json" ;;
     e2e-copies) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --copies-traced --baselines compiled-bf16 --steps 8 --warmup 6 --json "$OUT/e2e_copies.json" ;;
     copies-tests) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_sync_free.py tests/gpu/test_step_graph_gpu.py tests/gpu/test_symbolic_capture_gpu.py ;;
+    ce) timeout $STAGE_LIMIT python benchmarks/cross_entropy.py --json "$OUT/cross_entropy.json" ;;
     cute-layer) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/moe_layer.py --pieces --skip-loop --json "$OUT/layer_cute.json" ;;
     e2e-recompute) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 4 --warmup 2 --moec-only --recompute --json "$OUT/e2e_recompute.json" ;;
     recompute-snapshot) timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 2 --warmup 2 --moec-only --recompute --memory-snapshot "$OUT/snapshots" --json "$OUT/e2e_recompute_snapshot.json" ;;
