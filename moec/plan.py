@@ -280,11 +280,12 @@ class LoweringPlan:
     (the default): on for a program that runs on CUDA, where it measured faster at small and
     large shapes and at EP = 2 (benchmarks/RESULTS.md), unless the plan runs the shared expert
     on a side stream, shards parameters (FSDP) or pipelines the program (neither measured with
-    Inductor), or recomputes activations: a plan that recomputes does so for memory, and
-    the compiled step kept 8% more at peak for 1.4% speed (block recompute, e2e model),
-    beyond what the memory model predicts. Off on the CPU, where compiling costs more than the
-    fusion saves. Under ``auto`` a graph Inductor fails to compile runs eagerly, with a
-    warning; ``true`` raises the error. :meth:`Plan.lowers_to_inductor` decides."""
+    Inductor), or recomputes activations by a policy other than ``block`` (``selective`` and
+    ``budget`` were not measured with Inductor; ``block`` measured faster at the same peak
+    memory once the working copies stayed out of the compiled graph). Off on the CPU, where
+    compiling costs more than the fusion saves. Under ``auto`` a graph Inductor fails to
+    compile runs eagerly, with a warning; ``true`` raises the error.
+    :meth:`Plan.lowers_to_inductor` decides."""
     attention: Attention = "auto"
     """The backend ``scaled_dot_product_attention`` tries first: ``auto`` keeps torch's order;
     ``cudnn`` / ``flash`` / ``efficient`` / ``math`` go first, then the others (an attention
@@ -372,7 +373,7 @@ class Plan:
             and not self.lowering.shared_expert_stream
             and self.parallel.dp_shard == 1
             and self.parallel.pp == 1
-            and self.recompute.policy == "none"
+            and self.recompute.policy in ("none", "block")
         )
 
     def expert_weights_k_major(self) -> bool:
