@@ -383,9 +383,7 @@ class Plan:
         their own layouts, so they gain nothing from it)."""
         if self.lowering.expert_weights != "auto":
             return self.lowering.expert_weights == "k_major"
-        low_precision = (
-            self.precision.gemm != "bf16" and "routed_experts" in self.precision.scope
-        )
+        low_precision = self.precision.gemm != "bf16" and "routed_experts" in self.precision.scope
         return not (self.parallel.shards_experts or low_precision)
 
     def validate(self) -> None:

@@ -32,7 +32,8 @@ class _WorkingCopy(torch.autograd.Function):
         return None, *pieces
 
 
-def joined_copy(masters: list[Tensor], dtype: torch.dtype, device: torch.device | None = None
+def joined_copy(
+    masters: list[Tensor], dtype: torch.dtype, device: torch.device | None = None
 ) -> Tensor:
     """The working copy of ``masters`` in ``dtype``: one master keeps its strides (a k-major
     expert weight stays k-major, so its copy and gradient are too), several are
