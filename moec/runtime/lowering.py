@@ -110,15 +110,16 @@ def lift_working_copies(graph: fx.GraphModule) -> tuple[fx.GraphModule, list[Wor
         return graph, []
     lifted = copy.deepcopy(graph.graph)
     nodes = {n.name: n for n in lifted.nodes}
-    last_input = [n for n in lifted.nodes if n.op == "placeholder"][-1]
+    inputs = [n for n in lifted.nodes if n.op == "placeholder"]
     copies: list[WorkingCopy] = []
     for call in calls:
         buffer, params = call.args
         copies.append((str(buffer.target), tuple(str(p.target) for p in params)))
-        with lifted.inserting_after(last_input):
-            last_input = lifted.placeholder(f"{call.name}_input")
+        where = lifted.inserting_after(inputs[-1]) if inputs else lifted.inserting_before()
+        with where:
+            inputs.append(lifted.placeholder(f"{call.name}_input"))
         node = nodes[call.name]
-        node.replace_all_uses_with(last_input)
+        node.replace_all_uses_with(inputs[-1])
         lifted.erase_node(node)
     for node in reversed(lifted.nodes):  # the copies' get_attrs, now unread
         if node.op == "get_attr" and not node.users:
