@@ -160,10 +160,11 @@ def _schedules_worker(rank: int, world: int) -> None:
     assert not misses, "activation prediction off by more than 15%:\n" + "\n".join(misses)
 
 
-def _bf16_worker(rank: int, world: int) -> None:
+def _bf16_worker(rank: int, world: int, inductor: bool) -> None:
     """bf16: each stage reads the working copies of its own parameters (non-persistent), the
     PP = 2 step's loss and gradients equal the full graph's run microbatch by microbatch, and
-    the default optimizer (``moec.optim.AdamW``) leaves every copy fresh."""
+    the default optimizer (``moec.optim.AdamW``) leaves every copy fresh; with ``inductor``,
+    each stage through Inductor, which takes the copies as inputs (made in front of it)."""
     micro = 2
     x, y = _batch(micro)
     plan = moec.Plan.from_dict(
@@ -171,6 +172,7 @@ def _bf16_worker(rank: int, world: int) -> None:
             "moe": MOE,
             "parallel": {"pp": 2, "microbatches": micro},
             "precision": {"compute_dtype": "bf16"},
+            "lowering": {"inductor": inductor},
         }
     )
     mesh = build_pipeline_mesh(plan)
@@ -195,8 +197,9 @@ def _bf16_worker(rank: int, world: int) -> None:
 
 
 @pytest.mark.slow
-def test_bf16_stages_read_their_working_copies():
-    spawn(_bf16_worker, 2)
+@pytest.mark.parametrize("inductor", [False, True], ids=["eager", "inductor"])
+def test_bf16_stages_read_their_working_copies(inductor):
+    spawn(_bf16_worker, 2, inductor)
 
 
 def _with_recompute(mesh, x, y, micro: int, ref) -> None:
