@@ -308,8 +308,8 @@ class LoweringPlan:
     ``moec::expert_mlp_combined``; needs ``gather_up``): on the CuTe DSL the backward applies
     the route weights and reduces their gradient in the down projection's dgrad epilogue,
     reading the output gradient's token rows, so the experts' output rows are not kept for
-    backward and their gradient is never written. Off by default until it measures faster
-    (benchmarks/moe_layer.py, benchmarks/e2e.py --combine-in-experts)."""
+    backward and their gradient is never written. Off by default: time-neutral in the e2e step
+    and slightly slower in the layer on an H200, it saves memory (benchmarks/RESULTS.md)."""
     regions: Literal["whole", "blocks"] = "whole"
     """How Inductor compiles a one-stage program (pass ``regions``). ``whole``: one graph, whose
     one backward hands every gradient to the data-parallel reduction at its end, which then
