@@ -131,5 +131,7 @@ def test_gradient_buckets_are_large_only_where_every_gradient_comes_at_once():
     assert bucket_bytes_for(plan("whole"), "cuda") == LATE_BUCKET_BYTES
     assert bucket_bytes_for(plan("blocks"), "cuda") == BUCKET_BYTES
     assert bucket_bytes_for(plan("whole"), "cpu") == BUCKET_BYTES  # auto: eager on the CPU
-    eager = plan("whole", recompute={"policy": "block"})  # auto leaves recompute plans eager
+    eager = plan("whole", recompute={"policy": "selective"})  # auto leaves it eager
     assert bucket_bytes_for(eager, "cuda") == BUCKET_BYTES
+    compiled = plan("whole", recompute={"policy": "block"})  # auto compiles it whole
+    assert bucket_bytes_for(compiled, "cuda") == LATE_BUCKET_BYTES
