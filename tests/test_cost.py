@@ -2,8 +2,10 @@
 
 import pytest
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import moec
 from moec.analysis.cost import backward_workspace, graph_cost, node_cost
@@ -171,3 +173,32 @@ def test_low_precision_gemms_count_the_same_work(gemm):
         low, high = costs[gemm].evaluate(**sizes), costs["bf16"].evaluate(**sizes)
         assert low.matmul_flops == high.matmul_flops
         assert low.train_flops == high.train_flops
+
+
+@pytest.mark.parametrize("path", ["a2a_capacity", "rowwise"])
+def test_ep_combine_saves_what_its_backward_reads(path):
+    """The a2a paths keep the picked rows home ([T*K, D]); rowwise keeps the route weights on
+    the experts' side ([R], float32) and the expert output y ([R, D]) its backward reads."""
+    tokens, top_k, rows, dim = 6, 2, 20, 16
+    graph = fx.Graph()
+    with FakeTensorMode():
+        values = {
+            "y": torch.empty(rows, dim, dtype=torch.bfloat16),
+            "weights": torch.empty(tokens, top_k),
+            "slots": torch.empty(tokens, top_k, dtype=torch.int64),
+            "recv_rows": torch.empty(rows, dtype=torch.int64),
+            "sent": torch.empty(2, dtype=torch.int64),
+            "counts": torch.empty(2, 4, dtype=torch.int64),
+        }
+        args = []
+        for name, val in values.items():
+            args.append(graph.placeholder(name))
+            args[-1].meta["val"] = val
+        op = torch.ops.moec.ep_combine.default
+        combine = graph.call_function(op, (*args, "group", 2, path))
+        combine.meta["val"] = op(*values.values(), "group", 2, path)
+    saved = int(node_cost(combine).saved_bytes)
+    if path == "rowwise":
+        assert saved == rows * 4 + rows * dim * 2
+    else:
+        assert saved == tokens * top_k * dim * 2

@@ -173,12 +173,59 @@ def _emulated_rowwise(path: str) -> Iterator[None]:
         ep_ops._load_rowwise = loader
 
 
+def _rows_crossing_worker(rank: int, world: int) -> None:
+    """``rowwise`` layer forward + backward on a transport that counts the rows each exchange
+    pushes: the four ``[*, D]`` exchanges (dispatch, combine and their backwards) each move,
+    summed over the group, one row per (token, rank its accepted routes reach), not one per
+    route; the route weights and their gradients cross as one float per route."""
+    tokens, dim, hidden, cf = 12, 16, 8, 4.0
+    pushed: list[tuple[int, int]] = []
+
+    def send(x, address, rows, pg, *args, **kwargs):
+        pushed.append((x.shape[-1], int((address >= 0).sum())))
+        return rowwise_emulation.send(x, address, rows, pg, *args, **kwargs)
+
+    counting = type("Counting", (), {"send": staticmethod(send)})
+    counting.check_available = staticmethod(rowwise_emulation.check_available)
+    loader = ep_ops._load_rowwise
+    ep_ops.register_rowwise_transport(lambda: counting)
+    try:
+        g = torch.Generator().manual_seed(200 + rank)
+        x = torch.randn(tokens, dim, generator=g, dtype=torch.float64, requires_grad=True)
+        logits = torch.randn(tokens, N, generator=g, dtype=torch.float64)
+        w_up = torch.randn(N // world, dim, 2 * hidden, generator=g, dtype=torch.float64)
+        w_down = torch.randn(N // world, hidden, dim, generator=g, dtype=torch.float64)
+        weights, rows, offsets = _route(logits, cf)
+        weights.requires_grad_()
+        comm = (dist.group.WORLD.group_name, world, "rowwise")
+        slots, recv, loffs, counts, sent, _ = ops.ep_layout(rows, offsets, *comm[:2], cf, "rowwise")
+        buffer = ops.ep_dispatch(x, slots, recv, sent, counts, *comm)
+        y, _ = ops.expert_mlp(buffer, w_up, w_down, loffs, None, None, "swiglu")
+        out, _ = ops.ep_combine(y, weights, slots, recv, sent, counts, *comm)
+        out.backward(torch.randn(out.shape, generator=g, dtype=torch.float64))
+    finally:
+        ep_ops._load_rowwise = loader
+    reached = ep_ops.token_rank_addresses(slots.view(-1), recv.shape[0], K, world, rank)
+    totals = torch.tensor(
+        [int((reached >= 0).sum()), int((slots >= 0).sum())]
+        + [n for width, n in pushed if width == dim]
+        + [n for width, n in pushed if width == 1]
+    )
+    dist.all_reduce(totals)
+    pairs, routes, wide, narrow = int(totals[0]), int(totals[1]), totals[2:6], totals[6:]
+    assert pairs < routes  # top-2 of 8 experts on 2 ranks: some tokens keep both routes on one
+    assert wide.tolist() == [pairs] * 4, (pairs, routes, pushed)
+    # the layout's route ids, the route weights (forward) and their gradients (backward)
+    assert narrow.tolist() == [routes] * 3, (routes, pushed)
+
+
 def _ops_cases_worker(rank: int, world: int) -> None:
     for case in CASES[world]:
         with _emulated_rowwise(case[0]):
             _ops_worker(rank, world, *case)
     if world == 2:
         _errors_worker(rank, world)
+        _rows_crossing_worker(rank, world)
 
 
 @pytest.mark.slow

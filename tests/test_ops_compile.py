@@ -18,9 +18,10 @@ import torch.utils._pytree as pytree
 from torch.testing._internal.optests import aot_autograd_check
 
 import moec
-import moec.ops.ep  # noqa: F401  (registers the moec::ep_* ops)
+import moec.ops.ep as ep_ops  # registers the moec::ep_* ops
 import moec.ops.quantized  # noqa: F401  (registers the moec::quantized_* ops)
 from moec.train import LanguageModelWithLoss
+from tests import rowwise_emulation
 from tests.models import tiny_llama, tokens
 
 T, D, N, K, H = 6, 8, 4, 2, 8
@@ -223,7 +224,9 @@ def _quantized_linear_backward() -> list[Sample]:
 
 # --- EP ops in a one-rank group ----------------------------------------------------------------
 
-EP_PATHS = ("a2a_capacity", "sync_1d")
+EP_PATHS = ("a2a_capacity", "sync_1d", "rowwise")
+"""``rowwise`` runs on :mod:`tests.rowwise_emulation` (the fixture registers it: its transport
+needs CUDA)."""
 
 
 def _group() -> str:
@@ -278,10 +281,17 @@ def _ep_combine() -> list[Sample]:
 
 
 def _ep_combine_backward() -> list[Sample]:
+    """What ``ep_combine`` saves: the picked rows home (a2a paths), or the route weights and
+    the expert output on the experts' side (rowwise)."""
     samples = []
     for path in EP_PATHS:
         weights, _, _, layout = _ep_layout_of(path)
-        samples.append(((_randn(T, D), weights, *_ep_comm(layout), _group(), 1, path), {}))
+        rows = layout[1].shape[0]
+        saved, y = (
+            (_randn(rows), _randn(rows, D)) if path == "rowwise" else (_randn(T * K, D), None)
+        )
+        args = (_randn(T, D), weights, saved, y, *_ep_comm(layout), _group(), 1, path)
+        samples.append((args, {}))
     return samples
 
 
@@ -358,16 +368,20 @@ SAMPLES: dict[str, Callable[[], list[Sample]]] = {
 
 @pytest.fixture(scope="module")
 def one_rank_group(tmp_path_factory):
-    """A one-rank gloo process group for the EP ops (left as found when one exists)."""
-    if dist.is_initialized():
-        yield
-        return
-    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    """A one-rank gloo process group for the EP ops (left as found when one exists), with the
+    emulated rowwise transport registered."""
+    loader = ep_ops._load_rowwise
+    ep_ops.register_rowwise_transport(lambda: rowwise_emulation)
+    created = not dist.is_initialized()
+    if created:
+        store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        ep_ops._load_rowwise = loader
+        if created:
+            dist.destroy_process_group()
 
 
 def test_every_registered_op_has_opcheck_samples():

@@ -351,13 +351,13 @@ class Search:
             t_exp = gemm_time(flops, rows, gpu, gemm, eff)
             row_bytes = moe.dim * prof.act_itemsize * (ep - 1) / ep
             home = work.rows * moe.top_k * (moe.capacity_factor or 1.0) * row_bytes
-            once = home  # a row per route, unless each token crosses once per rank
-            if ep_path == "rowwise" and overlap == "none":
+            sent = 2 * home  # dispatch + combine, a row per route each way
+            if ep_path == "rowwise" and overlap == "none":  # a row per token and rank
                 share = once_per_rank_share(moe.top_k, moe.num_experts, ep)
-                once = work.rows * moe.top_k * share * row_bytes
-            # forward: dispatch (once per rank) + combine (a row per route); backward: combine's
-            # (toward the experts) and dispatch's (home, summed per rank first), both once
-            for sent, compute_s in ((once + home, t_exp), (2 * once, 2 * t_exp)):
+                sent = 2 * work.rows * moe.top_k * share * row_bytes
+            # forward against the expert GEMMs; backward (the same exchanges reversed) against
+            # twice their time
+            for compute_s in (t_exp, 2 * t_exp):
                 exposed = exposed_comm(sent, ep_rate, compute_s, overlap, eff.latency_s)
                 comm += exposed.exposed
         if recompute == "block":

@@ -8,13 +8,15 @@ move the accepted routes to the ranks that own their experts and back::
     slots, recv_rows, local_offsets, counts, dropped = ep_layout(rows, offsets, group, n, cf, path)
     buffer = ep_dispatch(x, slots, recv_rows, counts, group, n, path)          # [R, D]
     y, _ = expert_mlp(buffer, w_up[L], w_down[L], local_offsets, ...)           # local experts
-    out, picked = ep_combine(y, weights, slots, recv_rows, counts, group, n, path)  # [*, D]
+    out, saved = ep_combine(y, weights, slots, recv_rows, counts, group, n, path)  # [*, D]
 
 ``counts[n, L]``: accepted routes source ``s`` sends to each local expert (exchanged on the
 device). ``buffer`` is expert-major: local expert ``l`` owns rows ``[local_offsets[l-1],
 local_offsets[l])`` and inside them the routes of source 0, then source 1, ..., each source's in
 its route-rank order; rows past ``local_offsets[-1]`` are garbage (never read for a result).
-``picked[T*K, D]`` is each route's expert output before weighting (kept for the backward).
+``saved`` is what the backward reads: on the a2a paths ``picked[T*K, D]``, each route's expert
+output before weighting, home; on ``rowwise`` the route weights as the experts' side holds them
+(``[R]``, in the accumulation dtype), the backward reading ``y`` there too.
 ``dropped[1]``: accepted routes this source lost in the exchange (``rowwise`` only, else 0).
 
 Capacity and drops (the reference policy, exactly):
@@ -44,24 +46,28 @@ Paths (``path``):
   pushes every expert-output row back to its origin. Toward the experts (dispatch, combine's
   backward) a token's row crosses to a rank once, however many of its routes go there (DeepEP's
   layout: :func:`token_rank_addresses`, up to K times fewer bytes at top-K), and the
-  receiver expands it into the ``R = Cr`` rows of its buffer with one gather; dispatch's
-  backward sums a token's rows on each rank first and sends one partial home per rank
-  (:func:`token_route_table`). Only combine's forward moves a row per route. The transport is
+  receiver expands it into the ``R = Cr`` rows of its buffer with one gather. Toward home
+  (combine, dispatch's backward) each rank sums a token's rows first (combine's weighted: the
+  route weights cross to the experts first, a float each) and sends one partial home per rank
+  (:func:`token_route_table`); the home sums the partials. Combine's backward computes the
+  weights' gradient ``<d_out, y>`` on the experts' side and sends it home, a float per route.
+  A partial is rounded to the rows' dtype once before it travels. The transport is
   the runtime's (it owns the symmetric-memory workspaces): importing ``moec.runtime`` registers
   it with :func:`register_rowwise_transport`. Without CUDA/symmetric memory, or with no
   transport registered, it raises :class:`EPPathError` naming ``a2a_capacity``.
 
 Backward: dispatch's is the reverse exchange plus an unweighted sum (a combine); combine's is a
-weighted dispatch plus ``d_weights = <picked, d_out>``. All three every rank of the group must
-call in the same order, like any collective. The index math is plain functions tested on CPU.
+weighted dispatch plus ``d_weights = <picked, d_out>`` (rowwise: ``<y, d_out>`` on the experts'
+side). All three every rank of the group must call in the same order, like any collective. The
+index math is plain functions tested on CPU.
 
 The exchanges of the backwards are internal ops, so AOTAutograd traces each as one opaque call
-and no collective ever runs on fake tensors (``d_weights`` stays plain torch)::
+and no collective ever runs on fake tensors::
 
     ep_dispatch_backward(d_buffer[R, D], slots, recv_rows, sent, counts, group, ep_size, path)
         -> d_x[T, D]
-    ep_combine_backward(d_out[*, D], weights, slots, recv_rows, sent, counts, group, ep_size,
-                        path) -> d_y[R, D]
+    ep_combine_backward(d_out[*, D], weights, saved, y | None, slots, recv_rows, sent, counts,
+                        group, ep_size, path) -> (d_y[R, D], d_weights)
 
 Every op's outputs are contiguous, as their fake implementations promise.
 
@@ -328,7 +334,8 @@ def _ep_layout_fake(rows, offsets, group, ep_size, capacity_factor, path):
 # ``_send(x[T, D], top_k, weights, slots, recv_rows, sent, counts, ...) -> buffer[R, D]`` moves
 # each route's row (its token's row, times its weight if given) to its expert's rank;
 # ``_fetch(buffer, ...) -> [T*K, D]`` brings each route's row back (zero for routes without a
-# row). Dispatch, combine and both backwards are built from them.
+# row). The a2a paths build dispatch, combine and both backwards from them; ``rowwise`` from
+# ``_send_once_per_rank`` (toward the experts) and ``_sum_home_once_per_rank`` (home).
 
 
 def _exchange(buffer: Tensor, pg, out_rows, out_splits=None, in_splits=None) -> Tensor:
@@ -366,9 +373,8 @@ def _fetch_a2a(buffer, slots, recv_rows, sent, counts, pg, path):
 
 
 def _send(x, top_k, weights, slots, recv_rows, sent, counts, group, ep_size, path):
+    """The a2a paths' (``rowwise`` has :func:`_send_once_per_rank`)."""
     pg = resolve_group(group, ep_size)
-    if path == "rowwise":
-        return _send_once_per_rank(x, top_k, weights, slots, recv_rows, pg, ep_size)
     values = _route_rows(x, top_k, weights)
     return _send_a2a(values, slots, recv_rows, sent, counts, pg, path)
 
@@ -406,17 +412,21 @@ def token_route_table(recv_rows: Tensor, tokens, top_k: int, ep_size: int) -> Te
     return table[:size].view(ep_size * tokens, top_k)
 
 
-def _sum_home_once_per_rank(d_buffer, slots, recv_rows, top_k, pg, ep_size):
-    """``rowwise`` dispatch backward, each token's rows crossing home once per rank: every rank
-    sums the rows of each token's routes it holds (:func:`token_route_table`), sends the one
-    partial home (row ``rank*T + t`` of the home's ``[ep*T, D]`` workspace), and the home sums
-    the partials of the ranks its token reached. Both sums are the combine kernel's
-    (deterministic); a partial is rounded to the buffer's dtype once on the way."""
+def _sum_home_once_per_rank(buffer, slots, recv_rows, top_k, pg, ep_size, row_weights=None):
+    """``rowwise``, each token's rows crossing home once per rank: every rank sums the rows of
+    each token's routes it holds (:func:`token_route_table`), times ``row_weights[r]`` (``[R]``,
+    the route weights on this side) or 1, sends the one partial home (row ``rank*T + t`` of the
+    home's ``[ep*T, D]`` workspace), and the home sums the partials of the ranks its token
+    reached. Both sums are the combine kernel's (deterministic); a partial is rounded to the
+    buffer's dtype once on the way. Dispatch's backward (unweighted) and combine's forward."""
     transport = _rowwise()
     tokens, num_rows, me = slots.numel() // top_k, recv_rows.shape[0], dist.get_rank(pg)
     table = token_route_table(recv_rows, tokens, top_k, ep_size)
-    ones = torch.ones(table.shape, dtype=_acc(d_buffer), device=d_buffer.device)
-    partial = torch.ops.moec.combine(d_buffer, ones, table)  # [ep*T, D], row s*T + t
+    if row_weights is None:
+        weights = torch.ones(table.shape, dtype=_acc(buffer), device=buffer.device)
+    else:
+        weights = torch.where(table >= 0, row_weights[table.clamp(min=0)], 0)
+    partial = torch.ops.moec.combine(buffer, weights, table)  # [ep*T, D], row s*T + t
     row = torch.arange(ep_size * tokens, device=table.device)
     source, token = row // tokens, row % tokens
     home = source * (ep_size * tokens) + me * tokens + token
@@ -426,49 +436,70 @@ def _sum_home_once_per_rank(d_buffer, slots, recv_rows, top_k, pg, ep_size):
     gathered = torch.where(reached >= 0, ranks * tokens + token[:tokens, None], -1)  # [T, ep]
 
     def sum_partials(workspace: Tensor) -> Tensor:
-        weights = torch.ones(gathered.shape, dtype=ones.dtype, device=ones.device)
-        return torch.ops.moec.combine(workspace, weights, gathered)
+        ones = torch.ones(gathered.shape, dtype=weights.dtype, device=weights.device)
+        return torch.ops.moec.combine(workspace, ones, gathered)
 
     return transport.send(partial, address, ep_size * tokens, pg, consume=sum_partials)
 
 
-def _send_once_per_rank(x, top_k, weights, slots, recv_rows, pg, ep_size):
-    """``rowwise`` dispatch direction (DeepEP's layout): each token's row crosses to a rank
+def _expand(workspace: Tensor, source_row: Tensor) -> Tensor:
+    """The expert side's rows of a token workspace: buffer row ``r`` reads row
+    ``source_row[r]`` (:func:`token_workspace_rows`); rows no route fills are unspecified
+    (poisoned in the tests)."""
+    rows = workspace.index_select(0, source_row.clamp(min=0))
+    if _POISON is not None:
+        rows = torch.where((source_row >= 0)[:, None], rows, _POISON)
+    return rows
+
+
+def _send_once_per_rank(x, top_k, slots, recv_rows, pg, ep_size, consume=_expand):
+    """``rowwise`` toward the experts (DeepEP's layout): each token's row crosses to a rank
     once, however many of its routes go there, into that rank's ``[ep*T, D]`` token workspace
-    (:func:`token_rank_addresses`); the receiver expands it into its expert buffer with one
-    gather (:func:`token_workspace_rows`), which is also the copy out of the workspace. With
-    ``weights`` (combine's backward), the route weights cross first, a float each, and the
-    gather scales its rows in place. Rows no route fills are unspecified (poisoned in the
-    tests)."""
-    transport = _rowwise()
+    (:func:`token_rank_addresses`); the receiver returns ``consume(workspace, source_row)``,
+    by default :func:`_expand`: one gather into its expert buffer, which is also the copy out
+    of the workspace."""
     tokens, num_rows = x.shape[0], recv_rows.shape[0]
     address = token_rank_addresses(slots, num_rows, top_k, ep_size, dist.get_rank(pg))
     source_row = token_workspace_rows(recv_rows, tokens, top_k)
-    row_weights = None
-    if weights is not None:  # [R, 1], in the accumulation dtype
-        route_weights = weights.reshape(-1, 1).to(_acc(x))
-        row_weights = transport.send(route_weights, slots, num_rows, pg, fill=0)
+    return _rowwise().send(
+        x, address, ep_size * tokens, pg, ep_size, consume=lambda w: consume(w, source_row)
+    )
 
-    def expand(workspace: Tensor) -> Tensor:
-        rows = workspace.index_select(0, source_row.clamp(min=0))
-        if row_weights is not None:
-            rows.mul_(row_weights)  # computed in the weights' dtype, rounded once to x's
-        if _POISON is not None:
-            rows = torch.where((source_row >= 0)[:, None], rows, _POISON)
-        return rows
 
-    return transport.send(x, address, ep_size * tokens, pg, ep_size, consume=expand)
+def _combine_once_per_rank(y, weights, slots, recv_rows, top_k, pg, ep_size):
+    """``rowwise`` combine, a token's rows crossing home once per rank: the route weights cross
+    to the experts' side first (a float each, :data:`_acc`), which sums each token's weighted
+    rows before they travel (:func:`_sum_home_once_per_rank`). Returns ``out[T, D]`` and the
+    weights as that side holds them (``[R]``, 0 where no route arrived), which its backward
+    reads."""
+    route_weights = weights.reshape(-1, 1).to(_acc(y))
+    row_weights = _rowwise().send(route_weights, slots, recv_rows.shape[0], pg, fill=0).view(-1)
+    out = _sum_home_once_per_rank(y, slots, recv_rows, top_k, pg, ep_size, row_weights)
+    return out, row_weights
+
+
+def _combine_backward_once_per_rank(d_out, y, row_weights, slots, recv_rows, top_k, pg, ep_size):
+    """``rowwise`` combine backward: ``d_out`` crosses to each rank its token reached once; that
+    side expands it into its buffer rows ``g`` and computes ``d_y = row_weights * g`` and each
+    route's ``d_weight = <g, y>`` (accumulated in :data:`_acc`), whose floats go home, one per
+    route (0 for dropped routes). Returns ``(d_y[R, D], d_weights[T*K])``."""
+
+    def expand(workspace: Tensor, source_row: Tensor) -> tuple[Tensor, Tensor]:
+        rows = _expand(workspace, source_row)
+        acc = row_weights.dtype
+        d_w = (rows.to(acc) * y.to(acc)).sum(-1, keepdim=True)
+        d_w = torch.where((source_row >= 0)[:, None], d_w, 0)  # y's unfilled rows: garbage
+        return rows.mul_(row_weights[:, None]), d_w  # rounded once to d_out's dtype
+
+    d_y, d_w = _send_once_per_rank(d_out, top_k, slots, recv_rows, pg, ep_size, expand)
+    home = slots >= 0  # the routes whose weights' gradients come back
+    d_weights = _rowwise().send(d_w, recv_rows, slots.numel(), pg, fill=0, written=home)
+    return d_y, d_weights.view(-1)
 
 
 def _fetch(buffer, slots, recv_rows, sent, counts, group, ep_size, path, consume=None):
-    """``[T*K, D]``, zero for routes without a row, or ``consume`` of it: on ``rowwise`` it
-    reads the transport's workspace (no copy out; it masks the routes ``slots < 0`` itself)."""
+    """The a2a paths': ``[T*K, D]``, zero for routes without a row, or ``consume`` of it."""
     pg = resolve_group(group, ep_size)
-    if path == "rowwise":
-        home = slots >= 0  # the routes whose rows come back
-        return _rowwise().send(
-            buffer, recv_rows, slots.numel(), pg, fill=0, written=home, consume=consume
-        )
     picked = _fetch_a2a(buffer, slots, recv_rows, sent, counts, pg, path)
     return picked if consume is None else consume(picked)
 
@@ -587,9 +618,12 @@ def ep_dispatch(
     path: str,
 ) -> Tensor:
     _check_path(path)
-    flat = x.reshape(-1, x.shape[-1])
+    flat, top_k = x.reshape(-1, x.shape[-1]), slots.shape[-1]
+    if path == "rowwise":
+        pg = resolve_group(group, ep_size)
+        return _send_once_per_rank(flat, top_k, slots.reshape(-1), recv_rows, pg, ep_size)
     comm = (recv_rows, sent, counts, group, ep_size, path)
-    return _send(flat, slots.shape[-1], None, slots.reshape(-1), *comm)
+    return _send(flat, top_k, None, slots.reshape(-1), *comm)
 
 
 @ep_dispatch.register_fake
@@ -657,19 +691,29 @@ def ep_combine(
     path: str,
 ) -> tuple[Tensor, Tensor]:
     _check_path(path)
-    picked = _fetch(y, slots.reshape(-1), recv_rows, sent, counts, group, ep_size, path)
-    out = _sum_routes(picked, slots.shape[-1], weights)
-    return out.view(*slots.shape[:-1], y.shape[-1]), picked
+    flat, top_k = slots.reshape(-1), slots.shape[-1]
+    if path == "rowwise":
+        pg = resolve_group(group, ep_size)
+        out, saved = _combine_once_per_rank(y, weights, flat, recv_rows, top_k, pg, ep_size)
+    else:
+        saved = _fetch(y, flat, recv_rows, sent, counts, group, ep_size, path)  # picked
+        out = _sum_routes(saved, top_k, weights)
+    return out.view(*slots.shape[:-1], y.shape[-1]), saved
 
 
 @ep_combine.register_fake
 def _ep_combine_fake(y, weights, slots, recv_rows, sent, counts, group, ep_size, path):
-    return y.new_empty((*slots.shape[:-1], y.shape[-1])), y.new_empty((slots.numel(), y.shape[-1]))
+    _check_path(path)
+    out = y.new_empty((*slots.shape[:-1], y.shape[-1]))
+    if path == "rowwise":
+        return out, y.new_empty((recv_rows.shape[0],), dtype=_acc(y))
+    return out, y.new_empty((slots.numel(), y.shape[-1]))
 
 
 def _combine_setup(ctx, inputs, output):
     y, weights, slots, recv_rows, sent, counts, group, ep_size, path = inputs
-    ctx.save_for_backward(weights, slots, recv_rows, sent, counts, output[1])
+    experts_side = y if path == "rowwise" else None  # only rowwise's backward reads y
+    ctx.save_for_backward(weights, output[1], experts_side, slots, recv_rows, sent, counts)
     ctx.args = (group, ep_size, path)
 
 
@@ -677,6 +721,8 @@ def _combine_setup(ctx, inputs, output):
 def ep_combine_backward(
     d_out: Tensor,
     weights: Tensor,
+    saved: Tensor,
+    y: Tensor | None,
     slots: Tensor,
     recv_rows: Tensor,
     sent: Tensor,
@@ -684,29 +730,36 @@ def ep_combine_backward(
     group: str,
     ep_size: int,
     path: str,
-) -> Tensor:
+) -> tuple[Tensor, Tensor]:
     _check_path(path)
-    flat_d_out = d_out.reshape(-1, d_out.shape[-1])
-    comm = (recv_rows, sent, counts, group, ep_size, path)
-    return _send(flat_d_out, slots.shape[-1], weights, slots.reshape(-1), *comm).contiguous()
+    flat_d_out, top_k = d_out.reshape(-1, d_out.shape[-1]), slots.shape[-1]
+    if path == "rowwise":
+        if y is None:
+            raise ValueError("ep_combine_backward on the rowwise path needs the expert output y")
+        pg = resolve_group(group, ep_size)
+        comm = (slots.reshape(-1), recv_rows, top_k, pg, ep_size)
+        d_y, d_weights = _combine_backward_once_per_rank(flat_d_out, y, saved, *comm)
+    else:
+        comm = (recv_rows, sent, counts, group, ep_size, path)
+        d_y = _send(flat_d_out, top_k, weights, slots.reshape(-1), *comm)
+        acc = _acc(saved)  # picked
+        routes = flat_d_out.reshape(-1, 1, flat_d_out.shape[-1]).to(acc)
+        d_weights = (saved.view(-1, top_k, saved.shape[-1]).to(acc) * routes).sum(-1)
+    return d_y.contiguous(), d_weights.to(weights.dtype).view(weights.shape).contiguous()
 
 
 @ep_combine_backward.register_fake
-def _ep_combine_backward_fake(d_out, weights, slots, recv_rows, sent, counts, group, ep_size, path):
+def _ep_combine_backward_fake(
+    d_out, weights, saved, y, slots, recv_rows, sent, counts, group, ep_size, path
+):
     _check_path(path)
-    return d_out.new_empty((recv_rows.shape[0], d_out.shape[-1]))
+    return d_out.new_empty((recv_rows.shape[0], d_out.shape[-1])), weights.new_empty(weights.shape)
 
 
-def _combine_backward(ctx, d_out, d_picked_unused):
-    weights, slots, recv_rows, sent, counts, picked = ctx.saved_tensors
-    top_k = slots.shape[-1]
-    d_y = torch.ops.moec.ep_combine_backward(
-        d_out, weights, slots, recv_rows, sent, counts, *ctx.args
-    )
-    acc = _acc(picked)
-    routes = d_out.reshape(-1, 1, d_out.shape[-1]).to(acc)
-    d_weights = (picked.view(-1, top_k, picked.shape[-1]).to(acc) * routes).sum(-1)
-    return d_y, d_weights.view(weights.shape).to(weights.dtype), *([None] * 7)
+def _combine_backward(ctx, d_out, d_saved_unused):
+    weights, saved, y, *comm = ctx.saved_tensors
+    d_y, d_weights = torch.ops.moec.ep_combine_backward(d_out, weights, saved, y, *comm, *ctx.args)
+    return d_y, d_weights, *([None] * 7)
 
 
 ep_combine.register_autograd(_combine_backward, setup_context=_combine_setup)

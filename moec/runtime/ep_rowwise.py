@@ -9,18 +9,17 @@ every direction::
 
     send(x[T, D], to[T*ep], ep*T, pg, top_k=ep, consume=expand) -> buffer[Cr, D]  # dispatch
     send(route_ids[T*K, 1], slots, Cr, pg, fill=-1) -> origins[Cr]    # layout: who sent row r
-    send(y[Cr, D], origins, T*K, pg, fill=0)         -> picked[T*K, D] # combine: rows go home
-    send(partial[ep*T, D], home[ep*T], ep*T, pg, consume=sum) -> d_x[T, D] # dispatch backward
+    send(weights[T*K, 1], slots, Cr, pg, fill=0) -> weights[Cr]       # combine: to the experts
+    send(partial[ep*T, D], home[ep*T], ep*T, pg, consume=sum) -> out[T, D]  # combine: home
+    send(d_w[Cr, 1], origins, T*K, pg, fill=0, written=home) -> d_weights[T*K]  # its backward
 
-Dispatch sends each token's row once per rank that gets any of its routes (``to``: one address
-per token and rank, :func:`moec.ops.ep.token_rank_addresses`), read straight from ``x``; the
-receiver's ``expand`` gathers its buffer rows from that ``[ep*T, D]`` workspace (combine's
-backward sends its route weights beside); dispatch's backward returns one partial sum per token
-and rank the same way. The ``[T*K, D]`` copy of the tokens is never written. Combine
-pushes each expert-output row back to the route that sent it (``origins``), zeros where no row
-came back (dropped routes). One kernel for both directions; pushing instead of pulling did not by
-itself speed the combine up: its time was the route sum and copies around the transfer
-(``benchmarks/RESULTS.md``, multi-GPU).
+Toward the experts (dispatch, combine's backward) each token's row crosses once per rank that
+gets any of its routes (``to``: one address per token and rank,
+:func:`moec.ops.ep.token_rank_addresses`), read straight from ``x``; the receiver's ``expand``
+gathers its buffer rows from that ``[ep*T, D]`` workspace. Home (combine, dispatch's backward)
+each rank first sums a token's rows it holds (combine's weighted) and returns one partial per
+token and rank, which the home's ``sum`` adds up. The ``[T*K, D]`` copies of the tokens and of
+the expert outputs are never written. One kernel for every direction.
 
 Ordering uses the handle's device-side barrier: fill, barrier, push, barrier, copy out (the first
 barrier keeps a fast peer from writing into a buffer still being copied out). Inside one node

@@ -11,7 +11,9 @@ overload. Over R = T*K routed rows of T tokens, top-K:
 - ``moec.route``: 4 FLOPs per logit, saving the logits and the chosen expert ids;
   ``moec.router_losses``: 6 per logit, saving its inputs;
 - ``moec.dispatch``: data movement, saving the row indices; ``moec.combine``: its weighted sum,
-  2*T*K*D, saving its inputs;
+  2*T*K*D, saving its inputs; ``moec.ep_combine``: movement, saving what its backward reads
+  (the picked rows home, or on ``rowwise`` the route weights and the expert output ``y`` on the
+  experts' side);
 - ``moec.quantized_linear``: as ``aten.linear`` (the recipe changes the rate, not the work);
 - ``moec.linear_cross_entropy``: the head's 2*N*D*V, saving the gradients it computed in the
   forward (held until the backward scales them);
@@ -104,6 +106,15 @@ def _combine(node: fx.Node) -> RuleResult:
     y, _, rows = (value_of(a) for a in node.args)
     flops = 2 * numel(rows) * sym(y.shape[-1])
     return flops, "movement", activation_refs(node.args, floating=False)
+
+
+@cost_rule(ops.ep_combine.default)
+def _ep_combine(node: fx.Node) -> RuleResult:
+    # ep_combine(y, weights, slots, recv_rows, sent, counts, group, ep_size, path) -> (out, saved)
+    saved = [SavedRef(node, 1)]  # picked rows home, or rowwise's route weights on the experts
+    if node.args[-1] == "rowwise":  # whose backward reads the expert output there too
+        saved.append(stored_ref(node.args[0]))
+    return sympy.Integer(0), "movement", saved
 
 
 @cost_rule(ops.linear_cross_entropy.default)
