@@ -43,14 +43,46 @@ def _equal_worker(rank: int, world: int) -> None:
     test_ep._llama_worker(rank, world, ("rowwise", "a2a_capacity", "sync_1d"), device)
 
 
+def _rowwise_layer_step(device: torch.device, world: int):
+    """One bf16 MoE layer on the rowwise path, forward and backward (router included)."""
+    ops, n, k, cf = torch.ops.moec, 8, 2, 1.25
+    tokens, dim, hidden = 512, 128, 64
+    leaf = {"device": device, "dtype": torch.bfloat16, "requires_grad": True}
+    x = torch.randn(tokens, dim, **leaf)
+    gate = (torch.randn(dim, n, device=device) * 0.1).requires_grad_()
+    w_up = (torch.randn(n // world, dim, 2 * hidden, **leaf) * 0.1).detach().requires_grad_()
+    w_down = (torch.randn(n // world, hidden, dim, **leaf) * 0.1).detach().requires_grad_()
+    grad = torch.randn(tokens, dim, device=device, dtype=torch.bfloat16)
+    group = torch.distributed.group.WORLD.group_name
+
+    def step() -> None:
+        logits = x.float() @ gate
+        _, weights, rows, offsets, _ = ops.route(logits, k, cf, "softmax", True, "learned")
+        slots, recv, local, counts, sent, _ = ops.ep_layout(
+            rows, offsets, group, world, cf, "rowwise"
+        )
+        comm = (slots, recv, sent, counts, group, world, "rowwise")
+        buffer = ops.ep_dispatch(x, *comm)
+        y, _ = ops.expert_mlp(buffer, w_up, w_down, local, None, None, "swiglu")
+        out, _ = ops.ep_combine(y, weights, *comm)
+        out.backward(grad)
+
+    return step
+
+
 def _one_gpu_worker(rank: int, world: int) -> None:
+    device = torch.device("cuda", rank)
     for case in OPS_CASES[:2]:
-        test_ep._ops_worker(rank, world, *case, device=torch.device("cuda", rank))
+        test_ep._ops_worker(rank, world, *case, device=device)
+    step = _rowwise_layer_step(device, world)
+    step()  # compiles the kernels, makes the symmetric workspaces
+    run_without_host_sync(step, 2)
 
 
 @pytest.mark.skipif(GPUS < 1, reason="needs a CUDA device")
 def test_rowwise_transport_on_one_gpu():
-    """Ops at EP = 1 through the rowwise transport equal the plain ops (drops included)."""
+    """Ops at EP = 1 through the rowwise transport equal the plain ops (drops included), and a
+    bf16 layer step on it (router, layout, every exchange, both directions) never syncs."""
     spawn(_one_gpu_worker, 1, backend="nccl")
 
 
