@@ -138,7 +138,7 @@ class Layer:
         returning = []
         for h in (0, 1):  # B's dispatch runs under A's experts, A's combine under B's
             y = experts(ops.ep_dispatch_wait(pending[h], *comm[h]), h)
-            returning.append(ops.ep_combine_issue(y, *comm[h]))
+            returning.append(ops.ep_combine_issue(y, weights[h], *comm[h]))
         outs = [ops.ep_combine_wait(returning[h], weights[h], *comm[h])[0] for h in (0, 1)]
         return torch.cat(outs)
 

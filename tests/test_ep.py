@@ -128,7 +128,7 @@ def _split_layer(x, weights, w_up, w_down, comm, local_offsets):
     for pending in issued:
         buffer = ops.ep_dispatch_wait(pending, *comm)
         y, _ = ops.expert_mlp(buffer, w_up, w_down, local_offsets, None, None, "swiglu")
-        returning.append(ops.ep_combine_issue(y, *comm))
+        returning.append(ops.ep_combine_issue(y, weights, *comm))
     outs = [ops.ep_combine_wait(pending, weights, *comm)[0] for pending in returning]
     return (outs[0] + outs[1]) * 0.5
 
@@ -173,20 +173,31 @@ def _emulated_rowwise(path: str) -> Iterator[None]:
         ep_ops._load_rowwise = loader
 
 
-def _rows_crossing_worker(rank: int, world: int) -> None:
+def _rows_crossing_worker(rank: int, world: int, split: bool) -> None:
     """``rowwise`` layer forward + backward on a transport that counts the rows each exchange
-    pushes: the four ``[*, D]`` exchanges (dispatch, combine and their backwards) each move,
-    summed over the group, one row per (token, rank its accepted routes reach), not one per
-    route; the route weights and their gradients cross as one float per route."""
+    pushes: the four ``[*, D]`` exchanges (dispatch, combine and their backwards; ``split``: as
+    pass overlap's issue and wait ops) each move, summed over the group, one row per (token,
+    rank its accepted routes reach), not one per route; the route weights and their gradients
+    cross as one float per route (the split backward sends the weights again)."""
     tokens, dim, hidden, cf = 12, 16, 8, 4.0
     pushed: list[tuple[int, int]] = []
 
-    def send(x, address, rows, pg, *args, **kwargs):
-        pushed.append((x.shape[-1], int((address >= 0).sum())))
-        return rowwise_emulation.send(x, address, rows, pg, *args, **kwargs)
+    def counted(push):
+        def count(x, address, *args, **kwargs):
+            pushed.append((x.shape[-1], int((address >= 0).sum())))
+            return push(x, address, *args, **kwargs)
 
-    counting = type("Counting", (), {"send": staticmethod(send)})
-    counting.check_available = staticmethod(rowwise_emulation.check_available)
+        return staticmethod(count)
+
+    counting = type(
+        "Counting",
+        (),
+        {
+            "send": counted(rowwise_emulation.send),
+            "issue": counted(rowwise_emulation.issue),
+            "check_available": staticmethod(rowwise_emulation.check_available),
+        },
+    )
     loader = ep_ops._load_rowwise
     ep_ops.register_rowwise_transport(lambda: counting)
     try:
@@ -197,26 +208,33 @@ def _rows_crossing_worker(rank: int, world: int) -> None:
         w_down = torch.randn(N // world, hidden, dim, generator=g, dtype=torch.float64)
         weights, rows, offsets = _route(logits, cf)
         weights.requires_grad_()
-        comm = (dist.group.WORLD.group_name, world, "rowwise")
-        slots, recv, loffs, counts, sent, _ = ops.ep_layout(rows, offsets, *comm[:2], cf, "rowwise")
-        buffer = ops.ep_dispatch(x, slots, recv, sent, counts, *comm)
+        group = dist.group.WORLD.group_name
+        slots, recv, loffs, counts, sent, _ = ops.ep_layout(
+            rows, offsets, group, world, cf, "rowwise"
+        )
+        comm = (slots, recv, sent, counts, group, world, "rowwise")
+        if split:
+            buffer = ops.ep_dispatch_wait(ops.ep_dispatch_issue(x, None, *comm), *comm)
+        else:
+            buffer = ops.ep_dispatch(x, *comm)
         y, _ = ops.expert_mlp(buffer, w_up, w_down, loffs, None, None, "swiglu")
-        out, _ = ops.ep_combine(y, weights, slots, recv, sent, counts, *comm)
+        if split:
+            out, _ = ops.ep_combine_wait(ops.ep_combine_issue(y, weights, *comm), weights, *comm)
+        else:
+            out, _ = ops.ep_combine(y, weights, *comm)
         out.backward(torch.randn(out.shape, generator=g, dtype=torch.float64))
     finally:
         ep_ops._load_rowwise = loader
     reached = ep_ops.token_rank_addresses(slots.view(-1), recv.shape[0], K, world, rank)
-    totals = torch.tensor(
-        [int((reached >= 0).sum()), int((slots >= 0).sum())]
-        + [n for width, n in pushed if width == dim]
-        + [n for width, n in pushed if width == 1]
-    )
+    wide = [n for width, n in pushed if width == dim]
+    narrow = [n for width, n in pushed if width == 1]
+    totals = torch.tensor([int((reached >= 0).sum()), int((slots >= 0).sum()), *wide, *narrow])
     dist.all_reduce(totals)
-    pairs, routes, wide, narrow = int(totals[0]), int(totals[1]), totals[2:6], totals[6:]
+    pairs, routes = int(totals[0]), int(totals[1])
     assert pairs < routes  # top-2 of 8 experts on 2 ranks: some tokens keep both routes on one
-    assert wide.tolist() == [pairs] * 4, (pairs, routes, pushed)
+    assert totals[2 : 2 + len(wide)].tolist() == [pairs] * 4, (pairs, routes, pushed)
     # the layout's route ids, the route weights (forward) and their gradients (backward)
-    assert narrow.tolist() == [routes] * 3, (routes, pushed)
+    assert totals[2 + len(wide) :].tolist() == [routes] * (4 if split else 3), (routes, pushed)
 
 
 def _ops_cases_worker(rank: int, world: int) -> None:
@@ -225,7 +243,8 @@ def _ops_cases_worker(rank: int, world: int) -> None:
             _ops_worker(rank, world, *case)
     if world == 2:
         _errors_worker(rank, world)
-        _rows_crossing_worker(rank, world)
+        for split in (False, True):
+            _rows_crossing_worker(rank, world, split)
 
 
 @pytest.mark.slow

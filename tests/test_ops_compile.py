@@ -295,40 +295,57 @@ def _ep_combine_backward() -> list[Sample]:
     return samples
 
 
-SPLIT_PATHS = ("a2a_capacity",)
-"""The paths whose exchanges split into issue and wait (rowwise needs CUDA)."""
+SPLIT_PATHS = ("a2a_capacity", "rowwise")
+"""The paths whose exchanges split into issue and wait."""
+
+
+def _split_layouts():
+    """Per split path: the route weights, the layout's exchange arguments, the expert buffer's
+    rows R and an issued exchange's rows P."""
+    for path in SPLIT_PATHS:
+        weights, _, _, layout = _ep_layout_of(path)
+        comm = (*_ep_comm(layout), _group(), 1, path)
+        yield weights, comm, layout[1].shape[0], ep_ops.pending_rows(layout[0], layout[1], 1, path)
 
 
 def _ep_dispatch_issue() -> list[Sample]:
+    """rowwise sends its rows unweighted (its combine weights on the experts' side)."""
     samples = []
-    for path in SPLIT_PATHS:
-        weights, _, _, layout = _ep_layout_of(path)
-        x = _randn(T, D, grad=True)
-        samples.append(((x, None, *_ep_comm(layout), _group(), 1, path), {}))
-        samples.append(((_randn(T, D), weights, *_ep_comm(layout), _group(), 1, path), {}))
+    for weights, comm, _, _ in _split_layouts():
+        samples.append(((_randn(T, D, grad=True), None, *comm), {}))
+        if comm[-1] != "rowwise":
+            samples.append(((_randn(T, D), weights, *comm), {}))
     return samples
 
 
-def _ep_expert_rows() -> list[Sample]:
-    """ep_dispatch_wait (a pending receive) and ep_combine_issue (the experts' output): one
-    tensor of the expert buffer's rows, then the layout."""
+def _ep_dispatch_wait() -> list[Sample]:
+    return [((_randn(p, D, grad=True), *comm), {}) for _, comm, _, p in _split_layouts()]
+
+
+def _ep_combine_issue() -> list[Sample]:
     samples = []
-    for path in SPLIT_PATHS:
-        _, _, _, layout = _ep_layout_of(path)
-        rows = _randn(layout[1].shape[0], D, grad=True)
-        samples.append(((rows, *_ep_comm(layout), _group(), 1, path), {}))
+    for weights, comm, rows, _ in _split_layouts():
+        samples.append(((_randn(rows, D, grad=True), None, *comm), {}))
+        samples.append(((_randn(rows, D, grad=True), weights.detach().requires_grad_(), *comm), {}))
     return samples
 
 
 def _ep_combine_wait() -> list[Sample]:
     samples = []
-    for path in SPLIT_PATHS:
-        weights, _, _, layout = _ep_layout_of(path)
-        pending = _randn(layout[1].shape[0], D, grad=True)
-        comm = (*_ep_comm(layout), _group(), 1, path)
-        samples.append(((pending, weights.detach().requires_grad_(), *comm), {}))
-        samples.append(((_randn(layout[1].shape[0], D), None, *comm), {}))
+    for weights, comm, _, pending in _split_layouts():
+        samples.append(
+            ((_randn(pending, D, grad=True), weights.detach().requires_grad_(), *comm), {})
+        )
+        samples.append(((_randn(pending, D), None, *comm), {}))
     return samples
+
+
+def _ep_combine_issue_backward() -> list[Sample]:
+    return [
+        ((_randn(pending, D), weights, _randn(rows, D), *comm), {})
+        for weights, comm, rows, pending in _split_layouts()
+        if comm[-1] == "rowwise"
+    ]
 
 
 SAMPLES: dict[str, Callable[[], list[Sample]]] = {
@@ -359,9 +376,10 @@ SAMPLES: dict[str, Callable[[], list[Sample]]] = {
     "ep_combine": _ep_combine,
     "ep_combine_backward": _ep_combine_backward,
     "ep_dispatch_issue": _ep_dispatch_issue,
-    "ep_dispatch_wait": _ep_expert_rows,
-    "ep_combine_issue": _ep_expert_rows,
+    "ep_dispatch_wait": _ep_dispatch_wait,
+    "ep_combine_issue": _ep_combine_issue,
     "ep_combine_wait": _ep_combine_wait,
+    "ep_combine_issue_backward": _ep_combine_issue_backward,
 }
 """Sample inputs per ``moec::`` op (float32, small, random)."""
 
@@ -509,7 +527,7 @@ def test_inductor_runs_the_ep_ops(path, split, one_rank_group):
             buffer = torch.ops.moec.ep_dispatch(x, *comm)
         y, _ = torch.ops.moec.expert_mlp(buffer, w_up, w_down, local, None, None, "swiglu")
         if split:
-            pending = torch.ops.moec.ep_combine_issue(y, *comm)
+            pending = torch.ops.moec.ep_combine_issue(y, weights, *comm)
             out, _ = torch.ops.moec.ep_combine_wait(pending, weights, *comm)
         else:
             out, _ = torch.ops.moec.ep_combine(y, weights, *comm)

@@ -34,7 +34,7 @@ import functools
 import math
 from collections.abc import Iterator
 
-from moec.analysis.cost.overlap import exposed_comm, once_per_rank_share
+from moec.analysis.cost.overlap import exposed_comm, once_per_rank_share, two_batch_half_share
 from moec.analysis.cost.time import (
     Efficiency,
     ForwardWork,
@@ -56,6 +56,7 @@ from moec.analysis.rank_memory import GIB, RankMemory
 from moec.autoplan.memory import activation_memory, state_memory
 from moec.autoplan.profile import ModelProfile, UnitProfile
 from moec.errors import MoecError
+from moec.ops.routing import capacity
 from moec.plan import ParallelPlan, Plan
 
 OPTIMIZER_BYTES = 28
@@ -352,13 +353,18 @@ class Search:
             row_bytes = moe.dim * prof.act_itemsize * (ep - 1) / ep
             home = work.rows * moe.top_k * (moe.capacity_factor or 1.0) * row_bytes
             sent = 2 * home  # dispatch + combine, a row per route each way
-            if ep_path == "rowwise" and overlap == "none":  # a row per token and rank
+            half = 0.5
+            if ep_path == "rowwise":  # a row per token and rank
                 share = once_per_rank_share(moe.top_k, moe.num_experts, ep)
                 sent = 2 * work.rows * moe.top_k * share * row_bytes
+            elif overlap == "two_batch":  # a half keeps the whole's per-expert capacity
+                tokens = int(work.rows)
+                cap = capacity(tokens, moe.top_k, moe.num_experts, moe.capacity_factor or 0.0)
+                half = two_batch_half_share(ep_path, tokens, cap)
             # forward against the expert GEMMs; backward (the same exchanges reversed) against
             # twice their time
             for compute_s in (t_exp, 2 * t_exp):
-                exposed = exposed_comm(sent, ep_rate, compute_s, overlap, eff.latency_s)
+                exposed = exposed_comm(sent, ep_rate, compute_s, overlap, eff.latency_s, half)
                 comm += exposed.exposed
         if recompute == "block":
             total = sum(

@@ -76,31 +76,38 @@ sits right before the consumer and other work is queued between them::
 
     pending = ep_dispatch_issue(x, None, slots, recv_rows, sent, counts, group, n, path)
     buffer = ep_dispatch_wait(pending, slots, recv_rows, sent, counts, group, n, path)  # [R, D]
-    pending = ep_combine_issue(y, slots, recv_rows, sent, counts, group, n, path)
+    pending = ep_combine_issue(y, weights, slots, recv_rows, sent, counts, group, n, path)
     out, picked = ep_combine_wait(pending, weights, slots, recv_rows, sent, counts, group, n, path)
 
-The issue does the sender's local work (route rows into the send buffer) and starts the
-exchange without making the current stream wait for it: ``a2a_capacity`` an asynchronous
-``all_to_all_single`` (NCCL's stream), ``rowwise`` the push kernels on the transport's
-communication stream. ``pending`` (``[P, D]``, ``P = R`` for ``a2a_capacity``, ``max(R, T*K)``
-for ``rowwise``) is what arrived at this rank, valid only once its wait op ran: the wait makes
-the current stream wait for that exchange alone (found by ``pending``'s storage, see
-:func:`pending_exchanges`), then does the receiver's local work. On CPU the issue completes
-before it returns unless :data:`_ASYNC` says otherwise, so every op's output there is complete
-data (what opcheck and Inductor's reference runs read). ``sync_1d`` cannot be split (its split
-sizes reach the host; it synchronizes anyway): the issue ops refuse it. Costs against the fused
-ops: none on ``a2a_capacity`` (the receiver's placement moves into the wait); ``rowwise`` copies
-its result once more (the transport's stream copies it out of symmetric memory into ``pending``,
-the wait copies ``pending`` into its own output, since an op's output may not alias its input),
-and a ``pending`` of ``max(R, T*K)`` rows where a direction fills fewer.
+Both combine ops take the route weights; each path applies them in one: ``rowwise`` at the issue
+(on the experts' side, as its fused combine does: ``picked`` is then empty, ``[0, D]``), the
+a2a paths at the wait (home). The issue does the sender's local work (route rows into the send
+buffer; ``rowwise``: the partial sums toward home) and starts the exchange without making the
+current stream wait for it: ``a2a_capacity`` an asynchronous ``all_to_all_single`` (NCCL's
+stream), ``rowwise`` the push kernels on the transport's communication stream (its route
+weights cross first, on the current stream). ``pending`` (``[P, D]``, :func:`pending_rows`:
+``P = R`` for ``a2a_capacity``, ``ep*T`` for ``rowwise``, whose token and partial workspaces
+move a row per (token, rank) as its fused exchanges do) is what arrived at this rank, valid only
+once its wait op ran: the wait makes the current stream wait for that exchange alone (found by
+``pending``'s storage, see :func:`pending_exchanges`), then does the receiver's local work
+(``rowwise``: the gather into the expert buffer, or the sum of the partials). On CPU the issue
+completes before it returns unless :data:`_ASYNC` says otherwise, so every op's output there is
+complete data (what opcheck and Inductor's reference runs read). ``sync_1d`` cannot be split
+(its split sizes reach the host; it synchronizes anyway): the issue ops refuse it. Costs against
+the fused ops: none on ``a2a_capacity`` (the receiver's placement moves into the wait);
+``rowwise`` copies each result once more (the transport's stream copies it out of symmetric
+memory into ``pending``, which the wait then reads), and its backward sends the route weights
+a second time (4 bytes per route).
 
 The four ops are each other's backward, so the backward is split the same way and autograd
 keeps the wait late: the wait's backward issues the reverse exchange (``dispatch_wait`` ->
-``combine_issue``, ``combine_wait`` -> ``dispatch_issue`` weighted, with ``d_weights``), the
-issue's backward waits for it (``dispatch_issue`` -> ``combine_wait`` unweighted,
-``combine_issue`` -> ``dispatch_wait``). The gradient passed between a pair is therefore the
-reverse exchange's in-flight result, not the gradient of ``pending`` itself (the same shape,
-``[P, D]``, in both directions): only the pair's composition is a vector-Jacobian product.
+``combine_issue`` unweighted, ``combine_wait`` -> ``dispatch_issue``, weighted with
+``d_weights`` on the a2a paths), the issue's backward waits for it (``dispatch_issue`` ->
+``combine_wait`` unweighted, ``combine_issue`` -> ``dispatch_wait``, or on ``rowwise`` with
+weights the internal ``ep_combine_issue_backward``, which also computes ``d_weights`` on the
+experts' side and sends it home). The gradient passed between a pair is therefore the reverse
+exchange's in-flight result, not the gradient of ``pending`` itself (the same shape, ``[P,
+D]``, in both directions): only the pair's composition is a vector-Jacobian product.
 """
 
 from __future__ import annotations
@@ -379,16 +386,23 @@ def _send(x, top_k, weights, slots, recv_rows, sent, counts, group, ep_size, pat
     return _send_a2a(values, slots, recv_rows, sent, counts, pg, path)
 
 
+def token_ranks_reached(slots: Tensor, num_rows, top_k: int, ep_size: int) -> Tensor:
+    """``[T, ep]`` bool: whether token t has an accepted route on rank d (``slots``: route
+    addresses ``dest * num_rows + row``, -1 dropped)."""
+    routes = slots.reshape(-1, top_k)
+    dest = torch.where(routes >= 0, routes // num_rows, -1)  # [T, K]
+    ranks = torch.arange(ep_size, device=slots.device)
+    return (dest[:, :, None] == ranks).any(1)
+
+
 def token_rank_addresses(slots: Tensor, num_rows, top_k: int, ep_size: int, source: int):
     """``rowwise``, sending each token once per destination rank: address ``[T * ep]`` of
     (token t, rank d) = ``d * (ep*T) + source*T + t`` (row ``source*T + t`` of d's token
-    workspace ``[ep*T, D]``) where t has an accepted route on d (``slots``: route addresses
-    ``dest * num_rows + row``, -1 dropped), else -1."""
-    routes = slots.reshape(-1, top_k)
-    tokens = routes.shape[0]
-    dest = torch.where(routes >= 0, routes // num_rows, -1)  # [T, K]
+    workspace ``[ep*T, D]``) where t has an accepted route on d (:func:`token_ranks_reached`),
+    else -1."""
+    reached = token_ranks_reached(slots, num_rows, top_k, ep_size)
+    tokens = reached.shape[0]
     ranks = torch.arange(ep_size, device=slots.device)
-    reached = (dest[:, :, None] == ranks).any(1)  # [T, ep]
     token = torch.arange(tokens, device=slots.device)[:, None]
     address = ranks * (ep_size * tokens) + source * tokens + token
     return torch.where(reached, address, -1).reshape(-1)
@@ -412,34 +426,57 @@ def token_route_table(recv_rows: Tensor, tokens, top_k: int, ep_size: int) -> Te
     return table[:size].view(ep_size * tokens, top_k)
 
 
-def _sum_home_once_per_rank(buffer, slots, recv_rows, top_k, pg, ep_size, row_weights=None):
-    """``rowwise``, each token's rows crossing home once per rank: every rank sums the rows of
-    each token's routes it holds (:func:`token_route_table`), times ``row_weights[r]`` (``[R]``,
-    the route weights on this side) or 1, sends the one partial home (row ``rank*T + t`` of the
-    home's ``[ep*T, D]`` workspace), and the home sums the partials of the ranks its token
-    reached. Both sums are the combine kernel's (deterministic); a partial is rounded to the
-    buffer's dtype once on the way. Dispatch's backward (unweighted) and combine's forward."""
-    transport = _rowwise()
-    tokens, num_rows, me = slots.numel() // top_k, recv_rows.shape[0], dist.get_rank(pg)
+# ``rowwise`` moves a token's rows once per (token, rank): toward the experts a token's row lands
+# in row ``source*T + t`` of each reached rank's ``[ep*T, D]`` token workspace, which
+# :func:`_expand` gathers into the expert buffer; home, each rank sums a token's rows it holds
+# (:func:`_partials`) into row ``rank*T + t`` of the home's ``[ep*T, D]`` partial workspace,
+# which :func:`_sum_partials` adds up. Combine's route weights cross to the experts' side
+# (:func:`_weights_to_experts`) and their gradient comes home (:func:`_weights_home`), a float
+# per route. The fused ops and the split ones (issue/wait) share these pieces.
+
+
+def _partials(buffer, slots, recv_rows, top_k: int, ep_size: int, me: int, row_weights=None):
+    """The experts' side of a home-bound exchange: ``[ep*T, D]`` rows, row ``s*T + t`` the sum
+    of source s's token t's rows here (:func:`token_route_table`) times ``row_weights[r]``
+    (``[R]``) or 1, by the combine kernel (deterministic; rounded to the buffer's dtype once),
+    and their addresses: row ``me*T + t`` of source s's partial workspace, -1 where t has no
+    route here."""
+    tokens = slots.numel() // top_k
     table = token_route_table(recv_rows, tokens, top_k, ep_size)
     if row_weights is None:
         weights = torch.ones(table.shape, dtype=_acc(buffer), device=buffer.device)
     else:
         weights = torch.where(table >= 0, row_weights[table.clamp(min=0)], 0)
-    partial = torch.ops.moec.combine(buffer, weights, table)  # [ep*T, D], row s*T + t
+    partial = torch.ops.moec.combine(buffer, weights, table)
     row = torch.arange(ep_size * tokens, device=table.device)
     source, token = row // tokens, row % tokens
     home = source * (ep_size * tokens) + me * tokens + token
-    address = torch.where((table >= 0).any(1), home, -1)
-    reached = token_rank_addresses(slots, num_rows, top_k, ep_size, me).view(tokens, ep_size)
-    ranks = torch.arange(ep_size, device=table.device)
-    gathered = torch.where(reached >= 0, ranks * tokens + token[:tokens, None], -1)  # [T, ep]
+    return partial, torch.where((table >= 0).any(1), home, -1)
+
+
+def _sum_partials(workspace: Tensor, slots, recv_rows, top_k: int, ep_size: int) -> Tensor:
+    """Home's ``[T, D]``: each token's partials from the ranks it reached (row ``d*T + t`` of
+    ``workspace``; the other rows are not read)."""
+    reached = token_ranks_reached(slots, recv_rows.shape[0], top_k, ep_size)  # [T, ep]
+    tokens = reached.shape[0]
+    ranks = torch.arange(ep_size, device=slots.device)
+    token = torch.arange(tokens, device=slots.device)[:, None]
+    gathered = torch.where(reached, ranks * tokens + token, -1)
+    ones = torch.ones(gathered.shape, dtype=_acc(workspace), device=workspace.device)
+    return torch.ops.moec.combine(workspace, ones, gathered)
+
+
+def _sum_home_once_per_rank(buffer, slots, recv_rows, top_k, pg, ep_size, row_weights=None):
+    """``rowwise``, home-bound: :func:`_partials` pushed home, :func:`_sum_partials` read
+    straight from the workspace. Dispatch's backward (unweighted) and combine's forward."""
+    me = dist.get_rank(pg)
+    partial, address = _partials(buffer, slots, recv_rows, top_k, ep_size, me, row_weights)
 
     def sum_partials(workspace: Tensor) -> Tensor:
-        ones = torch.ones(gathered.shape, dtype=weights.dtype, device=weights.device)
-        return torch.ops.moec.combine(workspace, ones, gathered)
+        return _sum_partials(workspace, slots, recv_rows, top_k, ep_size)
 
-    return transport.send(partial, address, ep_size * tokens, pg, consume=sum_partials)
+    rows = partial.shape[0]
+    return _rowwise().send(partial, address, rows, pg, consume=sum_partials)
 
 
 def _expand(workspace: Tensor, source_row: Tensor) -> Tensor:
@@ -466,35 +503,49 @@ def _send_once_per_rank(x, top_k, slots, recv_rows, pg, ep_size, consume=_expand
     )
 
 
+def _weights_to_experts(weights: Tensor, slots, num_rows, pg, dtype: torch.dtype) -> Tensor:
+    """The route weights as the experts' side holds them: ``[R]`` in ``dtype``, 0 where no
+    route arrived (a float per route crosses)."""
+    route_weights = weights.reshape(-1, 1).to(dtype)
+    return _rowwise().send(route_weights, slots, num_rows, pg, fill=0).view(-1)
+
+
+def _weighted_rows(rows: Tensor, source_row: Tensor, y: Tensor, row_weights: Tensor):
+    """Combine's backward on the experts' side, ``rows`` the expanded output gradient:
+    ``(d_y, d_w)`` = ``(row_weights * rows`` rounded once to ``rows``' dtype, in place``,
+    <rows, y>`` per row accumulated in ``row_weights``' dtype, 0 where no route arrived)."""
+    acc = row_weights.dtype
+    d_w = (rows.to(acc) * y.to(acc)).sum(-1, keepdim=True)
+    d_w = torch.where((source_row >= 0)[:, None], d_w, 0)  # y's unfilled rows: garbage
+    return rows.mul_(row_weights[:, None]), d_w
+
+
+def _weights_home(d_w: Tensor, slots, recv_rows, pg) -> Tensor:
+    """Each route's weight gradient ``[T*K]`` home from the experts' ``d_w[R, 1]``; 0 for
+    dropped routes."""
+    home = slots >= 0
+    return _rowwise().send(d_w, recv_rows, slots.numel(), pg, fill=0, written=home).view(-1)
+
+
 def _combine_once_per_rank(y, weights, slots, recv_rows, top_k, pg, ep_size):
-    """``rowwise`` combine, a token's rows crossing home once per rank: the route weights cross
-    to the experts' side first (a float each, :data:`_acc`), which sums each token's weighted
-    rows before they travel (:func:`_sum_home_once_per_rank`). Returns ``out[T, D]`` and the
-    weights as that side holds them (``[R]``, 0 where no route arrived), which its backward
-    reads."""
-    route_weights = weights.reshape(-1, 1).to(_acc(y))
-    row_weights = _rowwise().send(route_weights, slots, recv_rows.shape[0], pg, fill=0).view(-1)
+    """``rowwise`` combine: the route weights cross to the experts' side, which sums each
+    token's weighted rows before they travel home. Returns ``out[T, D]`` and the weights as
+    that side holds them (``[R]``), which its backward reads."""
+    row_weights = _weights_to_experts(weights, slots, recv_rows.shape[0], pg, _acc(y))
     out = _sum_home_once_per_rank(y, slots, recv_rows, top_k, pg, ep_size, row_weights)
     return out, row_weights
 
 
 def _combine_backward_once_per_rank(d_out, y, row_weights, slots, recv_rows, top_k, pg, ep_size):
-    """``rowwise`` combine backward: ``d_out`` crosses to each rank its token reached once; that
-    side expands it into its buffer rows ``g`` and computes ``d_y = row_weights * g`` and each
-    route's ``d_weight = <g, y>`` (accumulated in :data:`_acc`), whose floats go home, one per
-    route (0 for dropped routes). Returns ``(d_y[R, D], d_weights[T*K])``."""
+    """``rowwise`` combine backward: ``d_out`` crosses to each rank its token reached once;
+    that side computes ``d_y`` and the weights' gradient (:func:`_weighted_rows`), whose
+    floats go home. Returns ``(d_y[R, D], d_weights[T*K])``."""
 
     def expand(workspace: Tensor, source_row: Tensor) -> tuple[Tensor, Tensor]:
-        rows = _expand(workspace, source_row)
-        acc = row_weights.dtype
-        d_w = (rows.to(acc) * y.to(acc)).sum(-1, keepdim=True)
-        d_w = torch.where((source_row >= 0)[:, None], d_w, 0)  # y's unfilled rows: garbage
-        return rows.mul_(row_weights[:, None]), d_w  # rounded once to d_out's dtype
+        return _weighted_rows(_expand(workspace, source_row), source_row, y, row_weights)
 
     d_y, d_w = _send_once_per_rank(d_out, top_k, slots, recv_rows, pg, ep_size, expand)
-    home = slots >= 0  # the routes whose weights' gradients come back
-    d_weights = _rowwise().send(d_w, recv_rows, slots.numel(), pg, fill=0, written=home)
-    return d_y, d_weights.view(-1)
+    return d_y, _weights_home(d_w, slots, recv_rows, pg)
 
 
 def _fetch(buffer, slots, recv_rows, sent, counts, group, ep_size, path, consume=None):
@@ -794,11 +845,12 @@ def _wait_for(pending: Tensor) -> None:
         entry[1]()
 
 
-def pending_rows(slots: Tensor, recv_rows: Tensor, path: str):
+def pending_rows(slots: Tensor, recv_rows: Tensor, ep_size: int, path: str):
     """``P``: rows of an issued exchange's result, the same in both directions (so each wait's
-    backward can hand its issue's backward the reverse exchange's result)."""
+    backward can hand its issue's backward the reverse exchange's result): ``rowwise``'s token
+    and partial workspaces, ``ep*T``; the a2a paths' buffer, ``R``."""
     if path == "rowwise":
-        return torch.sym_max(recv_rows.shape[0], slots.numel())
+        return ep_size * (slots.numel() // slots.shape[-1])
     return recv_rows.shape[0]
 
 
@@ -823,10 +875,12 @@ def _issue_a2a(send: Tensor, pg: dist.ProcessGroup) -> Tensor:
     return out
 
 
-def _issue_rowwise(
-    x, address, rows, out_rows, pg, top_k=1, weights=None, fill=None, written=None
-) -> Tensor:
-    out, wait = _rowwise().issue(x, address, rows, out_rows, pg, top_k, weights, fill, written)
+def _issue_rowwise(x, address, written, pg, top_k=1) -> Tensor:
+    """``x``'s rows to ``address`` in the peers' ``[P, D]`` workspaces, issued; rows
+    ``written`` marks False (no row arrives there) come out zero, so every pending result is
+    defined data."""
+    rows = written.shape[0]
+    out, wait = _rowwise().issue(x, address, rows, rows, pg, top_k, fill=0, written=written)
     _register(out, wait)
     return out
 
@@ -837,40 +891,54 @@ def _dispatch_issue(x, weights, slots, recv_rows, group, ep_size, path) -> Tenso
     top_k, flat = slots.shape[-1], x.reshape(-1, x.shape[-1])
     num_rows, address = recv_rows.shape[0], slots.reshape(-1)
     if path == "rowwise":
-        rows = pending_rows(slots, recv_rows, path)
-        return _issue_rowwise(flat, address, num_rows, rows, pg, top_k, weights)
+        if weights is not None:
+            raise ValueError(
+                "ep_dispatch_issue on the rowwise path sends each token's row once per rank, "
+                "unweighted (combine's weights apply on the experts' side, in ep_combine_issue "
+                "and its backward); pass weights=None"
+            )
+        tokens = flat.shape[0]
+        to = token_rank_addresses(address, num_rows, top_k, ep_size, dist.get_rank(pg))
+        arriving = (token_route_table(recv_rows, tokens, top_k, ep_size) >= 0).any(1)
+        return _issue_rowwise(flat, to, arriving, pg, ep_size)
     return _issue_a2a(_place(_route_rows(flat, top_k, weights), address, num_rows), pg)
 
 
-def _combine_issue(y, slots, recv_rows, group, ep_size, path) -> Tensor:
+def _combine_issue(y, weights, slots, recv_rows, group, ep_size, path) -> Tensor:
     _check_split_path(path)
     pg = resolve_group(group, ep_size)
     if path == "rowwise":
-        rows = pending_rows(slots, recv_rows, path)
-        home = slots.reshape(-1) >= 0  # the routes whose rows come back
-        return _issue_rowwise(y, recv_rows, slots.numel(), rows, pg, fill=0, written=home)
-    return _issue_a2a(_take(y, recv_rows), pg)
+        flat, top_k, me = slots.reshape(-1), slots.shape[-1], dist.get_rank(pg)
+        row_weights = None
+        if weights is not None:
+            row_weights = _weights_to_experts(weights, flat, recv_rows.shape[0], pg, _acc(y))
+        partial, address = _partials(y, flat, recv_rows, top_k, ep_size, me, row_weights)
+        reached = token_ranks_reached(flat, recv_rows.shape[0], top_k, ep_size)  # [T, ep]
+        return _issue_rowwise(partial, address, reached.t().reshape(-1), pg)
+    return _issue_a2a(_take(y, recv_rows), pg)  # the weights apply home, at the wait
 
 
-def _dispatch_wait(pending, recv_rows, path) -> Tensor:
+def _dispatch_wait(pending, slots, recv_rows, path) -> Tensor:
     _check_split_path(path)
     _wait_for(pending)
     num_rows = recv_rows.shape[0]
     if path == "rowwise":
-        return pending[:num_rows].clone()
+        tokens = slots.numel() // slots.shape[-1]
+        return _expand(pending, token_workspace_rows(recv_rows, tokens, slots.shape[-1]))
     return _place(pending, recv_rows, num_rows).contiguous()
 
 
-def _combine_wait(pending, weights, slots, path) -> tuple[Tensor, Tensor]:
+def _combine_wait(pending, weights, slots, recv_rows, ep_size, path) -> tuple[Tensor, Tensor]:
     _check_split_path(path)
     _wait_for(pending)
-    top_k, routes = slots.shape[-1], slots.numel()
-    if path == "rowwise":
-        picked = pending[:routes].clone()
+    top_k, dim = slots.shape[-1], pending.shape[-1]
+    if path == "rowwise":  # the partials of the ranks each token reached, weighted there
+        out = _sum_partials(pending, slots.reshape(-1), recv_rows, top_k, ep_size)
+        picked = pending.new_empty((0, dim))
     else:
         picked = _take(pending, slots.reshape(-1))
-    out = _sum_routes(picked, top_k, weights)
-    return out.view(*slots.shape[:-1], pending.shape[-1]), picked
+        out = _sum_routes(picked, top_k, weights)
+    return out.view(*slots.shape[:-1], dim), picked
 
 
 @torch.library.custom_op("moec::ep_dispatch_issue", mutates_args=())
@@ -891,7 +959,7 @@ def ep_dispatch_issue(
 @ep_dispatch_issue.register_fake
 def _ep_dispatch_issue_fake(x, weights, slots, recv_rows, sent, counts, group, ep_size, path):
     _check_split_path(path)
-    return x.new_empty((pending_rows(slots, recv_rows, path), x.shape[-1]))
+    return x.new_empty((pending_rows(slots, recv_rows, ep_size, path), x.shape[-1]))
 
 
 @torch.library.custom_op("moec::ep_dispatch_wait", mutates_args=())
@@ -905,7 +973,7 @@ def ep_dispatch_wait(
     ep_size: int,
     path: str,
 ) -> Tensor:
-    return _dispatch_wait(pending, recv_rows, path)
+    return _dispatch_wait(pending, slots, recv_rows, path)
 
 
 @ep_dispatch_wait.register_fake
@@ -917,6 +985,7 @@ def _ep_dispatch_wait_fake(pending, slots, recv_rows, sent, counts, group, ep_si
 @torch.library.custom_op("moec::ep_combine_issue", mutates_args=())
 def ep_combine_issue(
     y: Tensor,
+    weights: Tensor | None,
     slots: Tensor,
     recv_rows: Tensor,
     sent: Tensor,
@@ -925,13 +994,13 @@ def ep_combine_issue(
     ep_size: int,
     path: str,
 ) -> Tensor:
-    return _combine_issue(y, slots, recv_rows, group, ep_size, path)
+    return _combine_issue(y, weights, slots, recv_rows, group, ep_size, path)
 
 
 @ep_combine_issue.register_fake
-def _ep_combine_issue_fake(y, slots, recv_rows, sent, counts, group, ep_size, path):
+def _ep_combine_issue_fake(y, weights, slots, recv_rows, sent, counts, group, ep_size, path):
     _check_split_path(path)
-    return y.new_empty((pending_rows(slots, recv_rows, path), y.shape[-1]))
+    return y.new_empty((pending_rows(slots, recv_rows, ep_size, path), y.shape[-1]))
 
 
 @torch.library.custom_op("moec::ep_combine_wait", mutates_args=())
@@ -946,14 +1015,56 @@ def ep_combine_wait(
     ep_size: int,
     path: str,
 ) -> tuple[Tensor, Tensor]:
-    return _combine_wait(pending, weights, slots, path)
+    return _combine_wait(pending, weights, slots, recv_rows, ep_size, path)
 
 
 @ep_combine_wait.register_fake
 def _ep_combine_wait_fake(pending, weights, slots, recv_rows, sent, counts, group, ep_size, path):
     _check_split_path(path)
     dim = pending.shape[-1]
-    return pending.new_empty((*slots.shape[:-1], dim)), pending.new_empty((slots.numel(), dim))
+    picked = 0 if path == "rowwise" else slots.numel()
+    return pending.new_empty((*slots.shape[:-1], dim)), pending.new_empty((picked, dim))
+
+
+@torch.library.custom_op("moec::ep_combine_issue_backward", mutates_args=())
+def ep_combine_issue_backward(
+    d_pending: Tensor,
+    weights: Tensor,
+    y: Tensor,
+    slots: Tensor,
+    recv_rows: Tensor,
+    sent: Tensor,
+    counts: Tensor,
+    group: str,
+    ep_size: int,
+    path: str,
+) -> tuple[Tensor, Tensor]:
+    """``rowwise`` ``ep_combine_issue`` with weights, backward: waits for ``d_pending`` (the
+    output gradient sent toward the experts by ``ep_combine_wait``'s backward), then on the
+    experts' side ``d_y`` and the weights' gradient, which comes home (the weights cross
+    again, a float per route each way)."""
+    _check_split_path(path)
+    if path != "rowwise":
+        raise ValueError(
+            f"ep_combine_issue_backward serves ep_path='rowwise' only (got {path!r}); the a2a "
+            "paths' combine issue backward is ep_dispatch_wait"
+        )
+    _wait_for(d_pending)
+    pg, flat, top_k = resolve_group(group, ep_size), slots.reshape(-1), slots.shape[-1]
+    row_weights = _weights_to_experts(weights, flat, recv_rows.shape[0], pg, _acc(y))
+    source_row = token_workspace_rows(recv_rows, flat.numel() // top_k, top_k)
+    rows = _expand(d_pending, source_row)
+    d_y, d_w = _weighted_rows(rows, source_row, y, row_weights)
+    d_weights = _weights_home(d_w, flat, recv_rows, pg)
+    return d_y.contiguous(), d_weights.to(weights.dtype).view(weights.shape).contiguous()
+
+
+@ep_combine_issue_backward.register_fake
+def _ep_combine_issue_backward_fake(
+    d_pending, weights, y, slots, recv_rows, sent, counts, group, ep_size, path
+):
+    _check_split_path(path)
+    return y.new_empty(y.shape), weights.new_empty(weights.shape)
 
 
 # Autograd: the four ops are each other's backward (module docstring).
@@ -974,15 +1085,34 @@ def _dispatch_issue_backward(ctx, d_pending):
 
 
 def _dispatch_wait_backward(ctx, d_buffer):
-    return torch.ops.moec.ep_combine_issue(d_buffer, *ctx.saved_tensors, *ctx.args), *([None] * 7)
+    comm = (*ctx.saved_tensors, *ctx.args)
+    return torch.ops.moec.ep_combine_issue(d_buffer, None, *comm), *([None] * 7)
+
+
+def _combine_issue_setup(ctx, inputs, output) -> None:
+    """rowwise with weights: also y and the weights (its backward computes their gradient)."""
+    y, weights, slots, recv_rows, sent, counts, group, ep_size, path = inputs
+    weighted = path == "rowwise" and weights is not None
+    kept = (y, weights) if weighted else (None, None)
+    ctx.save_for_backward(*kept, slots, recv_rows, sent, counts)
+    ctx.args = (group, ep_size, path)
 
 
 def _combine_issue_backward(ctx, d_pending):
-    return torch.ops.moec.ep_dispatch_wait(d_pending, *ctx.saved_tensors, *ctx.args), *([None] * 7)
+    y, weights, *comm = ctx.saved_tensors
+    if weights is None:
+        d_y = torch.ops.moec.ep_dispatch_wait(d_pending, *comm, *ctx.args)
+        return d_y, *([None] * 8)
+    d_y, d_weights = torch.ops.moec.ep_combine_issue_backward(
+        d_pending, weights, y, *comm, *ctx.args
+    )
+    return d_y, d_weights, *([None] * 7)
 
 
 def _combine_wait_setup(ctx, inputs, output) -> None:
+    """The a2a paths weight at the wait (rowwise at the issue: nothing weighted here)."""
     pending, weights, slots, recv_rows, sent, counts, group, ep_size, path = inputs
+    weights = None if path == "rowwise" else weights
     ctx.save_for_backward(weights, output[1], slots, recv_rows, sent, counts)
     ctx.args = (group, ep_size, path)
 
@@ -1001,5 +1131,5 @@ def _combine_wait_backward(ctx, d_out, d_picked_unused):
 
 ep_dispatch_issue.register_autograd(_dispatch_issue_backward, setup_context=_split_setup)
 ep_dispatch_wait.register_autograd(_dispatch_wait_backward, setup_context=_split_setup)
-ep_combine_issue.register_autograd(_combine_issue_backward, setup_context=_split_setup)
+ep_combine_issue.register_autograd(_combine_issue_backward, setup_context=_combine_issue_setup)
 ep_combine_wait.register_autograd(_combine_wait_backward, setup_context=_combine_wait_setup)

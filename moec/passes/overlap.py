@@ -465,7 +465,9 @@ def _split_exchanges(editor: GraphEditor, chain: _Chain, half: _Half) -> dict[st
     d_wait = editor.call(moec_ops.ep_dispatch_wait.default, (d_issue, *comm), like=chain.dispatch)
     mlp = _issue(editor, chain, half, d_wait)
     y = editor.getitem(mlp, 0)
-    c_issue = editor.call(moec_ops.ep_combine_issue.default, (y, *comm), like=chain.combine)
+    c_issue = editor.call(
+        moec_ops.ep_combine_issue.default, (y, half.weights, *comm), like=chain.combine
+    )
     c_wait = editor.call(
         moec_ops.ep_combine_wait.default, (c_issue, half.weights, *comm), like=chain.combine
     )

@@ -27,9 +27,10 @@ WORLDS = [w for w in (2, 4, 8) if w <= GPUS] or [2]
 pytestmark = pytest.mark.gpu
 multigpu = pytest.mark.skipif(GPUS < 2, reason="needs 2 or more CUDA devices")
 
-OPS_CASES = [  # (path, capacity factor, poison); cf = 4.0 = N/K never binds, 0.6 binds
+OPS_CASES = [  # (path, capacity factor, poison[, split]); cf = 4.0 = N/K never binds, 0.6 binds
     ("rowwise", 4.0, True),
     ("rowwise", 0.6, True),  # the rank capacity drops routes: EP = 1 without them
+    ("rowwise", 4.0, True, True),  # pass overlap's issue/wait ops, on the comm stream
     ("a2a_capacity", 0.6, True),
     ("sync_1d", 4.0, False),
 ]
@@ -43,8 +44,9 @@ def _equal_worker(rank: int, world: int) -> None:
     test_ep._llama_worker(rank, world, ("rowwise", "a2a_capacity", "sync_1d"), device)
 
 
-def _rowwise_layer_step(device: torch.device, world: int):
-    """One bf16 MoE layer on the rowwise path, forward and backward (router included)."""
+def _rowwise_layer_step(device: torch.device, world: int, split: bool = False):
+    """One bf16 MoE layer on the rowwise path, forward and backward (router included);
+    ``split``: its exchanges as pass overlap's issue and wait ops."""
     ops, n, k, cf = torch.ops.moec, 8, 2, 1.25
     tokens, dim, hidden = 512, 128, 64
     leaf = {"device": device, "dtype": torch.bfloat16, "requires_grad": True}
@@ -62,9 +64,16 @@ def _rowwise_layer_step(device: torch.device, world: int):
             rows, offsets, group, world, cf, "rowwise"
         )
         comm = (slots, recv, sent, counts, group, world, "rowwise")
-        buffer = ops.ep_dispatch(x, *comm)
+        if split:
+            buffer = ops.ep_dispatch_wait(ops.ep_dispatch_issue(x, None, *comm), *comm)
+        else:
+            buffer = ops.ep_dispatch(x, *comm)
         y, _ = ops.expert_mlp(buffer, w_up, w_down, local, None, None, "swiglu")
-        out, _ = ops.ep_combine(y, weights, *comm)
+        if split:
+            pending = ops.ep_combine_issue(y, weights, *comm)
+            out, _ = ops.ep_combine_wait(pending, weights, *comm)
+        else:
+            out, _ = ops.ep_combine(y, weights, *comm)
         out.backward(grad)
 
     return step
@@ -72,11 +81,13 @@ def _rowwise_layer_step(device: torch.device, world: int):
 
 def _one_gpu_worker(rank: int, world: int) -> None:
     device = torch.device("cuda", rank)
-    for case in OPS_CASES[:2]:
-        test_ep._ops_worker(rank, world, *case, device=device)
-    step = _rowwise_layer_step(device, world)
-    step()  # compiles the kernels, makes the symmetric workspaces
-    run_without_host_sync(step, 2)
+    for case in OPS_CASES:
+        if case[0] == "rowwise":
+            test_ep._ops_worker(rank, world, *case, device=device)
+    for split in (False, True):
+        step = _rowwise_layer_step(device, world, split)
+        step()  # compiles the kernels, makes the symmetric workspaces
+        run_without_host_sync(step, 2)
 
 
 @pytest.mark.skipif(GPUS < 1, reason="needs a CUDA device")

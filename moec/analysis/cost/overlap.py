@@ -32,7 +32,7 @@ expert GEMMs' backward), so the same function answers for it with the backward's
 ``rowwise``'s fused exchanges send a token's row to a rank once, however many of its routes go
 there (:func:`moec.ops.ep.token_rank_addresses`), and bring one partial sum per token and rank
 home (combine, dispatch's backward): all four move :func:`once_per_rank_share` of a row per
-route. The split exchanges (``two_batch``) move one row per route.
+route, split (``two_batch``) or not.
 """
 
 from __future__ import annotations
