@@ -11,8 +11,9 @@ training step, one process per GPU under torchrun (EP = the number of processes)
   output is first checked against ``a2a_capacity`` (which computes exactly EP = 1 on each
   rank's batch; the tests hold all three to EP = 1).
 - dispatch / combine: the forward transport alone, in GB/s per GPU = the bytes of the rows this
-  rank's routes send (or get back) / time, against NCCL ``all_to_all_single`` moving the same
-  bytes in equal splits.
+  rank sends (or gets back: a row per accepted route, on ``rowwise`` a row per token and rank
+  its routes reach) / time, against NCCL ``all_to_all_single`` moving the same bytes in equal
+  splits.
 - step: ``benchmarks/scaling.py``'s training step of the e2e model at dp = ep = N per path.
 - ``--overlap`` (issue #22), per path but ``sync_1d``: the layer as two batch halves in one run
   three ways: ``whole`` (the layer above), ``halves`` (each half's fused exchanges, one after the
@@ -46,6 +47,7 @@ import torch.distributed as dist
 from benchmarks import scaling
 from benchmarks.e2e import FULL
 from moec.analysis.cost.time import merged_spans
+from moec.ops.ep import token_ranks_reached
 from moec.runtime.metrics import bf16_peak_tflops, useful_mfu
 
 ops = torch.ops.moec
@@ -165,7 +167,11 @@ class Layer:
         x = self.x.detach()
         buffer = ops.ep_dispatch(x, slots, recv, sent, counts, *comm)
         y = torch.randn_like(buffer)
-        routes = int((slots >= 0).sum())  # outside the timed region
+        moved = slots.view(-1) >= 0  # a row per accepted route (outside the timed region)
+        if path == "rowwise":  # a row per (token, rank) its accepted routes reach
+            top_k, buffer_rows = slots.shape[-1], recv.shape[0]
+            moved = token_ranks_reached(slots.view(-1), buffer_rows, top_k, self.world)
+        routes = int(moved.sum())
         nbytes = routes * x.shape[1] * x.element_size()
         rows = -(-routes // self.world) * self.world
         send = torch.randn(rows, x.shape[1], device=DEVICE, dtype=x.dtype)
@@ -255,7 +261,7 @@ def predicted_exposed(layer: Layer, path: str, iters: int) -> dict[str, float]:
     from moec.ops.routing import capacity
 
     probe = layer.transports(path, iters)
-    exchanged = 2 * probe["bytes_per_gpu"]  # dispatch + combine, one row per accepted route
+    exchanged = 2 * probe["bytes_per_gpu"]  # dispatch + combine (rows as transports counts)
     # the rate of what the profile counts as exchange: its kernels' time (the ops' packing
     # and local copies are compute the experts' stream runs), or the ops' wall time on the CPU
     moving = exchange_kernel_ms(layer, path)
