@@ -173,6 +173,25 @@ def _emulated_rowwise(path: str) -> Iterator[None]:
         ep_ops._load_rowwise = loader
 
 
+def rowwise_layer(x, weights, rows, offsets, experts, cf: float, split: bool):
+    """An MoE layer on the rowwise path of the world group (``experts``: this rank's ``w_up``
+    and ``w_down``): ``(out, slots, recv_rows)``; ``split``: its exchanges as pass overlap's
+    issue and wait ops."""
+    group, world = dist.group.WORLD.group_name, dist.get_world_size()
+    slots, recv, local, counts, sent, _ = ops.ep_layout(rows, offsets, group, world, cf, "rowwise")
+    comm = (slots, recv, sent, counts, group, world, "rowwise")
+    if split:
+        buffer = ops.ep_dispatch_wait(ops.ep_dispatch_issue(x, None, *comm), *comm)
+    else:
+        buffer = ops.ep_dispatch(x, *comm)
+    y, _ = ops.expert_mlp(buffer, *experts, local, None, None, "swiglu")
+    if split:
+        out, _ = ops.ep_combine_wait(ops.ep_combine_issue(y, weights, *comm), weights, *comm)
+    else:
+        out, _ = ops.ep_combine(y, weights, *comm)
+    return out, slots, recv
+
+
 def _rows_crossing_worker(rank: int, world: int, split: bool) -> None:
     """``rowwise`` layer forward + backward on a transport that counts the rows each exchange
     pushes: the four ``[*, D]`` exchanges (dispatch, combine and their backwards; ``split``: as
@@ -208,20 +227,7 @@ def _rows_crossing_worker(rank: int, world: int, split: bool) -> None:
         w_down = torch.randn(N // world, hidden, dim, generator=g, dtype=torch.float64)
         weights, rows, offsets = _route(logits, cf)
         weights.requires_grad_()
-        group = dist.group.WORLD.group_name
-        slots, recv, loffs, counts, sent, _ = ops.ep_layout(
-            rows, offsets, group, world, cf, "rowwise"
-        )
-        comm = (slots, recv, sent, counts, group, world, "rowwise")
-        if split:
-            buffer = ops.ep_dispatch_wait(ops.ep_dispatch_issue(x, None, *comm), *comm)
-        else:
-            buffer = ops.ep_dispatch(x, *comm)
-        y, _ = ops.expert_mlp(buffer, w_up, w_down, loffs, None, None, "swiglu")
-        if split:
-            out, _ = ops.ep_combine_wait(ops.ep_combine_issue(y, weights, *comm), weights, *comm)
-        else:
-            out, _ = ops.ep_combine(y, weights, *comm)
+        out, slots, recv = rowwise_layer(x, weights, rows, offsets, (w_up, w_down), cf, split)
         out.backward(torch.randn(out.shape, generator=g, dtype=torch.float64))
     finally:
         ep_ops._load_rowwise = loader

@@ -47,7 +47,7 @@ def _equal_worker(rank: int, world: int) -> None:
 def _rowwise_layer_step(device: torch.device, world: int, split: bool = False):
     """One bf16 MoE layer on the rowwise path, forward and backward (router included);
     ``split``: its exchanges as pass overlap's issue and wait ops."""
-    ops, n, k, cf = torch.ops.moec, 8, 2, 1.25
+    n, k, cf = 8, 2, 1.25
     tokens, dim, hidden = 512, 128, 64
     leaf = {"device": device, "dtype": torch.bfloat16, "requires_grad": True}
     x = torch.randn(tokens, dim, **leaf)
@@ -55,25 +55,13 @@ def _rowwise_layer_step(device: torch.device, world: int, split: bool = False):
     w_up = (torch.randn(n // world, dim, 2 * hidden, **leaf) * 0.1).detach().requires_grad_()
     w_down = (torch.randn(n // world, hidden, dim, **leaf) * 0.1).detach().requires_grad_()
     grad = torch.randn(tokens, dim, device=device, dtype=torch.bfloat16)
-    group = torch.distributed.group.WORLD.group_name
 
     def step() -> None:
         logits = x.float() @ gate
-        _, weights, rows, offsets, _ = ops.route(logits, k, cf, "softmax", True, "learned")
-        slots, recv, local, counts, sent, _ = ops.ep_layout(
-            rows, offsets, group, world, cf, "rowwise"
+        _, weights, rows, offsets, _ = torch.ops.moec.route(
+            logits, k, cf, "softmax", True, "learned"
         )
-        comm = (slots, recv, sent, counts, group, world, "rowwise")
-        if split:
-            buffer = ops.ep_dispatch_wait(ops.ep_dispatch_issue(x, None, *comm), *comm)
-        else:
-            buffer = ops.ep_dispatch(x, *comm)
-        y, _ = ops.expert_mlp(buffer, w_up, w_down, local, None, None, "swiglu")
-        if split:
-            pending = ops.ep_combine_issue(y, weights, *comm)
-            out, _ = ops.ep_combine_wait(pending, weights, *comm)
-        else:
-            out, _ = ops.ep_combine(y, weights, *comm)
+        out, _, _ = test_ep.rowwise_layer(x, weights, rows, offsets, (w_up, w_down), cf, split)
         out.backward(grad)
 
     return step
