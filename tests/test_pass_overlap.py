@@ -23,7 +23,7 @@ from moec.analysis.cost.overlap import (
 from moec.models import Llama, LlamaConfig
 from moec.ops import ep as ep_ops
 from moec.passes.manager import default_pipeline
-from moec.passes.overlap import EP_SCHEDULE, SCHEDULE
+from moec.passes.overlap import EP_SCHEDULE, SCHEDULE, schedule_overlap
 from moec.runtime import distributed as mdist
 from tests.distributed import spawn
 
@@ -245,6 +245,7 @@ def _ep_worker(rank: int, world: int) -> None:
     stats = two.pass_results["overlap"].stats
     assert stats["applied"] and stats["path"] == "a2a_capacity"
     assert stats["schedule"] == list(EP_SCHEDULE)
+    assert stats["overlap"] == schedule_overlap(EP_SCHEDULE)
     # C = ceil(1.0 * 64 * 2 / 8) = 16 < 32 tokens per half: each half's buffer is N * 16 rows
     assert stats["buffer_rows"]["layers.0.ffn.moe"] == {"whole": N * 16, "half": N * 16}
     assert _split_exchange_order(two.graph_module) == list(EP_SCHEDULE)
@@ -345,3 +346,15 @@ def test_once_per_rank_share_is_the_mean_over_every_choice_of_experts(top_k, num
     assert once_per_rank_share(top_k, num_experts, 1) == pytest.approx(1 / top_k)
     with pytest.raises(ValueError, match="ep dividing num_experts"):
         once_per_rank_share(top_k, num_experts, num_experts + 1)
+
+
+def test_the_schedule_hides_b_dispatch_and_a_combine_under_the_other_halfs_experts():
+    """What pass overlap reports as hidden: each exchange's compute between issue and wait."""
+    assert schedule_overlap(EP_SCHEDULE) == {
+        "A.dispatch": [],
+        "B.dispatch": ["A.experts"],
+        "A.combine": ["B.experts"],
+        "B.combine": [],
+    }
+    swapped = ("A.dispatch.issue", "A.experts", "A.dispatch.wait")
+    assert schedule_overlap(swapped) == {"A.dispatch": ["A.experts"]}

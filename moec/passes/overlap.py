@@ -64,6 +64,8 @@ untouched. Options: ``plan.parallel.overlap``.
 Statistics: ``applied``, ``declined`` (why no block was split, or None), ``blocks`` (block ->
 ``"two_batch"`` or the reason it was left alone), ``path``, ``halves`` (batch rows per half),
 ``schedule`` (the issue order of one block: :data:`SCHEDULE` or :data:`EP_SCHEDULE`),
+``overlap`` (what the schedule hides, :func:`schedule_overlap`: each exchange -> the compute
+issued between its issue and its wait, empty where it runs exposed; None at EP = 1),
 ``buffer_rows`` (block -> rows of the expert buffer, whole and per half).
 """
 
@@ -124,6 +126,22 @@ mirrors it: B's combine backward and A's dispatch backward exposed, the other tw
 expert GEMMs' backward (each wait's backward issues, each issue's backward waits)."""
 
 
+def schedule_overlap(schedule: tuple[str, ...]) -> dict[str, list[str]]:
+    """Each split exchange of ``schedule`` (``"<half>.<dispatch|combine>"``) -> the compute
+    steps issued between its issue and its wait: what it can run under on its own stream
+    (nothing: exposed). The backward mirrors it (:data:`EP_SCHEDULE`)."""
+    position = {step: i for i, step in enumerate(schedule)}
+    return {
+        step.removesuffix(".issue"): [
+            s
+            for s in schedule[i + 1 : position[step.replace(".issue", ".wait")]]
+            if s.endswith(".experts")
+        ]
+        for i, step in enumerate(schedule)
+        if step.endswith(".issue")
+    }
+
+
 @dataclasses.dataclass
 class _Chain:
     """One block's movement/expert chain as the earlier passes left it."""
@@ -172,6 +190,7 @@ class OverlapPass(Pass):
             "path": "local",
             "halves": None,
             "schedule": None,
+            "overlap": None,
             "buffer_rows": {},
         }
         if not chains:
@@ -196,6 +215,7 @@ class OverlapPass(Pass):
             stats["buffer_rows"][chain.prefix] = _split(editor, chain)
             stats["blocks"][chain.prefix] = "two_batch"
             stats["schedule"] = list(EP_SCHEDULE if chain.ep else SCHEDULE)
+            stats["overlap"] = schedule_overlap(EP_SCHEDULE) if chain.ep else None
         split = [p for p, v in stats["blocks"].items() if v == "two_batch"]
         if not split:
             return self._decline(gm, stats, "; ".join(sorted(set(stats["blocks"].values()))))
