@@ -25,6 +25,7 @@ from moec.ops import ep as ep_ops
 from moec.passes.manager import default_pipeline
 from moec.passes.overlap import EP_SCHEDULE, SCHEDULE, schedule_overlap
 from moec.runtime import distributed as mdist
+from tests import test_ep
 from tests.distributed import spawn
 
 CFG = LlamaConfig(vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128)
@@ -237,8 +238,8 @@ def _ep_worker(rank: int, world: int) -> None:
     tokens, targets = _batch(4, seed=10 + rank)
     dense = _dense()
 
-    def build(overlap: str, path: str):
-        plan = _plan(overlap, 1.0, dp=world, ep=world, ep_path=path)
+    def build(overlap: str, path: str, cf: float | None = 1.0):
+        plan = _plan(overlap, cf, dp=world, ep=world, ep_path=path)
         return moec.compile(copy.deepcopy(dense), plan, (tokens,), mesh=mdist.build_mesh(plan))
 
     ref, two = build("none", "a2a_capacity"), build("two_batch", "a2a_capacity")
@@ -265,6 +266,14 @@ def _ep_worker(rank: int, world: int) -> None:
         assert _experts_under_exchanges(log.calls) == [0, 1, 1, 0] * CFG.n_layers, log.calls
     for name, value in ref.aux_outputs.items():  # drops, counts, offsets, router losses
         torch.testing.assert_close(two.aux_outputs[name], value, **TOL)
+    # rowwise (dropless: its rank capacity never binds), on the CPU stand-in for its transport
+    with test_ep._emulated_rowwise("rowwise"):
+        ref, two = build("none", "rowwise", None), build("two_batch", "rowwise", None)
+        assert two.pass_results["overlap"].stats["applied"]
+        assert _split_exchange_order(two.graph_module) == list(EP_SCHEDULE)
+        for _ in range(2):
+            _assert_same(_step(two, tokens, targets), _step(ref, tokens, targets))
+            assert ep_ops.pending_exchanges() == 0
     if world == 2:
         with pytest.warns(UserWarning, match="sync_1d"):
             sync = build("two_batch", "sync_1d")
@@ -275,7 +284,8 @@ def _ep_worker(rank: int, world: int) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_ep_two_batch_split_exchanges_equal_one_chain_and_sync_1d_declines(world):
-    """a2a_capacity (rowwise needs CUDA: benchmarks/ep.py --overlap checks it on GPUs)."""
+    """a2a_capacity, and rowwise on the emulated transport (benchmarks/ep.py --overlap and
+    tests/gpu/test_multigpu.py run its symmetric-memory one on GPUs)."""
     spawn(_ep_worker, world)
 
 
