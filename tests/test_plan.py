@@ -1,5 +1,9 @@
+import dataclasses
+from pathlib import Path
+
 import pytest
 import torch
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -139,3 +143,16 @@ def test_random_plans_compile_or_raise_plan_error(
         return
     out = compiled(_TOKENS)
     assert out.shape == (2, 8, 256) and torch.isfinite(out).all()
+
+
+def test_the_readme_plan_names_every_field_and_is_valid():
+    """The README's plan block is a valid plan holding every field of every section (the docs
+    cannot silently fall behind the plan)."""
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    start = text.index("```yaml\nmoe:") + len("```yaml\n")
+    block = yaml.safe_load(text[start : text.index("```", start)])
+    moec.Plan.from_dict(block)
+    plan = moec.Plan()
+    for section in ("moe", "parallel", "precision", "recompute", "loss", "lowering"):
+        fields = {f.name for f in dataclasses.fields(getattr(plan, section))}
+        assert set(block[section]) == fields, (section, fields ^ set(block[section]))
