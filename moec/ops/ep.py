@@ -510,10 +510,12 @@ def _weights_to_experts(weights: Tensor, slots, num_rows, pg, dtype: torch.dtype
     return _rowwise().send(route_weights, slots, num_rows, pg, fill=0).view(-1)
 
 
-def _weighted_rows(rows: Tensor, source_row: Tensor, y: Tensor, row_weights: Tensor):
-    """Combine's backward on the experts' side, ``rows`` the expanded output gradient:
-    ``(d_y, d_w)`` = ``(row_weights * rows`` rounded once to ``rows``' dtype, in place``,
-    <rows, y>`` per row accumulated in ``row_weights``' dtype, 0 where no route arrived)."""
+def _weighted_rows(workspace: Tensor, source_row: Tensor, y: Tensor, row_weights: Tensor):
+    """Combine's backward on the experts' side, from the output gradient's token workspace:
+    its rows expanded (:func:`_expand`), then ``(d_y, d_w)`` = ``(row_weights * rows`` rounded
+    once to their dtype``, <rows, y>`` per row accumulated in ``row_weights``' dtype, 0 where no
+    route arrived)."""
+    rows = _expand(workspace, source_row)
     acc = row_weights.dtype
     d_w = (rows.to(acc) * y.to(acc)).sum(-1, keepdim=True)
     d_w = torch.where((source_row >= 0)[:, None], d_w, 0)  # y's unfilled rows: garbage
@@ -541,10 +543,8 @@ def _combine_backward_once_per_rank(d_out, y, row_weights, slots, recv_rows, top
     that side computes ``d_y`` and the weights' gradient (:func:`_weighted_rows`), whose
     floats go home. Returns ``(d_y[R, D], d_weights[T*K])``."""
 
-    def expand(workspace: Tensor, source_row: Tensor) -> tuple[Tensor, Tensor]:
-        return _weighted_rows(_expand(workspace, source_row), source_row, y, row_weights)
-
-    d_y, d_w = _send_once_per_rank(d_out, top_k, slots, recv_rows, pg, ep_size, expand)
+    weighted = functools.partial(_weighted_rows, y=y, row_weights=row_weights)
+    d_y, d_w = _send_once_per_rank(d_out, top_k, slots, recv_rows, pg, ep_size, weighted)
     return d_y, _weights_home(d_w, slots, recv_rows, pg)
 
 
@@ -637,6 +637,14 @@ def _route_rows(x: Tensor, top_k: int, weights: Tensor | None = None) -> Tensor:
     if weights is not None:
         rows = (rows.to(_acc(x)) * weights.reshape(-1, top_k, 1).to(_acc(x))).to(x.dtype)
     return rows.reshape(-1, x.shape[-1])
+
+
+def _picked_weight_grad(picked: Tensor, d_out: Tensor, top_k: int) -> Tensor:
+    """The a2a paths' route weights' gradient, home: ``<picked[t*K + k], d_out[t]>``
+    ``[T, K]``, accumulated in :func:`_acc`."""
+    acc = _acc(picked)
+    routes = d_out.reshape(-1, 1, d_out.shape[-1]).to(acc)
+    return (picked.view(-1, top_k, picked.shape[-1]).to(acc) * routes).sum(-1)
 
 
 def _sum_routes(
@@ -793,9 +801,7 @@ def ep_combine_backward(
     else:
         comm = (recv_rows, sent, counts, group, ep_size, path)
         d_y = _send(flat_d_out, top_k, weights, slots.reshape(-1), *comm)
-        acc = _acc(saved)  # picked
-        routes = flat_d_out.reshape(-1, 1, flat_d_out.shape[-1]).to(acc)
-        d_weights = (saved.view(-1, top_k, saved.shape[-1]).to(acc) * routes).sum(-1)
+        d_weights = _picked_weight_grad(saved, flat_d_out, top_k)
     return d_y.contiguous(), d_weights.to(weights.dtype).view(weights.shape).contiguous()
 
 
@@ -1053,8 +1059,7 @@ def ep_combine_issue_backward(
     pg, flat, top_k = resolve_group(group, ep_size), slots.reshape(-1), slots.shape[-1]
     row_weights = _weights_to_experts(weights, flat, recv_rows.shape[0], pg, _acc(y))
     source_row = token_workspace_rows(recv_rows, flat.numel() // top_k, top_k)
-    rows = _expand(d_pending, source_row)
-    d_y, d_w = _weighted_rows(rows, source_row, y, row_weights)
+    d_y, d_w = _weighted_rows(d_pending, source_row, y, row_weights)
     d_weights = _weights_home(d_w, flat, recv_rows, pg)
     return d_y.contiguous(), d_weights.to(weights.dtype).view(weights.shape).contiguous()
 
@@ -1122,9 +1127,7 @@ def _combine_wait_backward(ctx, d_out, d_picked_unused):
     d_pending = torch.ops.moec.ep_dispatch_issue(d_out, weights, *comm, *ctx.args)
     d_weights = None
     if weights is not None and ctx.needs_input_grad[1]:
-        acc, top_k = _acc(picked), comm[0].shape[-1]
-        routes = d_out.reshape(-1, 1, d_out.shape[-1]).to(acc)
-        d_weights = (picked.view(-1, top_k, picked.shape[-1]).to(acc) * routes).sum(-1)
+        d_weights = _picked_weight_grad(picked, d_out, comm[0].shape[-1])
         d_weights = d_weights.view(weights.shape).to(weights.dtype)
     return d_pending, d_weights, *([None] * 7)
 
