@@ -47,7 +47,7 @@ import torch.distributed as dist
 from benchmarks import scaling
 from benchmarks.e2e import FULL
 from moec.analysis.cost.time import merged_spans
-from moec.ops.ep import token_ranks_reached
+from moec.ops.ep.index import token_ranks_reached
 from moec.runtime.metrics import bf16_peak_tflops, useful_mfu
 
 ops = torch.ops.moec
@@ -140,7 +140,7 @@ class Layer:
         returning = []
         for h in (0, 1):  # B's dispatch runs under A's experts, A's combine under B's
             y = experts(ops.ep_dispatch_wait(pending[h], *comm[h]), h)
-            returning.append(ops.ep_combine_issue(y, weights[h], *comm[h]))
+            returning.append(ops.ep_combine_issue(y, weights[h], *comm[h])[0])
         outs = [ops.ep_combine_wait(returning[h], weights[h], *comm[h])[0] for h in (0, 1)]
         return torch.cat(outs)
 

@@ -49,7 +49,7 @@ def send(
     rows_of = [torch.empty_like(values) for _ in range(world)]
     dist.all_gather(rows_of, values.contiguous(), group=pg)
     masked_later = written is not None or consume is not None
-    before = ep_ops._POISON if masked_later or fill is None else fill
+    before = ep_ops.HOOKS.poison if masked_later or fill is None else fill
     if before is None:
         before = float("nan") if x.is_floating_point() else GARBAGE_INT
     buffer = x.new_full((rows, x.shape[-1]), before)

@@ -342,7 +342,16 @@ def _ep_combine_wait() -> list[Sample]:
 
 def _ep_combine_issue_backward() -> list[Sample]:
     return [
-        ((_randn(pending, D), weights, _randn(rows, D), *comm), {})
+        (
+            (
+                _randn(pending, D),
+                weights,
+                _randn(rows, dtype=torch.float32),
+                _randn(rows, D),
+                *comm,
+            ),
+            {},
+        )
         for weights, comm, rows, pending in _split_layouts()
         if comm[-1] == "rowwise"
     ]
@@ -388,8 +397,7 @@ SAMPLES: dict[str, Callable[[], list[Sample]]] = {
 def one_rank_group(tmp_path_factory):
     """A one-rank gloo process group for the EP ops (left as found when one exists), with the
     emulated rowwise transport registered."""
-    loader = ep_ops._load_rowwise
-    ep_ops.register_rowwise_transport(lambda: rowwise_emulation)
+    loader = ep_ops.register_rowwise_transport(lambda: rowwise_emulation)
     created = not dist.is_initialized()
     if created:
         store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
@@ -397,7 +405,7 @@ def one_rank_group(tmp_path_factory):
     try:
         yield
     finally:
-        ep_ops._load_rowwise = loader
+        ep_ops.register_rowwise_transport(loader)
         if created:
             dist.destroy_process_group()
 
@@ -527,7 +535,7 @@ def test_inductor_runs_the_ep_ops(path, split, one_rank_group):
             buffer = torch.ops.moec.ep_dispatch(x, *comm)
         y, _ = torch.ops.moec.expert_mlp(buffer, w_up, w_down, local, None, None, "swiglu")
         if split:
-            pending = torch.ops.moec.ep_combine_issue(y, weights, *comm)
+            pending, _ = torch.ops.moec.ep_combine_issue(y, weights, *comm)
             out, _ = torch.ops.moec.ep_combine_wait(pending, weights, *comm)
         else:
             out, _ = torch.ops.moec.ep_combine(y, weights, *comm)

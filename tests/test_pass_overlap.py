@@ -7,6 +7,7 @@ the issue order it records, recompute on top, pipeline stages of a two_batch pro
 from __future__ import annotations
 
 import copy
+import operator
 
 import pytest
 import torch
@@ -109,7 +110,9 @@ def _split_exchange_order(gm) -> list[str]:
         (y,) = [u for u in mlp.users if u.args[1] == 0]
         (c_issue,) = y.users
         assert c_issue.target is ops.ep_combine_issue.default
-        (c_wait,) = c_issue.users
+        (c_pending,) = c_issue.users
+        assert c_pending.target is operator.getitem and c_pending.args[1] == 0
+        (c_wait,) = c_pending.users
         assert c_wait.target is ops.ep_combine_wait.default
         layout = d_issue.args[2].args[0]
         half[letter] = {
@@ -140,7 +143,8 @@ class _ExchangeLog(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         name = func.name().removeprefix("moec::").split(".")[0]
         if name.endswith("_issue"):
-            self.calls.append(("issue", out.untyped_storage().data_ptr()))
+            pending = out[0] if isinstance(out, tuple) else out  # combine: (pending, weights)
+            self.calls.append(("issue", pending.untyped_storage().data_ptr()))
         elif name.endswith("_wait") and name.startswith("ep_"):
             self.calls.append(("wait", args[0].untyped_storage().data_ptr()))
         elif name.startswith("expert_mlp"):
@@ -233,8 +237,10 @@ def test_pipeline_stages_split_a_two_batch_program(dense):
 
 
 def _ep_worker(rank: int, world: int) -> None:
-    ep_ops._ASYNC = True  # gloo's exchanges left running from issue to wait, as NCCL's are
-    ep_ops._POISON = float("nan")  # rows no route writes: garbage must not leak
+    ep_ops.HOOKS.asynchronous = (
+        True  # gloo's exchanges left running from issue to wait, as NCCL's are
+    )
+    ep_ops.HOOKS.poison = float("nan")  # rows no route writes: garbage must not leak
     tokens, targets = _batch(4, seed=10 + rank)
     dense = _dense()
 

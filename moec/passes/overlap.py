@@ -24,9 +24,9 @@ a wait (:mod:`moec.ops.ep`; order :data:`EP_SCHEDULE`)::
     layout_A = ep_layout(rows_A, ...);  layout_B = ep_layout(rows_B, ...)
     p_A = ep_dispatch_issue(x[:B/2], ...);  p_B = ep_dispatch_issue(x[B/2:], ...)
     y_A = expert_mlp(ep_dispatch_wait(p_A, ...), ...)     # B's dispatch runs under A's experts
-    q_A = ep_combine_issue(y_A, ...)
+    q_A, _ = ep_combine_issue(y_A, ...)
     y_B = expert_mlp(ep_dispatch_wait(p_B, ...), ...)     # A's combine runs under B's experts
-    q_B = ep_combine_issue(y_B, ...)
+    q_B, _ = ep_combine_issue(y_B, ...)
     out = cat([ep_combine_wait(q_A, weights[:B/2], ...)[0], ep_combine_wait(q_B, ...)[0]], 0)
 
 Routing semantics are exactly those without overlap: ``moec.route`` runs once on the whole
@@ -488,8 +488,9 @@ def _split_exchanges(editor: GraphEditor, chain: _Chain, half: _Half) -> dict[st
     c_issue = editor.call(
         moec_ops.ep_combine_issue.default, (y, half.weights, *comm), like=chain.combine
     )
+    c_pending = editor.getitem(c_issue, 0)
     c_wait = editor.call(
-        moec_ops.ep_combine_wait.default, (c_issue, half.weights, *comm), like=chain.combine
+        moec_ops.ep_combine_wait.default, (c_pending, half.weights, *comm), like=chain.combine
     )
     out = editor.getitem(c_wait, 0)
     return {
@@ -497,7 +498,7 @@ def _split_exchanges(editor: GraphEditor, chain: _Chain, half: _Half) -> dict[st
         "dispatch.issue": [d_issue],
         "dispatch.wait": [d_wait],
         "experts": [mlp, y],
-        "combine.issue": [c_issue],
+        "combine.issue": [c_issue, c_pending],
         "combine.wait": [c_wait, out],
         "out": out,
     }

@@ -4,8 +4,8 @@ Every rank of an EP group owns one symmetric-memory buffer per (rows, D, dtype),
 once with ``torch.distributed._symmetric_memory.rendezvous``; a device table of the peers'
 buffer pointers lets one Triton kernel (:mod:`moec.kernels.ep_push`) write any peer's rows over
 NVLink. Addresses are ``dest * rows + row`` (-1: nowhere), computed on the device
-(:func:`moec.ops.ep.rowwise_route_map`), so nothing is copied to the host. One primitive serves
-every direction::
+(:mod:`moec.ops.ep.index`), so nothing is copied to the host. One primitive serves every
+direction::
 
     send(x[T, D], to[T*ep], ep*T, pg, top_k=ep, consume=expand) -> buffer[Cr, D]  # dispatch
     send(route_ids[T*K, 1], slots, Cr, pg, fill=-1) -> origins[Cr]    # layout: who sent row r
@@ -15,11 +15,12 @@ every direction::
 
 Toward the experts (dispatch, combine's backward) each token's row crosses once per rank that
 gets any of its routes (``to``: one address per token and rank,
-:func:`moec.ops.ep.token_rank_addresses`), read straight from ``x``; the receiver's ``expand``
-gathers its buffer rows from that ``[ep*T, D]`` workspace. Home (combine, dispatch's backward)
-each rank first sums a token's rows it holds (combine's weighted) and returns one partial per
-token and rank, which the home's ``sum`` adds up. The ``[T*K, D]`` copies of the tokens and of
-the expert outputs are never written. One kernel for every direction.
+:func:`~moec.ops.ep.index.token_rank_addresses`), read straight from ``x``; the receiver's
+``expand`` gathers its buffer rows from that ``[ep*T, D]`` workspace. Home (combine,
+dispatch's backward) each rank first sums a token's rows it holds (combine's weighted) and
+returns one partial per token and rank, which the home's ``sum`` adds up. The ``[T*K, D]``
+copies of the tokens and of the expert outputs are never written. One kernel for every
+direction.
 
 Ordering uses the handle's device-side barrier: fill, barrier, push, barrier, copy out (the first
 barrier keeps a fast peer from writing into a buffer still being copied out). Inside one node
@@ -132,8 +133,8 @@ def send(
 def _fill_before(fill: float | None, masked_later: bool) -> float | None:
     """What the workspace holds before the push: ``fill``, unless the copy out (or the
     consumer) masks the rows no route wrote; then, and where ``fill`` is None, the tests'
-    poison (:data:`moec.ops.ep._POISON`: None, no fill, outside them)."""
-    return ep_ops._POISON if masked_later or fill is None else fill
+    poison (``moec.ops.ep.HOOKS.poison``: None, no fill, outside them)."""
+    return ep_ops.HOOKS.poison if masked_later or fill is None else fill
 
 
 def _copy_out(buffer: Tensor, written: Tensor | None, fill: float | None, out: Tensor) -> Tensor:

@@ -30,9 +30,9 @@ Backward mirrors the forward (two exchanges per block, in the reversed order, ag
 expert GEMMs' backward), so the same function answers for it with the backward's compute time.
 
 ``rowwise``'s fused exchanges send a token's row to a rank once, however many of its routes go
-there (:func:`moec.ops.ep.token_rank_addresses`), and bring one partial sum per token and rank
-home (combine, dispatch's backward): all four move :func:`once_per_rank_share` of a row per
-route, split (``two_batch``) or not.
+there (:func:`moec.ops.ep.index.token_rank_addresses`), and bring one partial sum per token and
+rank home (combine, dispatch's backward): all four move :func:`once_per_rank_share` of a row
+per route, split (``two_batch``) or not.
 """
 
 from __future__ import annotations
