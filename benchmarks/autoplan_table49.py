@@ -378,12 +378,13 @@ def report_layout(profile: ModelProfile, request: Request, row: Row) -> tuple[Pr
         and p.layout.recompute == row.recompute
         and p.layout.gemm == row.gemm
         and p.layout.ep_path == row.ep_path
+        and not p.layout.fold_experts
     ]
     if not preds:
         raise RuntimeError(f"{row.config}: the report's layout is not among the legal layouts")
     fitting = [p for p in preds if p.memory.total <= search.capacity]
     if fitting:
-        return min(fitting, key=lambda p: (p.step_s, p.memory.total)), True
+        return min(fitting, key=Prediction.rank_key), True
     return min(preds, key=lambda p: p.memory.total), False
 
 
@@ -494,7 +495,7 @@ def main(argv: list[str] | None = None) -> None:
                 for p in Search(profile, request).candidates()
                 if p.layout.gemm == "bf16" and p.memory.total <= search.capacity
             ),
-            key=lambda p: (p.step_s, p.memory.total),
+            key=Prediction.rank_key,
         )
         elapsed = time.perf_counter() - start
         chosen = [describe(p, fpt, request) for p in best]

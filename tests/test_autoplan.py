@@ -4,6 +4,7 @@ probe overrides, calibration of the time model."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from types import SimpleNamespace
@@ -27,7 +28,14 @@ from moec.analysis.cost.time import (
 )
 from moec.analysis.gpus import GPUS, GPUSpecError, gpu_spec
 from moec.analysis.rank_memory import rank_memory
-from moec.autoplan import NoPlanFitsError, Request, Search, capture, profile_program
+from moec.autoplan import (
+    NoPlanFitsError,
+    Prediction,
+    Request,
+    Search,
+    capture,
+    profile_program,
+)
 from moec.autoplan.cli import add_plan_auto_parser, cmd_plan_auto
 from moec.autoplan.memory import rank_memory_of
 from moec.compiler import build_program
@@ -39,13 +47,14 @@ from moec.program import EPGroup
 MOE = {"num_experts": 8, "top_k": 2, "init": "random", "expert_width": 128, "dense_first": 1}
 
 
-def _plan(parallel: dict | None = None, recompute: str = "none") -> Plan:
+def _plan(parallel: dict | None = None, recompute: str = "none", fold: bool = False) -> Plan:
     return Plan.from_dict(
         {
             "moe": MOE,
             "parallel": parallel or {},
             "precision": {"compute_dtype": "bf16"},
             "recompute": {"policy": recompute},
+            "lowering": {"gather_up": fold, "combine_in_experts": fold},
         }
     )
 
@@ -65,25 +74,28 @@ def profile():
 
 
 @pytest.mark.parametrize(
-    "parallel, recompute, micro",
+    "parallel, recompute, micro, fold",
     [
-        ({}, "none", 1),
-        ({}, "none", 2),
-        ({"dp": 2, "ep": 2}, "none", 1),
-        ({"dp": 2, "dp_shard": 2}, "none", 1),
-        ({"dp": 4, "dp_shard": 4, "ep": 2}, "none", 2),
-        ({}, "block", 1),
+        ({}, "none", 1, False),
+        ({}, "none", 2, False),
+        ({"dp": 2, "ep": 2}, "none", 1, False),
+        ({"dp": 2, "dp_shard": 2}, "none", 1, False),
+        ({"dp": 4, "dp_shard": 4, "ep": 2}, "none", 2, False),
+        ({}, "block", 1, False),
+        ({}, "none", 2, True),
+        ({}, "block", 1, True),
     ],
 )
-def test_memory_matches_rank_memory(profile, parallel, recompute, micro):
+def test_memory_matches_rank_memory(profile, parallel, recompute, micro, fold):
     """Parameter state equals rank_memory's for the built program (FSDP + EP within 0.5%);
     activations within 10% (EP buffers and FSDP's groups are only in one of them; the
-    recompute transient, only in the analytic peak, is taken out)."""
-    program = _build(_plan(parallel, recompute))
+    recompute transient, only in the analytic peak, is taken out). ``fold``: the program
+    with dispatch and combine folded into the expert MLPs, against the folded profile."""
+    program = _build(_plan(parallel, recompute, fold))
     real = rank_memory(program, micro, 4, 64)
     p = {"dp": 1, "ep": 1, "dp_shard": 1, **parallel}
     mine = rank_memory_of(
-        profile,
+        profile.folded if fold else profile,
         [list(range(profile.num_units))],
         [1],
         ep=p["ep"],
@@ -109,7 +121,7 @@ def test_search_equals_brute_force(profile):
     every = list(brute_search.candidates(prune=False))
     fitting = sorted(
         (p for p in every if p.memory.total <= brute_search.capacity),
-        key=lambda p: (p.step_s, p.memory.total),
+        key=Prediction.rank_key,
     )
     assert len(every) > len(fitting) > 0 or len(every) == len(fitting)
     assert pruned[0].layout == fitting[0].layout
@@ -131,6 +143,54 @@ def test_tight_memory_search_equals_brute_force(profile):
     assert min(p.step_s for p in fitting) == best.step_s
     assert len(fitting) < brute.evaluated  # memory excluded some layouts
     assert best.step_s > roomy.best(1)[0].step_s  # and the fastest of all among them
+
+
+def test_folding_the_experts_keeps_less_and_is_offered_where_memory_needs_it(profile):
+    """The folded profile keeps less in each MoE unit and the same elsewhere; the search offers
+    the fold at EP = 1 with bf16 experts only, ranks it below the unfolded layout at equal
+    time, and picks it (over block recompute, which costs time) where only it fits; its plan
+    sets both lowering flags."""
+    units = zip(profile.units, profile.folded.units, strict=True)
+    for base, folded in units:
+        assert folded.name == base.name
+        kept, kept_folded = base.saved(4, 64), folded.saved(4, 64)
+        assert kept_folded < kept if base.moe else kept_folded == kept
+    request = Request(1, gpu_spec("h200"), 8 * 128, 128, fold_experts=True)
+    every = list(Search(profile, request).candidates(prune=False))
+    folds = [p for p in every if p.layout.fold_experts]
+    assert folds and all(p.layout.ep == 1 and p.layout.gemm == "bf16" for p in folds)
+    for p in folds:
+        twin = next(
+            q for q in every if q.layout == dataclasses.replace(p.layout, fold_experts=False)
+        )
+        assert p.step_s == twin.step_s and p.memory.total <= twin.memory.total
+        if p.layout.recompute == "none":  # under block recompute a dense block's may be the peak
+            assert p.memory.total < twin.memory.total
+        assert Prediction.rank_key(twin) < Prediction.rank_key(p)
+    assert not Search(profile, request).best(1)[0].layout.fold_experts  # memory is plenty
+    # the unfolded no-recompute layout of the largest microbatch no longer fits; its fold does
+    largest = max(p.layout.micro_seqs for p in every)
+    bare = next(
+        p
+        for p in every
+        if p.layout.micro_seqs == largest
+        and p.layout.recompute == "none"
+        and p.layout.gemm == "bf16"
+        and not p.layout.fold_experts
+    )
+    folded = next(
+        p for p in folds if p.layout == dataclasses.replace(bare.layout, fold_experts=True)
+    )
+    mem = (bare.memory.total + folded.memory.total) / 2
+    gpu = GPUS["h200"].with_values("test", memory_bytes=mem)
+    tight = dataclasses.replace(request, gpu=gpu, memory_fraction=1.0)
+    best = Search(profile, tight).best(3)
+    assert best[0].layout.fold_experts and best[0].layout.recompute == "none"
+    assert best[0].step_s <= min(p.step_s for p in best)
+    lowering = best[0].plan(_plan()).lowering
+    assert lowering.gather_up and lowering.combine_in_experts
+    unfolded = Search(profile, dataclasses.replace(tight, fold_experts=False))
+    assert not any(p.layout.fold_experts for p in unfolded.candidates(prune=False))
 
 
 def test_impossible_request_is_refused(profile):

@@ -77,12 +77,14 @@ def capture_model(
     from moec.compiler import build_program
     from moec.debug import with_next_token_loss
 
+    folded = _one_rank(plan).to_dict()
+    folded["lowering"] = {**folded["lowering"], "gather_up": True, "combine_in_experts": True}
     programs = []
-    for parallel in ({}, {"dp": 2, "dp_shard": 2}):
+    for one in (_one_rank(plan), _one_rank(plan, dp=2, dp_shard=2), Plan.from_dict(folded)):
         with torch.device("meta"):
             model, inputs, kwargs = load()
         model, inputs = with_next_token_loss(model, inputs, kwargs, name)
-        programs.append(build_program(model, _one_rank(plan, **parallel), inputs, {}, verify=False))
+        programs.append(build_program(model, one, inputs, {}, verify=False))
     return profile_program(*programs)
 
 
@@ -131,7 +133,7 @@ def format_predictions(result: AutoPlanResult) -> str:
     req = result.request
     head = (
         f"{'#':>2} {'pp':>3} {'v':>2} {'sched':<16} {'dp':>4} {'shard':>5} {'ep':>4} "
-        f"{'path':<12} {'mb':>3} {'m':>4} {'recomp':<6} {'gemm':<11} {'overlap':<9} "
+        f"{'path':<12} {'mb':>3} {'m':>4} {'recomp':<6} {'gemm':<11} {'overlap':<9} {'fold':<4} "
         f"{'step ms':>9} {'comp':>8} {'comm':>8} {'bubble':>8} {'recmp':>8} "
         f"{'tok/s/GPU':>10} {'MFU':>6} {'GiB':>7}"
     )
@@ -142,6 +144,7 @@ def format_predictions(result: AutoPlanResult) -> str:
             f"{i + 1:>2} {lay.pp:>3} {lay.virtual_stages:>2} {lay.schedule:<16} {lay.dp:>4} "
             f"{lay.dp_shard:>5} {lay.ep:>4} {lay.ep_path:<12} {lay.micro_seqs:>3} "
             f"{lay.microbatches:>4} {lay.recompute:<6} {lay.gemm:<11} {lay.overlap:<9} "
+            f"{'yes' if lay.fold_experts else 'no':<4} "
             f"{p.step_s * 1e3:>9.4g} {p.compute_s * 1e3:>8.4g} {p.exposed_comm_s * 1e3:>8.4g} "
             f"{p.bubble_s * 1e3:>8.4g} {p.recompute_s * 1e3:>8.4g} "
             f"{p.tokens_per_s / req.world:>10.0f} "
@@ -151,7 +154,8 @@ def format_predictions(result: AutoPlanResult) -> str:
     lines.append(
         f"{req.world} x {req.gpu.name} ({req.gpu.memory_bytes / GIB:.1f} GiB, "
         f"{req.memory_fraction:.0%} usable), global batch {req.global_batch} tokens at seq "
-        f"{req.seq}; mb = sequences per microbatch, m = microbatches; MFU on "
+        f"{req.seq}; mb = sequences per microbatch, m = microbatches; fold = dispatch and "
+        "combine folded into the expert MLPs (lowering.gather_up + combine_in_experts); MFU on "
         f"{req.gpu.bf16_tflops:.0f} TFLOP/s; {result.evaluated} candidates evaluated in "
         f"{result.search_s:.2f} s (capture {result.capture_s:.1f} s)"
     )

@@ -16,6 +16,11 @@ first and the epilogue to the last):
   role, working copy, FSDP group), from which :mod:`~moec.autoplan.memory` sizes
   every layout analytically, with :mod:`moec.analysis.rank_memory`'s accounting.
 
+Optionally a third program, the same model with ``lowering.gather_up`` and
+``combine_in_experts`` (each MoE layer's dispatch and combine folded into its expert MLP), is
+profiled as :attr:`ModelProfile.folded`: the same units with what that lowering keeps for
+backward, which the search offers as a memory lever at EP = 1.
+
 :meth:`ModelProfile.repeat_block` grows a captured model to its full depth (a model captured
 with a few identical blocks stands for one with many, e.g. the report's 63-layer Ultra).
 """
@@ -101,6 +106,10 @@ class ModelProfile:
     useful_flops_per_token: CostFn
     """Training FLOPs per token (3x forward matmuls, recompute excluded): Table 51's useful
     FLOPs, a function of (1, seq)."""
+    folded: ModelProfile | None = None
+    """The same model with the MoE layers' dispatch and combine folded into the expert MLPs
+    (``lowering.gather_up`` + ``combine_in_experts``, EP = 1 only), unit for unit; None: not
+    profiled."""
 
     @property
     def num_units(self) -> int:
@@ -153,7 +162,10 @@ class ModelProfile:
             return base(batch, seq) + extra * 3 * forward / (batch * seq)
 
         grown = self.units[: last + 1] + copies + after
-        return dataclasses.replace(self, units=grown, useful_flops_per_token=per_token)
+        folded = self.folded.repeat_block(index, total_blocks) if self.folded else None
+        return dataclasses.replace(
+            self, units=grown, useful_flops_per_token=per_token, folded=folded
+        )
 
 
 def _compile(expr: sympy.Expr, symbols: dict[sympy.Symbol, str]) -> CostFn:
@@ -184,9 +196,14 @@ def size_roles(program: Program) -> dict[sympy.Symbol, str]:
     return roles
 
 
-def profile_program(program: Program, fsdp_program: Program | None = None) -> ModelProfile:
+def profile_program(
+    program: Program, fsdp_program: Program | None = None, folded_program: Program | None = None
+) -> ModelProfile:
     """The :class:`ModelProfile` of ``program`` (one rank, no recompute, no pipeline), with the
-    FSDP layout of ``fsdp_program`` (the same model and plan at ``dp = dp_shard = 2``)."""
+    FSDP layout of ``fsdp_program`` (the same model and plan at ``dp = dp_shard = 2``) and, from
+    ``folded_program`` (the same with ``lowering.gather_up`` and ``combine_in_experts``), its
+    :attr:`~ModelProfile.folded` profile."""
+    folded = profile_program(folded_program) if folded_program is not None else None
     if program.pipeline is not None:
         raise ValueError("profile a program built without pipeline parallelism (pp = 1)")
     gm = program.graph
@@ -251,7 +268,12 @@ def profile_program(program: Program, fsdp_program: Program | None = None) -> Mo
     )
     hidden = program.moe_layers[0].dim if program.moe_layers else _hidden(gm)
     per_token = _compile(cost.total.train_flops / cost.tokens, roles)
-    return ModelProfile(result, hidden, act, per_token)
+    if folded is not None and [u.name for u in folded.units] != [u.name for u in result]:
+        raise ValueError(
+            "the folded program's pipeline units differ from the program's: "
+            f"{[u.name for u in folded.units]} against {[u.name for u in result]}"
+        )
+    return ModelProfile(result, hidden, act, per_token, folded)
 
 
 def _block_key(path: str, blocks: list[str]) -> str:
