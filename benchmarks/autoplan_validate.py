@@ -122,7 +122,7 @@ def describe(lay: Layout) -> str:
     parts.append(f"ep{lay.ep}" + (f" {lay.ep_path}" if lay.ep > 1 else ""))
     parts.append(f"{lay.micro_seqs}x{lay.microbatches}")
     parts += [f"rc:{lay.recompute}", lay.gemm] + (["2batch"] if lay.overlap != "none" else [])
-    return " ".join(parts)
+    return " ".join(parts + (["folded"] if lay.fold_experts else []))
 
 
 @dataclasses.dataclass
@@ -368,6 +368,12 @@ def main(argv: list[str] | None = None) -> int:
         help="calibrate the time model first: alone, from a profiled step of the one-GPU plan "
         "run here; with PATH, from that ops_rank0.json or moec train --profile run",
     )
+    parser.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=0.92,
+        help="usable share of the GPU's memory the search assumes (lower: a memory-bound search)",
+    )
     parser.add_argument("--out", help="folder for the runs and the profile (default: a temp)")
     parser.add_argument("--json", help="write the results here (rank 0)")
     args = parser.parse_args(argv)
@@ -394,7 +400,15 @@ def main(argv: list[str] | None = None) -> int:
     say(f"captured the e2e model ({'SMALL' if args.small else 'FULL'}) in "
         f"{time.perf_counter() - start:.1f} s: "
         f"{profile.useful_flops_per_token(1, s['seq']) / 1e9:.3f} useful GFLOP/token")  # fmt: skip
-    request = Request(world, gpu, seqs * s["seq"], s["seq"], min_micro_seqs=2, pp=args.pp)
+    request = Request(
+        world,
+        gpu,
+        seqs * s["seq"],
+        s["seq"],
+        args.memory_fraction,
+        min_micro_seqs=2,
+        pp=args.pp,
+    )
     calibrated = None
     if args.calibrate is not None:
         source = (
