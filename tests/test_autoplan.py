@@ -147,9 +147,9 @@ def test_tight_memory_search_equals_brute_force(profile):
 
 def test_folding_the_experts_keeps_less_and_is_offered_where_memory_needs_it(profile):
     """The folded profile keeps less in each MoE unit and the same elsewhere; the search offers
-    the fold at EP = 1 with bf16 experts only, ranks it below the unfolded layout at equal
-    time, and picks it (over block recompute, which costs time) where only it fits; its plan
-    sets both lowering flags."""
+    the fold at EP = 1 with bf16 experts only, prices it slower than the unfolded layout
+    (``Efficiency.folded_experts``), and picks it (over block recompute, which costs more)
+    where the unfolded one does not fit; its plan sets both lowering flags."""
     units = zip(profile.units, profile.folded.units, strict=True)
     for base, folded in units:
         assert folded.name == base.name
@@ -163,10 +163,9 @@ def test_folding_the_experts_keeps_less_and_is_offered_where_memory_needs_it(pro
         twin = next(
             q for q in every if q.layout == dataclasses.replace(p.layout, fold_experts=False)
         )
-        assert p.step_s == twin.step_s and p.memory.total <= twin.memory.total
+        assert p.step_s > twin.step_s and p.memory.total <= twin.memory.total
         if p.layout.recompute == "none":  # under block recompute a dense block's may be the peak
             assert p.memory.total < twin.memory.total
-        assert Prediction.rank_key(twin) < Prediction.rank_key(p)
     assert not Search(profile, request).best(1)[0].layout.fold_experts  # memory is plenty
     # the unfolded no-recompute layout of the largest microbatch no longer fits; its fold does
     largest = max(p.layout.micro_seqs for p in every)

@@ -8,12 +8,13 @@ data parallel ``dp = world / pp``, EP degree (dividing dp and the experts) and p
 (``rowwise``, ``a2a_capacity``), FSDP shard size (1: DDP, 8: HSDP inside a node, dp: FSDP),
 sequences per microbatch (the microbatch count follows from the global batch), recompute
 (``none``, ``block``), the low-precision scope (bf16, or the GPU's native FP8 format on the
-routed experts), EP overlap (``none``, ``two_batch``) and, at EP = 1 with bf16 experts, whether the
-MoE layers' dispatch and combine fold into the expert MLPs (``lowering.gather_up`` +
-``combine_in_experts``: time-neutral on an H200, less memory; priced with the profile's
-:attr:`~moec.autoplan.profile.ModelProfile.folded` units). Layouts are pruned early: divisibility,
-and memory lower bounds (a layout whose parameter state alone does not fit skips every
-microbatch size; a microbatch that does not fit stops the larger ones).
+routed experts), EP overlap (``none``, ``two_batch``) and, at EP = 1 with bf16 experts, whether
+the MoE layers' dispatch and combine fold into the expert MLPs (``lowering.gather_up`` +
+``combine_in_experts``: less memory, the expert GEMMs at ``Efficiency.folded_experts`` of their
+rate; priced with the profile's :attr:`~moec.autoplan.profile.ModelProfile.folded` units).
+Layouts are pruned early: divisibility, and memory lower bounds (a layout whose parameter state
+alone does not fit skips every microbatch size; a microbatch that does not fit stops the larger
+ones).
 
 Each candidate's step (:func:`evaluate`), per pipeline stage and microbatch, from the profile's
 per-unit costs and :mod:`moec.analysis.cost.time`: compute (GEMMs by shape and precision,
@@ -163,10 +164,9 @@ class Prediction:
         data["lowering"] = {**data["lowering"], **folded}
         return Plan.from_dict(data)
 
-    def rank_key(self) -> tuple[float, bool, float]:
-        """The search's order: fastest first; at equal time unfolded (the folded layer
-        measured 0.97-0.99x in isolation), then the least memory."""
-        return self.step_s, self.layout.fold_experts, self.memory.total
+    def rank_key(self) -> tuple[float, float]:
+        """The search's order: fastest first, then the least memory."""
+        return self.step_s, self.memory.total
 
 
 @functools.cache
@@ -357,7 +357,15 @@ class Search:
 
     @functools.cache  # noqa: B019
     def unit_times(
-        self, u: int, b: int, ep: int, ep_path: str, gemm: str, overlap: str, recompute: str
+        self,
+        u: int,
+        b: int,
+        ep: int,
+        ep_path: str,
+        gemm: str,
+        overlap: str,
+        recompute: str,
+        fold: bool = False,
     ) -> tuple[float, float, float]:
         """Seconds of unit ``u`` per microbatch of ``b`` sequences: compute (forward and
         backward), block recompute, and exposed EP exchanges (forward and backward); layouts
@@ -368,6 +376,9 @@ class Search:
         ep_rate = ep_link * 1e9 * eff.link * (eff.path_factor(ep_path) if ep > 1 else 1)
         work = self.work(unit, b, ep)
         fwd = forward_time(work, gpu, eff, gemm)
+        if fold:  # the folded expert GEMMs run at a share of their rate
+            experts = sum(gemm_time(f, r, gpu, gemm, eff) for f, r in work.expert_gemms)
+            fwd += experts * (1 / eff.folded_experts - 1)
         comm = recomputed = 0.0
         for moe, (flops, rows) in zip(unit.moe, work.expert_gemms, strict=True):
             if ep == 1:
@@ -451,7 +462,16 @@ class Search:
         stage_compute, stage_recompute, stage_comm = [], [], []
         for units in stages:
             times = [
-                self.unit_times(u, b, lay.ep, lay.ep_path, lay.gemm, lay.overlap, lay.recompute)
+                self.unit_times(
+                    u,
+                    b,
+                    lay.ep,
+                    lay.ep_path,
+                    lay.gemm,
+                    lay.overlap,
+                    lay.recompute,
+                    lay.fold_experts,
+                )
                 for u in units
             ]
             stage_compute.append(sum(t[0] for t in times))
