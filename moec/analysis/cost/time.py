@@ -95,11 +95,12 @@ class Efficiency:
     model's rates are those of the Inductor-lowered e2e step, which measured 1.015-1.03x the
     eager one on one H200 (RESULTS.md, session 13). Pipeline stages run eagerly too; their
     ``pp_stage`` was measured so and includes it."""
-    folded_experts: float = 0.9
+    folded_experts: float = 0.99
     """Share of the expert GEMMs' rate kept where the MoE layers' dispatch and combine fold
     into them (``lowering.gather_up`` + ``combine_in_experts``: row-indexed loads, the combine
-    in the dgrad epilogue): the e2e step on one H200 measured 273.5 against 265.3 ms beside
-    the unfolded one, ~8 ms over its ~71 ms of expert GEMMs (RESULTS.md, session 20)."""
+    in the dgrad epilogue): the autotuned e2e step on one H200 measured 266.9 against 266.3 ms
+    beside the unfolded one, ~0.6 ms over its ~71 ms of expert GEMMs; with autotuning off
+    (each kernel's first config) the fold cost 8 ms (RESULTS.md, session 20)."""
     ep_path_factor: tuple[tuple[str, float], ...] = (
         ("rowwise", 0.66),
         ("a2a_capacity", 0.26),
