@@ -87,9 +87,9 @@ for stage in "$@"; do
     regions) single=$([ -f "$OUT/e2e.json" ] && echo "--single $OUT/e2e.json")
       for ep in 1 $GPUS; do for r in whole blocks; do
         timeout $STAGE_LIMIT $RUN benchmarks/scaling.py --ep $ep --path rowwise --regions $r $single; done; done ;;
-    plan-search) timeout $STAGE_LIMIT $RUN benchmarks/autoplan_validate.py --json "$OUT/autoplan.json" ;;
+    plan-search) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT $RUN benchmarks/autoplan_validate.py --json "$OUT/autoplan.json" ;;
     plan-search-fold) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT $RUN benchmarks/autoplan_validate.py --memory-fraction 0.40 --top 3 --no-examples --json "$OUT/autoplan_fold.json" ;;
-    plan-search-pp) timeout $STAGE_LIMIT $RUN benchmarks/autoplan_validate.py --pp $GPUS --global-seqs 48 --top 3 --no-examples --json "$OUT/autoplan_pp.json" ;;
+    plan-search-pp) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT $RUN benchmarks/autoplan_validate.py --pp $GPUS --global-seqs 48 --top 3 --no-examples --json "$OUT/autoplan_pp.json" ;;
     new-gpu-tests) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_symbolic_capture_gpu.py tests/gpu/test_shared_stream_gpu.py ;;
     e2e-equal-lr) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 8 --warmup 6 --dropless --shared-stream --no-inductor --baselines compiled-bf16 --json "$OUT/e2e_equal_lr.json" ;;
     attention) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 6 --warmup 4 --attention cudnn --baselines compiled-bf16 --json "$OUT/e2e_attention.json" ;;
