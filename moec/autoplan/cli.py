@@ -221,7 +221,11 @@ def add_plan_auto_parser(plan_subparsers: argparse._SubParsersAction) -> argpars
         "--global-batch", type=int, default=2**20, help="tokens per optimizer step (job)"
     )
     auto.add_argument("--seq", type=int, default=4096, help="sequence length")
-    auto.add_argument("--plan", help="plan YAML whose moe/loss/lowering sections are kept")
+    auto.add_argument(
+        "--plan",
+        help="plan YAML whose moe/loss/lowering sections are kept (but lowering.gather_up and "
+        "combine_in_experts, which the search chooses)",
+    )
     auto.add_argument("--probe", help="JSON of measured GPU values replacing the datasheet's")
     auto.add_argument(
         "--probe-out", help="measure this machine's GPU first (CUDA) and write the JSON here"

@@ -139,7 +139,8 @@ class Prediction:
     block recompute or FSDP); None without pipeline parallelism."""
 
     def plan(self, base: Plan) -> Plan:
-        """``base`` (its MoE, loss and lowering sections) with this layout."""
+        """``base`` (its MoE, loss and lowering sections) with this layout: its parallel,
+        recompute and precision sections, and the two lowering flags that fold the experts."""
         lay = self.layout
         data = base.to_dict()
         data["parallel"] = {
