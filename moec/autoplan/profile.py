@@ -203,7 +203,6 @@ def profile_program(
     FSDP layout of ``fsdp_program`` (the same model and plan at ``dp = dp_shard = 2``) and, from
     ``folded_program`` (the same with ``lowering.gather_up`` and ``combine_in_experts``), its
     :attr:`~ModelProfile.folded` profile."""
-    folded = profile_program(folded_program) if folded_program is not None else None
     if program.pipeline is not None:
         raise ValueError("profile a program built without pipeline parallelism (pp = 1)")
     gm = program.graph
@@ -268,6 +267,7 @@ def profile_program(
     )
     hidden = program.moe_layers[0].dim if program.moe_layers else _hidden(gm)
     per_token = _compile(cost.total.train_flops / cost.tokens, roles)
+    folded = profile_program(folded_program) if folded_program is not None else None
     if folded is not None and [u.name for u in folded.units] != [u.name for u in result]:
         raise ValueError(
             "the folded program's pipeline units differ from the program's: "

@@ -166,16 +166,17 @@ def _combine_issue(y, weights, slots, recv_rows, group, ep_size, path) -> tuple[
     _check_split_path(path)
     pg = resolve_group(group, ep_size)
     acc = accumulation_dtype(y)
-    row_weights = y.new_empty((0,), dtype=acc)
+    unweighted = y.new_empty((0,), dtype=acc)
     if path != "rowwise":  # the weights apply home, at the wait
-        return _issue_a2a(take_rows(y, recv_rows), pg), row_weights
+        return _issue_a2a(take_rows(y, recv_rows), pg), unweighted
     flat, top_k, me = slots.reshape(-1), slots.shape[-1], dist.get_rank(pg)
+    row_weights = None
     if weights is not None:
         row_weights = weights_to_experts(weights, flat, recv_rows.shape[0], pg, acc)
-    scale = row_weights if weights is not None else None
-    partial, address = partial_sums(y, flat, recv_rows, top_k, ep_size, me, scale)
+    partial, address = partial_sums(y, flat, recv_rows, top_k, ep_size, me, row_weights)
     reached = token_ranks_reached(flat, recv_rows.shape[0], top_k, ep_size)  # [T, ep]
-    return _issue_rowwise(partial, address, reached.t().reshape(-1), pg), row_weights
+    pending = _issue_rowwise(partial, address, reached.t().reshape(-1), pg)
+    return pending, unweighted if row_weights is None else row_weights
 
 
 def _dispatch_wait(pending, slots, recv_rows, path) -> Tensor:
