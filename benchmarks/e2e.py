@@ -15,6 +15,11 @@ wide (24576: the width that gives the report's 2.01B total / 0.995B active param
   compiled  that model with every block under ``torch.compile`` (Inductor), bf16 autocast over
             fp32 weights, and again with pure bf16 weights: the strongest baseline a careful
             user writes (skip with ``--no-compiled-baselines``)
+  float8    (``--baselines compiled-bf16-float8``; needs torchao) the bf16-weight compiled
+            model with torchao's float8 training (recipe ``rowwise_with_gw_hp``: rowwise FP8
+            forward and d_x GEMMs, bf16 weight gradients) on the linears moec's ``--fp8`` rows
+            quantize (attention, shared experts, dense FFNs; not the router or the LM head):
+            the anchor for those rows
   --dropless  moec again without the capacity bound: the hand-written MoE's dropless routing.
             moec's rows print the share of routes dropped per step (as training moves the
             router, capacity drops can cut the expert work the default plan does)
@@ -33,6 +38,8 @@ wide (24576: the width that gives the report's 2.01B total / 0.995B active param
   --copies-traced  moec again with its working copies traced into the Inductor graph, as before
             the lowering lifted them out (each bf16 gradient then cast to float32 in the
             compiled backward and back to bf16 by the engine)
+  --fp8     moec again with ``precision.gemm: fp8_rowwise`` on the dense FFNs, then on every
+            scope (routed and shared experts, attention, dense FFNs)
   --cuda-graph  moec again with ``plan.lowering.cuda_graph`` (the step replayed as one CUDA
             graph). ``--small`` shows the launch-bound end, where the graph matters most
 
@@ -189,11 +196,25 @@ def hand_written(s: dict, dense: Llama) -> Llama:
     return model
 
 
+def convert_linears_to_float8(model: nn.Module) -> None:
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as err:
+        raise SystemExit("--baselines compiled-bf16-float8 needs torchao installed") from err
+    config = Float8LinearConfig.from_recipe_name("rowwise_with_gw_hp")
+    convert_to_float8_training(
+        model,
+        config=config,
+        module_filter_fn=lambda _, fqn: not fqn.endswith(("router", "lm_head")),
+    )
+
+
 class EagerTrainer:
     """The hand-written MoE's training step. ``compiled``: each block (and the rest of the
     model) under ``torch.compile`` as a careful user would write it; ``bf16_weights``: pure bf16
     parameters (no autocast, bf16 AdamW state) instead of bf16 autocast over fp32 weights;
-    ``attention``: the attention backend tried first, as moec's ``lowering.attention``."""
+    ``attention``: the attention backend tried first, as moec's ``lowering.attention``;
+    ``float8``: torchao's float8 training on every linear but the routers and the LM head."""
 
     def __init__(
         self,
@@ -203,11 +224,14 @@ class EagerTrainer:
         compiled: bool = False,
         bf16_weights: bool = False,
         attention: str = "auto",
+        float8: bool = False,
     ):
         self.model, self.device, self.s = model.to(device), device, s
         self.bf16_weights, self.attention = bf16_weights, attention
         if bf16_weights:
             self.model.to(torch.bfloat16)
+        if float8:
+            convert_linears_to_float8(self.model)
         if compiled:
             for block in self.model.layers:
                 block.compile()
@@ -360,7 +384,7 @@ def drop_rate(trainer: Trainer) -> float:
     return sum(layer["drop_rate"] for layer in layers) / len(layers)
 
 
-BASELINES = ("eager", "compiled-fp32", "compiled-bf16")
+BASELINES = ("eager", "compiled-fp32", "compiled-bf16", "compiled-bf16-float8")
 N_MAJOR = "moec, n-major experts"
 WITHOUT_QUACK_TOO = {N_MAJOR}  # variants also measured under the policy without the CuTe DSL
 
@@ -399,14 +423,12 @@ def plan_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, dict[st
             ("moec, block recompute, eager", {**block, "lowering": {"inductor": False}})
         )
     if args.fp8:
-        variants.append(("moec, fp8 rowwise experts", {"precision": {"gemm": "fp8_rowwise"}}))
-        every = ["routed_experts", "shared_expert", "attn_qkv", "attn_out"]
+        fp8 = {"gemm": "fp8_rowwise"}
+        every = ["routed_experts", "shared_expert", "attn_qkv", "attn_out", "dense_ffn"]
         variants.append(
-            (
-                "moec, fp8 rowwise experts+shared+attn",
-                {"precision": {"gemm": "fp8_rowwise", "scope": every}},
-            )
+            ("moec, fp8 rowwise dense FFNs", {"precision": fp8 | {"scope": ["dense_ffn"]}})
         )
+        variants.append(("moec, fp8 rowwise, every scope", {"precision": fp8 | {"scope": every}}))
     if args.gather_up:
         variants.append(("moec + gather_up", {"lowering": {"gather_up": True}}))
     if args.combine_in_experts:
@@ -438,7 +460,7 @@ def main() -> None:
     parser.add_argument(
         "--fp8",
         action="store_true",
-        help="also moec with precision.gemm fp8_rowwise: routed experts, then every scope",
+        help="also moec with precision.gemm fp8_rowwise: the dense FFNs, then every scope",
     )
     parser.add_argument(
         "--cuda-graph",
@@ -489,8 +511,8 @@ def main() -> None:
         "--baselines",
         nargs="+",
         choices=BASELINES,
-        default=list(BASELINES),
-        help="which hand-written baselines run (default: all three)",
+        default=list(BASELINES[:3]),
+        help="which hand-written baselines run (default: all but compiled-bf16-float8)",
     )
     parser.add_argument(
         "--memory-snapshot",
@@ -569,6 +591,11 @@ def main() -> None:
         "eager sort+grouped_mm": {},
         "compiled, fp32 weights": {"compiled": True},
         "compiled, bf16 weights": {"compiled": True, "bf16_weights": True},
+        "compiled, bf16 weights, torchao float8": {
+            "compiled": True,
+            "bf16_weights": True,
+            "float8": True,
+        },
     }
     chosen = [name for name, key in zip(baselines, BASELINES, strict=True) if key in args.baselines]
     if args.no_compiled_baselines:

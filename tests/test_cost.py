@@ -158,7 +158,13 @@ def test_low_precision_gemms_count_the_same_work(gemm):
                 "moe": {"num_experts": 4, "top_k": 2, "dense_first": 1, "shared_expert": True},
                 "precision": {
                     "gemm": precision,
-                    "scope": ["routed_experts", "shared_expert", "attn_qkv", "attn_out"],
+                    "scope": [
+                        "routed_experts",
+                        "shared_expert",
+                        "attn_qkv",
+                        "attn_out",
+                        "dense_ffn",
+                    ],
                 },
             }
         )

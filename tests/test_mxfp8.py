@@ -229,6 +229,17 @@ def _quantized_nodes(compiled) -> list:
     return [n for n in compiled.graph_module.graph.nodes if n.target in targets]
 
 
+def _weights_read(node) -> list:
+    """The weight nodes a quantized op reads: a gated pair that ``fuse_glu`` joined reads the
+    concatenation of both."""
+    weights = (
+        node.args[1:3] if node.target.__name__.startswith("quantized_expert") else [node.args[1]]
+    )
+    return [
+        w for n in weights for w in (n.args[0] if n.target == torch.ops.aten.cat.default else [n])
+    ]
+
+
 @pytest.mark.parametrize("compute_dtype", ["fp32", "bf16"])
 def test_shared_scope_stops_at_its_block(compute_dtype):
     """The shared expert's linears only: not the router beside it, nor the dense FFN, the
@@ -243,9 +254,40 @@ def test_shared_scope_stops_at_its_block(compute_dtype):
     compiled = moec.compile(Llama(config), plan, (tokens,))
     assert compiled.pass_results["precision"].stats["shared_linears_quantized"] == 6
     if compute_dtype == "fp32":  # the weights are the parameters (no working copies)
-        weights = sorted(n.args[1].name for n in _quantized_nodes(compiled))
+        weights = sorted(w.name for n in _quantized_nodes(compiled) for w in _weights_read(n))
         projections = ("down", "gate", "up")
         assert weights == [f"layers_{i}_ffn_{p}_proj_weight" for i in (1, 2) for p in projections]
+
+
+@pytest.mark.parametrize("compute_dtype", ["fp32", "bf16"])
+def test_dense_ffn_scope_quantizes_the_dense_blocks_ffn_as_one_gated_gemm(compute_dtype):
+    """``dense_ffn``: the FFN of the block ``moe.dense_first`` keeps dense, not the shared
+    experts beside the routed ones; ``fuse_glu`` joins its quantized gate and up linears into one
+    quantized GEMM of the concatenated weights, so the block runs quantized GEMM, ``moec.glu``,
+    quantized GEMM. The values stay those of the unquantized program within FP8's error."""
+    tokens = torch.randint(0, 64, (2, 16))
+    config = LlamaConfig(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=128, vocab_size=64)
+    dense = Llama(config)
+    plans = []
+    for gemm in ("fp8_rowwise", "bf16"):
+        plan = _plan(gemm, ["dense_ffn"])
+        plan.moe.dense_first = 1
+        plan.precision.compute_dtype = compute_dtype
+        plans.append(plan)
+    compiled, baseline = (moec.compile(dense, plan, (tokens,)) for plan in plans)
+    assert compiled.pass_results["precision"].stats["dense_ffn_linears_quantized"] == 3
+    assert compiled.pass_results["fuse_glu"].stats["fused"] == 3  # the dense FFN, 2 shared
+    nodes = _quantized_nodes(compiled)
+    assert len(nodes) == 2
+    up, down = sorted(nodes, key=lambda n: n.meta["val"].shape[-1], reverse=True)
+    (glu,) = up.users
+    assert glu.target == torch.ops.moec.glu.default and glu.args[1] == "swiglu"
+    assert up.meta["val"].shape[-1] == 2 * 128 and down.args[0] is glu
+    if compute_dtype == "fp32":  # the weights are the parameters (no working copies)
+        weights = [w.target for n in (up, down) for w in _weights_read(n)]
+        assert weights == [f"layers.0.ffn.{p}_proj.weight" for p in ("gate", "up", "down")]
+    out, ref = compiled(tokens), baseline(tokens)
+    assert _relative_error(out, ref.double()) < 0.1
 
 
 def test_bf16_compute_quantizes_bf16_working_copies():
@@ -256,13 +298,10 @@ def test_bf16_compute_quantizes_bf16_working_copies():
     plan.precision.compute_dtype = "bf16"
     compiled = moec.compile(Llama(TINY), plan, (tokens,))
     nodes = _quantized_nodes(compiled)
-    assert len(nodes) == 16  # 2 blocks: experts, 3 shared, 3 qkv, 1 out
+    assert len(nodes) == 14  # 2 blocks: experts, 2 shared (gate and up joined), 3 qkv, 1 out
     for node in nodes:
-        x, *weights = (
-            node.args[:3] if node.target.__name__.startswith("quantized_expert") else node.args[:2]
-        )
-        assert x.meta["val"].dtype == torch.bfloat16, node
-        for w in weights:
+        assert node.args[0].meta["val"].dtype == torch.bfloat16, node
+        for w in _weights_read(node):
             assert w.meta["val"].dtype == torch.bfloat16 and w.target.__name__ == "working_copy", (
                 node
             )

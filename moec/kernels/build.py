@@ -181,22 +181,36 @@ def _ep_specs() -> list[KernelSpec]:
 
 
 def _fp8_specs() -> list[KernelSpec]:
-    """The FP8 rowwise quantizers: rows (plain, and after a fused SwiGLU) and weight columns."""
+    """The FP8 rowwise quantizers: rows (plain, after a fused SwiGLU, and wide rows in chunks)
+    and weight columns (one program per column block, or K split over an amax and a codes
+    kernel)."""
     rows = {"x_ptr": "*bf16", "codes_ptr": "*fp8e4nv", "scales_ptr": "*fp32"}
-    tile = {"BLOCK_R": 4, "BLOCK_K": 2048}
+    one_pass = {"BLOCK_R": 4, "BLOCK_K": 2048, "ONE_PASS": True}
+    weight = {"w_ptr": "*bf16", "codes_ptr": "*fp8e4nv", "scales_ptr": "*fp32"}
+    tile = {"BLOCK_K": 64, "BLOCK_N": 64}
     return [
         KernelSpec(
             "fp8_quantize_rows", fp8_rowwise.rowwise_quantize_kernel, rows,
-            tile | {"ACT": -1, "GATED": False},
+            one_pass | {"ACT": -1, "GATED": False},
         ),
         KernelSpec(
             "fp8_quantize_swiglu_rows", fp8_rowwise.rowwise_quantize_kernel, rows,
-            tile | {"ACT": 2, "GATED": True},
+            one_pass | {"ACT": 2, "GATED": True},
         ),
         KernelSpec(
-            "fp8_quantize_weight", fp8_rowwise.columnwise_quantize_kernel,
-            {"w_ptr": "*bf16", "codes_ptr": "*fp8e4nv", "scales_ptr": "*fp32"},
-            {"BLOCK_K": 64, "BLOCK_N": 64},
+            "fp8_quantize_wide_rows", fp8_rowwise.rowwise_quantize_kernel, rows,
+            {"BLOCK_R": 1, "BLOCK_K": fp8_rowwise.ROW_CHUNK, "ONE_PASS": False, "ACT": -1,
+             "GATED": False},
+            {"num_warps": 8},
+        ),
+        KernelSpec("fp8_quantize_weight", fp8_rowwise.columnwise_quantize_kernel, weight, tile),
+        KernelSpec(
+            "fp8_weight_amax", fp8_rowwise.column_amax_kernel,
+            {"w_ptr": "*bf16", "amax_ptr": "*fp32"}, tile | {"SPLIT_K": 1024},
+        ),
+        KernelSpec(
+            "fp8_weight_codes", fp8_rowwise.column_codes_kernel,
+            weight | {"amax_ptr": "*fp32"}, tile,
         ),
     ]  # fmt: skip
 

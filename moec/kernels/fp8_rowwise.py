@@ -23,6 +23,19 @@ from moec.kernels.activation import KernelActivation, act_value
 
 
 @triton.jit
+def _row_values(x_ptr, offs, mask, K, stride_xk, ACT: tl.constexpr, GATED: tl.constexpr):
+    """The float32 values quantized at ``offs``: x, or act(x) / act(gate) * up; 0 where masked."""
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if ACT >= 0:
+        if GATED:
+            up = tl.load(x_ptr + offs + K * stride_xk, mask=mask, other=0.0).to(tl.float32)
+            x = act_value(x, ACT) * up
+        else:
+            x = act_value(x, ACT)
+    return tl.where(mask, x, 0.0)
+
+
+@triton.jit
 def rowwise_quantize_kernel(
     x_ptr,
     codes_ptr,
@@ -35,25 +48,44 @@ def rowwise_quantize_kernel(
     ACT: tl.constexpr,  # -1: x itself; else the code of an activation applied first
     GATED: tl.constexpr,  # with ACT: x = [gate | up], the row quantized is act(gate) * up
     BLOCK_R: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # BLOCK_K >= K: one pass over a row
+    BLOCK_K: tl.constexpr,
+    ONE_PASS: tl.constexpr,  # BLOCK_K >= K: a row is read once and kept in registers
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_K)
-    mask = (rows < R)[:, None] & (cols < K)[None, :]
-    offs = rows[:, None].to(tl.int64) * stride_xr + cols[None, :] * stride_xk
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if ACT >= 0:
-        if GATED:
-            up = tl.load(x_ptr + offs + K * stride_xk, mask=mask, other=0.0).to(tl.float32)
-            x = act_value(x, ACT) * up
-        else:
-            x = act_value(x, ACT)
-    amax = tl.max(tl.abs(x), axis=1)
+    row_ok = (rows < R)[:, None]
+    x_rows = rows[:, None].to(tl.int64) * stride_xr
+    q_rows = rows[:, None].to(tl.int64) * stride_qr
+    if ONE_PASS:
+        cols = tl.arange(0, BLOCK_K)[None, :]
+        x = _row_values(
+            x_ptr, x_rows + cols * stride_xk, row_ok & (cols < K), K, stride_xk, ACT, GATED
+        )
+        amax = tl.max(tl.abs(x), axis=1)
+    else:  # wide rows: amax over the row in chunks, then quantize it again from L2
+        amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)[None, :]
+            x = _row_values(
+                x_ptr, x_rows + cols * stride_xk, row_ok & (cols < K), K, stride_xk, ACT, GATED
+            )
+            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
     scale = tl.where(amax > 0, amax / 448.0, 1.0)
-    y = tl.clamp(x / scale[:, None], -448.0, 448.0)
-    q_offs = rows[:, None].to(tl.int64) * stride_qr + cols[None, :]
-    tl.store(codes_ptr + q_offs, y.to(tl.float8e4nv), mask=mask)
+    if ONE_PASS:
+        y = tl.clamp(x / scale[:, None], -448.0, 448.0)
+        tl.store(codes_ptr + q_rows + cols, y.to(tl.float8e4nv), mask=row_ok & (cols < K))
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)[None, :]
+            mask = row_ok & (cols < K)
+            x = _row_values(x_ptr, x_rows + cols * stride_xk, mask, K, stride_xk, ACT, GATED)
+            y = tl.clamp(x / scale[:, None], -448.0, 448.0)
+            tl.store(codes_ptr + q_rows + cols, y.to(tl.float8e4nv), mask=mask)
     tl.store(scales_ptr + rows, scale, mask=rows < R)
+
+
+ROW_ONE_PASS_MAX = 8192
+"""Widest row quantized in one pass (held in registers); wider rows loop over chunks."""
+ROW_CHUNK = 4096
 
 
 def rowwise_quantize(
@@ -68,13 +100,15 @@ def rowwise_quantize(
     scales = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows == 0 or k == 0:
         return codes, scales
-    block_k = triton.next_power_of_2(k)
-    block_r = max(1, min(16, 8192 // block_k))
+    one_pass = triton.next_power_of_2(k) <= ROW_ONE_PASS_MAX
+    block_k = triton.next_power_of_2(k) if one_pass else ROW_CHUNK
+    block_r = max(1, min(16, 8192 // block_k)) if one_pass else 1
     rowwise_quantize_kernel[(triton.cdiv(rows, block_r),)](
         x, codes, scales,
         rows, k, x.stride(0), x.stride(1), codes.stride(0),
         ACT=-1 if act is None else act.code, GATED=act is not None and act.gated,
-        BLOCK_R=block_r, BLOCK_K=block_k,
+        BLOCK_R=block_r, BLOCK_K=block_k, ONE_PASS=one_pass,
+        num_warps=4 if one_pass else 8,
     )  # fmt: skip
     return codes, scales
 
@@ -121,18 +155,93 @@ def columnwise_quantize_kernel(
     tl.store(scales_ptr + g * N + cols, scale, mask=cols < N)
 
 
+@triton.jit
+def column_amax_kernel(
+    w_ptr,
+    amax_ptr,  # (G, N) float32, zero on entry: each program folds in the max of its K range
+    K,
+    N,
+    stride_wg,
+    stride_wk,
+    stride_wn,
+    SPLIT_K: tl.constexpr,  # rows of K per program (a multiple of BLOCK_K)
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    g = tl.program_id(2).to(tl.int64)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = tl.program_id(1) * SPLIT_K
+    w_base = w_ptr + g * stride_wg + cols[None, :] * stride_wn
+    amax = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(k_start, k_start + SPLIT_K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        mask = (ks < K)[:, None] & (cols < N)[None, :]
+        w = tl.load(w_base + ks[:, None] * stride_wk, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(w), axis=0))
+    tl.atomic_max(amax_ptr + g * N + cols, amax, mask=cols < N)  # amax >= 0: order-free
+
+
+@triton.jit
+def column_codes_kernel(
+    w_ptr,
+    amax_ptr,
+    codes_ptr,
+    scales_ptr,  # pointers: amax from column_amax_kernel; codes (G, N, K)
+    K,
+    N,
+    stride_wg,
+    stride_wk,
+    stride_wn,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    g = tl.program_id(2).to(tl.int64)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    amax = tl.load(amax_ptr + g * N + cols, mask=cols < N, other=0.0)
+    scale = tl.where(amax > 0, amax / 448.0, 1.0)
+    mask = (ks < K)[:, None] & (cols < N)[None, :]
+    w_offs = g * stride_wg + ks[:, None] * stride_wk + cols[None, :] * stride_wn
+    w = tl.load(w_ptr + w_offs, mask=mask, other=0.0).to(tl.float32)
+    q = tl.clamp(w / scale[None, :], -448.0, 448.0).to(tl.float8e4nv)
+    codes_offs = g * N * K + cols[:, None].to(tl.int64) * K + ks[None, :]
+    tl.store(codes_ptr + codes_offs, tl.trans(q), mask=tl.trans(mask))
+    if tl.program_id(1) == 0:
+        tl.store(scales_ptr + g * N + cols, scale, mask=cols < N)
+
+
+WEIGHT_TILE = 64
+WEIGHT_PROGRAMS = 512
+"""Programs the weight quantizer aims for: below it (few groups and output channels, a long K,
+as in a dense linear's weight) the columns' K is split over programs."""
+
+
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w (G, K, N), any strides -> codes (G, K, N) column-major in (K, N), scales (G, N) per
     output channel; read in place (a transposed weight needs no copy first)."""
     groups, k, n = w.shape
     codes = torch.empty(groups, n, k, dtype=torch.float8_e4m3fn, device=w.device)
     scales = torch.empty(groups, n, dtype=torch.float32, device=w.device)
-    if codes.numel() > 0:
-        block_k, block_n = 64, 64
-        columnwise_quantize_kernel[(triton.cdiv(n, block_n), groups)](
-            w, codes, scales, k, n, w.stride(0), w.stride(1), w.stride(2),
-            BLOCK_K=block_k, BLOCK_N=block_n,
-        )  # fmt: skip
+    if codes.numel() == 0:
+        return codes.transpose(1, 2), scales
+    tile = WEIGHT_TILE
+    column_programs = groups * triton.cdiv(n, tile)
+    k_tiles = triton.cdiv(k, tile)
+    splits = min(k_tiles, triton.cdiv(WEIGHT_PROGRAMS, column_programs))
+    strides = (w.stride(0), w.stride(1), w.stride(2))
+    if splits <= 1:  # enough columns: one program per column block, two passes over its K
+        columnwise_quantize_kernel[(triton.cdiv(n, tile), groups)](
+            w, codes, scales, k, n, *strides, BLOCK_K=tile, BLOCK_N=tile
+        )
+        return codes.transpose(1, 2), scales
+    split_k = triton.cdiv(k_tiles, splits) * tile
+    amax = torch.zeros(groups, n, dtype=torch.float32, device=w.device)
+    column_amax_kernel[(triton.cdiv(n, tile), triton.cdiv(k, split_k), groups)](
+        w, amax, k, n, *strides, SPLIT_K=split_k, BLOCK_K=tile, BLOCK_N=tile
+    )
+    column_codes_kernel[(triton.cdiv(n, tile), k_tiles, groups)](
+        w, amax, codes, scales, k, n, *strides, BLOCK_K=tile, BLOCK_N=tile
+    )
     return codes.transpose(1, 2), scales
 
 

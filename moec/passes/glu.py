@@ -4,9 +4,12 @@ Matches  ``mul(act(linear(x, w_gate[, b_gate])), linear(x, w_up[, b_up]))`` (eit
          order), act one of ``silu``, ``gelu`` (exact or tanh), ``relu``; both linears read the
          same x, their weights have one shape, both or neither has a bias, and the
          intermediates are read by nothing else. This is what stays dense after the ``moe``
-         pass: the dense blocks' FFNs and the shared experts (``aten.linear`` only: quantized
-         linears of the ``precision`` pass are left alone).
-Emits    ``h = linear(x, cat([w_gate, w_up]), cat([b_gate, b_up]))`` and
+         pass: the dense blocks' FFNs and the shared experts. The two linears are both
+         ``aten.linear`` or both ``moec.quantized_linear`` of one recipe (the ``precision``
+         pass's); a mixed pair is left alone.
+Emits    ``h = linear(x, cat([w_gate, w_up]), cat([b_gate, b_up]))`` (or the quantized linear
+         with the pair's recipe: its scales are per row of x and per output channel, so the
+         joined GEMM quantizes every operand as the two did) and
          ``moec.glu(h, "swiglu" | "geglu" | "geglu_tanh" | "reglu")``.
 Keeps    values up to the GEMM's summation order (each output element is the same dot product;
          float32 results agree to rounding), every parameter and its gradient (the concatenation
@@ -20,6 +23,8 @@ d_h, and it saves h instead of gate, act(gate) and up.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
@@ -44,12 +49,24 @@ def _unary(node: fx.Node) -> str | None:
     return None
 
 
-def _linear_parts(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
-    """(x, weight, bias or None) of an ``aten.linear`` node."""
-    if node.target != aten.linear.default or node.kwargs:
+class _Linear(NamedTuple):
+    x: fx.Node
+    weight: fx.Node
+    bias: fx.Node | None
+    recipe: str | None
+    """The ``moec.quantized_linear`` recipe, None for ``aten.linear``."""
+
+
+def _linear_parts(node: fx.Node) -> _Linear | None:
+    """The operands of an ``aten.linear`` or ``moec.quantized_linear`` node."""
+    if node.kwargs:
         return None
-    x, weight, *rest = node.args
-    return x, weight, rest[0] if rest else None
+    if node.target == aten.linear.default:
+        x, weight, *rest = node.args
+        return _Linear(x, weight, rest[0] if rest else None, None)
+    if node.target == torch.ops.moec.quantized_linear.default:
+        return _Linear(*node.args)
+    return None
 
 
 def _match(mul: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, str] | None:
@@ -63,11 +80,12 @@ def _match(mul: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, str] | None:
         gate = act.args[0] if unary else None
         if gate is None or not isinstance(gate, fx.Node) or gate is up:
             continue
-        gate_parts, up_parts = _linear_parts(gate), _linear_parts(up)
-        if gate_parts is None or up_parts is None or gate_parts[0] is not up_parts[0]:
+        g, u = _linear_parts(gate), _linear_parts(up)
+        if g is None or u is None or g.x is not u.x or g.recipe != u.recipe:
             continue
-        (_, w_gate, b_gate), (_, w_up, b_up) = gate_parts, up_parts
-        if w_gate.meta["val"].shape != w_up.meta["val"].shape or (b_gate is None) != (b_up is None):
+        if g.weight.meta["val"].shape != u.weight.meta["val"].shape or (
+            (g.bias is None) != (u.bias is None)
+        ):
             continue
         if any(len(n.users) != 1 for n in (act, gate, up)):
             continue
@@ -88,12 +106,18 @@ class FuseGluPass(Pass):
             if match is None:
                 continue
             act, gate, up, activation = match
-            (x, w_gate, b_gate), (_, w_up, b_up) = _linear_parts(gate), _linear_parts(up)
+            g, u = _linear_parts(gate), _linear_parts(up)
             with gm.graph.inserting_before(mul):
-                args = [x, edit.call(aten.cat.default, ([w_gate, w_up], 0), gate)]
-                if b_gate is not None:
-                    args.append(edit.call(aten.cat.default, ([b_gate, b_up], 0), gate))
-                h = edit.call(aten.linear.default, tuple(args), gate)
+                weight = edit.call(aten.cat.default, ([g.weight, u.weight], 0), gate)
+                bias = None
+                if g.bias is not None:
+                    bias = edit.call(aten.cat.default, ([g.bias, u.bias], 0), gate)
+                if g.recipe is None:
+                    args = (g.x, weight) if bias is None else (g.x, weight, bias)
+                    h = edit.call(aten.linear.default, args, gate)
+                else:
+                    quantized = torch.ops.moec.quantized_linear.default
+                    h = edit.call(quantized, (g.x, weight, bias, g.recipe), gate)
                 out = edit.call(torch.ops.moec.glu.default, (h, activation), mul)
             mul.replace_all_uses_with(out)
             for node in (mul, act, gate, up):

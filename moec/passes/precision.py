@@ -14,7 +14,11 @@ and ``plan.precision.scope``, a subset of:
   stopping at the tensor the block's ``moec.dispatch`` reads;
 - ``attn_qkv``: the linears whose outputs reach ``scaled_dot_product_attention``'s q/k/v through
   views, RoPE and other non-linear ops (the search stops at the first linear on each path);
-- ``attn_out``: the linear that reads the attention output through views::
+- ``attn_out``: the linear that reads the attention output through views;
+- ``dense_ffn``: the linears of every FFN region the ``moe`` pass left dense (``moe.dense_first``
+  blocks, or every FFN when no ``moe`` pass runs), found by :func:`find_structure`; a shared
+  expert's linears are the ``shared_expert`` scope's, never this one's. ``fuse_glu`` then joins
+  a gated pair's two quantized linears into one, as it does unquantized ones::
 
       out: f32[B, S, E] = aten.linear(x: f32[B, S, K], w: f32[E, K], b?)
     becomes
@@ -25,7 +29,8 @@ Preconditions: ``routed_experts`` and ``shared_expert`` need the ``moe`` pass to
 :mod:`moec.passes.rewrite`; parameters are untouched (master weights stay in their dtype: the
 ops quantize them on every call), so the parameter count does not change; every replaced node
 has the same ``meta["val"]``. Statistics: ``experts_quantized``, ``shared_linears_quantized``,
-``qkv_linears_quantized``, ``out_linears_quantized``, ``recipe``.
+``qkv_linears_quantized``, ``out_linears_quantized``, ``dense_ffn_linears_quantized``,
+``recipe``.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import torch
 import torch.fx as fx
 
 import moec.ops.quantized  # noqa: F401  (registers moec::quantized_*)
-from moec.analysis.structure import CASTS, TRANSPOSE_OPS, VIEW_OPS, linear_site
+from moec.analysis.structure import CASTS, TRANSPOSE_OPS, VIEW_OPS, find_structure, linear_site
 from moec.passes.base import Pass, PassContext, PassResult, register_pass
 from moec.passes.rewrite import GraphEditor
 from moec.plan import Plan
@@ -137,6 +142,13 @@ def attention_out_linears(gm: fx.GraphModule) -> list[fx.Node]:
     return linears
 
 
+def dense_ffn_linears(gm: fx.GraphModule) -> list[fx.Node]:
+    """The ``aten.linear`` nodes of the FFN regions still dense, shared experts excepted."""
+    shared = set(shared_expert_linears(gm))
+    sites = [site for b in find_structure(gm).blocks for site in (*b.ffn.ups, b.ffn.down)]
+    return [s.node for s in sites if _is_linear(s.node) and s.node not in shared]
+
+
 @register_pass
 class PrecisionPass(Pass):
     name = "precision"
@@ -167,6 +179,7 @@ class PrecisionPass(Pass):
             "shared_expert": ("shared_linears_quantized", shared_expert_linears),
             "attn_qkv": ("qkv_linears_quantized", attention_qkv_linears),
             "attn_out": ("out_linears_quantized", attention_out_linears),
+            "dense_ffn": ("dense_ffn_linears_quantized", dense_ffn_linears),
         }
         done: set[fx.Node] = set()
         for key, (stat, finder) in finders.items():

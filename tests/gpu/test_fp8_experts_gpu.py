@@ -43,13 +43,27 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-12)).item()
 
 
+@pytest.mark.parametrize("width", [256, 9000])  # one pass; wider than one pass (in chunks)
 @pytest.mark.parametrize("activation", ["swiglu", "geglu", "gelu", "relu"])
-def test_activation_quantizer_equals_quantized_activation(activation):
-    h = torch.randn(300, 2 * 256, device=CUDA, dtype=torch.bfloat16) * 3
+def test_activation_quantizer_equals_quantized_activation(activation, width):
+    h = torch.randn(300, 2 * width, device=CUDA, dtype=torch.bfloat16) * 3
     codes, scales = fp8_rowwise.rowwise_quantize(h, kernel_activation(activation))
     want_codes, want_scales = rowwise_quantize_reference(activate(h.float(), activation))
     torch.testing.assert_close(scales, want_scales[:, 0], rtol=1e-5, atol=0)
     _assert_codes_close(codes, want_codes)  # float32 activation math may differ in last bits
+
+
+@pytest.mark.parametrize("width", [1536, 49152])
+def test_row_quantizer_equals_reference(width):
+    """Rows as the FP8 linears quantize them: the d = 1536 of a projection's input, and a dense
+    FFN's gated gradient (49152 wide: quantized in chunks) with a strided view of it."""
+    x = torch.randn(70, width + 64, device=CUDA, dtype=torch.bfloat16)[:, :width] * 5
+    x[3] = 0  # an all-zero row keeps scale 1
+    codes, scales = fp8_rowwise.rowwise_quantize(x)
+    want_codes, want_scales = rowwise_quantize_reference(x.float())
+    torch.testing.assert_close(scales, want_scales[:, 0], rtol=1e-6, atol=0)
+    assert scales[3] == 1
+    _assert_codes_close(codes, want_codes)
 
 
 def _assert_codes_close(codes: torch.Tensor, want: torch.Tensor) -> None:
@@ -59,16 +73,22 @@ def _assert_codes_close(codes: torch.Tensor, want: torch.Tensor) -> None:
     assert (diff > 0).float().mean() < 1e-2
 
 
+# experts with many column blocks (one program each), few (K split), a dense weight (K split)
+@pytest.mark.parametrize("shape", [(8, 128, 4096), (5, 200, 136), (1, 3000, 100)])
 @pytest.mark.parametrize("layout", ["N contiguous", "K contiguous"])
-def test_weight_quantizer_per_output_channel(layout):
+def test_weight_quantizer_per_output_channel(layout, shape):
     """``quantize_weight`` reads (G, K, N) in either layout in place and equals the reference
-    quantized along K, in the column-major layout the FP8 GEMMs take."""
-    w = torch.randn(5, 200, 136, device=CUDA, dtype=torch.bfloat16) * 2
+    quantized along K, in the column-major layout the FP8 GEMMs take, whether the quantizer
+    runs one program per column block or splits K over programs."""
+    groups, k, n = shape
+    w = torch.randn(*shape, device=CUDA, dtype=torch.bfloat16) * 2
+    w[0, :, 7] = 0  # an all-zero column keeps scale 1
     if layout == "K contiguous":
         w = w.transpose(1, 2).contiguous().transpose(1, 2)
     codes, scales = fp8_rowwise.quantize_weight(w)
     want_codes, want_scales = rowwise_quantize_reference(w.float(), dim=-2)
-    assert codes.shape == w.shape and codes.stride() == (200 * 136, 1, 200)
+    assert scales[0, 7] == 1
+    assert codes.shape == w.shape and codes.stride() == (k * n, 1, k)
     torch.testing.assert_close(scales, want_scales[:, 0, :], rtol=1e-6, atol=0)
     _assert_codes_close(codes, want_codes)
 
