@@ -17,9 +17,8 @@ wide (24576: the width that gives the report's 2.01B total / 0.995B active param
             user writes (skip with ``--no-compiled-baselines``)
   float8    (``--baselines compiled-bf16-float8``; needs torchao) the bf16-weight compiled
             model with torchao's float8 training (recipe ``rowwise_with_gw_hp``: rowwise FP8
-            forward and d_x GEMMs, bf16 weight gradients) on the linears moec's ``--fp8`` rows
-            quantize (attention, shared experts, dense FFNs; not the router or the LM head):
-            the anchor for those rows
+            forward and d_x GEMMs, bf16 weight gradients) on the dense blocks' FFN linears,
+            what moec's ``dense_ffn`` scope quantizes: the anchor for the ``--fp8`` rows
   --dropless  moec again without the capacity bound: the hand-written MoE's dropless routing.
             moec's rows print the share of routes dropped per step (as training moves the
             router, capacity drops can cut the expert work the default plan does)
@@ -38,8 +37,8 @@ wide (24576: the width that gives the report's 2.01B total / 0.995B active param
   --copies-traced  moec again with its working copies traced into the Inductor graph, as before
             the lowering lifted them out (each bf16 gradient then cast to float32 in the
             compiled backward and back to bf16 by the engine)
-  --fp8     moec again with ``precision.gemm: fp8_rowwise`` on the dense FFNs, then on every
-            scope (routed and shared experts, attention, dense FFNs)
+  --fp8     moec again with ``precision.gemm: fp8_rowwise`` on the dense FFNs, then on the
+            dense FFNs and the routed experts
   --cuda-graph  moec again with ``plan.lowering.cuda_graph`` (the step replayed as one CUDA
             graph). ``--small`` shows the launch-bound end, where the graph matters most
 
@@ -202,11 +201,11 @@ def convert_linears_to_float8(model: nn.Module) -> None:
     except ImportError as err:
         raise SystemExit("--baselines compiled-bf16-float8 needs torchao installed") from err
     config = Float8LinearConfig.from_recipe_name("rowwise_with_gw_hp")
-    convert_to_float8_training(
-        model,
-        config=config,
-        module_filter_fn=lambda _, fqn: not fqn.endswith(("router", "lm_head")),
-    )
+
+    def dense_ffn(_: nn.Module, fqn: str) -> bool:  # moec's dense_ffn scope: not shared experts
+        return ".ffn." in fqn and ".shared." not in fqn and not fqn.endswith("router")
+
+    convert_to_float8_training(model, config=config, module_filter_fn=dense_ffn)
 
 
 class EagerTrainer:
@@ -214,7 +213,7 @@ class EagerTrainer:
     model) under ``torch.compile`` as a careful user would write it; ``bf16_weights``: pure bf16
     parameters (no autocast, bf16 AdamW state) instead of bf16 autocast over fp32 weights;
     ``attention``: the attention backend tried first, as moec's ``lowering.attention``;
-    ``float8``: torchao's float8 training on every linear but the routers and the LM head."""
+    ``float8``: torchao's float8 training on the dense blocks' FFN linears."""
 
     def __init__(
         self,
@@ -424,11 +423,11 @@ def plan_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, dict[st
         )
     if args.fp8:
         fp8 = {"gemm": "fp8_rowwise"}
-        every = ["routed_experts", "shared_expert", "attn_qkv", "attn_out", "dense_ffn"]
-        variants.append(
-            ("moec, fp8 rowwise dense FFNs", {"precision": fp8 | {"scope": ["dense_ffn"]}})
-        )
-        variants.append(("moec, fp8 rowwise, every scope", {"precision": fp8 | {"scope": every}}))
+        for name, scope in (
+            ("moec, fp8 rowwise dense FFNs", ["dense_ffn"]),
+            ("moec, fp8 rowwise dense FFNs + experts", ["dense_ffn", "routed_experts"]),
+        ):
+            variants.append((name, {"precision": fp8 | {"scope": scope}}))
     if args.gather_up:
         variants.append(("moec + gather_up", {"lowering": {"gather_up": True}}))
     if args.combine_in_experts:
@@ -460,7 +459,7 @@ def main() -> None:
     parser.add_argument(
         "--fp8",
         action="store_true",
-        help="also moec with precision.gemm fp8_rowwise: the dense FFNs, then every scope",
+        help="also moec with precision.gemm fp8_rowwise: the dense FFNs, then with the experts",
     )
     parser.add_argument(
         "--cuda-graph",
