@@ -107,9 +107,10 @@ def adapt(plan: Plan, world: int, seqs: int, experts: int, gpu: GPUSpec) -> Layo
     path = p.ep_path if p.ep_path in ("rowwise", "a2a_capacity") else "rowwise"
     recompute = plan.recompute.policy if plan.recompute.policy in ("none", "block") else "block"
     overlap = p.overlap if ep > 1 and micro % 2 == 0 else "none"
+    scope = () if gemm == "bf16" else tuple(plan.precision.scope)
     return Layout(
         pp, v, schedule, dp, ep, path if ep > 1 else "auto", shard, micro, m, recompute, gemm,
-        overlap,
+        overlap, scope=scope,
     )  # fmt: skip
 
 
@@ -121,7 +122,8 @@ def describe(lay: Layout) -> str:
     parts.append(f"dp{lay.dp}" + (f"/shard{lay.dp_shard}" if lay.dp_shard > 1 else ""))
     parts.append(f"ep{lay.ep}" + (f" {lay.ep_path}" if lay.ep > 1 else ""))
     parts.append(f"{lay.micro_seqs}x{lay.microbatches}")
-    parts += [f"rc:{lay.recompute}", lay.gemm] + (["2batch"] if lay.overlap != "none" else [])
+    gemm = lay.gemm + (f":{'+'.join(lay.scope)}" if lay.scope else "")
+    parts += [f"rc:{lay.recompute}", gemm] + (["2batch"] if lay.overlap != "none" else [])
     return " ".join(parts + (["folded"] if lay.fold_experts else []))
 
 

@@ -226,7 +226,7 @@ def test_gpu_specs_and_probe_override(tmp_path):
     probe.write_text(json.dumps({"device": "x", "bf16_tflops": 700.0, "hbm_gbps": 4000}))
     probed = gpu_spec("h200", probe)
     assert probed.ceiling("bf16_tflops") == 700 and probed.ceiling("hbm_gbps") == 4000
-    assert probed.ceiling("fp8_tflops") == 686  # moec's measured FP8 expert-MLP rate on sm90
+    assert probed.ceiling("fp8_tflops") == 946  # moec's measured FP8 dense-FFN rate on sm90
     assert gpu_spec("h100", {"bf16_tflops": 700.0}).ceiling("fp8_tflops") == pytest.approx(
         1979 * 700 / 989
     )  # an unmeasured FP8 rate scales with the measured bf16 one

@@ -259,6 +259,19 @@ def test_shared_scope_stops_at_its_block(compute_dtype):
         assert weights == [f"layers_{i}_ffn_{p}_proj_weight" for i in (1, 2) for p in projections]
 
 
+def test_shared_scope_without_a_shared_expert_quantizes_nothing():
+    """Without a shared expert the add after each combine is the residual add: the scope must
+    not take the attention and FFN linears up the residual stream for a shared expert's."""
+    tokens = torch.randint(0, 64, (2, 16))
+    plan = _plan("fp8_rowwise", ["shared_expert"])
+    plan.moe.shared_expert = False
+    plan.moe.dense_first = 1
+    config = LlamaConfig(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=128, vocab_size=64)
+    compiled = moec.compile(Llama(config), plan, (tokens,))
+    assert compiled.pass_results["precision"].stats["shared_linears_quantized"] == 0
+    assert not _quantized_nodes(compiled)
+
+
 @pytest.mark.parametrize("compute_dtype", ["fp32", "bf16"])
 def test_dense_ffn_scope_quantizes_the_dense_blocks_ffn_as_one_gated_gemm(compute_dtype):
     """``dense_ffn``: the FFN of the block ``moe.dense_first`` keeps dense, not the shared

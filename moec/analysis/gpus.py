@@ -145,11 +145,11 @@ _H200_MEASURED = (
     # 2 H200s over NV18 (EP = 2, session 4): NCCL all-to-all 519 GB/s per GPU; rowwise
     # dispatch 365 and combine 317 GB/s per GPU (the EP model's path factors, time.py).
     ("nvlink_gbps", 519.0, "RESULTS.md: NCCL all-to-all, EP=2"),
-    # RESULTS.md session 14, one H200: the e2e step's fp8_rowwise expert MLPs (GEMMs, their
-    # quantizers and the bf16 weight gradients; 50 TFLOP per step) took 79.8 ms of kernel time
-    # against 71.4 ms for the bf16 ones, and the step measured 1.00x the bf16 step. Their
-    # effective rate scaled to the bf16 ceiling (768 x 627 / 702): what the search charges.
-    ("fp8_tflops", 686.0, "RESULTS.md session 14: fp8_rowwise expert MLPs, 627 vs 702 bf16"),
+    # RESULTS.md session 21, one H200: a dense FFN of the e2e model (24576 tokens, d 1536,
+    # SwiGLU 24576) with both projections fp8_rowwise (quantizers and bf16 weight gradients
+    # included) ran its GEMMs at 891 TFLOP/s where bf16 ran 723 (the GLU's time taken out of
+    # both), i.e. 768 x 891 / 723. The expert MLPs' fp8 share is Efficiency.fp8_rowwise_experts.
+    ("fp8_tflops", 946.0, "RESULTS.md session 21: fp8_rowwise dense FFN, 891 vs 723 bf16"),
 )
 GPUS: dict[str, GPUSpec] = {
     "h100": GPUSpec("H100", 81559 * MIB, 989.0, 1979.0, None, 3350.0, 450.0, 50.0),

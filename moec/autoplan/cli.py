@@ -53,7 +53,7 @@ def _one_rank(plan: Plan, **parallel: int) -> Plan:
     data = plan.to_dict()
     data["parallel"] = {**ParallelDefaults, **parallel}
     data["recompute"] = {"policy": "none", "budget_bytes": None}
-    data["precision"] = {**data["precision"], "compute_dtype": "bf16"}
+    data["precision"] = {**data["precision"], "compute_dtype": "bf16", "gemm": "bf16"}
     return Plan.from_dict(data)
 
 
@@ -128,12 +128,21 @@ def auto_plan(
     )
 
 
+SCOPE_NAMES = {"routed_experts": "experts", "dense_ffn": "dense FFNs"}
+
+
+def _scope(scope: tuple[str, ...]) -> str:
+    """``precision.scope`` in the table's few words ("-" for bf16)."""
+    return "+".join(SCOPE_NAMES.get(s, s) for s in scope) or "-"
+
+
 def format_predictions(result: AutoPlanResult) -> str:
     """The best plans as a table: layout, step time broken down, tokens/s, MFU, memory."""
     req = result.request
     head = (
         f"{'#':>2} {'pp':>3} {'v':>2} {'sched':<16} {'dp':>4} {'shard':>5} {'ep':>4} "
-        f"{'path':<12} {'mb':>3} {'m':>4} {'recomp':<6} {'gemm':<11} {'overlap':<9} {'fold':<4} "
+        f"{'path':<12} {'mb':>3} {'m':>4} {'recomp':<6} {'gemm':<11} {'low-prec scope':<14} "
+        f"{'overlap':<9} {'fold':<4} "
         f"{'step ms':>9} {'comp':>8} {'comm':>8} {'bubble':>8} {'recmp':>8} "
         f"{'tok/s/GPU':>10} {'MFU':>6} {'GiB':>7}"
     )
@@ -143,7 +152,8 @@ def format_predictions(result: AutoPlanResult) -> str:
         lines.append(
             f"{i + 1:>2} {lay.pp:>3} {lay.virtual_stages:>2} {lay.schedule:<16} {lay.dp:>4} "
             f"{lay.dp_shard:>5} {lay.ep:>4} {lay.ep_path:<12} {lay.micro_seqs:>3} "
-            f"{lay.microbatches:>4} {lay.recompute:<6} {lay.gemm:<11} {lay.overlap:<9} "
+            f"{lay.microbatches:>4} {lay.recompute:<6} {lay.gemm:<11} {_scope(lay.scope):<14} "
+            f"{lay.overlap:<9} "
             f"{'yes' if lay.fold_experts else 'no':<4} "
             f"{p.step_s * 1e3:>9.4g} {p.compute_s * 1e3:>8.4g} {p.exposed_comm_s * 1e3:>8.4g} "
             f"{p.bubble_s * 1e3:>8.4g} {p.recompute_s * 1e3:>8.4g} "
@@ -154,7 +164,8 @@ def format_predictions(result: AutoPlanResult) -> str:
     lines.append(
         f"{req.world} x {req.gpu.name} ({req.gpu.memory_bytes / GIB:.1f} GiB, "
         f"{req.memory_fraction:.0%} usable), global batch {req.global_batch} tokens at seq "
-        f"{req.seq}; mb = sequences per microbatch, m = microbatches; fold = dispatch and "
+        f"{req.seq}; mb = sequences per microbatch, m = microbatches; low-prec scope = the GEMMs "
+        "in the gemm precision; fold = dispatch and "
         "combine folded into the expert MLPs (lowering.gather_up + combine_in_experts); MFU on "
         f"{req.gpu.bf16_tflops:.0f} TFLOP/s; {result.evaluated} candidates evaluated in "
         f"{result.search_s:.2f} s (capture {result.capture_s:.1f} s)"

@@ -7,9 +7,10 @@ which parameters FSDP shards and its groups; it keeps, per unit of the ``pipelin
 and FFN halves, or a whole block where it has nothing before its FFN; the prologue joined to the
 first and the epilogue to the last):
 
-- forward FLOPs by kind (dense matmuls, attention, routed experts), bytes the other nodes
-  write, and activation bytes kept for backward without recompute and under block recompute
-  (the recompute region keeps its tensor inputs, the cost model's rule; the prologue and
+- forward FLOPs by kind (dense matmuls, and of them the dense FFNs' that the ``precision``
+  scope ``dense_ffn`` quantizes; attention; routed experts), bytes the other nodes write,
+  and activation bytes kept for backward without recompute and under block recompute (the
+  recompute region keeps its tensor inputs, the cost model's rule; the prologue and
   epilogue are not recomputed) and the transient of recomputing it, each a function of
   (batch, seq) per microbatch (the cost model's sympy expressions, compiled once);
 - its MoE layers (experts, top-k, width, capacity factor) and its parameters (shape, dtype,
@@ -46,6 +47,7 @@ from moec.passes.pipeline.units import (
     moe_layers_in,
     pipeline_units,
 )
+from moec.passes.precision import dense_ffn_linears
 from moec.program import MoELayer, Program
 
 CostFn = Callable[[int, int], float]
@@ -81,6 +83,8 @@ class UnitProfile:
     """Index of the residual block the unit belongs to (a block's halves share it)."""
     paths: list[str]
     matmul_flops: CostFn
+    dense_ffn_flops: CostFn
+    """The dense FFN linears' part of ``matmul_flops`` (``precision.scope: [dense_ffn]``)."""
     attention_flops: CostFn
     expert_flops: CostFn
     other_bytes: CostFn
@@ -217,6 +221,7 @@ def profile_program(
     names, units = pipeline_units(gm, cost, sublayers=True)
     paths = block_paths(gm, cost)
     unit_of = {n: i for i, u in enumerate(units) for n in u}
+    dense_ffn = set(dense_ffn_linears(gm))
     masters = {name for names in program.working_weights.values() for name in names}
     layout = fsdp_program.data_parallel if fsdp_program is not None else None
     sharded = set(layout.params) | set(layout.expert_params) if layout else set()
@@ -252,8 +257,11 @@ def profile_program(
         block += not name.endswith(FFN)  # a block's FFN half follows its pre-FFN half
         extra = loss_flops(gm) if i == len(units) - 1 else 0
         result.append(
-            _unit(name, block, nodes, whole, paths, program.moe_layers, params[i], roles, extra)
-        )
+            _unit(
+                name, block, nodes, whole, paths, program.moe_layers, params[i], roles, extra,
+                dense_ffn,
+            )
+        )  # fmt: skip
     act = next(
         (
             n.meta["val"].element_size()
@@ -328,6 +336,7 @@ def _unit(
     params: list[ParamInfo],
     roles: dict[sympy.Symbol, str],
     loss: sympy.Expr | int,
+    dense_ffn: set[fx.Node],
 ) -> UnitProfile:
     costs = {n: node_cost(n) for n in nodes}
     kinds, other = work_by_kind(costs.values())
@@ -364,6 +373,9 @@ def _unit(
         block=index,
         paths=unit_paths,
         matmul_flops=_compile(kinds["matmul"], roles),
+        dense_ffn_flops=_compile(
+            sympy.Add(*(costs[n].flops for n in nodes if n in dense_ffn)), roles
+        ),
         attention_flops=_compile(kinds["attention"], roles),
         expert_flops=_compile(kinds["experts"], roles),
         other_bytes=_compile(other, roles),

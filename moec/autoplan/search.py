@@ -8,8 +8,9 @@ data parallel ``dp = world / pp``, EP degree (dividing dp and the experts) and p
 (``rowwise``, ``a2a_capacity``), FSDP shard size (1: DDP, 8: HSDP inside a node, dp: FSDP),
 sequences per microbatch (the microbatch count follows from the global batch), recompute
 (``none``, ``block``), the low-precision scope (bf16, or the GPU's native FP8 format on the
-routed experts), EP overlap (``none``, ``two_batch``) and, at EP = 1 with bf16 experts, whether
-the MoE layers' dispatch and combine fold into the expert MLPs (``lowering.gather_up`` +
+routed experts, on the dense FFNs where the model has any, or on both: ``precision.scope``),
+EP overlap (``none``, ``two_batch``) and, at EP = 1 with bf16 experts, whether the MoE
+layers' dispatch and combine fold into the expert MLPs (``lowering.gather_up`` +
 ``combine_in_experts``: less memory, the expert GEMMs at ``Efficiency.folded_experts`` of their
 rate; priced with the profile's :attr:`~moec.autoplan.profile.ModelProfile.folded` units).
 Layouts are pruned early: divisibility, and memory lower bounds (a layout whose parameter state
@@ -45,9 +46,9 @@ from moec.analysis.cost.time import (
     ForwardWork,
     bubble_fraction,
     collective_time,
+    expert_gemm_time,
     forward_time,
     forward_work,
-    gemm_time,
     memory_time,
 )
 from moec.analysis.gpus import GPUSpec
@@ -115,6 +116,16 @@ class Layout:
     overlap: str
     fold_experts: bool = False
     """Dispatch and combine folded into the expert MLPs (EP = 1, bf16 experts)."""
+    scope: tuple[str, ...] = ()
+    """The GEMMs in ``gemm`` precision (``precision.scope``); empty for bf16."""
+
+    @property
+    def expert_gemm(self) -> str:
+        return self.gemm if "routed_experts" in self.scope else "bf16"
+
+    @property
+    def dense_ffn_gemm(self) -> str:
+        return self.gemm if "dense_ffn" in self.scope else "bf16"
 
     @property
     def whole_blocks(self) -> bool:
@@ -158,7 +169,7 @@ class Prediction:
         precision = dict(data["precision"])
         precision["compute_dtype"] = "bf16"
         precision["gemm"] = lay.gemm
-        precision["scope"] = ["routed_experts"]
+        precision["scope"] = list(lay.scope) or ["routed_experts"]
         data["precision"] = precision
         data["recompute"] = {"policy": lay.recompute, "budget_bytes": None}
         folded = {"gather_up": lay.fold_experts, "combine_in_experts": lay.fold_experts}
@@ -198,6 +209,11 @@ class Search:
         self.capacity = request.gpu.memory_bytes * request.memory_fraction
         fold = quack_importable() if request.fold_experts is None else request.fold_experts
         self.fold = fold and profile.folded is not None
+        dense_ffn = any(u.dense_ffn_flops(1, request.seq) > 0 for u in profile.units)
+        self.low_scopes: list[tuple[str, ...]] = [("routed_experts",)]
+        """The ``precision.scope`` s a low-precision layout may take."""
+        if dense_ffn:
+            self.low_scopes += [("dense_ffn",), ("dense_ffn", "routed_experts")]
         self.smallest: tuple[float, str] = (math.inf, "")
         """The least per-rank memory seen, and the layout it belongs to."""
         self.evaluated = 0
@@ -259,10 +275,12 @@ class Search:
                 for recompute in ("none", "block"):
                     if recompute == "block" and pp * v > self.profile.num_blocks:
                         continue  # a recompute region is one unit
-                    for gemm in sorted({"bf16", req.gpu.low_precision()}):
+                    precisions = [("bf16", ())]
+                    precisions += [(req.gpu.low_precision(), s) for s in self.low_scopes]
+                    for gemm, scope in precisions:
                         overlaps = ("none", "two_batch") if ep > 1 and micro % 2 == 0 else ("none",)
                         paths = ("rowwise", "a2a_capacity") if ep > 1 else ("auto",)
-                        fold = self.fold and ep == 1 and gemm == "bf16"
+                        fold = self.fold and ep == 1 and "routed_experts" not in scope
                         for overlap, path, folded in itertools.product(
                             overlaps, paths, (False, True) if fold else (False,)
                         ):
@@ -280,6 +298,7 @@ class Search:
                                 gemm,
                                 overlap,
                                 folded,
+                                scope,
                             )
                             pred = self.evaluate(lay)
                             fitted |= pred.memory.total <= self.capacity
@@ -354,6 +373,7 @@ class Search:
             unit.other_bytes(b, seq),
             b * seq,
             ep,
+            unit.dense_ffn_flops(b, seq),
         )
 
     @functools.cache  # noqa: B019
@@ -363,7 +383,8 @@ class Search:
         b: int,
         ep: int,
         ep_path: str,
-        gemm: str,
+        expert_gemm: str,
+        dense_ffn_gemm: str,
         overlap: str,
         recompute: str,
         fold: bool = False,
@@ -376,15 +397,17 @@ class Search:
         ep_link = gpu.ceiling("nvlink_gbps" if ep <= gpu.gpus_per_node else "inter_node_gbps")
         ep_rate = ep_link * 1e9 * eff.link * (eff.path_factor(ep_path) if ep > 1 else 1)
         work = self.work(unit, b, ep)
-        fwd = forward_time(work, gpu, eff, gemm)
+        fwd = forward_time(work, gpu, eff, expert_gemm, dense_ffn_gemm)
         if fold:  # the folded expert GEMMs run at a share of their rate
-            experts = sum(gemm_time(f, r, gpu, gemm, eff) for f, r in work.expert_gemms)
+            experts = sum(
+                expert_gemm_time(f, r, gpu, expert_gemm, eff) for f, r in work.expert_gemms
+            )
             fwd += experts * (1 / eff.folded_experts - 1)
         comm = recomputed = 0.0
         for moe, (flops, rows) in zip(unit.moe, work.expert_gemms, strict=True):
             if ep == 1:
                 break
-            t_exp = gemm_time(flops, rows, gpu, gemm, eff)
+            t_exp = expert_gemm_time(flops, rows, gpu, expert_gemm, eff)
             row_bytes = moe.dim * prof.act_itemsize * (ep - 1) / ep
             home = work.rows * moe.top_k * (moe.capacity_factor or 1.0) * row_bytes
             sent = 2 * home  # dispatch + combine, a row per route each way
@@ -468,7 +491,8 @@ class Search:
                     b,
                     lay.ep,
                     lay.ep_path,
-                    lay.gemm,
+                    lay.expert_gemm,
+                    lay.dense_ffn_gemm,
                     lay.overlap,
                     lay.recompute,
                     lay.fold_experts,

@@ -10,8 +10,8 @@ and ``plan.precision.scope``, a subset of:
       y, h = moec.quantized_expert_mlp(buf, w_up, w_down, offs, ..., "mxfp8")
 
 - ``shared_expert``: the ``aten.linear`` nodes of a shared expert, found structurally: the
-  linears in the backward cone of the dense branch of ``add(shared_out, moec.combine(...))``,
-  stopping at the tensor the block's ``moec.dispatch`` reads;
+  linears on the paths from the tensor the block's ``moec.dispatch`` reads to the dense branch
+  of ``add(shared_out, moec.combine(...))`` (none where that add is the residual one);
 - ``attn_qkv``: the linears whose outputs reach ``scaled_dot_product_attention``'s q/k/v through
   views, RoPE and other non-linear ops (the search stops at the first linear on each path);
 - ``attn_out``: the linear that reads the attention output through views;
@@ -65,18 +65,17 @@ def _is_linear(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target == aten.linear.default
 
 
-def _linears_behind(start: fx.Node, stop: set[fx.Node], *, through: bool = False) -> list[fx.Node]:
-    """The ``aten.linear`` nodes on the backward paths from ``start``, not crossing ``stop``:
-    only the first on each path, or (``through``) all of them."""
-    found, seen, todo = [], set(stop), [start]
-    while todo and len(seen) < _SEARCH_LIMIT + len(stop):
+def _first_linears_behind(start: fx.Node) -> list[fx.Node]:
+    """The first ``aten.linear`` node on each backward path from ``start``."""
+    found, seen, todo = [], set(), [start]
+    while todo and len(seen) < _SEARCH_LIMIT:
         node = todo.pop()
         if node in seen:
             continue
         seen.add(node)
         if _is_linear(node):
             found.append(node)
-        if node.op == "call_function" and (through or not _is_linear(node)):
+        elif node.op == "call_function":
             todo.extend(node.all_input_nodes)
     return found
 
@@ -86,8 +85,10 @@ def routed_expert_nodes(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 def shared_expert_linears(gm: fx.GraphModule) -> list[fx.Node]:
-    """Linears of the dense branch added to each ``moec.combine`` output, up to the block's
-    MoE input (the tensor dispatch reads, and what it is a view or cast of)."""
+    """Linears of the dense branch added to each ``moec.combine`` output that read the block's
+    MoE input (the tensor dispatch reads, and what it is a view or cast of): the shared
+    expert's. Without a shared expert that add is the residual add, whose other operand does
+    not descend from the MoE input: no linears."""
     linears: list[fx.Node] = []
     for combine in (n for n in gm.graph.nodes if n.target == moec_ops.combine.default):
         expert_in = _dispatch_input(combine)
@@ -95,8 +96,30 @@ def shared_expert_linears(gm: fx.GraphModule) -> list[fx.Node]:
             if add.target != aten.add.Tensor or expert_in is None:
                 continue
             (dense,) = [a for a in add.args if isinstance(a, fx.Node) and a is not combine]
-            linears += _linears_behind(dense, _views_of(expert_in), through=True)
+            linears += _linears_between(_views_of(expert_in), dense)
     return linears
+
+
+def _linears_between(sources: set[fx.Node], end: fx.Node) -> list[fx.Node]:
+    """The ``aten.linear`` nodes on paths from ``sources`` to ``end`` (a backward walk from
+    ``end`` of at most ``_SEARCH_LIMIT`` nodes, then forward from ``sources`` inside it)."""
+    behind, todo = {end}, [end]
+    while todo and len(behind) < _SEARCH_LIMIT:
+        node = todo.pop()
+        if node in sources or node.op != "call_function":
+            continue
+        for arg in node.all_input_nodes:
+            if arg not in behind:
+                behind.add(arg)
+                todo.append(arg)
+    reached, todo = set(), [s for s in sources if s in behind]
+    while todo:
+        node = todo.pop()
+        for user in node.users:
+            if user in behind and user not in reached:
+                reached.add(user)
+                todo.append(user)
+    return [n for n in end.graph.nodes if n in reached and _is_linear(n)]
 
 
 def _views_of(node: fx.Node) -> set[fx.Node]:
@@ -122,7 +145,7 @@ def attention_qkv_linears(gm: fx.GraphModule) -> list[fx.Node]:
     linears: list[fx.Node] = []
     for sdpa in (n for n in gm.graph.nodes if n.target in SDPA_OPS):
         for operand in sdpa.args[:3]:
-            linears += _linears_behind(operand, set())
+            linears += _first_linears_behind(operand)
     return linears
 
 
@@ -146,7 +169,8 @@ def dense_ffn_linears(gm: fx.GraphModule) -> list[fx.Node]:
     """The ``aten.linear`` nodes of the FFN regions still dense, shared experts excepted."""
     shared = set(shared_expert_linears(gm))
     sites = [site for b in find_structure(gm).blocks for site in (*b.ffn.ups, b.ffn.down)]
-    return [s.node for s in sites if _is_linear(s.node) and s.node not in shared]
+    nodes = dict.fromkeys(s.node for s in sites)  # a fused gate/up pair is one node
+    return [n for n in nodes if _is_linear(n) and n not in shared]
 
 
 @register_pass

@@ -7,7 +7,10 @@ efficiency factors (:class:`Efficiency`) that a profiled step calibrates (:func:
 - GEMM: ``flops / (ceiling(precision) * gemm * rows / (rows + gemm_half_rows))``: large GEMMs
   run at ``gemm`` of the ceiling, a GEMM of ``rows`` rows (an expert's share of the routed
   rows) at a fraction that halves at ``gemm_half_rows``. (H200, RESULTS.md: 16 groups of 256
-  rows at ~0.72 of the dense ceiling, of 8192 rows at ~0.92: ``gemm_half_rows`` ~100.)
+  rows at ~0.72 of the dense ceiling, of 8192 rows at ~0.92: ``gemm_half_rows`` ~100.) The
+  dense matmuls run in bf16 but for the dense FFNs', which take the ``precision.scope``
+  ``dense_ffn`` precision; the routed experts' fp8_rowwise GEMMs keep ``fp8_rowwise_experts``
+  of the rate (:func:`expert_gemm_time`).
 - attention: ``flops / (bf16 ceiling * attention)``;
 - memory-bound ops: ``bytes / (HBM ceiling * memory)`` with ``bytes`` what the op reads and
   writes (the caller counts both);
@@ -95,6 +98,13 @@ class Efficiency:
     model's rates are those of the Inductor-lowered e2e step, which measured 1.015-1.03x the
     eager one on one H200 (RESULTS.md, session 13). Pipeline stages run eagerly too; their
     ``pp_stage`` was measured so and includes it."""
+    fp8_rowwise_experts: float = 0.725
+    """Share of the fp8_rowwise rate the routed experts' MLPs keep. The ceiling is what a large
+    dense FFN's FP8 linears reach, quantizers and bf16 weight gradients included; the expert
+    MLPs' contraction is d (1536 in the e2e model), so their quantizers and bf16 weight
+    gradients weigh more: on one H200 they ran at 686 TFLOP/s where the dense FFN's ran at 946
+    (both scaled to the 768 bf16 ceiling; RESULTS.md sessions 14 and 21). MXFP8 is not
+    measured and keeps its ceiling."""
     folded_experts: float = 0.99
     """Share of the expert GEMMs' rate kept where the MoE layers' dispatch and combine fold
     into them (``lowering.gather_up`` + ``combine_in_experts``: row-indexed loads, the combine
@@ -154,6 +164,9 @@ class ForwardWork:
     """Bytes the memory-bound ops read and write."""
     rows: float = 0.0
     """Rows of the dense GEMMs (the microbatch's tokens)."""
+    dense_ffn_flops: float = 0.0
+    """The dense FFNs' part of ``matmul_flops`` (what ``precision.scope: [dense_ffn]``
+    quantizes)."""
 
 
 def forward_work(
@@ -164,11 +177,13 @@ def forward_work(
     written_bytes: float,
     tokens: float,
     ep: int = 1,
+    dense_ffn_flops: float = 0.0,
 ) -> ForwardWork:
     """The :class:`ForwardWork` of a piece of forward over ``tokens`` rows: ``expert_flops``
     shared evenly by its MoE layers, one ``(top_k, num_experts)`` each, whose local experts see
     ``tokens * top_k * ep / num_experts`` rows each (``ep`` ranks send to them); the other ops
-    read and write what they write (``2 * written_bytes``)."""
+    read and write what they write (``2 * written_bytes``); ``dense_ffn_flops`` of the
+    ``matmul_flops`` are the dense FFNs'."""
     share = expert_flops / max(len(routing), 1)
     return ForwardWork(
         matmul_flops=matmul_flops,
@@ -176,17 +191,33 @@ def forward_work(
         expert_gemms=tuple((share, tokens * k * ep / n) for k, n in routing),
         moved_bytes=2 * written_bytes,
         rows=tokens,
+        dense_ffn_flops=dense_ffn_flops,
     )
 
 
-def forward_time(
-    work: ForwardWork, gpu: GPUSpec, eff: Efficiency = Efficiency(), expert_precision: str = "bf16"
+def expert_gemm_time(
+    flops: float, rows: float, gpu: GPUSpec, precision: str = "bf16", eff: Efficiency = Efficiency()
 ) -> float:
-    """Seconds of ``work`` on one GPU, launch gaps included (``eff.device_busy``)."""
-    seconds = gemm_time(work.matmul_flops, work.rows, gpu, "bf16", eff)
+    """:func:`gemm_time` of routed expert GEMMs (fp8_rowwise at ``eff.fp8_rowwise_experts``)."""
+    share = eff.fp8_rowwise_experts if precision == "fp8_rowwise" else 1.0
+    return gemm_time(flops, rows, gpu, precision, eff) / share
+
+
+def forward_time(
+    work: ForwardWork,
+    gpu: GPUSpec,
+    eff: Efficiency = Efficiency(),
+    expert_precision: str = "bf16",
+    dense_ffn_precision: str = "bf16",
+) -> float:
+    """Seconds of ``work`` on one GPU, launch gaps included (``eff.device_busy``): the routed
+    experts' GEMMs in ``expert_precision``, the dense FFNs' in ``dense_ffn_precision``."""
+    dense = work.matmul_flops - work.dense_ffn_flops
+    seconds = gemm_time(dense, work.rows, gpu, "bf16", eff)
+    seconds += gemm_time(work.dense_ffn_flops, work.rows, gpu, dense_ffn_precision, eff)
     seconds += attention_time(work.attention_flops, gpu, eff)
     seconds += memory_time(work.moved_bytes, gpu, eff)
-    seconds += sum(gemm_time(f, r, gpu, expert_precision, eff) for f, r in work.expert_gemms)
+    seconds += sum(expert_gemm_time(f, r, gpu, expert_precision, eff) for f, r in work.expert_gemms)
     return seconds / eff.device_busy
 
 
