@@ -192,6 +192,46 @@ def test_folding_the_experts_keeps_less_and_is_offered_where_memory_needs_it(pro
     assert not any(p.layout.fold_experts for p in unfolded.candidates(prune=False))
 
 
+def test_dense_ffn_precision_scope_is_searched_and_priced(profile):
+    """The profile splits the dense block's FFN GEMMs out of its matmuls (its gate/up and down
+    projections; no shared expert here); the search offers FP8 on the routed experts, the
+    dense FFNs or both, prices each scope's GEMMs at its precision (the H200's FP8 runs a dense
+    FFN faster than bf16, the routed experts slower: ``Efficiency.fp8_rowwise_experts``), may
+    fold bf16 experts beside FP8 dense FFNs, and the chosen plan carries the scope."""
+    b, seq = 2, 64
+    dense = [u for u in profile.units if u.dense_ffn_flops(b, seq) > 0]
+    assert [u.name for u in dense] == ["model.layers.0 (FFN)"]
+    assert dense[0].dense_ffn_flops(b, seq) == dense[0].matmul_flops(b, seq) > 0
+    request = Request(1, gpu_spec("h200"), 8 * 128, 128, fold_experts=True)
+    search = Search(profile, request)
+    every = list(search.candidates(prune=False))
+    scopes = {(p.layout.gemm, p.layout.scope) for p in every}
+    assert scopes == {
+        ("bf16", ()),
+        ("fp8_rowwise", ("routed_experts",)),
+        ("fp8_rowwise", ("dense_ffn",)),
+        ("fp8_rowwise", ("dense_ffn", "routed_experts")),
+    }
+    assert any(p.layout.fold_experts and p.layout.scope == ("dense_ffn",) for p in every)
+    assert not any(p.layout.fold_experts and "routed_experts" in p.layout.scope for p in every)
+    for p in every:
+        if p.layout.gemm != "bf16" or p.layout.fold_experts:  # folds only bf16 experts
+            continue
+        dense_fp8, experts_fp8 = (
+            next(
+                q
+                for q in every
+                if q.layout == dataclasses.replace(p.layout, gemm="fp8_rowwise", scope=scope)
+            )
+            for scope in (("dense_ffn",), ("routed_experts",))
+        )
+        assert dense_fp8.step_s < p.step_s < experts_fp8.step_s
+    best = search.best(1)[0]
+    assert best.layout.scope == ("dense_ffn",)
+    precision = best.plan(_plan()).precision
+    assert precision.gemm == "fp8_rowwise" and precision.scope == ["dense_ffn"]
+
+
 def test_impossible_request_is_refused(profile):
     gpu = GPUS["h100"].with_values("test", memory_bytes=profile.params)  # < 1 byte/param/rank
     with pytest.raises(NoPlanFitsError, match=r"no plan fits 2 x H100 .* smallest per-rank"):
