@@ -91,6 +91,7 @@ for stage in "$@"; do
       for ep in 1 $GPUS; do for r in whole blocks; do
         timeout $STAGE_LIMIT $RUN benchmarks/scaling.py --ep $ep --path rowwise --regions $r $single; done; done ;;
     plan-search) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT $RUN benchmarks/autoplan_validate.py --json "$OUT/autoplan.json" ;;
+    plan-search-top4) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT $RUN benchmarks/autoplan_validate.py --top 4 --no-examples --json "$OUT/autoplan_top4.json" ;;
     plan-search-fold) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT $RUN benchmarks/autoplan_validate.py --memory-fraction 0.40 --top 3 --no-examples --json "$OUT/autoplan_fold.json" ;;
     plan-search-pp) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT $RUN benchmarks/autoplan_validate.py --pp $GPUS --global-seqs 48 --top 3 --no-examples --json "$OUT/autoplan_pp.json" ;;
     new-gpu-tests) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_symbolic_capture_gpu.py tests/gpu/test_shared_stream_gpu.py ;;
