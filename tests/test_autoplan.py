@@ -147,7 +147,8 @@ def test_tight_memory_search_equals_brute_force(profile):
 
 def test_folding_the_experts_keeps_less_and_is_offered_where_memory_needs_it(profile):
     """The folded profile keeps less in each MoE unit and the same elsewhere; the search offers
-    the fold at EP = 1 with bf16 experts only, prices it slower than the unfolded layout
+    the fold at EP = 1 with bf16 experts only (FP8 dense FFNs may sit beside it), prices it
+    slower than the unfolded layout
     (``Efficiency.folded_experts``), and picks it (over block recompute, which costs more)
     where the unfolded one does not fit; its plan sets both lowering flags."""
     units = zip(profile.units, profile.folded.units, strict=True)
@@ -158,7 +159,7 @@ def test_folding_the_experts_keeps_less_and_is_offered_where_memory_needs_it(pro
     request = Request(1, gpu_spec("h200"), 8 * 128, 128, fold_experts=True)
     every = list(Search(profile, request).candidates(prune=False))
     folds = [p for p in every if p.layout.fold_experts]
-    assert folds and all(p.layout.ep == 1 and p.layout.gemm == "bf16" for p in folds)
+    assert folds and all(p.layout.ep == 1 and p.layout.expert_gemm == "bf16" for p in folds)
     for p in folds:
         twin = next(
             q for q in every if q.layout == dataclasses.replace(p.layout, fold_experts=False)

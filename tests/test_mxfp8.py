@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import moec
+from moec.analysis.structure import find_structure
 from moec.models import Llama, LlamaConfig
 from moec.ops.experts import expert_mlp
 from moec.ops.quantized import (
@@ -296,6 +297,9 @@ def test_dense_ffn_scope_quantizes_the_dense_blocks_ffn_as_one_gated_gemm(comput
     (glu,) = up.users
     assert glu.target == torch.ops.moec.glu.default and glu.args[1] == "swiglu"
     assert up.meta["val"].shape[-1] == 2 * 128 and down.args[0] is glu
+    # still the block's FFN for the passes that find blocks by structure (recompute, pipeline)
+    ffn = find_structure(compiled.graph_module).blocks[0].ffn
+    assert ffn.down.node is down and [s.node for s in ffn.ups] == [up, up]
     if compute_dtype == "fp32":  # the weights are the parameters (no working copies)
         weights = [w.target for n in (up, down) for w in _weights_read(n)]
         assert weights == [f"layers.0.ffn.{p}_proj.weight" for p in ("gate", "up", "down")]

@@ -1,6 +1,7 @@
 """Find linears, FFN regions and residual blocks in an ATen graph, from structure alone.
 
-- A **linear site** is a matmul by a parameter: ``aten.linear(x, W[out, in], b?)``,
+- A **linear site** is a matmul by a parameter: ``aten.linear(x, W[out, in], b?)`` (or the
+  ``precision`` pass's ``moec.quantized_linear(x, W, b, recipe)``),
   ``aten.addmm(b, x, W[in, out])`` (transformers' Conv1D), ``aten.mm/matmul(x, W[in, out])`` or
   by ``aten.t(W)``; or a pointwise convolution ``aten.conv1d/conv2d(x, W[out, in, 1(, 1)], b?)``
   (kernel 1, stride 1, one group), a linear over the channel dim 1 of ``x``. Views between the
@@ -199,11 +200,15 @@ def _param_target(node: object) -> tuple[str, bool] | None:
     return None
 
 
+LINEARS = (aten.linear.default, torch.ops.moec.quantized_linear.default)
+"""Linears of a weight [out, in] whose first three arguments are (x, weight, bias)."""
+
+
 def _fused_glu_ups(glu: fx.Node) -> list[LinearSite] | None:
     """[gate, up] of a ``moec.glu`` fed by ``linear(x, cat([W_gate, W_up]), cat([b_gate, b_up])?)``
     (the ``fuse_glu`` pass's form): two sites sharing the fused matmul node."""
     h = strip_views(glu.args[0])
-    if _target(h) != aten.linear.default:
+    if _target(h) not in LINEARS:
         return None
 
     def halves(arg: object) -> list[str] | None:
@@ -213,7 +218,7 @@ def _fused_glu_ups(glu: fx.Node) -> list[LinearSite] | None:
         return [p[0] for p in params]
 
     weights = halves(h.args[1])
-    biases = halves(h.args[2]) if len(h.args) > 2 else [None, None]
+    biases = halves(h.args[2]) if len(h.args) > 2 and h.args[2] is not None else [None, None]
     if weights is None or biases is None:
         return None
     out_f, in_f = _joined(h.args[1])[0].meta["val"].shape
@@ -225,7 +230,7 @@ def linear_site(node: fx.Node) -> LinearSite | None:
     target = _target(node)
     if target in POINTWISE_CONV_OPS:
         return _pointwise_conv_site(node)
-    if target == aten.linear.default:
+    if target in LINEARS:
         weight = _param_target(node.args[1])
         bias = _param_target(node.args[2]) if len(node.args) > 2 else None
         if weight is None or weight[1]:

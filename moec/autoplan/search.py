@@ -214,6 +214,7 @@ class Search:
         """The ``precision.scope`` s a low-precision layout may take."""
         if dense_ffn:
             self.low_scopes += [("dense_ffn",), ("dense_ffn", "routed_experts")]
+        self._memories: dict[tuple, RankMemory] = {}
         self.smallest: tuple[float, str] = (math.inf, "")
         """The least per-rank memory seen, and the layout it belongs to."""
         self.evaluated = 0
@@ -432,6 +433,28 @@ class Search:
         return 3 * fwd, recomputed, comm
 
     @functools.cache  # noqa: B019
+    def stage_times(
+        self,
+        units: tuple[int, ...],
+        b: int,
+        ep: int,
+        ep_path: str,
+        expert_gemm: str,
+        dense_ffn_gemm: str,
+        overlap: str,
+        recompute: str,
+        fold: bool,
+    ) -> tuple[float, float, float]:
+        """:meth:`unit_times` summed over a stage's units."""
+        times = [
+            self.unit_times(
+                u, b, ep, ep_path, expert_gemm, dense_ffn_gemm, overlap, recompute, fold
+            )
+            for u in units
+        ]
+        return tuple(sum(t[i] for t in times) for i in range(3))  # type: ignore[return-value]
+
+    @functools.cache  # noqa: B019
     def in_flight(self, pp: int, v: int, schedule: str, m: int) -> tuple[int, ...]:
         if pp == 1:
             return (1,)
@@ -483,25 +506,13 @@ class Search:
         node = gpu.gpus_per_node
 
         # per stage and microbatch: compute, recompute, exposed EP
-        stage_compute, stage_recompute, stage_comm = [], [], []
-        for units in stages:
-            times = [
-                self.unit_times(
-                    u,
-                    b,
-                    lay.ep,
-                    lay.ep_path,
-                    lay.expert_gemm,
-                    lay.dense_ffn_gemm,
-                    lay.overlap,
-                    lay.recompute,
-                    lay.fold_experts,
-                )
-                for u in units
-            ]
-            stage_compute.append(sum(t[0] for t in times))
-            stage_recompute.append(sum(t[1] for t in times))
-            stage_comm.append(sum(t[2] for t in times))
+        args = (
+            b, lay.ep, lay.ep_path, lay.expert_gemm, lay.dense_ffn_gemm, lay.overlap,
+            lay.recompute, lay.fold_experts,
+        )  # fmt: skip
+        stage_compute, stage_recompute, stage_comm = zip(
+            *(self.stage_times(units, *args) for units in stages), strict=True
+        )
 
         # pipeline: the slowest rank's busy time per microbatch, P2P at stage boundaries
         p2p = 0.0
@@ -529,8 +540,8 @@ class Search:
             lay.pp, lay.virtual_stages, lay.schedule, lay.dp, lay.ep, lay.dp_shard, m,
             lay.whole_blocks,
         )  # fmt: skip
-        units_held = [u for s in held[slowest] for u in stages[s]]
-        dense_el, expert_el = self._param_elements(units_held, lay)
+        units_held = tuple(u for s in held[slowest] for u in stages[s])
+        dense_el, expert_el = self._param_elements(units_held, lay.ep, lay.dp_shard)
         dp_link = gpu.ceiling("nvlink_gbps" if lay.dp <= node else "inter_node_gbps")
         if lay.dp_shard > 1:
             shard_link = gpu.ceiling("nvlink_gbps" if lay.dp_shard <= node else "inter_node_gbps")
@@ -555,7 +566,12 @@ class Search:
         recompute = m * sum(stage_recompute[s] for s in held[slowest]) / pace
         comm = m * sum(stage_comm[s] + p2p for s in held[slowest]) + exposed_dp
 
-        memory = self._memory(lay, stages, flight, held, states)
+        # what a rank keeps does not depend on the GEMM precision or on how EP exchanges run
+        key = (lay.pp, lay.virtual_stages, lay.schedule, lay.dp, lay.ep, lay.dp_shard,
+               lay.micro_seqs, m, lay.recompute, lay.fold_experts)  # fmt: skip
+        memory = self._memories.get(key)
+        if memory is None:
+            memory = self._memories[key] = self._memory(lay, stages, flight, held, states)
         self._note(
             memory.total,
             f"pp {lay.pp}, ep {lay.ep}, dp_shard {lay.dp_shard}, {lay.micro_seqs} x {seq} "
@@ -576,7 +592,10 @@ class Search:
         if nbytes < self.smallest[0]:
             self.smallest = (nbytes, where)
 
-    def _param_elements(self, units: list[int], lay: Layout) -> tuple[float, float]:
+    @functools.cache  # noqa: B019
+    def _param_elements(
+        self, units: tuple[int, ...], ep: int, dp_shard: int
+    ) -> tuple[float, float]:
         """(dense, expert) trainable elements whose gradients this rank reduces."""
         dense = expert = 0.0
         for u in units:
@@ -584,9 +603,9 @@ class Search:
                 if not p.trainable:
                     continue
                 if p.expert:
-                    expert += p.numel / lay.ep
+                    expert += p.numel / ep
                 else:
-                    dense += p.numel / (lay.dp_shard if p.fsdp else 1)
+                    dense += p.numel / (dp_shard if p.fsdp else 1)
         return dense, expert
 
     def _memory(self, lay: Layout, stages, flight, held, states) -> RankMemory:
