@@ -433,25 +433,10 @@ class Search:
         return 3 * fwd, recomputed, comm
 
     @functools.cache  # noqa: B019
-    def stage_times(
-        self,
-        units: tuple[int, ...],
-        b: int,
-        ep: int,
-        ep_path: str,
-        expert_gemm: str,
-        dense_ffn_gemm: str,
-        overlap: str,
-        recompute: str,
-        fold: bool,
-    ) -> tuple[float, float, float]:
-        """:meth:`unit_times` summed over a stage's units."""
-        times = [
-            self.unit_times(
-                u, b, ep, ep_path, expert_gemm, dense_ffn_gemm, overlap, recompute, fold
-            )
-            for u in units
-        ]
+    def stage_times(self, units: tuple[int, ...], *args: object) -> tuple[float, float, float]:
+        """:meth:`unit_times` summed over a stage's units (``args``: its arguments after the
+        unit)."""
+        times = [self.unit_times(u, *args) for u in units]
         return tuple(sum(t[i] for t in times) for i in range(3))  # type: ignore[return-value]
 
     @functools.cache  # noqa: B019
