@@ -2,12 +2,15 @@
 
 ``rowwise_quantize(x)``: x (R, K) -> (codes e4m3 (R, K), scales fp32 (R,)) with
 ``scale = amax(row) / 448`` (1 for an all-zero row), the layout of
-:func:`moec.ops.quantized.rowwise_quantize_reference`. ``rowwise_gmm`` runs
+:func:`moec.ops.quantized.rowwise_quantize_reference`; a row up to 8192 wide is read once and
+kept in registers, a wider one (a dense FFN's hidden) twice, in chunks. ``rowwise_gmm`` runs
 ``torch._scaled_grouped_mm`` (row scales for the activations, per output channel for the
 weights; ``rowwise_mm`` the same for one matrix through ``torch._scaled_mm``) where torch ships
 it for this device: sm90 only here, checked from the capability, so no call ever reaches a
 kernel built for another architecture. ``quantize_weight`` quantizes a (G, K, N) weight per
-output channel in place, whatever its strides, into the column-major codes those GEMMs take.
+output channel in place, whatever its strides, into the column-major codes those GEMMs take;
+where G x N gives few programs (a dense weight read along its long side) K is split over
+programs, the column maxima joined by an atomic max.
 ``fast_accum=True`` lets Hopper's FP8 MMA accumulate without the periodic promotion to fp32
 (and torch then picks a 256 x 128 tile for large groups): faster, a little less exact; the ops
 use it for the forward GEMMs only, as torchao's float8 training does, and keep dgrad exact.
