@@ -26,6 +26,12 @@ from moec.kernels.activation import KernelActivation, act_value
 
 
 @triton.jit
+def _scale(amax):
+    """Scale of a slice of max |value| ``amax``: amax / 448 (e4m3's largest), 1 for all zeros."""
+    return tl.where(amax > 0, amax / 448.0, 1.0)
+
+
+@triton.jit
 def _row_values(x_ptr, offs, mask, K, stride_xk, ACT: tl.constexpr, GATED: tl.constexpr):
     """The float32 values quantized at ``offs``: x, or act(x) / act(gate) * up; 0 where masked."""
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -72,7 +78,7 @@ def rowwise_quantize_kernel(
                 x_ptr, x_rows + cols * stride_xk, row_ok & (cols < K), K, stride_xk, ACT, GATED
             )
             amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-    scale = tl.where(amax > 0, amax / 448.0, 1.0)
+    scale = _scale(amax)
     if ONE_PASS:
         y = tl.clamp(x / scale[:, None], -448.0, 448.0)
         tl.store(codes_ptr + q_rows + cols, y.to(tl.float8e4nv), mask=row_ok & (cols < K))
@@ -126,6 +132,21 @@ def scaled_grouped_mm_available(device: torch.device) -> bool:
 
 
 @triton.jit
+def _weight_tile(w_base, ks, cols, K, N, stride_wk):
+    """Rows ``ks`` x columns ``cols`` of one group's (K, N) weight in float32, and their mask."""
+    mask = (ks < K)[:, None] & (cols < N)[None, :]
+    return tl.load(w_base + ks[:, None] * stride_wk, mask=mask, other=0.0).to(tl.float32), mask
+
+
+@triton.jit
+def _store_column_codes(codes_ptr, g, N, K, cols, ks, w, scale, mask):
+    """A (K, N) tile quantized by its columns' scales, stored transposed: codes (G, N, K)."""
+    q = tl.clamp(w / scale[None, :], -448.0, 448.0).to(tl.float8e4nv)
+    offs = g * N * K + cols[:, None].to(tl.int64) * K + ks[None, :]
+    tl.store(codes_ptr + offs, tl.trans(q), mask=tl.trans(mask))
+
+
+@triton.jit
 def columnwise_quantize_kernel(
     w_ptr,
     codes_ptr,
@@ -143,18 +164,13 @@ def columnwise_quantize_kernel(
     w_base = w_ptr + g * stride_wg + cols[None, :] * stride_wn
     amax = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):  # pass 1: each column's amax
-        ks = k0 + tl.arange(0, BLOCK_K)
-        mask = (ks < K)[:, None] & (cols < N)[None, :]
-        w = tl.load(w_base + ks[:, None] * stride_wk, mask=mask, other=0.0).to(tl.float32)
+        w, _ = _weight_tile(w_base, k0 + tl.arange(0, BLOCK_K), cols, K, N, stride_wk)
         amax = tl.maximum(amax, tl.max(tl.abs(w), axis=0))
-    scale = tl.where(amax > 0, amax / 448.0, 1.0)
-    codes_base = codes_ptr + g * N * K + cols[:, None].to(tl.int64) * K
+    scale = _scale(amax)
     for k0 in range(0, K, BLOCK_K):  # pass 2 (tiles still in L2): codes, stored (N, K)
         ks = k0 + tl.arange(0, BLOCK_K)
-        mask = (ks < K)[:, None] & (cols < N)[None, :]
-        w = tl.load(w_base + ks[:, None] * stride_wk, mask=mask, other=0.0).to(tl.float32)
-        q = tl.clamp(w / scale[None, :], -448.0, 448.0).to(tl.float8e4nv)
-        tl.store(codes_base + ks[None, :], tl.trans(q), mask=tl.trans(mask))
+        w, mask = _weight_tile(w_base, ks, cols, K, N, stride_wk)
+        _store_column_codes(codes_ptr, g, N, K, cols, ks, w, scale, mask)
     tl.store(scales_ptr + g * N + cols, scale, mask=cols < N)
 
 
@@ -177,9 +193,7 @@ def column_amax_kernel(
     w_base = w_ptr + g * stride_wg + cols[None, :] * stride_wn
     amax = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(k_start, k_start + SPLIT_K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        mask = (ks < K)[:, None] & (cols < N)[None, :]
-        w = tl.load(w_base + ks[:, None] * stride_wk, mask=mask, other=0.0).to(tl.float32)
+        w, _ = _weight_tile(w_base, k0 + tl.arange(0, BLOCK_K), cols, K, N, stride_wk)
         amax = tl.maximum(amax, tl.max(tl.abs(w), axis=0))
     tl.atomic_max(amax_ptr + g * N + cols, amax, mask=cols < N)  # amax >= 0: order-free
 
@@ -201,14 +215,10 @@ def column_codes_kernel(
     g = tl.program_id(2).to(tl.int64)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    amax = tl.load(amax_ptr + g * N + cols, mask=cols < N, other=0.0)
-    scale = tl.where(amax > 0, amax / 448.0, 1.0)
-    mask = (ks < K)[:, None] & (cols < N)[None, :]
-    w_offs = g * stride_wg + ks[:, None] * stride_wk + cols[None, :] * stride_wn
-    w = tl.load(w_ptr + w_offs, mask=mask, other=0.0).to(tl.float32)
-    q = tl.clamp(w / scale[None, :], -448.0, 448.0).to(tl.float8e4nv)
-    codes_offs = g * N * K + cols[:, None].to(tl.int64) * K + ks[None, :]
-    tl.store(codes_ptr + codes_offs, tl.trans(q), mask=tl.trans(mask))
+    scale = _scale(tl.load(amax_ptr + g * N + cols, mask=cols < N, other=0.0))
+    w_base = w_ptr + g * stride_wg + cols[None, :] * stride_wn
+    w, mask = _weight_tile(w_base, ks, cols, K, N, stride_wk)
+    _store_column_codes(codes_ptr, g, N, K, cols, ks, w, scale, mask)
     if tl.program_id(1) == 0:
         tl.store(scales_ptr + g * N + cols, scale, mask=cols < N)
 

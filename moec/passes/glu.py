@@ -69,8 +69,18 @@ def _linear_parts(node: fx.Node) -> _Linear | None:
     return None
 
 
-def _match(mul: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, str] | None:
-    """(act node, gate linear, up linear, gated activation name) for a gated FFN product."""
+class _Match(NamedTuple):
+    act: fx.Node
+    gate: fx.Node
+    up: fx.Node
+    gate_parts: _Linear
+    up_parts: _Linear
+    activation: str
+    """The gated activation's name."""
+
+
+def _match(mul: fx.Node) -> _Match | None:
+    """The nodes and operands of a gated FFN product."""
     if mul.target != aten.mul.Tensor or mul.kwargs or len(mul.args) != 2:
         return None
     if not all(isinstance(a, fx.Node) for a in mul.args):
@@ -89,7 +99,7 @@ def _match(mul: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, str] | None:
             continue
         if any(len(n.users) != 1 for n in (act, gate, up)):
             continue
-        return act, gate, up, gated_from_unary(unary)
+        return _Match(act, gate, up, g, u, gated_from_unary(unary))
     return None
 
 
@@ -105,8 +115,7 @@ class FuseGluPass(Pass):
             match = _match(mul)
             if match is None:
                 continue
-            act, gate, up, activation = match
-            g, u = _linear_parts(gate), _linear_parts(up)
+            act, gate, up, g, u, activation = match
             with gm.graph.inserting_before(mul):
                 weight = edit.call(aten.cat.default, ([g.weight, u.weight], 0), gate)
                 bias = None
