@@ -15,10 +15,11 @@ wide (24576: the width that gives the report's 2.01B total / 0.995B active param
   compiled  that model with every block under ``torch.compile`` (Inductor), bf16 autocast over
             fp32 weights, and again with pure bf16 weights: the strongest baseline a careful
             user writes (skip with ``--no-compiled-baselines``)
-  float8    (``--baselines compiled-bf16-float8``; needs torchao) the bf16-weight compiled
-            model with torchao's float8 training (recipe ``rowwise_with_gw_hp``: rowwise FP8
-            forward and d_x GEMMs, bf16 weight gradients) on the dense blocks' FFN linears,
-            what moec's ``dense_ffn`` scope quantizes: the anchor for the ``--fp8`` rows
+  float8    (``--baselines compiled-bf16-float8 compiled-fp32-float8``; needs torchao) the
+            compiled model, bf16 weights or autocast over fp32 weights, with torchao's float8
+            training (recipe ``rowwise_with_gw_hp``: rowwise FP8 forward and d_x GEMMs, bf16
+            weight gradients) on the dense blocks' FFN linears, what moec's ``dense_ffn`` scope
+            quantizes: the anchors for the ``--fp8`` rows
   --dropless  moec again without the capacity bound: the hand-written MoE's dropless routing.
             moec's rows print the share of routes dropped per step (as training moves the
             router, capacity drops can cut the expert work the default plan does)
@@ -199,7 +200,7 @@ def convert_linears_to_float8(model: nn.Module) -> None:
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError as err:
-        raise SystemExit("--baselines compiled-bf16-float8 needs torchao installed") from err
+        raise SystemExit("the float8 baselines need torchao installed") from err
     config = Float8LinearConfig.from_recipe_name("rowwise_with_gw_hp")
 
     def dense_ffn(_: nn.Module, fqn: str) -> bool:  # moec's dense_ffn scope: not shared experts
@@ -383,7 +384,13 @@ def drop_rate(trainer: Trainer) -> float:
     return sum(layer["drop_rate"] for layer in layers) / len(layers)
 
 
-BASELINES = ("eager", "compiled-fp32", "compiled-bf16", "compiled-bf16-float8")
+BASELINES = (
+    "eager",
+    "compiled-fp32",
+    "compiled-bf16",
+    "compiled-bf16-float8",
+    "compiled-fp32-float8",
+)
 N_MAJOR = "moec, n-major experts"
 WITHOUT_QUACK_TOO = {N_MAJOR}  # variants also measured under the policy without the CuTe DSL
 
@@ -511,7 +518,7 @@ def main() -> None:
         nargs="+",
         choices=BASELINES,
         default=list(BASELINES[:3]),
-        help="which hand-written baselines run (default: all but compiled-bf16-float8)",
+        help="which hand-written baselines run (default: those without float8)",
     )
     parser.add_argument(
         "--memory-snapshot",
@@ -595,6 +602,7 @@ def main() -> None:
             "bf16_weights": True,
             "float8": True,
         },
+        "compiled, fp32 weights, torchao float8": {"compiled": True, "float8": True},
     }
     chosen = [name for name, key in zip(baselines, BASELINES, strict=True) if key in args.baselines]
     if args.no_compiled_baselines:

@@ -11,6 +11,7 @@
 #   bash benchmarks/h200.sh new-gpu-tests e2e-equal-lr profile-vs-compiled  # #20's honest gap
 #   bash benchmarks/h200.sh fp8-tests e2e-fp8 kernels-fp8      # FP8 rowwise experts on sm90
 #   bash benchmarks/h200.sh torchao fp8-tests dense-ffn e2e-fp8  # FP8 linears beside torchao's
+#   bash benchmarks/h200.sh torchao e2e-fp8-all  # ... beside every compiled baseline, fp32 and bf16
 #                                               # (a call carrying .tao: torchao's wheel, from
 #                                               # ../shared/tools/device-wheels .tao torchao==0.18.0)
 #   bash benchmarks/h200.sh wheels dense-ffn kmajor-compile-tests e2e-kmajor  # k-major experts
@@ -137,6 +138,7 @@ for stage in "$@"; do
     recompute-snapshot) timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 2 --warmup 2 --moec-only --recompute --memory-snapshot "$OUT/snapshots" --json "$OUT/e2e_recompute_snapshot.json" ;;
     fp8-tests) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_fp8_experts_gpu.py tests/gpu/test_mxfp8_gpu.py ;;
     e2e-fp8) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 6 --warmup 4 --fp8 --baselines compiled-bf16 compiled-bf16-float8 --json "$OUT/e2e_fp8.json" ;;
+    e2e-fp8-all) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 8 --warmup 4 --fp8 --baselines compiled-fp32 compiled-fp32-float8 compiled-bf16 compiled-bf16-float8 --json "$OUT/e2e_fp8_all.json" ;;
     torchao) python -m pip install -q --no-index --no-deps .tao/*.whl && python -c "import torchao; print('torchao', torchao.__version__)" ;;
     dense-ffn) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/dense_ffn.py --json "$OUT/dense_ffn.json" ;;
     kernels-fp8) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python -m benchmarks.profile_step --moec-only --rows 5 --kernels 5 --fp8 ;;
