@@ -384,13 +384,20 @@ def drop_rate(trainer: Trainer) -> float:
     return sum(layer["drop_rate"] for layer in layers) / len(layers)
 
 
-BASELINES = (
-    "eager",
-    "compiled-fp32",
-    "compiled-bf16",
-    "compiled-bf16-float8",
-    "compiled-fp32-float8",
-)
+# the hand-written baselines by command-line name: their row label, EagerTrainer's options
+BASELINES: dict[str, tuple[str, dict[str, bool]]] = {
+    "eager": ("eager sort+grouped_mm", {}),
+    "compiled-fp32": ("compiled, fp32 weights", {"compiled": True}),
+    "compiled-bf16": ("compiled, bf16 weights", {"compiled": True, "bf16_weights": True}),
+    "compiled-bf16-float8": (
+        "compiled, bf16 weights, torchao float8",
+        {"compiled": True, "bf16_weights": True, "float8": True},
+    ),
+    "compiled-fp32-float8": (
+        "compiled, fp32 weights, torchao float8",
+        {"compiled": True, "float8": True},
+    ),
+}
 N_MAJOR = "moec, n-major experts"
 WITHOUT_QUACK_TOO = {N_MAJOR}  # variants also measured under the policy without the CuTe DSL
 
@@ -517,7 +524,7 @@ def main() -> None:
         "--baselines",
         nargs="+",
         choices=BASELINES,
-        default=list(BASELINES[:3]),
+        default=list(BASELINES)[:3],
         help="which hand-written baselines run (default: those without float8)",
     )
     parser.add_argument(
@@ -593,22 +600,11 @@ def main() -> None:
                 )
             )
         del traced
-    baselines = {
-        "eager sort+grouped_mm": {},
-        "compiled, fp32 weights": {"compiled": True},
-        "compiled, bf16 weights": {"compiled": True, "bf16_weights": True},
-        "compiled, bf16 weights, torchao float8": {
-            "compiled": True,
-            "bf16_weights": True,
-            "float8": True,
-        },
-        "compiled, fp32 weights, torchao float8": {"compiled": True, "float8": True},
-    }
-    chosen = [name for name, key in zip(baselines, BASELINES, strict=True) if key in args.baselines]
+    chosen = [key for key in BASELINES if key in args.baselines]
     if args.no_compiled_baselines:
         chosen = chosen[:1]
-    for name in [] if args.moec_only else chosen:
-        options = baselines[name]
+    for key in [] if args.moec_only else chosen:
+        name, options = BASELINES[key]
         _release(device)
         torch.manual_seed(0)
         attention = args.attention or "auto"  # a careful user picks the same attention

@@ -93,6 +93,7 @@ for stage in "$@"; do
         timeout $STAGE_LIMIT $RUN benchmarks/scaling.py --ep $ep --path rowwise --regions $r $single; done; done ;;
     plan-search) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT $RUN benchmarks/autoplan_validate.py --json "$OUT/autoplan.json" ;;
     plan-search-top4) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT $RUN benchmarks/autoplan_validate.py --top 4 --no-examples --json "$OUT/autoplan_top4.json" ;;
+    plan-search-top2-long) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT $RUN benchmarks/autoplan_validate.py --top 2 --no-examples --steps 12 --warmup 3 --json "$OUT/autoplan_top2_long.json" ;;
     plan-search-fold) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT $RUN benchmarks/autoplan_validate.py --memory-fraction 0.40 --top 3 --no-examples --json "$OUT/autoplan_fold.json" ;;
     plan-search-pp) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT $RUN benchmarks/autoplan_validate.py --pp $GPUS --global-seqs 48 --top 3 --no-examples --json "$OUT/autoplan_pp.json" ;;
     new-gpu-tests) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_symbolic_capture_gpu.py tests/gpu/test_shared_stream_gpu.py ;;
@@ -142,6 +143,7 @@ for stage in "$@"; do
     torchao) python -m pip install -q --no-index --no-deps .tao/*.whl && python -c "import torchao; print('torchao', torchao.__version__)" ;;
     dense-ffn) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/dense_ffn.py --json "$OUT/dense_ffn.json" ;;
     kernels-fp8) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python -m benchmarks.profile_step --moec-only --rows 5 --kernels 5 --fp8 ;;
+    profile-fp8-vs-float8) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python -m benchmarks.profile_step --baseline compiled-bf16-float8 --fp8 dense_ffn --rows 30 ;;
     kernels-fp8-all) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python -m benchmarks.profile_step --moec-only --rows 5 --kernels 5 --fp8 routed_experts shared_expert attn_qkv attn_out ;;
     *) echo "unknown stage $stage"; continue ;;
   esac > "$OUT/$stage.log" 2>&1

@@ -193,11 +193,7 @@ def main() -> None:
         del trainer
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        options = {
-            "eager": {},
-            "compiled-fp32": {"compiled": True},
-            "compiled-bf16": {"compiled": True, "bf16_weights": True},
-        }[args.baseline]
+        _, options = BASELINES[args.baseline]
         hand = EagerTrainer(hand_written(s, dense_model(s)), s, device, **options)
         kinds[args.baseline] = profile_step(
             args.baseline, hand.train_step, args.rows, args.shapes, args.kernels
