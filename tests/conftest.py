@@ -6,6 +6,10 @@ naming the seed. Replay it with ``MOEC_TEST_SEED``::
 
     MOEC_TEST_SEED=1234567 python3 -m pytest -q tests/test_recompute.py -k gradients
 
+Tests marked ``slow`` (the long multi-process and Inductor ones) are skipped unless ``--slow`` is
+given, a ``-m`` expression chooses by marker, or the test is named by its node id: the default
+run stays within the suite's budget (CONTRIBUTING.md), and CI runs ``-m slow`` after it.
+
 Inductor's compiled graphs are cached in a directory of this test session (unless
 ``TORCHINDUCTOR_CACHE_DIR`` is set): its cache key knows a custom op by name only, so code cached
 before a moec op changed its layout would run against the new op (stale stride asserts).
@@ -31,6 +35,34 @@ def _test_seed() -> int:
         return int(value)
     except ValueError:
         raise pytest.UsageError(f"{SEED_ENV}={value!r}: expected an integer seed") from None
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--slow", action="store_true", help="also run the tests marked slow (skipped by default)"
+    )
+
+
+def _named(item: pytest.Item, node_ids: list[str]) -> bool:
+    """Whether ``item`` was asked for by its node id (``path::test``, with or without params)."""
+    return any(item.nodeid == n or item.nodeid.startswith(f"{n}[") for n in node_ids)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip the ``slow`` tests unless ``--slow``, a ``-m`` expression or their node id asks."""
+    if config.getoption("--slow") or config.getoption("markexpr"):
+        return
+    node_ids = [arg.replace(os.sep, "/") for arg in config.args if "::" in arg]
+    skip = pytest.mark.skip(reason="slow: --slow or -m slow runs it")
+    for item in items:
+        if "slow" in item.keywords and not _named(item, node_ids):
+            item.add_marker(skip)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """``-n auto`` runs in one process where CUDA is visible: GPU tests share the device."""
+    return 0 if torch.cuda.is_available() else None
 
 
 @pytest.fixture(autouse=True)
