@@ -64,6 +64,7 @@ for stage in "$@"; do
     gemm) timeout $STAGE_LIMIT python benchmarks/grouped_gemm.py --json "$OUT/gg.json" ;;
     graph-tests) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_step_graph_gpu.py tests/gpu/test_sync_free.py ;;
     lowering) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 6 --warmup 4 --no-inductor --cuda-graph --json "$OUT/e2e_lowering.json" ;;
+    e2e-graph) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --moec-only --cuda-graph --steps 8 --warmup 4 --json "$OUT/e2e_graph.json" ;;
     lowering-small) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --small --steps 30 --warmup 5 --no-inductor --cuda-graph --json "$OUT/e2e_lowering_small.json" ;;
     e2e-moec) timeout $STAGE_LIMIT python benchmarks/e2e.py --moec-only --json "$OUT/e2e.json" ;;
     multigpu) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_multigpu.py ;;
