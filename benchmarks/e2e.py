@@ -354,6 +354,10 @@ def measure(
         "useful_mfu": useful_mfu(flops, seconds, 1, peak),
         "loss": final,
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        # a replayed CUDA graph's activations live in its private pool: reserved, not allocated
+        "peak_reserved_gb": (
+            torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else None
+        ),
         "host_syncs_per_step": syncs,
         "warmup_drop_rate": warmup_drops,
         "drop_rate": drop_rate,
