@@ -604,9 +604,11 @@ def main() -> None:
                 )
             )
         del traced
-    chosen = [key for key in BASELINES if key in args.baselines]
-    if args.no_compiled_baselines:
-        chosen = chosen[:1]
+    chosen = [
+        key
+        for key, (_, options) in BASELINES.items()
+        if key in args.baselines and not (args.no_compiled_baselines and options.get("compiled"))
+    ]
     for key in [] if args.moec_only else chosen:
         name, options = BASELINES[key]
         _release(device)
