@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device session: the GPU tests and the benchmarks named as arguments, logs and JSON to $OUT.
 #   bash benchmarks/h200.sh tests movement layer e2e profile recompute precision gemm
+#   bash benchmarks/h200.sh wheels torchao gpu-suite quack-cache   # every GPU test, no -x
 #   bash benchmarks/h200.sh graph-tests lowering lowering-small   # Inductor and the CUDA-graph step
 #   bash benchmarks/h200.sh multigpu ep scaling scale ddp-fsdp   # machines with several GPUs
 #   bash benchmarks/h200.sh e2e-moec pp ep-no-inductor overlap     # PP sweep, EP without Inductor, overlap
@@ -52,6 +53,7 @@ for stage in "$@"; do
   start=$(date +%s)
   case $stage in
     tests) timeout $STAGE_LIMIT python -m pytest -q -x tests/gpu ;;
+    gpu-suite) timeout $STAGE_LIMIT python -m pytest -q -rfE --slow --durations=12 tests/gpu ;;
     kernel-tests) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_kernels_ops.py tests/gpu/test_sync_free.py ;;
     sync) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_sync_free.py ;;
     movement) timeout $STAGE_LIMIT python -m benchmarks.movement --json "$OUT/movement.json" ;;

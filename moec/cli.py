@@ -35,6 +35,7 @@ from moec.passes.manager import pipeline_string, select
 from moec.plan import Plan
 from moec.program import EPGroup
 from moec.train.config import TrainConfig
+from moec.train.routing_health import COLLAPSE_POLICIES
 
 
 def _console() -> Console:
@@ -340,6 +341,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("stop", "continue"),
         default="stop",
         help="a checkpoint that cannot be written: stop the run, or report it and continue",
+    )
+    train.add_argument(
+        "--on-router-collapse",
+        choices=COLLAPSE_POLICIES,
+        default="warn",
+        help="an MoE block routing most tokens to a few experts for 3 log points in a row: "
+        "warn once per block, stop the run, or ignore it",
     )
     train.add_argument("--synthetic", action="store_true", help="random tokens instead of text")
     train.add_argument(

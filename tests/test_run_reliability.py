@@ -393,6 +393,7 @@ def test_the_data_follows_the_models_vocabulary(tmp_path):
         ("batch_size", 0, r"--batch-size\) = 0: must be an integer >= 1"),
         ("seq_len", 1, r"--seq-len\) = 1: must be an integer >= 2"),
         ("on_checkpoint_error", "retry", r"one of stop, continue"),
+        ("on_router_collapse", "raise", r"--on-router-collapse\) = 'raise'.*warn, stop, ignore"),
         ("device", "cuda" if not torch.cuda.is_available() else "tpu", r"--device"),
     ],
 )

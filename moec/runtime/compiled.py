@@ -252,6 +252,7 @@ class CompiledModel(nn.Module):
                 "drop_rate": 1.0 - accepted / max(offered, 1),
                 "load_imbalance": float(counts.max()) / max(offered / layer.num_experts, 1e-9),
                 "capacity_use": accepted / max(cap * layer.num_experts, 1),
+                "top_k": layer.top_k,
                 "expert_load": counts.tolist(),
             }
         return stats

@@ -86,6 +86,7 @@ def cli_train(args) -> int:
         checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints,
         on_checkpoint_error=args.on_checkpoint_error,
+        on_router_collapse=args.on_router_collapse,
         out=args.out,
         seed=args.seed,
         device=args.device,

@@ -12,6 +12,7 @@ import torch
 
 from moec.errors import MoecError
 from moec.runtime.profiling import ProfileWindow
+from moec.train.routing_health import COLLAPSE_POLICIES
 
 CHECKPOINT_ERROR_POLICIES = ("stop", "continue")
 NO_DECAY_KINDS = ("embeddings", "norms", "biases", "lm_head")
@@ -51,6 +52,10 @@ class TrainConfig:
     after writing its summary; ``continue``: it is reported and training goes on."""
     max_nonfinite_steps: int = 5
     """Consecutive skipped (non-finite) steps that stop the run."""
+    on_router_collapse: str = "warn"
+    """An MoE block whose router falls onto a few experts for several log points in a row
+    (:mod:`moec.train.routing_health`): ``warn`` says so once per block, ``stop`` ends the run
+    (after writing its summary), ``ignore`` says nothing."""
     warmup_log_steps: int = 2
     """Steps excluded from steady-state timing (capture, first-iteration allocations)."""
     out: str = "runs/train"
@@ -133,6 +138,11 @@ class TrainConfig:
                 f"{flag_of('on_checkpoint_error')} = {self.on_checkpoint_error!r}: must be one of "
                 f"{', '.join(CHECKPOINT_ERROR_POLICIES)}"
             )
+        if self.on_router_collapse not in COLLAPSE_POLICIES:
+            raise TrainConfigError(
+                f"{flag_of('on_router_collapse')} = {self.on_router_collapse!r}: must be one of "
+                f"{', '.join(COLLAPSE_POLICIES)}"
+            )
         resolve_device(self.device)
         if self.profile:
             ProfileWindow.parse(self.profile).check(self.steps)
@@ -179,6 +189,7 @@ class TrainConfig:
 
 _CLI_FIELDS = frozenset(
     "steps batch_size seq_len log_every checkpoint_every keep_checkpoints on_checkpoint_error "
+    "on_router_collapse "
     "device seed init_from max_nonfinite_steps memory_limit_gib profile data data_dtype tokenizer "
     "text_column prefetch batch_warmup spike_sigma spike_window spike_min_steps z_loss "
     "no_decay lr warmup_steps weight_decay".split()

@@ -1,5 +1,6 @@
 """The training loop around :class:`~moec.train.trainer.Trainer`: log points (the one host read
-per window), metrics, throughput and summary, the non-finite stop, checkpoints on schedule.
+per window), metrics, throughput and summary, the non-finite stop, the router-collapse watch,
+checkpoints on schedule.
 
 Throughput counts each step's own tokens (its global batch under batch-size warmup, divided by
 the data-parallel ranks: the tokens of this rank)."""
@@ -19,6 +20,7 @@ from moec.errors import MoecError
 from moec.runtime.compiled import CompiledModel
 from moec.runtime.metrics import bf16_peak_tflops, count_host_syncs, useful_mfu
 from moec.runtime.profiling import ProfileWindow, StepProfiler
+from moec.train.routing_health import CollapseWatch
 
 if TYPE_CHECKING:
     from moec.train.trainer import Trainer
@@ -64,6 +66,12 @@ class TrainingLoop:
         self.window_tokens = 0
         self.steady_tokens = 0
         self.timed_tokens = 0
+        self.collapse = CollapseWatch(
+            self.cfg.on_router_collapse,
+            self.cfg.lr,
+            trainer.plan.moe.lbl_coef,
+            self.cfg.warmup_steps,
+        )
 
     def run(self, log, progress, written: list[Path]) -> None:
         t, cfg = self.trainer, self.cfg
@@ -122,6 +130,7 @@ class TrainingLoop:
         if t.step % cfg.log_every == 0 or done:
             now = time.perf_counter()
             record = self._log_point((now - window_start) / window_steps, window_steps)
+            collapse = self.collapse.observe(t.step, window_steps, record["routing"])
             self.timed_s += now - window_start
             self.timed_steps += window_steps
             self.timed_tokens += self.window_tokens
@@ -129,6 +138,8 @@ class TrainingLoop:
             log.write(json.dumps(record) + "\n")
             log.flush()
             self._check_nonfinite()
+            if collapse:
+                t._say(f"warning: {collapse}")
             if progress:
                 progress.update(task, completed=t.step, **_progress_fields(record))
         if (cfg.checkpoint_every and t.step % cfg.checkpoint_every == 0) or done:
@@ -201,6 +212,7 @@ class TrainingLoop:
             "host_syncs_per_step": self.syncs,
             "data_stalls": t.batches.stalls,
             "checkpoint_errors": t.checkpoint_errors,
+            "router_collapse": dict(self.collapse.collapsed),
         }
         if error is not None:
             summary["error"] = error

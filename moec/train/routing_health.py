@@ -1,0 +1,109 @@
+"""Router collapse: MoE blocks whose routers send most routes to a few experts.
+
+At a learning rate too high for its data (synthetic tokens at the demo's 3e-3, for one), a
+block's router can fall onto a few experts and stay there. A capacity plan then drops a large
+share of the routes; a dropless plan piles them onto a few experts' GEMMs. Either way the
+loss barely moves, and the run says nothing until someone opens ``expert_load.png``.
+
+Early routing is often concentrated too, and recovers on its own: the demo model on the
+offline text starts with 2 of 8 experts taking most routes and is balanced by twice its
+learning-rate warmup (``tests/test_routing_health.py`` trains both cases). So the watch starts
+after ``2 * warmup_steps`` and waits for a collapse to last.
+
+The training loop already reads every block's expert load at its log points (the host read
+of the window). :class:`CollapseWatch` turns those reads into one message per block, or a
+stop (``TrainConfig.on_router_collapse``), naming the block, what it measured and the knobs.
+
+A block is *concentrated* at a log point when it drops at least :data:`DROPPED` of its routes,
+or when :func:`concentration` is at least :data:`CONCENTRATED`: its ``top_k`` busiest experts
+then hold at least half of the routes beyond a balanced share. It has *collapsed* once it is
+concentrated at :data:`PATIENCE` log points in a row that cover at least :data:`LASTING` steps,
+so a noisy window alone never fires.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from moec.errors import MoecError
+
+CONCENTRATED = 0.6
+DROPPED = 0.4
+PATIENCE = 3
+LASTING = 50
+COLLAPSE_POLICIES = ("warn", "stop", "ignore")
+
+
+class RouterCollapseError(MoecError):
+    """A block's router collapsed and ``TrainConfig.on_router_collapse`` is ``stop``."""
+
+
+def concentration(load: Sequence[int], top_k: int) -> float | None:
+    """How much of a block's routes its ``top_k`` busiest experts hold beyond a balanced share,
+    from 0 (each of the N experts holds 1/N of the routes, or fewer on the busiest) to 1 (all
+    routes on ``top_k`` experts, the most a top-k router can concentrate). None where it
+    means nothing: no routes, or ``top_k`` covering every expert."""
+    total, n = sum(load), len(load)
+    if total <= 0 or top_k >= n:
+        return None
+    balanced = top_k / n
+    share = sum(sorted(load, reverse=True)[:top_k]) / total
+    return max(0.0, (share - balanced) / (1.0 - balanced))
+
+
+def describe(path: str, stats: Mapping[str, Any]) -> str:
+    """One block's routing at a log point, as the collapse message gives it."""
+    load = stats["expert_load"]
+    top_k = stats["top_k"]
+    busiest = sum(sorted(load, reverse=True)[:top_k]) / max(sum(load), 1)
+    return (
+        f"{path}: its {top_k} busiest of {len(load)} experts take {100 * busiest:.0f}% of the "
+        f"routes ({100 * top_k / len(load):.0f}% if balanced), "
+        f"{100 * stats['drop_rate']:.0f}% dropped"
+    )
+
+
+class CollapseWatch:
+    """Watches each MoE block's routing over the log points of a run (see the module doc)."""
+
+    def __init__(self, policy: str, lr: float, lbl_coef: float, warmup_steps: int):
+        self.policy, self.lr, self.lbl_coef = policy, lr, lbl_coef
+        self.watch_from = 2 * warmup_steps
+        self.streaks: dict[str, tuple[int, int]] = {}
+        """Block path -> (log points, steps) of its current run of concentrated log points."""
+        self.collapsed: dict[str, int] = {}
+        """Block path -> the step at which it was found collapsed (each block reported once)."""
+
+    def observe(
+        self, step: int, window: int, routing: Mapping[str, Mapping[str, Any]]
+    ) -> str | None:
+        """Take the routing stats (``CompiledModel.routing_stats()``) of the log point after
+        ``step``, which ends a window of ``window`` steps; the message for the blocks found
+        collapsed there (None if none), or :class:`RouterCollapseError` under policy ``stop``."""
+        if self.policy == "ignore" or step <= self.watch_from:
+            return None
+        found = []
+        for path, stats in routing.items():
+            c = concentration(stats["expert_load"], stats["top_k"])
+            concentrated = stats["drop_rate"] >= DROPPED or (c is not None and c >= CONCENTRATED)
+            points, steps = self.streaks.get(path, (0, 0))
+            points, steps = (points + 1, steps + window) if concentrated else (0, 0)
+            self.streaks[path] = points, steps
+            if points >= PATIENCE and steps >= LASTING and path not in self.collapsed:
+                self.collapsed[path] = step
+                found.append(f"{describe(path, stats)}, concentrated for {steps} steps")
+        if not found:
+            return None
+        message = (
+            f"router collapse at step {step}: "
+            + "; ".join(found)
+            + f". Lower the learning rate (TrainConfig.lr (--lr) = {self.lr:g}), raise the "
+            f"load-balancing loss (plan moe.lbl_coef = {self.lbl_coef:g}), or check that the "
+            "data carries signal (synthetic tokens do not)"
+        )
+        if self.policy == "stop":
+            raise RouterCollapseError(
+                message + "; TrainConfig.on_router_collapse (--on-router-collapse) = stop"
+            )
+        return message

@@ -1,0 +1,135 @@
+"""The router-collapse watch (:mod:`moec.train.routing_health`): the concentration measure,
+when the watch fires and when it waits, and two real runs of the demo model: one whose router
+collapses (synthetic tokens at a high learning rate) and one whose early concentration
+recovers (the offline text at the demo's rate)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from moec.plan import Plan
+from moec.train import TrainConfig, Trainer
+from moec.train.cli import DEMO_PLAN, demo_model
+from moec.train.routing_health import (
+    LASTING,
+    PATIENCE,
+    CollapseWatch,
+    RouterCollapseError,
+    concentration,
+)
+
+
+def test_concentration_is_0_when_balanced_and_1_when_all_routes_sit_on_top_k_experts():
+    rng = random.Random()
+    n = rng.randint(3, 64)
+    k = rng.randint(1, n - 1)
+    per = rng.randint(1, 1000)
+    assert concentration([per] * n, k) == 0.0
+    collapsed = [0] * n
+    for e in rng.sample(range(n), k):
+        collapsed[e] = per
+    assert concentration(collapsed, k) == pytest.approx(1.0)
+    load = [rng.randint(0, 1000) for _ in range(n)]
+    load[0] += 1
+    share = sum(sorted(load, reverse=True)[:k]) / sum(load)
+    assert concentration(load, k) == pytest.approx(max(0.0, (share - k / n) / (1 - k / n)))
+    assert concentration([0] * n, k) is None  # no routes
+    assert concentration(load, n) is None  # every expert chosen by every token
+
+
+def _stats(load: list[int], top_k: int = 2, drop_rate: float = 0.0) -> dict:
+    return {"expert_load": load, "top_k": top_k, "drop_rate": drop_rate}
+
+
+COLLAPSED = _stats([500, 480, 10, 5, 3, 2, 0, 0])
+BALANCED = _stats([130, 120, 125, 128, 122, 127, 124, 124])
+DROPPING = _stats([200, 180, 160, 150, 120, 100, 50, 40], drop_rate=0.5)
+
+
+def _feed(watch: CollapseWatch, windows: list[int], stats: dict, start: int = 0) -> list:
+    """The messages of log points ending windows of these lengths after step ``start``, each
+    with the same ``stats`` for block ``b.moe``."""
+    messages, step = [], start
+    for window in windows:
+        step += window
+        messages.append(watch.observe(step, window, {"b.moe": stats}))
+    return messages
+
+
+def test_the_watch_fires_once_a_block_stays_concentrated_past_twice_the_warmup():
+    every = 5
+    watch = CollapseWatch("warn", lr=3e-3, lbl_coef=0.01, warmup_steps=10)
+    steps = list(range(every, 20 + LASTING + 3 * every, every))
+    messages = _feed(watch, [every] * len(steps), COLLAPSED)
+    fired = [(s, m) for s, m in zip(steps, messages) if m]
+    assert len(fired) == 1  # each block once
+    step, message = fired[0]
+    # log points after step 20 (2 x warmup) count; the first window ending past it covers 5
+    assert step == 20 + LASTING
+    assert watch.collapsed == {"b.moe": step}
+    for part in ("b.moe", "2 busiest of 8 experts take 98%", "25% if balanced", "--lr) = 0.003"):
+        assert part in message, part
+    assert "moe.lbl_coef = 0.01" in message
+
+
+def test_the_watch_waits_for_patience_and_duration_and_a_healthy_point_resets_it():
+    watch = CollapseWatch("warn", lr=1e-3, lbl_coef=0.01, warmup_steps=0)
+    # long windows: LASTING steps covered, but fewer log points than PATIENCE
+    assert _feed(watch, [LASTING] * (PATIENCE - 1), COLLAPSED) == [None] * (PATIENCE - 1)
+    assert watch.observe(PATIENCE * LASTING, LASTING, {"b.moe": BALANCED}) is None  # reset
+    # PATIENCE log points again, one step short of LASTING, then one more step
+    windows = [1] * (PATIENCE - 1) + [LASTING - PATIENCE]
+    assert _feed(watch, windows, COLLAPSED, PATIENCE * LASTING) == [None] * PATIENCE
+    assert _feed(watch, [1], COLLAPSED, (PATIENCE + 1) * LASTING) != [None]
+    # drops alone count, with the load spread
+    dropping = _feed(CollapseWatch("warn", 1e-3, 0.01, 0), [LASTING] * PATIENCE, DROPPING)
+    assert dropping[:-1] == [None] * (PATIENCE - 1)
+    assert "50% dropped" in dropping[-1]
+
+
+def test_stop_raises_naming_the_policy_and_ignore_says_nothing():
+    windows = [LASTING] * PATIENCE
+    with pytest.raises(RouterCollapseError, match=r"b\.moe.*--on-router-collapse\) = stop"):
+        _feed(CollapseWatch("stop", 3e-3, 0.01, 0), windows, COLLAPSED)
+    quiet = CollapseWatch("ignore", 3e-3, 0.01, 0)
+    assert _feed(quiet, windows, COLLAPSED) == [None] * PATIENCE
+    assert quiet.collapsed == {}
+
+
+def _demo_run(tmp_path, **overrides) -> Trainer:
+    torch.manual_seed(0)
+    fields = dict(
+        steps=100,
+        batch_size=8,
+        seq_len=64,
+        log_every=5,
+        device="cpu",
+        plots=False,
+        out=str(tmp_path),
+    )
+    return Trainer(demo_model(), Plan.from_dict(DEMO_PLAN), TrainConfig(**{**fields, **overrides}))
+
+
+@pytest.mark.slow
+def test_a_collapsing_router_stops_the_run_and_a_recovering_one_does_not(tmp_path):
+    # synthetic tokens carry no signal: at 3e-2 two of eight experts keep most routes
+    collapsing = _demo_run(
+        tmp_path / "synthetic",
+        synthetic=True,
+        lr=3e-2,
+        warmup_steps=10,
+        on_router_collapse="stop",
+    )
+    with pytest.raises(RouterCollapseError, match=r"model\.layers\.\d\.ffn\.moe"):
+        collapsing.run()
+    summary = json.loads((tmp_path / "synthetic" / "summary.json").read_text())
+    assert "router collapse" in summary["error"] and summary["steps"] < 100
+    # the offline text at the demo's rate: concentrated early, balanced by twice the warmup
+    text = _demo_run(tmp_path / "text", lr=3e-3, warmup_steps=15, on_router_collapse="stop")
+    result = text.run()
+    assert result.summary["router_collapse"] == {}
+    assert result.losses[-1] < result.losses[0] - 1.0
