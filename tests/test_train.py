@@ -124,7 +124,7 @@ def test_metrics_equal_hand_computed_values(tmp_path):
 
 
 @pytest.mark.slow
-def test_moec_train_cli_30_steps_lowers_loss_and_writes_everything(tmp_path):
+def test_moec_train_cli_30_steps_lowers_loss_and_writes_everything(tmp_path, capsys):
     from moec.cli import main
 
     plan = tmp_path / "plan.yaml"
@@ -152,5 +152,8 @@ def test_moec_train_cli_30_steps_lowers_loss_and_writes_everything(tmp_path):
     assert main(args) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["final_loss"] < summary["first_loss"] - 0.5
+    assert summary["router_collapse"] == {}  # watched from step 40: twice the 20-step warmup
+    printed = capsys.readouterr().out
+    assert "top-k" in printed and "(50%)" in printed  # each block's 2 busiest of 4, balanced 50%
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
     assert (out / "loss.png").exists() and (out / "checkpoints" / "step_30" / "trainer.pt").exists()

@@ -10,6 +10,7 @@ import torch
 from moec.plan import Plan
 from moec.train.config import TrainConfig, resolve_device
 from moec.train.loop import TrainResult
+from moec.train.routing_health import busiest_share
 from moec.train.trainer import Trainer
 
 
@@ -147,12 +148,16 @@ def print_summary(result: TrainResult) -> None:
     )
     stats = result.compiled.routing_stats()
     if stats:
-        table = Table("MoE block", "drop rate", "load max/mean", "capacity use", "LBL")
+        table = Table(
+            "MoE block", "drop rate", "load max/mean", "top-k share", "capacity use", "LBL"
+        )
         for path, st in stats.items():
+            load, k = st["expert_load"], st["top_k"]
             table.add_row(
                 path,
                 f"{100 * st['drop_rate']:.1f}%",
                 f"{st['load_imbalance']:.2f}",
+                f"{100 * busiest_share(load, k):.0f}% ({100 * k / len(load):.0f}%)",
                 f"{100 * st['capacity_use']:.0f}%",
                 f"{st['lbl']:.3f}",
             )

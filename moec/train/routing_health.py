@@ -39,26 +39,29 @@ class RouterCollapseError(MoecError):
     """A block's router collapsed and ``TrainConfig.on_router_collapse`` is ``stop``."""
 
 
+def busiest_share(load: Sequence[int], top_k: int) -> float:
+    """Share of a block's routes its ``top_k`` busiest experts take (0 without routes)."""
+    return sum(sorted(load, reverse=True)[:top_k]) / max(sum(load), 1)
+
+
 def concentration(load: Sequence[int], top_k: int) -> float | None:
     """How much of a block's routes its ``top_k`` busiest experts hold beyond a balanced share,
     from 0 (each of the N experts holds 1/N of the routes, or fewer on the busiest) to 1 (all
     routes on ``top_k`` experts, the most a top-k router can concentrate). None where it
     means nothing: no routes, or ``top_k`` covering every expert."""
-    total, n = sum(load), len(load)
-    if total <= 0 or top_k >= n:
+    if sum(load) <= 0 or top_k >= len(load):
         return None
-    balanced = top_k / n
-    share = sum(sorted(load, reverse=True)[:top_k]) / total
-    return max(0.0, (share - balanced) / (1.0 - balanced))
+    balanced = top_k / len(load)
+    return max(0.0, (busiest_share(load, top_k) - balanced) / (1.0 - balanced))
 
 
 def describe(path: str, stats: Mapping[str, Any]) -> str:
     """One block's routing at a log point, as the collapse message gives it."""
     load = stats["expert_load"]
     top_k = stats["top_k"]
-    busiest = sum(sorted(load, reverse=True)[:top_k]) / max(sum(load), 1)
     return (
-        f"{path}: its {top_k} busiest of {len(load)} experts take {100 * busiest:.0f}% of the "
+        f"{path}: its {top_k} busiest of {len(load)} experts take "
+        f"{100 * busiest_share(load, top_k):.0f}% of the "
         f"routes ({100 * top_k / len(load):.0f}% if balanced), "
         f"{100 * stats['drop_rate']:.0f}% dropped"
     )
