@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device session: the GPU tests and the benchmarks named as arguments, logs and JSON to $OUT.
 #   bash benchmarks/h200.sh tests movement layer e2e profile recompute precision gemm
-#   bash benchmarks/h200.sh wheels torchao gpu-suite quack-cache   # every GPU test, no -x
+#   bash benchmarks/h200.sh wheels torchao gpu-suite-1 quack-cache   # every GPU test, no -x,
+#   bash benchmarks/h200.sh gpu-suite-2; bash benchmarks/h200.sh gpu-suite-3   # over 3 calls
 #   bash benchmarks/h200.sh graph-tests lowering lowering-small   # Inductor and the CUDA-graph step
 #   bash benchmarks/h200.sh multigpu ep scaling scale ddp-fsdp   # machines with several GPUs
 #   bash benchmarks/h200.sh e2e-moec pp ep-no-inductor overlap     # PP sweep, EP without Inductor, overlap
@@ -53,7 +54,10 @@ for stage in "$@"; do
   start=$(date +%s)
   case $stage in
     tests) timeout $STAGE_LIMIT python -m pytest -q -x tests/gpu ;;
-    gpu-suite) timeout $STAGE_LIMIT python -m pytest -q -rfE --slow --durations=12 tests/gpu ;;
+    # every GPU test, no -x, in three stages: ~17 minutes with a cold CuTe DSL cache
+    gpu-suite-1) timeout $STAGE_LIMIT python -m pytest -q -rfE --slow tests/gpu/test_[a-g]*.py ;;
+    gpu-suite-2) timeout $STAGE_LIMIT python -m pytest -q -rfE --slow tests/gpu/test_kernels_ops.py ;;
+    gpu-suite-3) timeout $STAGE_LIMIT python -m pytest -q -rfE --slow tests/gpu/test_[l-z]*.py ;;
     kernel-tests) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_kernels_ops.py tests/gpu/test_sync_free.py ;;
     sync) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_sync_free.py ;;
     movement) timeout $STAGE_LIMIT python -m benchmarks.movement --json "$OUT/movement.json" ;;
