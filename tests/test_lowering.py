@@ -106,44 +106,75 @@ def test_attention_backend_goes_first_while_the_program_runs():
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
 
 
+def _backward_keeping_backend(backwards: list[torch.fx.GraphModule]):
+    """An AOTAutograd backend that runs the graphs as traced and keeps each backward graph."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def keep_backward(gm: torch.fx.GraphModule, example_inputs):
+        backwards.append(gm)
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=_forward_only, bw_compiler=keep_backward)
+
+
+def _assert_gradients_uncast(backwards: list[torch.fx.GraphModule], lowered) -> None:
+    """No backward graph returns a float32 cast, and the working copies' masters hold bf16
+    gradients (their ``grad_dtype``)."""
+    cast_ops = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+    for backward in backwards:
+        (outputs,) = [n.args[0] for n in backward.graph.nodes if n.op == "output"]
+        casts = [
+            n
+            for n in outputs
+            if isinstance(n, torch.fx.Node)
+            and n.target in cast_ops
+            and n.meta["val"].dtype == torch.float32
+        ]
+        assert not casts, f"the compiled backward casts gradients to float32: {casts}"
+    copied = [p for p in lowered.parameters() if lowered.working_weights.copy_of(p) is not None]
+    assert copied and all(p.grad.dtype == torch.bfloat16 for p in copied)
+
+
 @pytest.mark.parametrize("recompute", ["none", "block"])
 def test_working_copies_gradients_leave_the_compiled_backward_uncast(recompute):
     """The bf16 gradients of working copies reach their float32 parameters as computed: the
     compiled backward returns no float32 cast of one (traced inside the graph, each copy's
     gradient was cast to float32 there and back to the parameter's bf16 ``grad_dtype`` by the
     engine), and they equal the eager program's."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
     backwards: list[torch.fx.GraphModule] = []
-
-    def keep_backward(gm: torch.fx.GraphModule, example_inputs):
-        backwards.append(gm)
-        return make_boxed_func(gm.forward)
-
     sections = {"precision": {"compute_dtype": "bf16"}, "recompute": {"policy": recompute}}
     eager, lowered = _pair({**PLAN, **sections}, {**INDUCTOR, **sections})
-    backend = aot_autograd(fw_compiler=_forward_only, bw_compiler=keep_backward)
-    lowered._lowering = InductorGraphs(lowered.plan, backend=backend)
+    lowered._lowering = InductorGraphs(lowered.plan, backend=_backward_keeping_backend(backwards))
     x = tokens()
     want, want_grads = _step(eager, x)
     got, got_grads = _step(lowered, x)
     assert len(backwards) == 1
-    (outputs,) = [n.args[0] for n in backwards[0].graph.nodes if n.op == "output"]
-    cast_ops = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
-    casts = [
-        n
-        for n in outputs
-        if isinstance(n, torch.fx.Node)
-        and n.target in cast_ops
-        and n.meta["val"].dtype == torch.float32
-    ]
-    assert not casts, f"the compiled backward casts gradients to float32: {casts}"
-    copied = [p for p in lowered.parameters() if lowered.working_weights.copy_of(p) is not None]
-    assert copied and all(p.grad.dtype == torch.bfloat16 for p in copied)
+    _assert_gradients_uncast(backwards, lowered)
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
     for g, w in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(g, w, atol=2e-2, rtol=2e-2)
+
+
+def test_a_users_torch_compile_leaves_the_working_copies_outside_too():
+    """``torch.compile(compiled_model)``, the user's own, over an eager program (lowering off):
+    the working copies are made outside the traced graph as under ``lowering.inductor``, so
+    its backward returns bf16 gradients to the masters uncast, equal to the eager program's."""
+    backwards: list[torch.fx.GraphModule] = []
+    precision = {"precision": {"compute_dtype": "bf16"}}
+    eager, users = _pair({**PLAN, **precision}, {**PLAN, **precision})
+    assert not users.plan.lowers_to_inductor("cpu")
+    compiled = torch.compile(users, backend=_backward_keeping_backend(backwards))
+    x = tokens()
+    want, want_grads = _step(eager, x)
+    users.zero_grad(set_to_none=True)
+    got = compiled(x)
+    got.float().square().mean().backward()
+    assert backwards
+    _assert_gradients_uncast(backwards, users)
+    torch.testing.assert_close(got.detach(), want, atol=2e-2, rtol=2e-2)
+    for p, w in zip(users.parameters(), want_grads, strict=True):
+        torch.testing.assert_close(p.grad, w, atol=2e-2, rtol=2e-2)
 
 
 def _no_compile(gm: torch.fx.GraphModule, example_inputs) -> None:

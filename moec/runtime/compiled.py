@@ -30,7 +30,8 @@ It keeps the ``nn.Module`` contract:
   backward, and every ``moec::`` op, with the backward ops its autograd formula calls
   (``moec::*_backward``), is an opaque custom-op call whose fake gives exact shapes, dtypes and
   strides; kernels and EP collectives run only inside those ops, on real tensors. Inductor's FX
-  graph cache does not key on the ops' Python fakes: clear it after changing one.
+  graph cache does not key on the ops' Python fakes: clear it after changing one. The working
+  copies are made outside the traced graph (:mod:`moec.runtime.lowering`), one graph break.
 """
 
 from __future__ import annotations

@@ -14,7 +14,10 @@ and made in front of it, and the graph takes the bf16 copy as an input. Traced i
 copy's backward hands float32 parameters a bf16 gradient, which AOTAutograd casts to the
 parameters' dtype in the compiled backward, and which the engine then casts back to the
 parameters' ``grad_dtype``: 12 bytes moved per parameter for nothing. Outside, the compiled
-backward returns the copy's gradient as computed (bf16) and the engine hands it on.
+backward returns the copy's gradient as computed (bf16) and the engine hands it on. A user's
+own ``torch.compile`` around the compiled model (which traces this module's call with the rest
+of ``forward``) gets the same: the lifted graph, its copies made in a function Dynamo does not
+trace (one graph break in front of the program).
 
 Sizes: the first call specializes on its shapes; a call with another batch or sequence length
 recompiles once with those dimensions symbolic (``dynamic=None``), after which any size runs
@@ -56,8 +59,11 @@ class InductorGraphs:
         self.backend = backend
         """``torch.compile``'s backend (tests pass one that fails)."""
         self._compiled: dict[int, tuple[fx.GraphModule, Callable[..., Any]]] = {}
+        self._lifted: dict[int, tuple[fx.GraphModule, fx.GraphModule, list[WorkingCopy]]] = {}
 
     def __call__(self, graph: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
+        if torch.compiler.is_compiling():  # a user's torch.compile traces the model's forward
+            return functools.partial(_with_lifted_copies, self, graph)
         if not self.plan.lowers_to_inductor(device_type(inputs)):
             return graph
         compiled = self.compiled(graph)
@@ -70,13 +76,27 @@ class InductorGraphs:
         working copies made outside it (see the module)."""
         held = self._compiled.get(id(graph))
         if held is None or held[0] is not graph:
-            inner, copies = lift_working_copies(graph)
+            inner, copies = self.lifted(graph)
             compiled = torch.compile(inner, backend=self.backend, dynamic=None)
             if copies:
                 compiled = functools.partial(_with_copies, graph, copies, compiled)
             held = (graph, compiled)
             self._compiled[id(graph)] = held
         return held[1]
+
+    def lifted(self, graph: fx.GraphModule) -> tuple[fx.GraphModule, list[WorkingCopy]]:
+        """:func:`lift_working_copies` of ``graph``, made once per graph object."""
+        held = self._lifted.get(id(graph))
+        if held is None or held[0] is not graph:
+            held = (graph, *lift_working_copies(graph))
+            self._lifted[id(graph)] = held
+        return held[1], held[2]
+
+    @torch._dynamo.disable
+    def lifted_with_copies(self, graph: fx.GraphModule) -> tuple[fx.GraphModule, list[Any]]:
+        """``graph``'s lifted form and its working copies, made outside any traced graph."""
+        inner, copies = self.lifted(graph)
+        return inner, _working_copies(graph, copies)
 
     def _or_eager(self, graph: fx.GraphModule, compiled: Callable[..., Any], *args: Any) -> Any:
         """``compiled(*args)``; where compiling fails, a warning, and ``graph`` runs instead,
@@ -96,6 +116,7 @@ class InductorGraphs:
 
     def clear(self) -> None:
         self._compiled.clear()
+        self._lifted.clear()
 
 
 WorkingCopy = tuple[str, tuple[str, ...]]
@@ -127,16 +148,26 @@ def lift_working_copies(graph: fx.GraphModule) -> tuple[fx.GraphModule, list[Wor
     return fx.GraphModule(graph, lifted), copies
 
 
-def _with_copies(
-    graph: fx.GraphModule, copies: list[WorkingCopy], compiled: Callable[..., Any], *args: Any
-) -> Any:
-    """``compiled`` (a :func:`lift_working_copies` graph) on ``args`` and the working copies,
-    made here from ``graph``'s current buffers and parameters."""
-    made = [
+def _working_copies(graph: fx.GraphModule, copies: list[WorkingCopy]) -> list[Any]:
+    """The lifted ``working_copy`` calls, made from ``graph``'s current buffers and parameters."""
+    return [
         working_copy(graph.get_buffer(buffer), [graph.get_parameter(p) for p in params])
         for buffer, params in copies
     ]
-    return compiled(*args, *made)
+
+
+def _with_copies(
+    graph: fx.GraphModule, copies: list[WorkingCopy], compiled: Callable[..., Any], *args: Any
+) -> Any:
+    """``compiled`` (a :func:`lift_working_copies` graph) on ``args`` and the working copies."""
+    return compiled(*args, *_working_copies(graph, copies))
+
+
+def _with_lifted_copies(graphs: InductorGraphs, graph: fx.GraphModule, *args: Any) -> Any:
+    """``graph`` on ``args`` as its lifted form, traced by a user's ``torch.compile``, and the
+    working copies that :meth:`InductorGraphs.lifted_with_copies` makes outside the trace."""
+    inner, made = graphs.lifted_with_copies(graph)
+    return inner(*args, *made)
 
 
 def _backward_compiled_with_forward() -> contextlib.AbstractContextManager[Any]:
