@@ -346,8 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--on-router-collapse",
         choices=COLLAPSE_POLICIES,
         default="warn",
-        help="an MoE block routing most tokens to a few experts for 3 log points in a row: "
-        "warn once per block, stop the run, or ignore it",
+        help="an MoE block routing most tokens to a few experts for 3 log points and 50 steps "
+        "in a row, past twice the warmup: warn once per block, stop the run, or ignore it",
     )
     train.add_argument("--synthetic", action="store_true", help="random tokens instead of text")
     train.add_argument(

@@ -128,6 +128,8 @@ def test_a_collapsing_router_stops_the_run_and_a_recovering_one_does_not(tmp_pat
         collapsing.run()
     summary = json.loads((tmp_path / "synthetic" / "summary.json").read_text())
     assert "router collapse" in summary["error"] and summary["steps"] < 100
+    metrics = (tmp_path / "synthetic" / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(metrics[-1])["step"] == summary["steps"]  # the stopping point is logged
     # the offline text at the demo's rate: concentrated early, balanced by twice the warmup
     text = _demo_run(tmp_path / "text", lr=3e-3, warmup_steps=15, on_router_collapse="stop")
     result = text.run()

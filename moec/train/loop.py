@@ -130,7 +130,7 @@ class TrainingLoop:
         if t.step % cfg.log_every == 0 or done:
             now = time.perf_counter()
             record = self._log_point((now - window_start) / window_steps, window_steps)
-            collapse = self.collapse.observe(t.step, window_steps, record["routing"])
+            window = window_steps
             self.timed_s += now - window_start
             self.timed_steps += window_steps
             self.timed_tokens += self.window_tokens
@@ -138,6 +138,7 @@ class TrainingLoop:
             log.write(json.dumps(record) + "\n")
             log.flush()
             self._check_nonfinite()
+            collapse = self.collapse.observe(t.step, window, record["routing"])
             if collapse:
                 t._say(f"warning: {collapse}")
             if progress:

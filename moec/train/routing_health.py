@@ -15,10 +15,10 @@ of the window). :class:`CollapseWatch` turns those reads into one message per bl
 stop (``TrainConfig.on_router_collapse``), naming the block, what it measured and the knobs.
 
 A block is *concentrated* at a log point when it drops at least :data:`DROPPED` of its routes,
-or when :func:`concentration` is at least :data:`CONCENTRATED`: its ``top_k`` busiest experts
-then hold at least half of the routes beyond a balanced share. It has *collapsed* once it is
-concentrated at :data:`PATIENCE` log points in a row that cover at least :data:`LASTING` steps,
-so a noisy window alone never fires.
+or when :func:`concentration` is at least :data:`CONCENTRATED` (its ``top_k`` busiest experts
+hold that fraction of the way from a balanced share of the routes to all of them). It has
+*collapsed* once it is concentrated at :data:`PATIENCE` log points in a row that cover at least
+:data:`LASTING` steps, so a noisy window alone never fires.
 """
 
 from __future__ import annotations
