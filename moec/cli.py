@@ -35,7 +35,7 @@ from moec.passes.manager import pipeline_string, select
 from moec.plan import Plan
 from moec.program import EPGroup
 from moec.train.config import TrainConfig
-from moec.train.routing_health import COLLAPSE_POLICIES
+from moec.train.routing_health import COLLAPSE_POLICIES, LASTING, PATIENCE
 
 
 def _console() -> Console:
@@ -346,8 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--on-router-collapse",
         choices=COLLAPSE_POLICIES,
         default="warn",
-        help="an MoE block routing most tokens to a few experts for 3 log points and 50 steps "
-        "in a row, past twice the warmup: warn once per block, stop the run, or ignore it",
+        help=f"an MoE block routing most tokens to a few experts for {PATIENCE} log points and "
+        f"{LASTING} steps in a row, past twice the warmup: warn once per block, stop the run, "
+        "or ignore it",
     )
     train.add_argument("--synthetic", action="store_true", help="random tokens instead of text")
     train.add_argument(
