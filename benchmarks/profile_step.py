@@ -6,13 +6,16 @@ cudaStreamSynchronize / cudaEventSynchronize / cudaMemcpy device-to-host calls i
 report's B.6 check), and ends with kernel time by kind (:data:`KERNEL_KINDS`) side by side:
 where moec gains on the baseline and where it loses.
 
-    python -m benchmarks.profile_step [--small] [--rows 25] [--shapes] [--kernels N] [--moec-only]
+    python -m benchmarks.profile_step [--small] [--rows 25] [--shapes] [--kernels N] [--gaps N]
+                                      [--moec-only]
                                       [--baseline eager|compiled-fp32|compiled-bf16]
 
 On a machine without CUDA it runs both steps as a smoke run (no kernel times).
 
 ``--shapes`` adds a table grouped by op and input shapes (which copies, which elementwise ops);
-``--kernels N`` lists each kind's N largest kernels.
+``--kernels N`` lists each kind's N largest kernels; ``--gaps N`` measures the device's idle time
+within the step (the step's span minus the union of its kernels) and lists the N longest idle
+stretches with the kernels on either side: launch gaps or stalls.
 """
 
 from __future__ import annotations
@@ -61,6 +64,47 @@ def kernel_kind(name: str) -> str:
         if any(k in lower for k in keys):
             return kind
     return "other"
+
+
+def kernel_spans(prof: profile) -> list[tuple[float, float, str]]:
+    """(start us, end us, name) of every CUDA kernel in the profiled window, by start."""
+    spans = [
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+        and not e.is_user_annotation
+        and e.time_range.elapsed_us() > 0
+    ]
+    return sorted(spans)
+
+
+def idle_gaps(spans: list[tuple[float, float, str]]) -> list[tuple[float, str, str]]:
+    """The stretches inside the step where no kernel runs on any stream: (us, kernel before,
+    kernel after). Kernels on different streams overlap, so busy time is their union."""
+    gaps = []
+    busy_until, last = spans[0][1], spans[0][2]
+    for start, end, name in spans[1:]:
+        if start > busy_until:
+            gaps.append((start - busy_until, last, name))
+        if end > busy_until:
+            busy_until, last = end, name
+    return gaps
+
+
+def print_gaps(name: str, spans: list[tuple[float, float, str]], top: int) -> None:
+    """The step's device idle time: in total, by gap length, and its ``top`` longest gaps."""
+    gaps = idle_gaps(spans)
+    span_ms = (max(end for _, end, _ in spans) - spans[0][0]) / 1e3
+    idle_ms = sum(g for g, _, _ in gaps) / 1e3
+    print(
+        f"\n=== {name}: device idle {idle_ms:.1f} ms of a {span_ms:.1f} ms span "
+        f"({len(spans)} kernels, {len(gaps)} gaps)"
+    )
+    for lo, hi in ((0, 5), (5, 20), (20, 100), (100, 1000), (1000, float("inf"))):
+        within = [g for g, _, _ in gaps if lo <= g < hi]
+        print(f"  gaps of {lo}-{hi} us: {len(within):6d}, {sum(within) / 1e3:7.2f} ms")
+    for gap, before, after in sorted(gaps, reverse=True)[:top]:
+        print(f"  {gap:9.1f} us  after {before[:60]}  before {after[:60]}")
 
 
 def kernel_times(prof: profile) -> dict[str, tuple[float, int]]:
@@ -118,7 +162,7 @@ def print_kinds(steps: dict[str, dict[str, float]]) -> None:
 
 
 def profile_step(
-    name: str, step, rows: int, shapes: bool = False, top: int = 0
+    name: str, step, rows: int, shapes: bool = False, top: int = 0, gaps: int = 0
 ) -> dict[str, float]:
     cuda = torch.cuda.is_available()
     for _ in range(3):
@@ -144,6 +188,8 @@ def profile_step(
         )
         print(table)
     kernels = kernel_times(prof)
+    if gaps and cuda:
+        print_gaps(name, kernel_spans(prof), gaps)
     if top:
         print_largest_by_kind(name, kernels, top)
     return ms_by_kind(kernels)
@@ -155,6 +201,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--shapes", action="store_true", help="also group by input shapes")
     parser.add_argument("--kernels", type=int, default=0, help="list each kind's largest N kernels")
+    parser.add_argument(
+        "--gaps", type=int, default=0, help="the device's idle time and its N longest gaps"
+    )
     parser.add_argument("--moec-only", action="store_true", help="skip the baseline")
     parser.add_argument(
         "--fp8",
@@ -187,7 +236,11 @@ def main() -> None:
         plan.precision.gemm = "fp8_rowwise"
         plan.precision.scope = args.fp8 or plan.precision.scope
     trainer = Trainer(dense_model(s), plan, cfg)
-    kinds = {"moec": profile_step("moec", trainer.train_step, args.rows, args.shapes, args.kernels)}
+    kinds = {
+        "moec": profile_step(
+            "moec", trainer.train_step, args.rows, args.shapes, args.kernels, args.gaps
+        )
+    }
     if not args.moec_only:
         trainer.batches.close()
         del trainer
@@ -196,7 +249,7 @@ def main() -> None:
         _, options = BASELINES[args.baseline]
         hand = EagerTrainer(hand_written(s, dense_model(s)), s, device, **options)
         kinds[args.baseline] = profile_step(
-            args.baseline, hand.train_step, args.rows, args.shapes, args.kernels
+            args.baseline, hand.train_step, args.rows, args.shapes, args.kernels, args.gaps
         )
     print_kinds(kinds)
 
