@@ -7,7 +7,7 @@ report's B.6 check), and ends with kernel time by kind (:data:`KERNEL_KINDS`) si
 where moec gains on the baseline and where it loses.
 
     python -m benchmarks.profile_step [--small] [--rows 25] [--shapes] [--kernels N] [--gaps N]
-                                      [--moec-only]
+                                      [--steps N] [--moec-only]
                                       [--baseline eager|compiled-fp32|compiled-bf16]
 
 On a machine without CUDA it runs both steps as a smoke run (no kernel times).
@@ -78,14 +78,15 @@ def kernel_spans(prof: profile) -> list[tuple[float, float, str]]:
     return sorted(spans)
 
 
-def idle_gaps(spans: list[tuple[float, float, str]]) -> list[tuple[float, str, str]]:
-    """The stretches inside the step where no kernel runs on any stream: (us, kernel before,
-    kernel after). Kernels on different streams overlap, so busy time is their union."""
+def idle_gaps(spans: list[tuple[float, float, str]]) -> list[tuple[float, float, str, str]]:
+    """The stretches inside the window where no kernel runs on any stream: (us, when in us from
+    the first kernel's start, kernel before, kernel after). Kernels on different streams
+    overlap, so busy time is their union."""
     gaps = []
     busy_until, last = spans[0][1], spans[0][2]
     for start, end, name in spans[1:]:
         if start > busy_until:
-            gaps.append((start - busy_until, last, name))
+            gaps.append((start - busy_until, busy_until - spans[0][0], last, name))
         if end > busy_until:
             busy_until, last = end, name
     return gaps
@@ -95,16 +96,16 @@ def print_gaps(name: str, spans: list[tuple[float, float, str]], top: int) -> No
     """The step's device idle time: in total, by gap length, and its ``top`` longest gaps."""
     gaps = idle_gaps(spans)
     span_ms = (max(end for _, end, _ in spans) - spans[0][0]) / 1e3
-    idle_ms = sum(g for g, _, _ in gaps) / 1e3
+    idle_ms = sum(g for g, *_ in gaps) / 1e3
     print(
         f"\n=== {name}: device idle {idle_ms:.1f} ms of a {span_ms:.1f} ms span "
         f"({len(spans)} kernels, {len(gaps)} gaps)"
     )
     for lo, hi in ((0, 5), (5, 20), (20, 100), (100, 1000), (1000, float("inf"))):
-        within = [g for g, _, _ in gaps if lo <= g < hi]
+        within = [g for g, *_ in gaps if lo <= g < hi]
         print(f"  gaps of {lo}-{hi} us: {len(within):6d}, {sum(within) / 1e3:7.2f} ms")
-    for gap, before, after in sorted(gaps, reverse=True)[:top]:
-        print(f"  {gap:9.1f} us  after {before[:60]}  before {after[:60]}")
+    for gap, at, before, after in sorted(gaps, reverse=True)[:top]:
+        print(f"  {gap:9.1f} us at {at / 1e3:7.1f} ms  after {before[:55]}  before {after[:55]}")
 
 
 def kernel_times(prof: profile) -> dict[str, tuple[float, int]]:
@@ -162,8 +163,10 @@ def print_kinds(steps: dict[str, dict[str, float]]) -> None:
 
 
 def profile_step(
-    name: str, step, rows: int, shapes: bool = False, top: int = 0, gaps: int = 0
+    name: str, step, rows: int, shapes: bool = False, top: int = 0, gaps: int = 0, steps: int = 1
 ) -> dict[str, float]:
+    """Kernel ms by kind of one step: the mean over ``steps`` profiled back to back (no sync
+    between them, as in training: the host may run ahead into the next step)."""
     cuda = torch.cuda.is_available()
     for _ in range(3):
         step()
@@ -171,7 +174,8 @@ def profile_step(
         torch.cuda.synchronize()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities, record_shapes=shapes) as prof:
-        step()
+        for _ in range(steps):
+            step()
         if cuda:
             torch.cuda.synchronize()
     events = prof.key_averages()
@@ -192,7 +196,7 @@ def profile_step(
         print_gaps(name, kernel_spans(prof), gaps)
     if top:
         print_largest_by_kind(name, kernels, top)
-    return ms_by_kind(kernels)
+    return {kind: ms / steps for kind, ms in ms_by_kind(kernels).items()}
 
 
 def main() -> None:
@@ -203,6 +207,9 @@ def main() -> None:
     parser.add_argument("--kernels", type=int, default=0, help="list each kind's largest N kernels")
     parser.add_argument(
         "--gaps", type=int, default=0, help="the device's idle time and its N longest gaps"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=1, help="profile N steps back to back (kinds: per step)"
     )
     parser.add_argument("--moec-only", action="store_true", help="skip the baseline")
     parser.add_argument(
@@ -238,7 +245,7 @@ def main() -> None:
     trainer = Trainer(dense_model(s), plan, cfg)
     kinds = {
         "moec": profile_step(
-            "moec", trainer.train_step, args.rows, args.shapes, args.kernels, args.gaps
+            "moec", trainer.train_step, args.rows, args.shapes, args.kernels, args.gaps, args.steps
         )
     }
     if not args.moec_only:
@@ -249,7 +256,13 @@ def main() -> None:
         _, options = BASELINES[args.baseline]
         hand = EagerTrainer(hand_written(s, dense_model(s)), s, device, **options)
         kinds[args.baseline] = profile_step(
-            args.baseline, hand.train_step, args.rows, args.shapes, args.kernels, args.gaps
+            args.baseline,
+            hand.train_step,
+            args.rows,
+            args.shapes,
+            args.kernels,
+            args.gaps,
+            args.steps,
         )
     print_kinds(kinds)
 

@@ -8,7 +8,7 @@ from benchmarks.profile_step import idle_gaps
 def test_idle_gaps_are_the_stretches_no_stream_covers():
     # main stream: a [0, 10), c [30, 40); side stream: b [5, 25) overlaps a and leaves 25-30 idle
     spans = [(0.0, 10.0, "a"), (5.0, 25.0, "b"), (30.0, 40.0, "c"), (38.0, 39.0, "d")]
-    assert idle_gaps(spans) == [(5.0, "b", "c")]
+    assert idle_gaps(spans) == [(5.0, 25.0, "b", "c")]
 
 
 def test_idle_time_plus_busy_time_is_the_span():
@@ -26,5 +26,5 @@ def test_idle_time_plus_busy_time_is_the_span():
             busy += t - prev
         running, prev = running + delta, t
     span = max(e for _, e, _ in spans) - spans[0][0]
-    idle = sum(g for g, _, _ in idle_gaps(spans))
+    idle = sum(g for g, *_ in idle_gaps(spans))
     assert abs(span - idle - busy) < 1e-6 * span
