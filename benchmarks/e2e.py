@@ -454,7 +454,11 @@ def plan_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, dict[st
     if args.n_major:
         variants.append((N_MAJOR, {"lowering": {"expert_weights": "n_major"}}))
     if args.cuda_graph:
-        variants.append(("moec + cuda graph", {"lowering": {"cuda_graph": True}}))
+        graph = {"lowering": {"cuda_graph": True}}
+        variants.append(("moec + cuda graph", graph))
+        if args.fp8:
+            fp8_graph = {"precision": {"gemm": "fp8_rowwise", "scope": ["dense_ffn"]}} | graph
+            variants.append(("moec, fp8 rowwise dense FFNs + cuda graph", fp8_graph))
     return variants
 
 
@@ -482,7 +486,7 @@ def main() -> None:
     parser.add_argument(
         "--cuda-graph",
         action="store_true",
-        help="also moec with plan.lowering.cuda_graph",
+        help="also moec with plan.lowering.cuda_graph (with --fp8: the FP8 dense FFNs' plan too)",
     )
     parser.add_argument(
         "--copies-traced",
