@@ -553,6 +553,7 @@ def test_autoplan_validate_small_runs_on_the_cpu(tmp_path, capsys):
     assert data["calibrated_efficiency"]["gemm"] != Efficiency().gemm
 
 
+@pytest.mark.slow
 def test_table49_script_plans_a_row(tmp_path):
     """benchmarks/autoplan_table49.py --rows tiny: the Tiny-64E model built to the report's
     parameter counts, grown to full depth, its report layout evaluated and the search's plan

@@ -106,6 +106,7 @@ def run_repro(out) -> float:
     return loss
 
 
+@pytest.mark.slow
 def test_repro_reruns_the_final_program(tmp_path):
     """bf16 working-weight copies, recompute regions (nested classes) and the fused loss."""
     plan = tmp_path / "plan.yaml"
@@ -223,6 +224,7 @@ def make():
 """
 
 
+@pytest.mark.slow
 def test_debug_writes_the_lowered_program(tmp_path):
     """With ``lowering.inductor``, ``moec debug`` adds Inductor's trace of one step: generated
     code for the forward and the backward graph, the moec ops called in it as opaque ops. Two

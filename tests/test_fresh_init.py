@@ -47,7 +47,9 @@ def _fresh(plan: dict, seed: int, mesh=None) -> dict[str, torch.Tensor]:
     return _tensors(_compile_fresh(plan, seed, mesh))
 
 
-@pytest.mark.parametrize("init", INITS)
+@pytest.mark.parametrize(
+    "init", [pytest.param(i, marks=pytest.mark.slow) if i == "upcycle" else i for i in INITS]
+)
 def test_fresh_tensors_depend_on_the_seed_alone_with_the_models_init_statistics(init):
     compiled = _compile_fresh(_plan(init), SEED)
     first, again, other = (

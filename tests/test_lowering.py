@@ -34,6 +34,7 @@ def _step(model, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     return out.detach(), [p.grad.clone() for p in model.parameters()]
 
 
+@pytest.mark.slow
 def test_inductor_program_equals_eager_forward_and_backward():
     """bf16 compute over fp32 masters (the training setting; fp32 is tests/test_ops_compile.py's
     torch.compile check), at the captured length and a new one."""

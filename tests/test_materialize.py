@@ -61,7 +61,7 @@ def _assert_same(got: dict, want: dict) -> None:
     "init,shared,dtype",
     [
         ("upcycle", False, "fp32"),
-        ("upcycle", True, "bf16"),  # + the working-weight copies
+        pytest.param("upcycle", True, "bf16", marks=pytest.mark.slow),  # + working copies
         ("split", False, "fp32"),
         ("random", False, "fp32"),
     ],
@@ -136,6 +136,7 @@ def _ep_worker(rank: int, world: int, path: str, reference: str) -> None:
 INITS = ("upcycle", "split", "random")  # random: its experts drawn alone, same values
 
 
+@pytest.mark.slow
 def test_ep2_ranks_materialize_and_read_only_their_experts(tmp_path):
     _dense_and_checkpoint(tmp_path)
     x = tokens()
@@ -152,6 +153,7 @@ def test_ep2_ranks_materialize_and_read_only_their_experts(tmp_path):
     spawn(_ep_worker, 2, str(tmp_path), str(tmp_path / "reference.pt"))
 
 
+@pytest.mark.slow
 def test_missing_tensor_and_shape_mismatch_are_named(tmp_path):
     dense = _dense_and_checkpoint(tmp_path)
     state = dense.state_dict()

@@ -495,6 +495,7 @@ def test_inductor_equals_eager():
     _inductor_matches_eager(model, (tokens(),), lambda y: y.square().mean(), 1e-5, 1e-5)
 
 
+@pytest.mark.slow
 def test_inductor_equals_eager_bf16():
     plan = {"moe": {**MOE, "dense_first": 0}, "precision": {"compute_dtype": "bf16"}}
     model = moec.compile(tiny_llama(1), plan, (tokens(),))
@@ -502,6 +503,7 @@ def test_inductor_equals_eager_bf16():
     _inductor_matches_eager(model, (tokens(),), lambda y: y.float().square().mean(), 2e-2, 2e-2)
 
 
+@pytest.mark.slow
 def test_inductor_equals_eager_with_the_fused_loss_and_mxfp8_experts():
     ids = tokens(2, 17)
     inputs = (ids[:, :-1], ids[:, 1:])

@@ -411,7 +411,9 @@ def _compiled(cfg: LlamaConfig, moe: dict, parallel: dict):
 
 
 @pytest.mark.parametrize("units", ["block", "sublayer"])
-@pytest.mark.parametrize("pp,v,schedule", [(4, 1, "1f1b"), (2, 2, "zbv")])
+@pytest.mark.parametrize(
+    "pp,v,schedule", [(4, 1, "1f1b"), pytest.param(2, 2, "zbv", marks=pytest.mark.slow)]
+)
 def test_partition_is_best_at_unit_granularity(pp, v, schedule, units):
     """Wide dense leading blocks and a heavy LM head: the most expensive stage's predicted
     forward time is that of the best contiguous split brute force finds over the units, and

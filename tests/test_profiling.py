@@ -169,6 +169,7 @@ def test_windows_outside_the_run_are_refused():
         window.check(20, first_step=9)
 
 
+@pytest.mark.slow
 def test_moec_train_profile_writes_the_window_into_the_run(tmp_path):
     """``moec train --profile 1:2`` end to end: the trace of steps 1-2 and the summary land in
     the run's profile folder; a window past the run is a one-line error before any step."""

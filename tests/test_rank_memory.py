@@ -44,6 +44,7 @@ def test_state_bytes_equal_a_training_steps_tensors():
     assert predicted.total == sum(size for what, size in predicted.rows()[:-1])
 
 
+@pytest.mark.slow
 def test_a_plan_that_does_not_fit_is_refused_before_it_trains(tmp_path):
     cfg = TrainConfig(steps=1, batch_size=2, seq_len=16, out=str(tmp_path), memory_limit_gib=1e-4)
     with pytest.raises(MemoryPlanError, match=r"(?s)GiB per rank.*parallel.ep.*activations"):

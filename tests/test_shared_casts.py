@@ -80,6 +80,7 @@ def test_outer_products_stay_float32_under_bf16():
     torch.testing.assert_close(table, model(positions))  # positions above 256 kept exact
 
 
+@pytest.mark.slow
 def test_a_program_captured_on_the_meta_device_gets_the_same_casts():
     """Autocast does not act on meta tensors: the pass propagates a meta capture on the device it
     will run on, so no bf16 value is taken for float32 and cast again."""
