@@ -13,6 +13,7 @@
 #   bash benchmarks/h200.sh new-gpu-tests e2e-equal-lr profile-vs-compiled  # #20's honest gap
 #   bash benchmarks/h200.sh fp8-tests e2e-fp8 kernels-fp8      # FP8 rowwise experts on sm90
 #   bash benchmarks/h200.sh torchao fp8-tests dense-ffn e2e-fp8  # FP8 linears beside torchao's
+#   bash benchmarks/h200.sh wheels e2e-fp8-long    # #20's two targets over 20 timed steps
 #   bash benchmarks/h200.sh wheels e2e-fp8-graph   # the FP8 step as a CUDA graph, beside #20's baseline
 #   bash benchmarks/h200.sh gaps-fp8              # the FP8 step's device idle time, and the baseline's
 #   bash benchmarks/h200.sh torchao e2e-fp8-all  # ... beside every compiled baseline, fp32 and bf16
@@ -153,6 +154,7 @@ for stage in "$@"; do
     dense-ffn) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/dense_ffn.py --json "$OUT/dense_ffn.json" ;;
     kernels-fp8) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python -m benchmarks.profile_step --moec-only --rows 5 --kernels 5 --fp8 ;;
     profile-fp8-vs-float8) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python -m benchmarks.profile_step --baseline compiled-bf16-float8 --fp8 dense_ffn --rows 30 ;;
+    e2e-fp8-long) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 20 --warmup 4 --fp8 --baselines compiled-fp32 --json "$OUT/e2e_fp8_long.json" ;;
     e2e-fp8-graph) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 10 --warmup 4 --fp8 --cuda-graph --baselines compiled-fp32 --json "$OUT/e2e_fp8_graph.json" ;;
     gaps-fp8) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python -m benchmarks.profile_step --baseline compiled-fp32 --fp8 dense_ffn --rows 5 --gaps 25 --steps 3 ;;
     kernels-fp8-all) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python -m benchmarks.profile_step --moec-only --rows 5 --kernels 5 --fp8 routed_experts shared_expert attn_qkv attn_out ;;
