@@ -558,6 +558,12 @@ def main() -> None:
         out=tempfile.mkdtemp(prefix="moec_e2e_"),  # a fresh run directory per run
         plots=False,
     )
+    if device.type == "cuda" and not gemm_backend.have_quack():
+        print(
+            "note: quack-kernels (moec[cutlass]) is not installed: every moec row runs its "
+            "expert GEMMs without the CuTe DSL",
+            flush=True,
+        )
     trainer = Trainer(dense_model(s), moe_plan(s), cfg)
     flops = trainer.train_flops_per_token * tokens
     common = (device, args.steps, args.warmup, flops, tokens)
@@ -647,7 +653,9 @@ def main() -> None:
         )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": name, "shape": s, "results": results}, f, indent=2)
+            cute_dsl = device.type == "cuda" and gemm_backend.have_quack()
+            record = {"device": name, "shape": s, "cute_dsl": cute_dsl, "results": results}
+            json.dump(record, f, indent=2)
 
 
 if __name__ == "__main__":
