@@ -15,6 +15,27 @@ def tiny_gpt2(layers: int = 3) -> GPT2:
     return GPT2(GPT2Config(dim=32, n_layers=layers, n_heads=4, ffn_hidden=64))
 
 
+class HalvedProjection(torch.nn.Module):
+    """One projection to [gate | up] split in halves after it (Phi-3, GLM), in the ways
+    models write the split; ``up_first``: the first half is the up projection."""
+
+    def __init__(self, split: str, up_first: bool = False):
+        super().__init__()
+        self.gate_up, self.down = torch.nn.Linear(8, 32), torch.nn.Linear(16, 8)
+        self.split, self.up_first = split, up_first
+
+    def forward(self, x):
+        h = self.gate_up(x)
+        if self.split == "chunk":
+            first, second = h.chunk(2, dim=-1)
+        elif self.split == "split":
+            first, second = torch.split(h, [16, 16], dim=-1)
+        else:
+            first, second = h[..., :16], h[..., 16:]
+        gate, up = (second, first) if self.up_first else (first, second)
+        return x + self.down(torch.nn.functional.silu(gate) * up)
+
+
 def hf_model(name: str) -> torch.nn.Module:
     common = dict(vocab_size=256, num_hidden_layers=2, num_attention_heads=4, use_cache=False)
     if name == "llama":
@@ -49,13 +70,48 @@ HF_FAMILIES = {
     "phi": "Phi",
     "gpt_neox": "GPTNeoX",
     "gemma": "Gemma",
+    "phi3": "Phi3",
+    "glm": "Glm",
 }
 """transformers decoder families (their class-name prefix) built by :func:`hf_family`."""
+MORE_FAMILIES = {
+    "gemma2": "Gemma2",
+    "gemma3": "Gemma3Text",
+    "glm4": "Glm4",
+    "stablelm": "StableLm",
+    "granite": "Granite",
+    "cohere": "Cohere",
+    "starcoder2": "Starcoder2",
+    "opt": "OPT",
+    "olmo": "Olmo",
+    "olmo3": "Olmo3",
+    "gptj": "GPTJ",
+    "bloom": "Bloom",
+    "gpt_bigcode": "GPTBigCode",
+    "falcon": "Falcon",
+    "exaone4": "Exaone4",
+    "smollm3": "SmolLM3",
+    "ministral": "Ministral",
+    "helium": "Helium",
+    "arcee": "Arcee",
+}
+"""Further families :func:`hf_family` builds (skipped where the installed transformers lacks
+one): capture breadth, in the slow set."""
+_MODEL_CLASS = {"Gemma3Text": "Gemma3ForCausalLM"}
+_NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+_FIELDS = {  # families whose configs name the sizes otherwise, or default to dropout
+    "OPT": {"ffn_dim": 128, "word_embed_proj_dim": 64, "dropout": 0.0},
+    "GPTJ": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_inner": 128, "rotary_dim": 8},
+    "GPTBigCode": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_inner": 128, **_NO_DROPOUT},
+    "Bloom": {"n_layer": 2, "n_head": 4},
+}
 
 
 def hf_family(name: str) -> torch.nn.Module:
     """A tiny ``name`` causal LM: hidden 64, FFN 128, 2 layers, 4 heads of 16, vocab 256."""
-    prefix = HF_FAMILIES[name]
+    prefix = {**HF_FAMILIES, **MORE_FAMILIES}[name]
+    if not hasattr(tf, f"{prefix}Config"):
+        pytest.skip(f"transformers {tf.__version__} has no {prefix} models")
     config = getattr(tf, f"{prefix}Config")(
         vocab_size=256,
         hidden_size=64,
@@ -68,9 +124,12 @@ def hf_family(name: str) -> torch.nn.Module:
         pad_token_id=0,
     )
     for field, value in (("num_key_value_heads", 2), ("head_dim", 16)):
-        if hasattr(config, field):  # grouped-query families; explicit head widths
+        derived = isinstance(getattr(type(config), field, None), property)  # Falcon's head_dim
+        if hasattr(config, field) and not derived:  # grouped-query families; head widths
             setattr(config, field, value)
-    return getattr(tf, f"{prefix}ForCausalLM")(config)
+    for field, value in _FIELDS.get(prefix, {}).items():
+        setattr(config, field, value)
+    return getattr(tf, _MODEL_CLASS.get(prefix, f"{prefix}ForCausalLM"))(config)
 
 
 def loss_and_grads(compiled, ids) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

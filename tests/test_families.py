@@ -1,12 +1,14 @@
 """transformers families: each compiles to an MoE program in float32, bf16 and MXFP8 and trains.
 
 Every family in ``tests.models.HF_FAMILIES`` (Llama, Qwen2, Qwen3, Mistral, OLMo-2, Phi,
-GPT-NeoX, Gemma) at the same tiny shape. Under ``init: upcycle`` with normalized route weights
-and no capacity limit the MoE equals the dense model at init, so the float32 program's logits
-equal the dense model's and the bf16 programs' loss is the dense loss up to bf16 rounding. One
-training step: finite gradients on every parameter that has one, non-zero ones on the experts,
-and a finite loss after an SGD update that changed the parameters. The cases that test no
-mechanism another fast case does not are marked slow (see the sets below).
+GPT-NeoX, Gemma, and Phi-3 and GLM, whose FFNs split one gate/up projection in halves) at the
+same tiny shape; ``MORE_FAMILIES`` (19 more) in float32, in the slow set. Under ``init:
+upcycle`` with normalized route weights and no capacity limit the MoE equals the dense model at
+init, so the float32 program's logits equal the dense model's and the bf16 programs' loss is
+the dense loss up to bf16 rounding. One training step: finite gradients on every parameter that
+has one, non-zero ones on the experts, and a finite loss after an SGD update that changed the
+parameters. The cases that test no mechanism another fast case does not are marked slow (see
+the sets below).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch.nn.functional as F
 
 import moec
 from moec.train import LanguageModelWithLoss, language_model_loss
-from tests.models import HF_FAMILIES, hf_family, tokens
+from tests.models import HF_FAMILIES, MORE_FAMILIES, hf_family, tokens
 
 MOE = {"num_experts": 4, "top_k": 2, "capacity_factor": None, "init": "upcycle"}
 PRECISIONS = {
@@ -44,6 +46,7 @@ def _case(*values: str, fast: bool) -> object:
 
 
 FLOAT32 = [_case(f, fast=f not in LLAMA_BLOCK) for f in HF_FAMILIES]
+FLOAT32 += [_case(f, fast=False) for f in MORE_FAMILIES]
 LOW_PRECISION = [_case("bf16", f, fast=f in RETYPING) for f in HF_FAMILIES]
 LOW_PRECISION += [_case("mxfp8", f, fast=False) for f in MXFP8]
 

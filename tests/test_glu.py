@@ -11,7 +11,7 @@ from moec.analysis.cost import graph_cost
 from moec.ops.activations import activate
 from moec.passes.base import PassContext
 from moec.passes.glu import FuseGluPass
-from tests.models import compile_without, hf_model, tiny_gpt2, tiny_llama, tokens
+from tests.models import HalvedProjection, compile_without, hf_model, tiny_gpt2, tiny_llama, tokens
 
 GATED = ["swiglu", "geglu", "geglu_tanh", "reglu"]
 
@@ -94,3 +94,24 @@ def test_pass_concatenates_biases_and_keeps_gradients():
     expected = dict(zip([n for n, _ in model.named_parameters()], reference, strict=True))
     for (name, _), grad in zip(gm.named_parameters(), grads, strict=True):
         torch.testing.assert_close(grad, expected[name], msg=name)
+
+
+@pytest.mark.parametrize("split", ["chunk", "split", "slice"])
+@pytest.mark.parametrize("up_first", [False, True])
+def test_pass_joins_a_projection_split_in_halves_with_the_gate_first(split, up_first):
+    model, x = HalvedProjection(split, up_first), torch.randn(3, 5, 8)
+    gm = moec.trace(model, (x,))
+    stats = FuseGluPass().run(gm, PassContext(moec.Plan())).stats
+    # moec.glu reads [gate | up]: a projection with the up half first stays as it is
+    assert stats["fused"] == (0 if up_first else 1)
+    glus = [n for n in gm.graph.nodes if n.target == torch.ops.moec.glu.default]
+    assert len(glus) == stats["fused"]
+    splits = {torch.ops.aten.chunk.default, torch.ops.aten.split_with_sizes.default}
+    assert any(n.target in splits for n in gm.graph.nodes) == (up_first and split != "slice")
+    want = model(x)
+    got = gm(x)[0]
+    torch.testing.assert_close(got, want)
+    grads = torch.autograd.grad(got.square().sum(), list(gm.parameters()))
+    reference = torch.autograd.grad(want.square().sum(), list(model.parameters()))
+    for grad, expected in zip(grads, reference, strict=True):
+        torch.testing.assert_close(grad, expected)

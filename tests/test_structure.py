@@ -6,7 +6,7 @@ import torch
 import moec
 from moec.analysis.structure import find_structure
 from moec.ops.activations import ActivationError, activate, known_activations
-from tests.models import hf_model, tiny_gpt2, tiny_llama, tokens
+from tests.models import HalvedProjection, hf_model, tiny_gpt2, tiny_llama, tokens
 
 
 @pytest.mark.parametrize(
@@ -174,3 +174,39 @@ def test_register_activation_refuses_what_it_cannot_use(fresh_activations, name,
     with pytest.raises(ActivationError, match=message):
         moec.register_activation(name, fn)
     assert known_activations() == before
+
+
+@pytest.mark.parametrize("split", ["chunk", "split", "slice"])
+@pytest.mark.parametrize("up_first", [False, True])
+def test_a_projection_split_in_halves_is_the_gate_and_the_up(split, up_first):
+    model = HalvedProjection(split, up_first)
+    gm = moec.trace(model, (torch.randn(2, 4, 8),))
+    (block,) = find_structure(gm).blocks
+    gate, up = block.ffn.ups
+    assert block.ffn.activation == "swiglu" and block.ffn.hidden == 16
+    assert gate.node is up.node  # one matmul, each site a half of it
+    assert (gate.out_span, up.out_span) == (
+        ((16, 32), (0, 16)) if up_first else ((0, 16), (16, 32))
+    )
+    assert gate.out_features == up.out_features == 16
+    w = model.gate_up.weight.detach().t()
+    torch.testing.assert_close(gate.weight_in_out(gm), w[:, slice(*gate.out_span)])
+    torch.testing.assert_close(up.weight_in_out(gm), w[:, slice(*up.out_span)])
+
+
+class PartOfAProjection(torch.nn.Module):
+    """A projection of which the FFN reads two of three pieces."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.down = torch.nn.Linear(8, 48), torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        gate, up, rest = self.proj(x).chunk(3, dim=-1)
+        return x + self.down(torch.nn.functional.silu(gate) * up) + rest.sum(-1, keepdim=True)
+
+
+def test_a_region_reading_part_of_a_projection_is_rejected_with_a_reason():
+    structure = find_structure(moec.trace(PartOfAProjection(), (torch.randn(2, 4, 8),)))
+    assert not structure.blocks
+    assert any("reads part of" in reason for reason in structure.rejected), structure.rejected

@@ -3,8 +3,9 @@
 - A **linear site** is a matmul by a parameter: ``aten.linear(x, W[out, in], b?)`` (or the
   ``precision`` pass's ``moec.quantized_linear(x, W, b, recipe)``),
   ``aten.addmm(b, x, W[in, out])`` (transformers' Conv1D), ``aten.mm/matmul(x, W[in, out])`` or
-  by ``aten.t(W)``; or a pointwise convolution ``aten.conv1d/conv2d(x, W[out, in, 1(, 1)], b?)``
-  (kernel 1, stride 1, one group), a linear over the channel dim 1 of ``x``. Views between the
+  by ``aten.t(W)`` / ``W.T`` (Falcon); or a pointwise convolution
+  ``aten.conv1d/conv2d(x, W[out, in, 1(, 1)], b?)`` (kernel 1, stride 1, one group), a linear
+  over the channel dim 1 of ``x``. Views between the
   activation and the matmul, and dtype casts of the parameter (``shared_casts``' bf16 copies,
   ``working_weights``' persistent ones), are looked through.
 - An **FFN region** is one or two "up" linear sites reading the same input X, joined by
@@ -15,7 +16,10 @@
   tanh/pow/mul, ``silu`` as ``x * sigmoid(x)``, QuickGELU, ``relu(x) ** 2``) is recognised. A
   region's sites are all linears or all pointwise convolutions (its ``channel_dim``).
   A ``moec.glu`` fed by one linear of concatenated [gate; up] weights (the ``fuse_glu`` pass's
-  form, or one working copy of both) is the same region with the activation the op names.
+  form, or one working copy of both) is the same region with the activation the op names. So
+  is one linear whose output is split into its two halves along the features (``chunk``,
+  ``split``, ``slice``; Phi-3's and GLM's ``gate_up_proj``): each half is an up site with an
+  ``out_span`` of the shared weight.
 - A **block** ends at the residual add that consumes an FFN output; blocks are numbered in
   topological order, so "the first N blocks" is well defined.
 
@@ -46,7 +50,8 @@ VIEW_OPS = {
     aten.contiguous.default,
     aten.alias.default,
 }
-TRANSPOSE_OPS = {aten.t.default, aten.permute.default, aten.transpose.int}
+TRANSPOSE_OPS = {aten.t.default, aten.permute.default, aten.transpose.int, aten.numpy_T.default}
+"""On a 2-D parameter, each reads it transposed (``numpy_T``: ``W.T``, Falcon's linears)."""
 MATMUL_OPS = frozenset(
     {
         aten.linear.default,
@@ -80,25 +85,28 @@ class LinearSite:
     out_features: int
     channel_dim: int = -1
     """The dim of the input holding the features: -1 for a matmul, 1 for a pointwise conv."""
+    out_span: tuple[int, int] | None = None
+    """The outputs ``[start, stop)`` of the matmul this site is (one half of a projection split
+    after it; ``out_features`` is their count); None: all of them."""
 
     def weight_in_out(self, gm: fx.GraphModule) -> torch.Tensor:
-        """The weight as (in, out), detached (a conv's trailing kernel dims of size 1 dropped)."""
+        """The weight as (in, out), detached (a conv's trailing kernel dims of size 1 dropped),
+        cut to ``out_span``."""
         w = gm.get_parameter(self.weight).detach().flatten(1)
-        return w.t() if self.weight_layout == "out_in" else w
-
-    def bias_tensor(self, gm: fx.GraphModule) -> torch.Tensor | None:
-        return None if self.bias is None else gm.get_parameter(self.bias).detach()
+        w = w.t() if self.weight_layout == "out_in" else w
+        return w if self.out_span is None else w[:, slice(*self.out_span)]
 
 
 @dataclasses.dataclass
 class FFNRegion:
     input: fx.Node
     ups: list[LinearSite]
-    """The up linears; for gated activations ``[gate, up]`` (after ``fuse_glu`` both name the
-    one matmul that computes them)."""
+    """The up linears; for gated activations ``[gate, up]`` (after ``fuse_glu``, or as the
+    halves of a split projection, both name the one matmul that computes them)."""
     down: LinearSite
     interior: list[fx.Node]
-    """Elementwise and view nodes strictly between the ups and the down linear."""
+    """Elementwise and view nodes strictly between the ups and the down linear (and the split
+    of a projection cut in two halves)."""
     output: fx.Node
     """The region's result: the down linear, or a trailing view back to X's shape."""
     activation: str
@@ -130,12 +138,6 @@ class FFNRegion:
             (node,) = node.users
             owned.append(node)
         return list(dict.fromkeys(owned))  # a fused gate/up pair shares its matmul
-
-    def param_targets(self) -> list[str]:
-        targets = []
-        for site in [*self.ups, self.down]:
-            targets += [site.weight] + ([site.bias] if site.bias else [])
-        return targets
 
 
 @dataclasses.dataclass
@@ -226,6 +228,47 @@ def _fused_glu_ups(glu: fx.Node) -> list[LinearSite] | None:
     return [LinearSite(h, x, w, b, "out_in", in_f, out_f) for w, b in zip(weights, biases)]
 
 
+SPLIT_OPS = frozenset({aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default})
+
+
+def _bound_args(node: fx.Node) -> dict[str, object]:
+    """An ATen call's arguments by schema name, defaults filled in."""
+    schema = node.target._schema.arguments
+    bound = {a.name: a.default_value for a in schema if a.has_default_value()}
+    bound.update(zip((a.name for a in schema), node.args))
+    bound.update(node.kwargs)
+    return bound
+
+
+def output_slice(node: fx.Node) -> tuple[fx.Node, fx.Node | None, int, int] | None:
+    """(source, split node or None, start, stop) if ``node`` is the features ``[start, stop)``
+    of ``source`` (its last dim): a piece of a ``chunk``/``split`` or a unit-step ``slice``."""
+    split = node.args[0] if _target(node) == operator.getitem else None
+    if isinstance(split, fx.Node) and _target(split) in SPLIT_OPS:
+        bound, index = _bound_args(split), node.args[1]
+    elif _target(node) == aten.slice.Tensor:
+        bound = _bound_args(node)
+    else:
+        return None
+    source = bound["self"]
+    shape = source.meta["val"].shape
+    width = shape[-1]
+    if bound["dim"] not in (-1, len(shape) - 1) or not isinstance(width, int):
+        return None
+    if split is None:
+        if bound["step"] != 1:
+            return None
+        start, stop, _ = slice(bound["start"], bound["end"]).indices(width)
+        return source, None, start, stop
+    if _target(split) == aten.split_with_sizes.default:
+        sizes = list(bound["split_sizes"])
+    else:
+        chunks = bound.get("chunks")
+        piece = -(-width // chunks) if chunks else bound["split_size"]
+        sizes = [min(piece, width - start) for start in range(0, width, piece)]
+    return source, split, sum(sizes[:index]), sum(sizes[: index + 1])
+
+
 def linear_site(node: fx.Node) -> LinearSite | None:
     target = _target(node)
     if target in POINTWISE_CONV_OPS:
@@ -259,10 +302,7 @@ def linear_site(node: fx.Node) -> LinearSite | None:
 def _pointwise_conv_site(node: fx.Node) -> LinearSite | None:
     """A batched convolution with kernel size 1, stride 1 and one group, as a linear site over
     the channel dim 1 (any padding mode of a size-1 kernel pads nothing)."""
-    schema = node.target._schema.arguments
-    bound = {a.name: a.default_value for a in schema if a.has_default_value()}
-    bound.update(zip((a.name for a in schema), node.args))
-    bound.update(node.kwargs)
+    bound = _bound_args(node)
     weight, bias = _param_target(bound["weight"]), bound.get("bias")
     bias = _param_target(bias) if bias is not None else None
     if weight is None or weight[1] or (bound.get("bias") is not None and bias is None):
@@ -340,6 +380,7 @@ def _region_for(
         set(),
     )
     fused: list[LinearSite] | None = None
+    splits: list[fx.Node] = []  # the split ops and pieces between a halved projection and ups
     while stack:
         node = stack.pop()
         if not isinstance(node, fx.Node) or node in seen:
@@ -355,6 +396,13 @@ def _region_for(
             interior.append(node)
             ups[fused[0].node] = fused[0]
             continue
+        piece = output_slice(node)
+        if piece is not None and piece[0] in by_node:  # a half of one projection's outputs
+            source, split, start, stop = piece
+            site = by_node[source]
+            ups[node] = dataclasses.replace(site, out_span=(start, stop), out_features=stop - start)
+            splits += [node] + ([split] if split is not None else [])
+            continue
         if not is_elementwise(node):
             return None  # fed by something else (attention, norm): not an FFN down projection
         interior.append(node)
@@ -363,13 +411,17 @@ def _region_for(
         return None
     inputs = {site.input for site in ups.values()}
     name = module_path(down.node) or down.node.name
+    halved = [site for site in ups.values() if site.out_span is not None]
+    if halved and not _tile_the_output(halved, len(ups)):
+        rejected.append(f"{name}: reads part of {halved[0].node.name}'s outputs")
+        return None
     if len(inputs) != 1:
         rejected.append(f"{name}: up linears read different inputs")
         return None
     if len({site.channel_dim for site in [*ups.values(), down]}) != 1:
         rejected.append(f"{name}: mixes linears and pointwise convolutions")
         return None
-    region_nodes = set(interior) | set(ups)
+    region_nodes = set(interior) | set(ups) | set(splits) | {site.node for site in halved}
     for node in region_nodes:
         outside = [u for u in node.users if u not in region_nodes and u is not down.node]
         if outside:
@@ -382,7 +434,7 @@ def _region_for(
         glu = next(n for n in interior if _target(n) == torch.ops.moec.glu.default)
         activation, ordered_ups = glu.args[1], fused
     else:
-        identified = _identify_activation(interior, list(ups.values()))
+        identified = _identify_activation(interior, ups)
         if identified is None:
             rejected.append(f"{name}: activation not recognised")
             return None
@@ -393,7 +445,17 @@ def _region_for(
         rejected.append(f"{name}: output shape never matches the input's")
         return None
     path = _common_path(module_path(s.node) for s in [*ordered_ups, down])
-    return FFNRegion(x, ordered_ups, down, interior, output, activation, path)
+    return FFNRegion(x, ordered_ups, down, interior + splits, output, activation, path)
+
+
+def _tile_the_output(halves: list[LinearSite], ups: int) -> bool:
+    """Whether the pieces of a split projection are all the region's ups and together all of
+    its outputs, each once."""
+    spans = sorted(site.out_span for site in halves)
+    whole = (0, halves[0].node.meta["val"].shape[-1])
+    joined = all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    one_matmul = len({site.node for site in halves}) == 1
+    return one_matmul and len(halves) == ups and joined and (spans[0][0], spans[-1][1]) == whole
 
 
 def _output_like(node: fx.Node, x: fx.Node) -> fx.Node | None:
@@ -423,12 +485,14 @@ def _residual_add(output: fx.Node) -> fx.Node | None:
 
 
 def _identify_activation(
-    interior: list[fx.Node], ups: list[LinearSite]
+    interior: list[fx.Node], up_outputs: dict[fx.Node, LinearSite]
 ) -> tuple[str, list[LinearSite]] | None:
-    """Evaluate the joining subgraph on sample values and match it to a known activation."""
+    """Evaluate the joining subgraph on sample values and match it to a known activation;
+    ``up_outputs``: the node holding each up site's output (the matmul, or a half of it)."""
     gen = torch.Generator().manual_seed(0)
+    ups = list(up_outputs.values())
     samples = [torch.randn(512, generator=gen, dtype=torch.float64) * 3 for _ in ups]
-    env: dict[fx.Node, torch.Tensor] = {u.node: s for u, s in zip(ups, samples)}
+    env: dict[fx.Node, torch.Tensor] = dict(zip(up_outputs, samples))
     interior_set = set(interior)
     for node in _topological(interior):
         env[node] = _eval_elementwise(node, env, interior_set)

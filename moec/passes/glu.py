@@ -11,6 +11,9 @@ Emits    ``h = linear(x, cat([w_gate, w_up]), cat([b_gate, b_up]))`` (or the qua
          with the pair's recipe: its scales are per row of x and per output channel, so the
          joined GEMM quantizes every operand as the two did) and
          ``moec.glu(h, "swiglu" | "geglu" | "geglu_tanh" | "reglu")``.
+Also     ``mul(act(h[..., :H]), h[..., H:])`` of one projection ``h`` of width 2H split in
+         halves (``chunk``/``split``/``slice``: Phi-3's and GLM's ``gate_up_proj``), gate
+         first, the halves read by nothing else -> ``moec.glu(h, ...)``; h stays as it is.
 Keeps    values up to the GEMM's summation order (each output element is the same dot product;
          float32 results agree to rounding), every parameter and its gradient (the concatenation
          is of the weights as read, e.g. their bf16 casts: its backward hands each weight its
@@ -30,6 +33,7 @@ import torch
 import torch.fx as fx
 
 import moec.ops  # noqa: F401  (registers torch.ops.moec)
+from moec.analysis.structure import output_slice
 from moec.ops.activations import gated_from_unary
 from moec.passes.base import Pass, PassContext, PassResult, register_pass
 from moec.passes.rewrite import GraphEditor
@@ -103,6 +107,44 @@ def _match(mul: fx.Node) -> _Match | None:
     return None
 
 
+class _Halves(NamedTuple):
+    act: fx.Node
+    gate: fx.Node
+    up: fx.Node
+    split: fx.Node | None
+    """The ``chunk``/``split`` node the halves are pieces of (None for slices)."""
+    h: fx.Node
+    activation: str
+
+
+def _match_halves(mul: fx.Node) -> _Halves | None:
+    """``mul(act(h[..., :H]), h[..., H:])`` of one projection h of width 2H (either operand
+    order; the gate must be the first half, as ``moec.glu`` reads it)."""
+    if mul.target != aten.mul.Tensor or mul.kwargs or len(mul.args) != 2:
+        return None
+    for act, up in (mul.args, mul.args[::-1]):
+        if not isinstance(act, fx.Node) or not isinstance(up, fx.Node):
+            continue
+        unary = _unary(act)
+        gate = act.args[0] if unary else None
+        if not isinstance(gate, fx.Node):
+            continue
+        g, u = output_slice(gate), output_slice(up)
+        if g is None or u is None or g[:2] != u[:2] or _linear_parts(g[0]) is None:
+            continue
+        h, split, g_start, g_stop = g
+        width = h.meta["val"].shape[-1]
+        if (g_start, g_stop, u[2], u[3]) != (0, width // 2, width // 2, width) or width % 2:
+            continue
+        pieces_only = split is None or set(split.users) == {gate, up}
+        if not pieces_only or any(len(n.users) != 1 for n in (act, gate, up)):
+            continue
+        if len(h.users) != (1 if split is not None else 2):
+            continue
+        return _Halves(act, gate, up, split, h, gated_from_unary(unary))
+    return None
+
+
 @register_pass
 class FuseGluPass(Pass):
     name = "fuse_glu"
@@ -112,6 +154,17 @@ class FuseGluPass(Pass):
         edit = GraphEditor(gm, self.name)
         fused: dict[str, int] = {}
         for mul in list(gm.graph.nodes):
+            halves = _match_halves(mul)
+            if halves is not None:
+                act, gate, up, split, h, activation = halves
+                with gm.graph.inserting_before(mul):
+                    out = edit.call(torch.ops.moec.glu.default, (h, activation), mul)
+                mul.replace_all_uses_with(out)
+                for node in (mul, act, gate, up, split):
+                    if node is not None:
+                        gm.graph.erase_node(node)
+                fused[activation] = fused.get(activation, 0) + 1
+                continue
             match = _match(mul)
             if match is None:
                 continue

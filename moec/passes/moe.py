@@ -45,7 +45,8 @@ output permuted back. The activations named in ``plan.moe.activations`` are regi
 :func:`moec.ops.activations.register_activation`) before the FFNs are looked for.
 
 Refuses (:class:`MoEPassError`, naming the model or module): a model with no FFN region (the
-message lists the rejected candidates and the supported activations), and an FFN to convert
+message lists the rejected candidates and the supported activations, and names the router of a
+model that routes tokens already), and an FFN to convert
 with a dropout of rate p > 0 on its hidden activation, which the fused expert op cannot apply,
 unless ``plan.moe.ffn_dropout`` is ``drop``. FFNs kept dense keep their dropout.
 
@@ -302,12 +303,22 @@ def _register_plan_activations(plan: MoEPlan) -> None:
 
 def _no_ffn_message(gm: fx.GraphModule, structure: Structure) -> str:
     rejected = "; ".join(structure.rejected) or "none"
-    return (
+    message = (
         f"no FFN region found in {model_name(gm)}: looked for linear (or pointwise conv) -> "
         f"activation -> linear chains among its {len(structure.linears)} linears; candidates "
         f"rejected: {rejected}; activations {supported_text()}; `moec inspect MODEL` lists "
         "the FFN regions found and the candidates rejected"
     )
+    routing = next((n for n in gm.graph.nodes if n.target == aten.topk.default), None)
+    if routing is not None:
+        path = module_path(routing)
+        where = f"in {path}" if path else f"at node {routing.name}"
+        message += (
+            f". The model already routes tokens (aten.topk {where}): the moe pass turns a "
+            "dense model's FFNs into routed experts, so hand it the dense model (the same "
+            "architecture with plain FFNs)"
+        )
+    return message
 
 
 def ffn_name(region: FFNRegion) -> str:
@@ -446,15 +457,27 @@ def expert_sources(region: FFNRegion, plan: MoEPlan, prefix: str) -> dict[str, P
 
 
 def _in_out(site: LinearSite, rows: Span | None = None, cols: Span | None = None) -> FromSource:
-    """``site``'s weight as (in, out) (``LinearSite.weight_in_out``), cut to ``[rows, cols]``."""
-    return FromSource(site.weight, rows, cols, transpose=site.weight_layout == "out_in")
+    """``site``'s weight as (in, out) (``LinearSite.weight_in_out``), cut to ``[rows, cols]``
+    (``cols`` counted within the site's outputs)."""
+    outputs = _site_outputs(site, cols)
+    return FromSource(site.weight, rows, outputs, transpose=site.weight_layout == "out_in")
 
 
 def _bias(site: LinearSite, part: Span | None, width: int) -> ParamSource:
-    """``site``'s bias cut to ``part`` (zeros of ``width`` for a linear without one)."""
+    """``site``'s bias cut to ``part`` of its outputs (zeros of ``width`` for a linear without
+    one)."""
     if site.bias is None:
         return Fresh("zeros", (width,))
-    return FromSource(site.bias, rows=part)
+    return FromSource(site.bias, rows=_site_outputs(site, part))
+
+
+def _site_outputs(site: LinearSite, part: Span | None) -> Span | None:
+    """The matmul outputs that ``part`` of ``site``'s outputs are (a split projection's half
+    starts at its ``out_span``)."""
+    if site.out_span is None:
+        return part
+    start, stop = site.out_span
+    return (start, stop) if part is None else (start + part[0], start + part[1])
 
 
 def _scaled(source: ParamSource, scale: float) -> ParamSource:
