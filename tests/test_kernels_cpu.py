@@ -132,6 +132,7 @@ def test_dispatch_combine_and_backward_ignore_poisoned_rows(dtype):
     y[used:] = float("nan")
     out = movement.combine(y, weights, rows)
     torch.testing.assert_close(out, combine_reference(y, weights, rows))
+    assert out._base is None  # not a view: a model may add to its FFN output in place
     d_out = torch.randn(tokens, dim).to(dtype)
     d_y, d_w = movement.combine_backward(y, weights, rows, d_out)
     y_ref = y.clone().requires_grad_()

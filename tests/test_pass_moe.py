@@ -4,7 +4,7 @@ import torch
 import moec
 from moec.passes.moe import MoEPassError
 from moec.passes.verify import VerificationError, verify_graph
-from tests.models import hf_model, tiny_gpt2, tiny_llama, tokens
+from tests.models import HalvedProjection, hf_model, tiny_gpt2, tiny_llama, tokens
 from tests.test_structure import PlainFFN, PointwiseConvFFN
 
 
@@ -58,6 +58,20 @@ def test_split_with_all_experts_equals_dense_at_init(make, gating, shared):
     assert _rel(moec.compile(model, plan, (ids,))(ids), model(ids)) <= 1e-5
 
 
+@pytest.mark.parametrize("init", ["upcycle", "split"])
+@pytest.mark.parametrize("up_first", [False, True])
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_projection_split_in_halves_becomes_experts_equal_to_it_at_init(init, up_first, shared):
+    model, x = HalvedProjection("chunk", up_first), torch.randn(2, 5, 8)
+    moe = {"num_experts": 4, "init": init, "shared_expert": shared, "capacity_factor": None}
+    moe |= {"top_k": 2} if init == "upcycle" else {"top_k": 4, "normalize_weights": False}
+    compiled = moec.compile(model, {"moe": moe}, (x,))
+    assert compiled.pass_results["moe"].stats["ffns_replaced"] == 1
+    assert _rel(compiled(x), model(x)) <= 1e-5
+    names = {n for n, _ in compiled.named_parameters()}
+    assert ("gate_up.weight" in names) == shared  # the dense projection only as shared expert
+
+
 def test_statistics_and_parameter_books():
     model = tiny_llama(layers=4)
     plan = {"moe": {"num_experts": 4, "top_k": 2, "dense_first": 2}}
@@ -105,6 +119,50 @@ def test_model_without_ffn_says_why():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8))
     with pytest.raises(MoEPassError, match="no FFN region"):
         moec.compile(model, None, (torch.randn(2, 3, 8),))
+
+
+class InPlaceResidual(torch.nn.Module):
+    """An FFN whose output the model adds to in place (Falcon's ``mlp_output += ...``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        y = self.down(torch.relu(self.up(x)))
+        y += x
+        return y
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_moe_output_takes_an_in_place_add_and_trains(shared):
+    model, x = InPlaceResidual(), torch.randn(2, 5, 8)
+    moe = {"num_experts": 4, "top_k": 2, "capacity_factor": None, "shared_expert": shared}
+    compiled = moec.compile(model, {"moe": moe}, (x,))
+    out = compiled(x)
+    assert _rel(out, model(x)) <= 1e-5
+    out.square().sum().backward()
+    grads = [p.grad for p in compiled.parameters()]
+    assert all(g is not None and bool(torch.isfinite(g).all()) for g in grads)
+
+
+class RoutedAlready(torch.nn.Module):
+    """A block that routes tokens itself (top-2 of 4 experts, each a plain matrix)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(8, 4)
+        self.experts = torch.nn.Parameter(torch.randn(4, 8, 8))
+
+    def forward(self, x):
+        weights, chosen = self.gate(x).softmax(-1).topk(2)
+        picked = self.experts[chosen]  # [B, S, 2, 8, 8]
+        return x + (weights[..., None] * torch.einsum("bsd,bskde->bske", x, picked)).sum(2)
+
+
+def test_a_model_that_routes_already_is_told_to_bring_its_dense_form():
+    with pytest.raises(MoEPassError, match=r"already routes tokens \(aten.topk at node topk\)"):
+        moec.compile(RoutedAlready(), None, (torch.randn(2, 3, 8),))
 
 
 def test_verifier_catches_a_wrong_shape_and_an_orphan_parameter():

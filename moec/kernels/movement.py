@@ -172,17 +172,18 @@ def combine(y: Tensor, weights: Tensor | None, rows: Tensor) -> Tensor:
     tokens, top_k = flat_rows.shape
     y = y if y.stride(-1) == 1 else y.contiguous()
     dim = y.shape[-1]
-    out = y.new_empty(tokens, dim)
+    out = y.new_empty(*rows.shape[:-1], dim)  # written through a flat view, returned whole
     if tokens == 0 or dim == 0:
-        return out.view(*rows.shape[:-1], dim)
+        return out
+    flat_out = out.view(tokens, dim)
     flat_w = flat_rows if weights is None else weights.reshape(tokens, top_k).contiguous()
     grid_t, grid_d, block_d = _tiles(tokens, dim)
     _combine_kernel[(grid_t, grid_d)](
-        y, flat_w, flat_rows, out, tokens, dim, y.stride(0), out.stride(0),
+        y, flat_w, flat_rows, flat_out, tokens, dim, y.stride(0), flat_out.stride(0),
         TOP_K=top_k, BLOCK_T=BLOCK_T, BLOCK_D=block_d, HAS_WEIGHTS=weights is not None,
         num_warps=4,
     )  # fmt: skip
-    return out.view(*rows.shape[:-1], dim)
+    return out
 
 
 def combine_backward(

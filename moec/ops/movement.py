@@ -68,10 +68,17 @@ def dispatch_reference(x: Tensor, rows: Tensor) -> Tensor:
     return scatter_rows(_flat(x), _flat(rows), rows.numel())
 
 
+def block_output(out: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """``out`` (a fresh tensor) as ``shape``, not as a view of it: a combine's result is the
+    FFN output, which a model may update in place (Falcon's ``mlp_output += ...``), and
+    autograd refuses that on a view made inside a custom op."""
+    return torch.ops.aten._unsafe_view(out, shape)
+
+
 def combine_reference(y: Tensor, weights: Tensor, rows: Tensor) -> Tensor:
     """The oracle implementation of ``moec::combine``."""
     out = gather_sum(y, _flat(rows), _flat(weights))
-    return out.view(*rows.shape[:-1], y.shape[-1])
+    return block_output(out, (*rows.shape[:-1], y.shape[-1]))
 
 
 @torch.library.custom_op("moec::dispatch", mutates_args=())

@@ -103,15 +103,22 @@ def delete_attribute(gm: fx.GraphModule, path: str) -> None:
 
 
 def erase_unused(gm: fx.GraphModule, nodes: list[fx.Node]) -> list[str]:
-    """Erase ``nodes`` (in reverse order) and any get_attr left without users; return the
-    parameter targets whose attributes were deleted."""
+    """Erase ``nodes`` (in reverse order), then whatever fed only them: pure calls left without
+    users (a parameter's transpose or cast) and get_attrs; return the parameter targets whose
+    attributes were deleted."""
     removed_params: list[str] = []
     order = node_order(gm.graph)
-    for node in sorted(nodes, key=order.__getitem__, reverse=True):
+    left = sorted(nodes, key=order.__getitem__, reverse=True)
+    while left:
+        node = left.pop(0)
         inputs = [a for a in node.all_input_nodes]
         gm.graph.erase_node(node)
         for inp in inputs:
-            if inp.op == "get_attr" and not inp.users:
+            if inp.users or inp in left:
+                continue
+            if inp.op == "call_function" and not inp.is_impure():
+                left.append(inp)
+            elif inp.op == "get_attr":
                 target = str(inp.target)
                 gm.graph.erase_node(inp)
                 if not any(n.op == "get_attr" and n.target == target for n in gm.graph.nodes):

@@ -42,6 +42,7 @@ from moec.ops.ep.per_rank import (
     send_once_per_rank,
     sum_home_once_per_rank,
 )
+from moec.ops.movement import block_output
 from moec.ops.routing import capacity
 
 # --- layout ------------------------------------------------------------------------------------
@@ -200,7 +201,7 @@ def ep_combine(
     else:
         saved = fetch_routes(y, flat, recv_rows, sent, counts, group, ep_size, path)  # picked
         out = sum_routes(saved, top_k, weights)
-    return out.view(*slots.shape[:-1], y.shape[-1]), saved
+    return block_output(out, (*slots.shape[:-1], y.shape[-1])), saved
 
 
 @ep_combine.register_fake

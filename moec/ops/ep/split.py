@@ -72,6 +72,7 @@ from moec.ops.ep.per_rank import (
     weights_home,
     weights_to_experts,
 )
+from moec.ops.movement import block_output
 
 _PENDING: dict[int, tuple[Tensor, Callable[[], None], tuple]] = {}
 """In-flight exchanges by the storage of their result: (result, wait, tensors kept alive)."""
@@ -199,7 +200,7 @@ def _combine_wait(pending, weights, slots, recv_rows, ep_size, path) -> tuple[Te
     else:
         picked = take_rows(pending, slots.reshape(-1))
         out = sum_routes(picked, top_k, weights)
-    return out.view(*slots.shape[:-1], dim), picked
+    return block_output(out, (*slots.shape[:-1], dim)), picked
 
 
 @torch.library.custom_op("moec::ep_dispatch_issue", mutates_args=())
