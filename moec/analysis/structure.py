@@ -256,16 +256,21 @@ def output_slice(node: fx.Node) -> tuple[fx.Node, fx.Node | None, int, int] | No
     if bound["dim"] not in (-1, len(shape) - 1) or not isinstance(width, int):
         return None
     if split is None:
-        if bound["step"] != 1:
-            return None
-        start, stop, _ = slice(bound["start"], bound["end"]).indices(width)
+        bounds = (bound["start"], bound["end"])
+        if bound["step"] != 1 or not all(b is None or isinstance(b, int) for b in bounds):
+            return None  # a symbolic bound: not a fixed cut of the features
+        start, stop, _ = slice(*bounds).indices(width)
         return source, None, start, stop
     if _target(split) == aten.split_with_sizes.default:
         sizes = list(bound["split_sizes"])
     else:
         chunks = bound.get("chunks")
-        piece = -(-width // chunks) if chunks else bound["split_size"]
+        piece = -(-width // chunks) if isinstance(chunks, int) else bound["split_size"]
+        if not isinstance(piece, int) or piece <= 0:
+            return None
         sizes = [min(piece, width - start) for start in range(0, width, piece)]
+    if not all(isinstance(size, int) for size in sizes):
+        return None
     return source, split, sum(sizes[:index]), sum(sizes[: index + 1])
 
 
