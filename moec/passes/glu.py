@@ -27,6 +27,7 @@ d_h, and it saves h instead of gate, act(gate) and up.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -83,17 +84,23 @@ class _Match(NamedTuple):
     """The gated activation's name."""
 
 
-def _match(mul: fx.Node) -> _Match | None:
-    """The nodes and operands of a gated FFN product."""
+def _gated_products(mul: fx.Node) -> Iterator[tuple[fx.Node, fx.Node, fx.Node, str]]:
+    """(act, gate, up, unary activation) for each operand order in which ``mul`` is
+    ``mul(act(gate), up)``, ``act`` a supported unary activation."""
     if mul.target != aten.mul.Tensor or mul.kwargs or len(mul.args) != 2:
-        return None
+        return
     if not all(isinstance(a, fx.Node) for a in mul.args):
-        return None
+        return
     for act, up in (mul.args, mul.args[::-1]):
         unary = _unary(act)
         gate = act.args[0] if unary else None
-        if gate is None or not isinstance(gate, fx.Node) or gate is up:
-            continue
+        if isinstance(gate, fx.Node) and gate is not up:
+            yield act, gate, up, unary
+
+
+def _match(mul: fx.Node) -> _Match | None:
+    """The nodes and operands of a gated FFN product."""
+    for act, gate, up, unary in _gated_products(mul):
         g, u = _linear_parts(gate), _linear_parts(up)
         if g is None or u is None or g.x is not u.x or g.recipe != u.recipe:
             continue
@@ -120,15 +127,7 @@ class _Halves(NamedTuple):
 def _match_halves(mul: fx.Node) -> _Halves | None:
     """``mul(act(h[..., :H]), h[..., H:])`` of one projection h of width 2H (either operand
     order; the gate must be the first half, as ``moec.glu`` reads it)."""
-    if mul.target != aten.mul.Tensor or mul.kwargs or len(mul.args) != 2:
-        return None
-    for act, up in (mul.args, mul.args[::-1]):
-        if not isinstance(act, fx.Node) or not isinstance(up, fx.Node):
-            continue
-        unary = _unary(act)
-        gate = act.args[0] if unary else None
-        if not isinstance(gate, fx.Node):
-            continue
+    for act, gate, up, unary in _gated_products(mul):
         g, u = output_slice(gate), output_slice(up)
         if g is None or u is None or g[:2] != u[:2] or _linear_parts(g[0]) is None:
             continue
