@@ -17,6 +17,8 @@ backward (d_x and both weight gradients), ms from ``do_bench``:
   torchao     anchor for ``fp8``: the plain FFN as three ``nn.Linear`` converted by torchao's
               ``convert_to_float8_training`` (recipe ``rowwise_with_gw_hp``: the same split of
               FP8 and bf16 GEMMs) under ``torch.compile``; skipped where torchao is not installed
+  torchao_all the same with torchao's recipe ``rowwise``: the weight gradients in FP8 too
+              (each operand quantized along the tokens), what FP8 weight gradients would buy
 
 Every row is checked against the float32 result of ``linear+glu`` before it is timed (relative
 error 2e-2, FP8 rows 1e-1); the last column is ``linear+glu`` over each row (> 1: faster than
@@ -43,7 +45,8 @@ from moec.kernels.activation import UNARY_CODES, KernelActivation
 D = 1536
 WIDTHS = {"dense block": 24576, "shared expert": 1536}
 
-FP8_ROWS = ("fp8", "torchao")
+TORCHAO_RECIPES = {"torchao": "rowwise_with_gw_hp", "torchao_all": "rowwise"}
+FP8_ROWS = ("fp8", *TORCHAO_RECIPES)
 OUTPUTS = ("y", "d_x", "d_w_cat", "d_w_down")
 SWIGLU = KernelActivation(UNARY_CODES["silu"], True)
 
@@ -101,13 +104,13 @@ class GatedFFN(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
-def torchao_step(w_cat: Tensor, w_down: Tensor) -> Step | None:
+def torchao_step(w_cat: Tensor, w_down: Tensor, recipe: str) -> Step | None:
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError:
         return None
     ffn = GatedFFN(w_cat.detach(), w_down.detach())
-    config = Float8LinearConfig.from_recipe_name("rowwise_with_gw_hp")
+    config = Float8LinearConfig.from_recipe_name(recipe)
     convert_to_float8_training(ffn, config=config)
     compiled = torch.compile(ffn)
     weights = (ffn.gate.weight, ffn.up.weight, ffn.down.weight)
@@ -145,9 +148,10 @@ def measure(tokens: int, width: int) -> dict[str, object]:
         "one_expert": one_expert,
         "fp8": fp8_linears,
     }
-    anchor = torchao_step(w_cat, w_down)
-    if anchor is not None:
-        steps["torchao"] = anchor
+    for name, recipe in TORCHAO_RECIPES.items():
+        anchor = torchao_step(w_cat, w_down, recipe)
+        if anchor is not None:
+            steps[name] = anchor
     for name, step in steps.items():
         got = step(*leaves, dy)
         errs = [_rel(g, w) for g, w in zip(got, want, strict=True)]

@@ -15,6 +15,7 @@
 #   bash benchmarks/h200.sh torchao fp8-tests dense-ffn e2e-fp8  # FP8 linears beside torchao's
 #   bash benchmarks/h200.sh wheels e2e-fp8-long    # #20's two targets over 20 timed steps
 #   bash benchmarks/h200.sh wheels e2e-fp8-graph   # the FP8 step as a CUDA graph, beside #20's baseline
+#   bash benchmarks/h200.sh torchao movement-tests lm-head dense-ffn  # the LM head's chunks; FP8 wgrad's anchor
 #   bash benchmarks/h200.sh gaps-fp8              # the FP8 step's device idle time, and the baseline's
 #   bash benchmarks/h200.sh torchao e2e-fp8-all  # ... beside every compiled baseline, fp32 and bf16
 #                                               # (a call carrying .tao: torchao's wheel, from
@@ -144,6 +145,8 @@ for stage in "$@"; do
     e2e-copies) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --copies-traced --baselines compiled-bf16 --steps 8 --warmup 6 --json "$OUT/e2e_copies.json" ;;
     copies-tests) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_sync_free.py tests/gpu/test_step_graph_gpu.py tests/gpu/test_symbolic_capture_gpu.py ;;
     ce) timeout $STAGE_LIMIT python benchmarks/cross_entropy.py --json "$OUT/cross_entropy.json" ;;
+    lm-head) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/lm_head.py --json "$OUT/lm_head.json" ;;
+    movement-tests) timeout $STAGE_LIMIT python -m pytest -q -rfE tests/gpu/test_kernels_ops.py -k "dispatch_combine or cross_entropy or layer_step" tests/gpu/test_sync_free.py ;;
     cute-layer) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/moe_layer.py --pieces --skip-loop --json "$OUT/layer_cute.json" ;;
     e2e-recompute) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 4 --warmup 2 --moec-only --recompute --json "$OUT/e2e_recompute.json" ;;
     recompute-snapshot) timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 2 --warmup 2 --moec-only --recompute --memory-snapshot "$OUT/snapshots" --json "$OUT/e2e_recompute_snapshot.json" ;;
@@ -151,7 +154,6 @@ for stage in "$@"; do
     e2e-fp8) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 6 --warmup 4 --fp8 --baselines compiled-bf16 compiled-bf16-float8 --json "$OUT/e2e_fp8.json" ;;
     e2e-fp8-all) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 8 --warmup 4 --fp8 --baselines compiled-fp32 compiled-fp32-float8 compiled-bf16 compiled-bf16-float8 --json "$OUT/e2e_fp8_all.json" ;;
     torchao) python -m pip install -q --no-index --no-deps .tao/*.whl && python -c "import torchao; print('torchao', torchao.__version__)" ;;
-    dense-ffn) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/dense_ffn.py --json "$OUT/dense_ffn.json" ;;
     kernels-fp8) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python -m benchmarks.profile_step --moec-only --rows 5 --kernels 5 --fp8 ;;
     profile-fp8-vs-float8) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python -m benchmarks.profile_step --baseline compiled-bf16-float8 --fp8 dense_ffn --rows 30 ;;
     e2e-fp8-long) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 20 --warmup 4 --fp8 --baselines compiled-fp32 --json "$OUT/e2e_fp8_long.json" ;;

@@ -37,8 +37,14 @@ CHUNK_ELEMENTS = 1 << 28
 
 
 def chunk_rows(rows: int, vocab: int) -> int:
-    """Rows per chunk: CHUNK_ELEMENTS logits, a multiple of 128 rows, at least 128."""
-    return max(128, CHUNK_ELEMENTS // max(vocab, 1) // 128 * 128) if rows > 128 else max(rows, 1)
+    """Rows per chunk: at most CHUNK_ELEMENTS logits (but at least 128 rows), as few chunks as
+    that allows, of equal size rounded up to a multiple of 128 rows (no short last chunk whose
+    GEMMs fill a fraction of the GPU)."""
+    if rows <= 128:
+        return max(rows, 1)
+    most = max(128, CHUNK_ELEMENTS // max(vocab, 1) // 128 * 128)
+    per_chunk = -(-rows // -(-rows // most))
+    return min(most, -(-per_chunk // 128) * 128)
 
 
 def cross_entropy_rows_reference(logits: Tensor, targets: Tensor, ignore_index: int) -> Tensor:
