@@ -145,6 +145,8 @@ for stage in "$@"; do
     e2e-copies) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --copies-traced --baselines compiled-bf16 --steps 8 --warmup 6 --json "$OUT/e2e_copies.json" ;;
     copies-tests) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_sync_free.py tests/gpu/test_step_graph_gpu.py tests/gpu/test_symbolic_capture_gpu.py ;;
     ce) timeout $STAGE_LIMIT python benchmarks/cross_entropy.py --json "$OUT/cross_entropy.json" ;;
+    row-quantizer) timeout $STAGE_LIMIT python benchmarks/row_quantizer.py --json "$OUT/row_quantizer.json" ;;
+    fuse-linears) timeout $STAGE_LIMIT python benchmarks/fuse_linears.py --json "$OUT/fuse_linears.json" ;;
     lm-head) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/lm_head.py --json "$OUT/lm_head.json" ;;
     movement-tests) timeout $STAGE_LIMIT python -m pytest -q -rfE tests/gpu/test_kernels_ops.py -k "dispatch_combine or cross_entropy or layer_step" tests/gpu/test_sync_free.py ;;
     cute-layer) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/moe_layer.py --pieces --skip-loop --json "$OUT/layer_cute.json" ;;

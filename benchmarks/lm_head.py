@@ -69,7 +69,7 @@ def measure(step: Step, want: tuple[Tensor, ...] | None) -> tuple[float, float, 
     got = step()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-    return do_bench(step, warmup=5, rep=50), peak, got
+    return do_bench(step, warmup=5, rep=1000), peak, got
 
 
 def main() -> None:

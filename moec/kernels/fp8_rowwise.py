@@ -117,7 +117,7 @@ def rowwise_quantize(
         rows, k, x.stride(0), x.stride(1), codes.stride(0),
         ACT=-1 if act is None else act.code, GATED=act is not None and act.gated,
         BLOCK_R=block_r, BLOCK_K=block_k, ONE_PASS=one_pass,
-        num_warps=4 if one_pass else 8,
+        num_warps=min(16, max(4, block_r * block_k // 2048)) if one_pass else 8,
     )  # fmt: skip
     return codes, scales
 
