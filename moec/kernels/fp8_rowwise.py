@@ -1,16 +1,16 @@
 """FP8 rowwise for Hopper speed: a Triton row quantizer and the FP8 grouped GEMM.
 
-``rowwise_quantize(x)``: x (R, K) -> (codes e4m3 (R, K), scales fp32 (R,)) with
-``scale = amax(row) / 448`` (1 for an all-zero row), the layout of
-:func:`moec.ops.quantized.rowwise_quantize_reference`; a row up to 8192 wide is read once and
-kept in registers, a wider one (a dense FFN's hidden) twice, in chunks. ``rowwise_gmm`` runs
-``torch._scaled_grouped_mm`` (row scales for the activations, per output channel for the
-weights; ``rowwise_mm`` the same for one matrix through ``torch._scaled_mm``) where torch ships
-it for this device: sm90 only here, checked from the capability, so no call ever reaches a
-kernel built for another architecture. ``quantize_weight`` quantizes a (G, K, N) weight per
-output channel in place, whatever its strides, into the column-major codes those GEMMs take;
-where G x N gives few programs (a dense weight read along its long side) K is split over
-programs, the column maxima joined by an atomic max.
+``rowwise_quantize(x)``: x (R, K) -> (codes e4m3 (R, K), scales fp32 (R,)) with ``scale =
+amax(row) / 448`` (1 for an all-zero row), the layout of
+:func:`moec.ops.quantized.rowwise_quantize_reference`; a row up to 65536 wide (a dense FFN's
+gated gradient) is read once and kept in registers, a wider one twice, in chunks.
+``rowwise_gmm`` runs ``torch._scaled_grouped_mm`` (row scales for the activations, per output
+channel for the weights; ``rowwise_mm`` the same for one matrix through ``torch._scaled_mm``)
+where torch ships it for this device: sm90 only here, checked from the capability, so no call
+ever reaches a kernel built for another architecture. ``quantize_weight`` quantizes a (G, K, N)
+weight per output channel in place, whatever its strides, into the column-major codes those
+GEMMs take; where G x N gives few programs (a dense weight read along its long side) K is split
+over programs, the column maxima joined by an atomic max.
 ``fast_accum=True`` lets Hopper's FP8 MMA accumulate without the periodic promotion to fp32
 (and torch then picks a 256 x 128 tile for large groups): faster, a little less exact; the ops
 use it for the forward GEMMs only, as torchao's float8 training does, and keep dgrad exact.
@@ -92,8 +92,9 @@ def rowwise_quantize_kernel(
     tl.store(scales_ptr + rows, scale, mask=rows < R)
 
 
-ROW_ONE_PASS_MAX = 8192
-"""Widest row quantized in one pass (held in registers); wider rows loop over chunks."""
+ROW_ONE_PASS_MAX = 65536
+"""Widest row quantized in one pass (held in registers by up to 16 warps, 128 values per
+thread); wider rows loop over chunks, reading the row twice."""
 ROW_CHUNK = 4096
 
 

@@ -32,8 +32,10 @@ from torch import Tensor
 from moec.ops.grouped import cuda_kernel
 
 REDUCTIONS = ("mean", "sum")
-CHUNK_ELEMENTS = 1 << 28
-"""Logits per chunk (512 MiB in bf16): large enough that the head GEMMs run at full speed."""
+CHUNK_ELEMENTS = 1 << 30
+"""Logits per chunk at most (2 GiB in bf16): few chunks, so that d_h's GEMM fills the GPU and
+d_weight's accumulator is read by few epilogues (``benchmarks/lm_head.py`` weighs the time
+against the memory)."""
 
 
 def chunk_rows(rows: int, vocab: int) -> int:

@@ -43,7 +43,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-12)).item()
 
 
-@pytest.mark.parametrize("width", [256, 9000])  # one pass; wider than one pass (in chunks)
+@pytest.mark.parametrize("width", [256, 9000, 70000])  # one pass; wider than one pass (chunks)
 @pytest.mark.parametrize("activation", ["swiglu", "geglu", "gelu", "relu"])
 def test_activation_quantizer_equals_quantized_activation(activation, width):
     h = torch.randn(300, 2 * width, device=CUDA, dtype=torch.bfloat16) * 3
@@ -53,10 +53,11 @@ def test_activation_quantizer_equals_quantized_activation(activation, width):
     _assert_codes_close(codes, want_codes)  # float32 activation math may differ in last bits
 
 
-@pytest.mark.parametrize("width", [1536, 49152])
+@pytest.mark.parametrize("width", [1536, 49152, 70000])
 def test_row_quantizer_equals_reference(width):
     """Rows as the FP8 linears quantize them: the d = 1536 of a projection's input, and a dense
-    FFN's gated gradient (49152 wide: quantized in chunks) with a strided view of it."""
+    FFN's gated gradient (49152 wide, one pass), with a strided view of it; and a row wider
+    than one pass (quantized in chunks)."""
     x = torch.randn(70, width + 64, device=CUDA, dtype=torch.bfloat16)[:, :width] * 5
     x[3] = 0  # an all-zero row keeps scale 1
     codes, scales = fp8_rowwise.rowwise_quantize(x)
