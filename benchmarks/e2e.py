@@ -40,6 +40,9 @@ wide (24576: the width that gives the report's 2.01B total / 0.995B active param
             compiled backward and back to bf16 by the engine)
   --fp8     moec again with ``precision.gemm: fp8_rowwise`` on the dense FFNs, then on the
             dense FFNs and the routed experts
+  --chunked-loss  moec and its FP8 dense FFNs row again with the LM-head loss on moec's own
+            chunks (logits GEMM, row kernel, two gradient GEMMs) where the default runs it on
+            quack's fused scaled-exp GEMMs (``moec.kernels.cute_loss``)
   --cuda-graph  moec again with ``plan.lowering.cuda_graph`` (the step replayed as one CUDA
             graph). ``--small`` shows the launch-bound end, where the graph matters most
 
@@ -75,7 +78,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moec.kernels import gemm_backend
+from moec.kernels import cute_loss, gemm_backend
 from moec.models import Llama, LlamaConfig
 from moec.plan import Plan
 from moec.runtime import lowering
@@ -404,6 +407,19 @@ BASELINES: dict[str, tuple[str, dict[str, bool]]] = {
 }
 N_MAJOR = "moec, n-major experts"
 WITHOUT_QUACK_TOO = {N_MAJOR}  # variants also measured under the policy without the CuTe DSL
+FP8_DENSE = "moec, fp8 rowwise dense FFNs"
+CHUNKED_LOSS_TOO = {"moec", FP8_DENSE}  # with --chunked-loss: also on moec's own loss chunks
+
+
+def also_chunked_loss(
+    args: argparse.Namespace, name: str, step: Callable[[], Any], common: tuple, drops: Any
+) -> list[dict]:
+    """Row ``name`` again with its LM-head loss on moec's own chunks instead of quack's fused
+    GEMMs (``--chunked-loss``, where the fused pipeline runs at all): the same trainer."""
+    if not (args.chunked_loss and name in CHUNKED_LOSS_TOO and gemm_backend.have_quack()):
+        return []
+    with cute_loss.chunked_loss():
+        return [measure(f"{name}, chunked loss", step, *common, drops=drops)]
 
 
 @contextlib.contextmanager
@@ -442,7 +458,7 @@ def plan_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, dict[st
     if args.fp8:
         fp8 = {"gemm": "fp8_rowwise"}
         for name, scope in (
-            ("moec, fp8 rowwise dense FFNs", ["dense_ffn"]),
+            (FP8_DENSE, ["dense_ffn"]),
             ("moec, fp8 rowwise dense FFNs + experts", ["dense_ffn", "routed_experts"]),
         ):
             variants.append((name, {"precision": fp8 | {"scope": scope}}))
@@ -524,6 +540,12 @@ def main() -> None:
         help="also moec with plan.lowering.attention (the attention backend tried first)",
     )
     parser.add_argument(
+        "--chunked-loss",
+        action="store_true",
+        help="also moec and its FP8 dense FFNs with the LM-head loss on moec's own chunks "
+        "(where quack's fused loss GEMMs run)",
+    )
+    parser.add_argument(
         "--no-compiled-baselines",
         action="store_true",
         help="skip the hand-written MoE under torch.compile (fp32 weights + autocast, bf16)",
@@ -573,12 +595,13 @@ def main() -> None:
         snapshot = snapshot_step(trainer.train_step, "moec", args.memory_snapshot)
         results[0]["memory_snapshot"] = snapshot
     results[0]["data_stalls"] = trainer.batches.stalls  # steps that waited for their batch
+    results += also_chunked_loss(args, "moec", trainer.train_step, common, drops)
     if device.type == "cuda" and gemm_backend.have_quack():  # the policy before the CuTe DSL
         with gemm_backend.without_quack():
             results.append(
                 measure("moec without CuTe DSL", trainer.train_step, *common, drops=drops)
             )
-        print(f"moec CuTe DSL policy: {results[1]['step_s'] / results[0]['step_s']:.3f}x")
+        print(f"moec CuTe DSL policy: {results[-1]['step_s'] / results[0]['step_s']:.3f}x")
     del trainer, drops
     for name, changes in plan_variants(args):
         _release(device)
@@ -599,6 +622,7 @@ def main() -> None:
             results[-1]["memory_snapshot"] = snapshot_step(
                 lowered.train_step, name, args.memory_snapshot
             )
+        results += also_chunked_loss(args, name, lowered.train_step, common, lowered_drops)
         del lowered, lowered_drops
     if args.copies_traced:
         _release(device)

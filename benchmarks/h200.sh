@@ -16,6 +16,8 @@
 #   bash benchmarks/h200.sh wheels e2e-fp8-long    # #20's two targets over 20 timed steps
 #   bash benchmarks/h200.sh wheels e2e-fp8-graph   # the FP8 step as a CUDA graph, beside #20's baseline
 #   bash benchmarks/h200.sh torchao movement-tests lm-head dense-ffn  # the LM head's chunks; FP8 wgrad's anchor
+#   bash benchmarks/h200.sh wheels torchao loss-tests lm-head   # the LM head on quack's fused loss
+#   bash benchmarks/h200.sh e2e-fp8-loss     # #20's targets with it, its chunks beside, every baseline
 #   bash benchmarks/h200.sh gaps-fp8              # the FP8 step's device idle time, and the baseline's
 #   bash benchmarks/h200.sh torchao e2e-fp8-all  # ... beside every compiled baseline, fp32 and bf16
 #                                               # (a call carrying .tao: torchao's wheel, from
@@ -147,6 +149,8 @@ for stage in "$@"; do
     ce) timeout $STAGE_LIMIT python benchmarks/cross_entropy.py --json "$OUT/cross_entropy.json" ;;
     row-quantizer) timeout $STAGE_LIMIT python benchmarks/row_quantizer.py --json "$OUT/row_quantizer.json" ;;
     fuse-linears) timeout $STAGE_LIMIT python benchmarks/fuse_linears.py --json "$OUT/fuse_linears.json" ;;
+    loss-tests) timeout $STAGE_LIMIT python -m pytest -q -rfE tests/gpu/test_kernels_ops.py -k "cross_entropy or fused_loss" tests/gpu/test_sync_free.py ;;
+    e2e-fp8-loss) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 8 --warmup 4 --fp8 --chunked-loss --baselines compiled-fp32 compiled-fp32-float8 compiled-bf16 compiled-bf16-float8 --json "$OUT/e2e_fp8_loss.json" ;;
     lm-head) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/lm_head.py --json "$OUT/lm_head.json" ;;
     movement-tests) timeout $STAGE_LIMIT python -m pytest -q -rfE tests/gpu/test_kernels_ops.py -k "dispatch_combine or cross_entropy or layer_step" tests/gpu/test_sync_free.py ;;
     cute-layer) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/moe_layer.py --pieces --skip-loop --json "$OUT/layer_cute.json" ;;

@@ -1,23 +1,32 @@
 """The LM head and its loss, forward and backward, at several chunk sizes beside torch.compile.
 
 ``moec::linear_cross_entropy`` computes the head's logits ``moec.ops.loss.CHUNK_ELEMENTS`` at a
-time (``chunk_rows`` rows per chunk): each chunk's logits become their gradient in place and are
-multiplied straight into d_h and d_weight (float32, accumulated in the GEMM's epilogue). Small
-chunks keep the logits' memory down; each chunk costs a d_weight read in that epilogue and, for
+time (``chunk_rows`` rows per chunk), on one of two pipelines:
+
+  chunks  moec's own: each chunk's logits become their gradient in place (the row kernel) and
+          are multiplied straight into d_h and d_weight (float32, accumulated in the GEMM's
+          epilogue)
+  fused   quack-kernels' scaled-exp GEMMs (``moec.kernels.cute_loss``; sm90, needs quack): the
+          logits GEMM's epilogue writes the softmax's exponentials, the gradient GEMMs scale
+          them as they load them (what the op runs where it takes the head)
+
+Small chunks keep the logits' memory down; each chunk costs a d_weight accumulation and, for
 few rows, a partly filled last wave of the d_h GEMM. This times the op (loss, then the gradients
-of h and of the fp32 weight, under bf16 autocast as in ``benchmarks/e2e.py``) for each chunk size
-given, and the same head and loss written plainly under ``torch.compile`` (the whole logits, a
-float32 cross-entropy), the e2e baseline's LM head. Every row is checked against the first.
-Printed: ms per step, the GEMMs' rate (3 GEMMs of 2 x rows x dim x vocab), the peak memory
-above the inputs, and each row's time over the default chunk's.
+of h and of the fp32 weight, under bf16 autocast as in ``benchmarks/e2e.py``) on each pipeline
+for each chunk size given, and the same head and loss written plainly under ``torch.compile``
+(the whole logits, a float32 cross-entropy), the e2e baseline's LM head. Every row is checked
+against the first. Printed: ms per step, the GEMMs' rate (3 GEMMs of 2 x rows x dim x vocab),
+the peak memory above the inputs, and each row's time over the chunks pipeline at the default
+chunk size.
 
     python benchmarks/lm_head.py [--rows 24576] [--dim 1536] [--vocab 100352]
-                                 [--chunks 26 27 28 29 30] [--json out.json]
+                                 [--chunks 28 29 30] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from collections.abc import Callable
 
@@ -26,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from triton.testing import do_bench
 
+from moec.kernels import cute_loss
 from moec.ops import loss as loss_op
 
 Step = Callable[[], tuple[Tensor, Tensor, Tensor]]
@@ -81,7 +91,7 @@ def main() -> None:
         "--chunks",
         type=int,
         nargs="+",
-        default=[26, 27, 28, 29, 30],
+        default=[28, 29, 30],
         help="log2 of the logits per chunk (CHUNK_ELEMENTS) to time",
     )
     parser.add_argument("--json")
@@ -100,19 +110,29 @@ def main() -> None:
     for log2 in args.chunks:
         loss_op.CHUNK_ELEMENTS = 1 << log2
         rows = loss_op.chunk_rows(args.rows, args.vocab)
-        name = f"moec, chunks of 2^{log2} logits ({rows} rows)"
-        ms, peak, got = measure(moec_step(h, weight, targets), want)
-        want = got if want is None else want
-        results[name] = {"ms": ms, "peak_gib": peak, "log2": log2}
+        pipelines = [("chunks", cute_loss.chunked_loss)]
+        if cute_loss.takes(h.to(torch.bfloat16), weight.to(torch.bfloat16), rows):
+            pipelines.append(("fused", contextlib.nullcontext))
+        for pipeline, context in pipelines:
+            with context():
+                ms, peak, got = measure(moec_step(h, weight, targets), want)
+            want = got if want is None else want
+            name = f"moec {pipeline}, chunks of 2^{log2} logits ({rows} rows)"
+            results[name] = {"ms": ms, "peak_gib": peak, "log2": log2, "pipeline": pipeline}
     loss_op.CHUNK_ELEMENTS = default
     ms, peak, _ = measure(compiled_step(h, weight, targets), want)
     results["torch.compile, whole logits"] = {"ms": ms, "peak_gib": peak}
     default_ms = next(
-        (r["ms"] for r in results.values() if r.get("log2") == default.bit_length() - 1), None
+        (
+            r["ms"]
+            for r in results.values()
+            if r.get("log2") == default.bit_length() - 1 and r["pipeline"] == "chunks"
+        ),
+        None,
     )
     for name, r in results.items():
-        ratio = f"  {r['ms'] / default_ms:.3f}x the default's" if default_ms else ""
-        print(f"{name:<46} {r['ms']:7.2f} ms  {flops / r['ms'] / 1e9:6.1f} TFLOP/s  "
+        ratio = f"  {r['ms'] / default_ms:.3f}x the default chunks'" if default_ms else ""
+        print(f"{name:<50} {r['ms']:7.2f} ms  {flops / r['ms'] / 1e9:6.1f} TFLOP/s  "
               f"peak +{r['peak_gib']:5.2f} GiB{ratio}")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:

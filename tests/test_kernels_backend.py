@@ -153,3 +153,62 @@ def test_policy_text_names_every_piece_and_its_rules(sm):
         assert f"  {piece} " in text
     assert "cute from 4096 rows" in text and "pointer from 0 rows" in text
     assert "reference path" in gb.policy_text(torch.device("cpu"))
+
+
+def _fake_head(
+    rows: int, dim: int, vocab: int, dtype: torch.dtype = torch.bfloat16
+) -> tuple[torch.Tensor, torch.Tensor]:
+    with FakeTensorMode():
+        h = torch.empty(rows, dim, device="cuda", dtype=dtype)
+        weight = torch.empty(vocab, dim, device="cuda", dtype=dtype)
+    return h, weight
+
+
+@pytest.fixture
+def loss_arch(monkeypatch: pytest.MonkeyPatch):
+    """Set the arch the fused loss sees; quack is installed (whether it is here or not)."""
+    from moec.kernels import cute_loss
+
+    monkeypatch.setattr(gb, "quack_importable", lambda: True)
+
+    def set_arch(name: str) -> None:
+        monkeypatch.setattr(cute_loss, "arch", lambda device: name)
+
+    set_arch("sm90")
+    return set_arch
+
+
+def test_the_fused_loss_takes_bf16_heads_on_sm90_whose_tiles_divide_them(loss_arch):
+    from moec.kernels import cute_loss
+
+    h, weight = _fake_head(24576, 1536, 100352)  # the e2e model's head
+    assert cute_loss.takes(h, weight, 8192)
+    assert cute_loss.takes(_fake_head(1000, 1536, 100352)[0], weight, 1024)  # a short chunk
+    assert not cute_loss.takes(h, weight, 8000)  # chunks of a multiple of 128 rows
+    assert not cute_loss.takes(*_fake_head(24576, 1536, 100000), 8192)  # vocabulary
+    assert not cute_loss.takes(*_fake_head(24576, 1540, 100352), 8192)  # rows not 16-B aligned
+    assert not cute_loss.takes(*_fake_head(0, 1536, 100352), 128)
+    assert not cute_loss.takes(*_fake_head(24576, 1536, 100352, torch.float32), 8192)
+    with FakeTensorMode():  # column-major
+        bf16 = dict(device="cuda", dtype=torch.bfloat16)
+        h_t = torch.empty_strided((24576, 1536), (1, 24576), **bf16)
+        weight_t = torch.empty_strided((100352, 1536), (1, 100352), **bf16)
+    assert not cute_loss.takes(h_t, weight, 8192)
+    assert not cute_loss.takes(h, weight_t, 8192)
+    with cute_loss.chunked_loss():
+        assert not cute_loss.takes(h, weight, 8192)
+    with gb.without_quack():
+        assert not cute_loss.takes(h, weight, 8192)
+    assert cute_loss.takes(h, weight, 8192)  # both switches restored
+    loss_arch("sm100")  # the pipeline's operand-transform mainloop is Hopper's
+    assert not cute_loss.takes(h, weight, 8192)
+    cpu = torch.empty(256, 128, dtype=torch.bfloat16), torch.empty(1024, 128, dtype=torch.bfloat16)
+    assert not cute_loss.takes(*cpu, 256)
+
+
+def test_without_quack_the_fused_loss_never_runs(monkeypatch):
+    from moec.kernels import cute_loss
+
+    monkeypatch.setattr(gb, "quack_importable", lambda: False)
+    monkeypatch.setattr(cute_loss, "arch", lambda device: "sm90")
+    assert not cute_loss.takes(*_fake_head(24576, 1536, 100352), 8192)

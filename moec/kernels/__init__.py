@@ -9,7 +9,8 @@ Families: :mod:`~moec.kernels.router` (route), :mod:`~moec.kernels.movement` (di
 combine), :mod:`~moec.kernels.grouped_gemm` and :mod:`~moec.kernels.grouped_tma` (grouped GEMMs
 with activation epilogues), :mod:`~moec.kernels.activation`, :mod:`~moec.kernels.experts` (the
 expert MLP forward/backward), :mod:`~moec.kernels.cross_entropy` (the in-place loss rows of
-``linear_cross_entropy``), :mod:`~moec.kernels.rope` (rotary embedding),
+``linear_cross_entropy``), :mod:`~moec.kernels.cute_loss` (the whole of it on quack's fused
+GEMMs, sm90), :mod:`~moec.kernels.rope` (rotary embedding),
 :mod:`~moec.kernels.ep_push` (the rowwise EP copy), :mod:`~moec.kernels.adamw`,
 :mod:`~moec.kernels.mxfp8` and :mod:`~moec.kernels.fp8_rowwise` (quantized GEMMs).
 """

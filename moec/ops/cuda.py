@@ -66,7 +66,15 @@ from moec.ops.routing import (
 )
 
 if HAVE_TRITON:
-    from moec.kernels import cross_entropy, experts, fp8_experts, grouped_gemm, movement, router
+    from moec.kernels import (
+        cross_entropy,
+        cute_loss,
+        experts,
+        fp8_experts,
+        grouped_gemm,
+        movement,
+        router,
+    )
     from moec.kernels import rope as rope_kernel
     from moec.kernels.activation import UNARY_CODES, KernelActivation, act_backward, act_forward
 
@@ -361,6 +369,7 @@ def _hooks() -> dict[str, Callable[..., Any]]:
         "expert_mlp_gathered_backward": expert_mlp_gathered_backward,
         "expert_mlp_combined_backward": expert_mlp_combined_backward,
         "cross_entropy_rows": cross_entropy.cross_entropy_rows,
+        "fused_linear_cross_entropy": cute_loss.linear_cross_entropy,
         "rope": rope,
         "glu_forward": glu_forward,
         "glu_backward": glu_backward,

@@ -17,6 +17,12 @@ only scales them by ``d_loss`` (and 1 / count for "mean"). ``with_grads=False`` 
 loss alone (the same chunks, no gradient GEMMs; the three gradients come back empty and the op
 has no backward): ``CompiledModel`` runs its graph so under ``torch.no_grad()``.
 
+On CUDA, where quack-kernels' scaled-exp GEMMs take the head (:func:`moec.kernels.cute_loss.takes`:
+bf16 on sm90, no bias, a vocabulary and chunks of multiples of 128), the same chunks run on
+them instead: the logits GEMM's epilogue writes the softmax's exponentials and the gradient GEMMs
+scale them as they load them, so the logits' gradient is never written
+(``benchmarks/lm_head.py``).
+
 Logits are computed in h's dtype (the op casts the weight to it; under autocast it casts its
 inputs to the autocast dtype, as ``linear`` does); softmax statistics and the loss in float32.
 A target outside [0, V) that is not ``ignore_index`` raises on CPU and gives a NaN loss on CUDA
@@ -29,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from moec.kernels import cute_loss
 from moec.ops.grouped import cuda_kernel
 
 REDUCTIONS = ("mean", "sum")
@@ -131,13 +138,32 @@ def linear_cross_entropy(
     _check(h, weight, bias, targets, reduction)
     weight = weight.to(h.dtype)
     bias = None if bias is None else bias.to(h.dtype)
+    step = chunk_rows(h.shape[0], weight.shape[0])
+    fused = cuda_kernel("fused_linear_cross_entropy", h)
+    if with_grads and bias is None and fused is not None and cute_loss.takes(h, weight, step):
+        rows_loss, d_h, d_weight = fused(h, weight, targets, ignore_index, step)
+        loss, d_bias = rows_loss.sum(), d_weight.new_empty((0,))
+    else:
+        loss, d_h, d_weight, d_bias = _chunks(
+            h, weight, bias, targets, ignore_index, with_grads, step
+        )
+    if reduction == "mean":
+        loss = loss / (targets != ignore_index).sum()
+    return loss, d_h, d_weight, d_bias
+
+
+def _chunks(
+    h: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, ignore_index: int,
+    with_grads: bool, step: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """The summed loss and its gradients, ``step`` rows at a time: each chunk's logits, turned
+    in place into their gradient by the row kernel, multiplied into d_h and d_weight."""
     rows, acc = h.shape[0], _accumulation_dtype(h)
     loss = torch.zeros((), dtype=acc, device=h.device)
     d_h, d_weight, d_bias = _grad_buffers(h, weight, bias, with_grads)
     if rows == 0:
         d_weight.zero_()
     d_bias.zero_()
-    step = chunk_rows(rows, weight.shape[0])
     for start in range(0, rows, step):
         h_chunk = h[start : start + step]
         grad = F.linear(h_chunk, weight, bias)  # the logits, then (in place) their gradient
@@ -148,8 +174,6 @@ def linear_cross_entropy(
         _mm_into(d_weight, grad.t(), h_chunk, accumulate=start > 0)
         if bias is not None:
             d_bias += grad.sum(0, dtype=acc)
-    if reduction == "mean":
-        loss = loss / (targets != ignore_index).sum()
     return loss, d_h, d_weight, d_bias
 
 

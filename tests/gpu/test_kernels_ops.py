@@ -360,6 +360,81 @@ def test_linear_cross_entropy_kernel_equals_reference(monkeypatch, bias):
         assert _rel(g, r) < 1e-2
 
 
+def _quack_loss_calls(monkeypatch) -> list[int]:
+    """Counts the calls of quack's scaled-exp loss pipeline (what ``cute_loss`` runs)."""
+    import quack.linear_cross_entropy as quack_lce
+
+    calls: list[int] = []
+    original = quack_lce.scaled_exp_linear_cross_entropy_fwd
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(quack_lce, "scaled_exp_linear_cross_entropy_fwd", counted)
+    return calls
+
+
+@needs_quack
+@pytest.mark.parametrize("rows", [2048, 1000])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_linear_cross_entropy_on_quacks_fused_gemms_equals_reference(monkeypatch, rows, reduction):
+    """bf16 autocast over an fp32 weight, chunks of 512 rows (1000: the last one short, padded
+    by quack), a seventh of the rows ignored: the op runs quack's pipeline where it takes the
+    head, and its loss and gradients equal the reference's and moec's own chunks'."""
+    from moec.kernels import cute_loss
+    from moec.ops import loss as loss_op
+
+    dim, vocab = 512, 32768
+    monkeypatch.setattr(loss_op, "CHUNK_ELEMENTS", 512 * vocab)
+    calls = _quack_loss_calls(monkeypatch)
+    h = torch.randn(rows, dim, device="cuda", requires_grad=True)
+    weight = (torch.randn(vocab, dim, device="cuda") / dim**0.5).requires_grad_()
+    targets = torch.randint(0, vocab, (rows,), device="cuda")
+    targets[::7] = -100
+
+    def loss_and_grads(op) -> tuple[torch.Tensor, ...]:
+        with torch.autocast("cuda", torch.bfloat16):
+            loss = op(h, weight, None, targets, -100, reduction)
+        return loss, *torch.autograd.grad(loss, (h, weight))
+
+    got = loss_and_grads(lambda *a: torch.ops.moec.linear_cross_entropy(*a)[0])
+    assert len(calls) == 1
+    with cute_loss.chunked_loss():
+        chunked = loss_and_grads(lambda *a: torch.ops.moec.linear_cross_entropy(*a)[0])
+    assert len(calls) == 1
+    want = loss_and_grads(loss_op.linear_cross_entropy_reference)
+    for other in (want, chunked):
+        torch.testing.assert_close(got[0], other[0], atol=2e-3, rtol=1e-3)
+        for g, w in zip(got[1:], other[1:]):
+            assert g.dtype == w.dtype and torch.isfinite(g).all()
+            assert _rel(g, w) < 1e-2
+
+
+@needs_quack
+def test_quacks_fused_loss_gives_a_target_past_the_vocabulary_a_nan_loss(monkeypatch):
+    """As moec's row kernel does; the row otherwise counts as ignored (no write past the
+    logits, no gradient), the other rows as they were."""
+    from moec.kernels import cute_loss
+
+    rows, dim, vocab = 256, 128, 1024
+    calls = _quack_loss_calls(monkeypatch)
+    h = torch.randn(rows, dim, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(vocab, dim, device="cuda", dtype=torch.bfloat16) / dim**0.5
+    targets = torch.randint(0, vocab, (rows,), device="cuda")
+    ignored = targets.clone()
+    targets[5], ignored[5] = vocab + 3, -100
+    assert cute_loss.takes(h, weight, rows)
+    loss, d_h, d_weight = cute_loss.linear_cross_entropy(h, weight, targets, -100, rows)
+    want = cute_loss.linear_cross_entropy(h, weight, ignored, -100, rows)
+    assert len(calls) == 2
+    others = torch.arange(rows, device="cuda") != 5
+    assert loss[5].isnan() and torch.isfinite(loss[others]).all()
+    torch.testing.assert_close(loss[others], want[0][others])
+    torch.testing.assert_close(d_h, want[1])
+    torch.testing.assert_close(d_weight, want[2])
+
+
 @pytest.mark.parametrize("backward", [False, True])
 def test_rope_kernel_equals_reference(backward):
     from moec.kernels import rope
