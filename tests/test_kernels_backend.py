@@ -188,6 +188,9 @@ def test_the_fused_loss_takes_bf16_heads_on_sm90_whose_tiles_divide_them(loss_ar
     assert not cute_loss.takes(*_fake_head(24576, 1536, 100000), 8192)  # vocabulary
     assert not cute_loss.takes(*_fake_head(24576, 1540, 100352), 8192)  # rows not 16-B aligned
     assert not cute_loss.takes(*_fake_head(0, 1536, 100352), 128)
+    # a chunk as long as the model is wide (here the last of 2560-row chunks: 24576 - 9 x 2560)
+    assert not cute_loss.takes(h, weight, 2560)
+    assert not cute_loss.takes(*_fake_head(3072, 1536, 100352), 1536)
     assert not cute_loss.takes(*_fake_head(24576, 1536, 100352, torch.float32), 8192)
     with FakeTensorMode():  # column-major
         bf16 = dict(device="cuda", dtype=torch.bfloat16)

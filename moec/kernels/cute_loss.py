@@ -52,10 +52,26 @@ def chunked_loss() -> Iterator[None]:
         _OFF = saved
 
 
+def chunk_sizes(rows: int, rows_per_chunk: int) -> set[int]:
+    """The row counts of the pipeline's chunks: ``rows_per_chunk``, and the last chunk's rows
+    padded to a multiple of :data:`ROW_TILE` (as quack pads them)."""
+    chunks = -(-rows // rows_per_chunk)
+    last = rows - (chunks - 1) * rows_per_chunk
+    padded_last = -(-last // ROW_TILE) * ROW_TILE
+    return {rows_per_chunk, padded_last} if chunks > 1 else {padded_last}
+
+
 def shapes_fit(rows: int, dim: int, vocab: int, rows_per_chunk: int) -> bool:
     """Whether the pipeline's tiles divide the problem: chunks and the vocabulary multiples of
-    128, rows of h and weight 16-byte aligned in bf16 (TMA)."""
-    return rows > 0 and rows_per_chunk % ROW_TILE == 0 and vocab % VOCAB_TILE == 0 and dim % 8 == 0
+    128, rows of h and weight 16-byte aligned in bf16 (TMA); and no chunk of ``dim`` rows (quack
+    tells the d_h GEMM's per-row scale from a per-column one by its length)."""
+    return (
+        rows > 0
+        and rows_per_chunk % ROW_TILE == 0
+        and vocab % VOCAB_TILE == 0
+        and dim % 8 == 0
+        and dim not in chunk_sizes(rows, rows_per_chunk)
+    )
 
 
 def takes(h: Tensor, weight: Tensor, rows_per_chunk: int) -> bool:
