@@ -97,6 +97,9 @@ MORE_FAMILIES = {
 }
 """Further families :func:`hf_family` builds (skipped where the installed transformers lacks
 one): capture breadth, in the slow set."""
+UNSUPPORTED_FAMILIES = {"apertus": "Apertus"}
+"""Families moec refuses, with a reason (Apertus: xIELU, an activation with learned
+parameters)."""
 _MODEL_CLASS = {"Gemma3Text": "Gemma3ForCausalLM"}
 _NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 _FIELDS = {  # families whose configs name the sizes otherwise, or default to dropout
@@ -109,7 +112,7 @@ _FIELDS = {  # families whose configs name the sizes otherwise, or default to dr
 
 def hf_family(name: str) -> torch.nn.Module:
     """A tiny ``name`` causal LM: hidden 64, FFN 128, 2 layers, 4 heads of 16, vocab 256."""
-    prefix = {**HF_FAMILIES, **MORE_FAMILIES}[name]
+    prefix = {**HF_FAMILIES, **MORE_FAMILIES, **UNSUPPORTED_FAMILIES}[name]
     if not hasattr(tf, f"{prefix}Config"):
         pytest.skip(f"transformers {tf.__version__} has no {prefix} models")
     config = getattr(tf, f"{prefix}Config")(

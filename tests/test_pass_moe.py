@@ -4,7 +4,7 @@ import torch
 import moec
 from moec.passes.moe import MoEPassError
 from moec.passes.verify import VerificationError, verify_graph
-from tests.models import HalvedProjection, hf_model, tiny_gpt2, tiny_llama, tokens
+from tests.models import HalvedProjection, hf_family, hf_model, tiny_gpt2, tiny_llama, tokens
 from tests.test_structure import PlainFFN, PointwiseConvFFN
 
 
@@ -163,6 +163,12 @@ class RoutedAlready(torch.nn.Module):
 def test_a_model_that_routes_already_is_told_to_bring_its_dense_form():
     with pytest.raises(MoEPassError, match=r"already routes tokens \(aten.topk at node topk\)"):
         moec.compile(RoutedAlready(), None, (torch.randn(2, 3, 8),))
+
+
+def test_a_family_with_a_learned_activation_is_told_which_parameters_stop_it():
+    model = hf_family("apertus")
+    with pytest.raises(MoEPassError, match=r"reads model.layers.0.mlp.act_fn.alpha_n, .*free"):
+        moec.compile(model, None, (tokens(),))
 
 
 def test_verifier_catches_a_wrong_shape_and_an_orphan_parameter():

@@ -67,6 +67,25 @@ def test_escaping_values_are_rejected_with_a_reason():
     assert any("also used by" in r for r in structure.rejected)
 
 
+class LearnedSlope(torch.nn.Module):
+    """A parametrised activation (a learned slope, as Apertus's xIELU has its alphas)."""
+
+    def __init__(self):
+        super().__init__()
+        self.alpha = torch.nn.Parameter(torch.rand(()))
+
+    def forward(self, x):
+        return torch.where(x > 0, x, torch.nn.functional.softplus(self.alpha) * x)
+
+
+def test_a_learned_activation_is_rejected_naming_its_parameters():
+    structure = find_structure(moec.trace(PlainFFN(LearnedSlope()), (torch.randn(2, 4, 8),)))
+    assert structure.blocks == []
+    assert any("reads act.alpha" in r and "parameter-free" in r for r in structure.rejected), (
+        structure.rejected
+    )
+
+
 @pytest.fixture
 def fresh_activations(monkeypatch):
     """Activations registered by the test are forgotten after it."""

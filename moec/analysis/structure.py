@@ -386,11 +386,15 @@ def _region_for(
     )
     fused: list[LinearSite] | None = None
     splits: list[fx.Node] = []  # the split ops and pieces between a halved projection and ups
+    reads: list[str] = []  # parameters and buffers the ops between the linears read
     while stack:
         node = stack.pop()
         if not isinstance(node, fx.Node) or node in seen:
             continue
         seen.add(node)
+        if node.op == "get_attr":
+            reads.append(str(node.target))
+            continue
         if node in by_node:
             ups[node] = by_node[node]
             continue
@@ -432,8 +436,11 @@ def _region_for(
         if outside:
             rejected.append(f"{name}: {node.name} is also used by {outside[0].name}")
             return None
-    if any(n.op == "get_attr" for n in interior):
-        rejected.append(f"{name}: the activation reads a parameter")
+    if reads:
+        rejected.append(
+            f"{name}: the activation reads {', '.join(sorted(reads))} (a learned or parametrised "
+            "activation: routed experts run parameter-free ones)"
+        )
         return None
     if fused is not None:
         glu = next(n for n in interior if _target(n) == torch.ops.moec.glu.default)
