@@ -149,7 +149,8 @@ for stage in "$@"; do
     ce) timeout $STAGE_LIMIT python benchmarks/cross_entropy.py --json "$OUT/cross_entropy.json" ;;
     row-quantizer) timeout $STAGE_LIMIT python benchmarks/row_quantizer.py --json "$OUT/row_quantizer.json" ;;
     fuse-linears) timeout $STAGE_LIMIT python benchmarks/fuse_linears.py --json "$OUT/fuse_linears.json" ;;
-    loss-tests) timeout $STAGE_LIMIT python -m pytest -q -rfE tests/gpu/test_kernels_ops.py -k "cross_entropy or fused_loss" tests/gpu/test_sync_free.py ;;
+    loss-tests) timeout $STAGE_LIMIT python -m pytest -q -rfE tests/gpu/test_kernels_ops.py -k "cross_entropy or fused_loss" &&
+      timeout $STAGE_LIMIT python -m pytest -q -rfE tests/gpu/test_sync_free.py ;;
     e2e-fp8-loss) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 8 --warmup 4 --fp8 --chunked-loss --baselines compiled-fp32 compiled-bf16 compiled-bf16-float8 --json "$OUT/e2e_fp8_loss.json" ;;
     lm-head) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/lm_head.py --json "$OUT/lm_head.json" ;;
     movement-tests) timeout $STAGE_LIMIT python -m pytest -q -rfE tests/gpu/test_kernels_ops.py -k "dispatch_combine or cross_entropy or layer_step" tests/gpu/test_sync_free.py ;;

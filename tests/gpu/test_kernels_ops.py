@@ -360,7 +360,7 @@ def test_linear_cross_entropy_kernel_equals_reference(monkeypatch, bias):
         assert _rel(g, r) < 1e-2
 
 
-def _quack_loss_calls(monkeypatch) -> list[int]:
+def quack_loss_calls(monkeypatch) -> list[int]:
     """Counts the calls of quack's scaled-exp loss pipeline (what ``cute_loss`` runs)."""
     import quack.linear_cross_entropy as quack_lce
 
@@ -387,7 +387,7 @@ def test_linear_cross_entropy_on_quacks_fused_gemms_equals_reference(monkeypatch
 
     dim, vocab = 384, 32768
     monkeypatch.setattr(loss_op, "CHUNK_ELEMENTS", 512 * vocab)
-    calls = _quack_loss_calls(monkeypatch)
+    calls = quack_loss_calls(monkeypatch)
     h = torch.randn(rows, dim, device="cuda", requires_grad=True)
     weight = (torch.randn(vocab, dim, device="cuda") / dim**0.5).requires_grad_()
     targets = torch.randint(0, vocab, (rows,), device="cuda")
@@ -418,7 +418,7 @@ def test_quacks_fused_loss_gives_a_target_past_the_vocabulary_a_nan_loss(monkeyp
     from moec.kernels import cute_loss
 
     rows, dim, vocab = 256, 128, 1024
-    calls = _quack_loss_calls(monkeypatch)
+    calls = quack_loss_calls(monkeypatch)
     h = torch.randn(rows, dim, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(vocab, dim, device="cuda", dtype=torch.bfloat16) / dim**0.5
     targets = torch.randint(0, vocab, (rows,), device="cuda")
