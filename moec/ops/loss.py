@@ -18,10 +18,10 @@ loss alone (the same chunks, no gradient GEMMs; the three gradients come back em
 has no backward): ``CompiledModel`` runs its graph so under ``torch.no_grad()``.
 
 On CUDA, where quack-kernels' scaled-exp GEMMs take the head (:func:`moec.kernels.cute_loss.takes`:
-bf16 on sm90, no bias, a vocabulary and chunks of multiples of 128), the same chunks run on
-them instead: the logits GEMM's epilogue writes the softmax's exponentials and the gradient GEMMs
-scale them as they load them, so the logits' gradient is never written
-(``benchmarks/lm_head.py``).
+bf16 on sm90, no bias, a vocabulary and chunks of multiples of 128, no chunk as long as the model
+is wide), the same chunks run on them instead: the logits GEMM's epilogue writes the softmax's
+exponentials and the gradient GEMMs scale them as they load them, so the logits' gradient is never
+written (faster and smaller at the e2e shape: ``benchmarks/RESULTS.md``, session 26).
 
 Logits are computed in h's dtype (the op casts the weight to it; under autocast it casts its
 inputs to the autocast dtype, as ``linear`` does); softmax statistics and the loss in float32.
