@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 import moec
 from moec.models import Llama, LlamaConfig
@@ -265,11 +266,14 @@ def test_ep_ops_equal_ep1_binding_or_not_and_poisoned(world):
 # --- the bundled Llama: outputs, loss, reduced gradients; then training -----------------------
 
 CFG = LlamaConfig(vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128)
+INDUCTOR_TOL = {"rtol": 1e-4, "atol": 1e-5}
 MOE = {"num_experts": N, "top_k": K, "capacity_factor": 4.0, "init": "random"}
 
 
-def _plan(world: int, ep: int, path: str = "auto") -> moec.Plan:
-    return moec.Plan.from_dict({"moe": MOE, "parallel": {"dp": world, "ep": ep, "ep_path": path}})
+def _plan(world: int, ep: int, path: str = "auto", inductor: bool | str = "auto") -> moec.Plan:
+    parallel = {"dp": world, "ep": ep, "ep_path": path}
+    lowering = {"inductor": inductor}
+    return moec.Plan.from_dict({"moe": MOE, "parallel": parallel, "lowering": lowering})
 
 
 def _batch(rank: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -284,12 +288,13 @@ def _loss(model, tokens, targets) -> tuple[torch.Tensor, torch.Tensor]:
     return logits, ce + model.aux_loss()
 
 
-def _compile(world: int, paths: list[str], tokens: torch.Tensor):
-    """The EP = 1 reference and one EP = world model per path, from one dense Llama (on the
-    device of ``tokens``)."""
+def _compile(world: int, paths: list[str], tokens: torch.Tensor, inductor: bool | str = "auto"):
+    """The EP = 1 reference (run as its plan's default lowering) and one EP = world model per
+    path (``inductor``: its ``plan.lowering.inductor``), from one dense Llama (on the device of
+    ``tokens``)."""
     torch.manual_seed(0)
     dense = Llama(CFG).to(tokens.device)
-    plans = [_plan(world, 1)] + [_plan(world, world, path) for path in paths]
+    plans = [_plan(world, 1)] + [_plan(world, world, path, inductor) for path in paths]
     meshes = [mdist.build_mesh(plan) for plan in plans]
     models = [  # a copy each: compiled models share the dense parameters of their source
         moec.compile(copy.deepcopy(dense), plan, (tokens,), mesh=mesh, verify=plan.parallel.ep > 1)
@@ -337,6 +342,22 @@ def _check_equal(rank, world, path, ref, ep, mesh1, mesh_ep, device, tol) -> Non
 @pytest.mark.slow
 def test_llama_ep2_equals_ep1_outputs_loss_reduced_grads():
     spawn(_llama_worker, 2)
+
+
+def _inductor_worker(rank: int, world: int) -> None:
+    """EP = world lowered to Inductor (its exchanges opaque ``moec::`` calls inside the compiled
+    graphs, forward and backward) equals the eager EP = 1 program; Inductor's fused float32
+    arithmetic rounds differently, hence the tolerance."""
+    tokens, _ = _batch(rank)
+    counters.clear()
+    (ref, ep), (mesh1, mesh_ep) = _compile(world, ["a2a_capacity"], tokens, inductor=True)
+    _check_equal(rank, world, "a2a_capacity", ref, ep, mesh1, mesh_ep, "cpu", INDUCTOR_TOL)
+    assert counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_hit"]
+
+
+@pytest.mark.slow
+def test_llama_ep2_lowered_to_inductor_equals_ep1():
+    spawn(_inductor_worker, 2)
 
 
 def _train_worker(rank: int, world: int) -> None:
