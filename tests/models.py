@@ -94,12 +94,25 @@ MORE_FAMILIES = {
     "ministral": "Ministral",
     "helium": "Helium",
     "arcee": "Arcee",
+    "nemotron": "Nemotron",
+    "persimmon": "Persimmon",
+    "ernie4_5": "Ernie4_5",
+    "hunyuan_v1_dense": "HunYuanDenseV1",
+    "seed_oss": "SeedOss",
+    "cohere2": "Cohere2",
+    "doge": "Doge",
+    "mpt": "Mpt",
+    "diffllama": "DiffLlama",
+    "lfm2": "Lfm2",
+    "falcon_h1": "FalconH1",
+    "jais2": "Jais2",
 }
 """Further families :func:`hf_family` builds (skipped where the installed transformers lacks
 one): capture breadth, in the slow set."""
-UNSUPPORTED_FAMILIES = {"apertus": "Apertus"}
-"""Families moec refuses, with a reason (Apertus: xIELU, an activation with learned
-parameters)."""
+UNSUPPORTED_FAMILIES = {"apertus": "Apertus", "bitnet": "BitNet", "afmoe": "Afmoe"}
+"""Families moec refuses, or converts in part, with a reason: Apertus's xIELU, an activation
+with learned parameters; BitNet's norm between the activation and the down projection; AFMoE's
+MoE layers, which route already (its dense first layer is converted)."""
 _MODEL_CLASS = {"Gemma3Text": "Gemma3ForCausalLM"}
 _NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 _FIELDS = {  # families whose configs name the sizes otherwise, or default to dropout
@@ -107,6 +120,7 @@ _FIELDS = {  # families whose configs name the sizes otherwise, or default to dr
     "GPTJ": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_inner": 128, "rotary_dim": 8},
     "GPTBigCode": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_inner": 128, **_NO_DROPOUT},
     "Bloom": {"n_layer": 2, "n_head": 4},
+    "SeedOss": {"attention_dropout": 0.0, "residual_dropout": 0.0},
 }
 
 

@@ -5,7 +5,7 @@ import moec
 from moec.passes.moe import MoEPassError
 from moec.passes.verify import VerificationError, verify_graph
 from tests.models import HalvedProjection, hf_family, hf_model, tiny_gpt2, tiny_llama, tokens
-from tests.test_structure import PlainFFN, PointwiseConvFFN
+from tests.test_structure import DenseThenRouted, PlainFFN, PointwiseConvFFN, SharedExpertMoE
 
 
 def _rel(a, b):
@@ -169,6 +169,34 @@ def test_a_family_with_a_learned_activation_is_told_which_parameters_stop_it():
     model = hf_family("apertus")
     with pytest.raises(MoEPassError, match=r"reads model.layers.0.mlp.act_fn.alpha_n, .*free"):
         moec.compile(model, None, (tokens(),))
+
+
+def test_a_family_with_a_norm_inside_its_ffns_is_told_which():
+    model = hf_family("bitnet")
+    with pytest.raises(MoEPassError, match=r"mean.dim \(model.layers.0.mlp.ffn_sub_norm\) runs"):
+        moec.compile(model, None, (tokens(),))
+
+
+def test_blocks_that_route_already_are_kept_and_their_shared_experts_too():
+    """Only the dense FFN becomes routed experts, with a warning naming what was kept; the
+    program still computes the model's function (upcycled at init)."""
+    model, x = DenseThenRouted(), torch.randn(2, 4, 8)
+    plan = {"moe": {"num_experts": 4, "top_k": 2, "capacity_factor": None}}
+    with pytest.warns(UserWarning, match=r"shared experts moe \(beside aten.topk in moe\)"):
+        compiled = moec.compile(model, plan, (x,))
+    stats = compiled.pass_results["moe"].stats
+    assert stats["ffns_replaced"] == 1 and stats["ffns_beside_routers"] == 1
+    assert [layer.path for layer in compiled.moe_layers] == ["dense.moe"]
+    torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-6)
+    with pytest.raises(MoEPassError, match=r"no dense FFN to convert in SharedExpertMoE"):
+        moec.compile(SharedExpertMoE(), plan, (x,))
+
+
+def test_a_family_with_moe_layers_keeps_them():
+    model = hf_family("afmoe")  # layer 0 dense; layer 1 routed, with a shared expert
+    with pytest.warns(UserWarning, match=r"model.layers.1.mlp.shared_experts \(beside"):
+        compiled = moec.compile(model, None, (tokens(),))
+    assert compiled.pass_results["moe"].stats["ffns_replaced"] == 1
 
 
 def test_verifier_catches_a_wrong_shape_and_an_orphan_parameter():

@@ -86,6 +86,69 @@ def test_a_learned_activation_is_rejected_naming_its_parameters():
     )
 
 
+class SubNormFFN(torch.nn.Module):
+    """An FFN that normalizes its hidden activation before the down projection (BitNet's
+    ``ffn_sub_norm``; NormFormer's FFN layer norm)."""
+
+    def __init__(self, norm: str):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+        self.norm = torch.nn.LayerNorm(16) if norm == "layer_norm" else torch.nn.RMSNorm(16)
+        self.decompose = norm == "decomposed"
+
+    def forward(self, x):
+        h = torch.relu(self.up(x))
+        if self.decompose:  # as transformers writes RMSNorm
+            h = h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+        else:
+            h = self.norm(h)
+        return x + self.down(h)
+
+
+@pytest.mark.parametrize(
+    "norm, op",
+    [("layer_norm", "aten.layer_norm"), ("rms_norm", "aten.rms_norm"), ("decomposed", "mean")],
+)
+def test_a_norm_inside_an_ffn_is_rejected_naming_it(norm, op):
+    structure = find_structure(moec.trace(SubNormFFN(norm), (torch.randn(2, 4, 8),)))
+    assert structure.blocks == []
+    (reason,) = structure.rejected
+    assert reason.startswith("down: ") and op in reason and "between its up and down" in reason
+
+
+class SharedExpertMoE(torch.nn.Module):
+    """A block that routes tokens already: a softmax router's top-2 of 4 expert matrices, and an
+    FFN beside it on the same input (the block's shared expert)."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = torch.nn.Linear(8, 4, bias=False)
+        self.experts = torch.nn.Parameter(torch.randn(4, 8, 8) * 0.1)
+        self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        weights, chosen = self.router(x).float().softmax(-1).topk(2, dim=-1)
+        routed = torch.einsum("btk,btkde,btd->bte", weights, self.experts[chosen], x)
+        return x + routed + self.down(torch.relu(self.up(x)))
+
+
+class DenseThenRouted(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.dense, self.moe = PlainFFN(torch.nn.GELU()), SharedExpertMoE()
+
+    def forward(self, x):
+        return self.moe(self.dense(x))
+
+
+def test_an_ffn_beside_a_router_records_it():
+    gm = moec.trace(DenseThenRouted(), (torch.randn(2, 4, 8),))
+    dense, shared = find_structure(gm).blocks
+    assert dense.ffn.router is None and dense.ffn.module_path == "dense"
+    assert shared.ffn.router.target == torch.ops.aten.topk.default
+    assert shared.ffn.module_path == "moe"
+
+
 @pytest.fixture
 def fresh_activations(monkeypatch):
     """Activations registered by the test are forgotten after it."""

@@ -20,6 +20,11 @@
   is one linear whose output is split into its two halves along the features (``chunk``,
   ``split``, ``slice``; Phi-3's and GLM's ``gate_up_proj``): each half is an up site with an
   ``out_span`` of the shared weight.
+  A down linear fed through a normalization (between the activation and the down projection,
+  as BitNet's ``ffn_sub_norm``) from up linears of one input is a rejected candidate naming it.
+- An FFN region whose input also feeds a **router** (a linear outside the region whose output
+  reaches an ``aten.topk`` through elementwise ops, casts and softmaxes) is the shared expert
+  of an MoE block the model routes already: the region records that top-k as its ``router``.
 - A **block** ends at the residual add that consumes an FFN output; blocks are numbered in
   topological order, so "the first N blocks" is well defined.
 
@@ -112,6 +117,9 @@ class FFNRegion:
     activation: str
     module_path: str
     """Common module path of the region's linears (``layers.3.ffn``)."""
+    router: fx.Node | None = None
+    """The ``aten.topk`` of a router that reads ``input`` too: the region is then the shared
+    expert of an MoE block the model has already (see the module docstring)."""
 
     @property
     def hidden(self) -> int:
@@ -371,8 +379,42 @@ def find_structure(gm: fx.GraphModule) -> Structure:
         regions.append(region)
         claimed.update(region.nodes())
     regions.sort(key=lambda r: order[r.output])
+    for region in regions:
+        region.router = _router_reading(region, linears)
     blocks = [Block(i, r, _residual_add(r.output)) for i, r in enumerate(regions)]
     return Structure(linears, blocks, rejected)
+
+
+SOFTMAX_OPS = frozenset({aten._softmax.default, aten.softmax.int})
+NORM_OPS = frozenset(
+    {
+        aten.mean.dim,
+        aten.var.correction,
+        aten.var_mean.correction,
+        aten.layer_norm.default,
+        aten.rms_norm.default,
+    }
+)
+"""What a normalization of its first argument reduces with (decomposed or whole)."""
+
+
+def _router_reading(region: FFNRegion, linears: list[LinearSite]) -> fx.Node | None:
+    """The ``aten.topk`` that a linear outside ``region`` reading its input leads to through
+    elementwise ops, casts and softmaxes (the gate of an MoE block's router), or None."""
+    owned = set(region.nodes())
+    stack = [s.node for s in linears if s.input is region.input and s.node not in owned]
+    seen: set[fx.Node] = set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for user in node.users:
+            if _target(user) == aten.topk.default:
+                return user
+            if is_elementwise(user) or _target(user) in SOFTMAX_OPS | CASTS:
+                stack.append(user)
+    return None
 
 
 def _region_for(
@@ -387,6 +429,7 @@ def _region_for(
     fused: list[LinearSite] | None = None
     splits: list[fx.Node] = []  # the split ops and pieces between a halved projection and ups
     reads: list[str] = []  # parameters and buffers the ops between the linears read
+    blockers: list[fx.Node] = []  # non-elementwise ops the walk met (a norm, attention)
     while stack:
         node = stack.pop()
         if not isinstance(node, fx.Node) or node in seen:
@@ -413,13 +456,28 @@ def _region_for(
             splits += [node] + ([split] if split is not None else [])
             continue
         if not is_elementwise(node):
-            return None  # fed by something else (attention, norm): not an FFN down projection
+            blockers.append(node)  # attention, a norm, an embedding: no region here
+            if _target(node) in CASTS | NORM_OPS:  # go on, to tell a norm inside an FFN
+                stack.append(node.args[0])
+            continue
         interior.append(node)
         stack.extend(a for a in node.args if isinstance(a, fx.Node))
     if not interior or not 1 <= len(ups) <= 2 or (fused is not None and len(ups) != 1):
         return None
     inputs = {site.input for site in ups.values()}
     name = module_path(down.node) or down.node.name
+    if blockers:  # an FFN with a norm inside, or no FFN at all (say, a linear after attention)
+        x = next(iter(inputs))
+        norms = [n for n in blockers if _target(n) in NORM_OPS]
+        only_norms = all(_target(n) in CASTS | NORM_OPS for n in blockers)
+        if norms and only_norms and len(inputs) == 1 and _output_like(down.node, x) is not None:
+            op = norms[0]
+            where = module_path(op)
+            rejected.append(
+                f"{name}: {op.target} ({where or op.name}) runs between its up and down "
+                "linears (routed experts run elementwise activations only)"
+            )
+        return None
     halved = [site for site in ups.values() if site.out_span is not None]
     if halved and not _tile_the_output(halved, len(ups)):
         rejected.append(f"{name}: reads part of {halved[0].node.name}'s outputs")

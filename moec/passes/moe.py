@@ -44,14 +44,20 @@ An FFN of pointwise convolutions (channels-first, features in dim 1) is routed c
 output permuted back. The activations named in ``plan.moe.activations`` are registered (see
 :func:`moec.ops.activations.register_activation`) before the FFNs are looked for.
 
+A model that routes tokens already keeps its MoE blocks: an FFN region beside a router
+(:attr:`~moec.analysis.structure.FFNRegion.router`, the block's shared expert) is left as it
+is, with a warning naming it and its router; only the dense FFNs become routed experts (an
+MoE inside an MoE block is nobody's intent).
+
 Refuses (:class:`MoEPassError`, naming the model or module): a model with no FFN region (the
 message lists the rejected candidates and the supported activations, and names the router of a
-model that routes tokens already), and an FFN to convert
+model that routes tokens already) or with shared experts only, and an FFN to convert
 with a dropout of rate p > 0 on its hidden activation, which the fused expert op cannot apply,
 unless ``plan.moe.ffn_dropout`` is ``drop``. FFNs kept dense keep their dropout.
 
 Options: everything in ``plan.moe``, and ``plan.lowering.expert_weights``. Statistics:
-``ffns_replaced``, ``ffns_kept_dense``, ``params_added``, ``params_removed``,
+``ffns_replaced``, ``ffns_kept_dense``, ``ffns_beside_routers`` (shared experts left as they
+are), ``params_added``, ``params_removed``,
 ``ffn_dropouts_dropped``, ``expert_weights`` (the layout). Invariants: those of
 :mod:`moec.passes.rewrite`; the graph's user outputs are unchanged; per MoE block three aux
 outputs are appended (``router_losses``, ``expert_counts``, ``expert_offsets``); the program
@@ -62,6 +68,7 @@ records each block as a :class:`~moec.program.MoELayer`, its parameters' roles (
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 import torch.fx as fx
@@ -138,9 +145,15 @@ class MoEPass(Pass):
         plan = ctx.plan.moe
         _register_plan_activations(plan)
         structure = find_structure(gm)
-        blocks = structure.blocks
+        blocks = [b for b in structure.blocks if b.ffn.router is None]
         if not blocks:
             raise MoEPassError(_no_ffn_message(gm, structure))
+        shared = [b.ffn for b in structure.blocks if b.ffn.router is not None]
+        if shared:
+            warnings.warn(
+                f"moec: {_routed_already(shared)}; only the dense FFNs become routed experts",
+                stacklevel=2,
+            )
         if plan.dense_first >= len(blocks):
             raise PlanError(
                 "moe.dense_first",
@@ -203,6 +216,7 @@ class MoEPass(Pass):
         stats = {
             "ffns_replaced": len(blocks) - plan.dense_first,
             "ffns_kept_dense": plan.dense_first,
+            "ffns_beside_routers": len(shared),
             "params_added": added,
             "params_removed": removed,
             "ffn_dropouts_dropped": sum(dropouts),
@@ -301,7 +315,26 @@ def _register_plan_activations(plan: MoEPlan) -> None:
             raise PlanError(f"moe.activations.{name}", ref, str(exc)) from exc
 
 
+def _routed_already(shared: list[FFNRegion]) -> str:
+    """What the pass leaves of MoE blocks the model has: their shared experts, by router."""
+    pairs = ", ".join(
+        f"{ffn_name(ffn)} (beside aten.topk in {module_path(ffn.router) or ffn.router.name})"
+        for ffn in shared
+    )
+    return (
+        f"kept as they are: the MoE blocks the model routes already, and their shared "
+        f"experts {pairs}"
+    )
+
+
 def _no_ffn_message(gm: fx.GraphModule, structure: Structure) -> str:
+    shared = [b.ffn for b in structure.blocks if b.ffn.router is not None]
+    if shared:
+        return (
+            f"no dense FFN to convert in {model_name(gm)}: {_routed_already(shared)}. The moe "
+            "pass turns a dense model's FFNs into routed experts, so hand it the dense model "
+            "(the same architecture with plain FFNs)"
+        )
     rejected = "; ".join(structure.rejected) or "none"
     message = (
         f"no FFN region found in {model_name(gm)}: looked for linear (or pointwise conv) -> "
