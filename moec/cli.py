@@ -144,6 +144,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     import moec
     from moec.analysis.cost import format_count, graph_cost
     from moec.analysis.structure import find_structure
+    from moec.fx import module_path
 
     model, inputs, kwargs = load_model(args.model)
     gm = moec.trace(model, inputs, kwargs)
@@ -165,8 +166,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         )
     console = _console()
     console.print(table)
-    for reason in find_structure(gm).rejected:
+    structure = find_structure(gm)
+    for reason in structure.rejected:
         console.print(f"not an FFN: {reason}", markup=False)
+    for block in structure.blocks:
+        if block.ffn.router is not None:  # the moe pass leaves these as they are
+            router = module_path(block.ffn.router) or block.ffn.router.name
+            console.print(
+                f"kept by the moe pass: {block.ffn.module_path}, the shared expert of an MoE "
+                f"block the model routes already (aten.topk in {router})",
+                markup=False,
+            )
     size_text = ", ".join(f"{k}={v}" for k, v in report.sizes.items())
     console.print(
         f"{len(report.blocks)} FFN regions (one per residual block); "

@@ -162,6 +162,24 @@ def test_inspect_accepts_a_factory_file(tmp_path, capsys):
     assert "3 FFN regions" in out and "seq=32" in out
 
 
+def test_inspect_names_an_ffn_beside_a_router_and_a_rejected_one(tmp_path, capsys):
+    factory = tmp_path / "routed.py"
+    factory.write_text(
+        textwrap.dedent("""
+        import torch
+        from tests.test_structure import DenseThenRouted, SubNormFFN
+
+        def make():
+            model = torch.nn.Sequential(SubNormFFN("layer_norm"), DenseThenRouted())
+            return model, (torch.randn(2, 4, 8),)
+    """)
+    )
+    assert main(["inspect", f"{factory}:make"]) == 0
+    out = capsys.readouterr().out
+    assert "kept by the moe pass: 1.moe, the shared expert" in out and "topk in 1.moe" in out
+    assert "not an FFN: 0.down: aten.layer_norm.default (0.norm) runs between" in out
+
+
 @pytest.mark.parametrize(
     "model, ffns",
     [("llama", 4), ("gpt2", 4), ("hf-llama", 2), ("hf-qwen2", 2), ("hf-gpt2", 2)],
