@@ -2,7 +2,7 @@
 
 Every family in ``tests.models.HF_FAMILIES`` (Llama, Qwen2, Qwen3, Mistral, OLMo-2, Phi,
 GPT-NeoX, Gemma, and Phi-3 and GLM, whose FFNs split one gate/up projection in halves) at the
-same tiny shape; ``MORE_FAMILIES`` (31 more) in float32, in the slow set. Under ``init:
+same tiny shape; ``MORE_FAMILIES`` (31 more) in float32 and bf16, in the slow set. Under ``init:
 upcycle`` with normalized route weights and no capacity limit the MoE equals the dense model at
 init, so the float32 program's logits equal the dense model's and the bf16 programs' loss is
 the dense loss up to bf16 rounding. One training step: finite gradients on every parameter that
@@ -48,6 +48,7 @@ def _case(*values: str, fast: bool) -> object:
 FLOAT32 = [_case(f, fast=f not in LLAMA_BLOCK) for f in HF_FAMILIES]
 FLOAT32 += [_case(f, fast=False) for f in MORE_FAMILIES]
 LOW_PRECISION = [_case("bf16", f, fast=f in RETYPING) for f in HF_FAMILIES]
+LOW_PRECISION += [_case("bf16", f, fast=False) for f in MORE_FAMILIES]
 LOW_PRECISION += [_case("mxfp8", f, fast=False) for f in MXFP8]
 
 
