@@ -100,8 +100,9 @@ def test_stop_raises_naming_the_policy_and_ignore_says_nothing():
     assert quiet.collapsed == {}
 
 
-def _demo_run(tmp_path, **overrides) -> Trainer:
+def _demo_run(tmp_path, lbl_coef: float | None = None, **overrides) -> Trainer:
     torch.manual_seed(0)
+    moe = DEMO_PLAN["moe"] if lbl_coef is None else {**DEMO_PLAN["moe"], "lbl_coef": lbl_coef}
     fields = dict(
         steps=100,
         batch_size=8,
@@ -111,14 +112,18 @@ def _demo_run(tmp_path, **overrides) -> Trainer:
         plots=False,
         out=str(tmp_path),
     )
-    return Trainer(demo_model(), Plan.from_dict(DEMO_PLAN), TrainConfig(**{**fields, **overrides}))
+    plan = Plan.from_dict({**DEMO_PLAN, "moe": moe})
+    return Trainer(demo_model(), plan, TrainConfig(**{**fields, **overrides}))
 
 
 @pytest.mark.slow
 def test_a_collapsing_router_stops_the_run_and_a_recovering_one_does_not(tmp_path):
-    # synthetic tokens carry no signal: at 3e-2 two of eight experts keep most routes
+    # synthetic tokens carry no signal, and nothing balances the routes: at 3e-2 two of eight
+    # experts keep nearly all of them. With the default load-balancing loss this run hovers
+    # around the threshold, and which side it lands on changed between torch releases.
     collapsing = _demo_run(
         tmp_path / "synthetic",
+        lbl_coef=0.0,
         synthetic=True,
         lr=3e-2,
         warmup_steps=10,
