@@ -43,6 +43,8 @@ wide (24576: the width that gives the report's 2.01B total / 0.995B active param
   --chunked-loss  moec and its FP8 dense FFNs row again with the LM-head loss on moec's own
             chunks (logits GEMM, row kernel, two gradient GEMMs) where the default runs it on
             quack's fused scaled-exp GEMMs (``moec.kernels.cute_loss``)
+  --loss-chunks N ...  moec and its FP8 dense FFNs row again with the LM-head loss computed
+            at most 2^N logits at a time (``moec.ops.loss.CHUNK_ELEMENTS``), the same trainer
   --cuda-graph  moec again with ``plan.lowering.cuda_graph`` (the step replayed as one CUDA
             graph). ``--small`` shows the launch-bound end, where the graph matters most
 
@@ -80,6 +82,7 @@ from torch import nn
 
 from moec.kernels import cute_loss, gemm_backend
 from moec.models import Llama, LlamaConfig
+from moec.ops import loss as loss_op
 from moec.plan import Plan
 from moec.runtime import lowering
 from moec.runtime.autocast import attention_preference
@@ -408,18 +411,36 @@ BASELINES: dict[str, tuple[str, dict[str, bool]]] = {
 N_MAJOR = "moec, n-major experts"
 WITHOUT_QUACK_TOO = {N_MAJOR}  # variants also measured under the policy without the CuTe DSL
 FP8_DENSE = "moec, fp8 rowwise dense FFNs"
-CHUNKED_LOSS_TOO = {"moec", FP8_DENSE}  # with --chunked-loss: also on moec's own loss chunks
+LOSS_VARIANTS_TOO = {"moec", FP8_DENSE}  # rows --chunked-loss and --loss-chunks run again
 
 
-def also_chunked_loss(
+@contextlib.contextmanager
+def loss_chunk_bound(log2: int) -> Any:
+    """The LM-head loss computes at most 2^log2 logits at a time meanwhile."""
+    original = loss_op.CHUNK_ELEMENTS
+    loss_op.CHUNK_ELEMENTS = 1 << log2
+    try:
+        yield
+    finally:
+        loss_op.CHUNK_ELEMENTS = original
+
+
+def also_loss_variants(
     args: argparse.Namespace, name: str, step: Callable[[], Any], common: tuple, drops: Any
 ) -> list[dict]:
-    """Row ``name`` again with its LM-head loss on moec's own chunks instead of quack's fused
-    GEMMs (``--chunked-loss``, where the fused pipeline runs at all): the same trainer."""
-    if not (args.chunked_loss and name in CHUNKED_LOSS_TOO and gemm_backend.have_quack()):
+    """Row ``name`` again, the same trainer, with its LM-head loss on moec's own chunks instead
+    of quack's fused GEMMs (``--chunked-loss``, where the fused pipeline runs at all), and with
+    each chunk bound of ``--loss-chunks``."""
+    if name not in LOSS_VARIANTS_TOO:
         return []
-    with cute_loss.chunked_loss():
-        return [measure(f"{name}, chunked loss", step, *common, drops=drops)]
+    variants = [(f"{name}, loss chunks of 2^{n}", loss_chunk_bound(n)) for n in args.loss_chunks]
+    if args.chunked_loss and gemm_backend.have_quack():
+        variants.insert(0, (f"{name}, chunked loss", cute_loss.chunked_loss()))
+    rows = []
+    for row, context in variants:
+        with context:
+            rows.append(measure(row, step, *common, drops=drops))
+    return rows
 
 
 @contextlib.contextmanager
@@ -546,6 +567,14 @@ def main() -> None:
         "(where quack's fused loss GEMMs run)",
     )
     parser.add_argument(
+        "--loss-chunks",
+        type=int,
+        nargs="+",
+        default=[],
+        metavar="N",
+        help="also moec and its FP8 dense FFNs with the LM-head loss at most 2^N logits a chunk",
+    )
+    parser.add_argument(
         "--no-compiled-baselines",
         action="store_true",
         help="skip the hand-written MoE under torch.compile (fp32 weights + autocast, bf16)",
@@ -595,7 +624,7 @@ def main() -> None:
         snapshot = snapshot_step(trainer.train_step, "moec", args.memory_snapshot)
         results[0]["memory_snapshot"] = snapshot
     results[0]["data_stalls"] = trainer.batches.stalls  # steps that waited for their batch
-    results += also_chunked_loss(args, "moec", trainer.train_step, common, drops)
+    results += also_loss_variants(args, "moec", trainer.train_step, common, drops)
     if device.type == "cuda" and gemm_backend.have_quack():  # the policy before the CuTe DSL
         with gemm_backend.without_quack():
             results.append(
@@ -622,7 +651,7 @@ def main() -> None:
             results[-1]["memory_snapshot"] = snapshot_step(
                 lowered.train_step, name, args.memory_snapshot
             )
-        results += also_chunked_loss(args, name, lowered.train_step, common, lowered_drops)
+        results += also_loss_variants(args, name, lowered.train_step, common, lowered_drops)
         del lowered, lowered_drops
     if args.copies_traced:
         _release(device)

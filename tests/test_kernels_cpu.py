@@ -326,8 +326,9 @@ def test_expert_mlp_forward_backward(activation_name, bias):
 
 @interpreted
 def test_activation_kernels_match_reference():
-    """Every activation with a kernel form: the kernels' forward and backward equal the
-    reference (plain ones on h, gated ones on h = [gate | up])."""
+    """Every activation with a kernel form: the kernels' forward and backward (with and without
+    the recomputed activation) equal the reference (plain ones on h, gated ones on h = [gate |
+    up])."""
     with_kernel = [name for name in ACTIVATIONS if cuda.kernel_activation(name) is not None]
     assert {"gelu", "gelu_tanh", "silu", "relu", "swiglu", "geglu", "geglu_tanh", "reglu"} <= set(
         with_kernel
@@ -345,6 +346,8 @@ def test_activation_kernels_match_reference():
             d_h, activate_backward(h, d_a, name), atol=tol, rtol=1e-5, msg=name
         )
         torch.testing.assert_close(a, activate(h, name), msg=name)
+        # moec::glu's backward: the same gradient, without writing a
+        assert torch.equal(activation.act_gradient(h, d_a, act), d_h), name
 
 
 def _refuse(*args, **kwargs):

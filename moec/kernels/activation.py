@@ -6,6 +6,11 @@ function (:data:`UNARY_CODES`) and whether it is gated::
     act_forward(h[R, U], act) -> a[R, H]        a = f(h), or f(h[:, :H]) * h[:, H:] if gated
     act_backward(h[R, U], d_a[R, H], act) -> d_h[R, U], a[R, H]
         the gradient of that map at h, and a recomputed for the wgrad.
+    act_gradient(h[R, U], d_a[R, H], act) -> d_h[R, U]
+        the gradient alone (``moec::glu``'s backward: its down projection saved a itself), one
+        [R, H] write fewer.
+
+Their tiles are autotuned per width and mode (``MOEC_AUTOTUNE=0`` keeps the first).
 
 Math runs in float32 on values read in the storage dtype (so a fused epilogue that rounds h
 first computes exactly what these kernels compute from the stored h).
@@ -13,12 +18,16 @@ first computes exactly what these kernels compute from the stored h).
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from moec.kernels.arch import interpreting
 
 UNARY_CODES = {"gelu": 0, "gelu_tanh": 1, "silu": 2, "relu": 3}
 """The unary functions the kernels compute, by name, and their code in the ``ACT`` constexpr
@@ -89,6 +98,7 @@ def _act_kernel(
     ACT: tl.constexpr,
     GATED: tl.constexpr,
     BACKWARD: tl.constexpr,
+    STORE_A: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -103,7 +113,8 @@ def _act_kernel(
         a = act_value(g, ACT) * u
     else:
         a = act_value(g, ACT)
-    tl.store(a_ptr + a_off, a.to(a_ptr.dtype.element_ty), mask=mask)
+    if STORE_A:
+        tl.store(a_ptr + a_off, a.to(a_ptr.dtype.element_ty), mask=mask)
     if BACKWARD:
         d_a = tl.load(d_a_ptr + a_off, mask=mask, other=0.0).to(tl.float32)
         if GATED:
@@ -125,36 +136,76 @@ def _act_kernel(
             )
 
 
-def _launch(h: Tensor, d_a: Tensor | None, act: KernelActivation) -> tuple[Tensor, Tensor | None]:
+def _config(rows: int, cols: int, warps: int) -> triton.Config:
+    return triton.Config({"BLOCK_R": rows, "BLOCK_H": cols}, num_warps=warps)
+
+
+TILES = (
+    _config(16, 256, 4),
+    _config(8, 512, 4),
+    _config(4, 1024, 4),
+    _config(16, 512, 8),
+    _config(32, 256, 8),
+    _config(2, 2048, 8),
+)
+"""Autotune candidates (rows x columns of a, warps); the first is the untuned default."""
+
+
+@functools.cache
+def _tuned() -> triton.runtime.Autotuner:
+    """The autotuned kernel (``MOEC_AUTOTUNE=0`` and the interpreter keep the first tile: tests,
+    CI). The tile depends on the row width and the mode, not on the number of rows."""
+    untuned = os.environ.get("MOEC_AUTOTUNE", "1") == "0" or interpreting()
+    tiles = list(TILES[:1] if untuned else TILES)
+    key = ["H", "ACT", "GATED", "BACKWARD", "STORE_A"]
+    return triton.autotune(configs=tiles, key=key)(_act_kernel)
+
+
+def _launch(
+    h: Tensor, d_a: Tensor | None, act: KernelActivation, store_a: bool = True
+) -> tuple[Tensor | None, Tensor | None]:
     code, gated = act
     h = h.contiguous()
     rows, width = h.shape
     hidden = width // 2 if gated else width
-    a = h.new_empty(rows, hidden)
+    a = h.new_empty(rows, hidden) if store_a else None
     d_h = None if d_a is None else torch.empty_like(h)
-    if d_a is not None and d_a.shape != a.shape:
-        raise ValueError(f"act_backward: d_a {tuple(d_a.shape)} != {tuple(a.shape)}")
+    if d_a is not None and d_a.shape != (rows, hidden):
+        raise ValueError(f"act_backward: d_a {tuple(d_a.shape)} != {(rows, hidden)}")
     if rows == 0 or hidden == 0:
         return a, d_h
     d_a = None if d_a is None else d_a.contiguous()
-    block_r, block_h = 16, 256
-    grid = (triton.cdiv(rows, block_r), triton.cdiv(hidden, block_h))
-    _act_kernel[grid](
-        h, a if d_a is None else d_a, a, h if d_h is None else d_h,
-        rows, hidden, h.stride(0), a.stride(0),
-        ACT=code, GATED=gated, BACKWARD=d_a is not None, BLOCK_R=block_r, BLOCK_H=block_h,
+    a_like = a if a is not None else d_a  # a's row stride; an unused pointer where a is not kept
+    assert a_like is not None
+
+    def grid(meta: dict) -> tuple[int, int]:
+        return triton.cdiv(rows, meta["BLOCK_R"]), triton.cdiv(hidden, meta["BLOCK_H"])
+
+    _tuned()[grid](
+        h, a_like if d_a is None else d_a, a_like, h if d_h is None else d_h,
+        rows, hidden, h.stride(0), a_like.stride(0),
+        ACT=code, GATED=gated, BACKWARD=d_a is not None, STORE_A=store_a,
     )  # fmt: skip
     return a, d_h
 
 
 def act_forward(h: Tensor, act: KernelActivation) -> Tensor:
     """a: the activation of h (R, U) in one kernel."""
-    return _launch(h, None, act)[0]
+    a = _launch(h, None, act)[0]
+    assert a is not None
+    return a
 
 
 def act_backward(h: Tensor, d_a: Tensor, act: KernelActivation) -> tuple[Tensor, Tensor]:
     """(d_h, a): the activation's gradient at h for the output gradient d_a, and a, in one
     kernel."""
     a, d_h = _launch(h, d_a, act)
-    assert d_h is not None
+    assert d_h is not None and a is not None
     return d_h, a
+
+
+def act_gradient(h: Tensor, d_a: Tensor, act: KernelActivation) -> Tensor:
+    """d_h: the activation's gradient at h for the output gradient d_a, without writing a."""
+    d_h = _launch(h, d_a, act, store_a=False)[1]
+    assert d_h is not None
+    return d_h

@@ -76,7 +76,12 @@ if HAVE_TRITON:
         router,
     )
     from moec.kernels import rope as rope_kernel
-    from moec.kernels.activation import UNARY_CODES, KernelActivation, act_backward, act_forward
+    from moec.kernels.activation import (
+        UNARY_CODES,
+        KernelActivation,
+        act_forward,
+        act_gradient,
+    )
 
 
 def kernel_activation(activation: str) -> KernelActivation | None:
@@ -340,7 +345,7 @@ def glu_backward(h: Tensor, d_a: Tensor, activation: str) -> Tensor:
     act = kernel_activation(activation)
     if act is None:
         return activate_backward(h, d_a, activation)
-    return act_backward(h, d_a, act)[0]
+    return act_gradient(h, d_a, act)
 
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor, dtype: torch.dtype, backward: bool) -> Tensor:

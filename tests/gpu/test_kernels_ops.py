@@ -13,8 +13,9 @@ import time
 
 import pytest
 import torch
+import triton
 
-from moec.kernels import cute_gemm, gemm_backend, grouped_gemm
+from moec.kernels import activation, cute_gemm, gemm_backend, grouped_gemm
 from moec.ops import grouped
 from moec.ops.activations import is_gated
 from moec.ops.cuda import kernel_activation, register_kernels
@@ -463,6 +464,36 @@ def test_glu_op_runs_the_kernel_and_equals_reference(activation):
     (d_h,) = torch.autograd.grad(got, h, d_a)
     (ref,) = torch.autograd.grad(want, h, d_a.float())
     assert d_h.dtype == torch.bfloat16 and _rel(d_h.float(), ref) < 1e-2
+
+
+@pytest.mark.parametrize("tile", range(len(activation.TILES)))
+def test_every_activation_tile_equals_the_reference_and_the_gradient_alone_leaves_a(tile):
+    """Each autotune candidate of the activation kernel on ragged rows and columns: forward,
+    backward with a recomputed, and backward alone, which never writes a (poisoned, kept)."""
+    from moec.ops.activations import activate, activate_backward
+
+    config = activation.TILES[tile]
+    rows, hidden = 1000 + tile, 700 + 3 * tile
+    h = torch.randn(rows, 2 * hidden, device="cuda", dtype=torch.bfloat16)
+    d_a = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    want_a = activate(h.float(), "swiglu")
+    want_d_h = activate_backward(h.float(), d_a.float(), "swiglu")
+    tile_rows, tile_cols = config.kwargs["BLOCK_R"], config.kwargs["BLOCK_H"]
+    grid = (triton.cdiv(rows, tile_rows), triton.cdiv(hidden, tile_cols))
+    for backward, store_a in ((False, True), (True, True), (True, False)):
+        a = torch.full_like(d_a, float("nan"))
+        d_h = torch.full_like(h, float("nan"))
+        activation._act_kernel[grid](
+            h, d_a, a, d_h, rows, hidden, h.stride(0), a.stride(0),
+            ACT=activation.UNARY_CODES["silu"], GATED=True, BACKWARD=backward, STORE_A=store_a,
+            num_warps=config.num_warps, **config.kwargs,
+        )  # fmt: skip
+        if store_a:
+            assert _rel(a.float(), want_a) < 1e-2
+        else:
+            assert a.isnan().all()
+        if backward:
+            assert _rel(d_h.float(), want_d_h) < 1e-2
 
 
 def test_adamw_kernel_equals_torch_adamw_and_writes_bf16_copies():
