@@ -1,13 +1,14 @@
 """The ``moec::`` custom ops: MoE semantics as opaque, autograd-aware graph nodes.
 
 Importing this package registers ``torch.ops.moec.{route, router_losses, dispatch, combine,
-expert_mlp, expert_mlp_gathered, expert_mlp_combined, glu, linear_cross_entropy, rope,
-quantized_expert_mlp, quantized_linear}``. Each op's Python body is the
+expert_mlp, expert_mlp_gathered, expert_mlp_combined, flash_attention, glu,
+linear_cross_entropy, rope, quantized_expert_mlp, quantized_linear}``. Each op's Python body is the
 pure-PyTorch reference, the oracle for every faster implementation;
 :func:`moec.ops.cuda.register_kernels` registers CUDA implementations on the Triton kernels of
 :mod:`moec.kernels` over the same schemas.
 """
 
+from moec.ops.attention import flash_attention
 from moec.ops.combined_experts import expert_mlp_combined
 from moec.ops.experts import expert_mlp
 from moec.ops.gathered_experts import expert_mlp_gathered
@@ -25,6 +26,7 @@ __all__ = [
     "expert_mlp",
     "expert_mlp_combined",
     "expert_mlp_gathered",
+    "flash_attention",
     "glu",
     "linear_cross_entropy",
     "quantized_expert_mlp",

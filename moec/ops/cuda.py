@@ -11,6 +11,8 @@ match the reference whatever the inputs:
 - for the expert MLP and ``moec::glu``, an activation the kernels compute
   (:func:`kernel_activation`): other activations (user-registered ones, built-ins without a
   kernel code) run the reference on CUDA too;
+- for ``moec::flash_attention`` (and its backward), what FlashAttention 4 takes
+  (:func:`moec.kernels.flash_attention.takes`: the package installed, sm90 or sm100, bf16/fp16);
 - for ``moec::rope``, x of at most :data:`moec.kernels.rope.MAX_DIMS` dimensions;
 - for ``moec::quantized_expert_mlp`` (and its backward), the ``fp8_rowwise`` recipe on bf16
   data where torch has the FP8 grouped GEMM (:func:`moec.kernels.fp8_experts.takes`), no
@@ -34,6 +36,7 @@ from torch import Tensor
 from moec.kernels.arch import HAVE_TRITON, float_supported
 from moec.ops import grouped
 from moec.ops.activations import activate, activate_backward, gated_from_unary, is_gated
+from moec.ops.attention import flash_attention_backward_reference, flash_attention_reference
 from moec.ops.combined_experts import (
     check_combined_args,
     expert_mlp_combined_backward_reference,
@@ -75,6 +78,7 @@ if HAVE_TRITON:
         movement,
         router,
     )
+    from moec.kernels import flash_attention as fa4
     from moec.kernels import rope as rope_kernel
     from moec.kernels.activation import (
         UNARY_CODES,
@@ -348,6 +352,31 @@ def glu_backward(h: Tensor, d_a: Tensor, activation: str) -> Tensor:
     return act_gradient(h, d_a, act)
 
 
+def flash_attention(
+    q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float
+) -> tuple[Tensor, Tensor]:
+    """``moec::flash_attention`` on FA4 where it takes the inputs, else the reference."""
+    if not fa4.takes(q, k, v, is_causal):
+        return flash_attention_reference(q, k, v, is_causal, scale)
+    return fa4.forward(q, k, v, is_causal, scale)
+
+
+def flash_attention_backward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    d_out: Tensor,
+    is_causal: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``moec::flash_attention``'s backward on FA4 where it takes the inputs."""
+    if not fa4.takes(q, k, v, is_causal):
+        return flash_attention_backward_reference(q, k, v, out, lse, d_out, is_causal, scale)
+    return fa4.backward(q, k, v, out, lse, d_out, is_causal, scale)
+
+
 def rope(x: Tensor, cos: Tensor, sin: Tensor, dtype: torch.dtype, backward: bool) -> Tensor:
     """``moec::rope``'s rotation (or its transpose when ``backward``) in ``dtype``."""
     if x.dim() > rope_kernel.MAX_DIMS:
@@ -378,6 +407,8 @@ def _hooks() -> dict[str, Callable[..., Any]]:
         "rope": rope,
         "glu_forward": glu_forward,
         "glu_backward": glu_backward,
+        "flash_attention": flash_attention,
+        "flash_attention_backward": flash_attention_backward,
     }
 
 

@@ -1,0 +1,128 @@
+"""Attention on FlashAttention 4's CuTe DSL kernels (package flash-attn-4, ``flash_attn.cute``).
+
+forward(q, k, v, causal, scale) -> (out, lse)
+    q (B, Hq, S, D), k and v (B, Hkv, S, D) in ``scaled_dot_product_attention``'s layout (Hq a
+    multiple of Hkv); out (B, Hq, S, D), lse (B, Hq, S) float32: the natural-log sum of the
+    scaled scores' exponentials of each query row.
+backward(q, k, v, out, lse, d_out, causal, scale) -> (d_q, d_k, d_v)   the inputs' shapes
+
+FA4 reads and writes (B, S, H, D). A model that builds q/k/v as (B, S, H, D) and transposes
+them for attention (Llama does) hands over views FA4 reads in place; ``out`` is a (B, S, H, D)
+buffer seen as (B, H, S, D), so the model's transpose back is a view again. Other layouts are
+copied by FA4 as it needs them. Its kernels are compiled on first use per shape class (the
+CuTe DSL's JIT), then cached in the process.
+
+:func:`takes` says where it runs: FA4 importable, a CUDA device of compute capability 9.x
+(Hopper) or 10.x (Blackwell: the production target, FA4's first), bf16 or fp16 of one dtype
+and device, head dims FA4 takes on that chip, query heads a multiple of key heads, and under a
+causal mask as many queries as keys (FA4 aligns the mask to the last key, SDPA to the first:
+they agree only there). :func:`why_not` names the first condition that fails.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+from torch import Tensor
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def installed() -> bool:
+    """Whether FA4 (``flash_attn.cute``, package flash-attn-4) can be imported."""
+    try:
+        return importlib.util.find_spec("flash_attn.cute") is not None
+    except ModuleNotFoundError:  # no flash_attn package at all
+        return False
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _head_dims_taken(major: int, head_dim: int, head_dim_v: int, alignment: int) -> bool:
+    """FA4's head dims on sm90 (8-256) and sm100 (8-128, or 256 for both)."""
+    if head_dim % alignment or head_dim_v % alignment:
+        return False
+    if major == 9:
+        return 8 <= head_dim <= 256 and 8 <= head_dim_v <= 256
+    return (8 <= head_dim <= 128 and 8 <= head_dim_v <= 128) or head_dim == head_dim_v == 256
+
+
+def why_not(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> str | None:
+    """Why FA4 does not take this attention (None: it does)."""
+    if not installed():
+        return "flash-attn-4 (flash_attn.cute) is not installed"
+    if not (q.is_cuda and k.device == q.device and v.device == q.device):
+        return f"q/k/v on {q.device}, {k.device}, {v.device}: FA4 runs on one CUDA device"
+    major, _ = _capability(q.device.index if q.device.index is not None else 0)
+    if major not in (9, 10):
+        return f"compute capability {major}.x: FA4 runs here on 9.x (Hopper) and 10.x (Blackwell)"
+    if q.dtype not in HALF_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype}: FA4 takes one of bf16 or fp16"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return f"q/k/v of {q.dim()}, {k.dim()}, {v.dim()} dims: expected (B, H, S, D) each"
+    batch, heads, queries, head_dim = q.shape
+    if k.shape[:3] != v.shape[:3] or k.shape[-1] != head_dim or k.shape[0] != batch:
+        return f"k {tuple(k.shape)} and v {tuple(v.shape)} do not fit q {tuple(q.shape)}"
+    if heads % k.shape[1]:
+        return f"{heads} query heads over {k.shape[1]} key heads: not a multiple"
+    if causal and queries != k.shape[2]:
+        return f"causal with {queries} queries over {k.shape[2]} keys (masks differ from SDPA's)"
+    if not _head_dims_taken(major, head_dim, v.shape[-1], 16 // q.element_size()):
+        return f"head dims {head_dim}/{v.shape[-1]} are not FA4's on compute capability {major}.x"
+    return None
+
+
+def takes(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> bool:
+    """Whether :func:`forward` and :func:`backward` run these inputs (see the module doc)."""
+    return why_not(q, k, v, causal) is None
+
+
+def _fa4_layout(t: Tensor) -> Tensor:
+    return t.transpose(1, 2)
+
+
+def forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """(out, lse) of softmax(q k^T scale (causally masked)) v; see the module doc."""
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    out, lse, *_ = _flash_attn_fwd(
+        _fa4_layout(q),
+        _fa4_layout(k),
+        _fa4_layout(v),
+        softmax_scale=scale,
+        causal=causal,
+        return_lse=True,
+    )
+    return out.transpose(1, 2), lse
+
+
+def backward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    d_out: Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(d_q, d_k, d_v) of :func:`forward` for the output gradient ``d_out``."""
+    from flash_attn.cute.interface import _flash_attn_bwd
+
+    d_q, d_k, d_v = _flash_attn_bwd(
+        _fa4_layout(q),
+        _fa4_layout(k),
+        _fa4_layout(v),
+        _fa4_layout(out),
+        _fa4_layout(d_out.to(out.dtype)),
+        lse,
+        scale,
+        causal,
+    )
+    return d_q.transpose(1, 2), d_k.transpose(1, 2), d_v.transpose(1, 2)

@@ -1,0 +1,70 @@
+"""``moec::flash_attention`` (reference, CPU): SDPA's outputs and gradients, the softmax
+statistics, grouped key heads, the (B, S, H, D)-backed layout, autocast, fake/real agreement
+(opcheck), and a clear error for shapes that do not fit."""
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import moec.ops  # noqa: F401  (registers torch.ops.moec)
+from moec.kernels import flash_attention as fa4
+
+
+def _qkv(batch, heads, kv_heads, seq, dim, dtype=torch.float32, grad=False):
+    def make(h: int) -> torch.Tensor:
+        t = torch.randn(batch, seq, h, dim, dtype=dtype).transpose(1, 2)
+        return t.requires_grad_() if grad else t
+
+    return make(heads), make(kv_heads), make(kv_heads)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_outputs_statistics_and_gradients_equal_sdpa(causal):
+    kv_heads = random.randint(1, 3)
+    heads = kv_heads * random.randint(1, 3)
+    seq, dim = random.randint(5, 40), random.choice([8, 16, 24])
+    q, k, v = _qkv(2, heads, kv_heads, seq, dim, dtype=torch.float64, grad=True)
+    scale = random.uniform(0.1, 0.5)
+    out, lse = torch.ops.moec.flash_attention(q, k, v, causal, scale)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
+    torch.testing.assert_close(out, want.to(out.dtype), atol=1e-5, rtol=1e-5)
+    group = heads // kv_heads
+    scores = q @ k.repeat_interleave(group, 1).transpose(-1, -2) * scale
+    if causal:
+        scores = scores.masked_fill(torch.ones(seq, seq, dtype=torch.bool).triu(1), -torch.inf)
+    torch.testing.assert_close(lse, torch.logsumexp(scores, -1).float(), atol=1e-5, rtol=1e-5)
+    assert not lse.requires_grad
+    d_out = torch.randn_like(want)
+    got = torch.autograd.grad(out, (q, k, v), d_out)
+    expected = torch.autograd.grad(want, (q, k, v), d_out)
+    for name, g, w in zip("qkv", got, expected, strict=True):
+        torch.testing.assert_close(g, w.to(g.dtype), atol=1e-5, rtol=1e-5, msg=f"d_{name}")
+
+
+def test_outputs_are_tokens_major_and_autocast_runs_bf16():
+    q, k, v = _qkv(2, 4, 2, 12, 16)
+    out, _ = torch.ops.moec.flash_attention(q, k, v, True, 0.25)
+    assert out.transpose(1, 2).is_contiguous()  # a model's transpose back is a view
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low, lse = torch.ops.moec.flash_attention(q, k, v, True, 0.25)
+    assert low.dtype == torch.bfloat16 and lse.dtype == torch.float32
+
+
+def test_fake_and_real_agree():
+    q, k, v = _qkv(1, 4, 2, 9, 8, grad=True)
+    torch.library.opcheck(torch.ops.moec.flash_attention.default, (q, k, v, True, 0.3))
+
+
+def test_shapes_that_do_not_fit_are_named():
+    q, k, v = _qkv(1, 3, 2, 8, 8)
+    with pytest.raises(ValueError, match=r"moec::flash_attention: q \(1, 3, 8, 8\).*multiple"):
+        torch.ops.moec.flash_attention(q, k, v, True, 0.3)
+
+
+def test_fa4_says_why_it_does_not_run_on_cpu_tensors():
+    q, k, v = _qkv(1, 2, 2, 8, 8)
+    reason = fa4.why_not(q, k, v, True)
+    assert reason is not None and not fa4.takes(q, k, v, True)
+    assert "not installed" in reason or "CUDA" in reason
