@@ -28,7 +28,9 @@ wide (24576: the width that gives the report's 2.01B total / 0.995B active param
   --no-inductor  moec again with ``plan.lowering.inductor: false`` (on CUDA the default plan
             runs the program through Inductor; this row runs its dense ops eagerly)
   --attention B  moec again with ``plan.lowering.attention = B`` (cudnn: Hopper's FA3-class
-            kernel); the hand-written baselines then run with B first too
+            kernel; fa4: FlashAttention 4's CuTe DSL kernels); the hand-written baselines then
+            run with torch's choice and again with B (fa4: their attention calls it); with
+            --fp8, the FP8 dense FFNs' plan with B too
   --gather-up  moec again with ``plan.lowering.gather_up`` (each dispatch folded into its
             experts' up projection: no dispatched buffer where the CuTe DSL runs it)
   --combine-in-experts  moec again with ``plan.lowering.combine_in_experts`` (and gather_up,
@@ -195,10 +197,19 @@ class HandMoE(nn.Module):
         return (self.shared(x) + routed).view(shape)
 
 
-def hand_written(s: dict, dense: Llama) -> Llama:
+def fa4_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """FlashAttention 4 called by hand (through moec's op: the kernel a user would call, as a
+    custom op ``torch.compile`` traces around)."""
+    return torch.ops.moec.flash_attention(q, k, v, True, q.shape[-1] ** -0.5)[0]
+
+
+def hand_written(s: dict, dense: Llama, attention: str = "auto") -> Llama:
     model = dense
     for block in list(model.layers)[s["dense_first"] :]:
         block.ffn = HandMoE(block.ffn, s["experts"], s["top_k"], s["width"], 0.01)
+    if attention == "fa4":
+        for block in model.layers:
+            block.attn.attend = fa4_causal_attention
     return model
 
 
@@ -412,6 +423,7 @@ N_MAJOR = "moec, n-major experts"
 WITHOUT_QUACK_TOO = {N_MAJOR}  # variants also measured under the policy without the CuTe DSL
 FP8_DENSE = "moec, fp8 rowwise dense FFNs"
 LOSS_VARIANTS_TOO = {"moec", FP8_DENSE}  # rows --chunked-loss and --loss-chunks run again
+LOSS_VARIANTS_TOO |= {f"{FP8_DENSE} + fa4 attention"}
 
 
 @contextlib.contextmanager
@@ -483,6 +495,10 @@ def plan_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, dict[st
             ("moec, fp8 rowwise dense FFNs + experts", ["dense_ffn", "routed_experts"]),
         ):
             variants.append((name, {"precision": fp8 | {"scope": scope}}))
+        if args.attention:
+            attention = {"lowering": {"attention": args.attention}}
+            fp8_dense = {"precision": fp8 | {"scope": ["dense_ffn"]}}
+            variants.append((f"{FP8_DENSE} + {args.attention} attention", fp8_dense | attention))
     if args.gather_up:
         variants.append(("moec + gather_up", {"lowering": {"gather_up": True}}))
     if args.combine_in_experts:
@@ -557,7 +573,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--attention",
-        choices=["cudnn", "flash", "efficient", "math"],
+        choices=["fa4", "cudnn", "flash", "efficient", "math"],
         help="also moec with plan.lowering.attention (the attention backend tried first)",
     )
     parser.add_argument(
@@ -672,13 +688,15 @@ def main() -> None:
         for key, (_, options) in BASELINES.items()
         if key in args.baselines and not (args.no_compiled_baselines and options.get("compiled"))
     ]
-    for key in [] if args.moec_only else chosen:
+    # a careful user picks the same attention: with --attention B each baseline runs with
+    # torch's choice (the issue's baseline) and with B
+    attentions = ["auto"] + ([args.attention] if args.attention else [])
+    for key, attention in [(k, a) for k in ([] if args.moec_only else chosen) for a in attentions]:
         name, options = BASELINES[key]
         _release(device)
         torch.manual_seed(0)
-        attention = args.attention or "auto"  # a careful user picks the same attention
         hand = EagerTrainer(
-            hand_written(s, dense_model(s)), s, device, **options, attention=attention
+            hand_written(s, dense_model(s), attention), s, device, **options, attention=attention
         )
         label = name if attention == "auto" else f"{name}, {attention} attention"
         results.append(measure(label, hand.train_step, *common))

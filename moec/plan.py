@@ -49,7 +49,7 @@ GemmPrecision = Literal["bf16", "mxfp8", "fp8_rowwise"]
 GemmScope = Literal["routed_experts", "shared_expert", "attn_qkv", "attn_out", "dense_ffn"]
 RecomputePolicy = Literal["none", "block", "selective", "budget"]
 FFNDropout = Literal["error", "drop"]
-Attention = Literal["auto", "cudnn", "flash", "efficient", "math"]
+Attention = Literal["auto", "fa4", "cudnn", "flash", "efficient", "math"]
 
 
 @dataclass
@@ -291,7 +291,10 @@ class LoweringPlan:
     ``cudnn`` / ``flash`` / ``efficient`` / ``math`` go first, then the others (an attention
     the first backend does not take falls to the next). The choice is made in the
     forward and the backward follows it. On Hopper, cuDNN's attention is the FA3-class kernel;
-    ``auto`` until it measures faster (benchmarks/e2e.py --attention cudnn)."""
+    ``auto`` until it measures faster (benchmarks/e2e.py --attention cudnn). ``fa4``: each
+    attention FlashAttention 4 takes (no mask or dropout, bf16 compute) runs on its CuTe DSL
+    kernels (package flash-attn-4; Hopper and Blackwell), the rest in torch's order
+    (:mod:`moec.runtime.attention_kernels`; refused on a GPU FA4 does not run on)."""
     cuda_graph: bool = False
     """Capture the steady-state training step (forward, backward, clipping, AdamW) as one CUDA
     graph and replay it (:mod:`moec.runtime.step_graph`): the host launches one graph instead of

@@ -44,7 +44,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, S, hd)
+
+
 class Attention(nn.Module):
+    attend = staticmethod(causal_attention)
+    """The attention kernel (a hand-written baseline may set another on an instance)."""
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
@@ -63,7 +70,7 @@ class Attention(nn.Module):
         rep = self.n_heads // self.n_kv_heads
         if rep > 1:  # grouped-query attention: each k/v head serves `rep` query heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, S, hd)
+        out = self.attend(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 

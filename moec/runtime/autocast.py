@@ -44,8 +44,9 @@ def compute_autocast(plan: Plan, inputs: list[Any]) -> contextlib.AbstractContex
 
 def attention_preference(chosen: str) -> contextlib.AbstractContextManager:
     """The attention backend ``chosen`` (a ``plan.lowering.attention`` value) first, then the
-    others in :data:`ATTENTION_BACKENDS`' order."""
-    if chosen == "auto":
+    others in :data:`ATTENTION_BACKENDS`' order (``auto``, and ``fa4``, whose attention FA4 does
+    not take: torch's own order)."""
+    if chosen in ("auto", "fa4"):
         return contextlib.nullcontext()
     if not _ORDERS_BACKENDS:
         raise PlanError(

@@ -43,6 +43,7 @@ from torch import fx
 from torch._dynamo.exc import BackendCompilerFailed
 
 from moec.ops.working_weights import working_copy
+from moec.runtime import attention_kernels
 
 if TYPE_CHECKING:
     from moec.plan import Plan
@@ -52,7 +53,8 @@ class InductorGraphs:
     """What runs a graph under ``plan``: the graph itself where the plan does not lower to
     Inductor on the inputs' device (:meth:`moec.plan.Plan.lowers_to_inductor`), else its
     Inductor-compiled form, made once per graph object (a new graph, e.g. a mode variant rebuilt
-    after ``.to()``, is compiled anew)."""
+    after ``.to()``, is compiled anew). Either way with the attention kernels the plan chose for
+    that device (:mod:`moec.runtime.attention_kernels`)."""
 
     def __init__(self, plan: Plan, backend: str | Callable[..., Any] = "inductor") -> None:
         self.plan = plan
@@ -60,8 +62,10 @@ class InductorGraphs:
         """``torch.compile``'s backend (tests pass one that fails)."""
         self._compiled: dict[int, tuple[fx.GraphModule, Callable[..., Any]]] = {}
         self._lifted: dict[int, tuple[fx.GraphModule, fx.GraphModule, list[WorkingCopy]]] = {}
+        self._attention: dict[int, tuple[fx.GraphModule, fx.GraphModule]] = {}
 
     def __call__(self, graph: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
+        graph = self.with_attention_kernels(graph, inputs)
         if torch.compiler.is_compiling():  # a user's torch.compile traces the model's forward
             return functools.partial(_with_lifted_copies, self, graph)
         if not self.plan.lowers_to_inductor(device_type(inputs)):
@@ -82,6 +86,21 @@ class InductorGraphs:
                 compiled = functools.partial(_with_copies, graph, copies, compiled)
             held = (graph, compiled)
             self._compiled[id(graph)] = held
+        return held[1]
+
+    def with_attention_kernels(
+        self, graph: fx.GraphModule, inputs: Sequence[Any]
+    ) -> fx.GraphModule:
+        """``graph`` with its attention on the kernels the plan chose for the inputs' device
+        (``graph`` itself where that is torch's SDPA), made once per graph object."""
+        held = self._attention.get(id(graph))
+        if held is None or held[0] is not graph:
+            chosen = graph
+            if attention_kernels.wants_fa4(self.plan, inputs):
+                half = self.plan.precision.compute_dtype == "bf16"
+                chosen = attention_kernels.with_fa4(graph, compute_half=half)[0]
+            held = (graph, chosen)
+            self._attention[id(graph)] = held
         return held[1]
 
     def lifted(self, graph: fx.GraphModule) -> tuple[fx.GraphModule, list[WorkingCopy]]:
@@ -117,6 +136,7 @@ class InductorGraphs:
     def clear(self) -> None:
         self._compiled.clear()
         self._lifted.clear()
+        self._attention.clear()
 
 
 WorkingCopy = tuple[str, tuple[str, ...]]

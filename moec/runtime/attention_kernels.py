@@ -1,0 +1,105 @@
+"""The attention kernel a program runs, chosen for its device (``plan.lowering.attention``).
+
+The passes, the cost model and the plan search see ``scaled_dot_product_attention`` whatever
+runs it. When a program first runs, each of its SDPA calls that FlashAttention 4 takes (no mask,
+no dropout, half-precision compute, head dims FA4 runs on the chip) becomes
+``moec::flash_attention`` (and a read of its output), where the plan asks for ``fa4``; the
+others stay SDPA and run on torch's backends in the plan's order
+(:func:`moec.runtime.autocast.attention_preference`). A plan asking for ``fa4`` on a CUDA device
+FA4 does not run on is refused, naming why; on the CPU (tests) the op runs its reference.
+
+The swap makes a new graph module over the same parameters and buffers; the original graph is
+left as it is (a checkpoint, an export or another device sees SDPA).
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import fx
+
+import moec.ops  # noqa: F401  (registers torch.ops.moec)
+from moec.kernels import flash_attention as fa4
+from moec.plan import PlanError
+
+if TYPE_CHECKING:
+    from moec.plan import Plan
+
+SDPA = torch.ops.aten.scaled_dot_product_attention.default
+HALF = (torch.bfloat16, torch.float16)
+
+
+def wants_fa4(plan: Plan, inputs: Sequence[Any]) -> bool:
+    """Whether ``plan``'s program, run on ``inputs``' device, swaps its attention to FA4;
+    raises where the plan asks for ``fa4`` on a CUDA device that FA4 does not run on."""
+    if plan.lowering.attention != "fa4":
+        return False
+    device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), None)
+    if device is None or device.type != "cuda":
+        return device is not None and device.type == "cpu"  # the reference: tests
+    probe = torch.empty(1, 1, 1, 128, dtype=torch.bfloat16, device=device)
+    why = fa4.why_not(probe, probe, probe, causal=True)
+    if why is not None:
+        raise PlanError("lowering.attention", "fa4", f"a device where FA4 runs ({why})")
+    return True
+
+
+def _fits(node: fx.Node, compute_half: bool) -> dict[str, Any] | None:
+    """The SDPA call's arguments when FA4 takes it (else None)."""
+    root = node.graph.owning_module
+    arguments = node.normalized_arguments(root, normalize_to_only_use_kwargs=True)
+    if arguments is None:
+        return None
+    kwargs = arguments.kwargs
+    q, k, v = (kwargs[name].meta.get("val") for name in ("query", "key", "value"))
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+        return None
+    if kwargs.get("attn_mask") is not None or kwargs.get("dropout_p", 0.0) != 0.0:
+        return None
+    if not (compute_half or q.dtype in HALF):
+        return None
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if heads != kv_heads and not (kwargs.get("enable_gqa", False) and heads % kv_heads == 0):
+        return None
+    causal = bool(kwargs.get("is_causal", False))
+    if causal and q.shape[2] != k.shape[2]:
+        return None
+    dims = (q.shape[-1], v.shape[-1])
+    if any(d % 8 or not 8 <= d <= 128 for d in dims) and dims != (256, 256):
+        return None  # FA4's head dims on both chips (sm90 takes more: not relied on)
+    scale = kwargs.get("scale")
+    return {**kwargs, "is_causal": causal, "scale": q.shape[-1] ** -0.5 if scale is None else scale}
+
+
+def with_fa4(graph: fx.GraphModule, compute_half: bool) -> tuple[fx.GraphModule, int]:
+    """``graph`` with each SDPA call FA4 takes swapped for ``moec::flash_attention``, and how
+    many; ``graph`` itself where none is."""
+    calls = [
+        (node, fits)
+        for node in graph.graph.nodes
+        if node.op == "call_function" and node.target is SDPA
+        for fits in [_fits(node, compute_half)]
+        if fits is not None
+    ]
+    if not calls:
+        return graph, 0
+    swapped = copy.deepcopy(graph.graph)
+    nodes = {n.name: n for n in swapped.nodes}
+    for call, kwargs in calls:
+        node = nodes[call.name]
+        q, k, v = (nodes[kwargs[name].name] for name in ("query", "key", "value"))
+        with swapped.inserting_before(node):
+            attention = swapped.call_function(
+                torch.ops.moec.flash_attention.default,
+                (q, k, v, kwargs["is_causal"], float(kwargs["scale"])),
+            )
+            out = swapped.call_function(operator.getitem, (attention, 0))
+        out.meta = dict(node.meta)
+        node.replace_all_uses_with(out)
+        swapped.erase_node(node)
+    swapped.lint()
+    return fx.GraphModule(graph, swapped), len(calls)
