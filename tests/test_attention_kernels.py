@@ -1,0 +1,86 @@
+"""``plan.lowering.attention: fa4`` (:mod:`moec.runtime.attention_kernels`) on the CPU, where
+``moec::flash_attention`` runs its reference: the compiled program's attention runs as the op
+(and only the attention FA4 takes), its outputs and gradients equal the default plan's, and the
+passes still see SDPA."""
+
+import copy
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import moec
+from moec.models.llama import Llama, LlamaConfig
+from moec.plan import Plan, PlanError
+from moec.runtime import attention_kernels
+from tests.models import tokens
+
+PLAN = {
+    "moe": {"num_experts": 4, "top_k": 2, "dense_first": 1, "capacity_factor": None},
+    "precision": {"compute_dtype": "bf16"},
+}
+
+
+def _step(model, x):
+    model.zero_grad(set_to_none=True)
+    out = model(x)
+    out.float().square().mean().backward()
+    return out.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def _ops(step) -> set[str]:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    return {e.name for e in prof.events() if "attention" in e.name}
+
+
+def test_fa4_plan_runs_the_op_and_equals_sdpa():
+    model = Llama(LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128))
+    x = tokens(batch=2, seq=32)
+    default = moec.compile(copy.deepcopy(model), PLAN, (x,))
+    fa4 = moec.compile(model, {**PLAN, "lowering": {"attention": "fa4"}}, (x,))
+    want, want_grads = _step(default, x)
+    got, got_grads = _step(fa4, x)
+    ran = _ops(lambda: _step(fa4, x))
+    assert "moec::flash_attention" in ran and "moec::flash_attention_backward" in ran, ran
+    assert not any("scaled_dot_product" in name for name in ran), ran
+    assert "moec::flash_attention" not in _ops(lambda: _step(default, x))
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, atol=2e-3, rtol=5e-2)
+    graph = fa4.program.graph_module.graph  # the passes' program keeps SDPA
+    assert any(n.target is attention_kernels.SDPA for n in graph.nodes)
+
+
+class _Masked(torch.nn.Module):
+    """One attention FA4 takes and one it does not (an explicit mask)."""
+
+    def forward(self, q, k, v):
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+        plain = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        masked = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return plain + masked
+
+
+def test_only_attention_fa4_takes_is_swapped():
+    q, k, v = (torch.randn(1, 2, 16, 32, dtype=torch.bfloat16) for _ in range(3))
+    exported = torch.export.export(_Masked(), (q, k, v)).module()
+    swapped, count = attention_kernels.with_fa4(exported, compute_half=True)
+    assert count == 1
+    targets = [n.target for n in swapped.graph.nodes if n.op == "call_function"]
+    assert torch.ops.moec.flash_attention.default in targets
+    assert attention_kernels.SDPA in targets  # the masked one stays SDPA
+    torch.testing.assert_close(swapped(q, k, v), _Masked()(q, k, v), atol=2e-2, rtol=2e-2)
+    assert attention_kernels.with_fa4(exported, compute_half=False)[1] == 1  # bf16 inputs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fa4_plan_on_a_gpu_without_fa4_is_refused():  # pragma: no cover - GPU machines only
+    x = torch.zeros(2, 4, dtype=torch.long, device="cuda")
+    plan = Plan.from_dict({"lowering": {"attention": "fa4"}})
+    probe = torch.empty(1, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+    if attention_kernels.fa4.takes(probe, probe, probe, causal=True):
+        assert attention_kernels.wants_fa4(plan, [x])
+    else:
+        with pytest.raises(PlanError, match="lowering.attention"):
+            attention_kernels.wants_fa4(plan, [x])
