@@ -52,9 +52,17 @@ def test_outputs_are_tokens_major_and_autocast_runs_bf16():
     assert low.dtype == torch.bfloat16 and lse.dtype == torch.float32
 
 
-def test_fake_and_real_agree():
-    q, k, v = _qkv(1, 4, 2, 9, 8, grad=True)
+@pytest.mark.parametrize("kv_heads", [1, 2])  # one key head: a size-1 dim's stride too
+def test_fake_and_real_agree(kv_heads):
+    q, k, v = _qkv(2, 4, kv_heads, 9, 8, grad=True)
     torch.library.opcheck(torch.ops.moec.flash_attention.default, (q, k, v, True, 0.3))
+    out, lse = torch.ops.moec.flash_attention(q, k, v, True, 0.3)
+    d_out = torch.randn_like(out)
+    args = (q, k, v, out.detach(), lse, d_out, True, 0.3)
+    torch.library.opcheck(torch.ops.moec.flash_attention_backward.default, args)
+    for got, t in zip(torch.ops.moec.flash_attention_backward(*args), (q, k, v), strict=True):
+        b, h, s, d = t.shape
+        assert got.stride() == t.new_empty(b, s, h, d).transpose(1, 2).stride()  # FA4's layout
 
 
 def test_shapes_that_do_not_fit_are_named():

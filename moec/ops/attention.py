@@ -41,9 +41,15 @@ def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
         )
 
 
+def _heads_major_like(t: Tensor, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> Tensor:
+    b, h, s, d = shape
+    return t.new_empty((b, s, h, d), dtype=dtype).transpose(1, 2)
+
+
 def _heads_major(t: Tensor) -> Tensor:
-    """A (B, S, H, D)-stored copy of t (B, H, S, D), seen as (B, H, S, D)."""
-    return t.transpose(1, 2).contiguous().transpose(1, 2)
+    """A (B, S, H, D)-stored copy of t (B, H, S, D), seen as (B, H, S, D): the fake's strides,
+    size-1 dimensions included."""
+    return _heads_major_like(t, t.shape, t.dtype).copy_(t)
 
 
 def _shared_kv(t: Tensor, group: int) -> Tensor:
@@ -99,11 +105,6 @@ def flash_attention_backward_reference(
         _heads_major(per_kv_head(d_k).to(k.dtype)),
         _heads_major(per_kv_head(d_v).to(v.dtype)),
     )
-
-
-def _heads_major_like(t: Tensor, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> Tensor:
-    b, h, s, d = shape
-    return t.new_empty((b, s, h, d), dtype=dtype).transpose(1, 2)
 
 
 @torch.library.custom_op("moec::flash_attention", mutates_args=())
