@@ -58,7 +58,7 @@ def test_fake_and_real_agree(kv_heads):
     torch.library.opcheck(torch.ops.moec.flash_attention.default, (q, k, v, True, 0.3))
     out, lse = torch.ops.moec.flash_attention(q, k, v, True, 0.3)
     d_out = torch.randn_like(out)
-    args = (q, k, v, out.detach(), lse, d_out, True, 0.3)
+    args = (q.detach(), k.detach(), v.detach(), out.detach(), lse, d_out, True, 0.3)
     torch.library.opcheck(torch.ops.moec.flash_attention_backward.default, args)
     for got, t in zip(torch.ops.moec.flash_attention_backward(*args), (q, k, v), strict=True):
         b, h, s, d = t.shape
