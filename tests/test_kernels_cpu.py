@@ -361,7 +361,7 @@ def test_inputs_without_a_kernel_run_the_reference(monkeypatch):
     runs, and the results are the reference's."""
     without_code = [name for name in ACTIVATIONS if cuda.kernel_activation(name) is None]
     assert without_code, "every built-in has a kernel code: withdraw one here to test this"
-    for name in ("act_forward", "act_backward"):
+    for name in ("act_forward", "act_gradient"):
         monkeypatch.setattr(cuda, name, _refuse)
     for name in ("expert_mlp", "expert_mlp_backward"):
         monkeypatch.setattr(cuda.experts, name, _refuse)
