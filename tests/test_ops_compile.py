@@ -154,6 +154,20 @@ def _transposed(*shape: int, grad: bool = False) -> torch.Tensor:
     return torch.randn(b, s, heads, d).transpose(1, 2).detach().requires_grad_(grad)
 
 
+def _flash_attention() -> list[Sample]:
+    def qkv(heads: int, kv_heads: int, s: int) -> tuple[torch.Tensor, ...]:
+        shapes = ((2, heads, s, 8), (2, kv_heads, s, 8), (2, kv_heads, s, 8))
+        return tuple(_transposed(*shape, grad=True) for shape in shapes)
+
+    return [((*qkv(4, 2, 5), True, 0.3), {}), ((*qkv(2, 1, 6), False, 0.5), {})]
+
+
+def _flash_attention_backward() -> list[Sample]:
+    q, k, v = _transposed(2, 4, 5, 8), _transposed(2, 2, 5, 8), _transposed(2, 2, 5, 8)
+    out, lse = torch.ops.moec.flash_attention(q, k, v, True, 0.3)
+    return [((q, k, v, out, lse, torch.randn_like(out), True, 0.3), {})]
+
+
 def _rope() -> list[Sample]:
     cos, sin = torch.randn(5, 8), torch.randn(1, 1, 5, 8)
     return [
@@ -372,6 +386,8 @@ SAMPLES: dict[str, Callable[[], list[Sample]]] = {
     "expert_mlp_combined_backward": _expert_mlp_combined_backward,
     "glu": _glu,
     "glu_backward": _glu_backward,
+    "flash_attention": _flash_attention,
+    "flash_attention_backward": _flash_attention_backward,
     "rope": _rope,
     "rope_backward": _rope_backward,
     "linear_cross_entropy": _linear_cross_entropy,
