@@ -45,6 +45,7 @@ wide (24576: the width that gives the report's 2.01B total / 0.995B active param
   --chunked-loss  moec and its FP8 dense FFNs row again with the LM-head loss on moec's own
             chunks (logits GEMM, row kernel, two gradient GEMMs) where the default runs it on
             quack's fused scaled-exp GEMMs (``moec.kernels.cute_loss``)
+  --no-fused-loss  every moec row with the LM-head loss on moec's own chunks
   --loss-chunks N ...  moec and its FP8 dense FFNs row again with the LM-head loss computed
             at most 2^N logits at a time (``moec.ops.loss.CHUNK_ELEMENTS``), the same trainer
   --cuda-graph  moec again with ``plan.lowering.cuda_graph`` (the step replayed as one CUDA
@@ -515,7 +516,7 @@ def plan_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, dict[st
     return variants
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
@@ -583,6 +584,11 @@ def main() -> None:
         "(where quack's fused loss GEMMs run)",
     )
     parser.add_argument(
+        "--no-fused-loss",
+        action="store_true",
+        help="every moec row with the LM-head loss on moec's own chunks (not quack's fused GEMMs)",
+    )
+    parser.add_argument(
         "--loss-chunks",
         type=int,
         nargs="+",
@@ -608,11 +614,21 @@ def main() -> None:
         help="after each moec row, one step with the CUDA allocator's history: DIR/<row>.pickle",
     )
     parser.add_argument("--json", help="write the results here")
+    return parser
+
+
+def main() -> None:
+    parser = arguments()
     args = parser.parse_args()
+    if args.memory_snapshot and not torch.cuda.is_available():
+        parser.error("--memory-snapshot records the CUDA allocator: it needs a GPU")
+    with cute_loss.chunked_loss() if args.no_fused_loss else contextlib.nullcontext():
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     s = SMALL if args.small else FULL
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if args.memory_snapshot and device.type != "cuda":
-        parser.error("--memory-snapshot records the CUDA allocator: it needs a GPU")
     torch.manual_seed(0)
     tokens = s["micro"] * s["seq"]
     cfg = TrainConfig(

@@ -20,6 +20,7 @@
 #   bash benchmarks/h200.sh e2e-fp8-loss     # #20's targets with it, its chunks beside, every baseline
 #   bash benchmarks/h200.sh wheels fa4-tests attn-bench   # FA4's attention beside SDPA's backends
 #   bash benchmarks/h200.sh wheels fa4-tests e2e-warm; bash benchmarks/h200.sh e2e-fa4  # #20 with FA4
+#   (E2E_ARGS: more e2e.py arguments, e.g. --no-fused-loss; BASELINE: compiled-bf16 on an H100)
 #   bash benchmarks/h200.sh act-tests glu lm-head-chunks  # GLU tiles and backward; LM-head chunks
 #   bash benchmarks/h200.sh e2e-fp8-chunks   # #20's targets, the LM head at 2^30 and 2^31 logits
 #   bash benchmarks/h200.sh gaps-fp8              # the FP8 step's device idle time, and the baseline's
@@ -173,8 +174,9 @@ for stage in "$@"; do
     kernels-fp8-all) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python -m benchmarks.profile_step --moec-only --rows 5 --kernels 5 --fp8 routed_experts shared_expert attn_qkv attn_out ;;
     fa4-tests) timeout $STAGE_LIMIT python -m pytest -q -rfE tests/gpu/test_flash_attention_gpu.py ;;
     attn-bench) timeout $STAGE_LIMIT python benchmarks/attention.py --json "$OUT/attention.json" ;;
-    e2e-warm) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --moec-only --fp8 --attention fa4 --steps 1 --warmup 1 --json "$OUT/e2e_warm.json" ;;
-    e2e-fa4) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 20 --warmup 4 --fp8 --attention fa4 --baselines compiled-fp32 --json "$OUT/e2e_fa4.json" ;;
+    e2e-warm) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --moec-only --fp8 --attention fa4 --steps 1 --warmup 1 ${E2E_ARGS:-} --json "$OUT/e2e_warm.json" ;;
+    e2e-fa4) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 20 --warmup 4 --fp8 --attention fa4 --baselines ${BASELINE:-compiled-fp32} ${E2E_ARGS:-} --json "$OUT/e2e_fa4.json" ;;
+    loss-crash) CUDA_LAUNCH_BLOCKING=1 MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/lm_head.py --chunks 30 ;;
     act-tests) timeout $STAGE_LIMIT python -m pytest -q -rfE tests/gpu/test_kernels_ops.py -k "activation or glu" ;;
     glu) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/glu.py --json "$OUT/glu.json" ;;
     lm-head-chunks) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/lm_head.py --chunks 30 31 32 --json "$OUT/lm_head_chunks.json" ;;
