@@ -58,7 +58,7 @@ Printed: steady-state step time, tokens/s, useful MFU
 model), peak memory and host syncs per step (CUDA sync debug mode over one step).
 
     python benchmarks/e2e.py [--steps 10] [--small] [--moec-only] [--inductor] [--cuda-graph]
-                             [--attention cudnn]
+                             [--attention cudnn] [--rows REGEX]
                              [--json out.json]
 
 The last column is each row's step time over moec's (moec's speedup over it).
@@ -438,6 +438,11 @@ def loss_chunk_bound(log2: int) -> Any:
         loss_op.CHUNK_ELEMENTS = original
 
 
+def wanted(args: argparse.Namespace, row: str) -> bool:
+    """Whether row ``row`` is measured (``--rows``: a regular expression the name matches)."""
+    return args.rows is None or re.search(args.rows, row) is not None
+
+
 def also_loss_variants(
     args: argparse.Namespace, name: str, step: Callable[[], Any], common: tuple, drops: Any
 ) -> list[dict]:
@@ -451,6 +456,8 @@ def also_loss_variants(
         variants.insert(0, (f"{name}, chunked loss", cute_loss.chunked_loss()))
     rows = []
     for row, context in variants:
+        if not wanted(args, row):
+            continue
         with context:
             rows.append(measure(row, step, *common, drops=drops))
     return rows
@@ -584,6 +591,12 @@ def arguments() -> argparse.ArgumentParser:
         "(where quack's fused loss GEMMs run)",
     )
     parser.add_argument(
+        "--rows",
+        metavar="REGEX",
+        help="measure only the rows whose name matches (the default plan is still built: "
+        "its cost model gives every row's useful FLOPs)",
+    )
+    parser.add_argument(
         "--no-fused-loss",
         action="store_true",
         help="every moec row with the LM-head loss on moec's own chunks (not quack's fused GEMMs)",
@@ -651,20 +664,26 @@ def run(args: argparse.Namespace) -> None:
     flops = trainer.train_flops_per_token * tokens
     common = (device, args.steps, args.warmup, flops, tokens)
     drops = functools.partial(drop_rate, trainer)
-    results = [measure("moec", trainer.train_step, *common, drops=drops)]
-    if args.memory_snapshot:
-        snapshot = snapshot_step(trainer.train_step, "moec", args.memory_snapshot)
-        results[0]["memory_snapshot"] = snapshot
-    results[0]["data_stalls"] = trainer.batches.stalls  # steps that waited for their batch
+    results = []
+    if wanted(args, "moec"):
+        results.append(measure("moec", trainer.train_step, *common, drops=drops))
+        if args.memory_snapshot:
+            snapshot = snapshot_step(trainer.train_step, "moec", args.memory_snapshot)
+            results[0]["memory_snapshot"] = snapshot
+        results[0]["data_stalls"] = trainer.batches.stalls  # steps that waited for their batch
     results += also_loss_variants(args, "moec", trainer.train_step, common, drops)
-    if device.type == "cuda" and gemm_backend.have_quack():  # the policy before the CuTe DSL
+    quack = device.type == "cuda" and gemm_backend.have_quack()
+    if quack and wanted(args, "moec without CuTe DSL"):  # the policy before the CuTe DSL
         with gemm_backend.without_quack():
             results.append(
                 measure("moec without CuTe DSL", trainer.train_step, *common, drops=drops)
             )
-        print(f"moec CuTe DSL policy: {results[-1]['step_s'] / results[0]['step_s']:.3f}x")
+        if results[0]["name"] == "moec":
+            print(f"moec CuTe DSL policy: {results[-1]['step_s'] / results[0]['step_s']:.3f}x")
     del trainer, drops
     for name, changes in plan_variants(args):
+        if not any(wanted(args, row) for row in (name, f"{name} without CuTe DSL")):
+            continue
         _release(device)
         torch.manual_seed(0)
         plan = moe_plan(s)
@@ -673,9 +692,10 @@ def run(args: argparse.Namespace) -> None:
                 setattr(getattr(plan, section), field, value)
         lowered = Trainer(dense_model(s), plan, cfg)
         lowered_drops = functools.partial(drop_rate, lowered)
-        results.append(measure(name, lowered.train_step, *common, drops=lowered_drops))
-        results[-1]["data_stalls"] = lowered.batches.stalls
-        if name in WITHOUT_QUACK_TOO and device.type == "cuda" and gemm_backend.have_quack():
+        if wanted(args, name):
+            results.append(measure(name, lowered.train_step, *common, drops=lowered_drops))
+            results[-1]["data_stalls"] = lowered.batches.stalls
+        if name in WITHOUT_QUACK_TOO and quack and wanted(args, f"{name} without CuTe DSL"):
             with gemm_backend.without_quack():
                 row = f"{name} without CuTe DSL"
                 results.append(measure(row, lowered.train_step, *common, drops=lowered_drops))
@@ -709,12 +729,14 @@ def run(args: argparse.Namespace) -> None:
     attentions = ["auto"] + ([args.attention] if args.attention else [])
     for key, attention in [(k, a) for k in ([] if args.moec_only else chosen) for a in attentions]:
         name, options = BASELINES[key]
+        label = name if attention == "auto" else f"{name}, {attention} attention"
+        if not wanted(args, label):
+            continue
         _release(device)
         torch.manual_seed(0)
         hand = EagerTrainer(
             hand_written(s, dense_model(s), attention), s, device, **options, attention=attention
         )
-        label = name if attention == "auto" else f"{name}, {attention} attention"
         results.append(measure(label, hand.train_step, *common))
         del hand
     for r in results:
