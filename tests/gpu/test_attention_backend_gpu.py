@@ -1,5 +1,7 @@
-"""GPU: ``plan.lowering.attention = "cudnn"`` (Hopper's FA3-class attention) gives the default
-attention's outputs and gradients (bf16 tolerance), and its step never syncs the host."""
+"""GPU: ``plan.lowering.attention = "cudnn"`` (Hopper's FA3-class attention) and ``"fa4"``
+(FlashAttention 4's kernels, where flash-attn-4 is installed) give the default attention's
+outputs and gradients (bf16 tolerance), run the kernels they name, and their steps never sync
+the host."""
 
 import copy
 
@@ -7,6 +9,7 @@ import pytest
 import torch
 
 import moec
+from moec.kernels import flash_attention as fa4
 from moec.models.llama import Llama, LlamaConfig
 from moec.runtime.metrics import run_without_host_sync
 from tests.models import tokens
@@ -35,21 +38,33 @@ def _attention_ops(step) -> set[str]:
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
-    return {e.name for e in prof.events() if "scaled_dot_product" in e.name}
+    return {e.name for e in prof.events() if "attention" in e.name}
 
 
-def test_cudnn_attention_equals_the_default():
+@pytest.mark.parametrize(
+    "backend, kernel",
+    [
+        ("cudnn", "cudnn"),
+        pytest.param(
+            "fa4",
+            "moec::flash_attention_backward",
+            marks=pytest.mark.skipif(not fa4.installed(), reason="needs flash-attn-4"),
+        ),
+    ],
+)
+def test_attention_backend_equals_the_default(backend, kernel):
     torch.manual_seed(0)
     config = LlamaConfig(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=512)
     model = Llama(config).cuda()  # head dim 64: in every backend's range
     x = tokens(batch=4, seq=256).cuda()
     default = moec.compile(copy.deepcopy(model), PLAN, (x,), verify=False)
-    cudnn = moec.compile(model, {**PLAN, "lowering": {"attention": "cudnn"}}, (x,), verify=False)
+    plan = {**PLAN, "lowering": {"attention": backend}}
+    chosen = moec.compile(model, plan, (x,), verify=False)
     want, want_grads = _step(default, x)
-    got, got_grads = _step(cudnn, x)
-    ran = _attention_ops(lambda: _step(cudnn, x))
-    assert any("cudnn" in name for name in ran), ran
+    got, got_grads = _step(chosen, x)
+    ran = _attention_ops(lambda: _step(chosen, x))
+    assert any(kernel in name for name in ran), ran
     torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
     for g, w in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(g, w, atol=3e-2, rtol=5e-2)
-    run_without_host_sync(lambda: _step(cudnn, x)[0], 1)
+    run_without_host_sync(lambda: _step(chosen, x)[0], 1)
