@@ -173,7 +173,7 @@ for stage in "$@"; do
     e2e-fp8-graph) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 10 --warmup 4 --fp8 --cuda-graph --baselines compiled-fp32 --json "$OUT/e2e_fp8_graph.json" ;;
     gaps-fp8) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python -m benchmarks.profile_step --baseline compiled-fp32 --fp8 dense_ffn --rows 5 --gaps 25 --steps 3 ;;
     kernels-fp8-all) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python -m benchmarks.profile_step --moec-only --rows 5 --kernels 5 --fp8 routed_experts shared_expert attn_qkv attn_out ;;
-    fa4-tests) timeout $STAGE_LIMIT python -m pytest -q -rfE tests/gpu/test_flash_attention_gpu.py ;;
+    fa4-tests) timeout $STAGE_LIMIT python -m pytest -q -rfE tests/gpu/test_flash_attention_gpu.py tests/gpu/test_attention_backend_gpu.py ;;
     attn-bench) timeout $STAGE_LIMIT python benchmarks/attention.py --json "$OUT/attention.json" ;;
     e2e-warm) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --moec-only --fp8 --attention fa4 --steps 1 --warmup 1 ${E2E_ARGS:-} --json "$OUT/e2e_warm.json" ;;
     e2e-fa4) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 20 --warmup 4 --fp8 --attention fa4 --baselines ${BASELINE:-compiled-fp32} ${E2E_ARGS:-} --json "$OUT/e2e_fa4.json" ;;
