@@ -66,6 +66,9 @@ def test_only_attention_fa4_takes_is_swapped():
     assert attention_kernels.SDPA in targets  # the masked one stays SDPA
     torch.testing.assert_close(swapped(q, k, v), _Masked()(q, k, v), atol=2e-2, rtol=2e-2)
     assert attention_kernels.with_fa4(exported, compute_half=False)[1] == 1  # bf16 inputs
+    fp32 = torch.export.export(_Masked(), tuple(t.float() for t in (q, k, v))).module()
+    with pytest.warns(UserWarning, match=r"none of the program's 2 attention calls fits"):
+        assert attention_kernels.with_fa4(fp32, compute_half=False) == (fp32, 0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

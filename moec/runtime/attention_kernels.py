@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -77,15 +78,19 @@ def _fits(node: fx.Node, compute_half: bool) -> dict[str, Any] | None:
 
 def with_fa4(graph: fx.GraphModule, compute_half: bool) -> tuple[fx.GraphModule, int]:
     """``graph`` with each SDPA call FA4 takes swapped for ``moec::flash_attention``, and how
-    many; ``graph`` itself where none is."""
-    calls = [
-        (node, fits)
-        for node in graph.graph.nodes
-        if node.op == "call_function" and node.target is SDPA
-        for fits in [_fits(node, compute_half)]
-        if fits is not None
-    ]
+    many; ``graph`` itself where none is (with a warning where the graph has attention that
+    all stays on SDPA)."""
+    sdpa = [n for n in graph.graph.nodes if n.op == "call_function" and n.target is SDPA]
+    calls = [(node, fits) for node in sdpa for fits in [_fits(node, compute_half)] if fits]
     if not calls:
+        if sdpa:
+            warnings.warn(
+                f"moec: plan.lowering.attention = fa4, but none of the program's {len(sdpa)} "
+                "attention calls fits FlashAttention 4 (it takes no mask or dropout, bf16 "
+                "compute (precision.compute_dtype) or half inputs, head dims multiples of 8 up "
+                "to 128, or 256); they run on torch's SDPA",
+                stacklevel=3,
+            )
         return graph, 0
     swapped = copy.deepcopy(graph.graph)
     nodes = {n.name: n for n in swapped.nodes}
