@@ -27,11 +27,13 @@ def _ops(step) -> set[str]:
     return {e.name for e in prof.events() if "attention" in e.name}
 
 
-def test_fa4_plan_runs_the_op_and_equals_sdpa():
+@pytest.mark.parametrize("recompute", ["none", "selective"])  # attention in recomputed blocks
+def test_fa4_plan_runs_the_op_and_equals_sdpa(recompute):
     model = Llama(LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128))
     x = tokens(batch=2, seq=32)
-    default = moec.compile(copy.deepcopy(model), PLAN, (x,))
-    fa4 = moec.compile(model, {**PLAN, "lowering": {"attention": "fa4"}}, (x,))
+    plan = {**PLAN, "recompute": {"policy": recompute}}
+    default = moec.compile(copy.deepcopy(model), plan, (x,))
+    fa4 = moec.compile(model, {**plan, "lowering": {"attention": "fa4"}}, (x,))
     ran = _ops(lambda: loss_and_grads(fa4, x))
     assert "moec::flash_attention" in ran and "moec::flash_attention_backward" in ran, ran
     assert not any("scaled_dot_product" in name for name in ran), ran
@@ -42,8 +44,10 @@ def test_fa4_plan_runs_the_op_and_equals_sdpa():
     got, got_grads = loss_and_grads(fa4, x)
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-2)
     assert_same_grads(got_grads, want_grads, atol=2e-3, rtol=5e-2)
-    graph = fa4.program.graph.graph  # the passes' program keeps SDPA
-    assert any(n.target is attention_kernels.SDPA for n in graph.nodes)
+    graphs = [m.graph for m in fa4.program.graph.modules() if isinstance(m, torch.fx.GraphModule)]
+    assert any(n.target is attention_kernels.SDPA for g in graphs for n in g.nodes)  # passes'
+    if recompute != "none":  # the attention ran inside the recomputed blocks' sub-graphs
+        assert not any(n.target is attention_kernels.SDPA for n in graphs[0].nodes)
 
 
 class _Masked(torch.nn.Module):

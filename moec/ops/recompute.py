@@ -61,10 +61,18 @@ GEMMS = (
         ),
     )
     | _overloads(
-        moec_ops, ("expert_mlp", "expert_mlp_gathered", "quantized_expert_mlp", "quantized_linear")
+        moec_ops,
+        (
+            "expert_mlp",
+            "expert_mlp_gathered",
+            "quantized_expert_mlp",
+            "quantized_linear",
+            "flash_attention",
+        ),
     )
 )
-"""GEMMs as the dispatcher sees them at run time (``linear``/``matmul`` decompose to these)."""
+"""GEMMs as the dispatcher sees them at run time (``linear``/``matmul`` decompose to these;
+``moec::flash_attention`` is attention where the lowering chose FA4)."""
 GRAPH_GEMMS = (
     frozenset({aten.linear.default, aten.matmul.default, aten.scaled_dot_product_attention.default})
     | GEMMS

@@ -77,34 +77,52 @@ def _fits(node: fx.Node, compute_half: bool) -> dict[str, Any] | None:
 
 
 def with_fa4(graph: fx.GraphModule, compute_half: bool) -> tuple[fx.GraphModule, int]:
-    """``graph`` with each SDPA call FA4 takes swapped for ``moec::flash_attention``, and how
-    many; ``graph`` itself where none is (with a warning where the graph has attention that
-    all stays on SDPA)."""
+    """``graph`` with each SDPA call FA4 takes swapped for ``moec::flash_attention``, in its own
+    graph and in the sub-graphs it calls (recomputed blocks), and how many; ``graph`` itself
+    where none is (with a warning where the graph has attention that all stays on SDPA)."""
+    swapped, count, total = _swapped(graph, compute_half)
+    if total and not count:
+        warnings.warn(
+            f"moec: plan.lowering.attention = fa4, but none of the program's {total} attention "
+            "calls fits FlashAttention 4 (it takes no mask or dropout, bf16 compute "
+            "(precision.compute_dtype) or half inputs, head dims multiples of 8 up to 128, or "
+            "256); they run on torch's SDPA",
+            stacklevel=3,
+        )
+    return swapped, count
+
+
+def _swapped(graph: fx.GraphModule, compute_half: bool) -> tuple[fx.GraphModule, int, int]:
+    """(``graph`` swapped, calls swapped, SDPA calls seen), sub-graphs included."""
+    children = {}
+    count = total = 0
+    for name, child in graph.named_children():
+        if isinstance(child, fx.GraphModule):
+            swapped_child, child_count, child_total = _swapped(child, compute_half)
+            count, total = count + child_count, total + child_total
+            if swapped_child is not child:
+                children[name] = swapped_child
     sdpa = [n for n in graph.graph.nodes if n.op == "call_function" and n.target is SDPA]
     calls = [(node, fits) for node in sdpa for fits in [_fits(node, compute_half)] if fits]
-    if not calls:
-        if sdpa:
-            warnings.warn(
-                f"moec: plan.lowering.attention = fa4, but none of the program's {len(sdpa)} "
-                "attention calls fits FlashAttention 4 (it takes no mask or dropout, bf16 "
-                "compute (precision.compute_dtype) or half inputs, head dims multiples of 8 up "
-                "to 128, or 256); they run on torch's SDPA",
-                stacklevel=3,
-            )
-        return graph, 0
-    swapped = copy.deepcopy(graph.graph)
-    nodes = {n.name: n for n in swapped.nodes}
+    total += len(sdpa)
+    if not calls and not children:
+        return graph, count, total
+    new_graph = copy.deepcopy(graph.graph)
+    nodes = {n.name: n for n in new_graph.nodes}
     for call, kwargs in calls:
         node = nodes[call.name]
         q, k, v = (nodes[kwargs[name].name] for name in ("query", "key", "value"))
-        with swapped.inserting_before(node):
-            attention = swapped.call_function(
+        with new_graph.inserting_before(node):
+            attention = new_graph.call_function(
                 torch.ops.moec.flash_attention.default,
                 (q, k, v, kwargs["is_causal"], float(kwargs["scale"])),
             )
-            out = swapped.call_function(operator.getitem, (attention, 0))
+            out = new_graph.call_function(operator.getitem, (attention, 0))
         out.meta = dict(node.meta)
         node.replace_all_uses_with(out)
-        swapped.erase_node(node)
-    swapped.lint()
-    return fx.GraphModule(graph, swapped), len(calls)
+        new_graph.erase_node(node)
+    new_graph.lint()
+    module = fx.GraphModule(graph, new_graph)
+    for name, child in children.items():
+        setattr(module, name, child)
+    return module, count + len(calls), total
