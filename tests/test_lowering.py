@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 from torch.nn.attention import SDPBackend
+from torch.profiler import ProfilerActivity, profile
 
 import moec
 from moec.runtime.lowering import InductorGraphs
@@ -35,15 +36,22 @@ def _step(model, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
 
 
 @pytest.mark.slow
-def test_inductor_program_equals_eager_forward_and_backward():
+@pytest.mark.parametrize("attention", ["auto", "fa4"])
+def test_inductor_program_equals_eager_forward_and_backward(attention):
     """bf16 compute over fp32 masters (the training setting; fp32 is tests/test_ops_compile.py's
-    torch.compile check), at the captured length and a new one."""
+    torch.compile check), at the captured length and a new one. ``fa4``: the lowered program's
+    attention is ``moec::flash_attention`` (its reference here), an opaque call to Inductor
+    with symbolic sequence lengths, against the eager program's SDPA."""
     precision, tol = {"precision": {"compute_dtype": "bf16"}}, 2e-2
-    eager, lowered = _pair({**PLAN, **precision}, {**INDUCTOR, **precision})
+    lowering = {"lowering": {"inductor": True, "attention": attention}}
+    eager, lowered = _pair({**PLAN, **precision}, {**PLAN, **precision, **lowering})
     for seq in (16, 24):  # the captured length, then a new one (one recompile, then symbolic)
         x = tokens(seq=seq)
         want, want_grads = _step(eager, x)
-        got, got_grads = _step(lowered, x)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            got, got_grads = _step(lowered, x)
+        ran = {e.name for e in prof.events()}
+        assert ("moec::flash_attention_backward" in ran) == (attention == "fa4")
         torch.testing.assert_close(got, want, atol=tol, rtol=tol)
         for g, w in zip(got_grads, want_grads, strict=True):
             torch.testing.assert_close(g, w, atol=tol, rtol=tol)
