@@ -298,22 +298,43 @@ def test_calibration_fits_synthetic_timings(tmp_path):
     assert calibrate(load_samples(path), gpu).gemm == pytest.approx(0.8)
 
 
+def _trace_op(name, ts, dur, ext, dims, concrete=None):
+    args = {"External id": ext, "Input Dims": dims}
+    if concrete is not None:
+        args["Concrete Inputs"] = concrete
+    return {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "pid": 1,
+            "tid": 1, "args": args}  # fmt: skip
+
+
+def _trace_kernel(ext, dur, ts, name="k"):
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,
+            "args": {"External id": ext}}  # fmt: skip
+
+
+def test_fa4_attention_in_a_trace_is_an_attention_sample():
+    """``moec::flash_attention`` (``lowering.attention: fa4``) and its backward, whose inputs
+    start with q, k, v: attention samples (backward twice the FLOPs; non-causal: whole)."""
+    q = [2, 4, 16, 8]
+    trace = {
+        "traceEvents": [
+            _trace_op("moec::flash_attention", 0, 10, 1, [q, q, q], ["", "", "", "False"]),
+            _trace_kernel(1, 10.0, 0),
+            _trace_op("moec::flash_attention_backward", 20, 20, 2, [q] * 6, [""] * 6 + ["True"]),
+            _trace_kernel(2, 20.0, 20),
+        ]
+    }
+    forward, backward = sorted(read_trace(trace).samples, key=lambda s: s.seconds)
+    assert forward.kind == backward.kind == "attention"
+    assert forward.flops == 4 * 2 * 4 * 16 * 16 * 8  # not causal
+    assert backward.flops == 2 * 4 * 2 * 4 * 16 * 16 * 8 / 2  # causal
+
+
 def test_samples_from_profiler_trace():
     """GEMM ops are samples with their largest dimension as rows; kernels under a grouped
     expert MLP (at any depth) count for it whole, as one GEMM of rows / experts rows; an
     attention backward counts twice its forward FLOPs (causal: half); the rest is other time,
     NCCL kernels are communication."""
-
-    def op(name, ts, dur, ext, dims, concrete=None):
-        args = {"External id": ext, "Input Dims": dims}
-        if concrete is not None:
-            args["Concrete Inputs"] = concrete
-        return {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "pid": 1,
-                "tid": 1, "args": args}  # fmt: skip
-
-    def kernel(ext, dur, ts, name="k"):
-        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,
-                "args": {"External id": ext}}  # fmt: skip
+    op, kernel = _trace_op, _trace_kernel
 
     trace = {
         "traceEvents": [

@@ -372,17 +372,20 @@ def load_samples(path: str | Path) -> list[OpSample]:
 
 _GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm"})
 _EXPERT_OPS = ("moec::expert_mlp", "moec::quantized_expert_mlp")
-_ATTENTION_CAUSAL_ARG = {
-    # op -> index of is_causal in its schema (query, key, value first; a backward's grad first)
-    "aten::scaled_dot_product_attention": 5,
-    "aten::_scaled_dot_product_flash_attention": 4,
-    "aten::_scaled_dot_product_efficient_attention": 6,
-    "aten::_scaled_dot_product_cudnn_attention": 6,
-    "aten::_scaled_dot_product_flash_attention_for_cpu": 4,
-    "aten::_scaled_dot_product_flash_attention_backward": 11,
-    "aten::_scaled_dot_product_efficient_attention_backward": 11,
-    "aten::_scaled_dot_product_cudnn_attention_backward": 14,
-    "aten::_scaled_dot_product_flash_attention_for_cpu_backward": 7,
+_ATTENTION_ARGS = {
+    # op -> (index of the query among its inputs, index of is_causal): query, key, value in
+    # order (after the output gradient in aten's backwards)
+    "aten::scaled_dot_product_attention": (0, 5),
+    "aten::_scaled_dot_product_flash_attention": (0, 4),
+    "aten::_scaled_dot_product_efficient_attention": (0, 6),
+    "aten::_scaled_dot_product_cudnn_attention": (0, 6),
+    "aten::_scaled_dot_product_flash_attention_for_cpu": (0, 4),
+    "aten::_scaled_dot_product_flash_attention_backward": (1, 11),
+    "aten::_scaled_dot_product_efficient_attention_backward": (1, 11),
+    "aten::_scaled_dot_product_cudnn_attention_backward": (1, 14),
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward": (1, 7),
+    "moec::flash_attention": (0, 3),  # lowering.attention fa4
+    "moec::flash_attention_backward": (0, 6),
 }
 _PRECISIONS = ("bf16", "fp8_rowwise", "mxfp8")
 
@@ -520,7 +523,7 @@ def _parents(ops: list[dict[str, Any]]) -> list[int | None]:
 
 
 def _is_compound(name: str) -> bool:
-    return name.startswith(_EXPERT_OPS) or name in _ATTENTION_CAUSAL_ARG
+    return name.startswith(_EXPERT_OPS) or name in _ATTENTION_ARGS
 
 
 def _classifier(i: int, ops: list[dict[str, Any]], parent: list[int | None]) -> int:
@@ -551,11 +554,11 @@ def _sample(e: dict[str, Any], seconds: float) -> OpSample | None:
         precision = next((c for c in concrete if c in _PRECISIONS), "bf16")
         rows = x[0] / max(w_up[0], 1)
         return OpSample("gemm", seconds, flops=flops, rows=rows, precision=precision)
-    if name in _ATTENTION_CAUSAL_ARG:
-        q, k = (dims[1], dims[2]) if backward else (dims[0], dims[1])
+    if name in _ATTENTION_ARGS:
+        first, arg = _ATTENTION_ARGS[name]
+        q, k = (dims[first], dims[first + 1]) if len(dims) > first + 1 else ([], [])
         if len(q) < 3 or len(k) < 3:
             return None
-        arg = _ATTENTION_CAUSAL_ARG[name]
         causal = len(concrete) <= arg or concrete[arg] != "False"  # unrecorded: causal (LMs)
         flops = 4.0 * math.prod(q[:-1]) * k[-2] * q[-1] / (2 if causal else 1)
         return OpSample("attention", seconds, flops=flops * (2 if backward else 1))
