@@ -165,13 +165,16 @@ def test_working_copies_gradients_leave_the_compiled_backward_uncast(recompute):
         torch.testing.assert_close(g, w, atol=2e-2, rtol=2e-2)
 
 
-def test_a_users_torch_compile_leaves_the_working_copies_outside_too():
+@pytest.mark.parametrize("attention", ["auto", "fa4"])
+def test_a_users_torch_compile_leaves_the_working_copies_outside_too(attention):
     """``torch.compile(compiled_model)``, the user's own, over an eager program (lowering off):
     the working copies are made outside the traced graph as under ``lowering.inductor``, so
-    its backward returns bf16 gradients to the masters uncast, equal to the eager program's."""
+    its backward returns bf16 gradients to the masters uncast, equal to the eager program's.
+    With ``fa4`` the traced graph holds the attention kernels chosen for the device too."""
     backwards: list[torch.fx.GraphModule] = []
     precision = {"precision": {"compute_dtype": "bf16"}}
-    eager, users = _pair({**PLAN, **precision}, {**PLAN, **precision})
+    lowering = {"lowering": {"attention": attention}}
+    eager, users = _pair({**PLAN, **precision}, {**PLAN, **precision, **lowering})
     assert not users.plan.lowers_to_inductor("cpu")
     compiled = torch.compile(users, backend=_backward_keeping_backend(backwards))
     x = tokens()
@@ -181,6 +184,8 @@ def test_a_users_torch_compile_leaves_the_working_copies_outside_too():
     got.float().square().mean().backward()
     assert backwards
     _assert_gradients_uncast(backwards, users)
+    swapped = any("moec.flash_attention" in str(n.target) for g in backwards for n in g.graph.nodes)
+    assert swapped == (attention == "fa4")
     torch.testing.assert_close(got.detach(), want, atol=2e-2, rtol=2e-2)
     for p, w in zip(users.parameters(), want_grads, strict=True):
         torch.testing.assert_close(p.grad, w, atol=2e-2, rtol=2e-2)

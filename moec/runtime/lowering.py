@@ -65,9 +65,9 @@ class InductorGraphs:
         self._attention: dict[int, tuple[fx.GraphModule, fx.GraphModule]] = {}
 
     def __call__(self, graph: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
-        graph = self.with_attention_kernels(graph, inputs)
         if torch.compiler.is_compiling():  # a user's torch.compile traces the model's forward
             return functools.partial(_with_lifted_copies, self, graph)
+        graph = self.with_attention_kernels(graph, inputs)
         if not self.plan.lowers_to_inductor(device_type(inputs)):
             return graph
         compiled = self.compiled(graph)
@@ -112,9 +112,12 @@ class InductorGraphs:
         return held[1], held[2]
 
     @torch._dynamo.disable
-    def lifted_with_copies(self, graph: fx.GraphModule) -> tuple[fx.GraphModule, list[Any]]:
-        """``graph``'s lifted form and its working copies, made outside any traced graph."""
-        inner, copies = self.lifted(graph)
+    def lifted_with_copies(
+        self, graph: fx.GraphModule, inputs: Sequence[Any]
+    ) -> tuple[fx.GraphModule, list[Any]]:
+        """``graph``'s lifted form (with the attention kernels chosen for ``inputs``' device)
+        and its working copies, made outside any traced graph."""
+        inner, copies = self.lifted(self.with_attention_kernels(graph, inputs))
         return inner, _working_copies(graph, copies)
 
     def _or_eager(self, graph: fx.GraphModule, compiled: Callable[..., Any], *args: Any) -> Any:
@@ -186,7 +189,7 @@ def _with_copies(
 def _with_lifted_copies(graphs: InductorGraphs, graph: fx.GraphModule, *args: Any) -> Any:
     """``graph`` on ``args`` as its lifted form, traced by a user's ``torch.compile``, and the
     working copies that :meth:`InductorGraphs.lifted_with_copies` makes outside the trace."""
-    inner, made = graphs.lifted_with_copies(graph)
+    inner, made = graphs.lifted_with_copies(graph, args)
     return inner(*args, *made)
 
 
