@@ -74,3 +74,17 @@ def test_fa4_says_why_it_does_not_run_on_cpu_tensors():
     reason = fa4.why_not(q, k, v, True)
     assert reason is not None and not fa4.takes(q, k, v, True)
     assert "not installed" in reason or "CUDA" in reason
+
+
+def test_fa4_shape_rules_name_what_they_refuse():
+    q, kv = (2, 8, 64, 128), (2, 2, 64, 128)
+    assert fa4.shapes_why_not(q, kv, kv, causal=True, major=None) is None
+    four = (2, 4, 64, 128)
+    assert "not a multiple" in fa4.shapes_why_not((2, 6, 64, 128), four, four, True, 9)
+    assert "causal" in fa4.shapes_why_not(q, (2, 2, 32, 128), (2, 2, 32, 128), True, 9)
+    wide, wide_kv = (2, 8, 64, 160), (2, 2, 64, 160)  # Hopper's FA4 takes head dim 160
+    assert fa4.shapes_why_not(wide, wide_kv, wide_kv, True, major=9) is None
+    for major in (10, None):  # Blackwell's does not, so neither does "either chip"
+        assert "head dims" in fa4.shapes_why_not(wide, wide_kv, wide_kv, True, major)
+    odd, odd_kv = (2, 8, 64, 100), (2, 2, 64, 100)  # not a multiple of 8
+    assert "head dims" in fa4.shapes_why_not(odd, odd_kv, odd_kv, False, 9)

@@ -16,13 +16,16 @@ CuTe DSL's JIT), then cached in the process.
 (Hopper) or 10.x (Blackwell: the production target, FA4's first), bf16 or fp16 of one dtype
 and device, head dims FA4 takes on that chip, query heads a multiple of key heads, and under a
 causal mask as many queries as keys (FA4 aligns the mask to the last key, SDPA to the first:
-they agree only there). :func:`why_not` names the first condition that fails.
+they agree only there). :func:`why_not` names the first condition that fails;
+:func:`device_why_not` and :func:`shapes_why_not` are its halves, for a caller that knows the
+device and the shapes apart (the lowering decides from a graph's shapes).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -53,29 +56,55 @@ def _head_dims_taken(major: int, head_dim: int, head_dim_v: int, alignment: int)
     return (8 <= head_dim <= 128 and 8 <= head_dim_v <= 128) or head_dim == head_dim_v == 256
 
 
-def why_not(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> str | None:
-    """Why FA4 does not take this attention (None: it does)."""
+def device_why_not(device: torch.device) -> str | None:
+    """Why FA4 does not run on ``device`` (None: it does)."""
     if not installed():
         return "flash-attn-4 (flash_attn.cute) is not installed"
-    if not (q.is_cuda and k.device == q.device and v.device == q.device):
-        return f"q/k/v on {q.device}, {k.device}, {v.device}: FA4 runs on one CUDA device"
-    major, _ = _capability(q.device.index if q.device.index is not None else 0)
+    if device.type != "cuda":
+        return f"{device}: FA4 runs on a CUDA device"
+    major, _ = _capability(device.index if device.index is not None else 0)
     if major not in (9, 10):
         return f"compute capability {major}.x: FA4 runs here on 9.x (Hopper) and 10.x (Blackwell)"
+    return None
+
+
+def shapes_why_not(
+    q: Sequence[int],
+    k: Sequence[int],
+    v: Sequence[int],
+    causal: bool,
+    major: int | None,
+    element_size: int = 2,
+) -> str | None:
+    """Why FA4 does not take q/k/v of these (B, H, S, D) shapes (None: it does) on a chip of
+    compute capability ``major``.x (None: either chip's, so both take them)."""
+    if len(q) != 4 or len(k) != 4 or len(v) != 4:
+        return f"q/k/v of {len(q)}, {len(k)}, {len(v)} dims: expected (B, H, S, D) each"
+    batch, heads, queries, head_dim = q
+    if tuple(k[:3]) != tuple(v[:3]) or k[-1] != head_dim or k[0] != batch:
+        return f"k {tuple(k)} and v {tuple(v)} do not fit q {tuple(q)}"
+    if heads % k[1]:
+        return f"{heads} query heads over {k[1]} key heads: not a multiple"
+    if causal and queries != k[2]:
+        return f"causal with {queries} queries over {k[2]} keys (masks differ from SDPA's)"
+    chips = (9, 10) if major is None else (major,)
+    alignment = 16 // element_size
+    if not all(_head_dims_taken(chip, head_dim, v[-1], alignment) for chip in chips):
+        return f"head dims {head_dim}/{v[-1]} are not FA4's on compute capability {major}.x"
+    return None
+
+
+def why_not(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> str | None:
+    """Why FA4 does not take this attention (None: it does)."""
+    if not (k.device == q.device and v.device == q.device):
+        return f"q/k/v on {q.device}, {k.device}, {v.device}: FA4 runs on one device"
+    why = device_why_not(q.device)
+    if why is not None:
+        return why
     if q.dtype not in HALF_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"dtypes {q.dtype}, {k.dtype}, {v.dtype}: FA4 takes one of bf16 or fp16"
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        return f"q/k/v of {q.dim()}, {k.dim()}, {v.dim()} dims: expected (B, H, S, D) each"
-    batch, heads, queries, head_dim = q.shape
-    if k.shape[:3] != v.shape[:3] or k.shape[-1] != head_dim or k.shape[0] != batch:
-        return f"k {tuple(k.shape)} and v {tuple(v.shape)} do not fit q {tuple(q.shape)}"
-    if heads % k.shape[1]:
-        return f"{heads} query heads over {k.shape[1]} key heads: not a multiple"
-    if causal and queries != k.shape[2]:
-        return f"causal with {queries} queries over {k.shape[2]} keys (masks differ from SDPA's)"
-    if not _head_dims_taken(major, head_dim, v.shape[-1], 16 // q.element_size()):
-        return f"head dims {head_dim}/{v.shape[-1]} are not FA4's on compute capability {major}.x"
-    return None
+    major, _ = _capability(q.device.index if q.device.index is not None else 0)
+    return shapes_why_not(q.shape, k.shape, v.shape, causal, major, q.element_size())
 
 
 def takes(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> bool:
@@ -83,7 +112,8 @@ def takes(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> bool:
     return why_not(q, k, v, causal) is None
 
 
-def _fa4_layout(t: Tensor) -> Tensor:
+def _swap_heads_and_tokens(t: Tensor) -> Tensor:
+    """(B, H, S, D) <-> (B, S, H, D), as views: SDPA's layout and FA4's."""
     return t.transpose(1, 2)
 
 
@@ -92,14 +122,14 @@ def forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tupl
     from flash_attn.cute.interface import _flash_attn_fwd
 
     out, lse, *_ = _flash_attn_fwd(
-        _fa4_layout(q),
-        _fa4_layout(k),
-        _fa4_layout(v),
+        _swap_heads_and_tokens(q),
+        _swap_heads_and_tokens(k),
+        _swap_heads_and_tokens(v),
         softmax_scale=scale,
         causal=causal,
         return_lse=True,
     )
-    return out.transpose(1, 2), lse
+    return _swap_heads_and_tokens(out), lse
 
 
 def backward(
@@ -116,13 +146,13 @@ def backward(
     from flash_attn.cute.interface import _flash_attn_bwd
 
     d_q, d_k, d_v = _flash_attn_bwd(
-        _fa4_layout(q),
-        _fa4_layout(k),
-        _fa4_layout(v),
-        _fa4_layout(out),
-        _fa4_layout(d_out.to(out.dtype)),
+        _swap_heads_and_tokens(q),
+        _swap_heads_and_tokens(k),
+        _swap_heads_and_tokens(v),
+        _swap_heads_and_tokens(out),
+        _swap_heads_and_tokens(d_out.to(out.dtype)),
         lse,
         scale,
         causal,
     )
-    return d_q.transpose(1, 2), d_k.transpose(1, 2), d_v.transpose(1, 2)
+    return _swap_heads_and_tokens(d_q), _swap_heads_and_tokens(d_k), _swap_heads_and_tokens(d_v)

@@ -31,79 +31,90 @@ if TYPE_CHECKING:
     from moec.plan import Plan
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
-HALF = (torch.bfloat16, torch.float16)
+
+
+def _device(inputs: Sequence[Any]) -> torch.device | None:
+    return next((t.device for t in inputs if isinstance(t, torch.Tensor)), None)
 
 
 def wants_fa4(plan: Plan, inputs: Sequence[Any]) -> bool:
-    """Whether ``plan``'s program, run on ``inputs``' device, swaps its attention to FA4;
-    raises where the plan asks for ``fa4`` on a CUDA device that FA4 does not run on."""
-    if plan.lowering.attention != "fa4":
+    """Whether ``plan``'s program, run on ``inputs``' device, swaps its attention to FA4 (on
+    the CPU too, where the op runs its reference: tests); raises where the plan asks for
+    ``fa4`` on a CUDA device that FA4 does not run on."""
+    device = _device(inputs)
+    if plan.lowering.attention != "fa4" or device is None:
         return False
-    device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), None)
-    if device is None or device.type != "cuda":
-        return device is not None and device.type == "cpu"  # the reference: tests
-    probe = torch.empty(1, 1, 1, 128, dtype=torch.bfloat16, device=device)
-    why = fa4.why_not(probe, probe, probe, causal=True)
+    if device.type != "cuda":
+        return device.type == "cpu"
+    why = fa4.device_why_not(device)
     if why is not None:
         raise PlanError("lowering.attention", "fa4", f"a device where FA4 runs ({why})")
     return True
 
 
-def _fits(node: fx.Node, compute_half: bool) -> dict[str, Any] | None:
-    """The SDPA call's arguments when FA4 takes it (else None)."""
+def chip(inputs: Sequence[Any]) -> int | None:
+    """The compute capability major of ``inputs``' CUDA device (None off CUDA)."""
+    device = _device(inputs)
+    return torch.cuda.get_device_capability(device)[0] if device and device.type == "cuda" else None
+
+
+def _fits(node: fx.Node, compute_half: bool, major: int | None) -> dict[str, Any] | None:
+    """The SDPA call's arguments when FA4 takes it on a chip of compute capability ``major``.x
+    (None: on either chip), else None."""
     root = node.graph.owning_module
     arguments = node.normalized_arguments(root, normalize_to_only_use_kwargs=True)
     if arguments is None:
         return None
     kwargs = arguments.kwargs
     q, k, v = (kwargs[name].meta.get("val") for name in ("query", "key", "value"))
-    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return None
     if kwargs.get("attn_mask") is not None or kwargs.get("dropout_p", 0.0) != 0.0:
         return None
-    if not (compute_half or q.dtype in HALF):
+    if not (compute_half or q.dtype in fa4.HALF_DTYPES):
         return None
-    heads, kv_heads = q.shape[1], k.shape[1]
-    if heads != kv_heads and not (kwargs.get("enable_gqa", False) and heads % kv_heads == 0):
-        return None
+    if q.dim() == k.dim() == 4 and q.shape[1] != k.shape[1] and not kwargs.get("enable_gqa"):
+        return None  # SDPA itself refuses unequal heads without enable_gqa
     causal = bool(kwargs.get("is_causal", False))
-    if causal and q.shape[2] != k.shape[2]:
+    if fa4.shapes_why_not(q.shape, k.shape, v.shape, causal, major) is not None:
         return None
-    dims = (q.shape[-1], v.shape[-1])
-    if any(d % 8 or not 8 <= d <= 128 for d in dims) and dims != (256, 256):
-        return None  # FA4's head dims on both chips (sm90 takes more: not relied on)
     scale = kwargs.get("scale")
     return {**kwargs, "is_causal": causal, "scale": q.shape[-1] ** -0.5 if scale is None else scale}
 
 
-def with_fa4(graph: fx.GraphModule, compute_half: bool) -> tuple[fx.GraphModule, int]:
-    """``graph`` with each SDPA call FA4 takes swapped for ``moec::flash_attention``, in its own
-    graph and in the sub-graphs it calls (recomputed blocks), and how many; ``graph`` itself
-    where none is (with a warning where the graph has attention that all stays on SDPA)."""
-    swapped, count, total = _swapped(graph, compute_half)
+def with_fa4(
+    graph: fx.GraphModule, compute_half: bool, major: int | None = None
+) -> tuple[fx.GraphModule, int]:
+    """``graph`` with each SDPA call FA4 takes (on a chip of compute capability ``major``.x;
+    None: either) swapped for ``moec::flash_attention``, in its own graph and in the sub-graphs
+    it calls (recomputed blocks), and how many; ``graph`` itself where none is (with a warning
+    where the graph has attention that all stays on SDPA)."""
+    swapped, count, total = _swapped(graph, compute_half, major)
     if total and not count:
         warnings.warn(
             f"moec: plan.lowering.attention = fa4, but none of the program's {total} attention "
             "calls fits FlashAttention 4 (it takes no mask or dropout, bf16 compute "
-            "(precision.compute_dtype) or half inputs, head dims multiples of 8 up to 128, or "
-            "256); they run on torch's SDPA",
+            "(precision.compute_dtype) or half inputs, and the head dims of "
+            "moec.kernels.flash_attention.shapes_why_not); they run on torch's SDPA",
             stacklevel=3,
         )
     return swapped, count
 
 
-def _swapped(graph: fx.GraphModule, compute_half: bool) -> tuple[fx.GraphModule, int, int]:
+def _swapped(
+    graph: fx.GraphModule, compute_half: bool, major: int | None
+) -> tuple[fx.GraphModule, int, int]:
     """(``graph`` swapped, calls swapped, SDPA calls seen), sub-graphs included."""
     children = {}
     count = total = 0
     for name, child in graph.named_children():
         if isinstance(child, fx.GraphModule):
-            swapped_child, child_count, child_total = _swapped(child, compute_half)
+            swapped_child, child_count, child_total = _swapped(child, compute_half, major)
             count, total = count + child_count, total + child_total
             if swapped_child is not child:
                 children[name] = swapped_child
     sdpa = [n for n in graph.graph.nodes if n.op == "call_function" and n.target is SDPA]
-    calls = [(node, fits) for node in sdpa for fits in [_fits(node, compute_half)] if fits]
+    calls = [(n, fits) for n in sdpa for fits in [_fits(n, compute_half, major)] if fits]
     total += len(sdpa)
     if not calls and not children:
         return graph, count, total

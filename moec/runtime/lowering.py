@@ -98,7 +98,7 @@ class InductorGraphs:
             chosen = graph
             if attention_kernels.wants_fa4(self.plan, inputs):
                 half = self.plan.precision.compute_dtype == "bf16"
-                chosen = attention_kernels.with_fa4(graph, compute_half=half)[0]
+                chosen = attention_kernels.with_fa4(graph, half, attention_kernels.chip(inputs))[0]
             held = (graph, chosen)
             self._attention[id(graph)] = held
         return held[1]
