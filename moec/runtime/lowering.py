@@ -35,7 +35,7 @@ import copy
 import functools
 import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch._functorch.config
@@ -60,8 +60,9 @@ class InductorGraphs:
         self.plan = plan
         self.backend = backend
         """``torch.compile``'s backend (tests pass one that fails)."""
+        # what is made once per graph object (:func:`_per_graph`), by graph id
         self._compiled: dict[int, tuple[fx.GraphModule, Callable[..., Any]]] = {}
-        self._lifted: dict[int, tuple[fx.GraphModule, fx.GraphModule, list[WorkingCopy]]] = {}
+        self._lifted: dict[int, tuple[fx.GraphModule, Lifted]] = {}
         self._attention: dict[int, tuple[fx.GraphModule, fx.GraphModule]] = {}
 
     def __call__(self, graph: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -78,38 +79,31 @@ class InductorGraphs:
     def compiled(self, graph: fx.GraphModule) -> Callable[..., Any]:
         """``graph``'s Inductor-compiled form (the graph itself once compiling it failed), its
         working copies made outside it (see the module)."""
-        held = self._compiled.get(id(graph))
-        if held is None or held[0] is not graph:
+
+        def compile_graph() -> Callable[..., Any]:
             inner, copies = self.lifted(graph)
             compiled = torch.compile(inner, backend=self.backend, dynamic=None)
-            if copies:
-                compiled = functools.partial(_with_copies, graph, copies, compiled)
-            held = (graph, compiled)
-            self._compiled[id(graph)] = held
-        return held[1]
+            return functools.partial(_with_copies, graph, copies, compiled) if copies else compiled
+
+        return _per_graph(self._compiled, graph, compile_graph)
 
     def with_attention_kernels(
         self, graph: fx.GraphModule, inputs: Sequence[Any]
     ) -> fx.GraphModule:
         """``graph`` with its attention on the kernels the plan chose for the inputs' device
         (``graph`` itself where that is torch's SDPA), made once per graph object."""
-        held = self._attention.get(id(graph))
-        if held is None or held[0] is not graph:
-            chosen = graph
-            if attention_kernels.wants_fa4(self.plan, inputs):
-                half = self.plan.precision.compute_dtype == "bf16"
-                chosen = attention_kernels.with_fa4(graph, half, attention_kernels.chip(inputs))[0]
-            held = (graph, chosen)
-            self._attention[id(graph)] = held
-        return held[1]
 
-    def lifted(self, graph: fx.GraphModule) -> tuple[fx.GraphModule, list[WorkingCopy]]:
+        def choose() -> fx.GraphModule:
+            if not attention_kernels.wants_fa4(self.plan, inputs):
+                return graph
+            half = self.plan.precision.compute_dtype == "bf16"
+            return attention_kernels.with_fa4(graph, half, attention_kernels.chip(inputs))[0]
+
+        return _per_graph(self._attention, graph, choose)
+
+    def lifted(self, graph: fx.GraphModule) -> Lifted:
         """:func:`lift_working_copies` of ``graph``, made once per graph object."""
-        held = self._lifted.get(id(graph))
-        if held is None or held[0] is not graph:
-            held = (graph, *lift_working_copies(graph))
-            self._lifted[id(graph)] = held
-        return held[1], held[2]
+        return _per_graph(self._lifted, graph, lambda: lift_working_copies(graph))
 
     @torch._dynamo.disable
     def lifted_with_copies(
@@ -144,9 +138,23 @@ class InductorGraphs:
 
 WorkingCopy = tuple[str, tuple[str, ...]]
 """A lifted ``working_copy`` call: the buffer's target and its parameters' targets."""
+Lifted = tuple[fx.GraphModule, list[WorkingCopy]]
+"""A graph with its working copies lifted out, and what those copies were."""
+T = TypeVar("T")
 
 
-def lift_working_copies(graph: fx.GraphModule) -> tuple[fx.GraphModule, list[WorkingCopy]]:
+def _per_graph(
+    cache: dict[int, tuple[fx.GraphModule, T]], graph: fx.GraphModule, make: Callable[[], T]
+) -> T:
+    """``make()``, once per graph object (keyed by id; another object at a reused id is made
+    anew)."""
+    held = cache.get(id(graph))
+    if held is None or held[0] is not graph:
+        held = cache[id(graph)] = (graph, make())
+    return held[1]
+
+
+def lift_working_copies(graph: fx.GraphModule) -> Lifted:
     """``graph`` with each top-level ``working_copy`` call replaced by an input after its own
     (in graph order), and what those calls were. A graph without one is returned as it is."""
     calls = [n for n in graph.graph.nodes if n.op == "call_function" and n.target is working_copy]
