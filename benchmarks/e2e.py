@@ -423,8 +423,8 @@ BASELINES: dict[str, tuple[str, dict[str, bool]]] = {
 N_MAJOR = "moec, n-major experts"
 WITHOUT_QUACK_TOO = {N_MAJOR}  # variants also measured under the policy without the CuTe DSL
 FP8_DENSE = "moec, fp8 rowwise dense FFNs"
-LOSS_VARIANTS_TOO = {"moec", FP8_DENSE}  # rows --chunked-loss and --loss-chunks run again
-LOSS_VARIANTS_TOO |= {f"{FP8_DENSE} + fa4 attention"}
+LOSS_VARIANTS_TOO = {"moec", FP8_DENSE, f"{FP8_DENSE} + fa4 attention"}
+"""The rows --chunked-loss and --loss-chunks run again."""
 
 
 @contextlib.contextmanager
