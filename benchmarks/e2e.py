@@ -27,10 +27,12 @@ wide (24576: the width that gives the report's 2.01B total / 0.995B active param
             on a second CUDA stream, beside the routed experts)
   --no-inductor  moec again with ``plan.lowering.inductor: false`` (on CUDA the default plan
             runs the program through Inductor; this row runs its dense ops eagerly)
-  --attention B  moec again with ``plan.lowering.attention = B`` (cudnn: Hopper's FA3-class
-            kernel; fa4: FlashAttention 4's CuTe DSL kernels); the hand-written baselines then
-            run with torch's choice and again with B (fa4: their attention calls it); with
-            --fp8, the FP8 dense FFNs' plan with B too
+  --attention B  moec again with ``plan.lowering.attention = B`` (sdpa: torch's order, what
+            ``auto`` runs where FA4 does not; cudnn: Hopper's FA3-class kernel; fa4:
+            FlashAttention 4's CuTe DSL kernels, what ``auto`` runs on Hopper where
+            flash-attn-4 is installed); the hand-written baselines then run with torch's choice
+            and again with B (fa4: their attention calls it; not again for sdpa); with --fp8,
+            the FP8 dense FFNs' plan with B too
   --gather-up  moec again with ``plan.lowering.gather_up`` (each dispatch folded into its
             experts' up projection: no dispatched buffer where the CuTe DSL runs it)
   --combine-in-experts  moec again with ``plan.lowering.combine_in_experts`` (and gather_up,
@@ -581,7 +583,7 @@ def arguments() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--attention",
-        choices=["fa4", "cudnn", "flash", "efficient", "math"],
+        choices=["sdpa", "fa4", "cudnn", "flash", "efficient", "math"],
         help="also moec with plan.lowering.attention (the attention backend tried first)",
     )
     parser.add_argument(
@@ -726,7 +728,7 @@ def run(args: argparse.Namespace) -> None:
     ]
     # a careful user picks the same attention: with --attention B each baseline runs with
     # torch's choice (the issue's baseline) and with B
-    attentions = ["auto"] + ([args.attention] if args.attention else [])
+    attentions = ["auto"] + ([args.attention] if args.attention not in (None, "sdpa") else [])
     for key, attention in [(k, a) for k in ([] if args.moec_only else chosen) for a in attentions]:
         name, options = BASELINES[key]
         label = name if attention == "auto" else f"{name}, {attention} attention"

@@ -20,7 +20,8 @@
 #   bash benchmarks/h200.sh e2e-fp8-loss     # #20's targets with it, its chunks beside, every baseline
 #   bash benchmarks/h200.sh wheels fa4-tests attn-bench   # FA4's attention beside SDPA's backends
 #   bash benchmarks/h200.sh wheels fa4-tests e2e-warm; bash benchmarks/h200.sh e2e-fa4  # #20 with FA4
-#   bash benchmarks/h200.sh wheels e2e-fa4-lean  # the same, on a cold machine: the FP8 rows, baselines
+#   bash benchmarks/h200.sh wheels e2e-fa4-lean  # the same, on a cold machine: FP8 rows (auto: FA4;
+#                                               # sdpa), the baseline
 #   (E2E_ARGS: more e2e.py arguments, e.g. --no-fused-loss; BASELINE: compiled-bf16 on an H100)
 #   bash benchmarks/h200.sh act-tests glu lm-head-chunks  # GLU tiles and backward; LM-head chunks
 #   bash benchmarks/h200.sh e2e-fp8-chunks   # #20's targets, the LM head at 2^30 and 2^31 logits
@@ -175,9 +176,9 @@ for stage in "$@"; do
     kernels-fp8-all) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python -m benchmarks.profile_step --moec-only --rows 5 --kernels 5 --fp8 routed_experts shared_expert attn_qkv attn_out ;;
     fa4-tests) timeout $STAGE_LIMIT python -m pytest -q -rfE tests/gpu/test_flash_attention_gpu.py tests/gpu/test_attention_backend_gpu.py ;;
     attn-bench) timeout $STAGE_LIMIT python benchmarks/attention.py --json "$OUT/attention.json" ;;
-    e2e-warm) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --moec-only --fp8 --attention fa4 --steps 1 --warmup 1 ${E2E_ARGS:-} --json "$OUT/e2e_warm.json" ;;
-    e2e-fa4) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 20 --warmup 4 --fp8 --attention fa4 --baselines ${BASELINE:-compiled-fp32} ${E2E_ARGS:-} --json "$OUT/e2e_fa4.json" ;;
-    e2e-fa4-lean) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 12 --warmup 4 --fp8 --attention fa4 --baselines ${BASELINE:-compiled-fp32} --rows "fp8 rowwise dense FFNs($| \+ fa4)|compiled" ${E2E_ARGS:-} --json "$OUT/e2e_fa4_lean.json" ;;
+    e2e-warm) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --moec-only --fp8 --rows "fp8 rowwise dense FFNs$" --steps 1 --warmup 1 ${E2E_ARGS:-} --json "$OUT/e2e_warm.json" ;;
+    e2e-fa4) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 20 --warmup 4 --fp8 --attention sdpa --baselines ${BASELINE:-compiled-fp32} ${E2E_ARGS:-} --json "$OUT/e2e_fa4.json" ;;
+    e2e-fa4-lean) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 12 --warmup 4 --fp8 --attention sdpa --baselines ${BASELINE:-compiled-fp32} --rows "fp8 rowwise dense FFNs($| \+ sdpa)|compiled" ${E2E_ARGS:-} --json "$OUT/e2e_fa4_lean.json" ;;
     loss-crash) CUDA_LAUNCH_BLOCKING=1 MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/lm_head.py --chunks 30 ;;
     act-tests) timeout $STAGE_LIMIT python -m pytest -q -rfE tests/gpu/test_kernels_ops.py -k "activation or glu" ;;
     glu) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/glu.py --json "$OUT/glu.json" ;;

@@ -49,7 +49,7 @@ GemmPrecision = Literal["bf16", "mxfp8", "fp8_rowwise"]
 GemmScope = Literal["routed_experts", "shared_expert", "attn_qkv", "attn_out", "dense_ffn"]
 RecomputePolicy = Literal["none", "block", "selective", "budget"]
 FFNDropout = Literal["error", "drop"]
-Attention = Literal["auto", "fa4", "cudnn", "flash", "efficient", "math"]
+Attention = Literal["auto", "sdpa", "fa4", "cudnn", "flash", "efficient", "math"]
 
 
 @dataclass
@@ -287,14 +287,16 @@ class LoweringPlan:
     compile runs eagerly, with a warning; ``true`` raises the error.
     :meth:`Plan.lowers_to_inductor` decides."""
     attention: Attention = "auto"
-    """The backend ``scaled_dot_product_attention`` tries first: ``auto`` keeps torch's order;
-    ``cudnn`` / ``flash`` / ``efficient`` / ``math`` go first, then the others (an attention
-    the first backend does not take falls to the next). The choice is made in the
-    forward and the backward follows it. On Hopper, cuDNN's attention is the FA3-class kernel;
-    ``auto`` until it measures faster (benchmarks/e2e.py --attention cudnn). ``fa4``: each
-    attention FlashAttention 4 takes (no mask or dropout, bf16 compute) runs on its CuTe DSL
-    kernels (package flash-attn-4; Hopper and Blackwell), the rest in torch's order
-    (:mod:`moec.runtime.attention_kernels`; refused on a GPU FA4 does not run on)."""
+    """Which kernels run ``scaled_dot_product_attention``. ``fa4``: each attention
+    FlashAttention 4 takes (no mask or dropout, bf16 compute) runs on its CuTe DSL kernels
+    (package flash-attn-4, in ``moec[cutlass]``; Hopper and Blackwell), the rest on torch's
+    SDPA (:mod:`moec.runtime.attention_kernels`; refused on a GPU FA4 does not run on).
+    ``sdpa``: torch's SDPA in torch's order (cuDNN's FA3-class kernel first on Hopper).
+    ``cudnn`` / ``flash`` / ``efficient`` / ``math``: that SDPA backend first, then the others
+    (an attention the first does not take falls to the next); the choice is made in the
+    forward and the backward follows it. ``auto`` (the default): ``fa4`` where it measured
+    faster than torch's order in the training step, i.e. on Hopper with flash-attn-4 installed
+    (benchmarks/RESULTS.md), else ``sdpa``."""
     cuda_graph: bool = False
     """Capture the steady-state training step (forward, backward, clipping, AdamW) as one CUDA
     graph and replay it (:mod:`moec.runtime.step_graph`): the host launches one graph instead of

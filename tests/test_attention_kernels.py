@@ -4,9 +4,11 @@
 passes still see SDPA."""
 
 import copy
+import warnings
 
 import pytest
 import torch
+from torch._subclasses import FakeTensorMode
 from torch.profiler import ProfilerActivity, profile
 
 import moec
@@ -73,6 +75,30 @@ def test_only_attention_fa4_takes_is_swapped():
     fp32 = torch.export.export(_Masked(), tuple(t.float() for t in (q, k, v))).module()
     with pytest.warns(UserWarning, match=r"none of the program's 2 attention calls fits"):
         assert attention_kernels.with_fa4(fp32, compute_half=False) == (fp32, 0)
+
+
+@pytest.mark.parametrize(
+    "major, fa4_runs, want", [(9, True, True), (10, True, False), (9, False, False)]
+)
+def test_auto_runs_fa4_on_hopper_where_it_is_installed(monkeypatch, major, fa4_runs, want):
+    with FakeTensorMode():  # a CUDA tensor's device, on a machine without one
+        x = torch.empty(2, 4, dtype=torch.long, device="cuda")
+    why = None if fa4_runs else "flash-attn-4 (flash_attn.cute) is not installed"
+    monkeypatch.setattr(attention_kernels.fa4, "device_why_not", lambda device: why)
+    monkeypatch.setattr(attention_kernels, "chip", lambda inputs: major)
+    assert attention_kernels.wants_fa4(Plan.from_dict({}), [x]) is want  # auto, the default
+    sdpa = Plan.from_dict({"lowering": {"attention": "sdpa"}})
+    assert not attention_kernels.wants_fa4(sdpa, [x])
+    # on the CPU auto keeps SDPA (fa4 runs the op's reference there: tests ask for it)
+    assert not attention_kernels.wants_fa4(Plan.from_dict({}), [torch.zeros(2, 4)])
+
+
+def test_auto_leaves_unfit_attention_on_sdpa_without_a_warning():
+    q, k, v = (torch.randn(1, 2, 16, 32) for _ in range(3))
+    fp32 = torch.export.export(_Masked(), (q, k, v)).module()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert attention_kernels.with_fa4(fp32, compute_half=False, asked=False) == (fp32, 0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

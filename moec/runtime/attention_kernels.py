@@ -3,10 +3,11 @@
 The passes, the cost model and the plan search see ``scaled_dot_product_attention`` whatever
 runs it. When a program first runs, each of its SDPA calls that FlashAttention 4 takes (no mask,
 no dropout, half-precision compute, head dims FA4 runs on the chip) becomes
-``moec::flash_attention`` (and a read of its output), where the plan asks for ``fa4``; the
-others stay SDPA and run on torch's backends in the plan's order
-(:func:`moec.runtime.autocast.attention_preference`). A plan asking for ``fa4`` on a CUDA device
-FA4 does not run on is refused, naming why; on the CPU (tests) the op runs its reference.
+``moec::flash_attention`` (and a read of its output), where the plan asks for ``fa4``, or for
+``auto`` on a chip of :data:`AUTO_CHIPS` with flash-attn-4 installed; the others stay SDPA and
+run on torch's backends in the plan's order (:func:`moec.runtime.autocast.attention_preference`).
+A plan asking for ``fa4`` on a CUDA device FA4 does not run on is refused, naming why; on the
+CPU (tests) the op runs its reference, and ``auto`` keeps SDPA.
 
 The swap makes a new graph module over the same parameters and buffers; the original graph is
 left as it is (a checkpoint, an export or another device sees SDPA).
@@ -32,17 +33,26 @@ if TYPE_CHECKING:
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
+AUTO_CHIPS = (9,)
+"""Compute capability majors where ``auto`` runs FA4: Hopper, where it measured faster than
+cuDNN's attention in the training step. Blackwell (10) is FA4's own target, but unmeasured here:
+there ``fa4`` asks for it."""
+
 
 def _device(inputs: Sequence[Any]) -> torch.device | None:
     return next((t.device for t in inputs if isinstance(t, torch.Tensor)), None)
 
 
 def wants_fa4(plan: Plan, inputs: Sequence[Any]) -> bool:
-    """Whether ``plan``'s program, run on ``inputs``' device, swaps its attention to FA4 (on
-    the CPU too, where the op runs its reference: tests); raises where the plan asks for
-    ``fa4`` on a CUDA device that FA4 does not run on."""
+    """Whether ``plan``'s program, run on ``inputs``' device, swaps its attention to FA4:
+    under ``auto`` on a CUDA chip of :data:`AUTO_CHIPS` where FA4 runs; under ``fa4`` on a CUDA
+    device or the CPU (where the op runs its reference: tests), raising where the CUDA device is
+    one FA4 does not run on."""
     device = _device(inputs)
-    if plan.lowering.attention != "fa4" or device is None:
+    chosen = plan.lowering.attention
+    if chosen == "auto" and device is not None and device.type == "cuda":
+        return fa4.device_why_not(device) is None and chip(inputs) in AUTO_CHIPS
+    if chosen != "fa4" or device is None:
         return False
     if device.type != "cuda":
         return device.type == "cpu"
@@ -83,14 +93,14 @@ def _fits(node: fx.Node, compute_half: bool, major: int | None) -> dict[str, Any
 
 
 def with_fa4(
-    graph: fx.GraphModule, compute_half: bool, major: int | None = None
+    graph: fx.GraphModule, compute_half: bool, major: int | None = None, asked: bool = True
 ) -> tuple[fx.GraphModule, int]:
     """``graph`` with each SDPA call FA4 takes (on a chip of compute capability ``major``.x;
     None: either) swapped for ``moec::flash_attention``, in its own graph and in the sub-graphs
-    it calls (recomputed blocks), and how many; ``graph`` itself where none is (with a warning
-    where the graph has attention that all stays on SDPA)."""
+    it calls (recomputed blocks), and how many; ``graph`` itself where none is (with a warning,
+    where the plan ``asked`` for FA4, if the graph has attention that all stays on SDPA)."""
     swapped, count, total = _swapped(graph, compute_half, major)
-    if total and not count:
+    if asked and total and not count:
         warnings.warn(
             f"moec: plan.lowering.attention = fa4, but none of the program's {total} attention "
             "calls fits FlashAttention 4 (it takes no mask or dropout, bf16 compute "

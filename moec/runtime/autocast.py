@@ -44,9 +44,9 @@ def compute_autocast(plan: Plan, inputs: list[Any]) -> contextlib.AbstractContex
 
 def attention_preference(chosen: str) -> contextlib.AbstractContextManager:
     """The attention backend ``chosen`` (a ``plan.lowering.attention`` value) first, then the
-    others in :data:`ATTENTION_BACKENDS`' order (``auto``, and ``fa4``, whose attention FA4 does
-    not take: torch's own order)."""
-    if chosen in ("auto", "fa4"):
+    others in :data:`ATTENTION_BACKENDS`' order (``sdpa``, and the attention ``auto`` and ``fa4``
+    leave on SDPA: torch's own order)."""
+    if chosen in ("auto", "sdpa", "fa4"):
         return contextlib.nullcontext()
     if not _ORDERS_BACKENDS:
         raise PlanError(

@@ -97,7 +97,9 @@ class InductorGraphs:
             if not attention_kernels.wants_fa4(self.plan, inputs):
                 return graph
             half = self.plan.precision.compute_dtype == "bf16"
-            return attention_kernels.with_fa4(graph, half, attention_kernels.chip(inputs))[0]
+            asked = self.plan.lowering.attention == "fa4"
+            major = attention_kernels.chip(inputs)
+            return attention_kernels.with_fa4(graph, half, major, asked)[0]
 
         return _per_graph(self._attention, graph, choose)
 

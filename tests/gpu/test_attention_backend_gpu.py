@@ -1,7 +1,7 @@
-"""GPU: ``plan.lowering.attention = "cudnn"`` (Hopper's FA3-class attention) and ``"fa4"``
-(FlashAttention 4's kernels, where flash-attn-4 is installed) give the default attention's
-outputs and gradients (bf16 tolerance), run the kernels they name, and their steps never sync
-the host."""
+"""GPU: ``plan.lowering.attention = "cudnn"`` (Hopper's FA3-class attention), ``"fa4"``
+(FlashAttention 4's kernels, where flash-attn-4 is installed) and ``"auto"`` (FA4 on Hopper where
+it is installed, else torch's order) give torch's SDPA's outputs and gradients (bf16 tolerance),
+run the kernels they name, and their steps never sync the host."""
 
 import copy
 
@@ -11,6 +11,7 @@ import torch
 import moec
 from moec.kernels import flash_attention as fa4
 from moec.models.llama import Llama, LlamaConfig
+from moec.runtime.attention_kernels import AUTO_CHIPS
 from moec.runtime.metrics import run_without_host_sync
 from tests.models import tokens
 
@@ -41,6 +42,12 @@ def _attention_ops(step) -> set[str]:
     return {e.name for e in prof.events() if "attention" in e.name}
 
 
+def _auto_runs_fa4() -> bool:
+    """Whether ``auto`` runs FA4 on this GPU: a chip of AUTO_CHIPS where FA4 runs."""
+    hopper = torch.cuda.get_device_capability()[0] in AUTO_CHIPS
+    return hopper and fa4.device_why_not(torch.device("cuda")) is None
+
+
 @pytest.mark.parametrize(
     "backend, kernel",
     [
@@ -50,6 +57,7 @@ def _attention_ops(step) -> set[str]:
             "moec::flash_attention_backward",
             marks=pytest.mark.skipif(not fa4.installed(), reason="needs flash-attn-4"),
         ),
+        ("auto", None),
     ],
 )
 def test_attention_backend_equals_the_default(backend, kernel):
@@ -57,13 +65,17 @@ def test_attention_backend_equals_the_default(backend, kernel):
     config = LlamaConfig(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=512)
     model = Llama(config).cuda()  # head dim 64: in every backend's range
     x = tokens(batch=4, seq=256).cuda()
-    default = moec.compile(copy.deepcopy(model), PLAN, (x,), verify=False)
+    sdpa = {**PLAN, "lowering": {"attention": "sdpa"}}
+    default = moec.compile(copy.deepcopy(model), sdpa, (x,), verify=False)
     plan = {**PLAN, "lowering": {"attention": backend}}
     chosen = moec.compile(model, plan, (x,), verify=False)
     want, want_grads = _step(default, x)
     got, got_grads = _step(chosen, x)
     ran = _attention_ops(lambda: _step(chosen, x))
-    assert any(kernel in name for name in ran), ran
+    if kernel is None:  # auto
+        assert any("moec::flash_attention" in name for name in ran) == _auto_runs_fa4(), ran
+    else:
+        assert any(kernel in name for name in ran), ran
     torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
     for g, w in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(g, w, atol=3e-2, rtol=5e-2)
