@@ -145,14 +145,21 @@ def backward(
     """(d_q, d_k, d_v) of :func:`forward` for the output gradient ``d_out``."""
     from flash_attn.cute.interface import _flash_attn_bwd
 
-    d_q, d_k, d_v = _flash_attn_bwd(
-        _swap_heads_and_tokens(q),
-        _swap_heads_and_tokens(k),
-        _swap_heads_and_tokens(v),
+    q, k, v = (_swap_heads_and_tokens(t) for t in (q, k, v))
+    # the gradients in (B, S, H, D) storage whatever the inputs' strides (FA4 would make each
+    # like its input): the strides the op's fake promises
+    d_q, d_k, d_v = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    _flash_attn_bwd(
+        q,
+        k,
+        v,
         _swap_heads_and_tokens(out),
         _swap_heads_and_tokens(d_out.to(out.dtype)),
         lse,
         scale,
         causal,
+        dq=d_q,
+        dk=d_k,
+        dv=d_v,
     )
     return _swap_heads_and_tokens(d_q), _swap_heads_and_tokens(d_k), _swap_heads_and_tokens(d_v)

@@ -1,6 +1,7 @@
 """GPU: ``moec::flash_attention`` on FlashAttention 4 equals the op's reference (outputs, the
 softmax statistics and the gradients at bf16 tolerance), with grouped key heads and ragged
-lengths, in the layout the reference writes, and a forward + backward never syncs the host."""
+lengths, in the layout the reference (and the op's fake) writes whatever the inputs' strides,
+and a forward + backward never syncs the host."""
 
 import pytest
 import torch
@@ -22,22 +23,30 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def _qkv(batch, heads, kv_heads, seq, dim, dtype=torch.bfloat16):
-    """q/k/v as a model makes them: (B, S, H, D) storage seen as (B, H, S, D)."""
+def _qkv(batch, heads, kv_heads, seq, dim, dtype=torch.bfloat16, heads_major=False):
+    """q/k/v as a model makes them: (B, S, H, D) storage seen as (B, H, S, D); with
+    ``heads_major``, contiguous (B, H, S, D) (e.g. keys repeated for grouped heads)."""
 
     def make(h: int) -> torch.Tensor:
+        if heads_major:
+            return torch.randn(batch, h, seq, dim, device="cuda", dtype=dtype)
         return torch.randn(batch, seq, h, dim, device="cuda", dtype=dtype).transpose(1, 2)
 
     return make(heads), make(kv_heads), make(kv_heads)
 
 
 @pytest.mark.parametrize(
-    "batch, heads, kv_heads, seq, dim, causal",
-    [(2, 4, 4, 1000, 128, True), (1, 8, 2, 777, 64, True), (3, 2, 1, 513, 128, False)],
+    "batch, heads, kv_heads, seq, dim, causal, heads_major",
+    [
+        (2, 4, 4, 1000, 128, True, False),
+        (1, 8, 2, 777, 64, True, False),
+        (3, 2, 1, 513, 128, False, False),
+        (4, 4, 4, 256, 64, True, True),
+    ],
 )
-def test_fa4_equals_the_reference(batch, heads, kv_heads, seq, dim, causal):
+def test_fa4_equals_the_reference(batch, heads, kv_heads, seq, dim, causal, heads_major):
     assert register_kernels()
-    q, k, v = _qkv(batch, heads, kv_heads, seq, dim)
+    q, k, v = _qkv(batch, heads, kv_heads, seq, dim, heads_major=heads_major)
     assert fa4.takes(q, k, v, causal), fa4.why_not(q, k, v, causal)
     scale = dim**-0.5 * 1.3
     out, lse = torch.ops.moec.flash_attention(q, k, v, causal, scale)
