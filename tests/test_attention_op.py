@@ -3,6 +3,8 @@ statistics, grouped key heads, the (B, S, H, D)-backed layout, autocast, and a c
 shapes that do not fit."""
 
 import random
+import sys
+import types
 
 import pytest
 import torch
@@ -61,6 +63,31 @@ def test_gradients_are_stored_tokens_major_as_fa4_writes_them(kv_heads):
     for got, t in zip(torch.ops.moec.flash_attention_backward(*args), (q, k, v), strict=True):
         b, h, s, d = t.shape
         assert got.stride() == t.new_empty(b, s, h, d).transpose(1, 2).stride()  # FA4's layout
+
+
+def test_fa4_backward_writes_tokens_major_gradients_for_heads_major_inputs(monkeypatch):
+    """FA4 allocates each gradient like its input unless handed one; the wrapper hands it
+    (B, S, H, D) buffers, the strides the op's fake promises, also for contiguous (B, H, S, D)
+    inputs (keys repeated for grouped heads). FA4 itself is stood in for: this runs on the CPU."""
+
+    def fa4_backward(q, k, v, out, d_out, lse, scale, causal, dq=None, dk=None, dv=None):
+        dq, dk, dv = (  # as FA4 does where none is handed: like the input, its strides too
+            torch.empty_like(t) if given is None else given
+            for t, given in ((q, dq), (k, dk), (v, dv))
+        )
+        for grad in (dq, dk, dv):
+            grad.normal_()
+        return dq, dk, dv
+
+    interface = types.ModuleType("flash_attn.cute.interface")
+    interface._flash_attn_bwd = fa4_backward
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
+    q, k, v = (torch.randn(2, h, 9, 8, dtype=torch.bfloat16) for h in (4, 4, 4))  # (B, H, S, D)
+    out, lse = torch.ops.moec.flash_attention(q, k, v, True, 0.3)
+    args = (q, k, v, out, lse, torch.randn_like(out), True, 0.3)
+    reference = torch.ops.moec.flash_attention_backward(*args)  # the fake's strides
+    for got, want in zip(fa4.backward(*args), reference, strict=True):
+        assert got.shape == want.shape and got.stride() == want.stride()
 
 
 def test_shapes_that_do_not_fit_are_named():
