@@ -10,8 +10,9 @@ FA4 reads and writes (B, S, H, D). A model that builds q/k/v as (B, S, H, D) and
 them for attention (Llama does) hands over views FA4 reads in place; ``out`` is a (B, S, H, D)
 buffer seen as (B, H, S, D), so the model's transpose back is a view again. Other layouts are
 copied by FA4 as it needs them. The gradients are (B, S, H, D) buffers too, whatever the
-inputs' layout (FA4 would make each like its input; the op's fake promises one layout). Its kernels are compiled on first use per shape class (the
-CuTe DSL's JIT), then cached in the process.
+inputs' layout (FA4 would make each like its input; the op's fake promises one layout). Its
+kernels are compiled on first use per shape class (the CuTe DSL's JIT), then cached in the
+process.
 
 :func:`takes` says where it runs: FA4 importable, a CUDA device of compute capability 9.x
 (Hopper) or 10.x (Blackwell: the production target, FA4's first), bf16 or fp16 of one dtype
