@@ -62,6 +62,16 @@ def wants_fa4(plan: Plan, inputs: Sequence[Any]) -> bool:
     return True
 
 
+def for_plan(graph: fx.GraphModule, plan: Plan, inputs: Sequence[Any]) -> fx.GraphModule:
+    """``graph`` with its attention on the kernels ``plan`` chose for ``inputs``' device:
+    :func:`with_fa4` where :func:`wants_fa4`, else ``graph`` itself."""
+    if not wants_fa4(plan, inputs):
+        return graph
+    half = plan.precision.compute_dtype == "bf16"
+    asked = plan.lowering.attention == "fa4"
+    return with_fa4(graph, half, chip(inputs), asked)[0]
+
+
 def chip(inputs: Sequence[Any]) -> int | None:
     """The compute capability major of ``inputs``' CUDA device (None off CUDA)."""
     device = _device(inputs)

@@ -92,15 +92,7 @@ class InductorGraphs:
     ) -> fx.GraphModule:
         """``graph`` with its attention on the kernels the plan chose for the inputs' device
         (``graph`` itself where that is torch's SDPA), made once per graph object."""
-
-        def choose() -> fx.GraphModule:
-            if not attention_kernels.wants_fa4(self.plan, inputs):
-                return graph
-            half = self.plan.precision.compute_dtype == "bf16"
-            asked = self.plan.lowering.attention == "fa4"
-            major = attention_kernels.chip(inputs)
-            return attention_kernels.with_fa4(graph, half, major, asked)[0]
-
+        choose = functools.partial(attention_kernels.for_plan, graph, self.plan, inputs)
         return _per_graph(self._attention, graph, choose)
 
     def lifted(self, graph: fx.GraphModule) -> Lifted:
