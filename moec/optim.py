@@ -112,6 +112,9 @@ def adamw_reference_(
 
 
 class AdamW(torch.optim.AdamW):
+    writes_working_weights = True
+    """Its update writes the working copies (``WorkingWeights`` need not refresh them)."""
+
     def __init__(
         self,
         params: Iterable[Any],
@@ -132,6 +135,8 @@ class AdamW(torch.optim.AdamW):
             )
         super().__init__(params, lr, betas, eps, weight_decay, foreach=foreach)
         self.working_weights = working_weights
+        if working_weights is not None:  # its update reads a working weight's bf16 gradient
+            working_weights.keep_gradients(p for g in self.param_groups for p in g["params"])
         self.device_step = device_step
         self.lr_on_device = lr_on_device
         self._device_lrs: dict[int, Tensor] = {}

@@ -25,6 +25,9 @@ def _pair(plan: dict, lowered_plan: dict, seed: int = 0):
     x = tokens()
     eager = moec.compile(copy.deepcopy(model), plan, (x,), verify=False)
     lowered = moec.compile(model, lowered_plan, (x,), verify=False)
+    for compiled in (eager, lowered):  # bf16 gradients, as moec.optim.AdamW takes them
+        if compiled.working_weights is not None:
+            compiled.working_weights.keep_gradients(compiled.parameters())
     return eager, lowered
 
 

@@ -33,6 +33,7 @@ def _pair():
     torch.manual_seed(0)
     model = LanguageModelWithLoss(tiny_llama(2))
     with_copies = moec.compile(copy.deepcopy(model), PLAN, args)
+    with_copies.working_weights.keep_gradients(with_copies.parameters())  # as moec's AdamW does
     without = compile_without(model, args, PLAN, "working_weights")
     return with_copies, without, args
 
