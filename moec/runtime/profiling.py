@@ -229,11 +229,26 @@ def _moec_op_name(node: fx.Node) -> str | None:
     return None
 
 
+def _moec_packet_name(node: fx.Node) -> str | None:
+    """The name of the ``moec::`` op ``node`` calls through its packet (see ``instrument``)."""
+    target = node.target
+    if node.op == "call_function" and isinstance(target, torch._ops.OpOverloadPacket):
+        if target._qualified_op_name.startswith("moec::"):
+            return target._qualified_op_name
+    return None
+
+
 def instrument(gm: fx.GraphModule, blocks: list[str], nvtx: bool) -> fx.GraphModule:
     """A copy of ``gm`` (sharing its parameters, buffers and sub-graphs) with block ranges around
-    each run of a block's nodes and, with ``nvtx``, an NVTX range around each ``moec::`` op."""
+    each run of a block's nodes and, with ``nvtx``, an NVTX range around each ``moec::`` op.
+    Its ``moec::`` ops are called through their op packets: from torch 2.14 a Python custom op
+    called through its ``OpOverload`` takes a dispatch handle that records no profiler event
+    (the packet's call does), so the trace would lose their forward ranges."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
+    for node in graph.nodes:
+        if _moec_op_name(node) is not None:
+            node.target = node.target.overloadpacket
     for path, nodes in _runs(graph, set(blocks)):
         member = set(nodes)
         inputs = list(
@@ -267,7 +282,7 @@ def instrument(gm: fx.GraphModule, blocks: list[str], nvtx: bool) -> fx.GraphMod
                 user.replace_input_with(value, after)
     if nvtx:
         for node in list(graph.nodes):
-            name = _moec_op_name(node)
+            name = _moec_packet_name(node)
             if name is None:
                 continue
             with graph.inserting_before(node):
