@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from moec.analysis.cost import graph_cost
 from moec.analysis.rank_memory import GIB, format_rank_memory, rank_memory
-from moec.compiler import compile
+from moec.compiler import compile, holds_storage, meta_program
 from moec.corpus import TokenCorpus, parse_spec
 from moec.data import Batches, Prefetcher, TextBatches
 from moec.errors import MoecError
@@ -151,15 +151,22 @@ class Trainer:
                 "note: --z-loss reads the LM head's logits, which moec::linear_cross_entropy "
                 "does not return: the head runs unfused (loss.fused has no effect)"
             )
+        wrapped = LanguageModelWithLoss(model, cfg.z_loss)
+        check = self._check_memory if self._memory_limit() is not None else None
+        if check is not None and holds_storage(wrapped):
+            # predicted on shapes before the model moves to the device (compile would check
+            # after that, before its passes allocate)
+            check(meta_program(wrapped, plan, example, {}, training=model.training, mesh=self.mesh))
+            check = None
         self.compiled = compile(
-            LanguageModelWithLoss(model if cfg.init_from else model.to(self.device), cfg.z_loss),
+            wrapped if cfg.init_from else wrapped.to(self.device),
             plan,
             example,
             mesh=self.mesh,
             # the wrapper holds the checkpoint's model at "model."
             init_from=dense and SubmoduleSource(dense, "model."),
             init_device=self.device,
-            check=self._check_memory,
+            check=check,
         )
         self.reducer = (
             GradientReducer(self.compiled, self.mesh, bucket_bytes_for(plan, self.device.type))
@@ -232,17 +239,22 @@ class Trainer:
         self._data = source
         self.batches = Prefetcher(source, self.device, self.cfg.prefetch)
 
-    def _check_memory(self, program: Program) -> None:
-        """Refuse the plan when its predicted per-rank memory exceeds the limit (see
-        ``TrainConfig.memory_limit_gib``)."""
+    def _memory_limit(self) -> int | None:
+        """The bytes a rank may use (``TrainConfig.memory_limit_gib``, else the GPU's memory);
+        None where nothing limits it (the CPU without a limit)."""
         limit = self.cfg.memory_limit_gib
-        if limit is None and self.device.type != "cuda":
+        if limit is not None:
+            return round(limit * GIB)
+        if self.device.type == "cuda":
+            return torch.cuda.get_device_properties(self.device).total_memory
+        return None
+
+    def _check_memory(self, program: Program) -> None:
+        """Refuse the plan when its predicted per-rank memory exceeds :meth:`_memory_limit`
+        (``program`` may be on the meta device: only shapes and dtypes are read)."""
+        limit_bytes = self._memory_limit()
+        if limit_bytes is None:
             return
-        limit_bytes = (
-            torch.cuda.get_device_properties(self.device).total_memory
-            if limit is None
-            else round(limit * GIB)
-        )
         micro = self.plan.parallel.microbatches
         memory = rank_memory(program, micro, self.cfg.batch_size // micro, self.cfg.seq_len)
         if memory.total > limit_bytes:
