@@ -52,7 +52,7 @@ from moec.analysis.cost import graph_cost
 from moec.analysis.rank_memory import GIB, format_rank_memory, rank_memory
 from moec.compiler import compile, holds_storage, meta_program
 from moec.corpus import TokenCorpus, parse_spec
-from moec.data import Batches, Prefetcher, TextBatches
+from moec.data import Batches, DataError, Prefetcher, TextBatches
 from moec.errors import MoecError
 from moec.kernels import arch
 from moec.optim import AdamW, SpikeDetector
@@ -529,10 +529,15 @@ class Trainer:
             with log_path.open("a" if resume_from is not None else "w") as log:
                 loop.run(log, progress, written)
         except MoecError as exc:
+            error = (
+                self._keep_steps_before(exc, loop.start_step) if isinstance(exc, DataError) else exc
+            )
             if writer:  # the run's results survive its error
-                summary = loop.summary(error=str(exc))
+                summary = loop.summary(error=str(error))
                 (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
-            raise
+            if error is exc:
+                raise
+            raise error from exc
         finally:
             self.batches.close()
         summary = loop.summary()
@@ -545,6 +550,29 @@ class Trainer:
 
             written += write_plots(self.out, history, self.compiled.routing_stats())
         return TrainResult(loop.losses, summary, self.compiled, self.out, written)
+
+    def _keep_steps_before(self, exc: DataError, start: int) -> DataError:
+        """``exc`` (raised when step ``self.step`` read its batch, so every step before it is
+        done) saying what was kept: those steps committed as a checkpoint, for a ``--resume``
+        once the data is fixed, unless ``checkpoint_every`` is 0, this call trained no step
+        since ``start`` or the run is a job (the other ranks wait in the step's collectives,
+        so no checkpoint can be written)."""
+        step = self.step
+        saved = next((c for c in self.store.committed() if c.step == step), None)
+        kept = "no step was trained in this call"
+        if saved is None and step > start:
+            if not self.cfg.checkpoint_every:
+                kept = f"no checkpoint was written ({flag_of('checkpoint_every')} = 0)"
+            elif self.mesh is not None:
+                kept = "no checkpoint was written (the job's other ranks wait in the step)"
+            else:
+                try:
+                    saved = self.store.commit(step, self._write_checkpoint)
+                except CheckpointWriteError as write_error:
+                    kept = f"its steps could not be saved ({write_error})"
+        if saved is not None:
+            kept = f"its {step} steps are in {saved.path}: fix the data, then --resume"
+        return type(exc)(f"{exc}. The run stopped at step {step}; {kept}")
 
     def _recorded_summary(self) -> dict[str, Any]:
         path = self.out / "summary.json"
