@@ -54,6 +54,7 @@ from moec.compiler import compile, holds_storage, meta_program
 from moec.corpus import TokenCorpus, parse_spec
 from moec.data import Batches, DataError, Prefetcher, TextBatches
 from moec.errors import MoecError
+from moec.folders import writable_folder
 from moec.kernels import arch
 from moec.optim import AdamW, SpikeDetector
 from moec.plan import Plan, PlanError
@@ -108,8 +109,7 @@ class Trainer:
         self.mesh = join_job(plan)
         self.rank = dist.get_rank() if self.mesh else 0
         self.device = resolve_device(cfg.device)
-        self.out = Path(cfg.out)
-        self.out.mkdir(parents=True, exist_ok=True)
+        self.out = writable_folder(cfg.out, flag_of("out"))
         vocab = model_vocab(model)
         micro = plan.parallel.microbatches
         self.dp = plan.parallel.dp  # data-parallel ranks (pp is 1 here)
