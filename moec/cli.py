@@ -30,6 +30,7 @@ from rich.table import Table
 from moec.autoplan.cli import add_plan_auto_parser
 from moec.errors import MoecError, one_line
 from moec.export.cli import add_export_parser
+from moec.folders import writable_folder
 from moec.models.zoo import SHORT_NAMES, load_model
 from moec.passes.manager import pipeline_string, select
 from moec.plan import Plan
@@ -196,6 +197,8 @@ def cmd_debug(args: argparse.Namespace) -> int:
     if args.out is None and not args.print_after_all:
         print("moec debug: error: give --out DIR or --print-after-all", file=sys.stderr)
         return 2
+    if args.out is not None and not args.print_after_all:
+        writable_folder(args.out, "--out")
     plan = _load_plan(args.plan)
     model, inputs, kwargs = load_model(args.model)
     if not args.no_loss:

@@ -8,6 +8,13 @@ program (example inputs given) or a function that builds it on the first call (w
 ``init_from``, a program materialized from a dense checkpoint); the runtime
 (:mod:`moec.runtime`) only ever receives programs and imports no pass.
 
+Checks before allocation: ``check(program)`` (a memory check, say) sees the program built on
+the meta device (:func:`meta_program`: the model's parameters and buffers, and the inputs, as
+meta tensors of the same shapes and dtypes), so a plan it refuses has allocated nothing the
+passes would make (routed experts, working copies) and no parameter of the program; only a
+check that passes lets the real build (or, for a model on the meta device, the
+materialization) run.
+
 Mode: the model is captured in train mode, so its dropouts are in the graph and the runtime can
 switch them off for ``eval()``; a model holding batch norm (running statistics have no switch)
 is captured in the mode it is in.
@@ -16,10 +23,13 @@ is captured in the mode it is in.
 from __future__ import annotations
 
 import contextlib
+import copy
+import itertools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from moec.frontend import capture
@@ -63,7 +73,8 @@ def compile(
     ``moec.compile(meta_model, plan, example, init_from="llama-1b/")``; to train from scratch,
     ``init_from=moec.runtime.materialize.FreshInit(seed=0)`` draws each dense tensor by its
     module's initializer, the same at every layout. ``check(program)``
-    runs on the final program before it is materialized (see :func:`build_program`).
+    runs on the final program built on the meta device, before anything of the program is
+    allocated (see the module and :func:`build_program`); an error it raises stops the compile.
     """
     plan = Plan.from_dict(plan) if isinstance(plan, dict) else plan or Plan()
     names = select(plan, passes, disable)
@@ -116,8 +127,53 @@ def build_program(
 ) -> Program:
     """Capture ``model(*args, **kwargs)`` and run the passes ``names`` (default: the plan's
     pipeline) over it; ``training`` is the mode the program will first run in.
-    ``check(program)`` runs after the passes (e.g. a memory check that refuses a plan before
-    anything is allocated: :func:`compile` materializes an ``init_from`` program after it)."""
+    ``check(program)`` (e.g. a memory check) runs on the program built on the meta device,
+    before the real build allocates anything: for a model holding real tensors that is a
+    :func:`meta_program` built first, for a model on the meta device the program itself
+    (which :func:`compile` materializes only afterwards)."""
+    on_meta = not holds_storage(model)
+    if check is not None and not on_meta:
+        check(meta_program(model, plan, args, kwargs, training=training, mesh=mesh, names=names))
+    program = _build(model, plan, args, kwargs, training, mesh, names, dump, verify, print_after)
+    if check is not None and on_meta:
+        check(program)
+    return program
+
+
+def meta_program(
+    model: nn.Module,
+    plan: Plan,
+    args: tuple,
+    kwargs: dict,
+    *,
+    training: bool = True,
+    mesh: Any = None,
+    names: list[str] | None = None,
+) -> Program:
+    """The program :func:`build_program` builds for ``model(*args, **kwargs)``, built on the
+    meta device (no verification): the same graph, parameters (shapes, dtypes, roles),
+    working copies and pipeline stages, with no storage. ``model`` is left as it is (its copy,
+    :func:`meta_copy`, is captured) and the inputs are read only for their shapes and dtypes;
+    nothing the size of a parameter is allocated, so any plan can be predicted."""
+    meta_args, meta_kwargs = pytree.tree_map_only(torch.Tensor, _on_meta, (args, kwargs))
+    return _build(
+        meta_copy(model), plan, meta_args, meta_kwargs, training, mesh, names, None, False, None
+    )
+
+
+def _build(
+    model: nn.Module,
+    plan: Plan,
+    args: tuple,
+    kwargs: dict,
+    training: bool,
+    mesh: Any,
+    names: list[str] | None,
+    dump: DumpHook | None,
+    verify: bool,
+    print_after: Iterable[str] | None,
+) -> Program:
+    """Capture and passes (:func:`build_program` without its check)."""
     mode = training if has_batch_norm(model) else True
     with in_mode(model, mode):
         program = capture(model, args, kwargs)
@@ -126,9 +182,47 @@ def build_program(
     PassManager(names, verify=verify, dump=dump, print_after=print_after).run(program, ctx)
     program.pass_results = ctx.results
     program.pass_pipeline = pipeline_string(plan, names)
-    if check is not None:
-        check(program)
     return program
+
+
+def holds_storage(model: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``model`` is a real tensor (not on the meta device)."""
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    return any(t.device.type != "meta" for t in tensors)
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are meta tensors of the same shapes,
+    dtypes, strides and ``requires_grad``; ``model`` is not changed. Every module is a shallow
+    copy (its other attributes, config objects and plain tensors, are shared with the
+    original), a module or tensor held in several places (tied weights) is copied once, and no
+    tensor's data is copied."""
+    memo: dict[int, Any] = {}
+
+    def tensor(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        if id(t) not in memo:
+            meta = _on_meta(t)
+            memo[id(t)] = (
+                nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+            )
+        return memo[id(t)]
+
+    def module(m: nn.Module | None) -> nn.Module | None:
+        if m is None or id(m) in memo:
+            return None if m is None else memo[id(m)]
+        clone = memo[id(m)] = copy.copy(m)
+        clone._parameters = {k: tensor(v) for k, v in m._parameters.items()}
+        clone._buffers = {k: tensor(v) for k, v in m._buffers.items()}
+        clone._modules = {k: module(v) for k, v in m._modules.items()}
+        return clone
+
+    return module(model)
+
+
+def _on_meta(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
 
 def has_batch_norm(model: nn.Module) -> bool:

@@ -27,10 +27,13 @@ and a window from a generator seeded by them, so a resumed run reads the batches
 uninterrupted run would have read. Windows are drawn with replacement (as nanoGPT samples), not
 as epochs.
 
-Token ids are checked on the host, per batch, before the batch goes to the device (a max over
-batch x seq_len ids, next to the copy that builds the batch; a one-time scan of a
-multi-gigabyte memmap would read the whole corpus at start): an id >= the model's vocabulary is
-a :class:`CorpusError` naming the file, the step and the id.
+Token ids are checked on the host, per batch, before the batch goes to the device (a min and
+a max over each window, in its file's own dtype, so a uint64 id >= 2^63 is never read as a
+negative int64; a one-time scan of a multi-gigabyte memmap would read the whole corpus at
+start): an id < 0 or >= the model's vocabulary is a :class:`CorpusError` naming the file, the
+token offset and window, the step and the id. A ``.npy`` is read without unpickling (a file of
+Python objects, or of non-integer numbers, is a :class:`CorpusError` naming it), and a data
+spec's fields are checked by type.
 """
 
 from __future__ import annotations
@@ -108,15 +111,13 @@ def _spec_file(path: Path, dtype: str) -> list[SourceSpec]:
     if not path.is_file():
         raise CorpusError(f"--data {path}: no such data spec file")
     text = path.read_text()
-    try:
-        if path.suffix == ".json":
-            data = json.loads(text)
-        else:
-            import yaml
+    import yaml
 
-            data = yaml.safe_load(text)
-    except ValueError as exc:  # json.JSONDecodeError and yaml.YAMLError are ValueErrors
-        raise CorpusError(f"--data {path}: not valid {path.suffix[1:].upper()}: {exc}") from exc
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:  # json.JSONDecodeError is a ValueError
+        problem = " ".join(str(exc).split())
+        raise CorpusError(f"--data {path}: not valid {path.suffix[1:].upper()}: {problem}") from exc
     entries = data.get("sources") if isinstance(data, dict) else data
     if not isinstance(entries, list) or not entries:
         raise CorpusError(
@@ -132,11 +133,16 @@ def _spec_file(path: Path, dtype: str) -> list[SourceSpec]:
                 f"--data {path}: source {i} is {entry!r}; a source is a path or "
                 "{'path': ..., 'weight': ..., 'dtype': ...} (weight and dtype optional)"
             )
+        where = f"--data {path}: source {i}"
+        if not isinstance(entry["path"], str) or not entry["path"]:
+            raise CorpusError(f"{where} path = {entry['path']!r}: must be a file, folder or glob")
         file = Path(entry["path"]).expanduser()
         file = file if file.is_absolute() else path.parent / file
         weight = entry.get("weight")
+        if weight is not None and (isinstance(weight, bool) or not isinstance(weight, int | float)):
+            raise CorpusError(f"{where} weight = {weight!r}: must be a number > 0 (or absent)")
         source_dtype = entry.get("dtype", dtype)
-        _check_dtype(source_dtype, f"--data {path}: source {i} dtype")
+        _check_dtype(source_dtype, f"{where} dtype")
         sources.append(
             SourceSpec(str(file), None if weight is None else float(weight), source_dtype)
         )
@@ -145,7 +151,7 @@ def _spec_file(path: Path, dtype: str) -> list[SourceSpec]:
 
 
 def _check_dtype(dtype: str, where: str) -> None:
-    if dtype not in TOKEN_DTYPES:
+    if not isinstance(dtype, str) or dtype not in TOKEN_DTYPES:
         raise CorpusError(f"{where} = {dtype!r}: must be one of {', '.join(TOKEN_DTYPES)}")
 
 
@@ -291,22 +297,25 @@ class TokenCorpus:
                 min(int(np.searchsorted(cumulative, u_part, side="right")), len(parts) - 1)
             ]
             picked.append((part, min(int(u_window * part.windows), part.windows - 1)))
-        rows = np.stack(
-            [np.asarray(p.tokens[i * window : (i + 1) * window], np.int64) for p, i in picked]
-        )
-        if rows.max() >= self.vocab_size:
-            self._vocab_error(rows, picked, step)
-        tokens = torch.from_numpy(rows)
+        windows = [p.tokens[i * window : (i + 1) * window] for p, i in picked]
+        for ids, (part, index) in zip(windows, picked, strict=True):
+            self._check_ids(ids, part, index, step)
+        tokens = torch.from_numpy(np.stack([np.asarray(w, np.int64) for w in windows]))
         return tokens[:, :-1], tokens[:, 1:]
 
-    def _vocab_error(self, rows: np.ndarray, picked: list[tuple[_Part, int]], step: int) -> None:
-        row = int(rows.max(axis=1).argmax())
-        part, index = picked[row]
+    def _check_ids(self, ids: np.ndarray, part: _Part, index: int, step: int) -> None:
+        """Raise :class:`CorpusError` where window ``index`` of ``part`` (``ids``, in the
+        file's own dtype: compared without conversion, so nothing wraps) holds an id outside
+        the vocabulary, naming the file, the id's token offset, the window and the step."""
+        if int(ids.min()) >= 0 and int(ids.max()) < self.vocab_size:
+            return
+        position = int(np.argmax((ids < 0) | (ids >= self.vocab_size)))
+        offset = index * (self.seq_len + 1) + position
         raise CorpusError(
-            f"--data: {part.name} holds token id {int(rows[row].max())} (window {index}, read "
-            f"at step {step}), but the model's vocabulary has {self.vocab_size} ids (0-"
-            f"{self.vocab_size - 1}): the corpus was tokenized for another vocabulary, or its "
-            "--data-dtype is wrong"
+            f"--data: {part.name} holds token id {int(ids[position])} at token offset {offset} "
+            f"(window {index}, read at step {step}), but the model's vocabulary has "
+            f"{self.vocab_size} ids (0-{self.vocab_size - 1}): the corpus was tokenized for "
+            "another vocabulary, or its --data-dtype is wrong"
         )
 
 
@@ -315,7 +324,12 @@ def _memmap(path: Path, dtype: str) -> np.ndarray:
     with path.open("rb") as f:
         is_npy = f.read(len(_NPY_MAGIC)) == _NPY_MAGIC
     if is_npy:
-        tokens = np.load(path, mmap_mode="r")
+        try:  # never unpickles: an array of Python objects cannot be memory-mapped
+            tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError) as exc:
+            raise CorpusError(
+                f"--data {path}: not a .npy of integer token ids that can be memory-mapped ({exc})"
+            ) from exc
         if tokens.dtype.kind not in "ui":
             raise CorpusError(
                 f"--data {path}: a .npy of {tokens.dtype}; token files hold integer ids"

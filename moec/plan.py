@@ -431,13 +431,22 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> Plan:
+        """The plan ``data`` describes (None: the default plan). A section that is absent or
+        None (``moe:`` with nothing after it) is that section's defaults; a section of another
+        type (``moe: []``, ``parallel: false``) is a :class:`PlanError` naming it."""
+        if data is not None and not isinstance(data, dict):
+            raise PlanError("<plan>", data, f"a mapping with sections {', '.join(_SECTIONS)}")
         data = dict(data or {})
         _reject_unknown(data, _SECTIONS, "plan")
         sections = {}
         for name, section_cls in _SECTIONS.items():
-            raw = data.get(name) or {}
+            raw = data.get(name)
+            raw = {} if raw is None else raw
             if not isinstance(raw, dict):
-                raise PlanError(name, raw, "a mapping of field names to values")
+                known = ", ".join(f.name for f in dataclasses.fields(section_cls))
+                raise PlanError(
+                    name, raw, f"a mapping of its fields ({known}) to values, or nothing"
+                )
             known = {f.name for f in dataclasses.fields(section_cls)}
             _reject_unknown(raw, known, name)
             sections[name] = section_cls(**raw)

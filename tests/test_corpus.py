@@ -140,10 +140,73 @@ def test_a_token_beyond_the_vocabulary_stops_the_step_that_reads_it(tmp_path):
     tokens[17 * 40 + 5] = 300  # one id past tiny_llama's 256, in window 40 of 64
     tokens.tofile(tmp_path / "bad.bin")
     cfg = _cfg(tmp_path / "run", data=str(tmp_path / "bad.bin"))
-    with pytest.raises(CorpusError, match=r"bad.bin holds token id 300 \(window 40, read at step"):
+    with pytest.raises(
+        CorpusError, match=r"bad.bin holds token id 300 at token offset 685 \(window 40, read at"
+    ):
         trainer = Trainer(tiny_llama(), Plan.from_dict(PLAN), cfg)
         for _ in range(200):  # some step draws window 40
             trainer.train_step()
+
+
+@pytest.mark.parametrize(
+    "ids, shown",
+    [
+        (np.array([-3], dtype=np.int64), "-3"),
+        (np.array([-1], dtype=np.int16), "-1"),
+        (np.array([2**63 + 5], dtype=np.uint64), str(2**63 + 5)),  # int64 would wrap it to < 0
+        (np.array([2**64 - 1], dtype=np.uint64), str(2**64 - 1)),  # ... and this one to -1
+    ],
+)
+def test_ids_below_zero_or_wrapped_are_errors_naming_the_file_and_offset(tmp_path, ids, shown):
+    """Before: negative and wrapped uint64 ids passed the check (IndexError in the step)."""
+    tokens = np.concatenate([np.full(17 * 3 + 4, 7, dtype=ids.dtype), ids])
+    np.save(tmp_path / "ids.npy", np.concatenate([tokens, np.full(30, 7, dtype=ids.dtype)]))
+    corpus = TokenCorpus(parse_spec(str(tmp_path / "ids.npy")), 64, 16, VOCAB)
+    with pytest.raises(CorpusError) as info:
+        corpus.batch(0)  # 64 draws of 5 windows: window 3 is read
+    assert f"ids.npy holds token id {shown} at token offset {17 * 3 + 4} (window 3" in str(
+        info.value
+    )
+
+
+class _TouchOnLoad:
+    """Unpickling it creates the file ``path`` (a harmless payload)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+def test_a_npy_of_python_objects_is_refused_without_unpickling(tmp_path):
+    """Before: a traceback from NumPy's loader."""
+    marker = tmp_path / "payload_ran"
+    objects = np.array([1, _TouchOnLoad(marker)] * 40, dtype=object)
+    np.save(tmp_path / "objects.npy", objects, allow_pickle=True)
+    with pytest.raises(CorpusError, match=r"objects.npy: not a .npy of integer token ids"):
+        TokenCorpus(parse_spec(str(tmp_path / "objects.npy")), 2, 8, VOCAB)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "entry, named",
+    [
+        ("{path: a.bin, weight: heavy}", r"source 0 weight = 'heavy': must be a number"),
+        ("{path: a.bin, weight: true}", r"source 0 weight = True: must be a number"),
+        ("{path: a.bin, weight: [1]}", r"source 0 weight = \[1\]: must be a number"),
+        ("{path: 5}", r"source 0 path = 5: must be a file, folder or glob"),
+        ("{path: a.bin, dtype: [1]}", r"source 0 dtype = \[1\]: must be one of"),
+        ("{path: a.bin, weight: [1", r"data.yaml: not valid YAML"),
+    ],
+)
+def test_bad_values_in_a_data_spec_name_the_file_and_field(tmp_path, entry, named):
+    """Before: a traceback (float('heavy'), Path(5), a YAML error not caught)."""
+    spec = tmp_path / "data.yaml"
+    spec.write_text(f"sources:\n  - {entry}\n")
+    with pytest.raises(CorpusError, match=named) as info:
+        parse_spec(str(spec))
+    assert str(spec) in str(info.value)
 
 
 def test_the_prefetcher_returns_the_batches_of_the_steps_asked_for():

@@ -62,6 +62,23 @@ def test_bad_plan_names_field(data, field):
     assert field in str(info.value)
 
 
+@pytest.mark.parametrize("text", ["moe: []", "moe: 0", "parallel: false", "lowering: fast"])
+def test_a_section_of_the_wrong_type_names_it_and_its_fields(tmp_path, text):
+    """Before: each silently became the default plan."""
+    path = tmp_path / "plan.yaml"
+    path.write_text(text + "\n")
+    section = text.split(":")[0]
+    with pytest.raises(PlanError, match=rf"'{section}' = .* a mapping of its fields \(") as info:
+        Plan.load(path)
+    assert info.value.field == section
+
+
+def test_an_empty_section_is_its_defaults(tmp_path):
+    path = tmp_path / "plan.yaml"
+    path.write_text("moe:\nparallel: {}\n")
+    assert Plan.load(path) == Plan()
+
+
 def test_yaml_round_trip(tmp_path):
     plan = Plan.from_dict(
         {

@@ -192,7 +192,7 @@ _CLI_FIELDS = frozenset(
     "on_router_collapse "
     "device seed init_from max_nonfinite_steps memory_limit_gib profile data data_dtype tokenizer "
     "text_column prefetch batch_warmup spike_sigma spike_window spike_min_steps z_loss "
-    "no_decay lr warmup_steps weight_decay".split()
+    "no_decay lr warmup_steps weight_decay out".split()
 )
 """TrainConfig fields that ``moec train`` sets from a flag of the same name."""
 

@@ -50,10 +50,11 @@ import torch.distributed as dist
 
 from moec.analysis.cost import graph_cost
 from moec.analysis.rank_memory import GIB, format_rank_memory, rank_memory
-from moec.compiler import compile
+from moec.compiler import compile, holds_storage, meta_program
 from moec.corpus import TokenCorpus, parse_spec
-from moec.data import Batches, Prefetcher, TextBatches
+from moec.data import Batches, DataError, Prefetcher, TextBatches
 from moec.errors import MoecError
+from moec.folders import writable_folder
 from moec.kernels import arch
 from moec.optim import AdamW, SpikeDetector
 from moec.plan import Plan, PlanError
@@ -108,8 +109,7 @@ class Trainer:
         self.mesh = join_job(plan)
         self.rank = dist.get_rank() if self.mesh else 0
         self.device = resolve_device(cfg.device)
-        self.out = Path(cfg.out)
-        self.out.mkdir(parents=True, exist_ok=True)
+        self.out = writable_folder(cfg.out, flag_of("out"))
         vocab = model_vocab(model)
         micro = plan.parallel.microbatches
         self.dp = plan.parallel.dp  # data-parallel ranks (pp is 1 here)
@@ -151,15 +151,22 @@ class Trainer:
                 "note: --z-loss reads the LM head's logits, which moec::linear_cross_entropy "
                 "does not return: the head runs unfused (loss.fused has no effect)"
             )
+        wrapped = LanguageModelWithLoss(model, cfg.z_loss)
+        check = self._check_memory if self._memory_limit() is not None else None
+        if check is not None and holds_storage(wrapped):
+            # predicted on shapes before the model moves to the device (compile would check
+            # after that, before its passes allocate)
+            check(meta_program(wrapped, plan, example, {}, training=model.training, mesh=self.mesh))
+            check = None
         self.compiled = compile(
-            LanguageModelWithLoss(model if cfg.init_from else model.to(self.device), cfg.z_loss),
+            wrapped if cfg.init_from else wrapped.to(self.device),
             plan,
             example,
             mesh=self.mesh,
             # the wrapper holds the checkpoint's model at "model."
             init_from=dense and SubmoduleSource(dense, "model."),
             init_device=self.device,
-            check=self._check_memory,
+            check=check,
         )
         self.reducer = (
             GradientReducer(self.compiled, self.mesh, bucket_bytes_for(plan, self.device.type))
@@ -232,17 +239,22 @@ class Trainer:
         self._data = source
         self.batches = Prefetcher(source, self.device, self.cfg.prefetch)
 
-    def _check_memory(self, program: Program) -> None:
-        """Refuse the plan when its predicted per-rank memory exceeds the limit (see
-        ``TrainConfig.memory_limit_gib``)."""
+    def _memory_limit(self) -> int | None:
+        """The bytes a rank may use (``TrainConfig.memory_limit_gib``, else the GPU's memory);
+        None where nothing limits it (the CPU without a limit)."""
         limit = self.cfg.memory_limit_gib
-        if limit is None and self.device.type != "cuda":
+        if limit is not None:
+            return round(limit * GIB)
+        if self.device.type == "cuda":
+            return torch.cuda.get_device_properties(self.device).total_memory
+        return None
+
+    def _check_memory(self, program: Program) -> None:
+        """Refuse the plan when its predicted per-rank memory exceeds :meth:`_memory_limit`
+        (``program`` may be on the meta device: only shapes and dtypes are read)."""
+        limit_bytes = self._memory_limit()
+        if limit_bytes is None:
             return
-        limit_bytes = (
-            torch.cuda.get_device_properties(self.device).total_memory
-            if limit is None
-            else round(limit * GIB)
-        )
         micro = self.plan.parallel.microbatches
         memory = rank_memory(program, micro, self.cfg.batch_size // micro, self.cfg.seq_len)
         if memory.total > limit_bytes:
@@ -517,10 +529,15 @@ class Trainer:
             with log_path.open("a" if resume_from is not None else "w") as log:
                 loop.run(log, progress, written)
         except MoecError as exc:
+            error = (
+                self._keep_steps_before(exc, loop.start_step) if isinstance(exc, DataError) else exc
+            )
             if writer:  # the run's results survive its error
-                summary = loop.summary(error=str(exc))
+                summary = loop.summary(error=str(error))
                 (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
-            raise
+            if error is exc:
+                raise
+            raise error from exc
         finally:
             self.batches.close()
         summary = loop.summary()
@@ -533,6 +550,29 @@ class Trainer:
 
             written += write_plots(self.out, history, self.compiled.routing_stats())
         return TrainResult(loop.losses, summary, self.compiled, self.out, written)
+
+    def _keep_steps_before(self, exc: DataError, start: int) -> DataError:
+        """``exc`` (raised when step ``self.step`` read its batch, so every step before it is
+        done) saying what was kept: those steps committed as a checkpoint, for a ``--resume``
+        once the data is fixed, unless ``checkpoint_every`` is 0, this call trained no step
+        since ``start`` or the run is a job (the other ranks wait in the step's collectives,
+        so no checkpoint can be written)."""
+        step = self.step
+        saved = next((c for c in self.store.committed() if c.step == step), None)
+        kept = "no step was trained in this call"
+        if saved is None and step > start:
+            if not self.cfg.checkpoint_every:
+                kept = f"no checkpoint was written ({flag_of('checkpoint_every')} = 0)"
+            elif self.mesh is not None:
+                kept = "no checkpoint was written (the job's other ranks wait in the step)"
+            else:
+                try:
+                    saved = self.store.commit(step, self._write_checkpoint)
+                except CheckpointWriteError as write_error:
+                    kept = f"its steps could not be saved ({write_error})"
+        if saved is not None:
+            kept = f"its {step} steps are in {saved.path}: fix the data, then --resume"
+        return type(exc)(f"{exc}. The run stopped at step {step}; {kept}")
 
     def _recorded_summary(self) -> dict[str, Any]:
         path = self.out / "summary.json"
