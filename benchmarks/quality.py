@@ -464,8 +464,8 @@ def context(args: argparse.Namespace) -> Context:
     s = SCALES[args.scale]
     corpus = built_corpus(Path(args.corpus))
     device = torch.device(args.device)
-    train = TokenCorpus(corpus.train, s.batch, s.seq, corpus.vocab_size, seed=0)
-    held_out = TokenCorpus(corpus.eval, s.batch, s.seq, corpus.vocab_size, seed=1)
+    train = TokenCorpus([corpus.train], s.batch, s.seq, corpus.vocab_size, seed=0)
+    held_out = TokenCorpus([corpus.eval], s.batch, s.seq, corpus.vocab_size, seed=1)
     evals = [tuple(t.to(device) for t in held_out.batch(i)) for i in range(s.eval_batches)]
     seeds = [int(x) for x in args.seeds.split(",")]
     steps = args.steps or s.steps

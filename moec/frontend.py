@@ -48,6 +48,26 @@ def trace(
     return capture(model, example_inputs, example_kwargs, **how).graph
 
 
+def _distinct_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The example inputs with every tensor that shares storage with an earlier one cloned.
+    ``torch.export`` gives one tensor passed twice (``model(ids, ids)``) a single input of the
+    graph, so later calls with two different tensors would read the first for both: a silent
+    wrong answer. Distinct example tensors keep every argument its own input."""
+    seen: set[int] = set()
+
+    def distinct(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        storage = value.untyped_storage().data_ptr() if value.device.type != "meta" else id(value)
+        key = storage or id(value)
+        if key in seen:
+            return value.clone()
+        seen.add(key)
+        return value
+
+    return pytree.tree_map(distinct, (args, kwargs))
+
+
 def capture(
     model: torch.nn.Module,
     example_inputs: tuple | Any,
@@ -73,6 +93,7 @@ def capture(
     elif method != "export":
         raise CaptureError(f"unknown capture method {method!r}; use 'export' or 'symbolic_trace'")
     _check_example_sizes(args, kwargs, dynamic)
+    args, kwargs = _distinct_inputs(args, kwargs)
     dynamic_shapes = _auto_dims(model, args, kwargs) if dynamic else None
     try:
         program = torch.export.export(

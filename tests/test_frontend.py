@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 
@@ -5,6 +7,7 @@ import moec
 from moec.frontend import CaptureError, capture
 from moec.passes.verify import verify_graph
 from moec.program import SignatureError
+from moec.train import LanguageModelWithLoss
 from tests.models import hf_model, tiny_gpt2, tiny_llama, tokens
 
 
@@ -120,3 +123,21 @@ def test_a_region_capture_cannot_inline_is_a_clear_error():
 
     with pytest.raises(CaptureError, match="cond region .* wrap_with_set_grad_enabled"):
         moec.trace(Branch(), (torch.randn(2, 3),))
+
+
+def test_one_example_tensor_passed_twice_stays_two_inputs():
+    """``model(ids, ids)`` as the example: the program still reads its second argument (as
+    captured, torch.export would make both arguments one input and compute the loss of the
+    inputs against themselves on every later call)."""
+    torch.manual_seed(0)
+    model = LanguageModelWithLoss(tiny_llama(2))
+    ids = tokens(2, 16)
+    compiled = moec.compile(
+        copy.deepcopy(model), {"moe": {"init": "upcycle", "num_experts": 2}}, (ids, ids)
+    )
+    inputs, targets = tokens(3, 16), tokens(3, 16)
+    with torch.no_grad():
+        want = model(inputs, targets)
+        got = compiled(inputs, targets)
+    assert len(compiled.program.signature.flatten_inputs((inputs, targets), {})) == 2
+    torch.testing.assert_close(got, want)
