@@ -41,7 +41,7 @@ class PlanError(MoecError, ValueError):
 
 
 Gating = Literal["softmax", "sigmoid"]
-Init = Literal["upcycle", "split", "random"]
+Init = Literal["upcycle", "drop_upcycle", "split", "random"]
 Routing = Literal["learned", "random", "uniform"]
 EPPath = Literal["auto", "rowwise", "sync_1d", "a2a_capacity"]
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"]
@@ -61,11 +61,41 @@ class MoEPlan:
     top_k: int = 2
     """Experts chosen per token, 1 <= top_k <= num_experts."""
     expert_width: int | None = None
-    """Hidden width of one routed expert. None: the dense width for ``upcycle``/``random``,
-    dense width / num_experts for ``split``."""
+    """Hidden width of one routed expert. None: the dense width / ``upcycle_granularity`` for
+    ``upcycle``/``drop_upcycle``, the dense width for ``random``, dense width / num_experts for
+    ``split``; the upcycled inits accept only that width."""
     init: Init = "upcycle"
-    """``upcycle``: every expert a copy of the dense FFN; ``split``: the dense hidden units
-    partitioned among the experts; ``random``: fresh init at ``expert_width``."""
+    """How the routed experts start from the dense FFN (width H):
+
+    - ``upcycle``: Sparse Upcycling (Komatsuzaki et al., ICLR 2023): every expert a copy of the
+      dense FFN; with normalized weights the MoE equals the dense FFN at init. With
+      ``upcycle_granularity`` G > 1, granular upcycling (He et al. 2024, "Upcycling Large
+      Language Models into Mixture of Experts"; Megatron-Core's ``moe_upcycling_granularity``):
+      the H hidden units are cut into G slices of H / G, expert e holds slice e mod G, so each
+      virtual group of G consecutive experts holds the whole FFN; a group shares one router
+      row (the router draws num_experts / G rows), so top-k takes groups whole, and the down
+      projections are scaled by G: with normalized weights and top_k a multiple of G the MoE
+      equals the dense FFN at init.
+    - ``drop_upcycle``: Drop-Upcycling (Nakamura et al., ICLR 2025): ``upcycle`` (granular
+      too), then in each expert a seeded ``drop_upcycle_ratio`` of its hidden units, a
+      different subset per expert, re-initialised: those units' rows of the up (and gate)
+      projections and columns of the down projection are redrawn from normal(mean, std) of
+      that dense weight matrix (biases are kept). It gives up the dense function at init for
+      experts that diverge sooner; the paper finds it overtakes plain upcycling over longer
+      runs.
+    - ``split``: granular upcycling at G = num_experts: the hidden units partitioned among the
+      experts, the router at zero (one virtual group: every logit ties, each chosen expert
+      gets the same weight w0) and the down projections scaled by 1 / w0: with top_k =
+      num_experts the MoE equals the dense FFN at init (a single expert is ``upcycle``'s).
+    - ``random``: fresh normal init at ``expert_width`` with the dense matrices' std."""
+    upcycle_granularity: int = 1
+    """G of granular upcycling (see ``init``), for ``upcycle`` and ``drop_upcycle``; 1 is plain
+    upcycling. A divisor of ``num_experts`` and (checked against the model) of the dense FFN
+    width; 1 for the other inits (``split`` is G = num_experts)."""
+    drop_upcycle_ratio: float = 0.5
+    """The share r of each expert's hidden units ``drop_upcycle`` re-initialises (r times the
+    expert width, rounded to the nearest unit), in [0, 1]; 0.5 is the paper's choice, 0 is
+    ``upcycle``, 1 redraws every unit."""
     gating: Gating = "softmax"
     """Score function over router logits before top-k."""
     normalize_weights: bool = True
@@ -83,7 +113,8 @@ class MoEPlan:
     routing: Routing = "learned"
     """``learned`` top-k of the router; ``random``/``uniform`` ignore the router (benchmarks)."""
     router_init_std: float = 0.02
-    """Std of the router's normal init (``split`` starts the router at zero instead)."""
+    """Std of the router's normal init (granular upcycling draws one row per virtual group;
+    ``split`` starts the router at zero instead)."""
     seed: int = 0
     """Seed of the expert/router initialisation, so a compile is reproducible."""
     activations: dict[str, str] = field(default_factory=dict)
@@ -112,6 +143,7 @@ class MoEPlan:
                 "a finite number > 0, or None for dropless routing",
             )
         _require(self.dense_first >= 0, "moe.dense_first", self.dense_first, "an integer >= 0")
+        self._validate_upcycling()
         for name in ("lbl_coef", "z_loss_coef", "router_init_std"):
             value = getattr(self, name)
             _require(
@@ -119,6 +151,30 @@ class MoEPlan:
             )
         for name, ref in self.activations.items():
             activation_function(name, ref)
+
+    def _validate_upcycling(self) -> None:
+        g, field = self.upcycle_granularity, "moe.upcycle_granularity"
+        _require(g >= 1, field, g, "an integer >= 1")
+        if self.init in ("upcycle", "drop_upcycle"):
+            _require(
+                self.num_experts % g == 0,
+                field,
+                g,
+                f"a divisor of moe.num_experts={self.num_experts} (each of the G slices of the "
+                "dense FFN is held by num_experts / G experts)",
+            )
+        else:
+            _require(
+                g == 1,
+                field,
+                g,
+                f"1 for init={self.init!r}: granularity applies to 'upcycle' and 'drop_upcycle' "
+                "('split' is granularity num_experts)",
+            )
+        r = self.drop_upcycle_ratio
+        _require(
+            math.isfinite(r) and 0 <= r <= 1, "moe.drop_upcycle_ratio", r, "a number in [0, 1]"
+        )
 
 
 def activation_function(name: str, ref: str) -> Any:

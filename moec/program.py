@@ -225,14 +225,22 @@ class StdOf:
 
 
 @dataclasses.dataclass(frozen=True)
+class MeanOf:
+    """The mean of the float32 concatenation of ``parts`` along dim 1."""
+
+    parts: tuple[ParamSource, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class Fresh:
-    """A freshly initialized float32 tensor: zeros, or normal(0, std) drawn on the CPU from a
+    """A freshly initialized float32 tensor: zeros, or normal(mean, std) drawn on the CPU from a
     generator seeded with ``seed`` alone (so it does not depend on anything else drawn)."""
 
     kind: Literal["normal", "zeros"]
     shape: tuple[int, ...]
     std: float | StdOf = 0.0
     seed: int = 0
+    mean: float | MeanOf = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,6 +275,36 @@ class Stacked:
 
 
 @dataclasses.dataclass(frozen=True)
+class RepeatedRows:
+    """Each row (dim 0) of ``of`` ``count`` times in a row (``repeat_interleave``)."""
+
+    of: ParamSource
+    count: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DrawnUnits:
+    """``count`` of the indices ``0 .. size - 1``: the first ``count`` of a random permutation
+    drawn on the CPU from a generator seeded with ``seed`` alone, in that order."""
+
+    size: int
+    count: int
+    seed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Redrawn:
+    """``of`` with its slices ``units`` along ``dim`` (0: rows, 1: columns) replaced by those of
+    ``fill`` (``of``'s shape with ``units.count`` along ``dim``): the i-th slice of ``fill``
+    goes to index ``units``' i-th."""
+
+    of: ParamSource
+    dim: int
+    units: DrawnUnits
+    fill: Fresh
+
+
+@dataclasses.dataclass(frozen=True)
 class ExpertSlice:
     """Experts ``[start, stop)`` (leading-dim rows) of the global expert tensor ``of``."""
 
@@ -275,7 +313,9 @@ class ExpertSlice:
     of: ParamSource
 
 
-ParamSource = FromSource | Fresh | Scaled | Concat | Repeated | Stacked | ExpertSlice
+ParamSource = (
+    FromSource | Fresh | Scaled | Concat | Repeated | Stacked | RepeatedRows | Redrawn | ExpertSlice
+)
 """Where a parameter's initial value comes from, as a recipe over the source model's tensors."""
 
 SourceReader = Callable[[str, "slice | None", "slice | None"], torch.Tensor]
@@ -328,7 +368,18 @@ class TensorBuilder:
             return one.unsqueeze(0).expand(source.count, *one.shape)
         if isinstance(source, Stacked):
             return torch.stack([self.build(p) for p in source.parts])
+        if isinstance(source, RepeatedRows):
+            return self.build(source.of).repeat_interleave(source.count, dim=0)
+        if isinstance(source, Redrawn):
+            return self._redrawn(source)
         return self.build(experts(source.of, source.start, source.stop))
+
+    def _redrawn(self, source: Redrawn) -> torch.Tensor:
+        base = self.build(source.of)
+        units = source.units
+        order = torch.randperm(units.size, generator=torch.Generator().manual_seed(units.seed))
+        fill = self.build(source.fill).to(base.dtype)
+        return base.index_copy(source.dim, order[: units.count].to(base.device), fill)
 
     def _read(self, source: FromSource) -> torch.Tensor:
         rows, cols = (None if s is None else slice(*s) for s in (source.rows, source.cols))
@@ -341,11 +392,15 @@ class TensorBuilder:
             return torch.zeros(source.shape, device=self.device)
         if self.device.type == "meta":
             return torch.empty(source.shape, device=self.device)
-        std = source.std
-        if isinstance(std, StdOf):
-            std = float(torch.cat([self.build(p) for p in std.parts], 1).float().std())
+        std, mean = (self._statistic(s) for s in (source.std, source.mean))
         generator = torch.Generator().manual_seed(source.seed)
-        return (torch.randn(source.shape, generator=generator) * std).to(self.device)
+        return (torch.randn(source.shape, generator=generator) * std + mean).to(self.device)
+
+    def _statistic(self, value: float | StdOf | MeanOf) -> float:
+        if isinstance(value, float | int):
+            return value
+        joined = torch.cat([self.build(p) for p in value.parts], 1).float()
+        return float(joined.std() if isinstance(value, StdOf) else joined.mean())
 
 
 def experts(source: ParamSource, start: int, stop: int) -> ParamSource:

@@ -18,25 +18,33 @@ Emits::
 Parameters live under ``<ffn module path>.moe`` (``router_weight``, ``w_up`` [N, D, U],
 ``w_down`` [N, H, D], ``b_up``, ``b_down``; ``w_up`` and ``w_down`` k-major, the contraction
 dim unit-stride, when :meth:`~moec.plan.Plan.expert_weights_k_major`); the dense FFN's
-parameters are removed unless it becomes the shared expert. Init (``plan.moe.init``), all
-keeping the dense function where stated:
+parameters are removed unless it becomes the shared expert. Init (``plan.moe.init``; the
+papers are cited in :class:`~moec.plan.MoEPlan`), all keeping the dense function where stated:
 
-- ``upcycle``: every expert a copy of the dense FFN; with normalized weights the MoE equals the
-  dense FFN at init. Router: normal(0, router_init_std).
-- ``split``: the dense hidden units partitioned among the experts; the router starts at zero,
-  so every chosen expert gets the same weight w0 and the down projections are scaled by 1/w0:
+- ``upcycle``: the dense hidden units cut into G = ``plan.moe.upcycle_granularity`` slices,
+  expert e holding slice e mod G, its down projection scaled by G; the router has one
+  normal(0, router_init_std) row per virtual group of G consecutive experts (which hold the
+  whole FFN), so top-k takes groups whole. G = 1 (every expert a copy of the dense FFN,
+  unscaled): with normalized weights the MoE equals the dense FFN at init; G > 1 (granular):
+  it does when G also divides top_k.
+- ``drop_upcycle``: ``upcycle``, then in each expert ``plan.moe.drop_upcycle_ratio`` of its
+  hidden units, a seeded subset per expert, redrawn from normal(mean, std) of that dense matrix.
+- ``split``: granular upcycling at G = N as one virtual group: the router starts at zero, so
+  every chosen expert gets the same weight w0 and the down projections are scaled by 1/w0:
   with top_k = N the MoE equals the dense FFN at init.
 - ``random``: fresh normal init at ``expert_width`` with the std of the dense matrices.
-With a shared expert under ``upcycle``/``split`` both branches' output projections are halved,
-so the sum still equals the dense FFN at init. Every random draw (router, ``random`` experts)
-comes from a generator seeded by (``plan.moe.seed``, parameter name, expert index) alone, so
-any expert range can be drawn by itself and the values do not depend on the layout.
+With a shared expert under every init but ``random`` both branches' output projections are
+halved, so the sum still equals the dense FFN at init. Every random draw (router, redrawn
+units and their values, ``random`` experts) comes from a generator seeded by
+(``plan.moe.seed``, parameter name, expert index) alone, so any expert range can be drawn by
+itself and the values do not depend on the layout.
 
 Each new tensor is first described as a :data:`~moec.program.ParamSource` over the dense FFN's
-parameter names (:func:`expert_sources`: upcycle ``Repeated``, split ``Stacked`` cuts with their
-``Scaled`` down projections, ``Fresh`` draws) and then built from the graph's parameters; the
-descriptions go to ``program.provenance`` (with the shared expert's ``Scaled`` down
-projection), so a model captured on the meta device can be materialized from a dense
+parameter names (:func:`expert_sources`: plain upcycling ``Repeated``, granular and split
+``Stacked`` cuts with their ``Scaled`` down projections, drop-upcycled ``Redrawn`` units over
+the dense statistics ``MeanOf`` / ``StdOf``, ``Fresh`` draws) and then built from the graph's
+parameters; the descriptions go to ``program.provenance`` (with the shared expert's ``Scaled``
+down projection), so a model captured on the meta device can be materialized from a dense
 checkpoint (:mod:`moec.runtime.materialize`) to the same values.
 
 An FFN of pointwise convolutions (channels-first, features in dim 1) is routed channels-last:
@@ -68,6 +76,7 @@ records each block as a :class:`~moec.program.MoELayer`, its parameters' roles (
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 
 import torch
@@ -94,11 +103,15 @@ from moec.passes.rewrite import GraphEditor, erase_unused, refresh_meta
 from moec.plan import MoEPlan, Plan, PlanError, activation_function
 from moec.program import (
     Concat,
+    DrawnUnits,
     Fresh,
     FromSource,
+    MeanOf,
     MoELayer,
     ParamSource,
+    Redrawn,
     Repeated,
+    RepeatedRows,
     Scaled,
     SourceReader,
     Span,
@@ -134,7 +147,7 @@ class MoEPass(Pass):
     def options(plan: Plan) -> str:
         m = plan.moe
         return (
-            f"experts={m.num_experts},top_k={m.top_k},init={m.init},gating={m.gating},"
+            f"experts={m.num_experts},top_k={m.top_k},init={_init_option(m)},gating={m.gating},"
             f"capacity={m.capacity_factor},shared={int(m.shared_expert)},"
             f"dense_first={m.dense_first},"
             f"expert_weights={'k_major' if plan.expert_weights_k_major() else 'n_major'}"
@@ -182,8 +195,7 @@ class MoEPass(Pass):
                 if tensor is not None:  # no bias parameters for a bias-free FFN
                     roles[f"{prefix}.{name}"] = "router" if name == "router_weight" else "expert"
             if plan.shared_expert:
-                scale = 0.5 if plan.init in ("upcycle", "split") else 1.0
-                program.provenance.update(_scale_shared(gm, region, scale))
+                program.provenance.update(_scale_shared(gm, region, _shared_scale(plan)))
             else:
                 params_before = parameter_count(gm)
                 erase_unused(gm, region.nodes())
@@ -294,6 +306,16 @@ class MoEPass(Pass):
             )
         out.replace_all_uses_with(result, delete_user_cb=lambda user: user is not result)
         return [losses, counts, offsets]
+
+
+def _init_option(plan: MoEPlan) -> str:
+    """``plan.init`` as the pass's options show it, with the fields it reads."""
+    g = plan.upcycle_granularity
+    if plan.init == "upcycle" and g > 1:
+        return f"upcycle(granularity={g})"
+    if plan.init == "drop_upcycle":
+        return f"drop_upcycle(ratio={plan.drop_upcycle_ratio},granularity={g})"
+    return plan.init
 
 
 _CONTIGUOUS = {"memory_format": torch.contiguous_format}
@@ -412,63 +434,67 @@ def _reader(gm: fx.GraphModule) -> SourceReader:
 
 def expert_sources(region: FFNRegion, plan: MoEPlan, prefix: str) -> dict[str, ParamSource | None]:
     """Where each of ``EXPERT_TENSORS`` comes from under ``plan.init`` (None: no such tensor),
-    over the dense FFN's parameter names; every expert of a ``Fresh`` draw is seeded from
-    (``plan.seed``, parameter name, expert index) only."""
-    n, dim, hidden = plan.num_experts, region.dim, region.hidden
-    has_up_bias = any(site.bias is not None for site in region.ups)
-    has_down_bias = region.down.bias is not None
-    shared_scale = 0.5 if plan.shared_expert and plan.init in ("upcycle", "split") else 1.0
+    over the dense FFN's parameter names; every ``Fresh`` draw and every expert's
+    ``DrawnUnits`` is seeded from (``plan.seed``, parameter name, expert index) only."""
+    if plan.init == "random":
+        return _random_sources(region, plan, prefix)
+    return _upcycled_sources(region, plan, prefix)
+
+
+def _granularity(plan: MoEPlan) -> int:
+    """G, the slices the dense FFN's hidden units are cut into: ``num_experts`` for ``split``,
+    ``plan.upcycle_granularity`` for ``upcycle`` and ``drop_upcycle``."""
+    return plan.num_experts if plan.init == "split" else plan.upcycle_granularity
+
+
+def _upcycled_sources(
+    region: FFNRegion, plan: MoEPlan, prefix: str
+) -> dict[str, ParamSource | None]:
+    """``upcycle``, ``drop_upcycle`` and ``split``: the dense hidden units cut into G slices
+    (:func:`_granularity`), expert e holding slice e mod G, so that each virtual group of G
+    consecutive experts holds the whole FFN; the down projections scaled by
+    :func:`_down_scale`; under ``drop_upcycle`` each expert's :func:`_dropped_units` redrawn
+    from the dense matrices' statistics (biases are kept)."""
+    n, dim, hidden, g = plan.num_experts, region.dim, region.hidden, _granularity(plan)
     where = f"FFN {ffn_name(region)}"
-    router = Fresh(
-        "normal", (n, dim), plan.router_init_std, fresh_seed(plan.seed, f"{prefix}.router_weight")
-    )
-
-    def ups(part: Span | None = None) -> Concat:  # hidden units: the up projections' outputs
-        return Concat(tuple(_in_out(site, cols=part) for site in region.ups), dim=1)
-
-    def up_biases(part: Span | None, width: int) -> Concat:
-        return Concat(tuple(_bias(site, part, width) for site in region.ups), dim=0)
-
-    def down(part: Span | None = None) -> FromSource:  # hidden units: the down's inputs
-        return _in_out(region.down, rows=part)
-
-    if plan.init == "upcycle":
-        _check_width(plan, hidden, where, "the dense width for init='upcycle'")
-        b_down = FromSource(region.down.bias) if has_down_bias else None
-        return {
-            "router_weight": router,
-            "w_up": Repeated(ups(), n),
-            "w_down": Repeated(_scaled(down(), shared_scale), n),
-            "b_up": Repeated(up_biases(None, hidden), n) if has_up_bias else None,
-            "b_down": None if b_down is None else Repeated(_scaled(b_down, shared_scale), n),
-        }
-    if plan.init == "split":
-        if hidden % n:
-            raise PlanError(
-                "moe.num_experts",
-                n,
-                f"a divisor of the dense FFN width {hidden} of {where} for init='split'",
-            )
-        width = hidden // n
-        _check_width(plan, width, where, f"dense width / num_experts = {width} for init='split'")
-        w0 = (
-            1.0 / plan.top_k
-            if plan.normalize_weights
-            else (1.0 / n if plan.gating == "softmax" else 0.5)
+    field = "moe.num_experts" if plan.init == "split" else "moe.upcycle_granularity"
+    if hidden % g:
+        raise PlanError(
+            field, g, f"a divisor of the dense FFN width {hidden} of {where} for init={plan.init!r}"
         )
-        scale = shared_scale / w0
-        parts = [(e * width, (e + 1) * width) for e in range(n)]
-        b_down = FromSource(region.down.bias) if has_down_bias else None
-        return {
-            "router_weight": Fresh("zeros", (n, dim)),
-            "w_up": Stacked(tuple(ups(p) for p in parts)),
-            "w_down": Stacked(tuple(Scaled(down(p), scale) for p in parts)),
-            "b_up": Stacked(tuple(up_biases(p, width) for p in parts)) if has_up_bias else None,
-            "b_down": None if b_down is None else Repeated(Scaled(b_down, scale / n), n),
-        }
-    width = plan.expert_width or hidden
+    width = hidden // g
+    _check_width(plan, width, where, f"dense width / {field} = {width} for init={plan.init!r}")
+    parts = [None] if g == 1 else [(i * width, (i + 1) * width) for i in range(g)]
+    scale = _down_scale(plan, g)
+    w_up, w_down, b_up = [], [], []
+    for e in range(n):
+        part, units = parts[e % g], _dropped_units(plan, prefix, width, e)
+        ups = tuple(  # hidden units: the up projections' outputs
+            _redrawn(site, 1, part, units, dim, fresh_seed(plan.seed, f"{prefix}.w_up.{i}", e))
+            for i, site in enumerate(region.ups)
+        )
+        w_up.append(Concat(ups, dim=1))
+        down_seed = fresh_seed(plan.seed, f"{prefix}.w_down", e)  # hidden units: the down's inputs
+        w_down.append(_scaled(_redrawn(region.down, 0, part, units, dim, down_seed), scale))
+        b_up.append(Concat(tuple(_bias(site, part, width) for site in region.ups), dim=0))
+    has_up_bias = any(site.bias is not None for site in region.ups)
+    b_down = region.down.bias
+    return {
+        "router_weight": _router(plan, prefix, dim, g),
+        "w_up": _per_expert(w_up),
+        "w_down": _per_expert(w_down),
+        "b_up": _per_expert(b_up) if has_up_bias else None,
+        "b_down": None if b_down is None else Repeated(_scaled(FromSource(b_down), scale / g), n),
+    }
+
+
+def _random_sources(region: FFNRegion, plan: MoEPlan, prefix: str) -> dict[str, ParamSource | None]:
+    """``random``: fresh normal experts at ``expert_width`` with the std of the dense matrices."""
+    n, dim = plan.num_experts, region.dim
+    width = plan.expert_width or region.hidden
     up_width = 2 * width if is_gated(region.activation) else width
-    stds = {"w_up": StdOf((ups(),)), "w_down": StdOf((down(),))}
+    ups = Concat(tuple(_in_out(site) for site in region.ups), dim=1)
+    stds = {"w_up": StdOf((ups,)), "w_down": StdOf((_in_out(region.down),))}
     shapes = {"w_up": (dim, up_width), "w_down": (width, dim)}
     fresh = {
         name: Stacked(
@@ -481,12 +507,103 @@ def expert_sources(region: FFNRegion, plan: MoEPlan, prefix: str) -> dict[str, P
         )
         for name in shapes
     }
+    has_up_bias = any(site.bias is not None for site in region.ups)
     return {
-        "router_weight": router,
+        "router_weight": _router(plan, prefix, dim, 1),
         **fresh,
         "b_up": Fresh("zeros", (n, up_width)) if has_up_bias else None,
-        "b_down": Fresh("zeros", (n, dim)) if has_down_bias else None,
+        "b_down": Fresh("zeros", (n, dim)) if region.down.bias is not None else None,
     }
+
+
+def _router(plan: MoEPlan, prefix: str, dim: int, granularity: int) -> ParamSource:
+    """The router weight [N, D]: one normal(0, ``router_init_std``) row per virtual group of
+    ``granularity`` consecutive experts (one per expert at 1), so the experts of a group tie
+    and top-k takes groups whole (He et al. 2024's virtual-group init); zero for a single
+    group of several experts (``split``), whose logits tie whatever its row: zero gives every
+    gating the known tie weight (:func:`_tie_weight`)."""
+    n = plan.num_experts
+    if _single_group(n, granularity):
+        return Fresh("zeros", (n, dim))
+    seed = fresh_seed(plan.seed, f"{prefix}.router_weight")
+    rows = Fresh("normal", (n // granularity, dim), plan.router_init_std, seed)
+    return rows if granularity == 1 else RepeatedRows(rows, granularity)
+
+
+def _single_group(num_experts: int, granularity: int) -> bool:
+    """Whether the experts form one virtual group of several (``split``)."""
+    return granularity == num_experts > 1
+
+
+def _tie_weight(plan: MoEPlan) -> float:
+    """The routing weight of each chosen expert when all router logits tie (a zero router)."""
+    if plan.normalize_weights:
+        return 1.0 / plan.top_k
+    return 1.0 / plan.num_experts if plan.gating == "softmax" else 0.5
+
+
+def _down_scale(plan: MoEPlan, granularity: int) -> float:
+    """The factor on every expert's down projection (on its bias: over ``granularity``) so that
+    the routing weight reaching each of the G dense slices, times it, is one (halved beside a
+    shared expert: :func:`_shared_scale`).
+
+    A single group (``split``, zero router): each chosen expert has the tie weight w0 and holds
+    its own slice, so the factor is 1 / w0; the MoE equals the dense FFN when top_k =
+    num_experts. Several groups: the experts of a group tie, so with normalized weights
+    (summing to one over the chosen) top_k / G whole groups give each slice 1 / G, and the
+    factor is G; the MoE equals the dense FFN when G divides top_k. Unnormalized weights are
+    the router's scores, which no constant undoes: they keep the same factor (at G = 1 none,
+    as plain upcycling)."""
+    shared = _shared_scale(plan)
+    if _single_group(plan.num_experts, granularity):
+        return shared / _tie_weight(plan)
+    return shared * granularity
+
+
+def _shared_scale(plan: MoEPlan) -> float:
+    """The factor on both the shared expert's and the routed experts' output projections: a half
+    when both start as the dense FFN (every init but ``random``), so their sum still is it."""
+    return 0.5 if plan.shared_expert and plan.init != "random" else 1.0
+
+
+def _dropped_units(plan: MoEPlan, prefix: str, width: int, expert: int) -> DrawnUnits | None:
+    """The hidden units of ``expert`` that ``drop_upcycle`` redraws: ``drop_upcycle_ratio`` of
+    its ``width`` (rounded to the nearest unit, halves up), a subset seeded by the expert alone;
+    None when there are none (every init but ``drop_upcycle``, or a ratio that rounds to 0)."""
+    if plan.init != "drop_upcycle":
+        return None
+    count = math.floor(plan.drop_upcycle_ratio * width + 0.5)
+    if count == 0:
+        return None
+    return DrawnUnits(width, count, fresh_seed(plan.seed, f"{prefix}.dropped_units", expert))
+
+
+def _redrawn(
+    site: LinearSite,
+    hidden_dim: int,
+    part: Span | None,
+    units: DrawnUnits | None,
+    other: int,
+    seed: int,
+) -> ParamSource:
+    """``site``'s weight as (in, out), its hidden units (dim ``hidden_dim``: 1 for an up
+    projection's outputs, 0 for the down's inputs; ``other`` wide along the other dim) cut to
+    ``part``, with ``units`` of them redrawn from normal(mean, std) of the site's whole matrix
+    (Drop-Upcycling) by a generator seeded with ``seed``; the plain cut when ``units`` is None."""
+    source = _in_out(site, *((part, None) if hidden_dim == 0 else (None, part)))
+    if units is None:
+        return source
+    whole = (_in_out(site),)
+    shape = (units.count, other) if hidden_dim == 0 else (other, units.count)
+    fill = Fresh("normal", shape, StdOf(whole), seed, MeanOf(whole))
+    return Redrawn(source, hidden_dim, units, fill)
+
+
+def _per_expert(sources: list[ParamSource]) -> ParamSource:
+    """One expert tensor from one source per expert: ``Repeated`` when they are all the same."""
+    if all(s == sources[0] for s in sources):
+        return Repeated(sources[0], len(sources))
+    return Stacked(tuple(sources))
 
 
 def _in_out(site: LinearSite, rows: Span | None = None, cols: Span | None = None) -> FromSource:

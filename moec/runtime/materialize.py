@@ -4,11 +4,12 @@ freshly initialized dense tensors (:class:`FreshInit`).
 A model built on the meta device is captured and compiled on shapes; :func:`materialize` then
 gives each parameter of ``program.graph`` its real value on ``device`` from the parameter's
 provenance (``program.source(name)``, recorded by the passes: a source tensor, an upcycled /
-split / freshly drawn expert tensor, this rank's ``ExpertSlice`` of one, a scaled shared-expert
-projection). Only what this rank holds is built, and only the parts of the source tensors it
-needs are read: an expert-parallel rank reads the rows (or columns) of its experts, an
-upcycled expert tensor reads its dense tensor once and repeats it, ``random`` experts draw
-only this rank's experts (reading the dense FFN matrices whole, for their std).
+granular / split / drop-upcycled / freshly drawn expert tensor, this rank's ``ExpertSlice`` of
+one, a scaled shared-expert projection). Only what this rank holds is built, and only the parts
+of the source tensors it needs are read: an expert-parallel rank reads the rows (or columns)
+of its experts' slices, an upcycled expert tensor reads its dense tensor once and repeats it,
+``random`` and ``drop_upcycle`` experts draw only this rank's experts, each from seeds of its
+own (reading the dense FFN matrices whole, for their statistics).
 
 Pipelined programs (``program.pipeline``; ``pp_rank`` required): only the parameters and
 buffers that the stages of ``pp_rank`` read (``Pipeline.local_stages``) are built and only
