@@ -286,7 +286,7 @@ def cmd_data_build(args: argparse.Namespace) -> int:
 
 def _add_data_parser(sub) -> None:
     """``moec data build`` (:mod:`moec.corpus_build`)."""
-    from moec.corpus_build import BuildOptions, parse_bytes
+    from moec.corpus_build import MB, BuildOptions, parse_bytes
 
     defaults = BuildOptions()
     data = sub.add_parser("data", help="build training corpora")
@@ -312,33 +312,34 @@ def _add_data_parser(sub) -> None:
         type=parse_bytes,
         metavar="SIZE",
         default=defaults.max_bytes,
-        help="text taken at most, e.g. 300M (default 300M)",
+        help=f"text taken at most, e.g. 300M (default {defaults.max_bytes / MB:g}M)",
     )
     build.add_argument(
         "--max-file-bytes",
         type=parse_bytes,
         metavar="SIZE",
         default=defaults.max_file_bytes,
-        help="larger files are left out (default 1M)",
+        help=f"larger files are left out (default {defaults.max_file_bytes / MB:g}M)",
     )
     build.add_argument(
         "--eval-fraction",
         type=float,
         default=defaults.eval_fraction,
-        help="share of the files, by content hash, in the eval split (default 0.01)",
+        help="share of the files, by content hash, in the eval split (default %(default)s)",
     )
     build.add_argument(
         "--vocab-size",
         type=int,
         default=defaults.vocab_size,
-        help="the tokenizer's vocabulary at most (default 8192)",
+        help="the tokenizer's vocabulary at most (default %(default)s)",
     )
     build.add_argument(
         "--tokenizer-sample-bytes",
         type=parse_bytes,
         metavar="SIZE",
         default=defaults.tokenizer_sample_bytes,
-        help="train-split text the tokenizer is trained on (default 20M)",
+        help="train-split text the tokenizer is trained on (default "
+        f"{defaults.tokenizer_sample_bytes / MB:g}M)",
     )
     build.add_argument(
         "--force",

@@ -7,11 +7,12 @@ A spec is a short name or ``path/to/file.py:factory``:
 - ``hf-llama``, ``hf-qwen2``, ``hf-gpt2``: transformers' ``LlamaForCausalLM``,
   ``Qwen2ForCausalLM``, ``GPT2LMHeadModel`` from tiny configs (hidden 64, 2 layers) with random
   weights and ``use_cache=False``;
-
-  the named models' vocabulary is 256 (byte tokens), or ``vocab_size`` (``moec train --data`` of
-  a corpus ``moec data build`` wrote: its tokenizer's);
 - ``file.py:factory``: ``factory()`` returns ``(model, example_inputs)`` or a model with an
   ``example_inputs()`` method.
+
+The named models' vocabulary is 256 (byte tokens), or ``load_model``'s ``vocab_size`` (``moec
+train --data`` of a corpus ``moec data build`` wrote passes its tokenizer's); a factory's model
+keeps its own.
 
 The example input of the named models is random token ids of shape (2, 64).
 """
