@@ -6,6 +6,7 @@
     moec inspect llama                        blocks and FFN regions, parameters, FLOPs/token
     moec debug llama --plan p.yaml --out dbg  the graph after every pass, and dbg/repro.py
     moec demo / moec train ...                training (moec.train)
+    moec data build DIR [--source PATH ...]   a corpus from the text on this machine, tokenized
 
 MODEL is a short name (``llama``, ``gpt2``, ``hf-llama``, ``hf-qwen2``, ``hf-gpt2``) or
 ``path/to/file.py:factory`` (see :mod:`moec.models.zoo`).
@@ -263,6 +264,94 @@ def cmd_train(args: argparse.Namespace) -> int:
     return cli_train(args) or 0
 
 
+def cmd_data_build(args: argparse.Namespace) -> int:
+    import time
+
+    from moec.corpus_build import BuildOptions, build_corpus
+
+    options = BuildOptions(
+        sources=tuple(args.source),
+        max_bytes=args.max_bytes,
+        max_file_bytes=args.max_file_bytes,
+        eval_fraction=args.eval_fraction,
+        vocab_size=args.vocab_size,
+        tokenizer_sample_bytes=args.tokenizer_sample_bytes,
+    )
+    console, start = _console(), time.monotonic()
+
+    def say(line: str) -> None:
+        console.print(f"{time.monotonic() - start:7.1f} s  {line}", markup=False, soft_wrap=True)
+
+    build_corpus(args.dir, options, force=args.force, say=say)
+    console.print(f"train on it: moec train --data {args.dir} ...", markup=False)
+    return 0
+
+
+def _add_data_parser(sub) -> None:
+    """``moec data build`` (:mod:`moec.corpus_build`)."""
+    from moec.corpus_build import MB, BuildOptions, parse_bytes
+
+    defaults = BuildOptions()
+    data = sub.add_parser("data", help="build training corpora")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    build = data_sub.add_parser(
+        "build",
+        help="a tokenized corpus, train and eval splits, from the text on this machine",
+        description="Read the .py/.md/.rst/.txt files of the installed Python packages (or "
+        "--source), split them train/eval by content hash, train a byte-level BPE tokenizer "
+        "and write DIR/{train,eval}/tokens.bin, DIR/tokenizer.json and DIR/manifest.json "
+        "(see moec.corpus_build); moec train --data DIR trains on it.",
+    )
+    build.add_argument("dir", metavar="DIR", help="the corpus folder (new or empty)")
+    build.add_argument(
+        "--source",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a folder or file of text (repeatable); default: the installed Python packages",
+    )
+    build.add_argument(
+        "--max-bytes",
+        type=parse_bytes,
+        metavar="SIZE",
+        default=defaults.max_bytes,
+        help=f"text taken at most, e.g. 300M (default {defaults.max_bytes / MB:g}M)",
+    )
+    build.add_argument(
+        "--max-file-bytes",
+        type=parse_bytes,
+        metavar="SIZE",
+        default=defaults.max_file_bytes,
+        help=f"larger files are left out (default {defaults.max_file_bytes / MB:g}M)",
+    )
+    build.add_argument(
+        "--eval-fraction",
+        type=float,
+        default=defaults.eval_fraction,
+        help="share of the files, by content hash, in the eval split (default %(default)s)",
+    )
+    build.add_argument(
+        "--vocab-size",
+        type=int,
+        default=defaults.vocab_size,
+        help="the tokenizer's vocabulary at most (default %(default)s)",
+    )
+    build.add_argument(
+        "--tokenizer-sample-bytes",
+        type=parse_bytes,
+        metavar="SIZE",
+        default=defaults.tokenizer_sample_bytes,
+        help="train-split text the tokenizer is trained on (default "
+        f"{defaults.tokenizer_sample_bytes / MB:g}M)",
+    )
+    build.add_argument(
+        "--force",
+        action="store_true",
+        help="build into a folder that is not empty, replacing its corpus files",
+    )
+    build.set_defaults(func=cmd_data_build)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moec", description="Compile dense PyTorch models into MoE training programs."
@@ -393,6 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.set_defaults(func=cmd_train)
     add_export_parser(sub)
+    _add_data_parser(sub)
     return parser
 
 

@@ -10,7 +10,11 @@ Sources:
   ``DatasetDict``'s ``train`` split), whose ``--text-column`` is tokenized with a
   ``transformers`` tokenizer (``--tokenizer NAME_OR_PATH``) when the run starts: each document's
   ids (without special tokens) followed by the tokenizer's EOS, documents concatenated;
-- a folder of token files (every ``.bin``/``.npy`` in it).
+- a folder of token files (every ``.bin``/``.npy`` in it);
+- a corpus ``moec data build`` wrote (a folder holding its ``manifest.json``,
+  :mod:`moec.corpus_build`): its train split, never its eval split. :func:`built_corpus` gives
+  both splits and the tokenizer's vocabulary; a model whose vocabulary is smaller than the
+  tokenizer's is a :class:`CorpusError` naming both, before any batch is read.
 
 SPEC is ``PATH[:WEIGHT],PATH[:WEIGHT],...`` where PATH may be a glob (``shards/*.npy``), or a
 ``.json``/``.yaml`` file holding ``{"sources": [{"path": ..., "weight": ..., "dtype": ...}]}``
@@ -44,7 +48,7 @@ import json
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -56,20 +60,48 @@ TOKEN_SUFFIXES = (".bin", ".npy")
 SPEC_SUFFIXES = (".json", ".yaml", ".yml")
 _NPY_MAGIC = b"\x93NUMPY"
 _HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+MANIFEST = "manifest.json"
+"""The file that makes a folder a built corpus (``moec data build``)."""
+SPLITS = ("train", "eval")
 
 
 class CorpusError(DataError):
     """A ``--data`` corpus that cannot be read or does not fit the model."""
 
 
+@dataclasses.dataclass(frozen=True)
+class BuiltSplit:
+    """A split of a corpus ``moec data build`` wrote, as its manifest records it."""
+
+    corpus: str
+    """The corpus folder (holding ``manifest.json`` and ``tokenizer.json``)."""
+    split: str
+    """``train`` or ``eval``."""
+    sha256: str
+    """The split's token file's."""
+    vocab_size: int
+    """The tokenizer's: every id is below it."""
+    tokenizer_sha256: str
+
+
 @dataclasses.dataclass
 class SourceSpec:
-    """One entry of ``--data``: a path or glob, its sampling weight (None: by size) and the
-    dtype of its raw token files."""
+    """One entry of ``--data``: a path or glob, its sampling weight (None: by size), the
+    dtype of its raw token files, and the built corpus split it is (None: any other file)."""
 
     path: str
     weight: float | None = None
     dtype: str = "uint16"
+    built: BuiltSplit | None = None
+
+
+class BuiltCorpus(NamedTuple):
+    """A corpus ``moec data build`` wrote: its two splits as sources and the tokenizer's
+    vocabulary."""
+
+    train: SourceSpec
+    eval: SourceSpec
+    vocab_size: int
 
 
 @dataclasses.dataclass
@@ -82,7 +114,84 @@ class _Part:
 
 
 def parse_spec(spec: str, dtype: str = "uint16") -> list[SourceSpec]:
-    """``--data`` as a list of sources (see module); ``dtype`` is ``--data-dtype``."""
+    """``--data`` as a list of sources (see module); ``dtype`` is ``--data-dtype``. A built
+    corpus folder becomes its train split (with its weight)."""
+    return [_train_split(source) for source in _parse(spec, dtype)]
+
+
+def _train_split(source: SourceSpec) -> SourceSpec:
+    folder = Path(source.path).expanduser()
+    if not (folder / MANIFEST).is_file():
+        return source
+    return dataclasses.replace(built_corpus(folder).train, weight=source.weight)
+
+
+def built_vocab(sources: list[SourceSpec]) -> int | None:
+    """The vocabulary of the tokenizer the built corpora among ``sources`` were tokenized
+    with; None where no source is a built corpus. Built corpora of different tokenizers (their
+    ids mean different things) are a :class:`CorpusError`."""
+    built = [s.built for s in sources if s.built is not None]
+    tokenizers = {b.tokenizer_sha256: b for b in built}
+    if len(tokenizers) > 1:
+        a, b = list(tokenizers.values())[:2]
+        raise CorpusError(
+            f"--data: {a.corpus} and {b.corpus} were tokenized by different tokenizers (their "
+            "tokenizer.json differ), so their ids mean different things; train on one, or "
+            "build one corpus from both (moec data build DIR --source A --source B)"
+        )
+    return built[0].vocab_size if built else None
+
+
+def built_corpus(folder: str | Path) -> BuiltCorpus:
+    """The corpus ``moec data build`` wrote in ``folder``, read from its manifest (see
+    :mod:`moec.corpus_build`); each token file's size is checked against the manifest, a
+    :class:`CorpusError` naming the file where they differ."""
+    folder = Path(folder).expanduser()
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise CorpusError(
+            f"--data {folder}: no {MANIFEST}, so not a corpus moec data build wrote (build one "
+            "with moec data build DIR)"
+        )
+    try:
+        manifest = json.loads(path.read_text())
+        tokenizer = manifest["tokenizer"]
+        vocab, tokenizer_sha = int(tokenizer["vocab_size"]), str(tokenizer["sha256"])
+        files = [manifest["token_files"][split] for split in SPLITS]
+        entries = [
+            (str(f["path"]), str(f["dtype"]), int(f["tokens"]), str(f["sha256"])) for f in files
+        ]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CorpusError(
+            f"--data {folder}: {MANIFEST} is not a manifest moec data build writes ({exc!r}); "
+            "rebuild the corpus (moec data build DIR --force)"
+        ) from exc
+    splits = [
+        _built_source(BuiltSplit(str(folder), split, sha, vocab, tokenizer_sha), name, dtype, n)
+        for split, (name, dtype, n, sha) in zip(SPLITS, entries, strict=True)
+    ]
+    return BuiltCorpus(*splits, vocab)
+
+
+def _built_source(built: BuiltSplit, name: str, dtype: str, tokens: int) -> SourceSpec:
+    """The split ``built`` as a source: its token file ``name`` (relative to the corpus), whose
+    size must be ``tokens`` ids of ``dtype``."""
+    folder = Path(built.corpus)
+    _check_dtype(dtype, f"--data {folder / MANIFEST}: token_files.{built.split}.dtype")
+    file = folder / name
+    expected = tokens * np.dtype(TOKEN_DTYPES[dtype]).itemsize
+    size = file.stat().st_size if file.is_file() else None
+    if size != expected:
+        found = "is missing" if size is None else f"has {size} bytes"
+        raise CorpusError(
+            f"--data {folder}: {file} {found}, but the manifest records {tokens} {dtype} ids "
+            f"({expected} bytes): the corpus changed after it was built; rebuild it "
+            "(moec data build DIR --force)"
+        )
+    return SourceSpec(str(file), None, dtype, built)
+
+
+def _parse(spec: str, dtype: str) -> list[SourceSpec]:
     _check_dtype(dtype, "--data-dtype")
     if not spec or not spec.strip():
         raise CorpusError("--data is empty: give PATH[:WEIGHT],... or a .json/.yaml data spec")
@@ -188,6 +297,8 @@ class TokenCorpus:
         self.batch_size, self.seq_len = batch_size, seq_len
         self.vocab_size, self.seed = vocab_size, seed
         self.tokenizer_name, self.text_column = tokenizer, text_column
+        self.built = [s.built for s in sources if s.built is not None]
+        _check_built_vocab(sources, vocab_size)
         window = seq_len + 1
         self.sources: list[list[_Part]] = []
         for spec in sources:
@@ -221,11 +332,14 @@ class TokenCorpus:
 
     def describe(self) -> dict[str, Any]:
         """The corpus for the run's identity: every file with its size, and the weights."""
-        return {
+        described = {
             "files": [[p.name, len(p.tokens)] for parts in self.sources for p in parts],
             "weights": [round(float(w), 12) for w in self.source_probs],
             "tokenizer": self.tokenizer_name,
         }
+        if self.built:  # what the files hold (their sha256), as their manifest records it
+            described["built"] = [dataclasses.asdict(b) for b in self.built]
+        return described
 
     @property
     def tokens(self) -> int:
@@ -316,6 +430,19 @@ class TokenCorpus:
             f"(window {index}, read at step {step}), but the model's vocabulary has "
             f"{self.vocab_size} ids (0-{self.vocab_size - 1}): the corpus was tokenized for "
             "another vocabulary, or its --data-dtype is wrong"
+        )
+
+
+def _check_built_vocab(sources: list[SourceSpec], vocab_size: int) -> None:
+    """A :class:`CorpusError` where the built corpora among ``sources`` were tokenized for more
+    ids than the model's ``vocab_size``."""
+    needed = built_vocab(sources)
+    if needed is not None and needed > vocab_size:
+        corpus = next(s.built.corpus for s in sources if s.built is not None)
+        raise CorpusError(
+            f"--data {corpus}: its tokenizer ({corpus}/tokenizer.json) has {needed} ids, but the "
+            f"model's vocabulary has {vocab_size}: give the model vocab_size >= {needed} (moec "
+            "train sizes its named models, --model llama etc., to the corpus)"
         )
 
 

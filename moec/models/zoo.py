@@ -5,10 +5,14 @@ A spec is a short name or ``path/to/file.py:factory``:
 - ``llama``, ``gpt2``: the bundled :class:`~moec.models.Llama` / :class:`~moec.models.GPT2` with
   their default small configs;
 - ``hf-llama``, ``hf-qwen2``, ``hf-gpt2``: transformers' ``LlamaForCausalLM``,
-  ``Qwen2ForCausalLM``, ``GPT2LMHeadModel`` from tiny configs (vocab 256, hidden 64, 2 layers)
-  with random weights and ``use_cache=False``;
+  ``Qwen2ForCausalLM``, ``GPT2LMHeadModel`` from tiny configs (hidden 64, 2 layers) with random
+  weights and ``use_cache=False``;
 - ``file.py:factory``: ``factory()`` returns ``(model, example_inputs)`` or a model with an
   ``example_inputs()`` method.
+
+The named models' vocabulary is 256 (byte tokens), or ``load_model``'s ``vocab_size`` (``moec
+train --data`` of a corpus ``moec data build`` wrote passes its tokenizer's); a factory's model
+keeps its own.
 
 The example input of the named models is random token ids of shape (2, 64).
 """
@@ -38,20 +42,22 @@ def example_tokens(vocab: int = VOCAB) -> torch.Tensor:
     return torch.randint(0, vocab, EXAMPLE_SHAPE, generator=torch.Generator().manual_seed(0))
 
 
-def _bundled(name: str) -> Callable[[], nn.Module]:
-    def build() -> nn.Module:
-        from moec.models import GPT2, Llama
+def _bundled(name: str) -> Callable[[int], nn.Module]:
+    def build(vocab: int) -> nn.Module:
+        from moec.models import GPT2, GPT2Config, Llama, LlamaConfig
 
-        return {"llama": Llama, "gpt2": GPT2}[name]()
+        if name == "gpt2":
+            return GPT2(GPT2Config(vocab_size=vocab))
+        return Llama(LlamaConfig(vocab_size=vocab))
 
     return build
 
 
-def _hf(name: str) -> Callable[[], nn.Module]:
-    def build() -> nn.Module:
+def _hf(name: str) -> Callable[[int], nn.Module]:
+    def build(vocab: int) -> nn.Module:
         import transformers as tf
 
-        common = dict(vocab_size=VOCAB, use_cache=False, bos_token_id=1, eos_token_id=2)
+        common = dict(vocab_size=vocab, use_cache=False, bos_token_id=1, eos_token_id=2)
         if name == "gpt2":
             config = tf.GPT2Config(
                 n_embd=64,
@@ -84,7 +90,7 @@ def _hf(name: str) -> Callable[[], nn.Module]:
     return build
 
 
-SHORT_NAMES: dict[str, Callable[[], nn.Module]] = {
+SHORT_NAMES: dict[str, Callable[[int], nn.Module]] = {
     "llama": _bundled("llama"),
     "gpt2": _bundled("gpt2"),
     "hf-llama": _hf("llama"),
@@ -93,10 +99,13 @@ SHORT_NAMES: dict[str, Callable[[], nn.Module]] = {
 }
 
 
-def load_model(spec: str) -> Loaded:
-    """The model ``spec`` names, with its example positional and keyword inputs (see module)."""
+def load_model(spec: str, vocab_size: int | None = None) -> Loaded:
+    """The model ``spec`` names, with its example positional and keyword inputs (see module);
+    ``vocab_size`` sizes a named model's vocabulary (None: 256); a factory's model keeps its
+    own."""
     if spec in SHORT_NAMES:
-        return SHORT_NAMES[spec](), (example_tokens(),), {}
+        vocab = vocab_size or VOCAB
+        return SHORT_NAMES[spec](vocab), (example_tokens(vocab),), {}
     path, sep, _ = spec.rpartition(":")
     if not sep or not path.endswith(".py"):
         raise ModelSpecError(

@@ -75,7 +75,9 @@ def cli_demo(args) -> int:
 
 def cli_train(args) -> int:
     """``moec train``: a model the CLI knows, a plan file, offline text, synthetic data or your
-    own tokens (``--data``)."""
+    own tokens (``--data``; a named model's vocabulary is that of the corpus ``moec data build``
+    wrote, where ``--data`` is one)."""
+    from moec.corpus import built_vocab, parse_spec
     from moec.models.zoo import load_model
 
     plan = Plan.load(args.plan) if args.plan else Plan()
@@ -113,10 +115,11 @@ def cli_train(args) -> int:
         warmup_steps=args.warmup_steps,
         weight_decay=args.weight_decay,
     )
+    vocab = built_vocab(parse_spec(cfg.data, cfg.data_dtype)) if cfg.data else None
     torch.manual_seed(cfg.seed)  # the model's initialisation is part of the run
     # from a checkpoint or fresh, the model is built on shapes: each rank builds only its part
     with torch.device("meta") if cfg.init_from else contextlib.nullcontext():
-        model = load_model(args.model)[0]
+        model = load_model(args.model, vocab_size=vocab)[0]
     return _train_and_report(model, plan, cfg)
 
 
