@@ -275,7 +275,7 @@ def train_arm(name: str, arm: Arm, ctx: Context, steps: int, first_step: int = 0
         scheduler.step()
         if (step + 1) % s.eval_every == 0 or step + 1 == steps:
             curve["step"].append(step + 1)
-            curve["train_loss"].append(float(loss))
+            curve["train_loss"].append(float(loss.detach()))
             curve["max_vio"].append(max_violation(arm.loads()))
             curve["eval_loss"].append(evaluate(arm, ctx.evals))
     seconds = time.perf_counter() - started
@@ -314,8 +314,8 @@ def pretrain_job(ctx: Context) -> dict[str, Any]:
 UPCYCLING = {
     "dense continued": None,
     "upcycled": {"init": "upcycle"},
-    "granular": {"init": "granular", "granularity": 2},
-    "drop-upcycled": {"init": "drop_upcycle", "drop_ratio": 0.5},
+    "granular": {"init": "upcycle", "upcycle_granularity": 2},
+    "drop-upcycled": {"init": "drop_upcycle", "drop_upcycle_ratio": 0.5},
 }
 
 
