@@ -138,6 +138,11 @@ def print_summary(result: TrainResult) -> None:
         f"[bold]{s['plan']}[/bold] on {s['device']}: loss {s['first_loss']:.3f} -> "
         f"{s['final_loss']:.3f} in {s['steps']} steps; "
         + (f"{tokens:,.0f} tokens/s ({s['throughput_from']}); " if tokens else "")
+        + (
+            f"checkpoint writes {s['checkpoint_s']:.1f} s (not counted as step time); "
+            if s.get("checkpoint_s")
+            else ""
+        )
         + (f"{s['skipped_steps']} non-finite steps skipped; " if s["skipped_steps"] else "")
         + (
             f"{s['spike_skipped_steps']} loss or gradient-norm spikes skipped; "
