@@ -480,6 +480,13 @@ def _add_run_arguments(sub: argparse.ArgumentParser) -> None:
         "--resume", action="store_true", help="continue this run from its newest checkpoint"
     )
     sub.add_argument(
+        "--replan-schedule",
+        action="store_true",
+        help="with --resume and other --steps than the run planned: re-plan the learning-rate "
+        "schedule over the new --steps (default: keep the planned one; steps past its end train "
+        "at its final rate)",
+    )
+    sub.add_argument(
         "--force",
         action="store_true",
         help="resume a run whose settings differ, or start over another run's checkpoints",

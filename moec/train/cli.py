@@ -67,6 +67,7 @@ def cli_demo(args) -> int:
         device=str(device),
         seed=args.seed,
         resume=args.resume,
+        replan_schedule=args.replan_schedule,
         force=args.force,
     )
     torch.manual_seed(cfg.seed)  # the model's initialisation is part of the run
@@ -93,6 +94,7 @@ def cli_train(args) -> int:
         device=args.device,
         synthetic=args.synthetic,
         resume=args.resume,
+        replan_schedule=args.replan_schedule,
         force=args.force,
         init_from=args.init_from,
         max_nonfinite_steps=args.max_nonfinite_steps,
