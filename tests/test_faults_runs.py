@@ -190,10 +190,11 @@ def test_a_stale_lock_of_a_dead_process_is_taken_over_and_said(tmp_path, capsys)
 
 def test_a_lock_held_on_another_host_is_refused_since_it_cannot_be_checked(tmp_path):
     _dead_holders_lock(tmp_path)  # dead here, but said to be elsewhere: cannot be judged
-    holder = {**_lock(tmp_path), "host": "another-host"}
-    (tmp_path / LOCK_FILE).write_text(json.dumps(holder))
-    with pytest.raises(RunLockError, match=r"another-host.*on another host.*remove .*run\.lock"):
-        train(tiny_llama(), PLAN, _cfg(tmp_path, steps=1))
+    dead = _lock(tmp_path)
+    for elsewhere in ({"host": "another-host"}, {"pid_ns": "pid:[1]"}):  # or another container
+        (tmp_path / LOCK_FILE).write_text(json.dumps({**dead, **elsewhere}))
+        with pytest.raises(RunLockError, match=r"in another container, which this one cannot"):
+            train(tiny_llama(), PLAN, _cfg(tmp_path, steps=1))
     (tmp_path / LOCK_FILE).write_text("")  # a lock that names no run
     with pytest.raises(RunLockError, match=r"names no run.*remove it"):
         lock_run_dir(tmp_path, print)

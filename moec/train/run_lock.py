@@ -2,8 +2,9 @@
 
 :func:`lock_run_dir` creates ``OUT/run.lock`` with ``O_CREAT | O_EXCL`` (atomic, on local file
 systems and NFS alike: of two runs starting together, exactly one creates it) and writes the
-holder into it: pid, host, the process's start time as the kernel counts it (to tell a live
-process from a later one that reuses its pid), when the run started and its command line.
+holder into it: pid, host and pid namespace, the process's start time as the kernel counts it
+(to tell a live process from a later one that reuses its pid), when the run started and its
+command line.
 :meth:`RunLock.release` removes it (the trainer releases it at the end of the run, after an
 error too). Where the file exists:
 
@@ -12,8 +13,9 @@ error too). Where the file exists:
 - its holder ran on this host and is gone (killed, ``kill -9``, a crash, a reboot): the lock is
   stale; it is moved aside (a rename: of two runs taking it over together, one moves it), and
   the run takes it over, saying so;
-- its holder runs on another host (folders on a shared file system): it cannot be checked from
-  here, so the run is refused, naming the holder and the file to remove if that run is gone.
+- its holder runs on another host (folders on a shared file system) or in another pid
+  namespace (a container sharing the folder): it cannot be checked from here, so the run is
+  refused, naming the holder and the file to remove if that run is gone.
 
 In a job (torchrun) the global rank 0 takes the lock for the whole job, on one host or several:
 the job is one run, its other ranks write only into checkpoints, and the trainer makes every
@@ -106,14 +108,15 @@ def check_free(out: Path) -> None:
 
 
 def _refuse_if_held(out: Path, holder: dict[str, Any]) -> None:
-    """Raise :class:`RunLockError` unless ``holder`` ran on this host and is gone."""
-    host = socket.gethostname()
-    if holder.get("host") == host and not _alive(holder):
+    """Raise :class:`RunLockError` unless ``holder`` ran where its pid can be checked from
+    here (this host, this pid namespace) and is gone."""
+    here = holder.get("host") == socket.gethostname() and holder.get("pid_ns") == _pid_ns()
+    if here and not _alive(holder):
         return
     where = (
         "it is still running"
-        if holder.get("host") == host
-        else "on another host, which this one cannot check"
+        if here
+        else "on another host or in another container, which this one cannot check"
     )
     path = out / LOCK_FILE
     raise RunLockError(
@@ -125,12 +128,14 @@ def _refuse_if_held(out: Path, holder: dict[str, Any]) -> None:
 
 def _this_holder() -> dict[str, Any]:
     pid = os.getpid()
+    argv = getattr(sys, "orig_argv", sys.argv)  # ``python3 -m moec train ...`` as typed
     return {
         "pid": pid,
         "host": socket.gethostname(),
+        "pid_ns": _pid_ns(),
         "process_start": _process_start(pid),
         "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]])[:300],
+        "command": " ".join([os.path.basename(argv[0]), *argv[1:]])[:300],
         "token": uuid.uuid4().hex,
     }
 
@@ -190,6 +195,14 @@ def _alive(holder: dict[str, Any]) -> bool:
     return recorded is None or now is None or recorded == now
 
 
+def _pid_ns() -> str | None:
+    """This process's pid namespace (Linux: ``pid:[inode]``); None where unknown."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
 def _process_start(pid: int) -> str | None:
     """When process ``pid`` started, in clock ticks since boot (Linux's ``/proc/PID/stat``);
     ``"zombie"`` for a process that ended and was not reaped; None where unknown."""
@@ -215,7 +228,7 @@ def _move_aside(path: Path, stale: dict[str, Any]) -> bool:
     if (_read(aside) or {}).get("token") == stale.get("token"):
         aside.unlink()
         return True
-    with contextlib.suppress(FileExistsError):
+    with contextlib.suppress(OSError):  # exists: a third run's; no hard links: lost
         os.link(aside, path)  # the live lock of the run that took over first
     aside.unlink()
     return False

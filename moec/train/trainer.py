@@ -574,8 +574,6 @@ class Trainer:
             dist.broadcast_object_list(shared, src=0, device=self.device)
             refusal = shared[0]
         if refusal is not None:
-            if held is not None:
-                held.release()
             raise RunLockError(refusal)
         return held
 
