@@ -3,8 +3,9 @@ examples/llama3_8b.py:llama3_8b --world 64``.
 
 The factory builds transformers' ``LlamaForCausalLM`` from Llama-3-8B's configuration (hidden
 4096, FFN 14336, 32 layers, 32 query and 8 key/value heads, vocabulary 128256, untied
-embeddings, RoPE theta 500000). ``moec plan show`` calls it on the meta device, so no weights
-are allocated; called elsewhere it allocates 8B random float32 parameters (32 GB).
+embeddings, RoPE theta 500000). ``moec plan show`` and ``moec inspect`` call it on the meta
+device, so no weights are allocated; called elsewhere it allocates 8B random float32 parameters
+(32 GB).
 """
 
 import torch

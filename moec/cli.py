@@ -32,7 +32,7 @@ from moec.autoplan.cli import add_plan_auto_parser
 from moec.errors import MoecError, one_line
 from moec.export.cli import add_export_parser
 from moec.folders import writable_folder
-from moec.models.zoo import SHORT_NAMES, load_model
+from moec.models.zoo import SHORT_NAMES, Loaded, load_model
 from moec.passes.manager import pipeline_string, select
 from moec.plan import Plan
 from moec.program import EPGroup
@@ -118,18 +118,24 @@ def describe_layout(plan: Plan) -> str:
     )
 
 
+def _meta_model(spec: str) -> Loaded:
+    """The model ``spec`` names with its example inputs, built on the meta device: shapes and
+    dtypes only, no parameter or input allocated, so a model of any size can be analysed."""
+    import torch
+
+    with torch.device("meta"):
+        return load_model(spec)
+
+
 def _memory_table(plan: Plan, args: argparse.Namespace) -> str:
     """Per-rank memory of ``plan`` on ``args.model``: the program the trainer compiles (with
     its loss), built on the meta device (no parameter is allocated, so any size works), at the
     batch per microbatch and sequence asked for."""
-    import torch
-
     from moec.analysis.rank_memory import format_rank_memory, rank_memory
     from moec.compiler import build_program
     from moec.debug import with_next_token_loss
 
-    with torch.device("meta"):
-        model, inputs, kwargs = load_model(args.model)
+    model, inputs, kwargs = _meta_model(args.model)
     model, inputs = with_next_token_loss(model, inputs, kwargs, args.model)
     program = build_program(model, plan, inputs, {}, mesh=_debug_mesh(plan, 0), verify=False)
     micro = plan.parallel.microbatches
@@ -143,12 +149,14 @@ def _memory_table(plan: Plan, args: argparse.Namespace) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    """Blocks, FFN regions and costs of MODEL, captured on the meta device (see
+    :func:`_meta_model`)."""
     import moec
     from moec.analysis.cost import format_count, graph_cost
     from moec.analysis.structure import find_structure
     from moec.fx import module_path
 
-    model, inputs, kwargs = load_model(args.model)
+    model, inputs, kwargs = _meta_model(args.model)
     gm = moec.trace(model, inputs, kwargs)
     cost = graph_cost(gm)
     sizes = {k: v for k, v in (("batch", args.batch), ("seq", args.seq)) if v is not None}
@@ -563,6 +571,13 @@ def _add_run_arguments(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--seed", type=int, default=0, help="seeds the model, data and routing")
     sub.add_argument(
         "--resume", action="store_true", help="continue this run from its newest checkpoint"
+    )
+    sub.add_argument(
+        "--replan-schedule",
+        action="store_true",
+        help="with --resume and other --steps than the run planned: re-plan the learning-rate "
+        "schedule over the new --steps (default: keep the planned one; steps past its end train "
+        "at its final rate)",
     )
     sub.add_argument(
         "--force",

@@ -162,6 +162,33 @@ def test_inspect_accepts_a_factory_file(tmp_path, capsys):
     assert "3 FFN regions" in out and "seq=32" in out
 
 
+def test_inspect_builds_the_model_on_the_meta_device(tmp_path, capsys):
+    """A model far larger than this machine (7.8G float32 parameters: 31 GB) is inspected
+    without allocating it: the factory runs under the meta device. Built anywhere else, the
+    factory refuses (so the old code fails here instead of exhausting the machine's memory)."""
+    factory = tmp_path / "huge.py"
+    factory.write_text(
+        textwrap.dedent("""
+        import torch
+        from moec.models import Llama, LlamaConfig
+
+        def make():
+            if torch.empty(0).device.type != "meta":
+                raise RuntimeError("built on a real device: it would allocate 31 GB")
+            cfg = LlamaConfig(
+                vocab_size=262144, dim=8192, n_layers=2, n_heads=64, n_kv_heads=8,
+                ffn_hidden=65536,
+            )
+            model = Llama(cfg)
+            assert all(p.is_meta for p in model.parameters())
+            return model, (torch.randint(0, cfg.vocab_size, (2, 16)),)
+    """)
+    )
+    assert main(["inspect", f"{factory}:make"]) == 0
+    out = capsys.readouterr().out
+    assert "2 FFN regions" in out and "params 7.82G" in out
+
+
 def test_inspect_names_an_ffn_beside_a_router_and_a_rejected_one(tmp_path, capsys):
     factory = tmp_path / "routed.py"
     factory.write_text(

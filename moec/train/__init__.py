@@ -4,6 +4,8 @@
 By subject: :mod:`~moec.train.config` (the settings), :mod:`~moec.train.objective` (the loss and
 the optimizer's groups), :mod:`~moec.train.trainer` (one optimizer step, checkpoints, resume),
 :mod:`~moec.train.loop` (log points, metrics, summary, the non-finite stop),
+:mod:`~moec.train.timing` (step time apart from checkpoint writes), :mod:`~moec.train.run_lock`
+(one run per run folder),
 :mod:`~moec.train.cli` (the entry points).
 """
 
@@ -11,6 +13,7 @@ from moec.train.cli import DEMO_PLAN, cli_demo, cli_train, demo_model, train
 from moec.train.config import TrainConfig, TrainConfigError, resolve_device, wsd_schedule
 from moec.train.loop import NonFiniteError, TrainResult
 from moec.train.objective import LanguageModelWithLoss, language_model_loss, parameter_groups
+from moec.train.run_lock import RunLockError
 from moec.train.trainer import CheckpointLoadError, MemoryPlanError, Trainer
 
 __all__ = [
@@ -19,6 +22,7 @@ __all__ = [
     "LanguageModelWithLoss",
     "MemoryPlanError",
     "NonFiniteError",
+    "RunLockError",
     "TrainConfig",
     "TrainConfigError",
     "TrainResult",

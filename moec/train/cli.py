@@ -67,6 +67,7 @@ def cli_demo(args) -> int:
         device=str(device),
         seed=args.seed,
         resume=args.resume,
+        replan_schedule=args.replan_schedule,
         force=args.force,
     )
     torch.manual_seed(cfg.seed)  # the model's initialisation is part of the run
@@ -95,6 +96,7 @@ def cli_train(args) -> int:
         device=args.device,
         synthetic=args.synthetic,
         resume=args.resume,
+        replan_schedule=args.replan_schedule,
         force=args.force,
         init_from=args.init_from,
         max_nonfinite_steps=args.max_nonfinite_steps,
@@ -141,6 +143,11 @@ def print_summary(result: TrainResult) -> None:
         f"[bold]{s['plan']}[/bold] on {s['device']}: loss {s['first_loss']:.3f} -> "
         f"{s['final_loss']:.3f} in {s['steps']} steps; "
         + (f"{tokens:,.0f} tokens/s ({s['throughput_from']}); " if tokens else "")
+        + (
+            f"checkpoint writes {s['checkpoint_s']:.1f} s (not counted as step time); "
+            if s.get("checkpoint_s")
+            else ""
+        )
         + (f"{s['skipped_steps']} non-finite steps skipped; " if s["skipped_steps"] else "")
         + (
             f"{s['spike_skipped_steps']} loss or gradient-norm spikes skipped; "

@@ -30,6 +30,8 @@ class TrainConfigError(MoecError):
 @dataclasses.dataclass
 class TrainConfig:
     steps: int = 200
+    """The run's last step. The learning-rate schedule is planned over it when the run starts
+    and kept by a resume with other ``steps`` (see ``replan_schedule``)."""
     batch_size: int = 16
     """Sequences per optimizer step (split into plan.parallel.microbatches)."""
     seq_len: int = 128
@@ -63,6 +65,11 @@ class TrainConfig:
     device: str = "auto"
     synthetic: bool = False
     resume: bool = False
+    replan_schedule: bool = False
+    """On a resume whose ``steps`` differ from the run's plan: re-plan the learning-rate schedule
+    over the new ``steps`` (the rate moves to where the new schedule is at the resumed step).
+    Without it the planned schedule is kept: steps past its end train at its final rate, and a
+    run stopped before its end has not finished its decay."""
     force: bool = False
     """Resume a run whose identity differs, or start a new run over another run's checkpoints
     (which it removes)."""
@@ -192,7 +199,7 @@ _CLI_FIELDS = frozenset(
     "on_router_collapse "
     "device seed init_from max_nonfinite_steps memory_limit_gib profile data data_dtype tokenizer "
     "text_column prefetch batch_warmup spike_sigma spike_window spike_min_steps z_loss "
-    "no_decay lr warmup_steps weight_decay out".split()
+    "no_decay lr warmup_steps weight_decay out replan_schedule".split()
 )
 """TrainConfig fields that ``moec train`` sets from a flag of the same name."""
 
@@ -224,9 +231,13 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def wsd_schedule(cfg: TrainConfig):
-    decay_steps = max(1, int(cfg.steps * cfg.decay_fraction))
-    decay_start = cfg.steps - decay_steps
+def wsd_schedule(cfg: TrainConfig, steps: int | None = None) -> Callable[[int], float]:
+    """The warmup-stable-decay factor at each step, planned over ``steps`` (default
+    ``cfg.steps``): linear warmup over ``warmup_steps``, 1, then a linear decay to
+    ``min_lr_ratio`` over the last ``decay_fraction`` of the steps; ``min_lr_ratio`` after."""
+    steps = cfg.steps if steps is None else steps
+    decay_steps = max(1, int(steps * cfg.decay_fraction))
+    decay_start = steps - decay_steps
 
     def factor(step: int) -> float:
         if step < cfg.warmup_steps:
@@ -316,10 +327,11 @@ def _format_warmup(schedule: tuple[tuple[int, int], ...]) -> str:
     return ",".join(f"{b}:{s}" for b, s in schedule)
 
 
-def lr_factor(cfg: TrainConfig) -> Callable[[int], float]:
-    """The learning rate's factor at each step: the WSD schedule, times sqrt(batch / first
-    batch) under batch-size warmup (``lr`` is the first batch's rate)."""
-    wsd = wsd_schedule(cfg)
+def lr_factor(cfg: TrainConfig, steps: int | None = None) -> Callable[[int], float]:
+    """The learning rate's factor at each step: the WSD schedule planned over ``steps``
+    (default ``cfg.steps``), times sqrt(batch / first batch) under batch-size warmup (``lr`` is
+    the first batch's rate)."""
+    wsd = wsd_schedule(cfg, steps)
     if not cfg.batch_warmup:
         return wsd
     base = cfg.batch_warmup[0][0]

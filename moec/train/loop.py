@@ -3,14 +3,14 @@ per window), metrics, throughput and summary, the non-finite stop, the router-co
 checkpoints on schedule.
 
 Throughput counts each step's own tokens (its global batch under batch-size warmup, divided by
-the data-parallel ranks: the tokens of this rank)."""
+the data-parallel ranks: the tokens of this rank) over the steps' own time: checkpoint writes
+are timed apart (:mod:`moec.train.timing`) and reported as ``checkpoint_s``."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import json
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +21,7 @@ from moec.runtime.compiled import CompiledModel
 from moec.runtime.metrics import bf16_peak_tflops, count_host_syncs, useful_mfu
 from moec.runtime.profiling import ProfileWindow, StepProfiler
 from moec.train.routing_health import CollapseWatch
+from moec.train.timing import NonStepTime, StepClock, wait_for_device
 
 if TYPE_CHECKING:
     from moec.train.trainer import Trainer
@@ -56,7 +57,12 @@ class TrainingLoop:
         if trainer.step_graph is not None:  # its eager steps and its capture are not steady
             warmup = max(warmup, trainer.step_graph.warmup + 1)
         self.steady_from = self.start_step + warmup
-        self.steady_start: float | None = None
+        self.non_step = NonStepTime(trainer.device)
+        """Checkpoint writes: timed apart, not step time."""
+        self.window = StepClock(self.non_step)
+        """The log window's clock: started with the loop, restarted at each log point."""
+        self.window_steps = 0
+        self.steady: StepClock | None = None
         self.steady_steps = 0
         self.timed_s, self.timed_steps = 0.0, 0
         self.syncs: int | None = None
@@ -78,15 +84,12 @@ class TrainingLoop:
         task = (
             progress.add_task("training", total=cfg.steps, completed=t.step) if progress else None
         )
-        window_start, window_steps = time.perf_counter(), 0
         profiler = self._profiler()
         try:
             while t.step < cfg.steps:
                 with profiler.step(t.step) if profiler else contextlib.nullcontext():
                     self._step(eager=profiler is not None and profiler.active)
-                window_steps, window_start = self._after_step(
-                    log, progress, task, written, window_steps + 1, window_start
-                )
+                self._after_step(log, progress, task, written)
         finally:
             if profiler is not None:
                 written += profiler.close()
@@ -112,29 +115,28 @@ class TrainingLoop:
         else:
             self.pending.append(t.train_step(eager))
 
-    def _after_step(
-        self, log, progress, task, written: list[Path], window_steps: int, window_start: float
-    ) -> tuple[int, float]:
-        """Token and timing bookkeeping, the log point and the checkpoint after a step; the
-        log window's (steps, start) carried to the next step."""
+    def _after_step(self, log, progress, task, written: list[Path]) -> None:
+        """Token and timing bookkeeping, the log point and the checkpoint after a step."""
         t, cfg = self.trainer, self.cfg
         tokens = self.tokens_of(t.step - 1)
         self.window_tokens += tokens
+        self.window_steps += 1
         if t.step == self.steady_from:
             wait_for_device(t.device)
-            self.steady_start, self.steady_steps, self.steady_tokens = time.perf_counter(), 0, 0
-        elif self.steady_start is not None:
+            self.steady, self.steady_steps, self.steady_tokens = StepClock(self.non_step), 0, 0
+        elif self.steady is not None:
             self.steady_steps += 1
             self.steady_tokens += tokens
         done = t.step == cfg.steps
         if t.step % cfg.log_every == 0 or done:
-            now = time.perf_counter()
-            record = self._log_point((now - window_start) / window_steps, window_steps)
-            window = window_steps
-            self.timed_s += now - window_start
-            self.timed_steps += window_steps
+            window = self.window_steps
+            step_s = self.window.step_seconds()
+            record = self._log_point(step_s / window, window)
+            record.update(self.non_step.fields(self.window.non_step_seconds()))
+            self.timed_s += step_s
+            self.timed_steps += window
             self.timed_tokens += self.window_tokens
-            window_start, window_steps, self.window_tokens = now, 0, 0
+            self.window, self.window_steps, self.window_tokens = StepClock(self.non_step), 0, 0
             log.write(json.dumps(record) + "\n")
             log.flush()
             self._check_nonfinite()
@@ -144,10 +146,10 @@ class TrainingLoop:
             if progress:
                 progress.update(task, completed=t.step, **_progress_fields(record))
         if (cfg.checkpoint_every and t.step % cfg.checkpoint_every == 0) or done:
-            committed = t.save_checkpoint()
+            with self.non_step.timed("checkpoint"):
+                committed = t.save_checkpoint()
             if committed is not None and done:
                 written.append(committed.path)
-        return window_steps, window_start
 
     def tokens_of(self, step: int) -> int:
         """Tokens this rank trains on in step ``step``."""
@@ -213,6 +215,7 @@ class TrainingLoop:
             "host_syncs_per_step": self.syncs,
             "data_stalls": t.batches.stalls,
             "checkpoint_errors": t.checkpoint_errors,
+            **self.non_step.fields(),
             "router_collapse": dict(self.collapse.collapsed),
         }
         if error is not None:
@@ -221,10 +224,11 @@ class TrainingLoop:
 
     def _throughput(self) -> dict[str, Any]:
         """Steady-state step time where this call ran past its warmup steps; else the mean
-        over every step it timed (a short resumed run), saying which."""
-        if self.steady_start is not None and self.steady_steps > 0:
+        over every step it timed (a short resumed run), saying which. Both count the steps
+        alone: checkpoint writes are timed apart (``checkpoint_s``)."""
+        if self.steady is not None and self.steady_steps > 0:
             wait_for_device(self.trainer.device)
-            step_time = (time.perf_counter() - self.steady_start) / self.steady_steps
+            step_time = self.steady.step_seconds() / self.steady_steps
             tokens = self.steady_tokens / self.steady_steps
             source = f"{self.steady_steps} steady steps (after {self.cfg.warmup_log_steps} warmup)"
         elif self.timed_steps:
@@ -244,11 +248,6 @@ class TrainingLoop:
             "tokens_per_step": tokens,
             "source": source,
         }
-
-
-def wait_for_device(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def mean_of(values) -> float | None:

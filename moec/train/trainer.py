@@ -22,7 +22,8 @@ function of (seed, step, rank), read ``prefetch`` steps ahead by a background th
 the configured steps (each rank's share split into ``plan.parallel.microbatches``) and scales
 the learning rate by sqrt(batch / first batch) (:func:`moec.train.config.lr_factor`).
 
-Outputs under ``out``: ``run.json`` (the run's identity, :mod:`moec.runtime.run_identity`),
+Outputs under ``out``: ``run.lock`` while the run runs (one run per folder,
+:mod:`moec.train.run_lock`), ``run.json`` (the run's identity, :mod:`moec.runtime.run_identity`),
 ``metrics.jsonl`` (one line per log step), ``summary.json``, PNG plots (loss, throughput,
 per-layer expert-load heatmap; need matplotlib) and ``checkpoints/step_N``, committed
 atomically by :mod:`moec.runtime.checkpoint_store` (DCP shards loadable at any EP degree, a
@@ -42,6 +43,7 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +94,7 @@ from moec.train.config import (
 )
 from moec.train.loop import TrainingLoop, TrainResult, mean_of
 from moec.train.objective import LanguageModelWithLoss, parameter_groups
+from moec.train.run_lock import RunLock, RunLockError, check_free, lock_run_dir
 
 
 class MemoryPlanError(MoecError):
@@ -133,6 +136,7 @@ class Trainer:
             seed=cfg.seed,
         )
         self.identity["data"].update(data_identity(cfg, self.data))
+        self._on_rank_0(lambda: check_free(self.out))  # a busy folder, refused before compiling
         run_identity.check_run_dir(self.out, self.identity, resume=cfg.resume, force=cfg.force)
         torch.manual_seed(cfg.seed)
         # a model given on the meta device (init_from) is captured on meta inputs too
@@ -197,7 +201,12 @@ class Trainer:
             device_step=True,  # a non-finite step is skipped on the device
             lr_on_device=graph_off is None,  # a replayed step reads the schedule's lr there
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(cfg))
+        self.schedule_steps = cfg.steps
+        """The steps the learning-rate schedule is planned over (a resume keeps the run's)."""
+        self._lr_factor = lr_factor(cfg)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: self._lr_factor(step)
+        )
         self.step = 0
         cost = graph_cost(self.compiled.program).evaluate()
         self.train_flops_per_token = cost.train_flops_per_token
@@ -380,6 +389,7 @@ class Trainer:
         extra = {
             "step": self.step,
             "scheduler": self.scheduler.state_dict(),
+            "schedule_steps": self.schedule_steps,
             "cpu_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None,
             "first_loss": None if self.first_loss is None else self.first_loss.cpu(),
@@ -412,6 +422,7 @@ class Trainer:
             ) from exc
         self.step = extra["step"]
         self.scheduler.load_state_dict(extra["scheduler"])
+        self.schedule_steps = extra.get("schedule_steps", self.cfg.steps)  # older: unrecorded
         if own.is_file():
             torch.set_rng_state(extra["cpu_rng"])
             if extra["cuda_rng"] is not None:
@@ -452,6 +463,45 @@ class Trainer:
         if self.mesh is not None:
             dist.barrier()
         return resume_from
+
+    def _continue_schedule(self) -> None:
+        """After a resume: keep the learning-rate schedule the run planned (over
+        ``schedule_steps``) or, with ``replan_schedule``, plan it over this call's ``steps`` from
+        the resumed step; where the two differ, say which and what it does to the rate."""
+        cfg, planned, step = self.cfg, self.schedule_steps, self.step
+        if planned == cfg.steps:
+            return
+        kept = lr_factor(cfg, planned)
+        self._lr_factor = lr_factor(cfg) if cfg.replan_schedule else kept
+        if cfg.replan_schedule:
+            self.schedule_steps = cfg.steps
+        # the rate of the next step (0-based ``step``), as LambdaLR computes it
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
+            group["lr"] = base * self._lr_factor(step)
+        base = self.scheduler.base_lrs[0]
+        if cfg.replan_schedule:
+            self._say(
+                f"{flag_of('replan_schedule')}: the learning-rate schedule, planned over "
+                f"{planned} steps, is re-planned over {cfg.steps}: the rate of step {step + 1} "
+                f"goes from {base * kept(step):.3g} to {base * self._lr_factor(step):.3g}"
+            )
+            return
+        if cfg.steps > planned:
+            what = (
+                f"extends the run past the {planned} steps its learning-rate schedule was "
+                f"planned over: the schedule is kept, so steps {max(step, planned) + 1}-"
+                f"{cfg.steps} train at its final rate {base * kept(planned):.3g}"
+            )
+        else:
+            what = (
+                f"stops the run before the end of the {planned} steps its learning-rate "
+                "schedule was planned over: the schedule is kept, so its decay is not finished "
+                f"(the rate of step {cfg.steps}: {base * kept(cfg.steps - 1):.3g})"
+            )
+        self._say(
+            f"{flag_of('steps')} = {cfg.steps} {what}; {flag_of('replan_schedule')} re-plans "
+            f"the schedule over {cfg.steps} steps instead"
+        )
 
     def _check_space(self) -> None:
         problem = self.store.space_problem(self._checkpoint_bytes())
@@ -507,6 +557,39 @@ class Trainer:
     # --- the loop ------------------------------------------------------------------------------
 
     def run(self, progress=None) -> TrainResult:
+        """Train to ``cfg.steps``, holding the run folder's lock (:mod:`moec.train.run_lock`)
+        from before anything is written until the end, an error's end included. The folder's
+        checks run again under the lock: another run may have used it since this trainer was
+        built."""
+        lock = self._on_rank_0(lambda: lock_run_dir(self.out, self._say))
+        try:
+            run_identity.check_run_dir(
+                self.out, self.identity, resume=self.cfg.resume, force=self.cfg.force
+            )
+            return self._run(progress)
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _on_rank_0(self, lock: Callable[[], RunLock | None]) -> RunLock | None:
+        """``lock()`` on rank 0 (the job's run-folder lock: :mod:`moec.train.run_lock`); its
+        result there, None on the other ranks. Where it raises :class:`RunLockError`, every
+        rank raises it (none is left waiting in a collective)."""
+        held, refusal = None, None
+        if self.rank == 0:
+            try:
+                held = lock()
+            except RunLockError as exc:
+                refusal = str(exc)
+        if self.mesh is not None:
+            shared = [refusal]
+            dist.broadcast_object_list(shared, src=0, device=self.device)
+            refusal = shared[0]
+        if refusal is not None:
+            raise RunLockError(refusal)
+        return held
+
+    def _run(self, progress=None) -> TrainResult:
         cfg = self.cfg
         resume_from = self._prepare_out()
         if resume_from is not None and resume_from.step >= cfg.steps:
@@ -519,6 +602,7 @@ class Trainer:
         if resume_from is not None:
             self._load_checkpoint(resume_from)
             self._say(f"resumed from step {self.step} ({resume_from.path})")
+            self._continue_schedule()
         self._check_space()
         writer = self.rank == 0  # in a job, rank 0 writes the logs, summary and plots
         log_path = self.out / ("metrics.jsonl" if writer else f"metrics_rank{self.rank}.jsonl")
