@@ -8,7 +8,9 @@ The payload is harmless: unpickling it creates a marker file (``exec`` of one ``
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -150,6 +152,35 @@ def test_a_payload_in_dcp_metadata_never_runs_on_resume(trained, run, tmp_path, 
     assert code == 0, out
     reason = "names builtins.exec" if how == "resealed" else ".metadata is not listed"
     assert f"skipping checkpoint {step}" in out and reason in out, out
+    assert "resumed from step 2" in out
+
+
+@pytest.mark.slow
+def test_a_payload_among_dcp_entries_never_runs_on_resume(trained, run, tmp_path, capsys):
+    """An optimizer setting (a DCP byte entry, which DCP's own planner reads with
+    weights_only=False) pointed at a payload in a new shard, metadata and manifest re-sealed."""
+    marker = tmp_path / "payload_ran"
+    step = run / "checkpoints" / "step_4"
+    payload = io.BytesIO()
+    torch.save(Payload(marker), payload)
+    (step / "extra.distcp").write_bytes(payload.getvalue())
+    with (step / ".metadata").open("rb") as f:
+        metadata = pickle.load(f)
+    index = next(i for i in metadata.storage_data if i.fqn.startswith("optim.param_groups."))
+    metadata.storage_data[index] = dataclasses.replace(
+        metadata.storage_data[index],
+        relative_path="extra.distcp",
+        offset=0,
+        length=len(payload.getvalue()),
+    )
+    with (step / ".metadata").open("wb") as f:
+        pickle.dump(metadata, f)
+    _reseal(step, ".metadata")
+    _reseal(step, "extra.distcp")
+    code, out = _resume(trained, run, capsys)
+    assert not marker.exists()
+    assert code == 0, out
+    assert f"the entry {index.fqn} holds objects other than tensors" in out, out
     assert "resumed from step 2" in out
 
 
