@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from transformers import LlamaConfig
 
@@ -402,3 +403,30 @@ def test_the_metadata_unpickler_reads_dcp_metadata_and_refuses_anything_else(exp
     with (tmp_path / "bad").open("rb") as f, pytest.raises(pickle.UnpicklingError, match="exec"):
         MetadataUnpickler(f).load()
     assert not marker.exists()
+
+
+def _agree_worker(rank: int, world: int, root: str, report: str) -> None:
+    reports: list[str] = []
+    store = CheckpointStore(Path(root), keep=2, distributed=True, report=reports.append)
+
+    def write(folder: Path) -> None:
+        (folder / f"rank{rank}.bin").write_bytes(bytes([rank]) * 8)
+
+    step = store.commit(1, write).path
+    dist.barrier()
+    if rank == 1:  # a file in rank 1's share of the hashing: sorted names, every other one
+        name = sorted(json.loads((step / "manifest.json").read_text())["files"])[1]
+        (step / name).write_bytes(b"x" * 8)
+    dist.barrier()
+    assert store.newest_verified() is None  # every rank skips it
+    if rank == 0:
+        Path(report).write_text("\n".join(reports))
+
+
+@pytest.mark.slow
+def test_ranks_agree_on_a_checkpoint_and_rank_0_names_another_ranks_problem(tmp_path):
+    from tests.distributed import spawn
+
+    spawn(_agree_worker, 2, str(tmp_path / "checkpoints"), str(tmp_path / "report"))
+    report = (tmp_path / "report").read_text()
+    assert "rank 1: " in report and "rank1.bin does not match its manifest" in report, report

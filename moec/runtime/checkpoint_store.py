@@ -145,15 +145,16 @@ class CheckpointStore:
         return None
 
     def agree(self, problem: str | None) -> str | None:
-        """``problem`` where this rank found one, else the news that another rank did, else
-        None (an all-reduce where ``distributed``: every rank decides the same)."""
+        """``problem`` where this rank found one, else the first other rank's (``rank r:
+        ...``), else None: where ``distributed``, the ranks exchange what they found, so every
+        rank decides the same and rank 0, which reports, can name the cause."""
         if not self.distributed:
             return problem
-        bad = torch.tensor([0 if problem is None else 1], device=self.device)
-        dist.all_reduce(bad)
-        if problem is None and int(bad.item()):
-            return "another rank found a problem (its report names it)"
-        return problem
+        found: list[str | None] = [None] * self.world
+        dist.all_gather_object(found, problem)
+        if problem is not None:
+            return problem
+        return next((f"rank {r}: {p}" for r, p in enumerate(found) if p is not None), None)
 
     # --- writing -------------------------------------------------------------------------------
 
