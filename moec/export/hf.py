@@ -2,8 +2,9 @@
 
 :func:`export_hf` reads the model tensors of a moec checkpoint (a run directory's newest
 committed checkpoint that verifies, or a ``checkpoints/step_N`` folder that does: DCP, global
-EP = 1 shapes; read without running code from the folder, :mod:`moec.runtime.safe_read`), picks the Hugging Face MoE architecture that computes what the moec program computes,
-maps the tensors onto it, and writes ``config.json`` + ``model.safetensors`` with
+EP = 1 shapes; read without running code from the folder, :mod:`moec.runtime.safe_read`),
+picks the Hugging Face MoE architecture that computes what the moec program computes, maps the
+tensors onto it, and writes ``config.json`` + ``model.safetensors`` with
 ``PreTrainedModel.save_pretrained`` (transformers 5 stores the experts fused as 3-D
 ``experts.gate_up_proj`` / ``experts.down_proj`` parameters and writes them back in the hub's
 per-expert layout, e.g. Mixtral's ``block_sparse_moe.experts.{e}.w1/w2/w3``, which every

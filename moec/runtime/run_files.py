@@ -35,6 +35,22 @@ def refuse_link(path: Path) -> None:
         )
 
 
+def run_folder(out: Path) -> Path:
+    """``out`` created if missing and checked to take new files; a :class:`RunFolderError`
+    naming it and the cause otherwise (a file, under a file, read-only, no permission)."""
+    if out.exists() and not out.is_dir():
+        raise RunFolderError(f"--out {out} is a file, not a folder: give a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        _fresh(out / "probe").unlink()
+    except OSError as exc:
+        raise RunFolderError(
+            f"--out {out} cannot hold the run's files ({exc.strerror or exc}"
+            f"{f': {exc.filename}' if exc.filename else ''}): give a writable folder"
+        ) from exc
+    return out
+
+
 def real_folder(path: Path) -> Path:
     """``path`` as a folder that is not a link (created if missing); a link is refused."""
     refuse_link(path)

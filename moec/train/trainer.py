@@ -112,8 +112,7 @@ class Trainer:
         self.mesh = join_job(plan)
         self.rank = dist.get_rank() if self.mesh else 0
         self.device = resolve_device(cfg.device)
-        self.out = Path(cfg.out)
-        self.out.mkdir(parents=True, exist_ok=True)
+        self.out = run_files.run_folder(Path(cfg.out))
         vocab = model_vocab(model)
         micro = plan.parallel.microbatches
         self.dp = plan.parallel.dp  # data-parallel ranks (pp is 1 here)
