@@ -1,13 +1,15 @@
 """Writing into a run folder without following links out of it.
 
 A run folder may come from someone else, or hold links a user left there: ``summary.json ->
-~/.bashrc`` must not make a run overwrite ``~/.bashrc``. So moec writes every file of a run
-folder (``run.json``, ``metrics.jsonl``, ``summary.json``, plots, checkpoint files, profiles)
-under a fresh name in its folder, created exclusively (never through an existing entry), and
-renames it over the final name: a link there is replaced, never written through. The folders
-moec writes into below ``--out`` (``checkpoints/``, its ``step_N/``, ``profile/``) must be real
-folders: a link among them is refused (:class:`RunFolderError`, naming it and where it points).
-``--out`` itself may be a link: the user named it.
+~/.bashrc`` must not make a run overwrite ``~/.bashrc``. So moec writes each file of a run
+folder (``run.json``, ``metrics.jsonl``, ``summary.json``, plots, manifests, profiles) under a
+fresh name in its folder, created exclusively (never through an existing entry), and renames it
+over the final name: a link there is replaced, never written through. The folders it writes
+into below ``--out`` (``checkpoints/``, ``profile/``) must not be links: one is refused
+(:class:`RunFolderError`, naming it and where it points). A checkpoint's files are written into
+a partial folder the store has just made, after removing whatever had its name (a link: the
+link itself; :mod:`moec.runtime.checkpoint_store`). ``--out`` itself may be a link: the user
+named it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from moec.errors import MoecError
 
 
 class RunFolderError(MoecError):
-    """A folder under ``--out`` that is a link, which moec does not write through."""
+    """An ``--out`` that cannot hold the run's files, or a folder under it that is a link
+    (which moec does not write through)."""
 
 
 def refuse_link(path: Path) -> None:
