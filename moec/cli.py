@@ -1,6 +1,7 @@
 """The ``moec`` command line: one function per subcommand, wired up by :func:`build_parser`.
 
     moec plan show plan.yaml                  the resolved plan as YAML + its pipeline string
+                                              (runs no code the plan names: moe.activations)
     moec plan show plan.yaml --model M --world 64 --gpu-memory 80
                                               ... laid out on 64 GPUs, and one rank's memory
     moec inspect llama                        blocks and FFN regions, parameters, FLOPs/token
@@ -20,6 +21,7 @@ traceback (exit status 1). Exit status 0 on success.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import traceback
 from collections.abc import Sequence
@@ -62,6 +64,16 @@ def cmd_plan_show(args: argparse.Namespace) -> int:
     if args.world is not None:
         console.print(describe_layout(plan), markup=False)
     if args.model is not None:
+        if plan.moe.activations:
+            console.print(
+                f"note: plan show runs no code a plan names, so moe.activations "
+                f"({', '.join(plan.moe.activations)}) is not loaded: FFNs computing them stay "
+                f"dense in this table (moec debug {args.model} --plan {args.file} compiles "
+                "with them)",
+                markup=False,
+            )
+            moe = dataclasses.replace(plan.moe, activations={})
+            plan = dataclasses.replace(plan, moe=moe)
         console.print(_memory_table(plan, args), markup=False)
     return 0
 

@@ -24,7 +24,7 @@ from typing import Any, Literal
 import yaml
 
 from moec.errors import MoecError
-from moec.imports import load_object
+from moec.imports import load_object, split_ref
 
 FILE_FIELD = "<file>"
 """The ``field`` of a :class:`PlanError` about the plan file itself (its ``value`` is the path)."""
@@ -120,7 +120,9 @@ class MoEPlan:
     activations: dict[str, str] = field(default_factory=dict)
     """Extra plain activations by name, each ``module.path:function`` or ``file.py:function``
     (see :func:`moec.register_activation`); the ``moe`` pass registers them, then recognises
-    FFNs that compute them (and their gated forms ``<name>_glu``) by value."""
+    FFNs that compute them (and their gated forms ``<name>_glu``) by value. Validation checks
+    their form only: the code they name runs when a model is compiled with the plan, never
+    when a plan is read, shown or recorded."""
     ffn_dropout: FFNDropout = "error"
     """A dropout with p > 0 on an FFN's hidden activation has no counterpart in the routed
     experts: ``error`` refuses to convert that FFN, ``drop`` converts it without the dropout."""
@@ -150,7 +152,10 @@ class MoEPlan:
                 math.isfinite(value) and value >= 0, f"moe.{name}", value, "a finite number >= 0"
             )
         for name, ref in self.activations.items():
-            activation_function(name, ref)
+            try:
+                split_ref(ref)  # its form only: a plan that is read runs no code
+            except ValueError as exc:
+                raise PlanError(f"moe.activations.{name}", ref, _REF_FORMS) from exc
 
     def _validate_upcycling(self) -> None:
         g, field = self.upcycle_granularity, "moe.upcycle_granularity"
@@ -177,15 +182,18 @@ class MoEPlan:
         )
 
 
+_REF_FORMS = "'module.path:function' or 'file.py:function'"
+
+
 def activation_function(name: str, ref: str) -> Any:
-    """The callable ``moe.activations[name] = ref`` names (its value is checked on registration)."""
+    """The callable ``moe.activations[name] = ref`` names, loaded (the module imported, the
+    file run): only when a model is compiled with the plan (the ``moe`` pass); its value is
+    checked on registration."""
     where = f"moe.activations.{name}"
     try:
         fn = load_object(ref)
     except ValueError as exc:
-        raise PlanError(
-            where, ref, f"'module.path:function' or 'file.py:function' ({exc})"
-        ) from exc
+        raise PlanError(where, ref, f"{_REF_FORMS} ({exc})") from exc
     _require(callable(fn), where, ref, f"a callable (it names a {type(fn).__name__})")
     return fn
 

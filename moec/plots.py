@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from moec.runtime.run_files import replacing
+
 
 def write_plots(
     out: Path, history: list[dict[str, Any]], routing: dict[str, dict[str, Any]]
@@ -29,7 +31,7 @@ def write_plots(
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        fig.savefig(out / name, dpi=100)
+        _save(fig, out / name)
         plt.close(fig)
         written.append(out / name)
     if routing:
@@ -42,7 +44,13 @@ def write_plots(
         ax.set_title("share of routes per expert (last step)")
         fig.colorbar(image, ax=ax)
         fig.tight_layout()
-        fig.savefig(out / "expert_load.png", dpi=100)
+        _save(fig, out / "expert_load.png")
         plt.close(fig)
         written.append(out / "expert_load.png")
     return written
+
+
+def _save(fig: Any, path: Path) -> None:
+    """``fig`` as a PNG at ``path``, replacing (never following) a link there."""
+    with replacing(path) as partial:
+        fig.savefig(partial, format="png", dpi=100)

@@ -1,9 +1,10 @@
 """Export a trained moec checkpoint as a ``transformers`` MoE model (``save_pretrained`` layout).
 
 :func:`export_hf` reads the model tensors of a moec checkpoint (a run directory's newest
-committed checkpoint that verifies, or a ``checkpoints/step_N`` folder: DCP, global EP = 1
-shapes), picks the Hugging Face MoE architecture that computes what the moec program computes,
-maps the tensors onto it, and writes ``config.json`` + ``model.safetensors`` with
+committed checkpoint that verifies, or a ``checkpoints/step_N`` folder that does: DCP, global
+EP = 1 shapes; read without running code from the folder, :mod:`moec.runtime.safe_read`),
+picks the Hugging Face MoE architecture that computes what the moec program computes, maps the
+tensors onto it, and writes ``config.json`` + ``model.safetensors`` with
 ``PreTrainedModel.save_pretrained`` (transformers 5 stores the experts fused as 3-D
 ``experts.gate_up_proj`` / ``experts.down_proj`` parameters and writes them back in the hub's
 per-expert layout, e.g. Mixtral's ``block_sparse_moe.experts.{e}.w1/w2/w3``, which every
@@ -67,11 +68,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from moec.errors import MoecError
 from moec.plan import MoEPlan, Plan
-from moec.runtime import run_identity
-from moec.runtime.checkpoint_store import CheckpointStore
+from moec.runtime import run_files, run_identity, safe_read
+from moec.runtime.checkpoint_store import MANIFEST, CheckpointStore
+from moec.runtime.safe_read import METADATA
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """``--dtype`` names; default: the checkpoint's (float32 master weights)."""
@@ -206,11 +209,18 @@ def resolve_checkpoint(
     path: str | Path, report: Callable[[str], None] = print
 ) -> tuple[Path, Path | None]:
     """(checkpoint folder, run directory or None) for a run directory (its newest committed
-    checkpoint that verifies) or a checkpoint folder (``checkpoints/step_N``)."""
+    checkpoint that verifies) or a checkpoint folder (``checkpoints/step_N``, which must
+    verify: see :mod:`moec.runtime.checkpoint_store`)."""
     path = Path(path)
     if not path.exists():
         raise ExportError(f"{path} does not exist: give a moec run directory or a checkpoint")
-    if (path / ".metadata").is_file():
+    if (path / MANIFEST).is_file() or (path / METADATA).is_file():
+        problem = CheckpointStore(path.parent, keep=1 << 30).verify(path)
+        if problem is not None:
+            raise ExportError(
+                f"{path} is not a committed checkpoint that matches its {MANIFEST} ({problem}): "
+                "export one that verifies (give the run directory to take its newest)"
+            )
         run_dir = path.parent.parent
         return path, run_dir if (run_dir / run_identity.RUN_FILE).is_file() else None
     store = CheckpointStore(path / run_identity.CHECKPOINTS, keep=1 << 30, report=report)
@@ -229,7 +239,8 @@ def resolve_checkpoint(
 
 
 def resolve_plan(plan: Plan | dict | str | Path | None, run_dir: Path | None) -> Plan:
-    """The plan given, or the one ``run_dir/run.json`` recorded."""
+    """The plan given, or the one ``run_dir/run.json`` recorded (read as data: the export
+    compiles nothing, so code the recorded plan names, ``moe.activations``, never runs)."""
     if isinstance(plan, Plan):
         return plan
     if isinstance(plan, dict):
@@ -315,15 +326,16 @@ _ANCHOR = "model.embed_tokens.weight"
 
 def read_model_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
     """The model's tensors in ``checkpoint`` by their names in the source HF model (the
-    ``model.`` of the DCP state dict and of moec's loss wrapper removed)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
+    ``model.`` of the DCP state dict and of moec's loss wrapper removed); read without
+    running code from the folder (:mod:`moec.runtime.safe_read`)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     try:
-        metadata = FileSystemReader(str(checkpoint)).read_metadata()
-    except Exception as exc:
-        raise ExportError(f"{checkpoint}: not a readable DCP checkpoint ({exc})") from exc
+        metadata = safe_read.read_metadata(checkpoint)
+    except (Exception, CheckpointException) as exc:
+        raise ExportError(
+            f"{checkpoint}: not a readable DCP checkpoint ({safe_read.failure_reason(exc)})"
+        ) from exc
     entries = {
         k: v
         for k, v in metadata.state_dict_metadata.items()
@@ -341,9 +353,12 @@ def read_model_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
         for key, meta in entries.items()
         if key.startswith(prefix)
     }
-    with warnings.catch_warnings():  # DCP warns that no process group exists: intended
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(checkpoint))
+    try:
+        safe_read.dcp_load(state, checkpoint)
+    except (Exception, CheckpointException) as exc:
+        raise ExportError(
+            f"{checkpoint}: its tensors cannot be read ({safe_read.failure_reason(exc)})"
+        ) from exc
     return {key[len(prefix) :]: value for key, value in state.items()}
 
 
@@ -607,11 +622,12 @@ def export_hf(
     out.mkdir(parents=True, exist_ok=True)
     hf_model.save_pretrained(str(out))
     notes = semantic_notes(target, the_plan.moe)
-    (out / "moec_export.json").write_text(
+    run_files.write_text(
+        out / "moec_export.json",
         json.dumps(
             {"checkpoint": str(checkpoint), "architecture": target.model_class, "notes": notes},
             indent=2,
-        )
+        ),
     )
     return ExportResult(out, checkpoint, target.model_class, notes)
 

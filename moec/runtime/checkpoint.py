@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from moec.runtime import safe_read
 from moec.runtime.distributed import MoEMesh
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -67,10 +68,10 @@ def load(
     compiled: nn.Module, optimizer: Any, path: str | os.PathLike, mesh: MoEMesh | None = None
 ) -> None:
     """Read the checkpoint at ``path`` into ``compiled`` and ``optimizer``, resharding the
-    experts to this rank's EP layout (collective over the job when ``mesh`` is given)."""
+    experts to this rank's EP layout (collective over the job when ``mesh`` is given). Read
+    by :func:`moec.runtime.safe_read.dcp_load`: nothing in the folder can run code."""
     state, held = _state(compiled, optimizer, mesh)
-    with _quiet():
-        dcp.load(state, checkpoint_id=str(path))
+    safe_read.dcp_load(state, path)
     set_state_dict(
         compiled,
         _optimizers(optimizer),

@@ -2,9 +2,11 @@
 
 Layout under ``root`` (a run's ``checkpoints`` folder): ``step_N/`` is a committed checkpoint;
 it holds what the writer wrote (DCP shards, ``.metadata``, trainer files) and ``manifest.json``,
-``{"step": N, "files": {relative path: {"bytes": size, "sha256": hex digest}}}``, written last.
-``.step_N.partial/`` is a checkpoint being written; it never counts and the next commit
-removes it.
+``{"step": N, "files": {relative path: {"bytes": size, "sha256": hex digest}}}``, written last
+and listing every other file of the folder. ``.step_N.partial/`` is a checkpoint being written;
+it never counts and the next commit removes it. ``root`` and the folders in it are never links
+(:mod:`moec.runtime.run_files`: a linked ``root`` is refused, a linked partial folder or
+``step_N`` replaced, never written through).
 
 :meth:`CheckpointStore.commit` (collective over the job where ``distributed``): rank 0 clears a
 stale partial folder; every rank writes into it (``write(folder)``); the ranks agree that every
@@ -14,10 +16,14 @@ a temporary name and renamed), renames the folder to ``step_N``, fsyncs ``root``
 all but the newest ``keep`` committed checkpoints. A crash at any point leaves every folder
 named ``step_N`` complete.
 
-:meth:`CheckpointStore.newest_verified` walks the committed checkpoints newest first and
-returns the first whose files all match the manifest (present, same size, same checksum;
-the ranks split the files and agree), reporting each one skipped with the file and the
-reason. A failed write raises :class:`CheckpointWriteError` naming the folder, the cause
+:meth:`CheckpointStore.verified` walks the committed checkpoints newest first and yields
+those that match their manifest, reporting each one skipped with the file and the reason.
+Matching: the manifest lists at least one file; the folder holds exactly the files it lists
+(an unlisted file, a missing one or a link fails: nothing the manifest does not vouch for is
+ever read); each has the listed size and sha256 (the ranks split the hashing and agree). This
+catches damage; it does not make a folder from someone else safe to unpickle (its manifest can
+be re-sealed): :mod:`moec.runtime.safe_read` reads the verified files without running code.
+A failed write raises :class:`CheckpointWriteError` naming the folder, the cause
 ("disk full", "permission denied") and the bytes needed against the bytes free; the partial
 folder is removed.
 """
@@ -31,7 +37,8 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable
+import stat
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +47,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from moec.errors import MoecError
+from moec.runtime import run_files
 
 MANIFEST = "manifest.json"
 _STEP = re.compile(r"step_(\d+)")
@@ -102,39 +110,51 @@ class CheckpointStore:
             if _STEP.fullmatch(p.name) and p.is_dir() and not (p / MANIFEST).exists()
         )
 
-    def newest_verified(self) -> Committed | None:
-        """The newest committed checkpoint whose files match its manifest (see module)."""
+    def verified(self) -> Iterator[Committed]:
+        """The committed checkpoints that match their manifests, newest first, each verified
+        when asked for; every one skipped is reported with the file and the reason (see
+        module). Collective where ``distributed``: every rank walks it in step."""
         for path in self.uncommitted():
             self.report(f"skipping checkpoint {path}: no {MANIFEST} (it was never committed)")
         for candidate in reversed(self.committed()):
-            problem = self._agree_problem(self.verify(candidate.path))
+            problem = self.agree(self.verify(candidate.path))
             if problem is None:
-                return candidate
-            self.report(f"skipping checkpoint {candidate.path}: {problem}")
-        return None
+                yield candidate
+            else:
+                self.report(f"skipping checkpoint {candidate.path}: {problem}")
+
+    def newest_verified(self) -> Committed | None:
+        """The newest committed checkpoint whose files match its manifest (see module)."""
+        return next(self.verified(), None)
 
     def verify(self, path: Path) -> str | None:
-        """Why ``path`` does not match its manifest (this rank's share of the files), or None."""
-        try:
-            manifest = json.loads((path / MANIFEST).read_text())
-            files = manifest["files"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            return f"{path / MANIFEST} cannot be read ({exc})"
+        """Why ``path`` does not match its manifest (the folder's list of files, and this rank's
+        share of their sizes and checksums), or None."""
+        if path.is_symlink():
+            return f"{path} is a symbolic link (moec writes none)"
+        files = _manifest_files(path)
+        if isinstance(files, str):
+            return files
+        problem = _listing_problem(path, set(files))
+        if problem:
+            return problem
         for name in sorted(files)[self.rank :: self.world]:
             problem = _check_file(path / name, files[name])
             if problem:
                 return problem
         return None
 
-    def _agree_problem(self, problem: str | None) -> str | None:
-        """Every rank verified its share: a problem on any rank is a problem for all."""
+    def agree(self, problem: str | None) -> str | None:
+        """``problem`` where this rank found one, else the first other rank's (``rank r:
+        ...``), else None: where ``distributed``, the ranks exchange what they found, so every
+        rank decides the same and rank 0, which reports, can name the cause."""
         if not self.distributed:
             return problem
-        bad = torch.tensor([0 if problem is None else 1], device=self.device)
-        dist.all_reduce(bad)
-        if problem is None and int(bad.item()):
-            return "another rank found a file that does not match the manifest"
-        return problem
+        found: list[str | None] = [None] * self.world
+        dist.all_gather_object(found, problem)
+        if problem is not None:
+            return problem
+        return next((f"rank {r}: {p}" for r, p in enumerate(found) if p is not None), None)
 
     # --- writing -------------------------------------------------------------------------------
 
@@ -143,13 +163,12 @@ class CheckpointStore:
         partial = self.root / f".step_{step}.partial"
         final = self.root / f"step_{step}"
         if self.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(partial, ignore_errors=True)
+            run_files.real_folder(self.root)
+            _remove(partial)
         self._barrier()
 
         def write_files() -> None:
-            partial.mkdir(parents=True, exist_ok=True)
-            write(partial)
+            write(run_files.real_folder(partial))
 
         # each stage ends in an all-reduce of the ranks' failures: all go on, or all raise
         self._stage(partial, write_files)
@@ -168,14 +187,15 @@ class CheckpointStore:
             failure = exc
         if self._any_failed(failure is not None):
             if self.rank == 0:
-                shutil.rmtree(partial, ignore_errors=True)
+                _remove(partial)
             raise self._write_error(partial, failure) from failure
 
     def _write_partial_manifest(self, folder: Path) -> None:
         names = sorted(
             str(p.relative_to(folder))
             for p in folder.rglob("*")
-            if p.is_file() and not p.name.startswith("manifest")
+            # the ranks' manifests, and a faster rank's being written (run_files' ".NAME...")
+            if p.is_file() and not p.name.startswith(("manifest", ".manifest"))
         )
         share = {name: _describe(folder / name) for name in names[self.rank :: self.world]}
         _write_json(folder / f"manifest_rank{self.rank}.json", share)
@@ -186,8 +206,7 @@ class CheckpointStore:
             files.update(json.loads(part.read_text()))
             part.unlink()
         _write_json(partial / MANIFEST, {"step": step, "files": files})
-        if final.exists():  # a checkpoint of this step from before a resume: replaced
-            shutil.rmtree(final)
+        _remove(final)  # a checkpoint of this step from before a resume: replaced
         os.replace(partial, final)
         _fsync_dir(self.root)
 
@@ -273,24 +292,70 @@ def _describe(path: Path) -> dict[str, Any]:
     return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
 
 
+def _manifest_files(path: Path) -> dict[str, dict[str, Any]] | str:
+    """The ``files`` of ``path``'s manifest, or why it cannot be used."""
+    where = path / MANIFEST
+    try:
+        files = json.loads(where.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{where} cannot be read ({type(exc).__name__}: {exc})"
+    if not isinstance(files, dict) or not files:
+        return f"{where} lists no files"
+    for name, entry in files.items():
+        if not (
+            isinstance(entry, dict)
+            and isinstance(entry.get("bytes"), int)
+            and isinstance(entry.get("sha256"), str)
+        ):
+            return f"{where}: the entry of {name!r} is not {{bytes: int, sha256: hex}}"
+    return files
+
+
+def _listing_problem(path: Path, listed: set[str]) -> str | None:
+    """Where ``path`` does not hold exactly the files ``listed`` (besides its manifest): an
+    unlisted file, a missing one, a link or anything but a file."""
+    present = set()
+    for folder, dirs, names in os.walk(path):  # links to folders are listed, not followed
+        for name in dirs + names:
+            entry = Path(folder) / name
+            relative = str(entry.relative_to(path))
+            if entry.is_symlink():
+                return f"{entry} is a symbolic link (moec writes none)"
+            if name in names and relative != MANIFEST:
+                if not stat.S_ISREG(entry.lstat().st_mode):
+                    return f"{entry} is not a regular file"
+                present.add(relative)
+    extra = sorted(present - listed)
+    if extra:
+        return f"{path / extra[0]} is not listed in its manifest (moec reads only listed files)"
+    missing = sorted(listed - present)
+    if missing:
+        return f"{path / missing[0]} is missing"
+    return None
+
+
 def _check_file(path: Path, want: dict[str, Any]) -> str | None:
-    if not path.is_file():
-        return f"{path} is missing"
-    size = path.stat().st_size
-    if size != want["bytes"]:
-        return f"{path} has {size} bytes, its manifest says {want['bytes']} (truncated?)"
-    if _describe(path)["sha256"] != want["sha256"]:
-        return f"{path} does not match its manifest's sha256 (corrupted)"
+    try:
+        size = path.stat().st_size
+        if size != want["bytes"]:
+            return f"{path} has {size} bytes, its manifest says {want['bytes']} (truncated?)"
+        if _describe(path)["sha256"] != want["sha256"]:
+            return f"{path} does not match its manifest's sha256 (corrupted)"
+    except OSError as exc:
+        return f"{path} cannot be read ({exc.strerror or exc})"
     return None
 
 
 def _write_json(path: Path, value: Any) -> None:
-    partial = path.with_name(path.name + ".partial")
-    with partial.open("w") as f:
-        json.dump(value, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, path)
+    run_files.write_text(path, json.dumps(value, indent=1, sort_keys=True), fsync=True)
+
+
+def _remove(path: Path) -> None:
+    """Remove the folder ``path`` (a link there: the link, not what it points to)."""
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _fsync_dir(path: Path) -> None:

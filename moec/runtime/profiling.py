@@ -46,6 +46,7 @@ from moec.analysis.cost import graph_cost
 from moec.errors import MoecError
 from moec.fx import called_graph, module_path, owning_path
 from moec.program import Program
+from moec.runtime import run_files
 
 BLOCK_PREFIX = "block "
 BACKWARD_SUFFIX = " (backward)"
@@ -385,14 +386,15 @@ class StepProfiler:
         profiler.stop()
         if self.cuda:
             torch.cuda.profiler.stop()
-        self.out.mkdir(parents=True, exist_ok=True)
+        run_files.real_folder(self.out)  # written as every run file is: never through a link
         trace = self.out / f"trace_rank{self.rank}.json"
-        profiler.export_chrome_trace(str(trace))
+        with run_files.replacing(trace) as partial:
+            profiler.export_chrome_trace(str(partial))
         summary = self.summary(profiler, trace)
         path = self.out / f"summary_rank{self.rank}.txt"
-        path.write_text(summary)
+        run_files.write_text(path, summary)
         ops = self.out / f"ops_rank{self.rank}.json"
-        ops.write_text(json.dumps(self.ops_summary(trace), indent=1) + "\n")
+        run_files.write_text(ops, json.dumps(self.ops_summary(trace), indent=1) + "\n")
         self.written = [trace, path, ops]
         if self.say is not None:
             self.say(summary)

@@ -14,14 +14,14 @@ program, so one can continue the other's checkpoints.
 - a new run: refused where the directory holds checkpoints (another run's, or this run's
   that a resume would continue), unless ``force``, with which the new run replaces them.
 
-:func:`record` writes ``run.json`` (atomically: a crash leaves the old file or the new one).
+:func:`record` writes ``run.json`` (atomically: a crash leaves the old file or the new one; a
+link there is replaced, never written through).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from torch import nn
 
 from moec.errors import MoecError
 from moec.plan import Plan
+from moec.runtime import run_files
 
 RUN_FILE = "run.json"
 CHECKPOINTS = "checkpoints"
@@ -87,7 +88,9 @@ def differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
 
 
 def check_run_dir(out: Path, identity: dict[str, Any], *, resume: bool, force: bool) -> None:
-    """Raise :class:`RunIdentityError` where this run may not use ``out`` (see module)."""
+    """Raise :class:`RunIdentityError` where this run may not use ``out`` (see module), and
+    :class:`~moec.runtime.run_files.RunFolderError` where its checkpoints folder is a link."""
+    run_files.refuse_link(out / CHECKPOINTS)
     if force:
         return
     checkpoints = sorted(p.name for p in (out / CHECKPOINTS).glob("step_*"))
@@ -129,10 +132,8 @@ def read(out: Path) -> dict[str, Any] | None:
 
 
 def record(out: Path, identity: dict[str, Any]) -> None:
-    """Write ``identity`` to ``out/run.json``, replacing it in one rename."""
-    partial = out / f".{RUN_FILE}.partial"
-    partial.write_text(json.dumps(identity, indent=2, sort_keys=True))
-    os.replace(partial, out / RUN_FILE)
+    """Write ``identity`` to ``out/run.json``, replacing it (a link there too) in one rename."""
+    run_files.write_text(out / RUN_FILE, json.dumps(identity, indent=2, sort_keys=True))
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:

@@ -22,13 +22,16 @@ function of (seed, step, rank), read ``prefetch`` steps ahead by a background th
 the configured steps (each rank's share split into ``plan.parallel.microbatches``) and scales
 the learning rate by sqrt(batch / first batch) (:func:`moec.train.config.lr_factor`).
 
-Outputs under ``out``: ``run.lock`` while the run runs (one run per folder,
-:mod:`moec.train.run_lock`), ``run.json`` (the run's identity, :mod:`moec.runtime.run_identity`),
+Outputs under ``out`` (never written through a link, :mod:`moec.runtime.run_files`):
+``run.lock`` while the run runs (one run per folder, :mod:`moec.train.run_lock`),
+``run.json`` (the run's identity, :mod:`moec.runtime.run_identity`),
 ``metrics.jsonl`` (one line per log step), ``summary.json``, PNG plots (loss, throughput,
 per-layer expert-load heatmap; need matplotlib) and ``checkpoints/step_N``, committed
 atomically by :mod:`moec.runtime.checkpoint_store` (DCP shards loadable at any EP degree, a
 manifest with checksums; the newest ``keep_checkpoints`` kept). ``resume=True`` continues the
-same run from its newest checkpoint that verifies and reproduces the uninterrupted run bit for
+same run from its newest checkpoint that verifies and loads (each one that does not is skipped
+with the reason; files are read without running code, :mod:`moec.runtime.safe_read`; ``run.json``
+is rewritten only once one has loaded) and reproduces the uninterrupted run bit for
 bit (same data order, RNG, optimizer and scheduler state); its ``metrics.jsonl`` continues
 from the checkpoint's step and its summary and plots cover the whole run. A resumed run that
 has already reached ``steps`` writes nothing. A checkpoint that cannot be written stops the
@@ -40,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import sys
 from collections.abc import Callable
@@ -49,6 +51,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from moec.analysis.cost import graph_cost
 from moec.analysis.rank_memory import GIB, format_rank_memory, rank_memory
@@ -61,7 +64,7 @@ from moec.kernels import arch
 from moec.optim import AdamW, SpikeDetector
 from moec.plan import Plan, PlanError
 from moec.program import Program
-from moec.runtime import checkpoint, run_identity
+from moec.runtime import checkpoint, run_files, run_identity, safe_read
 from moec.runtime.checkpoint_store import (
     CheckpointSpaceError,
     CheckpointStore,
@@ -406,24 +409,63 @@ class Trainer:
         """Step, scheduler, RNG and run state: one file, or one per rank in a job."""
         return f"trainer_rank{self.rank}.pt" if self.mesh else "trainer.pt"
 
-    def _load_checkpoint(self, committed: Committed) -> None:
-        path = committed.path
-        try:
-            checkpoint.load(self.compiled, self.optimizer, path, self.mesh)
-            own = path / self._trainer_file
-            extra = torch.load(
-                own if own.is_file() else _any_trainer_file(path), weights_only=False
-            )
-        except Exception as exc:  # the files match their manifest: the program does not
+    def _resume(self) -> Committed | None:
+        """The newest checkpoint that verifies and loads, loaded (one of a finished run is
+        returned unloaded); each one that does not load is reported with the reason and the
+        next one tried. None where none verifies; :class:`CheckpointLoadError` where some
+        verify and none loads (a failed read may have written part of the program's state)."""
+        tried = []
+        for candidate in self.store.verified():
+            if candidate.step >= self.cfg.steps:
+                return candidate
+            problem = self._load_checkpoint(candidate)
+            if problem is None:
+                return candidate
+            self._say(f"skipping checkpoint {candidate.path}: it does not load ({problem})")
+            tried.append(candidate.path.name)
+        if tried:
             raise CheckpointLoadError(
-                f"checkpoint {path} matches its manifest but does not load into this program "
-                f"({type(exc).__name__}: {exc}); it was written by another model or moec "
-                "version: start a new run (another --out)"
-            ) from exc
+                f"--resume: no checkpoint in {self.store.root} loads into this program "
+                f"({', '.join(tried)}: the reasons are above; written by another model, plan "
+                "or moec version?): resume with the run's own settings, or start a new run "
+                "(another --out, or --force without --resume, which replaces them)"
+            )
+        return None
+
+    def _load_checkpoint(self, committed: Committed) -> str | None:
+        """Read ``committed`` into the program, optimizer and run state; None, or why it
+        failed (the same on every rank). Its files are read without running code
+        (:mod:`moec.runtime.safe_read`); the run state is read first, so a trainer file that
+        fails changes nothing."""
+        path = committed.path
+        own = path / self._trainer_file
+        extra, problem = self._attempt(
+            lambda: _run_state(own if own.is_file() else _any_trainer_file(path), committed)
+        )
+        if problem is None:
+            _, problem = self._attempt(
+                lambda: self._apply_checkpoint(committed, extra, own.is_file())
+            )
+        return problem
+
+    def _attempt(self, action: Callable[[], Any]) -> tuple[Any, str | None]:
+        """``action()``'s value and None, or None and why it raised (whatever it raised: DCP's
+        ``CheckpointException`` is a ``BaseException``), agreed over the job's ranks."""
+        try:
+            value, problem = action(), None
+        except (Exception, CheckpointException) as exc:
+            value, problem = None, safe_read.failure_reason(exc)
+        return value, self.store.agree(problem)
+
+    def _apply_checkpoint(self, committed: Committed, extra: dict[str, Any], own: bool) -> None:
+        """Read the program's and optimizer's state (DCP), then set the run state ``extra``
+        (``own``: this rank's, with its random streams)."""
+        path = committed.path
+        checkpoint.load(self.compiled, self.optimizer, path, self.mesh)
         self.step = extra["step"]
         self.scheduler.load_state_dict(extra["scheduler"])
         self.schedule_steps = extra.get("schedule_steps", self.cfg.steps)  # older: unrecorded
-        if own.is_file():
+        if own:
             torch.set_rng_state(extra["cpu_rng"])
             if extra["cuda_rng"] is not None:
                 torch.cuda.set_rng_state_all(extra["cuda_rng"])
@@ -444,10 +486,11 @@ class Trainer:
     # --- the run directory ---------------------------------------------------------------------
 
     def _prepare_out(self) -> Committed | None:
-        """Record the run's identity (a new run over checkpoints with ``force``: remove them)
-        and return the checkpoint to resume from, if any."""
+        """Load the checkpoint to resume from (if any), then record the run's identity (a new
+        run over checkpoints with ``force``: remove them); return that checkpoint. A resume
+        that loads nothing leaves ``run.json`` as it was."""
         cfg = self.cfg
-        resume_from = self.store.newest_verified() if cfg.resume else None
+        resume_from = self._resume() if cfg.resume else None
         if cfg.resume and resume_from is None:
             if (self.store.committed() or self.store.uncommitted()) and not cfg.force:
                 raise CheckpointLoadError(
@@ -529,8 +572,9 @@ class Trainer:
         return total
 
     def _metrics_history(self, path: Path) -> list[dict[str, Any]]:
-        """The records of ``path`` up to this step (a resumed run rewrites the file without
-        the steps after its checkpoint, and without a line cut short by a crash)."""
+        """The records of ``path`` up to this step (a resumed run rewrites the file with
+        these: without the steps after its checkpoint, and without a line cut short by a
+        crash)."""
         if not path.exists():
             return []
         kept = []
@@ -541,16 +585,13 @@ class Trainer:
                 continue
             if isinstance(record, dict) and record.get("step", self.step + 1) <= self.step:
                 kept.append(record)
-        partial = path.with_name(path.name + ".partial")
-        partial.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(partial, path)
         return kept
 
     def _say(self, message: str) -> None:
         if self.rank != 0:
             return
-        if self.console is not None:
-            self.console.print(message, markup=False, highlight=False)
+        if self.console is not None:  # one line, never wrapped (logs are searched by line)
+            self.console.print(message, markup=False, highlight=False, soft_wrap=True)
         else:
             print(message, file=sys.stderr)
 
@@ -600,7 +641,6 @@ class Trainer:
             summary = self._recorded_summary()
             return TrainResult([], summary, self.compiled, self.out, finished=True)
         if resume_from is not None:
-            self._load_checkpoint(resume_from)
             self._say(f"resumed from step {self.step} ({resume_from.path})")
             self._continue_schedule()
         self._check_space()
@@ -610,7 +650,9 @@ class Trainer:
         loop = TrainingLoop(self, history)
         written: list[Path] = []
         try:
-            with log_path.open("a" if resume_from is not None else "w") as log:
+            with run_files.open_log(
+                log_path, "".join(json.dumps(r) + "\n" for r in history)
+            ) as log:
                 loop.run(log, progress, written)
         except MoecError as exc:
             error = (
@@ -618,7 +660,7 @@ class Trainer:
             )
             if writer:  # the run's results survive its error
                 summary = loop.summary(error=str(error))
-                (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+                run_files.write_text(self.out / "summary.json", json.dumps(summary, indent=2))
             if error is exc:
                 raise
             raise error from exc
@@ -627,7 +669,7 @@ class Trainer:
         summary = loop.summary()
         written.insert(0, log_path)
         if writer:
-            (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+            run_files.write_text(self.out / "summary.json", json.dumps(summary, indent=2))
             written.insert(1, self.out / "summary.json")
         if cfg.plots and writer:
             from moec.plots import write_plots
@@ -751,6 +793,16 @@ def join_job(plan: Plan) -> MoEMesh | None:
     if p.dp == 1 and p.ep == 1:
         return None
     return init_from_env(plan)
+
+
+def _run_state(path: Path, committed: Committed) -> dict[str, Any]:
+    """The run state in the trainer file ``path`` (tensors, numbers and containers only),
+    checked to be of ``committed``'s step."""
+    extra = safe_read.load_plain(path)
+    step = extra.get("step") if isinstance(extra, dict) else None
+    if step != committed.step:
+        raise ValueError(f"{path} holds the state of step {step!r}, not {committed.step}")
+    return extra
 
 
 def _any_trainer_file(path: Path) -> Path:
