@@ -9,7 +9,6 @@ The payload is harmless: unpickling it creates a marker file (``exec`` of one ``
 from __future__ import annotations
 
 import dataclasses
-import errno
 import hashlib
 import io
 import json
@@ -26,7 +25,6 @@ import torch.distributed.checkpoint as dcp
 from transformers import LlamaConfig
 
 from moec.cli import main
-from moec.runtime import run_files
 from moec.runtime.checkpoint_store import CheckpointStore
 from moec.runtime.run_files import replacing
 from moec.runtime.safe_read import MetadataUnpickler, read_metadata
@@ -340,27 +338,6 @@ def test_a_linked_checkpoints_folder_is_refused_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "checkpoints is a symbolic link" in err and len(err.strip().splitlines()) == 1
     assert list((tmp_path / "elsewhere").iterdir()) == []
-
-
-@pytest.mark.parametrize("where", ["a file", "under a file", "read-only"])
-def test_an_out_that_cannot_hold_the_run_is_refused_in_one_line(
-    tmp_path, capsys, monkeypatch, where
-):
-    model = _write_factory(tmp_path)
-    (tmp_path / "file").write_text("")
-    out = {"a file": "file", "under a file": "file/run", "read-only": "run"}[where]
-    if where == "read-only":  # as root can write anywhere, the refusal is simulated
-
-        def refuse(path: Path) -> Path:
-            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
-
-        monkeypatch.setattr(run_files, "_fresh", refuse)
-    capsys.readouterr()
-    assert main(_train_args(model, tmp_path, tmp_path / out, "--steps", "1")) == 2
-    err = capsys.readouterr().err
-    assert f"--out {tmp_path / out}" in err and len(err.strip().splitlines()) == 1, err
-    expected = {"a file": "is a file", "under a file": "Not a directory", "read-only": "Read-only"}
-    assert expected[where] in err, err
 
 
 def test_replacing_replaces_a_link_and_leaves_its_target(tmp_path):
