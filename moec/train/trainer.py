@@ -89,7 +89,7 @@ from moec.train.config import (
     rank_batch_size,
     resolve_device,
 )
-from moec.train.loop import TrainingLoop, TrainResult, mean_of
+from moec.train.loop import TrainingLoop, TrainResult, max_vio, mean_of
 from moec.train.objective import LanguageModelWithLoss, parameter_groups
 
 
@@ -293,6 +293,7 @@ class Trainer:
                 (objective / micro).backward()
             total = total + loss.detach() / micro
         self.compiled.detach_aux_outputs()  # the step keeps no autograd graph alive
+        self.compiled.finish_step()  # global expert loads, MaxVio, the aux_free bias update
         if self.reducer is not None:
             self.reducer.finish()
         norm = self._clip_gradients()
@@ -568,6 +569,7 @@ class Trainer:
             "load_imbalance": max((layer["load_imbalance"] for layer in layers), default=None),
             "capacity_use": mean_of(layer["capacity_use"] for layer in layers),
             "lbl": mean_of(layer["lbl"] for layer in layers),
+            "max_vio": max_vio(layers),
             "host_syncs_per_step": syncs,
             "data_stalls": self.batches.stalls,
             "peak_memory_bytes": torch.cuda.max_memory_allocated(self.device)
