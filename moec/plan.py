@@ -124,6 +124,12 @@ class MoEPlan:
     """A dropout with p > 0 on an FFN's hidden activation has no counterpart in the routed
     experts: ``error`` refuses to convert that FFN, ``drop`` converts it without the dropout."""
 
+    @property
+    def trained_lbl_coef(self) -> float:
+        """The load-balancing loss's weight in the objective: ``lbl_coef``, 0 under
+        ``aux_free`` (which has no such loss)."""
+        return 0.0 if self.balance == "aux_free" else self.lbl_coef
+
     def validate(self) -> None:
         _require(self.num_experts >= 1, "moe.num_experts", self.num_experts, "an integer >= 1")
         _require(

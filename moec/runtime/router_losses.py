@@ -14,9 +14,10 @@ optimizer step (``plan.parallel.microbatches`` of them, in train mode with gradi
   all-reduce, on the device), so after microbatch m the load is that of microbatches 1..m of
   every rank; the forward's LBL is ``N * sum_e f_e * P_e`` with ``f`` = that load over its
   total and ``P`` this microbatch's on this rank. The gradient reduction averages over ranks,
-  so the last microbatch's gradient is exactly that of the global batch's LBL, and microbatch
-  m < M uses the loads seen so far (Megatron's ``global_aux_loss`` running average): the loads
-  of later microbatches do not exist when its forward and backward run;
+  and the mean of the ranks' ``P`` is the global one, so with one microbatch the step's gradient
+  is exactly that of the global batch's LBL; with M > 1 the last microbatch's f is the whole
+  step's and microbatch m < M uses the loads seen so far (Megatron's ``global_aux_loss`` running
+  sum): the loads of later microbatches do not exist when its forward and backward run;
 - :meth:`RouterBalance.finish_step`, once per step after its backwards: the step's load summed
   over the data-parallel group (one all-reduce of [blocks, N], unless ``global_batch`` summed it
   already), its MaxVio per block (:func:`max_violation`), and under ``aux_free`` each block's

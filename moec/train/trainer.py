@@ -16,6 +16,11 @@ AdamW): a finite step whose loss or gradient norm exceeds the running statistics
 ``spike_skipped_steps``; in a job the loss it judges is the mean over the data-parallel ranks
 (one scalar all-reduce), so every rank skips the same steps.
 
+Balance: after each step's backwards the trainer calls ``compiled.finish_step()``
+(:mod:`moec.runtime.router_losses`): the step's expert loads summed over the data-parallel
+ranks, MaxVio per block (``max_vio`` in the metrics) and, under ``moe.balance: aux_free``, the
+selection biases' update from those loads, on the device; a skipped step moves them too.
+
 Data: the offline text, synthetic tokens or ``data`` (:mod:`moec.corpus`), each batch a pure
 function of (seed, step, rank), read ``prefetch`` steps ahead by a background thread
 (:class:`moec.data.Prefetcher`). Batch-size warmup (``batch_warmup``) changes the global batch at
@@ -24,9 +29,10 @@ the learning rate by sqrt(batch / first batch) (:func:`moec.train.config.lr_fact
 
 Outputs under ``out``: ``run.json`` (the run's identity, :mod:`moec.runtime.run_identity`),
 ``metrics.jsonl`` (one line per log step), ``summary.json``, PNG plots (loss, throughput,
-per-layer expert-load heatmap; need matplotlib) and ``checkpoints/step_N``, committed
-atomically by :mod:`moec.runtime.checkpoint_store` (DCP shards loadable at any EP degree, a
-manifest with checksums; the newest ``keep_checkpoints`` kept). ``resume=True`` continues the
+load-balancing loss and MaxVio, per-layer expert-load heatmap; need matplotlib) and
+``checkpoints/step_N``, committed atomically by :mod:`moec.runtime.checkpoint_store` (DCP
+shards loadable at any EP degree, a manifest with checksums; the newest ``keep_checkpoints``
+kept). ``resume=True`` continues the
 same run from its newest checkpoint that verifies and reproduces the uninterrupted run bit for
 bit (same data order, RNG, optimizer and scheduler state); its ``metrics.jsonl`` continues
 from the checkpoint's step and its summary and plots cover the whole run. A resumed run that
