@@ -25,7 +25,7 @@ from moec.runtime.router_losses import (
 )
 from moec.train import TrainConfig, train
 from tests.distributed import spawn
-from tests.models import tiny_llama, tokens
+from tests.models import hf_model, tiny_llama, tokens
 
 ops = torch.ops.moec
 METHODS = ["microbatch", "global_batch", "sequence", "aux_free"]
@@ -262,6 +262,23 @@ def test_aux_free_bias_resumes_bit_for_bit(tmp_path):
     for name, bias in resumed.compiled.named_buffers():
         if name in biases:
             assert torch.equal(bias, biases[name]), name
+
+
+def test_a_model_captured_on_meta_builds_a_zero_bias(tmp_path):
+    """A dense checkpoint has no selection bias: the meta capture builds it (zeros) for
+    materializing, so the meta-compiled program equals the one compiled from real weights."""
+    dense = hf_model("llama")
+    dense.save_pretrained(tmp_path)
+    plan = {"moe": {"num_experts": 4, "top_k": 2, "balance": "aux_free", "seed": 3}}
+    x = tokens()
+    want = moec.compile(copy.deepcopy(dense), plan, (x,))
+    with torch.device("meta"):
+        meta = hf_model("llama")
+    got = moec.compile(meta, plan, (x,), init_from=tmp_path)
+    for layer in got.moe_layers:
+        bias = got.get_buffer(layer.expert_bias)
+        assert bias.device.type == "cpu" and torch.equal(bias, torch.zeros(4))
+    torch.testing.assert_close(got(x).logits, want(x).logits, rtol=0, atol=0)
 
 
 # --- EP = 2 equals EP = 1, every method (gloo) -------------------------------------------------
