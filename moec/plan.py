@@ -43,6 +43,7 @@ class PlanError(MoecError, ValueError):
 Gating = Literal["softmax", "sigmoid"]
 Init = Literal["upcycle", "drop_upcycle", "split", "random"]
 Routing = Literal["learned", "random", "uniform"]
+Balance = Literal["microbatch", "global_batch", "sequence", "aux_free"]
 EPPath = Literal["auto", "rowwise", "sync_1d", "a2a_capacity"]
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"]
 GemmPrecision = Literal["bf16", "mxfp8", "fp8_rowwise"]
@@ -107,7 +108,36 @@ class MoEPlan:
     dense_first: int = 0
     """Leading blocks whose FFN stays dense (the report uses 1 or 2)."""
     lbl_coef: float = 0.01
-    """Weight of the instance-level load-balancing loss (0 disables it)."""
+    """Weight of the load-balancing loss of ``balance`` (0 disables it; not used by
+    ``aux_free``, which has none)."""
+    balance: Balance = "microbatch"
+    """How the routers are kept balanced (:mod:`moec.runtime.router_losses` computes it). The
+    load-balancing loss (LBL) of a set of tokens is ``N * sum_e f_e * P_e``: ``f_e`` the share of
+    their offered routes that go to expert e, ``P_e`` the mean over them of e's normalized score
+    (1 when balanced, N/top_k when collapsed); ``lbl_coef`` weighs it.
+
+    - ``microbatch``: the LBL of each microbatch on each rank (Switch/OLMoE's instance-level
+      loss, moec's loss before this field existed; the default until the quality benchmark
+      measures the others).
+    - ``global_batch``: ``f`` from the step's expert loads summed over the data-parallel ranks
+      and over the step's microbatches so far (Megatron's ``global_aux_loss``, Qwen's global
+      batch): microbatch m of M uses the loads of microbatches 1..m of every rank, so the last
+      one uses the whole step's; ``P`` stays this microbatch's on this rank, whose mean over
+      ranks (the gradient reduction's) is the global ``P``. One all-reduce of the blocks'
+      [blocks, N] loads per microbatch, on the device.
+    - ``sequence``: the LBL of each sequence (dim 0 of the batch), averaged over sequences
+      (DeepSeek-V2/V3's sequence-wise loss).
+    - ``aux_free``: no loss; a per-expert bias (a buffer ``<block>.expert_bias``, not trained)
+      is added to the gate scores to choose the top-k experts, while the route weights use the
+      unbiased scores, and after each step every rank adds ``bias_update_rate * sign(mean load
+      - load_e)`` from the step's loads summed over microbatches and data-parallel ranks
+      (DeepSeek-V3). Needs ``routing: learned``.
+
+    ``global_batch`` and ``aux_free`` need ``parallel.pp = 1``. Every method also reports each
+    block's MaxVio over the step's global load (``routing_stats()``, the training metrics)."""
+    bias_update_rate: float = 1e-3
+    """Step of the ``aux_free`` bias update (DeepSeek-V3's gamma; 1e-3 is its value for most of
+    its training)."""
     z_loss_coef: float = 0.001
     """Weight of the router z-loss (0 disables it)."""
     routing: Routing = "learned"
@@ -126,6 +156,12 @@ class MoEPlan:
     ffn_dropout: FFNDropout = "error"
     """A dropout with p > 0 on an FFN's hidden activation has no counterpart in the routed
     experts: ``error`` refuses to convert that FFN, ``drop`` converts it without the dropout."""
+
+    @property
+    def trained_lbl_coef(self) -> float:
+        """The load-balancing loss's weight in the objective: ``lbl_coef``, 0 under
+        ``aux_free`` (which has no such loss)."""
+        return 0.0 if self.balance == "aux_free" else self.lbl_coef
 
     def validate(self) -> None:
         _require(self.num_experts >= 1, "moe.num_experts", self.num_experts, "an integer >= 1")
@@ -146,7 +182,14 @@ class MoEPlan:
             )
         _require(self.dense_first >= 0, "moe.dense_first", self.dense_first, "an integer >= 0")
         self._validate_upcycling()
-        for name in ("lbl_coef", "z_loss_coef", "router_init_std"):
+        _require(
+            self.balance != "aux_free" or self.routing == "learned",
+            "moe.balance",
+            self.balance,
+            f"not 'aux_free' with moe.routing = {self.routing!r}: the bias steers the learned "
+            "router's choice; 'microbatch', 'global_batch' or 'sequence', or routing: learned",
+        )
+        for name in ("lbl_coef", "z_loss_coef", "router_init_std", "bias_update_rate"):
             value = getattr(self, name)
             _require(
                 math.isfinite(value) and value >= 0, f"moe.{name}", value, "a finite number >= 0"
@@ -483,6 +526,13 @@ class Plan:
             "'n_major' or 'auto' when FSDP shards the experts (parallel.dp_shard = "
             f"{self.parallel.dp_shard} > 1 with dp = {self.parallel.dp} > ep = "
             f"{self.parallel.ep}): the shards split dim 1, which a k-major weight holds strided",
+        )
+        _require(
+            self.parallel.pp == 1 or self.moe.balance in ("microbatch", "sequence"),
+            "moe.balance",
+            self.moe.balance,
+            f"'microbatch' or 'sequence' when parallel.pp = {self.parallel.pp}: the pipeline "
+            "runtime does not keep the step's expert loads that global_batch and aux_free need",
         )
         _require(
             self.moe.num_experts % self.parallel.ep == 0,

@@ -92,6 +92,8 @@ class MoELayer:
     capacity_factor: float | None
     activation: str
     shared_expert: bool
+    expert_bias: str | None = None
+    """The buffer of the block's selection bias (``moe.balance: aux_free``), else None."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Checkpoints across EP degrees: EP = 2 (2 gloo ranks) -> EP = 1 (this process) and back.
 
-A loaded model equals the writer's parameters and AdamW state in the global layout (the EP
-ranks' expert slices concatenated on dim 0) and gives the writer's outputs on the same input.
+A loaded model equals the writer's parameters, buffers (the ``aux_free`` selection biases,
+replicated) and AdamW state in the global layout (the EP ranks' expert slices concatenated on
+dim 0) and gives the writer's outputs on the same input.
 """
 
 from __future__ import annotations
@@ -21,7 +22,15 @@ from moec.runtime import distributed as mdist
 from tests.distributed import spawn
 
 CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64)
-MOE = {"num_experts": 4, "top_k": 2, "capacity_factor": None, "dense_first": 0, "init": "random"}
+MOE = {
+    "num_experts": 4,
+    "top_k": 2,
+    "capacity_factor": None,
+    "dense_first": 0,
+    "init": "random",
+    "balance": "aux_free",  # the routers' selection bias moves between the layouts too
+    "bias_update_rate": 0.01,
+}
 WORLD = 2
 
 
@@ -50,6 +59,7 @@ def _step(model: moec.CompiledModel, mesh: mdist.MoEMesh | None, rank: int) -> A
     (loss + model.aux_loss()).backward()
     if mesh is not None:
         reducer.finish()
+    model.finish_step()  # moves the aux_free biases (replicated: the global load's update)
     optimizer.step()
     optimizer.zero_grad()
     return optimizer
@@ -139,6 +149,8 @@ def test_checkpoint_moves_between_ep1_and_ep2(tmp_path):
             for k, v in ranks[0]["optim"].items()
         },
     }
+    biases = [v for k, v in want["model"].items() if k.endswith("expert_bias")]
+    assert len(biases) == CFG.n_layers and all(b.abs().sum() > 0 for b in biases)
     _assert_state(got, want)
     for rank in range(WORLD):
         torch.testing.assert_close(

@@ -19,7 +19,7 @@ import transformers as tf
 import moec
 from moec.errors import MoecError
 from moec.export import ExportError, add_export_parser, export_hf
-from moec.export.hf import Layout, choose_target
+from moec.export.hf import Layout, choose_target, layout_of
 from moec.plan import MoEPlan
 from moec.train import TrainConfig, train
 from tests.models import hf_family, tokens
@@ -143,3 +143,21 @@ def test_inexpressible_plans_name_what_is_missing(family, moe, message):
     layout = Layout(2, [plan.dense_first, 1], 8, 32, 64, plan.shared_expert)
     with pytest.raises(ExportError, match=message):
         choose_target(config, plan, layout)
+
+
+def test_a_non_zero_selection_bias_is_refused_by_name():
+    """``moe.balance: aux_free`` routers choose by scores + bias, which no HF target does; a
+    zero bias (step 0) chooses as plain top-k and exports."""
+    n, dim, width = 4, 8, 16
+    tensors = {
+        "model.layers.0.mlp.moe.router_weight": torch.randn(n, dim),
+        "model.layers.0.mlp.moe.w_up": torch.randn(n, dim, 2 * width),
+        "model.layers.0.mlp.moe.w_down": torch.randn(n, width, dim),
+        "model.layers.0.mlp.moe.expert_bias": torch.zeros(n),
+    }
+    config = tf.LlamaConfig(num_hidden_layers=1)
+    plan = MoEPlan(num_experts=n, balance="aux_free")
+    assert layout_of(tensors, config, plan).moe_layers == [0]
+    tensors["model.layers.0.mlp.moe.expert_bias"][2] = 1e-3
+    with pytest.raises(ExportError, match=r"selection bias \(model\.layers\.0\.mlp\.moe\.expert_b"):
+        layout_of(tensors, config, plan)

@@ -110,6 +110,19 @@ def test_route_of_non_finite_logits_picks_valid_experts():
 
 
 @interpreted
+@pytest.mark.parametrize("gating", ["softmax", "sigmoid"])
+def test_route_with_a_selection_bias_equals_reference(gating):
+    """``aux_free``: the experts chosen by scores + bias, ranked by the kernels."""
+    logits = torch.randn(2, 90, 8)
+    bias = torch.randn(8) * 0.2
+    got = cuda.route(logits, 2, 1.0, gating, True, "learned", bias)
+    want = route_reference(logits, 2, 1.0, gating, True, "learned", bias)
+    assert not torch.equal(got[0], cuda.route(logits, 2, 1.0, gating, True, "learned")[0])
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@interpreted
 def test_route_uniform_policy_and_lead_dims():
     logits = torch.randn(3, 20, 8)
     got = cuda.route(logits, 2, 1.0, "softmax", True, "uniform")

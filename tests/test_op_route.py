@@ -119,16 +119,19 @@ def test_route_weights_gradcheck(gating, normalize):
 
 
 @pytest.mark.parametrize("gating", ["softmax", "sigmoid"])
-def test_router_losses_gradcheck_and_balanced_value(gating):
-    logits = torch.randn(8, 4, dtype=torch.float64, requires_grad=True)
-    counts = route(logits.detach(), 2, 0.0, gating, True, "learned")[4]
-    fn = lambda x: torch.ops.moec.router_losses(x, counts, 2, gating)
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_router_losses_gradcheck_and_balanced_value(gating, per_sequence):
+    logits = torch.randn(2, 4, 4, dtype=torch.float64, requires_grad=True)
+    ids = route(logits.detach(), 2, 0.0, gating, True, "learned")[0]
+    fn = lambda x: torch.ops.moec.router_losses(x, ids, 2, gating, per_sequence)
     assert gradcheck(fn, (logits,))
     uniform = torch.zeros(16, 4, dtype=torch.float64)
-    lbl, z = torch.ops.moec.router_losses(uniform, torch.full((4,), 8), 2, gating)
+    balanced = torch.tensor([[0, 1], [2, 3]]).repeat(8, 1)  # every expert 8 of 32 routes
+    (lbl, z), scores = torch.ops.moec.router_losses(uniform, balanced, 2, gating, per_sequence)
     assert float(lbl) == pytest.approx(1.0)
     expected_z = math.log(4) ** 2
     assert float(z) == pytest.approx(expected_z)
+    torch.testing.assert_close(scores, torch.full((4,), 0.25, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("tokens,cf", [(16, 1.25), (7, 0.3), (5, 0.0), (9, 100.0)])

@@ -47,12 +47,19 @@ def _route() -> list[Sample]:
     return [
         ((_randn(T, N, grad=True), K, cf, gating, True, "learned"), {})
         for cf, gating in ((1.0, "softmax"), (0.0, "sigmoid"))
-    ] + [((_randn(2, 3, N, grad=True), K, 1.25, "softmax", False, "uniform"), {})]
+    ] + [
+        ((_randn(2, 3, N, grad=True), K, 1.25, "softmax", False, "uniform"), {}),
+        ((_randn(T, N, grad=True), K, 1.0, "sigmoid", True, "learned", _randn(N)), {}),
+    ]
 
 
 def _router_losses() -> list[Sample]:
-    _, _, _, counts = _routed()
-    return [((_randn(T, N, grad=True), counts, K, g), {}) for g in ("softmax", "sigmoid")]
+    samples = []
+    for lead, gating, per_sequence in (((T,), "softmax", False), ((2, 3), "sigmoid", True)):
+        logits = _randn(*lead, N, grad=True)
+        ids = torch.ops.moec.route(logits.detach(), K, 1.0, gating, True, "learned")[0]
+        samples.append(((logits, ids, K, gating, per_sequence), {}))
+    return samples
 
 
 def _dispatch() -> list[Sample]:

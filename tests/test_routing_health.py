@@ -1,7 +1,7 @@
-"""The router-collapse watch (:mod:`moec.train.routing_health`): the concentration measure,
-when the watch fires and when it waits, and two real runs of the demo model: one whose router
-collapses (synthetic tokens at a high learning rate) and one whose early concentration
-recovers (the offline text at the demo's rate)."""
+"""The router-collapse watch (:mod:`moec.train.routing_health`): the concentration measure
+(MaxVio over its largest value), when the watch fires and when it waits, and two real runs of
+the demo model: one whose router collapses (synthetic tokens at a high learning rate) and one
+whose early concentration recovers (the offline text at the demo's rate)."""
 
 from __future__ import annotations
 
@@ -23,26 +23,36 @@ from moec.train.routing_health import (
 )
 
 
-def test_concentration_is_0_when_balanced_and_1_when_all_routes_sit_on_top_k_experts():
+def _max_vio(load: list[int]) -> float:
+    """MaxVio by hand: the busiest expert's load over the mean, minus 1."""
+    return max(load) / (sum(load) / len(load)) - 1
+
+
+def test_concentration_is_0_when_balanced_and_1_when_one_expert_takes_every_token():
     rng = random.Random()
     n = rng.randint(3, 64)
     k = rng.randint(1, n - 1)
     per = rng.randint(1, 1000)
-    assert concentration([per] * n, k) == 0.0
+    assert concentration(_max_vio([per] * n), n, k) == 0.0
     collapsed = [0] * n
     for e in rng.sample(range(n), k):
-        collapsed[e] = per
-    assert concentration(collapsed, k) == pytest.approx(1.0)
-    load = [rng.randint(0, 1000) for _ in range(n)]
-    load[0] += 1
-    share = sum(sorted(load, reverse=True)[:k]) / sum(load)
-    assert concentration(load, k) == pytest.approx(max(0.0, (share - k / n) / (1 - k / n)))
-    assert concentration([0] * n, k) is None  # no routes
-    assert concentration(load, n) is None  # every expert chosen by every token
+        collapsed[e] = per  # every token on the same k experts
+    assert concentration(_max_vio(collapsed), n, k) == pytest.approx(1.0)
+    load = [rng.randint(1, 1000) for _ in range(n)]
+    vio = _max_vio(load)
+    assert concentration(vio, n, k) == pytest.approx(vio / (n / k - 1))
+    assert concentration(None, n, k) is None  # no finished step
+    assert concentration(vio, n, n) is None  # every expert chosen by every token
 
 
 def _stats(load: list[int], top_k: int = 2, drop_rate: float = 0.0) -> dict:
-    return {"expert_load": load, "top_k": top_k, "drop_rate": drop_rate}
+    return {
+        "expert_load": [1] * len(load),  # the last forward's: the watch reads the step's
+        "step_load": load,
+        "max_vio": _max_vio(load),
+        "top_k": top_k,
+        "drop_rate": drop_rate,
+    }
 
 
 COLLAPSED = _stats([500, 480, 10, 5, 3, 2, 0, 0])
@@ -71,9 +81,18 @@ def test_the_watch_fires_once_a_block_stays_concentrated_past_twice_the_warmup()
     # log points after step 20 (2 x warmup) count; the first window ending past it covers 5
     assert step == 20 + LASTING
     assert watch.collapsed == {"b.moe": step}
-    for part in ("b.moe", "2 busiest of 8 experts take 98%", "25% if balanced", "--lr) = 0.003"):
+    for part in (
+        "b.moe",
+        "2 busiest of 8 experts take 98%",
+        "25% if balanced",
+        "MaxVio 3.00 (at most 3)",
+        "--lr) = 0.003",
+    ):
         assert part in message, part
-    assert "moe.lbl_coef = 0.01" in message
+    assert "moe.lbl_coef = 0.01, moe.balance = microbatch" in message
+    aux_free = CollapseWatch("warn", 3e-3, 0.01, 0, "aux_free", 2e-3)
+    message = [m for m in _feed(aux_free, [LASTING] * PATIENCE, COLLAPSED) if m][0]
+    assert "moe.bias_update_rate = 0.002" in message and "lbl_coef" not in message
 
 
 def test_the_watch_waits_for_patience_and_duration_and_a_healthy_point_resets_it():

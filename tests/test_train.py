@@ -79,9 +79,19 @@ def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path, dtype):
 def test_checkpoint_and_plots_written(tmp_path):
     result = train(tiny_llama(2), TINY_PLAN, _cfg(tmp_path, steps=6, log_every=3, plots=True))
     assert (tmp_path / "checkpoints" / "step_6" / "trainer.pt").exists()
-    for name in ("loss.png", "throughput.png", "expert_load.png", "summary.json"):
+    for name in ("loss.png", "throughput.png", "balance.png", "expert_load.png", "summary.json"):
         assert (tmp_path / name).exists(), name
     assert result.summary["bf16_peak_tflops"] == "unknown for this device"
+    # MaxVio beside the LBL: per block from the step's load, the worst block's at the top
+    record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    vios = {path: s["max_vio"] for path, s in record["routing"].items()}
+    for stats in record["routing"].values():
+        load = stats["step_load"]
+        assert stats["max_vio"] == pytest.approx(max(load) / (sum(load) / len(load)) - 1)
+    assert record["max_vio"] == max(vios.values()) and record["lbl"] is not None
+    summary = result.summary
+    assert summary["max_vio_by_block"] == vios and summary["max_vio"] == record["max_vio"]
+    assert summary["balance"] == "microbatch" and summary["lbl"] == record["lbl"]
 
 
 def test_parameter_groups_split_dense_expert_and_no_decay():

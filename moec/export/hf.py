@@ -34,7 +34,9 @@ columns [gate | up] become ``gate_up_proj`` [N, 2H, D], ``w_down`` [N, H, D] ``d
 [N, D, H]; every other tensor keeps its HF name.
 
 Refused (:class:`ExportError`, naming what cannot be expressed): sigmoid gating (every target
-takes a softmax over the experts before top-k), ``random``/``uniform`` routing, expert biases
+takes a softmax over the experts before top-k), ``random``/``uniform`` routing, a non-zero
+selection bias (``moe.balance: aux_free``: no target adds a bias to the scores it takes the
+top-k of; a zero bias, e.g. at step 0, chooses as plain top-k and is left out), expert biases
 and ungated (plain) expert activations (HF experts are bias-free GLUs), a shared expert or
 dense first blocks where the target has none (Qwen3-MoE, FlexOlmo), un-normalized weights on a
 target that always normalizes, a source config field the target lacks at a non-neutral value
@@ -52,10 +54,10 @@ Where the exported model differs from the moec program (the forward is equal oth
 - Normalization of the top-k weights: moec ``normalize_weights`` = HF ``norm_topk_prob``
   (Mixtral always normalizes, so only ``true`` maps onto it).
 - Gating: softmax over all N experts before top-k in both; moec's sigmoid gating has no target.
-- Training-only terms: moec's load-balancing coefficient becomes ``router_aux_loss_coef``
-  (HF computes the Switch-style loss over the whole batch; moec's instance-level one may
-  differ), ``output_router_logits`` is off; the router z-loss has no HF counterpart and is not
-  exported. Neither changes the forward.
+- Training-only terms: moec's load-balancing coefficient becomes ``router_aux_loss_coef`` (HF
+  computes the Switch-style loss over the whole batch; moec's ``moe.balance`` may differ; 0
+  under ``aux_free``, which trains no such loss), ``output_router_logits`` is off; the router
+  z-loss has no HF counterpart and is not exported. Neither changes the forward.
 """
 
 from __future__ import annotations
@@ -153,6 +155,8 @@ FAMILIES: dict[str, tuple[Target, ...]] = {
     "olmo2": (FLEX_OLMO,),
 }
 """Source ``model_type`` -> the targets that may express it, preferred first."""
+
+_TARGET_TYPES = dict.fromkeys(t.model_type for targets in FAMILIES.values() for t in targets)
 
 _LLAMA_ATTENTION = {"llama", "mistral"}
 """Sources whose q/k/v have no bias (Qwen2-MoE then gets ``qkv_bias: False``)."""
@@ -382,6 +386,7 @@ def layout_of(tensors: dict[str, torch.Tensor], config: Any, moe: MoEPlan) -> La
             f"{moe.dense_first}, {layers} blocks in the config) says {expected}: give the "
             "plan and config the run was trained with"
         )
+    _refuse_selection_bias(tensors, moe_layers)
     first = moe_layers[0]
     for bias in ("moe.b_up", "moe.b_down"):
         if _layer(first, bias) in tensors:
@@ -410,6 +415,20 @@ def layout_of(tensors: dict[str, torch.Tensor], config: Any, moe: MoEPlan) -> La
             "dense first blocks need"
         )
     return Layout(layers, moe_layers, n, width, dense_width, moe.shared_expert)
+
+
+def _refuse_selection_bias(tensors: dict[str, torch.Tensor], moe_layers: list[int]) -> None:
+    """Refuse routers that choose their experts with a non-zero selection bias (``moe.balance:
+    aux_free``); a zero bias chooses as plain top-k does, and is left out of the export."""
+    for i in moe_layers:
+        bias = tensors.get(_layer(i, "moe.expert_bias"))
+        if bias is not None and bias.any():
+            raise ExportError(
+                f"the routers choose their experts with a selection bias "
+                f"({_layer(i, 'moe.expert_bias')} is non-zero; moe.balance: aux_free): none "
+                f"of the HF targets ({', '.join(_TARGET_TYPES)}) adds a bias to the router's "
+                "scores before top-k, so the exported model would route differently"
+            )
 
 
 def choose_target(config: Any, moe: MoEPlan, layout: Layout) -> Target:
@@ -474,7 +493,7 @@ def target_config(config: Any, target: Target, moe: MoEPlan, layout: Layout, dty
             target.experts_key: layout.num_experts,
             target.width_key: layout.expert_width,
             "num_experts_per_tok": moe.top_k,
-            "router_aux_loss_coef": moe.lbl_coef,
+            "router_aux_loss_coef": moe.trained_lbl_coef,
             "output_router_logits": False,
             "architectures": [target.model_class],
             "dtype": dtype,
@@ -549,7 +568,7 @@ def semantic_notes(target: Target, moe: MoEPlan) -> list[str]:
             f"router z-loss (z_loss_coef={moe.z_loss_coef}): no HF counterpart, not exported "
             "(training only)"
         )
-    if moe.lbl_coef:
+    if moe.trained_lbl_coef:
         notes.append(
             f"load balancing: router_aux_loss_coef={moe.lbl_coef} (HF's Switch-style loss, "
             "used only with output_router_logits; training only)"

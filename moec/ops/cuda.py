@@ -102,18 +102,25 @@ def kernel_activation(activation: str) -> KernelActivation | None:
 
 
 def route(
-    logits: Tensor, top_k: int, capacity_factor: float, gating: str, normalize: bool, routing: str
+    logits: Tensor,
+    top_k: int,
+    capacity_factor: float,
+    gating: str,
+    normalize: bool,
+    routing: str,
+    bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``moec::route``: the router kernels rank the routes (and choose them when learned)."""
-    check_route_args(logits, top_k, gating, routing)
+    """``moec::route``: the router kernels rank the routes (and choose them when learned
+    without a selection bias; a biased choice is made in torch, like the benchmark policies)."""
+    check_route_args(logits, top_k, gating, routing, bias)
     if not float_supported(logits):
-        return route_reference(logits, top_k, capacity_factor, gating, normalize, routing)
+        return route_reference(logits, top_k, capacity_factor, gating, normalize, routing, bias)
     num_experts = logits.shape[-1]
     flat = logits.reshape(-1, num_experts)
     cap = capacity(flat.shape[0], top_k, num_experts, capacity_factor)
     chosen = None
-    if routing != "learned":
-        expert_ids = choose_experts(flat, top_k, routing)
+    if routing != "learned" or bias is not None:
+        expert_ids = choose_experts(flat, top_k, routing, gating, bias)
         chosen = expert_ids, route_weights(flat, expert_ids, gating, normalize)
     return router.route(logits, top_k, cap, gating, normalize, chosen)
 

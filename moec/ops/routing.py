@@ -1,11 +1,15 @@
 """``moec::route`` and ``moec::router_losses``: token -> expert assignment with capacity.
 
-route(logits[*, N], top_k, capacity_factor, gating, normalize, routing) ->
+route(logits[*, N], top_k, capacity_factor, gating, normalize, routing, bias[N]?) ->
     expert_ids[*, K] int64   chosen experts per token, best first (ties: lower expert id)
     weights[*, K]    float32 route weights (float64 for float64 logits), differentiable
     rows[*, K]       int64   row of the route in the expert-major buffer, -1 when dropped
     offsets[N]       int32   end of each expert's rows in that buffer (inclusive cumsum)
     counts[N]        int64   offered assignments per expert (before capacity)
+
+Selection: top-k of the logits (the gate scores' order), or with ``bias`` (auxiliary-loss-free
+balancing, ``moe.balance: aux_free``) top-k of ``gate_scores + bias``; the route weights are the
+unbiased gate scores of the chosen experts either way, and the bias gets no gradient.
 
 Capacity policy (the oracle every kernel matches): an expert accepts at most
 ``C = ceil(capacity_factor * T * K / N)`` routes (``capacity_factor <= 0``: dropless, C = T); the
@@ -55,12 +59,16 @@ def route_weights(logits: Tensor, expert_ids: Tensor, gating: str, normalize: bo
     return picked / picked.sum(-1, keepdim=True) if normalize else picked
 
 
-def choose_experts(logits: Tensor, top_k: int, routing: str) -> Tensor:
-    """Expert ids (T, K): top-k of the scores, or the benchmark policies ``random``/``uniform``."""
+def choose_experts(
+    logits: Tensor, top_k: int, routing: str, gating: str = "softmax", bias: Tensor | None = None
+) -> Tensor:
+    """Expert ids (T, K): top-k of the scores (of ``gate_scores + bias`` with a selection
+    bias), or the benchmark policies ``random``/``uniform``."""
     tokens, num_experts = logits.shape
     if routing == "learned":
+        keys = logits if bias is None else gate_scores(logits, gating) + bias
         # A stable descending sort breaks ties towards the lower expert id, on every device.
-        ranked = torch.sort(logits, dim=-1, descending=True, stable=True).indices
+        ranked = torch.sort(keys, dim=-1, descending=True, stable=True).indices
         return ranked[:, :top_k].contiguous()  # do not keep the (T, N) sort result alive
     if routing == "random":
         noise = torch.rand(tokens, num_experts, device=logits.device)
@@ -85,23 +93,40 @@ def assign_rows(expert_ids: Tensor, num_experts: int, cap: int) -> tuple[Tensor,
     return rows, offsets.to(torch.int32), counts
 
 
-def check_route_args(logits: Tensor, top_k: int, gating: str, routing: str) -> None:
-    """Raise ValueError unless top_k, gating and routing are ones ``moec::route`` takes."""
+def check_route_args(
+    logits: Tensor, top_k: int, gating: str, routing: str, bias: Tensor | None = None
+) -> None:
+    """Raise ValueError unless top_k, gating, routing and bias are ones ``moec::route`` takes."""
     if not 1 <= top_k <= logits.shape[-1]:
         raise ValueError(f"moec::route: top_k={top_k} must be in [1, {logits.shape[-1]}]")
     if gating not in GATINGS:
         raise ValueError(f"moec::route: gating={gating!r}; expected one of {GATINGS}")
     if routing not in ROUTINGS:
         raise ValueError(f"moec::route: routing={routing!r}; expected one of {ROUTINGS}")
+    if bias is None:
+        return
+    if bias.shape != (logits.shape[-1],) or not bias.is_floating_point():
+        raise ValueError(
+            f"moec::route: bias of shape {tuple(bias.shape)} and dtype {bias.dtype}; expected "
+            f"a floating-point vector of the {logits.shape[-1]} experts"
+        )
+    if routing != "learned":
+        raise ValueError(f"moec::route: a bias steers learned routing only, not {routing!r}")
 
 
 def route_reference(
-    logits: Tensor, top_k: int, capacity_factor: float, gating: str, normalize: bool, routing: str
+    logits: Tensor,
+    top_k: int,
+    capacity_factor: float,
+    gating: str,
+    normalize: bool,
+    routing: str,
+    bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The oracle implementation of ``moec::route`` (any device)."""
     lead, num_experts = logits.shape[:-1], logits.shape[-1]
     flat = logits.reshape(-1, num_experts)
-    expert_ids = choose_experts(flat, top_k, routing)
+    expert_ids = choose_experts(flat, top_k, routing, gating, bias)
     weights = route_weights(flat, expert_ids, gating, normalize)
     cap = capacity(flat.shape[0], top_k, num_experts, capacity_factor)
     rows, offsets, counts = assign_rows(expert_ids, num_experts, cap)
@@ -123,14 +148,15 @@ def route(
     gating: str,
     normalize: bool,
     routing: str,
+    bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    check_route_args(logits, top_k, gating, routing)
-    return route_reference(logits, top_k, capacity_factor, gating, normalize, routing)
+    check_route_args(logits, top_k, gating, routing, bias)
+    return route_reference(logits, top_k, capacity_factor, gating, normalize, routing, bias)
 
 
 @route.register_fake
-def _route_fake(logits, top_k, capacity_factor, gating, normalize, routing):
-    check_route_args(logits, top_k, gating, routing)
+def _route_fake(logits, top_k, capacity_factor, gating, normalize, routing, bias=None):
+    check_route_args(logits, top_k, gating, routing, bias)
     shape = (*logits.shape[:-1], top_k)
     n = logits.shape[-1]
     new = logits.new_empty
@@ -144,7 +170,7 @@ def _route_fake(logits, top_k, capacity_factor, gating, normalize, routing):
 
 
 def _route_setup(ctx, inputs, output):
-    logits, _, _, gating, normalize, _ = inputs
+    logits, _, _, gating, normalize, _, _ = inputs
     ctx.save_for_backward(logits, output[0])
     ctx.gating, ctx.normalize = gating, normalize
 
@@ -155,52 +181,80 @@ def _route_backward(ctx, d_ids, d_weights, d_rows, d_offsets, d_counts):
         leaf = logits.detach().requires_grad_(True)
         weights = route_weights(leaf, expert_ids, ctx.gating, ctx.normalize)
         (d_logits,) = torch.autograd.grad(weights, leaf, d_weights)
-    return d_logits, None, None, None, None, None
+    return d_logits, None, None, None, None, None, None
 
 
 route.register_autograd(_route_backward, setup_context=_route_setup)
 
 
-def router_loss_terms(logits: Tensor, counts: Tensor, top_k: int, gating: str) -> Tensor:
-    """[load-balancing loss, z-loss], differentiable w.r.t. logits.
+def router_loss_terms(
+    logits: Tensor, expert_ids: Tensor, top_k: int, gating: str, per_sequence: bool
+) -> tuple[Tensor, Tensor]:
+    """``([LBL, z-loss], P)``, differentiable w.r.t. ``logits`` [*, N] (``expert_ids`` [*, K]:
+    the route's chosen experts).
 
-    LBL (instance level, Switch/OLMoE form): ``N * sum_e f_e * P_e`` with f_e the share of
-    offered routes sent to expert e and P_e the mean normalized score of e over tokens; 1 when
-    balanced. z-loss: mean over tokens of ``logsumexp(logits)^2``.
-    """
-    flat = logits.reshape(-1, logits.shape[-1]).to(score_dtype(logits))
-    num_tokens, num_experts = flat.shape
+    LBL: ``N * sum_e f_e * P_e`` over a group of tokens, with f_e the share of the group's
+    offered routes sent to expert e and P_e the mean normalized score of e over its tokens; 1
+    when balanced. The group is every token (``per_sequence`` false: the Switch/OLMoE
+    instance-level loss), or each sequence, the LBL then averaged over sequences (DeepSeek's
+    sequence-wise loss); sequences are dim 0 of ``logits`` when it has more than two dims, else
+    the tokens are one sequence. z-loss: mean over tokens of ``logsumexp(logits)^2``. ``P``
+    [N]: P_e over every token (the factor of the global-batch loss that stays local)."""
+    num_experts = logits.shape[-1]
+    groups = logits.shape[0] if per_sequence and logits.dim() > 2 else 1
+    flat = logits.reshape(-1, num_experts).to(score_dtype(logits))
     scores = gate_scores(flat, gating)
     scores = scores / scores.sum(-1, keepdim=True)
-    share = counts.float() / (num_tokens * top_k)
-    lbl = num_experts * (share * scores.mean(0)).sum()
+    ids = expert_ids.reshape(groups, -1)
+    counts = torch.zeros(groups, num_experts, dtype=scores.dtype, device=scores.device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=scores.dtype))
+    share = counts / ids.shape[1]
+    group_scores = scores.view(groups, -1, num_experts).mean(1)
+    lbl = num_experts * (share * group_scores).sum(-1).mean()
     z = flat.logsumexp(-1).square().mean()
-    return torch.stack([lbl, z])
+    return torch.stack([lbl, z]), scores.mean(0)
+
+
+def _check_losses_args(logits: Tensor, expert_ids: Tensor, top_k: int) -> None:
+    if expert_ids.shape != (*logits.shape[:-1], top_k) or expert_ids.dtype != torch.int64:
+        raise ValueError(
+            f"moec::router_losses: expert_ids of shape {tuple(expert_ids.shape)} and dtype "
+            f"{expert_ids.dtype}; expected int64 of shape {(*logits.shape[:-1], top_k)} (the "
+            "route's expert ids for these logits)"
+        )
 
 
 @torch.library.custom_op("moec::router_losses", mutates_args=())
-def router_losses(logits: Tensor, counts: Tensor, top_k: int, gating: str) -> Tensor:
-    return router_loss_terms(logits, counts, top_k, gating)
+def router_losses(
+    logits: Tensor, expert_ids: Tensor, top_k: int, gating: str, per_sequence: bool
+) -> tuple[Tensor, Tensor]:
+    _check_losses_args(logits, expert_ids, top_k)
+    return router_loss_terms(logits, expert_ids, top_k, gating, per_sequence)
 
 
 @router_losses.register_fake
-def _router_losses_fake(logits, counts, top_k, gating):
-    return logits.new_empty((2,), dtype=score_dtype(logits))
+def _router_losses_fake(logits, expert_ids, top_k, gating, per_sequence):
+    _check_losses_args(logits, expert_ids, top_k)
+    dtype = score_dtype(logits)
+    return logits.new_empty((2,), dtype=dtype), logits.new_empty((logits.shape[-1],), dtype=dtype)
 
 
 def _losses_setup(ctx, inputs, output):
-    logits, counts, top_k, gating = inputs
-    ctx.save_for_backward(logits, counts)
-    ctx.top_k, ctx.gating = top_k, gating
+    logits, expert_ids, top_k, gating, per_sequence = inputs
+    ctx.save_for_backward(logits, expert_ids)
+    ctx.top_k, ctx.gating, ctx.per_sequence = top_k, gating, per_sequence
 
 
-def _losses_backward(ctx, d_losses):
-    logits, counts = ctx.saved_tensors
+def _losses_backward(ctx, d_terms, d_scores):
+    logits, expert_ids = ctx.saved_tensors
     with torch.enable_grad():
         leaf = logits.detach().requires_grad_(True)
-        terms = router_loss_terms(leaf, counts, ctx.top_k, ctx.gating)
-        (d_logits,) = torch.autograd.grad(terms, leaf, d_losses)
-    return d_logits, None, None, None
+        outputs = router_loss_terms(leaf, expert_ids, ctx.top_k, ctx.gating, ctx.per_sequence)
+        pairs = [(o, g) for o, g in zip(outputs, (d_terms, d_scores), strict=True) if g is not None]
+        (d_logits,) = torch.autograd.grad(
+            [o for o, _ in pairs], leaf, [g for _, g in pairs], allow_unused=True
+        )
+    return d_logits, None, None, None, None
 
 
 router_losses.register_autograd(_losses_backward, setup_context=_losses_setup)

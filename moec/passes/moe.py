@@ -8,17 +8,23 @@ Matches (per FFN region found by :mod:`moec.analysis.structure`, after the first
 Emits::
 
     logits = linear(X, router_weight)                                    # [B, S, N]
-    _, weights, rows, offsets, counts = moec.route(logits, K, cf, gating, normalize, routing)
+    ids, weights, rows, offsets, counts = moec.route(logits, K, cf, gating, normalize, routing,
+                                                     expert_bias)        # bias: aux_free only
     buffer = moec.dispatch(X, rows)              # [B*S*K, D]; X cast to bf16 first under bf16
     y, _ = moec.expert_mlp(buffer, w_up, w_down, offsets, b_up, b_down, "swiglu")
     moe_out = moec.combine(y, weights, rows)                             # [B, S, D]
     result = add(out, moe_out) if shared_expert else moe_out             # replaces `out`
-    losses = moec.router_losses(logits, counts, K, gating)               # extra graph output
+    losses, scores = moec.router_losses(logits, ids, K, gating, per_sequence)  # graph outputs
 
 Parameters live under ``<ffn module path>.moe`` (``router_weight``, ``w_up`` [N, D, U],
 ``w_down`` [N, H, D], ``b_up``, ``b_down``; ``w_up`` and ``w_down`` k-major, the contraction
 dim unit-stride, when :meth:`~moec.plan.Plan.expert_weights_k_major`); the dense FFN's
-parameters are removed unless it becomes the shared expert. Init (``plan.moe.init``; the
+parameters are removed unless it becomes the shared expert. Under ``plan.moe.balance:
+aux_free`` the block also gets the persistent float32 buffer ``expert_bias`` [N] (zeros, in the
+global expert layout: every rank holds all N; built on the CPU when the graph is on the meta
+device, so a checkpoint without it materializes it), the selection bias the runtime updates
+(:mod:`moec.runtime.router_losses`). ``per_sequence`` is ``plan.moe.balance == "sequence"``.
+Init (``plan.moe.init``; the
 papers are cited in :class:`~moec.plan.MoEPlan`), all keeping the dense function where stated:
 
 - ``upcycle``: the dense hidden units cut into G = ``plan.moe.upcycle_granularity`` slices,
@@ -68,9 +74,10 @@ Options: everything in ``plan.moe``, and ``plan.lowering.expert_weights``. Stati
 are), ``params_added``, ``params_removed``,
 ``ffn_dropouts_dropped``, ``expert_weights`` (the layout). Invariants: those of
 :mod:`moec.passes.rewrite`; the graph's user outputs are unchanged; per MoE block three aux
-outputs are appended (``router_losses``, ``expert_counts``, ``expert_offsets``); the program
-records each block as a :class:`~moec.program.MoELayer`, its parameters' roles (``router``,
-``expert``) and their provenance.
+outputs are appended (``router_losses``, ``expert_counts``, ``expert_offsets``), and a fourth,
+``router_scores`` (P [N]), under ``balance: global_batch``; the program records each block as a
+:class:`~moec.program.MoELayer`, its parameters' roles (``router``, ``expert``) and their
+provenance.
 """
 
 from __future__ import annotations
@@ -149,7 +156,7 @@ class MoEPass(Pass):
         return (
             f"experts={m.num_experts},top_k={m.top_k},init={_init_option(m)},gating={m.gating},"
             f"capacity={m.capacity_factor},shared={int(m.shared_expert)},"
-            f"dense_first={m.dense_first},"
+            f"dense_first={m.dense_first},balance={m.balance},"
             f"expert_weights={'k_major' if plan.expert_weights_k_major() else 'n_major'}"
         )
 
@@ -205,7 +212,7 @@ class MoEPass(Pass):
                 (prefix, "router_losses"),
                 (prefix, "expert_counts"),
                 (prefix, "expert_offsets"),
-            ]
+            ] + ([(prefix, "router_scores")] if plan.balance == "global_batch" else [])
             layers.append(
                 MoELayer(
                     prefix,
@@ -217,6 +224,7 @@ class MoEPass(Pass):
                     plan.capacity_factor,
                     region.activation,
                     plan.shared_expert,
+                    f"{prefix}.{EXPERT_BIAS}" if plan.balance == "aux_free" else None,
                 )
             )
         output = gm.graph.output_node()
@@ -264,12 +272,19 @@ class MoEPass(Pass):
             }
             logits = editor.call(aten.linear.default, (x, param["router_weight"]), like=out)
             capacity = plan.capacity_factor if plan.capacity_factor is not None else 0.0
-            route = editor.call(
-                moec_ops.route.default,
-                (logits, plan.top_k, capacity, plan.gating, plan.normalize_weights, plan.routing),
-                like=out,
+            route_args = (
+                logits,
+                plan.top_k,
+                capacity,
+                plan.gating,
+                plan.normalize_weights,
+                plan.routing,
             )
-            route_weights, rows, offsets, counts = (editor.getitem(route, i) for i in range(1, 5))
+            if plan.balance == "aux_free":
+                bias = torch.zeros(plan.num_experts, device=_real(weights.router.device))
+                route_args += (editor.buffer(f"{prefix}.{EXPERT_BIAS}", bias, out, True),)
+            route = editor.call(moec_ops.route.default, route_args, like=out)
+            ids, route_weights, rows, offsets, counts = (editor.getitem(route, i) for i in range(5))
             if to_last is not None:
                 x = editor.call(aten.clone.default, (x,), like=out, kwargs=_CONTIGUOUS)
             if compute_dtype is not None and x.meta["val"].dtype != compute_dtype:
@@ -301,11 +316,15 @@ class MoEPass(Pass):
             result = moe_out
             if plan.shared_expert:
                 result = editor.call(aten.add.Tensor, (out, moe_out), like=out)
-            losses = editor.call(
-                moec_ops.router_losses.default, (logits, counts, plan.top_k, plan.gating), like=out
+            per_sequence = plan.balance == "sequence"
+            terms = editor.call(
+                moec_ops.router_losses.default,
+                (logits, ids, plan.top_k, plan.gating, per_sequence),
+                like=out,
             )
+            losses, scores = editor.getitem(terms, 0), editor.getitem(terms, 1)
         out.replace_all_uses_with(result, delete_user_cb=lambda user: user is not result)
-        return [losses, counts, offsets]
+        return [losses, counts, offsets] + ([scores] if plan.balance == "global_batch" else [])
 
 
 def _init_option(plan: MoEPlan) -> str:
@@ -319,6 +338,15 @@ def _init_option(plan: MoEPlan) -> str:
 
 
 _CONTIGUOUS = {"memory_format": torch.contiguous_format}
+
+EXPERT_BIAS = "expert_bias"
+"""The buffer of an ``aux_free`` block's selection bias, under the block's prefix."""
+
+
+def _real(device: torch.device) -> torch.device:
+    """``device``, or the CPU for the meta device: a zero bias needs no checkpoint, so it is
+    built real even in a graph captured on meta (materializing moves it to the device)."""
+    return torch.device("cpu") if device.type == "meta" else device
 
 
 def _features_last(x: fx.Node, channel_dim: int) -> list[int] | None:

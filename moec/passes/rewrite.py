@@ -57,11 +57,16 @@ class GraphEditor:
             path, like, lambda owner, name: owner.register_parameter(name, nn.Parameter(value))
         )
 
-    def buffer(self, path: str, value: torch.Tensor, like: fx.Node) -> fx.Node:
-        """Register ``value`` as a non-persistent buffer at dotted ``path`` (state the runtime
-        keeps, not a parameter, not in ``state_dict``) and read it with a get_attr."""
+    def buffer(
+        self, path: str, value: torch.Tensor, like: fx.Node, persistent: bool = False
+    ) -> fx.Node:
+        """Register ``value`` as a buffer at dotted ``path`` (state the runtime keeps, not a
+        parameter; in ``state_dict``, and so in checkpoints, only when ``persistent``) and read
+        it with a get_attr."""
         return self._attribute(
-            path, like, lambda owner, name: owner.register_buffer(name, value, persistent=False)
+            path,
+            like,
+            lambda owner, name: owner.register_buffer(name, value, persistent=persistent),
         )
 
     def _attribute(

@@ -5,6 +5,10 @@ or built on the first call by the function the driver gives it, with the user's
 ``(args, kwargs)``. The user's outputs come back unchanged; the extra outputs the passes added
 (router losses, expert counts and offsets) stay on the device in ``self.aux_outputs`` until
 ``aux_loss()`` or ``routing_stats()`` reads them, so a training step never waits on the host.
+The routers' balance over an optimizer step (the step's expert loads, the global-batch loss,
+the ``aux_free`` bias, MaxVio: :mod:`moec.runtime.router_losses`) is kept in ``self.balance``:
+every forward in train mode with gradients on is a microbatch of the current step, and
+``finish_step()`` ends the step after its backwards.
 
 It keeps the ``nn.Module`` contract:
 
@@ -52,7 +56,7 @@ from moec.program import MoELayer, Program
 from moec.runtime.autocast import program_context
 from moec.runtime.fsdp import shard_dense_parameters
 from moec.runtime.lowering import InductorGraphs
-from moec.runtime.router_losses import router_loss_objective
+from moec.runtime.router_losses import RouterBalance
 from moec.runtime.variants import forward_only, graph_in_mode
 from moec.runtime.working_weights import WorkingWeights, gradient_dtype
 
@@ -81,6 +85,8 @@ class CompiledModel(nn.Module):
         self.__dict__["program"] = None  # not a submodule: its graph's contents become ours
         self.training = training
         self.aux_outputs: dict[tuple[str, str], torch.Tensor] = {}
+        self.balance: RouterBalance | None = None
+        """The routers' balance over the current optimizer step (built with the program)."""
         self._variants: dict[tuple, tuple[tuple, fx.GraphModule]] = {}
         self.working_weights: WorkingWeights | None = None
         self.instrument: Callable[[fx.GraphModule], fx.GraphModule] | None = None
@@ -124,6 +130,9 @@ class CompiledModel(nn.Module):
         gm = program.graph
         self.__dict__["program"] = program
         self._parameters, self._buffers, self._modules = gm._parameters, gm._buffers, gm._modules
+        group = getattr(self.mesh, "dp_group", None)  # the data-parallel ranks of a PP = 1 job
+        micro = self.plan.parallel.microbatches
+        self.balance = RouterBalance(self.plan.moe, program.moe_layers, micro, group, gm)
         self._non_persistent_buffers_set = gm._non_persistent_buffers_set
         self._variants = {}
         for module in gm.modules():
@@ -151,6 +160,7 @@ class CompiledModel(nn.Module):
         with program_context(self.plan, flat):
             outputs = run(*flat)
         self.aux_outputs = dict(zip(sig.aux_outputs, outputs[sig.num_user_outputs :]))
+        self.balance.after_forward(self.aux_outputs, self.training and torch.is_grad_enabled())
         return sig.unflatten_outputs(outputs)
 
     def train(self, mode: bool = True) -> CompiledModel:
@@ -211,7 +221,9 @@ class CompiledModel(nn.Module):
                 "model's build function): call it once, or compile with example_inputs"
             )
         state = self.__dict__.copy()
-        state.update(_variants={}, aux_outputs={}, working_weights=None, instrument=None)
+        state.update(
+            _variants={}, aux_outputs={}, working_weights=None, instrument=None, balance=None
+        )
         state["_lowering"] = InductorGraphs(self.plan)  # compiled code does not pickle
         # the passes' reports hold their intermediate graphs: not part of the trained model
         state["program"] = dataclasses.replace(self.program, pass_results={})
@@ -223,8 +235,9 @@ class CompiledModel(nn.Module):
         self._adopt(self.program)  # unpickling rebuilt the graph module's tables
 
     def aux_loss(self) -> torch.Tensor:
-        """``lbl_coef * LBL + z_loss_coef * z`` summed over MoE blocks, from the last forward."""
-        total = router_loss_objective(self.aux_outputs, self.plan.moe)
+        """``lbl_coef * LBL + z_loss_coef * z`` summed over MoE blocks, from the last forward
+        (the LBL of ``plan.moe.balance``: :meth:`RouterBalance.objective`)."""
+        total = self.balance.objective(self.aux_outputs)
         if total is None:
             raise MoecError("no aux losses: run a forward pass of a model with MoE blocks first")
         return total
@@ -235,10 +248,24 @@ class CompiledModel(nn.Module):
         stream of the step that made them (a CUDA graph capture needs its own)."""
         self.aux_outputs = {key: value.detach() for key, value in self.aux_outputs.items()}
 
+    def finish_step(self) -> None:
+        """End the optimizer step whose microbatches ran since the last call, after their
+        backwards: the step's global expert loads and MaxVio, the ``aux_free`` bias update
+        (:meth:`RouterBalance.finish_step`; on the device, a collective in a job)."""
+        self.balance.finish_step()
+
     def routing_stats(self) -> dict[str, dict[str, Any]]:
-        """Per MoE block: losses, load, drops, capacity use. Reads the device: not in a step."""
+        """Per MoE block, from the last forward on this rank: the LBL of ``plan.moe.balance``
+        (``lbl``), z-loss, offered and accepted routes, drop rate, load imbalance, capacity use,
+        routes per expert (``expert_load``); from the last finished step, summed over its
+        microbatches and the data-parallel ranks: MaxVio (``max_vio``) and routes per expert
+        (``step_load``), None before the first. Reads the device: not in a step."""
         stats: dict[str, dict[str, Any]] = {}
-        for layer in self.moe_layers:
+        if not self.moe_layers:
+            return stats
+        lbl = self.balance.lbl_values(self.aux_outputs).float().cpu().tolist()
+        finished = self.balance.finished()
+        for i, layer in enumerate(self.moe_layers):
             losses = self.aux_outputs[(layer.path, "router_losses")].detach().float().cpu()
             counts = self.aux_outputs[(layer.path, "expert_counts")].detach().cpu()
             accepted = int(self.aux_outputs[(layer.path, "expert_offsets")][-1].item())
@@ -246,7 +273,8 @@ class CompiledModel(nn.Module):
             tokens = offered // layer.top_k
             cap = capacity(tokens, layer.top_k, layer.num_experts, layer.capacity_factor or 0.0)
             stats[layer.path] = {
-                "lbl": float(losses[0]),
+                "lbl": lbl[i],
+                "max_vio": None if finished is None else finished[0][i],
                 "z_loss": float(losses[1]),
                 "offered": offered,
                 "accepted": accepted,
@@ -255,6 +283,7 @@ class CompiledModel(nn.Module):
                 "capacity_use": accepted / max(cap * layer.num_experts, 1),
                 "top_k": layer.top_k,
                 "expert_load": counts.tolist(),
+                "step_load": None if finished is None else finished[1][i],
             }
         return stats
 

@@ -159,10 +159,17 @@ def print_summary(result: TrainResult) -> None:
     stats = result.compiled.routing_stats()
     if stats:
         table = Table(
-            "MoE block", "drop rate", "load max/mean", "top-k share", "capacity use", "LBL"
+            "MoE block",
+            "drop rate",
+            "load max/mean",
+            "top-k share",
+            "capacity use",
+            "LBL",
+            "MaxVio (step)",
         )
         for path, st in stats.items():
             load, k = st["expert_load"], st["top_k"]
+            vio = st["max_vio"]
             table.add_row(
                 path,
                 f"{100 * st['drop_rate']:.1f}%",
@@ -170,6 +177,7 @@ def print_summary(result: TrainResult) -> None:
                 f"{100 * busiest_share(load, k):.0f}% ({100 * k / len(load):.0f}%)",
                 f"{100 * st['capacity_use']:.0f}%",
                 f"{st['lbl']:.3f}",
+                "-" if vio is None else f"{vio:.2f}",
             )
         console.print(table)
     names = ", ".join(str(p.relative_to(result.out)) for p in result.written)

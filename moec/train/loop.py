@@ -72,11 +72,14 @@ class TrainingLoop:
         self.window_tokens = 0
         self.steady_tokens = 0
         self.timed_tokens = 0
+        moe = trainer.plan.moe
         self.collapse = CollapseWatch(
             self.cfg.on_router_collapse,
             self.cfg.lr,
-            trainer.plan.moe.lbl_coef,
+            moe.lbl_coef,
             self.cfg.warmup_steps,
+            moe.balance,
+            moe.bias_update_rate,
         )
 
     def run(self, log, progress, written: list[Path]) -> None:
@@ -217,10 +220,22 @@ class TrainingLoop:
             "checkpoint_errors": t.checkpoint_errors,
             **self.non_step.fields(),
             "router_collapse": dict(self.collapse.collapsed),
+            **self._balance(),
         }
         if error is not None:
             summary["error"] = error
         return summary
+
+    def _balance(self) -> dict[str, Any]:
+        """The routers' balance at the last log point: the method, the LBL (mean over blocks),
+        MaxVio (the worst block's) and MaxVio per block."""
+        last = self.history[-1] if self.history else {}
+        return {
+            "balance": self.trainer.plan.moe.balance,
+            "lbl": last.get("lbl"),
+            "max_vio": last.get("max_vio"),
+            "max_vio_by_block": {p: s["max_vio"] for p, s in last.get("routing", {}).items()},
+        }
 
     def _throughput(self) -> dict[str, Any]:
         """Steady-state step time where this call ran past its warmup steps; else the mean
@@ -253,6 +268,11 @@ class TrainingLoop:
 def mean_of(values) -> float | None:
     values = list(values)
     return sum(values) / len(values) if values else None
+
+
+def max_vio(layers: list[dict[str, Any]]) -> float | None:
+    """The worst block's MaxVio of the last finished step (None without one)."""
+    return max((v for layer in layers if (v := layer["max_vio"]) is not None), default=None)
 
 
 def _progress_fields(record: dict[str, Any]) -> dict[str, str]:

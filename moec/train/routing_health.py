@@ -15,10 +15,12 @@ of the window). :class:`CollapseWatch` turns those reads into one message per bl
 stop (``TrainConfig.on_router_collapse``), naming the block, what it measured and the knobs.
 
 A block is *concentrated* at a log point when it drops at least :data:`DROPPED` of its routes,
-or when :func:`concentration` is at least :data:`CONCENTRATED` (its ``top_k`` busiest experts
-hold that fraction of the way from a balanced share of the routes to all of them). It has
-*collapsed* once it is concentrated at :data:`PATIENCE` log points in a row that cover at least
-:data:`LASTING` steps, so a noisy window alone never fires.
+or when its MaxVio (``routing_stats()["max_vio"]``: over the last step's loads summed over its
+microbatches and the data-parallel ranks, the busiest expert's load over the mean load, minus 1)
+is at least :data:`CONCENTRATED` of the most a top-k router can reach, ``N / top_k - 1`` (every
+token on the same ``top_k`` experts): :func:`concentration`. It has *collapsed* once it is
+concentrated at :data:`PATIENCE` log points in a row that cover at least :data:`LASTING` steps,
+so a noisy window alone never fires.
 """
 
 from __future__ import annotations
@@ -44,34 +46,51 @@ def busiest_share(load: Sequence[int], top_k: int) -> float:
     return sum(sorted(load, reverse=True)[:top_k]) / max(sum(load), 1)
 
 
-def concentration(load: Sequence[int], top_k: int) -> float | None:
-    """How much of a block's routes its ``top_k`` busiest experts hold beyond a balanced share,
-    from 0 (each of the N experts holds 1/N of the routes, or fewer on the busiest) to 1 (all
-    routes on ``top_k`` experts, the most a top-k router can concentrate). None where it
-    means nothing: no routes, or ``top_k`` covering every expert."""
-    if sum(load) <= 0 or top_k >= len(load):
+def concentration(max_vio: float | None, num_experts: int, top_k: int) -> float | None:
+    """A block's MaxVio as a share of the most a top-k router can reach (``N / top_k - 1``):
+    0 when balanced, 1 when the busiest expert is chosen by every token (as when all routes sit
+    on the same ``top_k`` experts). None where it means
+    nothing: no MaxVio yet (no finished step), or ``top_k`` covering every expert."""
+    if max_vio is None or top_k >= num_experts:
         return None
-    balanced = top_k / len(load)
-    return max(0.0, (busiest_share(load, top_k) - balanced) / (1.0 - balanced))
+    return max(0.0, max_vio / (num_experts / top_k - 1))
+
+
+def _load(stats: Mapping[str, Any]) -> Sequence[int]:
+    """The step's global load where there is one, else the last forward's on this rank."""
+    return stats.get("step_load") or stats["expert_load"]
 
 
 def describe(path: str, stats: Mapping[str, Any]) -> str:
     """One block's routing at a log point, as the collapse message gives it."""
-    load = stats["expert_load"]
+    load = _load(stats)
     top_k = stats["top_k"]
+    vio = stats.get("max_vio")
     return (
         f"{path}: its {top_k} busiest of {len(load)} experts take "
         f"{100 * busiest_share(load, top_k):.0f}% of the "
-        f"routes ({100 * top_k / len(load):.0f}% if balanced), "
-        f"{100 * stats['drop_rate']:.0f}% dropped"
+        f"routes ({100 * top_k / len(load):.0f}% if balanced)"
+        + ("" if vio is None else f", MaxVio {vio:.2f} (at most {len(load) / top_k - 1:g})")
+        + f", {100 * stats['drop_rate']:.0f}% dropped"
     )
 
 
 class CollapseWatch:
     """Watches each MoE block's routing over the log points of a run (see the module doc)."""
 
-    def __init__(self, policy: str, lr: float, lbl_coef: float, warmup_steps: int):
+    def __init__(
+        self,
+        policy: str,
+        lr: float,
+        lbl_coef: float,
+        warmup_steps: int,
+        balance: str = "microbatch",
+        bias_update_rate: float = 1e-3,
+    ):
+        """``lbl_coef``, ``balance``, ``bias_update_rate``: the plan's (``moe.*``), for the
+        message's advice."""
         self.policy, self.lr, self.lbl_coef = policy, lr, lbl_coef
+        self.balance, self.bias_update_rate = balance, bias_update_rate
         self.watch_from = 2 * warmup_steps
         self.streaks: dict[str, tuple[int, int]] = {}
         """Block path -> (log points, steps) of its current run of concentrated log points."""
@@ -88,7 +107,7 @@ class CollapseWatch:
             return None
         found = []
         for path, stats in routing.items():
-            c = concentration(stats["expert_load"], stats["top_k"])
+            c = concentration(stats.get("max_vio"), len(_load(stats)), stats["top_k"])
             concentrated = stats["drop_rate"] >= DROPPED or (c is not None and c >= CONCENTRATED)
             points, steps = self.streaks.get(path, (0, 0))
             points, steps = (points + 1, steps + window) if concentrated else (0, 0)
@@ -101,12 +120,23 @@ class CollapseWatch:
         message = (
             f"router collapse at step {step}: "
             + "; ".join(found)
-            + f". Lower the learning rate (TrainConfig.lr (--lr) = {self.lr:g}), raise the "
-            f"load-balancing loss (plan moe.lbl_coef = {self.lbl_coef:g}), or check that the "
-            "data carries signal (synthetic tokens do not)"
+            + f". Lower the learning rate (TrainConfig.lr (--lr) = {self.lr:g}), "
+            + self._balance_advice()
+            + ", or check that the data carries signal (synthetic tokens do not)"
         )
         if self.policy == "stop":
             raise RouterCollapseError(
                 message + "; TrainConfig.on_router_collapse (--on-router-collapse) = stop"
             )
         return message
+
+    def _balance_advice(self) -> str:
+        if self.balance == "aux_free":
+            return (
+                f"raise the bias update rate (plan moe.bias_update_rate = "
+                f"{self.bias_update_rate:g}, moe.balance = aux_free)"
+            )
+        return (
+            f"raise the load-balancing loss (plan moe.lbl_coef = {self.lbl_coef:g}, "
+            f"moe.balance = {self.balance})"
+        )

@@ -16,6 +16,11 @@ AdamW): a finite step whose loss or gradient norm exceeds the running statistics
 ``spike_skipped_steps``; in a job the loss it judges is the mean over the data-parallel ranks
 (one scalar all-reduce), so every rank skips the same steps.
 
+Balance: after each step's backwards the trainer calls ``compiled.finish_step()``
+(:mod:`moec.runtime.router_losses`): the step's expert loads summed over the data-parallel
+ranks, MaxVio per block (``max_vio`` in the metrics) and, under ``moe.balance: aux_free``, the
+selection biases' update from those loads, on the device; a skipped step moves them too.
+
 Data: the offline text, synthetic tokens or ``data`` (:mod:`moec.corpus`), each batch a pure
 function of (seed, step, rank), read ``prefetch`` steps ahead by a background thread
 (:class:`moec.data.Prefetcher`). Batch-size warmup (``batch_warmup``) changes the global batch at
@@ -26,9 +31,10 @@ Outputs under ``out`` (never written through a link, :mod:`moec.runtime.run_file
 ``run.lock`` while the run runs (one run per folder, :mod:`moec.train.run_lock`),
 ``run.json`` (the run's identity, :mod:`moec.runtime.run_identity`),
 ``metrics.jsonl`` (one line per log step), ``summary.json``, PNG plots (loss, throughput,
-per-layer expert-load heatmap; need matplotlib) and ``checkpoints/step_N``, committed
-atomically by :mod:`moec.runtime.checkpoint_store` (DCP shards loadable at any EP degree, a
-manifest with checksums; the newest ``keep_checkpoints`` kept). ``resume=True`` continues the
+load-balancing loss and MaxVio, per-layer expert-load heatmap; need matplotlib) and
+``checkpoints/step_N``, committed atomically by :mod:`moec.runtime.checkpoint_store` (DCP
+shards loadable at any EP degree, a manifest with checksums; the newest ``keep_checkpoints``
+kept). ``resume=True`` continues the
 same run from its newest checkpoint that verifies and loads (each one that does not is skipped
 with the reason; files are read without running code, :mod:`moec.runtime.safe_read`; ``run.json``
 is rewritten only once one has loaded) and reproduces the uninterrupted run bit for
@@ -95,7 +101,7 @@ from moec.train.config import (
     rank_batch_size,
     resolve_device,
 )
-from moec.train.loop import TrainingLoop, TrainResult, mean_of
+from moec.train.loop import TrainingLoop, TrainResult, max_vio, mean_of
 from moec.train.objective import LanguageModelWithLoss, parameter_groups
 from moec.train.run_lock import RunLock, RunLockError, check_free, lock_run_dir
 
@@ -317,6 +323,7 @@ class Trainer:
                 (objective / micro).backward()
             total = total + loss.detach() / micro
         self.compiled.detach_aux_outputs()  # the step keeps no autograd graph alive
+        self.compiled.finish_step()  # global expert loads, MaxVio, the aux_free bias update
         if self.reducer is not None:
             self.reducer.finish()
         norm = self._clip_gradients()
@@ -734,6 +741,7 @@ class Trainer:
             "load_imbalance": max((layer["load_imbalance"] for layer in layers), default=None),
             "capacity_use": mean_of(layer["capacity_use"] for layer in layers),
             "lbl": mean_of(layer["lbl"] for layer in layers),
+            "max_vio": max_vio(layers),
             "host_syncs_per_step": syncs,
             "data_stalls": self.batches.stalls,
             "peak_memory_bytes": torch.cuda.max_memory_allocated(self.device)
