@@ -1,0 +1,72 @@
+"""Ordinary dense models that once stopped moec with an internal error compile and train, or are
+refused with a ``MoecError`` naming the input size and the model code that fixed it.
+
+- a depthwise ``conv1d`` with a bias reading a linear's output, in bf16 (RecurrentGemma's);
+
+Each compiles under ``init: upcycle`` with normalized route weights and no capacity limit, where
+the MoE equals the dense model at init: a float32 program's output equals the dense model's, a
+bf16 program's loss is the dense loss up to bf16 rounding; then one SGD step trains.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import moec
+from moec.train import LanguageModelWithLoss, language_model_loss
+from tests.models import tokens, train_one_step
+
+MOE = {"num_experts": 4, "top_k": 2, "capacity_factor": None, "init": "upcycle"}
+PLANS = {"fp32": {"moe": MOE}, "bf16": {"moe": MOE, "precision": {"compute_dtype": "bf16"}}}
+BF16_LOSS_TOLERANCE = 0.02
+"""|bf16 program loss - dense float32 loss| at init, on a loss of ~ln(256) = 5.5."""
+
+
+def _check_lm(model: nn.Module, precision: str, ids: torch.Tensor) -> moec.CompiledModel:
+    """The model with its next-token loss compiled under ``PLANS[precision]`` (what ``moec
+    train`` compiles): its loss at init is the dense model's (exactly in float32), and it
+    trains a step."""
+    inputs, targets = ids[:, :-1], ids[:, 1:]
+    with torch.no_grad():
+        dense = language_model_loss(model(inputs), targets)
+    compiled = moec.compile(LanguageModelWithLoss(model), PLANS[precision], (inputs, targets))
+    loss = compiled(inputs, targets)
+    if precision == "fp32":
+        torch.testing.assert_close(loss, dense, rtol=1e-5, atol=1e-5)
+    else:
+        assert abs(float(loss.detach()) - float(dense)) < BF16_LOSS_TOLERANCE
+    train_one_step(compiled, lambda: compiled(inputs, targets))
+    return compiled
+
+
+# --- a convolution with a bias in bf16 ---------------------------------------------------------
+
+
+class _ConvBlock(nn.Module):
+    """RecurrentGemma's temporal block in small: a linear, then a causal depthwise conv1d with
+    a bias over the sequence, then an FFN."""
+
+    def __init__(self, dim: int = 32):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(256, dim), nn.Linear(dim, 256)
+        self.proj = nn.Linear(dim, dim)
+        self.conv = nn.Conv1d(dim, dim, kernel_size=4, groups=dim, padding=3)
+        self.up, self.down = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        h = h + self.conv(self.proj(h).transpose(1, 2))[..., : ids.shape[1]].transpose(1, 2)
+        return self.head(h + self.down(F.gelu(self.up(h))))
+
+
+@pytest.mark.parametrize("precision", ["bf16", pytest.param("fp32", marks=pytest.mark.slow)])
+def test_a_conv_with_a_bias_reading_a_linear_trains(precision):
+    """Under bf16 autocast the conv reads the linear's bf16 output and casts its weight and
+    bias: the program casts them explicitly, as it does a linear's."""
+    compiled = _check_lm(_ConvBlock(), precision, tokens(2, 17))
+    if precision == "bf16":
+        copies = {m for masters in compiled.program.working_weights.values() for m in masters}
+        assert {"model.conv.weight", "model.conv.bias"} <= copies
