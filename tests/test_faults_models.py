@@ -1,6 +1,8 @@
 """Ordinary dense models that once stopped moec with an internal error compile and train, or are
 refused with a ``MoecError`` naming the input size and the model code that fixed it.
 
+- an MLP-Mixer: its token-mixing MLPs (run on a transposed tensor, over positions) stay dense,
+  its channel-mixing MLPs become experts;
 - a depthwise ``conv1d`` with a bias reading a linear's output, in bf16 (RecurrentGemma's);
 
 Each compiles under ``init: upcycle`` with normalized route weights and no capacity limit, where
@@ -40,6 +42,69 @@ def _check_lm(model: nn.Module, precision: str, ids: torch.Tensor) -> moec.Compi
         assert abs(float(loss.detach()) - float(dense)) < BF16_LOSS_TOLERANCE
     train_one_step(compiled, lambda: compiled(inputs, targets))
     return compiled
+
+
+# --- MLP-Mixer ---------------------------------------------------------------------------------
+
+
+class _Mlp(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class _MixerLayer(nn.Module):
+    def __init__(self, patches: int, dim: int):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.token_mix, self.channel_mix = _Mlp(patches, 2 * patches), _Mlp(dim, 4 * dim)
+
+    def forward(self, x):  # x: [batch, patches, dim]
+        x = x + self.token_mix(self.norm1(x).transpose(1, 2)).transpose(1, 2)
+        return x + self.channel_mix(self.norm2(x))
+
+
+class _Mixer(nn.Module):
+    """An MLP-Mixer on 16x16 images in 4x4 patches: token-mixing MLPs over the 16 patches."""
+
+    def __init__(self, dim: int = 32, layers: int = 2):
+        super().__init__()
+        self.stem = nn.Conv2d(3, dim, 4, 4)
+        self.layers = nn.ModuleList(_MixerLayer(16, dim) for _ in range(layers))
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, 10)
+
+    def forward(self, images):
+        x = self.stem(images).flatten(2).transpose(1, 2)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x).mean(1))
+
+
+def test_an_mlp_mixer_keeps_its_token_mixing_mlps_dense():
+    """The token-mixing MLPs' features are the patches (a size that follows the image's): they
+    stay dense, named in a warning; the channel-mixing MLPs become experts, and the program
+    equals the dense model, gradients included."""
+    model, images = _Mixer(), torch.randn(2, 3, 16, 16)
+    with pytest.warns(UserWarning, match=r"FFNs kept dense: layers\.0\.token_mix, layers\.1"):
+        compiled = moec.compile(model, PLANS["fp32"], (images,))
+    stats = compiled.pass_results["moe"].stats
+    assert stats["ffns_over_positions"] == 2 and stats["ffns_replaced"] == 2
+    assert [layer.path for layer in compiled.moe_layers] == [
+        "layers.0.channel_mix.moe",
+        "layers.1.channel_mix.moe",
+    ]
+    out, dense = compiled(images), model(images)
+    torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-6)
+    out.square().mean().backward()
+    dense.square().mean().backward()
+    for name, param in compiled.named_parameters():
+        if name.startswith(("stem.", "layers.0.token_mix.", "layers.1.token_mix.")):
+            want = model.get_parameter(name).grad
+            torch.testing.assert_close(param.grad, want, rtol=1e-4, atol=1e-6, msg=name)
+    train_one_step(compiled, lambda: compiled(images).square().mean())
 
 
 # --- a convolution with a bias in bf16 ---------------------------------------------------------
