@@ -1,6 +1,7 @@
 """Ordinary dense models that once stopped moec with an internal error compile and train, or are
 refused with a ``MoecError`` naming the input size and the model code that fixed it.
 
+- a parameter the forward never reads;
 - an MLP-Mixer: its token-mixing MLPs (run on a transposed tensor, over positions) stay dense,
   its channel-mixing MLPs become experts;
 - a depthwise ``conv1d`` with a bias reading a linear's output, in bf16 (RecurrentGemma's);
@@ -42,6 +43,34 @@ def _check_lm(model: nn.Module, precision: str, ids: torch.Tensor) -> moec.Compi
         assert abs(float(loss.detach()) - float(dense)) < BF16_LOSS_TOLERANCE
     train_one_step(compiled, lambda: compiled(inputs, targets))
     return compiled
+
+
+# --- a parameter no node reads -----------------------------------------------------------------
+
+
+class _WithUnused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(256, 32), nn.Linear(32, 256)
+        self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+        self.unused = nn.Linear(32, 32)  # built, never called
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        return self.head(h + self.down(F.gelu(self.up(h))))
+
+
+def test_a_parameter_no_node_reads_stays_a_parameter_without_a_gradient():
+    model, ids = _WithUnused(), tokens(2, 16)
+    compiled = moec.compile(model, PLANS["fp32"], (ids,))
+    assert compiled.pass_results["moe"].stats["ffns_replaced"] == 1
+    torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-5, atol=1e-6)
+    targets = tokens(2, 16)
+    train_one_step(
+        compiled, lambda: F.cross_entropy(compiled(ids).flatten(0, 1), targets.flatten())
+    )
+    params = dict(compiled.named_parameters())
+    assert params["unused.weight"] is model.unused.weight and params["unused.weight"].grad is None
 
 
 # --- MLP-Mixer ---------------------------------------------------------------------------------

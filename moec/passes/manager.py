@@ -12,6 +12,7 @@ After each pass the manager runs the verifier (graph lint, fake-tensor propagati
 bookkeeping) when asked, and calls the dump hook for the stages selected by ``print_after``.
 A pass that turns a symbolic input size into a number (the program then runs, and is priced,
 only at the example's size) is named in a warning and in its ``specialized_inputs`` statistic.
+Parameters the captured model never reads stay parameters; no pass is asked to read them.
 Analyses cached in the :class:`PassContext` are dropped when a pass reports ``modified``.
 """
 
@@ -26,7 +27,12 @@ from typing import Any
 
 from moec.fx import parameter_count, symbolic_input_dims
 from moec.passes.base import REGISTRY, PassContext, PassPipelineError
-from moec.passes.verify import VerificationError, verify_graph, verify_program
+from moec.passes.verify import (
+    VerificationError,
+    unread_parameters,
+    verify_graph,
+    verify_program,
+)
 from moec.plan import Plan
 from moec.program import Program
 
@@ -203,6 +209,7 @@ class PassManager:
 
     def run(self, program: Program, ctx: PassContext) -> Program:
         gm = program.graph
+        unread = unread_parameters(gm)
         if self.verify:
             verify_graph(gm, "capture", program.signature)
         self._dump("capture", program, {})
@@ -228,7 +235,7 @@ class PassManager:
                     + result.stats.get("params_added", 0)
                     - result.stats.get("params_removed", 0)
                 )
-                verify_graph(gm, p.name, program.signature, expected_params=expected)
+                verify_graph(gm, p.name, program.signature, expected_params=expected, unread=unread)
                 verify_program(program, p.name)
             ctx.results[p.name] = result
             self._dump(p.name, program, result.stats)
