@@ -8,6 +8,10 @@ calling convention to a flat one: ``forward(*flat_inputs) -> tuple(flat_outputs)
 :class:`~moec.program.GraphSignature` maps the user's ``(args, kwargs)`` and outputs to and from
 that flat form; passes may append extra outputs after the user's.
 
+A parameter tied to another (one ``nn.Parameter`` under two names, as a masked-LM head's
+``decoder.bias``) is read under one name, the first ``named_parameters()`` gives, so every pass
+and the program's records name it the same way.
+
 Every ``call_function`` node is an ATen (or moec) op with a fake ``meta["val"]``: export's region
 ops (``wrap_with_set_grad_enabled``, ``wrap_with_autocast``) are inlined with their semantics
 made explicit (detached outputs, explicit casts), a region op that cannot be inlined is a
@@ -86,6 +90,7 @@ def capture(
     _drop_input_guards(gm)
     _inline_higher_order_ops(gm)
     _drop_metadata_asserts(gm)
+    _read_tied_parameters_by_one_name(gm)
     gm.graph._codegen = fx.graph.CodeGen()
     output = gm.graph.output_node()
     flat_outputs = tuple(output.args[0])
@@ -93,6 +98,31 @@ def capture(
     gm.recompile()
     signature = GraphSignature(in_spec, out_spec, len(flat_outputs))
     return Program(gm, signature, captured_training=model.training)
+
+
+def _read_tied_parameters_by_one_name(gm: fx.GraphModule) -> None:
+    """Read every tied parameter or buffer (one tensor under several names) through one
+    ``get_attr`` of its first name in ``named_parameters()``/``named_buffers()``; export reads
+    a tied tensor under the name of each module that uses it."""
+    first: dict[int, str] = {}
+    for name, tensor in [*gm.named_parameters(), *gm.named_buffers()]:
+        first.setdefault(id(tensor), name)
+    reads: dict[str, fx.Node] = {}
+    for node in list(gm.graph.find_nodes(op="get_attr")):
+        try:
+            tensor = gm.get_parameter(str(node.target))
+        except AttributeError:
+            try:
+                tensor = gm.get_buffer(str(node.target))
+            except AttributeError:  # a submodule or constant
+                continue
+        name = first.get(id(tensor), str(node.target))
+        if name in reads:
+            node.replace_all_uses_with(reads[name])
+            gm.graph.erase_node(node)
+        else:
+            node.target = name
+            reads[name] = node
 
 
 def _drop_export_wrappers(gm: fx.GraphModule) -> None:

@@ -1,6 +1,7 @@
 """Ordinary dense models that once stopped moec with an internal error compile and train, or are
 refused with a ``MoecError`` naming the input size and the model code that fixed it.
 
+- masked-LM heads whose decoder bias is tied to the head's ``bias`` (BERT, RoBERTa), in bf16;
 - a parameter the forward never reads;
 - an MLP-Mixer: its token-mixing MLPs (run on a transposed tensor, over positions) stay dense,
   its channel-mixing MLPs become experts;
@@ -16,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers as tf
 from torch import nn
 
 import moec
@@ -43,6 +45,48 @@ def _check_lm(model: nn.Module, precision: str, ids: torch.Tensor) -> moec.Compi
         assert abs(float(loss.detach()) - float(dense)) < BF16_LOSS_TOLERANCE
     train_one_step(compiled, lambda: compiled(inputs, targets))
     return compiled
+
+
+# --- tied masked-LM bias -----------------------------------------------------------------------
+
+
+def _masked_lm(family: str) -> nn.Module:
+    config = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    if family == "bert":
+        return tf.BertForMaskedLM(tf.BertConfig(**config))
+    return tf.RobertaForMaskedLM(tf.RobertaConfig(**config, pad_token_id=1))
+
+
+@pytest.mark.parametrize(
+    ("family", "precision"),
+    [
+        ("bert", "bf16"),
+        pytest.param("bert", "fp32", marks=pytest.mark.slow),
+        pytest.param("roberta", "bf16", marks=pytest.mark.slow),
+        pytest.param("roberta", "fp32", marks=pytest.mark.slow),
+    ],
+)
+def test_a_masked_lm_head_with_a_tied_bias_trains(family, precision):
+    """The head's decoder bias is the head's ``bias`` parameter under a second name: the
+    program reads it by one name (its working copy's too), and it trains."""
+    model = _masked_lm(family)
+    head = model.cls.predictions if family == "bert" else model.lm_head
+    assert head.decoder.bias is head.bias
+    compiled = _check_lm(model, precision, tokens(2, 17))
+    params = dict(compiled.named_parameters())
+    for masters in compiled.program.working_weights.values():
+        assert set(masters) <= params.keys()
+    bias = next(name for name, p in params.items() if p is head.bias)
+    assert not bias.endswith("decoder.bias")  # the first name, not the alias
+    assert params[bias].grad is not None
 
 
 # --- a parameter no node reads -----------------------------------------------------------------
