@@ -6,6 +6,8 @@ refused with a ``MoecError`` naming the input size and the model code that fixed
 - an MLP-Mixer: its token-mixing MLPs (run on a transposed tensor, over positions) stay dense,
   its channel-mixing MLPs become experts;
 - a depthwise ``conv1d`` with a bias reading a linear's output, in bf16 (RecurrentGemma's);
+- a model that loops over its sequence in Python (RecurrentGemma's scan): the capture fixes
+  the sequence length, says so and where, and a call at another length is a ``SignatureError``.
 
 Each compiles under ``init: upcycle`` with normalized route weights and no capacity limit, where
 the MoE equals the dense model at init: a float32 program's output equals the dense model's, a
@@ -21,6 +23,7 @@ import transformers as tf
 from torch import nn
 
 import moec
+from moec.program import SignatureError
 from moec.train import LanguageModelWithLoss, language_model_loss
 from tests.models import tokens, train_one_step
 
@@ -208,3 +211,65 @@ def test_a_conv_with_a_bias_reading_a_linear_trains(precision):
     if precision == "bf16":
         copies = {m for masters in compiled.program.working_weights.values() for m in masters}
         assert {"model.conv.weight", "model.conv.bias"} <= copies
+
+
+# --- a size the model's code fixes -------------------------------------------------------------
+
+
+class _Scan(nn.Module):
+    """A linear recurrence written as a Python loop over the sequence, then an FFN."""
+
+    def __init__(self, dim: int = 32):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(256, dim), nn.Linear(dim, 256)
+        self.up, self.down = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        state, states = torch.zeros_like(h[:, 0]), []
+        for t in range(h.shape[1]):
+            state = 0.5 * state + h[:, t]
+            states.append(state)
+        h = torch.stack(states, 1)
+        return self.head(h + self.down(F.gelu(self.up(h))))
+
+
+def test_a_sequence_length_the_model_fixes_is_named_and_other_lengths_are_refused():
+    model, ids = _Scan(), tokens(3, 8)
+    with pytest.warns(UserWarning, match=r"ids\.size\(1\) = 8 \(.*test_faults_models\.py:\d+"):
+        compiled = moec.compile(model, PLANS["fp32"], (ids,))
+    (fixed,) = compiled.program.signature.fixed_sizes
+    assert (fixed.name, fixed.dim, fixed.size) == ("ids", 1, 8) and "in forward" in fixed.reason
+    other_batch = tokens(5, 8)  # the batch stays symbolic
+    torch.testing.assert_close(compiled(other_batch), model(other_batch), rtol=1e-5, atol=1e-6)
+    with pytest.raises(SignatureError, match=r"size 12 in dim 1.*ids\.size\(1\) = 8"):
+        compiled(tokens(3, 12))
+
+
+def _recurrent_gemma() -> nn.Module:
+    config = tf.RecurrentGemmaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,  # two recurrent blocks, one attention block
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        lru_width=64,
+        attention_window_size=16,
+        use_cache=False,
+    )
+    return tf.RecurrentGemmaForCausalLM(config)
+
+
+@pytest.mark.slow  # a three-block RecurrentGemma captured with its scan unrolled
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_recurrent_gemma_trains_at_the_length_its_scan_fixes(precision):
+    """Its conv1d biases are cast in bf16; its scan loops over the sequence in Python, which
+    fixes the length: named at capture, and another length is a SignatureError."""
+    model = _recurrent_gemma()
+    with pytest.warns(UserWarning, match=r"inputs\.size\(1\) = 16 \(.*in _rnn_scan"):
+        compiled = _check_lm(model, precision, tokens(2, 17))
+    ids = tokens(2, 25)
+    with pytest.raises(SignatureError, match=r"inputs\.size\(1\) = 16 .*_rnn_scan"):
+        compiled(ids[:, :-1], ids[:, 1:])
