@@ -8,6 +8,17 @@ calling convention to a flat one: ``forward(*flat_inputs) -> tuple(flat_outputs)
 :class:`~moec.program.GraphSignature` maps the user's ``(args, kwargs)`` and outputs to and from
 that flat form; passes may append extra outputs after the user's.
 
+Sizes: a dimension stays symbolic unless the model's code needs it constant (a Python loop over
+the sequence, a weight as wide as it); each size the capture made a number is a
+:class:`~moec.program.FixedSize` of the signature, with the place in the model's code that
+fixed it (from export's shape environment), and a call at another size is a
+:class:`~moec.program.SignatureError` naming it. A fixed batch size, or a fixed size of token
+ids, is also named in a warning at capture.
+
+A parameter tied to another (one ``nn.Parameter`` under two names, as a masked-LM head's
+``decoder.bias``) is read under one name, the first ``named_parameters()`` gives, so every pass
+and the program's records name it the same way.
+
 Every ``call_function`` node is an ATen (or moec) op with a fake ``meta["val"]``: export's region
 ops (``wrap_with_set_grad_enabled``, ``wrap_with_autocast``) are inlined with their semantics
 made explicit (detached outputs, explicit casts), a region op that cannot be inlined is a
@@ -22,6 +33,7 @@ from __future__ import annotations
 
 import inspect
 import operator
+import warnings
 from typing import Any
 
 import torch
@@ -32,8 +44,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export import Dim
 
 from moec.errors import MoecError
-from moec.fx import module_path, symbolic_dispatch
-from moec.program import GraphSignature, Program
+from moec.fx import fake_mode, module_path, sym, symbolic_dispatch
+from moec.program import FixedSize, GraphSignature, Program
 
 
 class CaptureError(MoecError, RuntimeError):
@@ -107,13 +119,125 @@ def capture(
     _drop_input_guards(gm)
     _inline_higher_order_ops(gm)
     _drop_metadata_asserts(gm)
+    _read_tied_parameters_by_one_name(gm)
     gm.graph._codegen = fx.graph.CodeGen()
     output = gm.graph.output_node()
     flat_outputs = tuple(output.args[0])
     output.args = (flat_outputs,)
     gm.recompile()
     signature = GraphSignature(in_spec, out_spec, len(flat_outputs))
+    signature.fixed_sizes = fixed_sizes(gm, model, args, kwargs, dynamic)
+    if dynamic:
+        _warn_fixed_batch_or_sequence(model, gm, signature.fixed_sizes)
     return Program(gm, signature, captured_training=model.training)
+
+
+def _warn_fixed_batch_or_sequence(
+    model: torch.nn.Module, gm: fx.GraphModule, fixed: list[FixedSize]
+) -> None:
+    """Warn about the fixed sizes that were meant to stay symbolic: a batch size (dim 0) and
+    any size of an integer input (token ids: every dim a batch or sequence one). A float
+    input's other sizes may be features or channels that a weight's shape fixes, as the model
+    means; they go unmentioned (every fixed size is refused at other values all the same)."""
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    named = [
+        f.describe()
+        for f in fixed
+        if f.dim == 0 or not placeholders[f.input].meta["val"].dtype.is_floating_point
+    ]
+    if named:
+        warnings.warn(
+            f"moec: the capture of {type(model).__name__} fixed input sizes {'; '.join(named)}: "
+            "the program runs at these sizes only (a call at another size is refused)",
+            stacklevel=3,
+        )
+
+
+def fixed_sizes(
+    gm: fx.GraphModule, model: torch.nn.Module, args: tuple, kwargs: dict, dynamic: bool
+) -> list[FixedSize]:
+    """Every size of a tensor input of the captured ``gm`` that is a number, with why: the
+    place in the model's code where export's shape environment made it one (a dynamic
+    capture), or the static capture."""
+    leaves = pytree.tree_leaves((args, kwargs))
+    numbers = [
+        (index, node, dim, int(size))
+        for index, node in enumerate(gm.graph.find_nodes(op="placeholder"))
+        if isinstance(node.meta.get("val"), torch.Tensor)
+        for dim, size in enumerate(node.meta["val"].shape)
+        if sym(size).is_number
+    ]
+    if not numbers:
+        return []
+    sources = _source_names(model, args, kwargs)
+    sites = _specialisation_sites(gm) if dynamic else {}
+    fixed = []
+    for index, node, dim, size in numbers:
+        base = sources.get(id(leaves[index])) if index < len(leaves) else None
+        site = sites.get(f"{base}.size()[{dim}]")
+        if not dynamic:
+            reason = "captured with dynamic=False"
+        elif site is not None:
+            reason = f"made a constant at {site}"
+        else:
+            reason = "made a constant by the capture"
+        fixed.append(FixedSize(index, node.name, dim, size, reason))
+    return fixed
+
+
+def _source_names(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict[int, str]:
+    """Export's name of every tensor input (``L['input_ids']``), by the tensor's id."""
+    try:
+        bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+    except TypeError:
+        return {}
+    leaves, _ = pytree.tree_flatten_with_path(dict(bound))
+    return {id(leaf): "L" + pytree.keystr(path) for path, leaf in leaves}
+
+
+def _specialisation_sites(gm: fx.GraphModule) -> dict[str, str]:
+    """Where the model's code made each input size a number, by the size's source name
+    (``L['input_ids'].size()[1]``): the code location export's shape environment recorded
+    when it replaced the size's symbol by a constant."""
+    shape_env = fake_mode(gm).shape_env
+    if shape_env is None:
+        return {}
+    slocs = getattr(shape_env, "replacements_slocs", {})
+    sites = {}
+    for symbol, target in shape_env.replacements.items():
+        sloc = slocs.get(symbol)
+        if not target.is_number or sloc is None:
+            continue
+        where = sloc.maybe_user_loc or str(sloc).strip("() ")
+        for source in shape_env.var_to_sources.get(symbol, []):
+            name = source.name() if callable(source.name) else source.name
+            sites[name] = where
+    return sites
+
+
+def _read_tied_parameters_by_one_name(gm: fx.GraphModule) -> None:
+    """Read every tied parameter or buffer (one tensor under several names) through one
+    ``get_attr`` of its first name in ``named_parameters()``/``named_buffers()``; export reads
+    a tied tensor under the name of each module that uses it."""
+    first: dict[int, str] = {}
+    for name, tensor in [*gm.named_parameters(), *gm.named_buffers()]:
+        first.setdefault(id(tensor), name)
+    reads: dict[str, fx.Node] = {}
+    for node in list(gm.graph.find_nodes(op="get_attr")):
+        try:
+            tensor = gm.get_parameter(str(node.target))
+        except AttributeError:
+            try:
+                tensor = gm.get_buffer(str(node.target))
+            except AttributeError:  # a submodule or constant
+                continue
+        name = first.get(id(tensor), str(node.target))
+        if name in reads:
+            node.replace_all_uses_with(reads[name])
+            gm.graph.erase_node(node)
+        else:
+            node.target = name
+            reads[name] = node
 
 
 def _drop_export_wrappers(gm: fx.GraphModule) -> None:

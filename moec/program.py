@@ -41,7 +41,25 @@ ParamRole = Literal["dense", "router", "expert"]
 
 
 class SignatureError(MoecError, ValueError):
-    """Inputs do not have the structure the program was captured with."""
+    """Inputs do not have the structure (or a size) the program was captured with."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedSize:
+    """A size of an input that the program runs at only: the capture (or a pass) made it a
+    number, e.g. a model that loops over its sequence in Python."""
+
+    input: int
+    """The input's position among the flat inputs."""
+    name: str
+    """The input's name (its placeholder's)."""
+    dim: int
+    size: int
+    reason: str
+    """Why it is a number, e.g. where the model's code needs it constant."""
+
+    def describe(self) -> str:
+        return f"{self.name}.size({self.dim}) = {self.size} ({self.reason})"
 
 
 @dataclasses.dataclass
@@ -53,8 +71,12 @@ class GraphSignature:
     num_user_outputs: int
     aux_outputs: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     """(module path, kind) of every output past the user's, in order, added by passes."""
+    fixed_sizes: list[FixedSize] = dataclasses.field(default_factory=list)
+    """The input sizes the program runs at only; the others are symbolic."""
 
     def flatten_inputs(self, args: tuple, kwargs: dict) -> list[Any]:
+        """The flat inputs; a :class:`SignatureError` if their structure, or a size in
+        ``fixed_sizes``, is not the captured one."""
         flat, spec = pytree.tree_flatten((args, kwargs))
         if spec != self.in_spec:
             raise SignatureError(
@@ -62,6 +84,16 @@ class GraphSignature:
                 f"  captured: {self.in_spec}\n  called:   {spec}\n"
                 "call with the same arguments (tensor sizes may differ) or compile again"
             )
+        for fixed in self.fixed_sizes:
+            value = flat[fixed.input]
+            if not isinstance(value, torch.Tensor) or value.dim() <= fixed.dim:
+                continue
+            if value.shape[fixed.dim] != fixed.size:
+                raise SignatureError(
+                    f"input {fixed.name} has size {value.shape[fixed.dim]} in dim {fixed.dim}, "
+                    f"but the program runs only at {fixed.describe()}: call it at that size, "
+                    "or compile the model again from example inputs of the size you need"
+                )
         return flat
 
     def unflatten_outputs(self, flat: tuple) -> Any:

@@ -1,5 +1,7 @@
 """Tiny models shared by the tests."""
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import transformers as tf
@@ -147,6 +149,23 @@ def hf_family(name: str) -> torch.nn.Module:
     for field, value in _FIELDS.get(prefix, {}).items():
         setattr(config, field, value)
     return getattr(tf, _MODEL_CLASS.get(prefix, f"{prefix}ForCausalLM"))(config)
+
+
+def train_one_step(compiled: torch.nn.Module, loss_of: Callable[[], torch.Tensor]) -> list[str]:
+    """A backward of ``loss_of()`` with finite gradients, non-zero on every expert tensor; an SGD
+    step that changes the experts; a finite loss after it. Returns the expert tensors' names."""
+    loss = loss_of()
+    loss.backward()
+    params = dict(compiled.named_parameters())
+    grads = {name: p.grad for name, p in params.items() if p.grad is not None}
+    assert all(bool(torch.isfinite(g).all()) for g in grads.values())
+    experts = [name for name in grads if name.endswith((".moe.w_up", ".moe.w_down"))]
+    assert experts and all(bool(grads[name].abs().sum() > 0) for name in experts)
+    before = {name: params[name].detach().clone() for name in experts}
+    torch.optim.SGD(compiled.parameters(), lr=0.1).step()
+    assert all(not torch.equal(params[name], before[name]) for name in experts)
+    assert torch.isfinite(loss_of())
+    return experts
 
 
 def loss_and_grads(compiled, ids) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -20,6 +20,7 @@ from moec.passes.manager import (
 )
 from moec.passes.verify import VerificationError
 from moec.plan import Plan
+from moec.program import SignatureError
 
 BF16 = {
     "moe": {"num_experts": 4, "top_k": 2},
@@ -178,6 +179,10 @@ def test_a_pass_that_specializes_an_input_size_is_named():
         "x.size(0) = 2",
         "x.size(1) = 3",
     ]
+    by_pass = [f for f in program.signature.fixed_sizes if f.reason == "pass specializing"]
+    assert [(f.name, f.dim, f.size) for f in by_pass] == [("x", 0, 2), ("x", 1, 3)]
+    with pytest.raises(SignatureError, match=r"size 4 in dim 0.*x\.size\(0\) = 2"):
+        program.signature.flatten_inputs((torch.randn(4, 3, 8),), {})
 
 
 def test_compile_runs_the_selected_passes_and_records_their_string():

@@ -22,6 +22,9 @@
   ``out_span`` of the shared weight.
   A down linear fed through a normalization (between the activation and the down projection,
   as BitNet's ``ffn_sub_norm``) from up linears of one input is a rejected candidate naming it.
+  So is an FFN whose features are a symbolic size (one that follows the input's sizes): it
+  runs over positions, as an MLP-Mixer's token-mixing MLP on a transposed tensor does, and
+  routing its rows would route features, not tokens (:attr:`Structure.over_positions`).
 - An FFN region whose input also feeds a **router** (a linear outside the region whose output
   reaches an ``aten.topk`` through elementwise ops, casts and softmaxes) is the shared expert
   of an MoE block the model routes already: the region records that top-k as its ``router``.
@@ -40,7 +43,7 @@ from collections.abc import Iterable
 import torch
 import torch.fx as fx
 
-from moec.fx import module_path, node_order
+from moec.fx import module_path, node_order, sym
 from moec.ops.activations import gated_from_unary, unary_candidates
 from moec.ops.working_weights import working_copy
 
@@ -162,6 +165,9 @@ class Structure:
     blocks: list[Block]
     rejected: list[str]
     """Why candidate down linears were not taken as FFNs (for ``moec inspect`` and errors)."""
+    over_positions: list[str] = dataclasses.field(default_factory=list)
+    """The FFN-shaped candidates whose features are positions (token-mixing MLPs), by name;
+    each is among ``rejected`` too."""
 
 
 def _target(node: fx.Node) -> object:
@@ -378,11 +384,27 @@ def find_structure(gm: fx.GraphModule) -> Structure:
             continue
         regions.append(region)
         claimed.update(region.nodes())
+    over_positions = [_name(r) for r in regions if not _features_are_static(r)]
+    rejected += [
+        f"{name}: its features are a size that follows the input's (it mixes positions, as a "
+        "token-mixing MLP does; routed experts route each position's features)"
+        for name in over_positions
+    ]
+    regions = [r for r in regions if _features_are_static(r)]
     regions.sort(key=lambda r: order[r.output])
     for region in regions:
         region.router = _router_reading(region, linears)
     blocks = [Block(i, r, _residual_add(r.output)) for i, r in enumerate(regions)]
-    return Structure(linears, blocks, rejected)
+    return Structure(linears, blocks, rejected, over_positions)
+
+
+def _features_are_static(region: FFNRegion) -> bool:
+    """Whether the region's input holds its features in a dim of static size."""
+    return sym(region.input.meta["val"].shape[region.channel_dim]).is_number
+
+
+def _name(region: FFNRegion) -> str:
+    return region.module_path or module_path(region.down.node) or region.down.node.name
 
 
 SOFTMAX_OPS = frozenset({aten._softmax.default, aten.softmax.int})

@@ -6,8 +6,9 @@ is cast back to float32 and the copies are added in float32: a full pass over th
 cast or add, a few per block and direction.
 
 Matches  ops autocast runs in bf16 (linear, mm, matmul, bmm, addmm, baddbmm,
-         scaled_dot_product_attention, moec.linear_cross_entropy, moec.quantized_linear) and
-         explicit casts to bf16,
+         scaled_dot_product_attention, moec.linear_cross_entropy, moec.quantized_linear, and
+         any other op on autocast's lower-precision list for the program's device: convolutions,
+         prelu, ...) and explicit casts to bf16,
          reading a source whose *runtime* dtype is float32 (found by propagating fake tensors
          through the graph under bf16 autocast, at the example's sizes in a fake mode of its
          own; the captured ``meta["val"]`` is autocast-free); and the weights of moec ops
@@ -58,6 +59,24 @@ SELF_CASTING = {
     torch.ops.moec.quantized_expert_mlp.default: (1, 2),
 }
 """moec ops that cast the float inputs at these positions to their first input's dtype."""
+
+
+def lowered_by_autocast(
+    node: fx.Node, dtypes: dict[fx.Node, torch.dtype], device_type: str
+) -> bool:
+    """Whether bf16 autocast on ``device_type`` runs ``node`` in bf16, casting every float32
+    input: one of :data:`AUTOCAST_BF16`, or an op with an autocast kernel for the device whose
+    output is float32 without autocast (``meta["val"]``) and bf16 under it (``dtypes``): the
+    lower-precision list (autocast's float32 and promote lists never lower a dtype)."""
+    if node.target in AUTOCAST_BF16:
+        return True
+    if not isinstance(node.target, torch._ops.OpOverload) or dtypes.get(node) != torch.bfloat16:
+        return False
+    plain = node.meta.get("val")
+    if not isinstance(plain, torch.Tensor) or plain.dtype != torch.float32:
+        return False
+    key = f"Autocast{device_type.upper()}"  # AutocastCPU, AutocastCUDA
+    return torch._C._dispatch_has_kernel_for_dispatch_key(node.target.name(), key)
 
 
 class _RuntimeDtypes(fx.Interpreter):
@@ -138,9 +157,11 @@ def _device_type(gm: fx.GraphModule) -> str:
     return "cpu"
 
 
-def _cast_inputs(node: fx.Node, dtypes: dict[fx.Node, torch.dtype]) -> list[fx.Node]:
+def _cast_inputs(
+    node: fx.Node, dtypes: dict[fx.Node, torch.dtype], device_type: str
+) -> list[fx.Node]:
     """The float32 inputs ``node`` reads in bf16 at runtime."""
-    if node.target in AUTOCAST_BF16:
+    if lowered_by_autocast(node, dtypes, device_type):
         inputs = node.all_input_nodes
     elif node.target in SELF_CASTING and dtypes.get(node.args[0]) == torch.bfloat16:
         inputs = [node.args[i] for i in SELF_CASTING[node.target]]
@@ -192,7 +213,8 @@ class SharedCastsPass(Pass):
             return PassResult(gm, False, {"sources_cast": 0})
         edit = GraphEditor(gm, self.name)
         outer = _outer_products_as_mul(gm, edit)
-        dtypes = runtime_dtypes(gm, _device_type(gm))
+        device_type = _device_type(gm)
+        dtypes = runtime_dtypes(gm, device_type)
         casts: dict[fx.Node, fx.Node] = {}  # float32 source -> its one bf16 cast
         readers = merged = 0
 
@@ -212,7 +234,7 @@ class SharedCastsPass(Pass):
                 else:
                     casts[source] = node
             else:
-                for source in _cast_inputs(node, dtypes):
+                for source in _cast_inputs(node, dtypes, device_type):
                     node.replace_input_with(source, cast_of(source))
                     readers += 1
         refresh_meta(gm)

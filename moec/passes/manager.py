@@ -11,7 +11,9 @@ options in braces are printed from the plan and, when given back, must match it.
 After each pass the manager runs the verifier (graph lint, fake-tensor propagation, parameter
 bookkeeping) when asked, and calls the dump hook for the stages selected by ``print_after``.
 A pass that turns a symbolic input size into a number (the program then runs, and is priced,
-only at the example's size) is named in a warning and in its ``specialized_inputs`` statistic.
+only at the example's size) is named in a warning and in its ``specialized_inputs`` statistic,
+and the size joins the signature's ``fixed_sizes`` (a call at another size is refused).
+Parameters the captured model never reads stay parameters; no pass is asked to read them.
 Analyses cached in the :class:`PassContext` are dropped when a pass reports ``modified``.
 """
 
@@ -26,9 +28,14 @@ from typing import Any
 
 from moec.fx import parameter_count, symbolic_input_dims
 from moec.passes.base import REGISTRY, PassContext, PassPipelineError
-from moec.passes.verify import VerificationError, verify_graph, verify_program
+from moec.passes.verify import (
+    VerificationError,
+    unread_parameters,
+    verify_graph,
+    verify_program,
+)
 from moec.plan import Plan
-from moec.program import Program
+from moec.program import FixedSize, Program
 
 PASS_MODULES = (
     "moec.passes.moe",
@@ -203,6 +210,7 @@ class PassManager:
 
     def run(self, program: Program, ctx: PassContext) -> Program:
         gm = program.graph
+        unread = unread_parameters(gm)
         if self.verify:
             verify_graph(gm, "capture", program.signature)
         self._dump("capture", program, {})
@@ -219,7 +227,7 @@ class PassManager:
                     "(cached analyses would be stale)"
                 )
             gm = program.graph = result.gm
-            symbolic = _check_sizes_stay_symbolic(p.name, symbolic, gm, result.stats)
+            symbolic = _check_sizes_stay_symbolic(p.name, symbolic, program, result.stats)
             if result.modified:
                 ctx.invalidate_analyses()
             if self.verify:
@@ -228,7 +236,7 @@ class PassManager:
                     + result.stats.get("params_added", 0)
                     - result.stats.get("params_removed", 0)
                 )
-                verify_graph(gm, p.name, program.signature, expected_params=expected)
+                verify_graph(gm, p.name, program.signature, expected_params=expected, unread=unread)
                 verify_program(program, p.name)
             ctx.results[p.name] = result
             self._dump(p.name, program, result.stats)
@@ -240,20 +248,25 @@ class PassManager:
 
 
 def _check_sizes_stay_symbolic(
-    name: str, symbolic: dict[str, tuple[int, ...]], gm: Any, stats: dict[str, Any]
+    name: str, symbolic: dict[str, tuple[int, ...]], program: Program, stats: dict[str, Any]
 ) -> dict[str, tuple[int, ...]]:
-    """The inputs' symbolic dims after pass ``name``; those it made concrete are warned about
-    and listed in ``stats["specialized_inputs"]``."""
+    """The inputs' symbolic dims after pass ``name``; those it made concrete are warned about,
+    listed in ``stats["specialized_inputs"]`` and added to the signature's ``fixed_sizes``."""
+    gm = program.graph
     now = symbolic_input_dims(gm)
-    vals = {n.name: n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")}
-    lost = [
-        f"{input_name}.size({d}) = {int(vals[input_name].shape[d])}"
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    index = {n.name: i for i, n in enumerate(placeholders)}
+    vals = {n.name: n.meta.get("val") for n in placeholders}
+    fixed = [
+        FixedSize(index[input_name], input_name, d, int(vals[input_name].shape[d]), f"pass {name}")
         for input_name, dims in symbolic.items()
         if input_name in now
         for d in dims
         if d not in now[input_name]
     ]
+    lost = [f"{f.name}.size({f.dim}) = {f.size}" for f in fixed]
     if lost:
+        program.signature.fixed_sizes += fixed
         stats["specialized_inputs"] = lost
         warnings.warn(
             f"moec: pass {name} specialized input sizes ({', '.join(lost)}): the program now "

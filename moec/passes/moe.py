@@ -63,6 +63,11 @@ A model that routes tokens already keeps its MoE blocks: an FFN region beside a 
 is, with a warning naming it and its router; only the dense FFNs become routed experts (an
 MoE inside an MoE block is nobody's intent).
 
+An FFN that runs over positions (its features are a size that follows the input's, as an
+MLP-Mixer's token-mixing MLP on a transposed tensor) is not an FFN region
+(:attr:`~moec.analysis.structure.Structure.over_positions`): it stays dense, with a warning
+naming it and the ``ffns_over_positions`` statistic.
+
 Refuses (:class:`MoEPassError`, naming the model or module): a model with no FFN region (the
 message lists the rejected candidates and the supported activations, and names the router of a
 model that routes tokens already) or with shared experts only, and an FFN to convert
@@ -71,7 +76,7 @@ unless ``plan.moe.ffn_dropout`` is ``drop``. FFNs kept dense keep their dropout.
 
 Options: everything in ``plan.moe``, and ``plan.lowering.expert_weights``. Statistics:
 ``ffns_replaced``, ``ffns_kept_dense``, ``ffns_beside_routers`` (shared experts left as they
-are), ``params_added``, ``params_removed``,
+are), ``ffns_over_positions``, ``params_added``, ``params_removed``,
 ``ffn_dropouts_dropped``, ``expert_weights`` (the layout). Invariants: those of
 :mod:`moec.passes.rewrite`; the graph's user outputs are unchanged; per MoE block three aux
 outputs are appended (``router_losses``, ``expert_counts``, ``expert_offsets``), and a fourth,
@@ -174,6 +179,13 @@ class MoEPass(Pass):
                 f"moec: {_routed_already(shared)}; only the dense FFNs become routed experts",
                 stacklevel=2,
             )
+        if structure.over_positions:
+            warnings.warn(
+                f"moec: FFNs kept dense: {', '.join(structure.over_positions)} (their features "
+                "are a size that follows the input's: they mix positions, as token-mixing MLPs "
+                "do, and routed experts route each position's features)",
+                stacklevel=2,
+            )
         if plan.dense_first >= len(blocks):
             raise PlanError(
                 "moe.dense_first",
@@ -237,6 +249,7 @@ class MoEPass(Pass):
             "ffns_replaced": len(blocks) - plan.dense_first,
             "ffns_kept_dense": plan.dense_first,
             "ffns_beside_routers": len(shared),
+            "ffns_over_positions": len(structure.over_positions),
             "params_added": added,
             "params_removed": removed,
             "ffn_dropouts_dropped": sum(dropouts),

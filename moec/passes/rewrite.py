@@ -6,7 +6,8 @@ Invariants (checked by :mod:`moec.passes.verify` after every pass):
   them) equal to what fake propagation computes;
 - every new node has ``meta["nn_module_stack"]`` (copied from the node it replaces or extends)
   and ``meta["from_pass"]`` naming the pass that made it;
-- every ``get_attr`` target exists, and every parameter is read by some ``get_attr``;
+- every ``get_attr`` target exists, and every parameter is read by some ``get_attr``, except
+  those the captured model never read (an unused ``nn.Linear``: they stay parameters);
 - outputs past the user's (aux losses, routing statistics) are listed in the signature.
 """
 

@@ -23,8 +23,11 @@ def verify_graph(
     stage: str,
     signature: GraphSignature | None = None,
     expected_params: int | None = None,
+    unread: frozenset[str] = frozenset(),
 ) -> None:
-    """Check ``gm`` after ``stage``; ``signature`` (when given) must count its outputs."""
+    """Check ``gm`` after ``stage``; ``signature`` (when given) must count its outputs;
+    ``unread``: parameters the captured model never read (:func:`unread_parameters`), which
+    no node needs to read."""
 
     def fail(msg: str) -> None:
         raise VerificationError(f"after {stage}: {msg}")
@@ -44,7 +47,9 @@ def verify_graph(
         if node.op in ("call_function", "get_attr") and "val" not in node.meta:
             fail(f"node {node.name} ({node.target}) has no meta['val']")
     read_ids = {id(p) for n, p in gm.named_parameters(remove_duplicate=False) if n in read}
-    orphans = sorted(name for name, p in gm.named_parameters() if id(p) not in read_ids)
+    orphans = sorted(
+        name for name, p in gm.named_parameters() if id(p) not in read_ids and name not in unread
+    )
     if orphans:
         fail(f"parameters no node reads: {orphans[:5]}")
     if expected_params is not None and parameter_count(gm) != expected_params:
@@ -58,6 +63,23 @@ def verify_graph(
             f"user + {len(signature.aux_outputs)} aux"
         )
     _check_fake_propagation(gm, fail)
+
+
+def unread_parameters(gm: fx.GraphModule) -> frozenset[str]:
+    """The parameters of ``gm`` no node computes with: a captured model's parameters its
+    forward never reads (an unused ``nn.Linear``). They stay parameters of the program, as in
+    the model (no gradient reaches them), and passes may drop their dead ``get_attr`` nodes."""
+    reads = [n for n in gm.graph.find_nodes(op="get_attr") if n.users]
+    used = {id(p) for n in reads for p in _parameter_of(gm, n)}
+    return frozenset(name for name, p in gm.named_parameters() if id(p) not in used)
+
+
+def _parameter_of(gm: fx.GraphModule, node: fx.Node) -> list[torch.Tensor]:
+    """The parameter a ``get_attr`` reads, if it reads one."""
+    try:
+        return [gm.get_parameter(str(node.target))]
+    except AttributeError:  # a buffer, submodule or constant
+        return []
 
 
 def verify_program(program: Program, stage: str) -> None:

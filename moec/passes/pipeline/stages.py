@@ -38,6 +38,13 @@ from moec.program import GraphSignature, Pipeline, Program, StageInfo
 aten = torch.ops.aten
 
 
+def _names_of(gm: fx.GraphModule, name: str) -> str:
+    """Every name of parameter ``name`` (a tied one has several), quoted."""
+    param = gm.get_parameter(name)
+    names = [n for n, p in gm.named_parameters(remove_duplicate=False) if p is param]
+    return " = ".join(map(repr, names))
+
+
 def build_split(
     program: Program,
     cost: GraphCost,
@@ -93,8 +100,8 @@ def build_split(
         for name, _ in stage.graph.named_parameters():
             if owners.setdefault(name, s) != s:
                 raise PipelinePassError(
-                    f"parameter {name!r} is read by stages {owners[name]} and {s} (tied "
-                    "weights?); untie it (e.g. tie_embeddings=False) to pipeline this model"
+                    f"parameter {_names_of(gm, name)} is read by stages {owners[name]} and {s} "
+                    "(tied weights?); untie it (e.g. tie_embeddings=False) to pipeline this model"
                 )
         stages.append(stage)
         infos.append(
