@@ -200,12 +200,21 @@ class Arm:
 
     def __init__(self, module: nn.Module, device: torch.device, plain: bool):
         self.module, self.device, self.plain = module.to(device), device, plain
+        plan = getattr(module, "plan", None)
+        self.microbatches = plan.parallel.microbatches if plan is not None else 1
+        """Forwards per optimizer step (a moec plan's ``parallel.microbatches``)."""
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.plain and self.device.type == "cuda":  # bf16 math over float32 weights
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 return self.module(inputs, targets)
         return self.module(inputs, targets)
+
+    def finish_step(self) -> None:
+        """After the step's backward: moec's balancing reads the step's loads (MaxVio, the
+        ``aux_free`` bias)."""
+        if isinstance(self.module, moec.CompiledModel):
+            self.module.finish_step()
 
     def aux(self) -> torch.Tensor | float:
         if isinstance(self.module, moec.CompiledModel):
@@ -267,8 +276,13 @@ def train_arm(name: str, arm: Arm, ctx: Context, steps: int, first_step: int = 0
     started = time.perf_counter()
     for step in range(steps):
         inputs, targets = (t.to(device) for t in ctx.train.batch(first_step + step))
-        loss = arm.loss(inputs, targets)
-        (loss + arm.aux()).backward()
+        losses = []
+        for x, y in zip(inputs.chunk(arm.microbatches), targets.chunk(arm.microbatches)):
+            loss = arm.loss(x, y)
+            ((loss + arm.aux()) / arm.microbatches).backward()
+            losses.append(loss.detach())
+        loss = torch.stack(losses).mean()
+        arm.finish_step()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -343,11 +357,14 @@ BALANCING = ("microbatch", "global_batch", "sequence", "aux_free")
 
 
 def balance_job(ctx: Context, method: str) -> dict[str, Any]:
-    """The MoE from scratch, capacity factor 1.25, balanced by ``method`` (``moe.balance``)."""
+    """The MoE from scratch, capacity factor 1.25, balanced by ``method`` (``moe.balance``),
+    each step's batch in 4 microbatches: the global batch's statistics then differ from one
+    microbatch's, as they do over data-parallel ranks."""
     seed = ctx.seeds[0]
     plan = moe_plan(
         ctx.scale, ctx.device, init="random", seed=seed, balance=method, capacity_factor=1.25
     )
+    plan["parallel"] = {"microbatches": 4}
     arm = moec_arm(dense_model(ctx.scale, ctx.vocab, seed), plan, ctx)
     return {**train_arm(method, arm, ctx, ctx.steps), "method": method}
 
