@@ -1,0 +1,55 @@
+"""The quality benchmark at CPU scale (``benchmarks/quality.py --scale cpu``): parity of moec's
+MoE with an independent plain-PyTorch one, and the upcycling arms, on a corpus built from
+moec's own sources. Each asserts only what these short runs show with a margin across seeds:
+numbers about the field's claims need the GPU scale (``benchmarks/RESULTS.md``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks import quality
+from moec.corpus_build import BuildOptions, build_corpus
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("corpus") / "built"
+    sources = (str(Path(quality.__file__).parents[1] / "moec"),)
+    build_corpus(out, BuildOptions(sources=sources, vocab_size=2048, eval_fraction=0.05))
+    return out
+
+
+def _run(experiment: str, corpus: Path, out: Path, *extra: str) -> dict:
+    args = [experiment, "--corpus", str(corpus), "--out", str(out), "--scale", "cpu", *extra]
+    return quality.main(args)
+
+
+def test_moec_and_an_independent_moe_learn_alike(corpus, tmp_path):
+    result = _run("parity", corpus, tmp_path, "--steps", "50", "--seeds", "0,1")
+    runs = result["runs"]
+    for run in runs:  # every run learns: far below the uniform loss of ln(2048) = 7.6
+        assert run["eval_loss"][-1] < run["eval_loss"][0] - 0.5, run["name"]
+    final = result["verdict"]["final_eval_loss"]
+    for ours, theirs in zip(final["moec"], final["independent"], strict=True):
+        # from identical weights and batches the two differ only by rounding, which 50 steps
+        # at a high learning rate amplify to ~0.01-0.02 here
+        assert abs(ours - theirs) < 0.1
+    assert (tmp_path / "parity.json").is_file() and (tmp_path / "parity.png").is_file()
+
+
+def test_upcycled_arms_continue_from_the_dense_model(corpus, tmp_path):
+    result = _run("upcycle", corpus, tmp_path, "--steps", "50", "--seeds", "0")
+    pre = result["pretraining"]["eval_loss"][-1]
+    runs = {r["name"]: r for r in result["runs"]}
+    scratch_at_start = runs["MoE from scratch"]["eval_loss"][0]
+    for name in ("upcycled", "granular", "dense continued"):
+        first = runs[name]["eval_loss"][0]
+        # function-preserving starts: near the pretrained model, far below a fresh MoE
+        assert first < pre + 0.3, name
+        assert first < scratch_at_start - 0.5, name
+    for run in result["runs"]:
+        assert run["tokens"][-1] > 0 and run["flops"][-1] > run["flops"][0]
