@@ -237,7 +237,7 @@ class CompiledModel(nn.Module):
     def aux_loss(self) -> torch.Tensor:
         """``lbl_coef * LBL + z_loss_coef * z`` summed over MoE blocks, from the last forward
         (the LBL of ``plan.moe.balance``: :meth:`RouterBalance.objective`)."""
-        total = self.balance.objective(self.aux_outputs)
+        total = None if self.balance is None else self.balance.objective(self.aux_outputs)
         if total is None:
             raise MoecError("no aux losses: run a forward pass of a model with MoE blocks first")
         return total
@@ -251,8 +251,10 @@ class CompiledModel(nn.Module):
     def finish_step(self) -> None:
         """End the optimizer step whose microbatches ran since the last call, after their
         backwards: the step's global expert loads and MaxVio, the ``aux_free`` bias update
-        (:meth:`RouterBalance.finish_step`; on the device, a collective in a job)."""
-        self.balance.finish_step()
+        (:meth:`RouterBalance.finish_step`; on the device, a collective in a job). Nothing to
+        do before the first call has captured the program."""
+        if self.balance is not None:
+            self.balance.finish_step()
 
     def routing_stats(self) -> dict[str, dict[str, Any]]:
         """Per MoE block, from the last forward on this rank: the LBL of ``plan.moe.balance``
