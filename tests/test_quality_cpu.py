@@ -5,6 +5,7 @@ numbers about the field's claims need the GPU scale (``benchmarks/RESULTS.md``).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -31,8 +32,8 @@ def _run(experiment: str, corpus: Path, out: Path, *extra: str) -> dict:
 def test_moec_and_an_independent_moe_learn_alike(corpus, tmp_path):
     result = _run("parity", corpus, tmp_path, "--steps", "50", "--seeds", "0,1")
     runs = result["runs"]
-    for run in runs:  # every run learns: far below the uniform loss of ln(2048) = 7.6
-        assert run["eval_loss"][-1] < run["eval_loss"][0] - 0.5, run["name"]
+    for run in runs:  # every run learns: 1 nat below the uniform loss, ln(2048) = 7.6
+        assert run["eval_loss"][-1] < math.log(2048) - 1, run["name"]
     final = result["verdict"]["final_eval_loss"]
     for ours, theirs in zip(final["moec"], final["independent"], strict=True):
         # from identical weights and batches the two differ only by rounding, which 50 steps
