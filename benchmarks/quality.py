@@ -47,7 +47,10 @@ from torch import nn
 import moec
 from moec.corpus import TokenCorpus, built_corpus
 from moec.models import Llama, LlamaConfig
+from moec.models.zoo import load_model
+from moec.runtime.distributed import parameter_groups
 from moec.train import LanguageModelWithLoss, TrainConfig, wsd_schedule
+from moec.train.objective import parameter_kinds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,8 +167,14 @@ class IndependentModel(nn.Module):
 # --- models and plans ------------------------------------------------------------------------
 
 
-def dense_model(s: Scale, vocab: int, seed: int) -> Llama:
+def dense_model(ctx: Context, seed: int) -> nn.Module:
+    """The dense model, drawn from ``seed``: ``--model`` (a name or ``file.py:factory``, as
+    ``moec train`` takes it, sized to the corpus' vocabulary where it is a named model), else
+    the bundled Llama at the scale's size."""
     torch.manual_seed(seed)
+    if ctx.model:
+        return load_model(ctx.model, ctx.vocab)[0]
+    s, vocab = ctx.scale, ctx.vocab
     cfg = LlamaConfig(
         vocab_size=vocab,
         dim=s.dim,
@@ -294,7 +303,7 @@ def train_arm(name: str, arm: Arm, ctx: Context, steps: int, first_step: int = 0
             curve["eval_loss"].append(evaluate(arm, ctx.evals))
     seconds = time.perf_counter() - started
     print(f"  {name}: eval {curve['eval_loss'][-1]:.4f} after {steps} steps ({seconds:.0f} s)")
-    return {"name": name, "seconds": seconds, **curve}
+    return {"name": name, "seconds": seconds, "flops_per_token": flops_per_token(arm), **curve}
 
 
 # --- the experiments -------------------------------------------------------------------------
@@ -308,7 +317,7 @@ def train_arm(name: str, arm: Arm, ctx: Context, steps: int, first_step: int = 0
 def parity_job(ctx: Context, seed: int, implementation: str) -> dict[str, Any]:
     """One seed's run of moec or of the independent MoE, from the same initial weights (the
     compiled program's, which both build from ``seed``)."""
-    dense = dense_model(ctx.scale, ctx.vocab, seed)
+    dense = dense_model(ctx, seed)
     ours = moec_arm(dense, moe_plan(ctx.scale, ctx.device, init="random", seed=seed), ctx)
     if implementation == "independent":
         ours = Arm(IndependentModel(dense, ours.module, ctx.scale.top_k), ctx.device, plain=True)
@@ -318,7 +327,7 @@ def parity_job(ctx: Context, seed: int, implementation: str) -> dict[str, Any]:
 
 def pretrain_job(ctx: Context) -> dict[str, Any]:
     """The dense model the upcycling arms start from, saved to ``ctx.out``."""
-    dense = dense_model(ctx.scale, ctx.vocab, ctx.seeds[0])
+    dense = dense_model(ctx, ctx.seeds[0])
     arm = Arm(LanguageModelWithLoss(dense), ctx.device, plain=True)
     run = train_arm("dense pretraining", arm, ctx, ctx.steps)
     torch.save(dense.state_dict(), ctx.out / "dense_pretrained.pt")
@@ -335,7 +344,7 @@ UPCYCLING = {
 
 def continue_job(ctx: Context, name: str) -> dict[str, Any]:
     """The pretrained dense model trained on for ``ctx.steps`` as ``name`` (``UPCYCLING``)."""
-    dense = dense_model(ctx.scale, ctx.vocab, ctx.seeds[0])
+    dense = dense_model(ctx, ctx.seeds[0])
     dense.load_state_dict(torch.load(ctx.out / "dense_pretrained.pt", weights_only=True))
     moe = UPCYCLING[name]
     if moe is None:
@@ -349,7 +358,7 @@ def scratch_job(ctx: Context) -> dict[str, Any]:
     """The same MoE from random weights, for as many tokens as pretraining and continuation."""
     seed = ctx.seeds[0]
     plan = moe_plan(ctx.scale, ctx.device, init="random", seed=seed)
-    arm = moec_arm(dense_model(ctx.scale, ctx.vocab, seed), plan, ctx)
+    arm = moec_arm(dense_model(ctx, seed), plan, ctx)
     return train_arm("MoE from scratch", arm, ctx, 2 * ctx.steps)
 
 
@@ -365,7 +374,7 @@ def balance_job(ctx: Context, method: str) -> dict[str, Any]:
         ctx.scale, ctx.device, init="random", seed=seed, balance=method, capacity_factor=1.25
     )
     plan["parallel"] = {"microbatches": 4}
-    arm = moec_arm(dense_model(ctx.scale, ctx.vocab, seed), plan, ctx)
+    arm = moec_arm(dense_model(ctx, seed), plan, ctx)
     return {**train_arm(method, arm, ctx, ctx.steps), "method": method}
 
 
@@ -414,29 +423,32 @@ def parity_verdict(runs: list[dict[str, Any]], seeds: int) -> dict[str, Any]:
 
 def add_cost_axes(pre: dict[str, Any], runs: list[dict[str, Any]], ctx: Context) -> None:
     """Tokens and training FLOPs at each eval point; a continued arm's include pretraining's."""
-    s, steps = ctx.scale, ctx.steps
-    tokens_per_step = s.batch * s.seq
-    dense = flops_per_token(s, ctx.vocab, 1)
-    moe = flops_per_token(s, ctx.vocab, s.top_k)
+    tokens_per_step = ctx.scale.batch * ctx.scale.seq
     for run in [pre, *runs]:
-        continued = run["name"] in UPCYCLING
-        base = steps if continued else 0
-        per_token = dense if run["name"].startswith("dense") else moe
+        base = ctx.steps if run["name"] in UPCYCLING else 0
+        before = base * tokens_per_step * pre["flops_per_token"]
         run["tokens"] = [(base + k) * tokens_per_step for k in run["step"]]
-        run["flops"] = [
-            base * tokens_per_step * dense + k * tokens_per_step * per_token for k in run["step"]
-        ]
+        run["flops"] = [before + k * tokens_per_step * run["flops_per_token"] for k in run["step"]]
 
 
-def flops_per_token(s: Scale, vocab: int, active_ffns: int) -> float:
-    """Training FLOPs per token: 6 x the active parameters' multiply-adds (attention
-    projections, ``active_ffns`` SwiGLU FFNs of ``s.ffn`` per block, the router, the LM head)
-    plus the causal attention's 6 x L x S x d (half of the S x S scores)."""
-    per_block = 4 * s.dim * s.dim + active_ffns * 3 * s.dim * s.ffn
-    if active_ffns > 1:
-        per_block += s.dim * s.experts
-    matmul = s.layers * per_block + s.dim * vocab
-    return 6 * matmul + 6 * s.layers * s.seq * s.dim
+def flops_per_token(arm: Arm) -> float:
+    """Training FLOPs per token, 6 x the parameters a token's matmuls read: all but embedding
+    tables, the routed experts' at ``top_k / num_experts`` of their count (attention's score
+    FLOPs left out: at these sizes under 3% of the total)."""
+    module = arm.module
+    tables = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
+    experts: set[int] = set()
+    share = 1.0
+    if isinstance(module, moec.CompiledModel):
+        tables = parameter_kinds(module.graph_module)["embeddings"]  # found from the graph
+        experts = {id(p) for p in parameter_groups(module)[1]}
+        share = module.plan.moe.top_k / module.plan.moe.num_experts
+    read = 0.0
+    for param in module.parameters():
+        if id(param) in tables:
+            continue
+        read += param.numel() * (share if id(param) in experts else 1.0)
+    return 6 * read
 
 
 # --- running ---------------------------------------------------------------------------------
@@ -452,6 +464,8 @@ class Context:
     steps: int
     seeds: list[int]
     out: Path
+    model: str
+    """``--model``: empty for the bundled Llama."""
 
 
 EXPERIMENTS = ("parity", "upcycle", "balance")
@@ -486,7 +500,12 @@ def context(args: argparse.Namespace) -> Context:
     evals = [tuple(t.to(device) for t in held_out.batch(i)) for i in range(s.eval_batches)]
     seeds = [int(x) for x in args.seeds.split(",")]
     steps = args.steps or s.steps
-    return Context(s, device, train, evals, corpus.vocab_size, steps, seeds, Path(args.out))
+    if args.model and args.experiment == "parity":
+        raise SystemExit(
+            "parity trains the bundled Llama (the independent MoE mirrors it): no --model"
+        )
+    vocab = corpus.vocab_size
+    return Context(s, device, train, evals, vocab, steps, seeds, Path(args.out), args.model)
 
 
 def plot(result: dict[str, Any], experiment: str, path: Path) -> None:
@@ -533,6 +552,12 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--corpus", required=True, help="a `moec data build` folder")
     parser.add_argument("--out", required=True)
     parser.add_argument("--scale", choices=sorted(SCALES), default="gpu")
+    parser.add_argument(
+        "--model",
+        default="",
+        help="upcycle/balance: the dense model as moec train takes it (llama, hf-llama, ..., "
+        "file.py:factory); default: the bundled Llama at the scale's size",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--steps", type=int, default=0, help="0: the scale's")
     parser.add_argument("--seeds", default="0,1,2", help="parity's seeds; the others use the first")
