@@ -98,7 +98,6 @@ def test_rank_batches_share_every_batch_once_in_equal_rounds():
     assert rank_batches(2, 3, 4) == [(0, False)]
 
 
-@pytest.mark.slow
 def test_eval_changes_no_training_step_and_is_reported_across_a_resume(tmp_path):
     torch.manual_seed(0)
     plain = train(tiny_llama(2), PLAN, _cfg(tmp_path / "plain"))
@@ -151,6 +150,23 @@ def test_eval_settings_are_checked_and_a_source_without_a_split_says_so(tmp_path
     assert "no evaluation: synthetic tokens have no held-out split" in capsys.readouterr().err
     assert result.summary["eval_loss"] is None
     assert all("eval_loss" not in r for r in _records(tmp_path / "run"))
+
+
+def test_moec_train_passes_the_eval_flags_to_the_config(tmp_path, monkeypatch, capsys):
+    import moec.train.cli as train_cli
+    from moec.cli import main
+
+    configs = []
+    monkeypatch.setattr(train_cli, "_train_and_report", lambda m, p, cfg: configs.append(cfg))
+    flags = ["--eval-every", "5", "--eval-batches", "3", "--eval-data", "held.bin"]
+    assert main(["train", "--out", str(tmp_path), *flags]) == 0
+    assert (configs[0].eval_every, configs[0].eval_batches) == (5, 3)
+    assert configs[0].eval_data == "held.bin"
+    assert main(["train", "--out", str(tmp_path)]) == 0
+    assert (configs[1].eval_every, configs[1].eval_batches, configs[1].eval_data) == (0, 8, None)
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "default 0: off" in capsys.readouterr().out
 
 
 def test_a_built_corpus_is_evaluated_on_its_eval_split(tmp_path):
