@@ -531,6 +531,31 @@ def _add_data_and_trainer_arguments(train: argparse.ArgumentParser) -> None:
     data.add_argument(
         "--prefetch", type=int, default=2, help="batches loaded ahead in a background thread"
     )
+    held_out = train.add_argument_group("held-out evaluation (see moec.train.evaluation)")
+    held_out.add_argument(
+        "--eval-every",
+        type=int,
+        metavar="N",
+        default=TrainConfig.eval_every,
+        help="evaluate on held-out data every N steps and at the last step, in eval mode, the "
+        "LM loss without router losses (eval_loss in metrics.jsonl, summary.json, loss.png; "
+        f"default {TrainConfig.eval_every}: off)",
+    )
+    held_out.add_argument(
+        "--eval-batches",
+        type=int,
+        metavar="M",
+        default=TrainConfig.eval_batches,
+        help="fixed held-out batches of --batch-size sequences per evaluation, shared out over "
+        f"the data-parallel ranks (default {TrainConfig.eval_batches})",
+    )
+    held_out.add_argument(
+        "--eval-data",
+        metavar="SPEC",
+        help="held-out tokens, as --data (a moec data build folder: its eval split); default: "
+        "the training data's held-out split (a built corpus's eval split, the offline text's "
+        "last 5%%), none for --synthetic or other --data",
+    )
     trainer = train.add_argument_group("trainer")
     trainer.add_argument(
         "--lr",

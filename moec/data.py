@@ -76,7 +76,7 @@ class TextBatches:
 
     ``batch(step)`` returns (inputs, targets) of shape (batch, seq_len), int64, next-token pairs;
     ``batch_size`` is a number or a function of the step. A held-out tail (the last 5%) is kept
-    out of training windows for ``eval_batch``.
+    out of training windows for ``eval_batch(index)``.
     """
 
     def __init__(
@@ -103,8 +103,10 @@ class TextBatches:
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._windows(step, None if self.synthetic else self.train_data)
 
-    def eval_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._windows(-1, None if self.synthetic else self.eval_data)
+    def eval_batch(self, index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Held-out batch ``index``, a pure function of (seed, index): windows of the held-out
+        tail, which no training batch reads (uniform tokens when ``synthetic``)."""
+        return self._windows(-1 - index, None if self.synthetic else self.eval_data)
 
     def _windows(self, step: int, data: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step + 1)

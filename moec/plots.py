@@ -1,5 +1,6 @@
-"""PNG plots written at the end of a training run: loss, throughput, balance (the load-balancing
-loss and each block's MaxVio against the step), expert-load heatmap."""
+"""PNG plots written at the end of a training run: loss (and the held-out eval loss where the run
+evaluated), throughput, balance (the load-balancing loss and each block's MaxVio against the
+step), expert-load heatmap."""
 
 from __future__ import annotations
 
@@ -29,9 +30,11 @@ def write_plots(
         ("throughput.png", "tokens_per_s_per_gpu", "tokens/s/GPU"),
     ):
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot(steps, [r[key] for r in history], marker=".")
+        ax.plot(steps, [r[key] for r in history], marker=".", label=label)
         ax.set_xlabel("step")
         ax.set_ylabel(label)
+        if key == "loss":
+            _eval_curve(ax, history)
         ax.grid(alpha=0.3)
         fig.tight_layout()
         _save(fig, out / name)
@@ -52,6 +55,17 @@ def write_plots(
         plt.close(fig)
         written.append(out / "expert_load.png")
     return written
+
+
+def _eval_curve(ax: Any, history: list[dict[str, Any]]) -> None:
+    """The held-out eval loss of the eval points (``eval_loss``) beside the training loss,
+    where the run evaluated."""
+    points = [(r["step"], r["eval_loss"]) for r in history if r.get("eval_loss") is not None]
+    if not points:
+        return
+    ax.plot([s for s, _ in points], [v for _, v in points], marker="o", label="eval loss")
+    ax.set_ylabel("loss")
+    ax.legend(fontsize=8)
 
 
 def _save(fig: Any, path: Path) -> None:

@@ -17,13 +17,14 @@ def training_progress() -> Iterator[tuple[Progress, Console]]:
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("loss [cyan]{task.fields[loss]}"),
+        TextColumn("eval [magenta]{task.fields[eval]}"),
         TextColumn("tok/s [green]{task.fields[tps]}"),
         TextColumn("drop {task.fields[drop]}"),
         TextColumn("imbalance {task.fields[imb]}"),
         TimeRemainingColumn(),
     )
     progress = Progress(*columns, console=console)
-    defaults = {"loss": "-", "tps": "-", "drop": "-", "imb": "-"}
+    defaults = {"loss": "-", "eval": "-", "tps": "-", "drop": "-", "imb": "-"}
     add_task = progress.add_task
     progress.add_task = lambda *a, **kw: add_task(*a, **{**defaults, **kw})  # type: ignore[method-assign]
     with progress:

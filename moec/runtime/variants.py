@@ -9,8 +9,9 @@
 - :func:`forward_only`: the graph for calls under ``torch.no_grad()``, whose fused LM-head
   losses (``moec::linear_cross_entropy``) skip the head's gradients.
 
-Each returns a copy sharing the graph's parameters and buffers, or the graph itself when nothing
-changes; the graph it is given is never edited.
+Each returns a copy sharing the graph's parameter and buffer tables and submodules (so a
+parameter replaced in the graph, as FSDP2 does for each forward, is replaced in the copy), or
+the graph itself when nothing changes; the graph it is given is never edited.
 """
 
 from __future__ import annotations
@@ -83,10 +84,7 @@ def _copy_in_mode(gm: fx.GraphModule, training: bool) -> fx.GraphModule:
     regions = {name: copy for name, copy in regions.items() if copy is not gm.get_submodule(name)}
     if not any(switched) and not regions:
         return gm
-    copy = fx.GraphModule(gm, graph)
-    for name, region in regions.items():
-        setattr(copy, name, region)
-    return copy
+    return _sharing(gm, graph, regions)
 
 
 def _switch_mode(node: fx.Node, training: bool) -> bool:
@@ -121,5 +119,17 @@ def forward_only(gm: fx.GraphModule) -> fx.GraphModule:
     for node in graph.nodes:
         if node.target is fused:
             node.args = (*node.args[:6], False)
+    return _sharing(gm, graph)
+
+
+def _sharing(
+    gm: fx.GraphModule, graph: fx.Graph, children: dict[str, fx.GraphModule] | None = None
+) -> fx.GraphModule:
+    """``graph`` run on ``gm``'s own parameter and buffer tables and submodules (``children``
+    in place of some): a parameter put in ``gm`` later is the one the copy reads (FSDP2 puts
+    the gathered parameters of its root in place of their shards for each forward of the
+    root, whichever graph that forward runs)."""
     copy = fx.GraphModule(gm, graph)
+    copy._parameters, copy._buffers = gm._parameters, gm._buffers
+    copy._modules = {**gm._modules, **(children or {})}
     return copy

@@ -4,6 +4,7 @@
 By subject: :mod:`~moec.train.config` (the settings), :mod:`~moec.train.objective` (the loss and
 the optimizer's groups), :mod:`~moec.train.trainer` (one optimizer step, checkpoints, resume),
 :mod:`~moec.train.loop` (log points, metrics, summary, the non-finite stop),
+:mod:`~moec.train.evaluation` (held-out evaluation),
 :mod:`~moec.train.timing` (step time apart from checkpoint writes), :mod:`~moec.train.run_lock`
 (one run per run folder),
 :mod:`~moec.train.cli` (the entry points).

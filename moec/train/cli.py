@@ -116,6 +116,9 @@ def cli_train(args) -> int:
         lr=args.lr,
         warmup_steps=args.warmup_steps,
         weight_decay=args.weight_decay,
+        eval_every=args.eval_every,
+        eval_batches=args.eval_batches,
+        eval_data=args.eval_data,
     )
     vocab = built_vocab(parse_spec(cfg.data, cfg.data_dtype)) if cfg.data else None
     torch.manual_seed(cfg.seed)  # the model's initialisation is part of the run
@@ -142,6 +145,13 @@ def print_summary(result: TrainResult) -> None:
     console.print(
         f"[bold]{s['plan']}[/bold] on {s['device']}: loss {s['first_loss']:.3f} -> "
         f"{s['final_loss']:.3f} in {s['steps']} steps; "
+        + (
+            f"eval loss {s['eval_loss']:.3f} at step {s['eval_step']} (best "
+            f"{s['best_eval_loss']:.3f} at step {s['best_eval_step']}; {s['eval_s']:.1f} s, not "
+            "counted as step time); "
+            if s.get("eval_loss") is not None and s.get("best_eval_loss") is not None
+            else ""
+        )
         + (f"{tokens:,.0f} tokens/s ({s['throughput_from']}); " if tokens else "")
         + (
             f"checkpoint writes {s['checkpoint_s']:.1f} s (not counted as step time); "

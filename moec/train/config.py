@@ -118,6 +118,17 @@ class TrainConfig:
     """Parameters trained without weight decay: any of embeddings, norms, biases, lm_head (a
     tuple, or ``"embeddings,norms,lm_head"``)."""
 
+    eval_every: int = 0
+    """Evaluate on held-out data every this many steps and at the run's last step
+    (:mod:`moec.train.evaluation`; each is also a log point); 0: off."""
+    eval_batches: int = 8
+    """The fixed held-out batches of ``batch_size`` sequences one evaluation reads, shared out
+    over the data-parallel ranks."""
+    eval_data: str | None = None
+    """Held-out tokens, a ``data`` SPEC (a built corpus folder means its eval split); None: the
+    held-out split of the training data where it has one (the eval split of a corpus ``moec
+    data build`` wrote, the offline text's last 5%), else no evaluation."""
+
     profile: str | None = None
     """``START:STEPS``: profile steps START..START+STEPS-1 (:mod:`moec.runtime.profiling`): a
     torch.profiler trace and NVTX ranges by block and op, written to ``out/profile``."""
@@ -133,6 +144,8 @@ class TrainConfig:
             "max_nonfinite_steps": 1,
             "warmup_log_steps": 0,
             "warmup_steps": 0,
+            "eval_every": 0,
+            "eval_batches": 1,
         }
         for name, minimum in at_least.items():
             value = getattr(self, name)
@@ -192,6 +205,11 @@ class TrainConfig:
             )
         self.no_decay = tuple(self.no_decay)
         self.batch_warmup = parse_batch_warmup(self.batch_warmup)
+        if self.eval_data is not None and not self.eval_every:
+            raise TrainConfigError(
+                f"{flag_of('eval_data')} = {self.eval_data!r} is read at eval points only: set "
+                f"{flag_of('eval_every')} (e.g. 100)"
+            )
 
 
 _CLI_FIELDS = frozenset(
@@ -199,7 +217,8 @@ _CLI_FIELDS = frozenset(
     "on_router_collapse "
     "device seed init_from max_nonfinite_steps memory_limit_gib profile data data_dtype tokenizer "
     "text_column prefetch batch_warmup spike_sigma spike_window spike_min_steps z_loss "
-    "no_decay lr warmup_steps weight_decay out replan_schedule".split()
+    "no_decay lr warmup_steps weight_decay out replan_schedule eval_every eval_batches "
+    "eval_data".split()
 )
 """TrainConfig fields that ``moec train`` sets from a flag of the same name."""
 

@@ -1,16 +1,19 @@
 """The training loop around :class:`~moec.train.trainer.Trainer`: log points (the one host read
-per window), metrics, throughput and summary, the non-finite stop, the router-collapse watch,
-checkpoints on schedule.
+per window), held-out evaluation (every ``eval_every`` steps and at the last, each a log point
+too: :mod:`moec.train.evaluation`), metrics, throughput and summary, the non-finite stop, the
+router-collapse watch, checkpoints on schedule.
 
 Throughput counts each step's own tokens (its global batch under batch-size warmup, divided by
 the data-parallel ranks: the tokens of this rank) over the steps' own time: checkpoint writes
-are timed apart (:mod:`moec.train.timing`) and reported as ``checkpoint_s``."""
+and evaluations are timed apart (:mod:`moec.train.timing`) and reported as ``checkpoint_s``
+and ``eval_s``."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -131,10 +134,17 @@ class TrainingLoop:
             self.steady_steps += 1
             self.steady_tokens += tokens
         done = t.step == cfg.steps
-        if t.step % cfg.log_every == 0 or done:
+        evaluate = t.evaluator is not None and (t.step % cfg.eval_every == 0 or done)
+        if t.step % cfg.log_every == 0 or done or evaluate:
+            eval_loss = None
+            if evaluate:  # before the window's clock is read: its time is not step time
+                with self.non_step.timed("eval"):
+                    eval_loss = t.evaluator()
             window = self.window_steps
             step_s = self.window.step_seconds()
             record = self._log_point(step_s / window, window)
+            if evaluate:
+                record["eval_loss"] = eval_loss
             record.update(self.non_step.fields(self.window.non_step_seconds()))
             self.timed_s += step_s
             self.timed_steps += window
@@ -221,6 +231,7 @@ class TrainingLoop:
             **self.non_step.fields(),
             "router_collapse": dict(self.collapse.collapsed),
             **self._balance(),
+            **self._evaluation(),
         }
         if error is not None:
             summary["error"] = error
@@ -235,6 +246,22 @@ class TrainingLoop:
             "lbl": last.get("lbl"),
             "max_vio": last.get("max_vio"),
             "max_vio_by_block": {p: s["max_vio"] for p, s in last.get("routing", {}).items()},
+        }
+
+    def _evaluation(self) -> dict[str, Any]:
+        """The held-out evaluation over the whole run (a resumed run's earlier records
+        included): the eval data, the last and the best eval loss with their steps (None
+        without one); its seconds are ``eval_s``."""
+        points = [(r["step"], r["eval_loss"]) for r in self.history if "eval_loss" in r]
+        last = points[-1] if points else (None, None)
+        finite = [p for p in points if math.isfinite(p[1])]
+        best = min(finite, key=lambda p: p[1]) if finite else (None, None)
+        return {
+            "eval_data": self.trainer.eval_source,
+            "eval_loss": last[1],
+            "eval_step": last[0],
+            "best_eval_loss": best[1],
+            "best_eval_step": best[0],
         }
 
     def _throughput(self) -> dict[str, Any]:
@@ -276,8 +303,11 @@ def max_vio(layers: list[dict[str, Any]]) -> float | None:
 
 
 def _progress_fields(record: dict[str, Any]) -> dict[str, str]:
+    """The progress line's fields; ``eval`` only at eval points (the line keeps the last)."""
     drop = record["drop_rate"]
+    evaluated = {"eval": f"{record['eval_loss']:.3f}"} if "eval_loss" in record else {}
     return {
+        **evaluated,
         "loss": f"{record['loss']:.3f}",
         "tps": f"{record['tokens_per_s_per_gpu']:,.0f}",
         "drop": "-" if drop is None else f"{100 * drop:.1f}%",

@@ -1,13 +1,14 @@
 """Step time that counts training steps only.
 
-The loop does work between steps that is not training: checkpoint writes (and evaluation,
-once it runs). :class:`NonStepTime` times each such piece of work under a named part, from an
-idle device to an idle device (the device's queued steps finish before its clock starts, and
-its own device work before its clock stops), so that none of it leaks into the steps around it.
+The loop does work between steps that is not training: checkpoint writes and held-out
+evaluation (:mod:`moec.train.evaluation`). :class:`NonStepTime` times each such piece of work
+under a named part, from an idle device to an idle device (the device's queued steps finish
+before its clock starts, and its own device work before its clock stops), so that none of it
+leaks into the steps around it.
 A :class:`StepClock` measures an interval's step time: its wall time less the non-step time
 spent inside it. The loop's log windows and its steady-state window are such clocks, so
 ``step_time_s`` and tokens/s in ``metrics.jsonl`` and ``summary.json`` cover the steps alone,
-and each part's seconds are reported beside them (``checkpoint_s``)."""
+and each part's seconds are reported beside them (``checkpoint_s``, ``eval_s``)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from collections.abc import Iterator
 
 import torch
 
-NON_STEP_PARTS = ("checkpoint",)
+NON_STEP_PARTS = ("checkpoint", "eval")
 """The kinds of work between steps, each reported as ``{part}_s``."""
 
 

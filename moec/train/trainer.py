@@ -101,6 +101,7 @@ from moec.train.config import (
     rank_batch_size,
     resolve_device,
 )
+from moec.train.evaluation import Evaluator, held_out
 from moec.train.loop import TrainingLoop, TrainResult, max_vio, mean_of
 from moec.train.objective import LanguageModelWithLoss, parameter_groups
 from moec.train.run_lock import RunLock, RunLockError, check_free, lock_run_dir
@@ -181,6 +182,9 @@ class Trainer:
             init_device=self.device,
             check=check,
         )
+        self.eval_source: str | None = None
+        """What the eval batches are (None: no evaluation)."""
+        self.evaluator = self._evaluator(vocab)
         self.reducer = (
             GradientReducer(self.compiled, self.mesh, bucket_bytes_for(plan, self.device.type))
             if self.mesh
@@ -256,6 +260,21 @@ class Trainer:
             self.batches.close()
         self._data = source
         self.batches = Prefetcher(source, self.device, self.cfg.prefetch)
+
+    def _evaluator(self, vocab: int) -> Evaluator | None:
+        """The held-out evaluation of ``eval_every`` (:mod:`moec.train.evaluation`); None when
+        it is off or there is nothing held out (said in one line)."""
+        cfg = self.cfg
+        if not cfg.eval_every:
+            return None
+        batches, what = held_out(cfg, vocab)
+        if batches is None:
+            self._say(f"note: {flag_of('eval_every')} = {cfg.eval_every}: no evaluation: {what}")
+            return None
+        self.eval_source = what
+        group = self.mesh.dp_group if self.mesh else None
+        micro = self.plan.parallel.microbatches
+        return Evaluator(self.compiled, batches, cfg.eval_batches, micro, self.device, group)
 
     def _memory_limit(self) -> int | None:
         """The bytes a rank may use (``TrainConfig.memory_limit_gib``, else the GPU's memory);
