@@ -36,7 +36,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -480,19 +480,30 @@ def run_job(args: argparse.Namespace, job: str, kwargs: dict[str, Any]) -> dict[
 
 
 def run_phases(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every phase's jobs; each finished run is also written to OUT/<experiment>.json at once
+    (``"partial": true``), so a run cut short by a time limit keeps what it finished."""
     runs: list[dict[str, Any]] = []
+    partial = Path(args.out) / f"{args.experiment}.json"
+
+    def keep(run: dict[str, Any]) -> None:
+        runs.append(run)
+        partial.write_text(json.dumps({"partial": True, "runs": runs}, indent=1))
+
     for phase in phases(args.experiment, [int(x) for x in args.seeds.split(",")]):
         if args.jobs <= 1:
-            runs += [run_job(args, job, kwargs) for job, kwargs in phase]
+            for job, kwargs in phase:
+                keep(run_job(args, job, kwargs))
             continue
         spawn = torch.multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(min(args.jobs, len(phase)), mp_context=spawn) as pool:
-            runs += list(pool.map(run_job, [args] * len(phase), *zip(*phase, strict=True)))
+            for done in as_completed([pool.submit(run_job, args, *job) for job in phase]):
+                keep(done.result())
     return runs
 
 
 def context(args: argparse.Namespace) -> Context:
     s = SCALES[args.scale]
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     corpus = built_corpus(Path(args.corpus))
     device = torch.device(args.device)
     train = TokenCorpus([corpus.train], s.batch, s.seq, corpus.vocab_size, seed=0)
@@ -569,7 +580,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = arguments().parse_args(argv)
     ctx = context(args)
     out = ctx.out
-    out.mkdir(parents=True, exist_ok=True)
     result = summarize(args.experiment, run_phases(args), ctx)
     result["setup"] = {
         "experiment": args.experiment,
