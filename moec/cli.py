@@ -625,8 +625,11 @@ def _add_run_arguments(sub: argparse.ArgumentParser) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command ``argv``; a :class:`MoecError` becomes one line on stderr and its exit
-    code (with its traceback under ``--debug``)."""
-    args = build_parser().parse_args(argv)
+    code (with its traceback under ``--debug``, which may stand anywhere on the line)."""
+    words = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in words
+    args = build_parser().parse_args([w for w in words if w != "--debug"])
+    args.debug = debug
     try:
         return args.func(args)
     except MoecError as exc:

@@ -159,10 +159,12 @@ def test_cuda_device_without_a_gpu_is_one_line(tmp_path, capsys):
     assert "CUDA is not available" in _error_line(capsys)
 
 
-def test_debug_flag_prints_the_traceback(tmp_path, capsys):
+@pytest.mark.parametrize("where", ["before the command", "after it"])
+def test_debug_flag_prints_the_traceback(tmp_path, capsys, where):
     plan = tmp_path / "plan.yaml"
     plan.write_text("moe: {top_k: 0}\n")
-    assert main(["--debug", "plan", "show", str(plan)]) == 2
+    words = ["plan", "show", str(plan)]
+    assert main(["--debug", *words] if where == "before the command" else [*words, "--debug"]) == 2
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err
     assert err.strip().splitlines()[-1].startswith("moec: error: plan field 'moe.top_k'")
