@@ -315,7 +315,6 @@ def build_profile(spec: ModelSpec) -> ModelProfile:
                 "init": "random",
                 "shared_expert": True,
                 "dense_first": spec.dense_first,
-                "routing": "random",
             },
             "precision": {"compute_dtype": "bf16"},
         }

@@ -23,8 +23,6 @@ wide (24576: the width that gives the report's 2.01B total / 0.995B active param
   --dropless  moec again without the capacity bound: the hand-written MoE's dropless routing.
             moec's rows print the share of routes dropped per step (as training moves the
             router, capacity drops can cut the expert work the default plan does)
-  --shared-stream  moec again with ``plan.lowering.shared_expert_stream`` (each shared expert
-            on a second CUDA stream, beside the routed experts)
   --no-inductor  moec again with ``plan.lowering.inductor: false`` (on CUDA the default plan
             runs the program through Inductor; this row runs its dense ops eagerly)
   --attention B  moec again with ``plan.lowering.attention = B`` (sdpa: torch's order, what
@@ -50,7 +48,7 @@ wide (24576: the width that gives the report's 2.01B total / 0.995B active param
   --no-fused-loss  every moec row with the LM-head loss on moec's own chunks
   --loss-chunks N ...  moec and its FP8 dense FFNs row again with the LM-head loss computed
             at most 2^N logits at a time (``moec.ops.loss.CHUNK_ELEMENTS``), the same trainer
-  --cuda-graph  moec again with ``plan.lowering.cuda_graph`` (the step replayed as one CUDA
+  --cuda-graph  moec again with ``plan.experimental.cuda_graph`` (the step replayed as one CUDA
             graph). ``--small`` shows the launch-bound end, where the graph matters most
 
 With quack-kernels installed, moec also runs with the policy it has without it (no CuTe DSL
@@ -486,10 +484,6 @@ def plan_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, dict[st
         variants.append(
             (f"moec + {args.attention} attention", {"lowering": {"attention": args.attention}})
         )
-    if args.shared_stream:
-        variants.append(
-            ("moec + shared-expert stream", {"lowering": {"shared_expert_stream": True}})
-        )
     if args.no_inductor:
         variants.append(("moec without inductor", {"lowering": {"inductor": False}}))
     if args.recompute:
@@ -517,7 +511,7 @@ def plan_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, dict[st
     if args.n_major:
         variants.append((N_MAJOR, {"lowering": {"expert_weights": "n_major"}}))
     if args.cuda_graph:
-        graph = {"lowering": {"cuda_graph": True}}
+        graph = {"experimental": {"cuda_graph": True}}
         variants.append(("moec + cuda graph", graph))
         if args.fp8:
             fp8_graph = {"precision": {"gemm": "fp8_rowwise", "scope": ["dense_ffn"]}} | graph
@@ -549,7 +543,8 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument(
         "--cuda-graph",
         action="store_true",
-        help="also moec with plan.lowering.cuda_graph (with --fp8: the FP8 dense FFNs' plan too)",
+        help="also moec with plan.experimental.cuda_graph (with --fp8: the FP8 dense FFNs' "
+        "plan too)",
     )
     parser.add_argument(
         "--copies-traced",
@@ -570,11 +565,6 @@ def arguments() -> argparse.ArgumentParser:
         "--n-major",
         action="store_true",
         help="also moec with plan.lowering.expert_weights n_major (the default is k-major)",
-    )
-    parser.add_argument(
-        "--shared-stream",
-        action="store_true",
-        help="also moec with plan.lowering.shared_expert_stream (shared expert on a 2nd stream)",
     )
     parser.add_argument(
         "--dropless",

@@ -14,7 +14,10 @@ training step, one process per GPU under torchrun (EP = the number of processes)
   rank sends (or gets back: a row per accepted route, on ``rowwise`` a row per token and rank
   its routes reach) / time, against NCCL ``all_to_all_single`` moving the same bytes in equal
   splits.
-- step: ``benchmarks/scaling.py``'s training step of the e2e model at dp = ep = N per path.
+- step: ``benchmarks/scaling.py``'s training step of the e2e model at dp = ep = N per path
+  the plan offers (``parallel.ep_path``). ``sync_1d``, the report's synchronized baseline, is
+  this benchmark's alone: the layer and transports run it through the ops; a plan cannot name
+  it, so it has no step row.
 - ``--overlap`` (issue #22), per path but ``sync_1d``: the layer as two batch halves in one run
   three ways: ``whole`` (the layer above), ``halves`` (each half's fused exchanges, one after the
   other) and ``two_batch`` (pass overlap's schedule: split exchanges, each wait after the other
@@ -402,7 +405,7 @@ def main() -> None:
                 for overlap in ("none", "two_batch"):
                     row = measure_step(step_shape, world, path, overlap, args.steps)
                     results["step"].append(row)
-            else:
+            elif path != "sync_1d":  # a baseline of the ops, not a path a plan can name
                 results["step"].append(scaling.run(step_shape, world, 1, path, 1, args.steps, 2))
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()

@@ -9,7 +9,6 @@
 #   bash benchmarks/h200.sh attention e2e-moec pp-timeline plan-search-pp plan-search
 #   bash benchmarks/h200.sh e2e-moec ep-timeline    # where the EP step's time goes, one GPU's beside
 #   bash benchmarks/h200.sh rowwise-tests collectives scaling-ep   # NCCL rates; the EP step alone
-#   bash benchmarks/h200.sh e2e-moec regions   # DDP and EP steps, compiled whole against block by block
 #   bash benchmarks/h200.sh new-gpu-tests e2e-equal-lr profile-vs-compiled  # #20's honest gap
 #   bash benchmarks/h200.sh fp8-tests e2e-fp8 kernels-fp8      # FP8 rowwise experts on sm90
 #   bash benchmarks/h200.sh torchao fp8-tests dense-ffn e2e-fp8  # FP8 linears beside torchao's
@@ -108,16 +107,13 @@ for stage in "$@"; do
     rowwise-tests) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_multigpu.py -k "one_gpu or every_path" ;;
     scaling-ep) single=$([ -f "$OUT/e2e.json" ] && echo "--single $OUT/e2e.json")
       timeout $STAGE_LIMIT $RUN benchmarks/scaling.py --ep $GPUS --path rowwise $single --json "$OUT/scaling_ep.json" ;;
-    regions) single=$([ -f "$OUT/e2e.json" ] && echo "--single $OUT/e2e.json")
-      for ep in 1 $GPUS; do for r in whole blocks; do
-        timeout $STAGE_LIMIT $RUN benchmarks/scaling.py --ep $ep --path rowwise --regions $r $single; done; done ;;
     plan-search) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT $RUN benchmarks/autoplan_validate.py --json "$OUT/autoplan.json" ;;
     plan-search-top4) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT $RUN benchmarks/autoplan_validate.py --top 4 --no-examples --json "$OUT/autoplan_top4.json" ;;
     plan-search-top2-long) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT $RUN benchmarks/autoplan_validate.py --top 2 --no-examples --steps 12 --warmup 3 --json "$OUT/autoplan_top2_long.json" ;;
     plan-search-fold) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT $RUN benchmarks/autoplan_validate.py --memory-fraction 0.40 --top 3 --no-examples --json "$OUT/autoplan_fold.json" ;;
     plan-search-pp) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT $RUN benchmarks/autoplan_validate.py --pp $GPUS --global-seqs 48 --top 3 --no-examples --json "$OUT/autoplan_pp.json" ;;
-    new-gpu-tests) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_symbolic_capture_gpu.py tests/gpu/test_shared_stream_gpu.py ;;
-    e2e-equal-lr) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 8 --warmup 6 --dropless --shared-stream --no-inductor --baselines compiled-bf16 --json "$OUT/e2e_equal_lr.json" ;;
+    new-gpu-tests) timeout $STAGE_LIMIT python -m pytest -q tests/gpu/test_symbolic_capture_gpu.py ;;
+    e2e-equal-lr) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 8 --warmup 6 --dropless --no-inductor --baselines compiled-bf16 --json "$OUT/e2e_equal_lr.json" ;;
     attention) MOEC_AUTOTUNE=1 timeout $STAGE_LIMIT python benchmarks/e2e.py --steps 6 --warmup 4 --attention cudnn --baselines compiled-bf16 --json "$OUT/e2e_attention.json" ;;
     scale) timeout $STAGE_LIMIT $RUN benchmarks/scale.py upcycle --json "$OUT/scale_upcycle.json" ;;
     ddp-fsdp) timeout $STAGE_LIMIT $RUN benchmarks/scale.py ddp-vs-fsdp --json "$OUT/ddp_fsdp.json" ;;

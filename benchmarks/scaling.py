@@ -10,7 +10,6 @@ efficiency against a single-GPU run of the same model (Table 51).
     ... --inductor auto|true|false  # plan.lowering.inductor (auto, the default: Inductor on CUDA
                                     # except for pipelines; true compiles each stage too)
     ... --timeline PREFIX         # one profiled step per rank: where its GPU idles (JSON)
-    ... --regions blocks          # plan.lowering.regions: a graph per block (DP reduction hidden)
     ... --dp-shard N              # parallel.dp_shard: FSDP (HSDP below dp)
 
 ``pp = 1``: the Trainer (data + expert parallel, dp = world, each rank 3 sequences of 8192 per
@@ -76,7 +75,6 @@ def parallel_plan(
     fused_loss: bool = True,
     schedule: str = "1f1b",
     inductor: bool | str = "auto",
-    regions: str = "whole",
     dp_shard: int = 1,
 ):
     parallel = {"dp": world // pp, "ep": ep, "pp": pp, "ep_path": path, "dp_shard": dp_shard}
@@ -86,7 +84,6 @@ def parallel_plan(
     plan = moe_plan(s, parallel)
     plan.loss.fused = fused_loss
     plan.lowering.inductor = inductor
-    plan.lowering.regions = regions
     return plan
 
 
@@ -328,7 +325,6 @@ def run(
     inductor: bool | str = "auto",
     kernels: str | None = None,
     timeline: str | None = None,
-    regions: str = "whole",
     dp_shard: int = 1,
 ) -> dict:
     """Build, warm up and time one parallel configuration; the job's totals on every rank.
@@ -341,7 +337,7 @@ def run(
         else torch.device("cpu")  # fmt: skip
     torch.manual_seed(0)  # the same dense init on every rank
     plan = parallel_plan(
-        s, world, ep, pp, path, microbatches, fused_loss, schedule, inductor, regions, dp_shard
+        s, world, ep, pp, path, microbatches, fused_loss, schedule, inductor, dp_shard
     )
     v = plan.parallel.virtual_stages
     build = pipeline_step if pp > 1 else trainer_step
@@ -372,7 +368,7 @@ def run(
     peak_mem = torch.tensor([result["peak_mem_gb"]], device=device)
     dist.all_reduce(peak_mem, op=dist.ReduceOp.MAX)
     config = f"dp={world // pp} ep={ep} pp={pp}" + (f" {path}" if ep > 1 else "")
-    config += (f" shard={dp_shard}" if dp_shard > 1 else "") + (f" {regions}" if pp == 1 else "")
+    config += f" shard={dp_shard}" if dp_shard > 1 else ""
     if pp > 1:
         config += f" {schedule} mb={microbatches}" + ("" if fused_loss else " unfused")
     return {
@@ -467,13 +463,6 @@ def main() -> None:
         help="profile one step per rank: compute, communication-only and idle ms and the "
         "longest idle gaps, to PREFIX_pp{pp}_mb{microbatches}_rank{r}.json",
     )
-    parser.add_argument(
-        "--regions",
-        choices=["whole", "blocks"],
-        default="whole",
-        help="plan.lowering.regions: blocks compiles a graph per block, so the DP gradient "
-        "reduction runs behind the backward",
-    )
     parser.add_argument("--dp-shard", type=int, default=1, help="parallel.dp_shard (FSDP)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=3)
@@ -501,7 +490,6 @@ def main() -> None:
                 inductor=INDUCTOR_CHOICES[args.inductor],
                 kernels=args.kernels,
                 timeline=args.timeline,
-                regions=args.regions,
                 dp_shard=args.dp_shard,
             )
         )

@@ -9,6 +9,11 @@ and what would be accepted. Plans round-trip through dicts and YAML::
 
 Checks that need the model (``moe.dense_first`` against the number of blocks, the expert width
 against the FFN width) run when the passes see the graph, with the same error type.
+
+Every option is what a user chooses, or an ``auto`` / ``moec plan auto`` chooses on measured
+evidence; options kept for experts without a measured gain live in one ``experimental``
+section. A field that was removed (:data:`REMOVED_FIELDS`) is a :class:`PlanError` saying what
+to use instead.
 """
 
 from __future__ import annotations
@@ -42,9 +47,8 @@ class PlanError(MoecError, ValueError):
 
 Gating = Literal["softmax", "sigmoid"]
 Init = Literal["upcycle", "drop_upcycle", "split", "random"]
-Routing = Literal["learned", "random", "uniform"]
 Balance = Literal["microbatch", "global_batch", "sequence", "aux_free"]
-EPPath = Literal["auto", "rowwise", "sync_1d", "a2a_capacity"]
+EPPath = Literal["auto", "rowwise", "a2a_capacity"]
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"]
 GemmPrecision = Literal["bf16", "mxfp8", "fp8_rowwise"]
 GemmScope = Literal["routed_experts", "shared_expert", "attn_qkv", "attn_out", "dense_ffn"]
@@ -131,7 +135,7 @@ class MoEPlan:
       is added to the gate scores to choose the top-k experts, while the route weights use the
       unbiased scores, and after each step every rank adds ``bias_update_rate * sign(mean load
       - load_e)`` from the step's loads summed over microbatches and data-parallel ranks
-      (DeepSeek-V3). Needs ``routing: learned``.
+      (DeepSeek-V3).
 
     ``global_batch`` and ``aux_free`` need ``parallel.pp = 1``. Every method also reports each
     block's MaxVio over the step's global load (``routing_stats()``, the training metrics)."""
@@ -140,8 +144,6 @@ class MoEPlan:
     its training)."""
     z_loss_coef: float = 0.001
     """Weight of the router z-loss (0 disables it)."""
-    routing: Routing = "learned"
-    """``learned`` top-k of the router; ``random``/``uniform`` ignore the router (benchmarks)."""
     router_init_std: float = 0.02
     """Std of the router's normal init (granular upcycling draws one row per virtual group;
     ``split`` starts the router at zero instead)."""
@@ -182,13 +184,6 @@ class MoEPlan:
             )
         _require(self.dense_first >= 0, "moe.dense_first", self.dense_first, "an integer >= 0")
         self._validate_upcycling()
-        _require(
-            self.balance != "aux_free" or self.routing == "learned",
-            "moe.balance",
-            self.balance,
-            f"not 'aux_free' with moe.routing = {self.routing!r}: the bias steers the learned "
-            "router's choice; 'microbatch', 'global_batch' or 'sequence', or routing: learned",
-        )
         for name in ("lbl_coef", "z_loss_coef", "router_init_std", "bias_update_rate"):
             value = getattr(self, name)
             _require(
@@ -256,17 +251,20 @@ class ParallelPlan:
     ep: int = 1
     """Expert-parallel degree: each EP rank holds num_experts / ep experts; ep divides dp."""
     ep_path: EPPath = "auto"
-    """``rowwise`` (sync-free, symmetric memory, GPU), ``a2a_capacity`` (sync-free, any backend),
-    ``sync_1d`` (the synchronized baseline); ``auto`` picks rowwise on CUDA, else a2a_capacity."""
+    """``rowwise`` (sync-free, symmetric memory, GPU), ``a2a_capacity`` (sync-free, any backend);
+    ``auto`` picks rowwise on CUDA, else a2a_capacity. (The synchronized baseline the report
+    compares against, ``sync_1d``, is a benchmark's: ``benchmarks/ep.py``.)"""
     pp: int = 1
     """Pipeline-parallel degree."""
     virtual_stages: int = 1
     """Stages per pipeline rank (2 for interleaved and V-shaped schedules)."""
     pp_schedule: Schedule = "1f1b"
     """Pipeline schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b``, or the zero-bubble ``zbv``
-    / ``dualpipev`` (V-shaped, 2 stages per rank; their split backward needs a torch that keeps
-    a custom op's autograd node alive after the input pass, which torch 2.11 does not, and no
-    FSDP)."""
+    / ``dualpipev`` (V-shaped, 2 stages per rank, no FSDP). The zero-bubble ones split each
+    backward into input and weight passes, which needs a torch that keeps a custom op's
+    autograd node alive after the input pass (torch 2.11 does not); where the installed torch
+    cannot, compiling the plan raises a PlanError naming this field
+    (:func:`moec.analysis.pipeline_schedule.check_schedule_runs`, the one gate)."""
     microbatches: int = 1
     """Microbatches per optimizer step (gradient accumulation, or the pipeline's microbatches)."""
     pp_units: Literal["block", "sublayer"] = "sublayer"
@@ -385,11 +383,11 @@ class LoweringPlan:
     """Hand the final graph (each pipeline stage's on its own) to ``torch.compile``'s Inductor,
     which fuses the dense ops between moec's; the ``moec::`` ops stay opaque calls. ``auto``
     (the default): on for a program that runs on CUDA, where it measured faster at small and
-    large shapes and at EP = 2 (benchmarks/RESULTS.md), unless the plan runs the shared expert
-    on a side stream, shards parameters (FSDP) or pipelines the program (neither measured with
-    Inductor), or recomputes activations by a policy other than ``block`` (``selective`` and
-    ``budget`` were not measured with Inductor; ``block`` measured faster at the same peak
-    memory once the working copies stayed out of the compiled graph). Off on the CPU, where
+    large shapes and at EP = 2 (benchmarks/RESULTS.md), unless the plan shards parameters (FSDP)
+    or pipelines the program (neither measured with Inductor), or recomputes activations by a
+    policy other than ``block`` (``selective`` and ``budget`` were not measured with Inductor;
+    ``block`` measured faster at the same peak memory once the working copies stayed out of the
+    compiled graph). Off on the CPU, where
     compiling costs more than the fusion saves. Under ``auto`` a graph Inductor fails to
     compile runs eagerly, with a warning; ``true`` raises the error.
     :meth:`Plan.lowers_to_inductor` decides."""
@@ -404,11 +402,6 @@ class LoweringPlan:
     forward and the backward follows it. ``auto`` (the default): ``fa4`` where it measured
     faster than torch's order in the training step, i.e. on Hopper with flash-attn-4 installed
     (benchmarks/RESULTS.md), else ``sdpa``."""
-    cuda_graph: bool = False
-    """Capture the steady-state training step (forward, backward, clipping, AdamW) as one CUDA
-    graph and replay it (:mod:`moec.runtime.step_graph`): the host launches one graph instead of
-    every kernel. Needs a CUDA device and one process; elsewhere the trainer says why and runs
-    eagerly. Off by default until it measures faster (benchmarks/e2e.py --cuda-graph)."""
     gather_up: bool = False
     """Fold each MoE layer's dispatch into its expert MLP (pass ``gather_up``,
     ``moec::expert_mlp_gathered``): where the up projection runs on the CuTe DSL it reads the
@@ -420,16 +413,10 @@ class LoweringPlan:
     ``moec::expert_mlp_combined``; needs ``gather_up``): on the CuTe DSL the backward applies
     the route weights and reduces their gradient in the down projection's dgrad epilogue,
     reading the output gradient's token rows, so the experts' output rows are not kept for
-    backward and their gradient is never written. Off by default: time-neutral in the e2e step
-    and slightly slower in the layer on an H200, it saves memory (benchmarks/RESULTS.md)."""
-    regions: Literal["whole", "blocks"] = "whole"
-    """How Inductor compiles a one-stage program (pass ``regions``). ``whole``: one graph, whose
-    one backward hands every gradient to the data-parallel reduction at its end, which then
-    runs exposed. ``blocks``: a graph per residual block (graph breaks at the block
-    boundaries), so each block's gradients are reduced behind the backward of the blocks
-    before it, as Dynamo splits a DDP model's graph at its buckets. ``whole`` until ``blocks``
-    measures faster (``benchmarks/scaling.py --regions blocks``). Needs ``parallel.pp = 1``:
-    a pipeline's stages are compiled one by one already."""
+    backward and their gradient is never written. A memory lever ``moec plan auto`` chooses
+    (with ``gather_up``) where it prices a plan short of memory: measured time-neutral in the
+    e2e step (1.00x) and 6.7 GB less at peak on an H200 (benchmarks/RESULTS.md, session 18).
+    Off otherwise."""
     expert_weights: Literal["auto", "n_major", "k_major"] = "auto"
     """Memory layout of the routed experts' ``w_up`` [N, D, U] and ``w_down`` [N, H, D] (the
     logical shapes are the same either way). ``n_major``: the output dim unit-stride.
@@ -437,12 +424,6 @@ class LoweringPlan:
     then runs the activation in the up projection's epilogue and the activation backward in
     the down dgrad's, reading ``[gate | up]`` in place, and every weight gradient is written in
     the weight's layout. ``auto``: :meth:`Plan.expert_weights_k_major` decides."""
-    shared_expert_stream: bool = False
-    """Run each MoE layer's shared expert on a second CUDA stream, beside the routed experts
-    (pass ``shared_stream``); its backward follows on that stream. Not with ``inductor: true``
-    (which traces the graph whole; ``auto`` then runs the program eagerly) or FSDP sharding
-    (whose gradient hooks assume one stream). Off: it measured within noise of the default on
-    an H200 (benchmarks/RESULTS.md)."""
 
     def validate(self) -> None:
         _require(
@@ -452,13 +433,25 @@ class LoweringPlan:
             "false unless lowering.gather_up is true: the combine folds into the gathered "
             "expert MLP that pass gather_up makes",
         )
-        _require(
-            not (self.shared_expert_stream and self.inductor is True),
-            "lowering.shared_expert_stream",
-            self.shared_expert_stream,
-            "false when lowering.inductor is true: Inductor compiles the graph whole and "
-            "cannot keep part of it on a second stream; choose one",
-        )
+
+
+@dataclass
+class ExperimentalPlan:
+    """Options kept for experts. Each works and is tested, but it measured no gain at the shape
+    moec is benchmarked on, so neither ``auto`` nor ``moec plan auto`` turns it on; the field
+    cites what was measured. An option leaves this section when a measurement lets the planner
+    or an ``auto`` choose it, or leaves moec."""
+
+    cuda_graph: bool = False
+    """Capture the steady-state training step (forward, backward, clipping, AdamW) as one CUDA
+    graph and replay it (:mod:`moec.runtime.step_graph`): the host launches one graph instead of
+    every kernel. Needs a CUDA device and one process; elsewhere the trainer says why and runs
+    eagerly. Measured on an H200 (benchmarks/RESULTS.md, sessions 9, 22, 24): 9.9x at a small,
+    launch-bound shape (4 blocks, d = 128), 1.00x at the full e2e shape, where the host runs
+    ahead of the device (``benchmarks/e2e.py --cuda-graph``)."""
+
+    def validate(self) -> None:
+        pass
 
 
 @dataclass
@@ -471,6 +464,7 @@ class Plan:
     recompute: RecomputePlan = field(default_factory=RecomputePlan)
     loss: LossPlan = field(default_factory=LossPlan)
     lowering: LoweringPlan = field(default_factory=LoweringPlan)
+    experimental: ExperimentalPlan = field(default_factory=ExperimentalPlan)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -482,7 +476,6 @@ class Plan:
             return self.lowering.inductor
         return (
             device_type == "cuda"
-            and not self.lowering.shared_expert_stream
             and self.parallel.dp_shard == 1
             and self.parallel.pp == 1
             and self.recompute.policy in ("none", "block")
@@ -505,20 +498,6 @@ class Plan:
                 raise PlanError(section, value, f"a {_SECTIONS[section].__name__} or a dict")
             _check_types(value, section)
             value.validate()
-        _require(
-            not (self.lowering.regions == "blocks" and self.parallel.pp > 1),
-            "lowering.regions",
-            self.lowering.regions,
-            f"'whole' when parallel.pp = {self.parallel.pp}: each pipeline stage is compiled on "
-            "its own already",
-        )
-        _require(
-            not (self.lowering.shared_expert_stream and self.parallel.dp_shard > 1),
-            "lowering.shared_expert_stream",
-            self.lowering.shared_expert_stream,
-            f"false when parallel.dp_shard = {self.parallel.dp_shard} shards parameters: "
-            "FSDP2's gradient hooks assume the gradients arrive on one stream",
-        )
         _require(
             not (self.lowering.expert_weights == "k_major" and self.parallel.shards_experts),
             "lowering.expert_weights",
@@ -551,6 +530,7 @@ class Plan:
         if data is not None and not isinstance(data, dict):
             raise PlanError("<plan>", data, f"a mapping with sections {', '.join(_SECTIONS)}")
         data = dict(data or {})
+        _reject_removed(data)
         _reject_unknown(data, _SECTIONS, "plan")
         sections = {}
         for name, section_cls in _SECTIONS.items():
@@ -608,12 +588,45 @@ _SECTIONS: dict[str, type] = {
     "recompute": RecomputePlan,
     "loss": LossPlan,
     "lowering": LoweringPlan,
+    "experimental": ExperimentalPlan,
 }
+
+REMOVED_FIELDS: dict[str, str] = {
+    "moe.routing": "moec routes by the learned router; the random and uniform routings are "
+    "benchmark baselines (the moec::route op's routing argument)",
+    "lowering.regions": "a graph per block was never measured faster than the whole program; "
+    "delete the field",
+    "lowering.shared_expert_stream": "the shared expert on a second stream measured 1.01x, "
+    "within noise (benchmarks/RESULTS.md); delete the field",
+    "lowering.cuda_graph": "it moved to experimental.cuda_graph",
+}
+"""Fields an older moec accepted, and what to use now (:class:`PlanError` on a plan naming
+one, so an old plan file is never read as something it did not say)."""
+
+REMOVED_VALUES: dict[tuple[str, Any], str] = {
+    ("parallel.ep_path", "sync_1d"): "the synchronized EP baseline is a benchmark's "
+    "(benchmarks/ep.py); use 'auto', 'rowwise' or 'a2a_capacity'",
+}
+"""Values an older moec accepted for a field, and what to use now."""
 
 
 def _require(ok: bool, name: str, value: Any, allowed: str) -> None:
     if not ok:
         raise PlanError(name, value, allowed)
+
+
+def _reject_removed(data: dict[str, Any]) -> None:
+    """Raise :class:`PlanError` on the first removed field or value ``data`` names."""
+    for section, raw in data.items():
+        if not isinstance(raw, dict):
+            continue
+        for key, value in raw.items():
+            name = f"{section}.{key}"
+            why = REMOVED_FIELDS.get(name)
+            if why is None and isinstance(value, str):
+                why = REMOVED_VALUES.get((name, value))
+            if why is not None:
+                raise PlanError(name, value, f"removed from the plan: {why}")
 
 
 def _reject_unknown(data: dict[str, Any], known: Any, where: str) -> None:

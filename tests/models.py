@@ -211,3 +211,22 @@ def compile_without(model, args: tuple, plan, skipped: str | None):
     import moec
 
     return moec.compile(model, plan, args, disable=[skipped] if skipped else [])
+
+
+class EmbeddingDropoutLlama(Llama):
+    """A tiny Llama whose embeddings go through dropout: its training step draws from the
+    random stream, so tests of that stream (resume, evaluation between steps) see a run that
+    consumes it (the random routings that once did so are benchmark baselines now)."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seq = tokens.shape[1]
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        x = torch.nn.functional.dropout(self.embed(tokens), 0.1, self.training)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.lm_head(self.norm(x))
+
+
+def tiny_dropout_llama(layers: int = 3) -> EmbeddingDropoutLlama:
+    cfg = LlamaConfig(dim=32, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_hidden=64)
+    return EmbeddingDropoutLlama(cfg)

@@ -132,7 +132,6 @@ def test_plan_no_hf_architecture_expresses_is_refused(llama_run, tmp_path):
     [
         ("qwen3", {"shared_expert": True}, "Qwen3MoeForCausalLM has no shared expert"),
         ("olmo2", {"dense_first": 1}, "FlexOlmoForCausalLM has no dense first blocks"),
-        ("llama", {"routing": "random"}, "routing='random'"),
         ("gpt2", {}, "no HF MoE architecture for a 'gpt2' source"),
     ],
 )

@@ -73,8 +73,6 @@ def test_auto_lowers_to_inductor_on_cuda_only_where_the_plan_allows():
     auto = moec.Plan.from_dict(PLAN)
     assert auto.lowering.inductor == "auto"  # the default
     assert auto.lowers_to_inductor("cuda") and not auto.lowers_to_inductor("cpu")
-    side_stream = moec.Plan.from_dict({**PLAN, "lowering": {"shared_expert_stream": True}})
-    assert not side_stream.lowers_to_inductor("cuda")
     sharded = moec.Plan.from_dict({**PLAN, "parallel": {"dp": 2, "dp_shard": 2}})
     assert not sharded.lowers_to_inductor("cuda")
     pipelined = moec.Plan.from_dict({**PLAN, "parallel": {"pp": 2, "microbatches": 2}})

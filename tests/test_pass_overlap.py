@@ -1,7 +1,7 @@
 """Pass ``overlap``: two interleaved batch halves per MoE block compute what one chain computes
 (same routing, capacity binding or not): outputs, losses and gradients at EP = 1 and, on gloo,
 at EP = 2 and 4 with the exchanges split into issue and wait (run asynchronously on gloo, each
-wait after the other half's experts in the lowered graph); its legality (odd batch, sync_1d),
+wait after the other half's experts in the lowered graph); its legality (odd batch),
 the issue order it records, recompute on top, pipeline stages of a two_batch program."""
 
 from __future__ import annotations
@@ -280,16 +280,11 @@ def _ep_worker(rank: int, world: int) -> None:
         for _ in range(2):
             _assert_same(_step(two, tokens, targets), _step(ref, tokens, targets))
             assert ep_ops.pending_exchanges() == 0
-    if world == 2:
-        with pytest.warns(UserWarning, match="sync_1d"):
-            sync = build("two_batch", "sync_1d")
-        declined = sync.pass_results["overlap"].stats["declined"]
-        assert "synchronizes" in declined and "a2a_capacity" in declined
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_ep_two_batch_split_exchanges_equal_one_chain_and_sync_1d_declines(world):
+def test_ep_two_batch_split_exchanges_equal_one_chain(world):
     """a2a_capacity, and rowwise on the emulated transport (benchmarks/ep.py --overlap and
     tests/gpu/test_multigpu.py run its symmetric-memory one on GPUs)."""
     spawn(_ep_worker, world)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import moec
 from moec.models import Llama, LlamaConfig
 from moec.passes.manager import pipeline_string
-from moec.plan import Plan, PlanError
+from moec.plan import REMOVED_FIELDS, Plan, PlanError
 
 
 @pytest.mark.parametrize(
@@ -25,7 +25,6 @@ from moec.plan import Plan, PlanError
         ({"moe": {"dense_first": -1}}, "moe.dense_first"),
         ({"moe": {"init": "copy"}}, "moe.init"),
         ({"moe": {"gating": "relu"}}, "moe.gating"),
-        ({"moe": {"routing": "hash"}}, "moe.routing"),
         ({"moe": {"lbl_coef": -0.1}}, "moe.lbl_coef"),
         ({"moe": {"expert_width": 0}}, "moe.expert_width"),
         ({"moe": {"num_experts": "8"}}, "moe.num_experts"),
@@ -180,6 +179,53 @@ def test_random_plans_compile_or_raise_plan_error(
     assert out.shape == (2, 8, 256) and torch.isfinite(out).all()
 
 
+OLD_PLAN = {  # a plan as moec wrote it before the removals, every removed field at its default
+    "moe": {"num_experts": 8, "routing": "learned"},
+    "parallel": {"ep_path": "auto"},
+    "lowering": {"cuda_graph": False, "shared_expert_stream": False, "regions": "whole"},
+}
+
+
+@pytest.mark.parametrize(
+    "field, value, instead",
+    [
+        *((name, "x", None) for name in REMOVED_FIELDS),
+        ("lowering.cuda_graph", True, "experimental.cuda_graph"),
+        ("parallel.ep_path", "sync_1d", "'rowwise' or 'a2a_capacity'"),
+    ],
+)
+def test_an_old_plan_file_naming_a_removed_field_is_refused_in_one_line(
+    tmp_path, field, value, instead
+):
+    """Before: an unknown field's error listed the known ones, and said nothing of the move."""
+    section, name = field.split(".")
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump({section: {name: value}}))
+    with pytest.raises(PlanError) as info:
+        Plan.load(path)
+    message = str(info.value)
+    assert info.value.field == field and "\n" not in message
+    assert f"'{field}'" in message and "removed from the plan" in message
+    assert instead is None or instead in message
+
+
+def test_an_old_plan_at_its_defaults_is_refused_too():
+    """Not a silent ignore: a removed field is an error even at the value it used to default to."""
+    with pytest.raises(PlanError, match="removed from the plan") as info:
+        Plan.from_dict(OLD_PLAN)
+    assert info.value.field in REMOVED_FIELDS
+
+
+def test_the_experimental_section_round_trips_and_holds_only_expert_options(tmp_path):
+    plan = Plan.from_dict({"experimental": {"cuda_graph": True}})
+    plan.save(tmp_path / "p.yaml")
+    assert Plan.load(tmp_path / "p.yaml").experimental.cuda_graph
+    assert {f.name for f in dataclasses.fields(plan.experimental)} == {"cuda_graph"}
+    assert not Plan().experimental.cuda_graph  # nothing experimental is on by default
+    with pytest.raises(PlanError, match="experimental.gather_up"):
+        Plan.from_dict({"experimental": {"gather_up": True}})
+
+
 def test_the_readme_plan_names_every_field_and_is_valid():
     """The README's plan block is a valid plan holding every field of every section (the docs
     cannot silently fall behind the plan)."""
@@ -188,6 +234,7 @@ def test_the_readme_plan_names_every_field_and_is_valid():
     block = yaml.safe_load(text[start : text.index("```", start)])
     moec.Plan.from_dict(block)
     plan = moec.Plan()
-    for section in ("moe", "parallel", "precision", "recompute", "loss", "lowering"):
+    for section in dataclasses.fields(plan):
+        section = section.name
         fields = {f.name for f in dataclasses.fields(getattr(plan, section))}
         assert set(block[section]) == fields, (section, fields ^ set(block[section]))

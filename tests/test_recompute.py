@@ -31,13 +31,21 @@ ROUTINGS = ["learned", "random"]
 MOE = {"num_experts": 4, "top_k": 2, "dense_first": 1}
 
 
-def _plan(policy: str, routing: str = "learned", budget: int | None = None) -> Plan:
-    return Plan.from_dict(
-        {
-            "moe": {**MOE, "routing": routing},
-            "recompute": {"policy": policy, "budget_bytes": budget},
-        }
-    )
+def _plan(policy: str, budget: int | None = None) -> Plan:
+    return Plan.from_dict({"moe": MOE, "recompute": {"policy": policy, "budget_bytes": budget}})
+
+
+def _route_randomly(compiled: moec.CompiledModel) -> moec.CompiledModel:
+    """``compiled`` with each ``moec::route`` set to the op's ``random`` routing (a benchmark
+    baseline no plan names): its choices come from the random stream, so a recompute that
+    routed again would choose other experts."""
+    gm = compiled.graph_module
+    routes = gm.graph.find_nodes(op="call_function", target=torch.ops.moec.route.default)
+    assert routes, "no moec::route to set"
+    for node in routes:
+        node.args = (*node.args[:5], "random", *node.args[6:])
+    gm.recompile()
+    return compiled
 
 
 def _with_policy(
@@ -50,7 +58,7 @@ def _with_policy(
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     program = dataclasses.replace(base.program, graph=fx.GraphModule(gm, graph))
-    plan = _plan(policy, base.plan.moe.routing, budget)
+    plan = _plan(policy, budget)
     result = RecomputePass().run(program.graph, PassContext(plan, program))
     if verify:
         verify_graph(result.gm, "recompute", expected_params=parameter_count(gm))
@@ -139,7 +147,9 @@ def bases(ids) -> dict[str, moec.CompiledModel]:
     """The tiny Llama compiled without recompute, per routing policy."""
     torch.manual_seed(0)
     model = tiny_llama(layers=3)
-    return {r: moec.compile(copy.deepcopy(model), _plan("none", r), (ids,)) for r in ROUTINGS}
+    compiled = {r: moec.compile(copy.deepcopy(model), _plan("none"), (ids,)) for r in ROUTINGS}
+    _route_randomly(compiled["random"])
+    return compiled
 
 
 @pytest.fixture(scope="module")

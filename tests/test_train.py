@@ -16,7 +16,7 @@ from moec.train import (
     train,
     wsd_schedule,
 )
-from tests.models import hf_model, tiny_llama, tokens
+from tests.models import hf_model, tiny_dropout_llama, tiny_llama, tokens
 
 TINY_PLAN = {"moe": {"num_experts": 4, "top_k": 2, "init": "random", "dense_first": 1}}
 
@@ -64,14 +64,14 @@ def test_transformers_models_compile_and_train_one_step(name):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])  # bf16: working weights refresh on load
 def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path, dtype):
     plan = {
-        "moe": {"num_experts": 4, "top_k": 2, "routing": "random", "dense_first": 1},
+        "moe": {"num_experts": 4, "top_k": 2, "dense_first": 1},
         "precision": {"compute_dtype": dtype},
     }
-    cfg = dict(steps=12, log_every=3, checkpoint_every=6)
-    full = train(tiny_llama(2), plan, _cfg(tmp_path, **cfg))
+    cfg = dict(steps=12, log_every=3, checkpoint_every=6)  # dropout: the steps draw random bits
+    full = train(tiny_dropout_llama(2), plan, _cfg(tmp_path, **cfg))
     shutil.rmtree(tmp_path / "checkpoints" / "step_12")  # as if the run died after step 6
     torch.manual_seed(1234)  # a new process: the model is rebuilt from another seed
-    resumed = train(tiny_llama(2), plan, _cfg(tmp_path, resume=True, **cfg))
+    resumed = train(tiny_dropout_llama(2), plan, _cfg(tmp_path, resume=True, **cfg))
     assert len(resumed.losses) == 6
     assert resumed.losses == full.losses[6:]
 

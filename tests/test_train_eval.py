@@ -21,10 +21,10 @@ from moec.plan import Plan
 from moec.train import TrainConfig, TrainConfigError, Trainer, language_model_loss, train
 from moec.train.evaluation import EVAL_SEED, held_out, rank_batches
 from tests.distributed import spawn
-from tests.models import tiny_llama
+from tests.models import tiny_dropout_llama, tiny_llama
 
 PLAN = {
-    "moe": {"num_experts": 4, "top_k": 2, "routing": "random", "dense_first": 1},
+    "moe": {"num_experts": 4, "top_k": 2, "dense_first": 1},
 }
 TIMING = ("step_time_s", "tokens_per_s_per_gpu", "useful_mfu", "eval_s", "checkpoint_s")
 
@@ -100,11 +100,11 @@ def test_rank_batches_share_every_batch_once_in_equal_rounds():
 
 def test_eval_changes_no_training_step_and_is_reported_across_a_resume(tmp_path):
     torch.manual_seed(0)
-    plain = train(tiny_llama(2), PLAN, _cfg(tmp_path / "plain"))
+    plain = train(tiny_dropout_llama(2), PLAN, _cfg(tmp_path / "plain"))
     torch.manual_seed(0)
     cfg = dict(eval_every=2, eval_batches=2, checkpoint_every=3, plots=True)
-    full = train(tiny_llama(2), PLAN, _cfg(tmp_path / "eval", **cfg))
-    assert full.losses == plain.losses  # bit for bit: random routing draws from the RNG too
+    full = train(tiny_dropout_llama(2), PLAN, _cfg(tmp_path / "eval", **cfg))
+    assert full.losses == plain.losses  # bit for bit: the dropout draws from the RNG too
     records, before = _records(tmp_path / "eval"), _records(tmp_path / "plain")
     assert [r["step"] for r in records] == [2, 3, 4, 6]  # eval points are log points too
     assert [r["step"] for r in records if "eval_loss" in r] == [2, 4, 6]
@@ -124,7 +124,7 @@ def test_eval_changes_no_training_step_and_is_reported_across_a_resume(tmp_path)
 
     shutil.rmtree(tmp_path / "eval" / "checkpoints" / "step_6")  # as if it died after step 3
     torch.manual_seed(1234)
-    resumed = train(tiny_llama(2), PLAN, _cfg(tmp_path / "eval", resume=True, **cfg))
+    resumed = train(tiny_dropout_llama(2), PLAN, _cfg(tmp_path / "eval", resume=True, **cfg))
     assert resumed.losses == full.losses[3:]
     again = {r["step"]: r["eval_loss"] for r in _records(tmp_path / "eval") if "eval_loss" in r}
     assert again == evals  # step 2's from before the checkpoint, 4 and 6 evaluated again

@@ -34,7 +34,7 @@ columns [gate | up] become ``gate_up_proj`` [N, 2H, D], ``w_down`` [N, H, D] ``d
 [N, D, H]; every other tensor keeps its HF name.
 
 Refused (:class:`ExportError`, naming what cannot be expressed): sigmoid gating (every target
-takes a softmax over the experts before top-k), ``random``/``uniform`` routing, a non-zero
+takes a softmax over the experts before top-k), a non-zero
 selection bias (``moe.balance: aux_free``: no target adds a bias to the scores it takes the
 top-k of; a zero bias, e.g. at step 0, chooses as plain top-k and is left out), expert biases
 and ungated (plain) expert activations (HF experts are bias-free GLUs), a shared expert or
@@ -445,11 +445,6 @@ def choose_target(config: Any, moe: MoEPlan, layout: Layout) -> Target:
             f"moe.gating={moe.gating!r}: every HF target of {family} takes a softmax over the "
             "experts before top-k; no HF architecture expresses this plan's sigmoid gating "
             f"on a {family} block"
-        )
-    if moe.routing != "learned":
-        raise ExportError(
-            f"moe.routing={moe.routing!r} ignores the router: HF MoE models route by their "
-            "router (learned top-k) only"
         )
     problems = []
     for target in FAMILIES[family]:

@@ -51,9 +51,7 @@ PASS_MODULES = (
     "moec.passes.fsdp",
     "moec.passes.gather_up",
     "moec.passes.combine_experts",
-    "moec.passes.shared_stream",
     "moec.passes.pipeline",
-    "moec.passes.regions",
 )
 """The modules whose import registers moec's passes; their order breaks ordering ties."""
 

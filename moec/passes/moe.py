@@ -8,7 +8,7 @@ Matches (per FFN region found by :mod:`moec.analysis.structure`, after the first
 Emits::
 
     logits = linear(X, router_weight)                                    # [B, S, N]
-    ids, weights, rows, offsets, counts = moec.route(logits, K, cf, gating, normalize, routing,
+    ids, weights, rows, offsets, counts = moec.route(logits, K, cf, gating, normalize, "learned",
                                                      expert_bias)        # bias: aux_free only
     buffer = moec.dispatch(X, rows)              # [B*S*K, D]; X cast to bf16 first under bf16
     y, _ = moec.expert_mlp(buffer, w_up, w_down, offsets, b_up, b_down, "swiglu")
@@ -291,7 +291,7 @@ class MoEPass(Pass):
                 capacity,
                 plan.gating,
                 plan.normalize_weights,
-                plan.routing,
+                "learned",  # the op's random/uniform routings are benchmark baselines
             )
             if plan.balance == "aux_free":
                 bias = torch.zeros(plan.num_experts, device=_real(weights.router.device))

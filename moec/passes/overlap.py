@@ -47,8 +47,6 @@ Legality (a declined block keeps its chain, and the reason is in the statistics)
   The split is on the batch, never on the sequence: the chain itself is per token, but the
   halves are meant to be batch halves so that attention (which mixes within a sequence) of one
   half can later run under the other half's exchange;
-- ``ep_path`` is not ``sync_1d``: it copies split sizes to the host on every exchange, so the
-  second half cannot be issued while the first one's exchange runs;
 - ``ep_path`` ``rowwise`` only when its rank capacity cannot bind (dropless, or cf >= N/K): its
   drops depend on the order of every source's rows in the whole receive buffer, which halves
   change.
@@ -283,12 +281,6 @@ def _match(mlp: fx.Node) -> _Chain | None:
 
 def _path_reason(path: str, plan: Plan) -> str | None:
     """Why EP path ``path`` cannot be split into halves with the same routing, or None."""
-    if path == "sync_1d":
-        return (
-            "parallel.ep_path=sync_1d copies the exchange sizes to the host on every dispatch "
-            "and combine (it synchronizes), so the second half cannot be issued while the "
-            "first half's exchange runs; use ep_path a2a_capacity or rowwise"
-        )
     moe = plan.moe
     cf = moe.capacity_factor
     if path == "rowwise" and cf is not None and cf > 0 and cf < moe.num_experts / moe.top_k:

@@ -249,10 +249,9 @@ behind, and NCCL's rate grows with the message (``benchmarks/collectives.py``)."
 
 def bucket_bytes_for(plan: Plan, device_type: str) -> int:
     """The gradient bucket size for ``plan``'s program on a ``device_type`` device:
-    :data:`LATE_BUCKET_BYTES` where it is Inductor-lowered and compiled whole (one backward
-    hands every gradient over at its end), else :data:`BUCKET_BYTES`."""
-    whole = plan.lowers_to_inductor(device_type) and plan.lowering.regions == "whole"
-    return LATE_BUCKET_BYTES if whole else BUCKET_BYTES
+    :data:`LATE_BUCKET_BYTES` where it is Inductor-lowered (compiled whole: one backward hands
+    every gradient over at its end), else :data:`BUCKET_BYTES`."""
+    return LATE_BUCKET_BYTES if plan.lowers_to_inductor(device_type) else BUCKET_BYTES
 
 
 @dataclasses.dataclass

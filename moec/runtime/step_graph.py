@@ -1,4 +1,4 @@
-"""A whole training step captured as one CUDA graph and replayed (``plan.lowering.cuda_graph``).
+"""A whole training step captured as one CUDA graph and replayed (``plan.experimental.cuda_graph``).
 
 moec's steady-state step never reads the device, so its forward, backward, gradient clipping
 and optimizer update can be recorded once and replayed as a single launch: the host no longer
@@ -108,19 +108,19 @@ class StepGraph:
             self.release()
             cause = _first_error(exc)
             raise StepGraphError(
-                "lowering.cuda_graph: capturing the training step failed "
+                "experimental.cuda_graph: capturing the training step failed "
                 f"({type(cause).__name__}: {str(cause).splitlines()[0]}). A step that reads the "
-                "device (a host sync: .item(), a data-dependent shape, the sync_1d EP path) or "
+                "device (a host sync: .item(), a data-dependent shape) or "
                 "calls a CUDA API that graphs do not allow cannot be captured, nor can one whose "
                 "parameters carry gradient hooks registered before it (they keep the gradient "
                 "accumulators of the eager stream alive); run one step "
                 'under torch.cuda.set_sync_debug_mode("error") to find the op, or set '
-                "lowering.cuda_graph: false"
+                "experimental.cuda_graph: false"
             ) from exc
         if not isinstance(output, Tensor):
             self.release()
             raise StepGraphError(
-                f"lowering.cuda_graph: the step returned {type(output).__name__}, not a tensor"
+                f"experimental.cuda_graph: the step returned {type(output).__name__}, not a tensor"
             )
         self._graph, self._output = graph, output
         self.captures += 1

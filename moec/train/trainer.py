@@ -192,11 +192,11 @@ class Trainer:
         )
         graph_off = (
             graph_blocker(self.device, self.mesh is not None)
-            if plan.lowering.cuda_graph
-            else "lowering.cuda_graph is off"
+            if plan.experimental.cuda_graph
+            else "experimental.cuda_graph is off"
         )
-        if plan.lowering.cuda_graph and graph_off:
-            self._say(f"note: lowering.cuda_graph: the step is not captured: {graph_off}")
+        if plan.experimental.cuda_graph and graph_off:
+            self._say(f"note: experimental.cuda_graph: the step is not captured: {graph_off}")
         if plan.lowers_to_inductor(self.device.type):
             self._say(
                 f"note: lowering.inductor ({plan.lowering.inductor}): the program runs through "
@@ -246,7 +246,7 @@ class Trainer:
         self.step_graph = (
             StepGraph(self._device_step, self.optimizer.write_lr) if graph_off is None else None
         )
-        """The step as a CUDA graph (``plan.lowering.cuda_graph`` where it can be captured)."""
+        """The step as a CUDA graph (``plan.experimental.cuda_graph`` where it can be captured)."""
 
     @property
     def data(self) -> Batches:
@@ -310,7 +310,7 @@ class Trainer:
         return global_batch_at(self.cfg, step, self.dp)
 
     def train_step(self, eager: bool = False) -> torch.Tensor:
-        """One optimizer step; its loss (a device scalar). With ``plan.lowering.cuda_graph``
+        """One optimizer step; its loss (a device scalar). With ``plan.experimental.cuda_graph``
         the device work is a replayed CUDA graph (:mod:`moec.runtime.step_graph`) unless
         ``eager`` (a profiled step: its ranges need the ops launched one by one; the graph is
         then captured again after a new warmup)."""

@@ -2,7 +2,9 @@
 symmetric-memory transport included, equals EP = 1; a steady-state EP training step on the
 rowwise path never waits for the device: CUDA's sync debug mode raises nothing, and the profiler
 trace of the step holds no stream/event/device synchronize and no device-to-host copy (the
-report's B.6 check), while the same trace of ``sync_1d`` shows its per-block waits.
+report's B.6 check), while the same trace of a step that reads its loss on the host shows the
+wait (the check's positive control; the synchronized ``sync_1d`` baseline is a benchmark's now,
+``benchmarks/ep.py``).
 
 Runs for every world of 2, 4 and 8 that the machine's GPUs allow; on one GPU only the rowwise
 transport with a group of one rank (every route pushed to itself through symmetric memory).
@@ -41,7 +43,7 @@ def _equal_worker(rank: int, world: int) -> None:
     device = torch.device("cuda", rank)
     for case in OPS_CASES:  # float64: the transports exactly
         test_ep._ops_worker(rank, world, *case, device=device)
-    test_ep._llama_worker(rank, world, ("rowwise", "a2a_capacity", "sync_1d"), device)
+    test_ep._llama_worker(rank, world, ("rowwise", "a2a_capacity"), device)
 
 
 def _rowwise_layer_step(device: torch.device, world: int, split: bool = False):
@@ -136,19 +138,13 @@ def _sync_worker(rank: int, world: int, out: str) -> None:
     waits = host_waits(rowwise.train_step)
     assert not waits, f"rank {rank}: the rowwise step waited for the device: {dict(waits)}"
 
-    synced = _trainer(world, "sync_1d", f"{out}/sync_1d")
-    for _ in range(2):
-        synced.train_step()
-    waits = host_waits(synced.train_step)
-    blocks = len(synced.compiled.moe_layers)
-    # forward + backward of each MoE block copy its split sizes to the host and wait
-    assert waits["cudaStreamSynchronize"] >= 2 * blocks, dict(waits)
-    assert sum(n for name, n in waits.items() if "DtoH" in name) >= 2 * blocks, dict(waits)
+    waits = host_waits(lambda: float(rowwise.train_step()))  # the loss read on the host
+    assert sum(n for name, n in waits.items() if "DtoH" in name) >= 1, dict(waits)
 
 
 @multigpu
 @pytest.mark.parametrize("world", WORLDS[-1:])
-def test_rowwise_ep_step_is_sync_free_and_sync_1d_is_not(world, tmp_path):
+def test_rowwise_ep_step_is_sync_free_and_a_host_read_is_seen(world, tmp_path):
     spawn(_sync_worker, world, str(tmp_path), backend="nccl")
 
 

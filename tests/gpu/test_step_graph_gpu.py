@@ -1,4 +1,4 @@
-"""GPU: the training step captured as a CUDA graph (``plan.lowering.cuda_graph``) trains as the
+"""GPU: the training step captured as a CUDA graph (``plan.experimental.cuda_graph``) trains as the
 eager step does, follows the learning-rate schedule and the skip-step logic, replays without a
 host sync, and is captured again at a new batch shape and after an eager (profiled) step."""
 
@@ -23,7 +23,7 @@ def _trainer(tmp_path, name: str, graph: bool, bf16: bool = False, **cfg) -> Tra
     plan = Plan.from_dict(
         {
             **PLAN,
-            "lowering": {"cuda_graph": graph},
+            "experimental": {"cuda_graph": graph},
             "precision": {"compute_dtype": "bf16" if bf16 else "fp32"},
         }
     )

@@ -108,7 +108,6 @@ class PipelinePass(Pass):
         "fsdp",
         "gather_up",
         "combine_experts",
-        "shared_stream",
     )
 
     @staticmethod
