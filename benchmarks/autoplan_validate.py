@@ -15,7 +15,7 @@ per GPU). The plans:
   the microbatch count the divisor of the rank's sequences nearest the plan's (>= pp when
   pipelined; >= 2 sequences each, as the search's plans), ``mxfp8`` the GPU's native low
   precision where it has no MXFP8 MMA (sm90: ``fp8_rowwise``), ``interleaved_1f1b`` for zbv /
-  dualpipev where this torch cannot run them (``split_backward_runs``), the precision scope the
+  dualpipev where this torch cannot run them (``schedule_runs``), the precision scope the
   routed experts (the time model prices low precision there only), ``ep_path: auto`` as
   ``rowwise``. Plans that adapt to the same layout are measured once.
 
@@ -57,7 +57,7 @@ import torch.distributed as dist
 from benchmarks.e2e import FULL, LR, SMALL, dense_model, moe_plan, warm_up
 from moec.analysis.cost.time import Efficiency, format_efficiency
 from moec.analysis.gpus import GPUSpec, gpu_spec
-from moec.analysis.pipeline_schedule import SPLIT_BACKWARD, split_backward_runs
+from moec.analysis.pipeline_schedule import schedule_runs
 from moec.analysis.rank_memory import GIB
 from moec.autoplan.calibration import fit, load_measurement
 from moec.autoplan.cli import capture_model
@@ -86,7 +86,7 @@ def adapt(plan: Plan, world: int, seqs: int, experts: int, gpu: GPUSpec) -> Layo
     shard = dp if p.dp_shard > 1 and p.dp_shard == p.dp else p.dp_shard
     shard = shard if dp % shard == 0 else 1
     v, schedule = (p.virtual_stages, p.pp_schedule) if pp > 1 else (1, "1f1b")
-    if schedule in SPLIT_BACKWARD and not split_backward_runs():
+    if not schedule_runs(schedule, shard):
         schedule = "interleaved_1f1b"  # the v = 2 schedule this torch runs (the search's too)
     per_rank = seqs // dp
     counts = [

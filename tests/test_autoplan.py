@@ -41,7 +41,7 @@ from moec.autoplan.memory import rank_memory_of
 from moec.compiler import build_program
 from moec.debug import with_next_token_loss
 from moec.models.zoo import load_model
-from moec.plan import Plan, PlanError
+from moec.plan import ParallelPlan, Plan, PlanError
 from moec.program import EPGroup
 
 MOE = {"num_experts": 8, "top_k": 2, "init": "random", "expert_width": 128, "dense_first": 1}
@@ -509,15 +509,19 @@ def test_search_offers_only_schedules_the_runtime_runs(profile, split_backward):
     assert ("1f1b", 2) in layouts
 
 
-def test_split_backward_schedule_is_refused_where_torch_cannot_run_it(monkeypatch):
+def test_split_backward_schedule_is_refused_where_torch_cannot_run_it():
     """A torch whose autograd cannot start the weight pass at a moec op gets a PlanError naming
-    the field and the schedules it can run, instead of a failure mid-step."""
-    from moec.analysis import pipeline_schedule
+    the field, the installed torch and the schedules it runs, instead of a failure mid-step."""
+    from moec.analysis.pipeline_schedule import check_schedule_runs
 
-    monkeypatch.setattr(pipeline_schedule, "split_backward_runs", lambda: False)
-    with pytest.raises(PlanError, match="parallel.pp_schedule.*use 1f1b, interleaved_1f1b"):
-        pipeline_schedule.check_schedule_runs("zbv")
-    pipeline_schedule.check_schedule_runs("interleaved_1f1b")
+    zbv = ParallelPlan(pp=2, virtual_stages=2, pp_schedule="zbv", microbatches=4)
+    with pytest.raises(PlanError, match="parallel.pp_schedule") as info:
+        check_schedule_runs(zbv, split_backward=False)
+    message = str(info.value)
+    assert f"torch {torch.__version__}" in message and "splits each backward" in message
+    assert message.endswith("accepted: gpipe, 1f1b, interleaved_1f1b")
+    check_schedule_runs(zbv, split_backward=True)
+    check_schedule_runs(dataclasses.replace(zbv, pp_schedule="interleaved_1f1b"), False)
 
 
 def test_profile_needs_an_unpipelined_program():

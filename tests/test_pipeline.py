@@ -527,6 +527,23 @@ def test_unsplittable_plans_name_the_field():
         _compiled(small, MOE, {"pp": 8, "microbatches": 8})
 
 
+def test_a_split_backward_under_fsdp_is_refused_when_compiled():
+    """The pipeline pass runs the one schedule gate (``check_schedule_runs``) before it splits:
+    a plan whose schedule cannot run fails at compile time naming ``parallel.pp_schedule``,
+    the installed torch and the schedules accepted (before: the pipeline runtime refused it
+    when the job started, after the compile)."""
+    small = LlamaConfig(vocab_size=64, dim=32, n_layers=4, n_heads=2, n_kv_heads=1, ffn_hidden=64)
+    parallel = {"pp": 2, "dp": 2, "dp_shard": 2, "microbatches": 4, "pp_units": "block"}
+    zbv = {**parallel, "pp_schedule": "zbv", "virtual_stages": 2}
+    with pytest.raises(PlanError, match="'parallel.pp_schedule' = 'zbv'") as info:
+        _compiled(small, MOE, zbv)
+    message = str(info.value)
+    assert f"torch {torch.__version__}" in message and "dp_shard = 2" in message
+    assert message.endswith("accepted: gpipe, 1f1b, interleaved_1f1b")
+    compiled, _ = _compiled(small, MOE, {**zbv, "pp_schedule": "interleaved_1f1b"})
+    assert compiled.program.pipeline is not None
+
+
 def test_tied_embeddings_are_rejected_by_name():
     tied = LlamaConfig(
         vocab_size=64,

@@ -11,7 +11,10 @@ For a plan's ``parallel`` section (pp ranks, v stages per rank, a ``pp_schedule`
   removes one);
 - :func:`schedule_class`: the ``torch.distributed.pipelining`` class that runs the schedule;
 - :func:`split_backward_runs`: whether this torch can run the schedules that split the backward
-  into input and weight passes (:data:`SPLIT_BACKWARD`) through moec's ops.
+  into input and weight passes (:data:`SPLIT_BACKWARD`) through moec's ops;
+- :func:`check_schedule_runs`: **the one gate** on ``parallel.pp_schedule``: a PlanError where
+  the schedule cannot run (the ``pipeline`` pass calls it before it splits; the planner offers
+  only what :func:`schedule_runs` accepts).
 
 Nothing here needs a process group: the action order comes from the schedule class's own planner
 run on a stand-in.
@@ -127,20 +130,62 @@ def split_backward_runs() -> bool:
     return True
 
 
-def check_schedule_runs(name: str) -> None:
-    """Raise PlanError if this torch cannot run the ``pp_schedule`` ``name`` (see
-    :func:`split_backward_runs`)."""
-    schedule_class(name)
-    if name in SPLIT_BACKWARD and not split_backward_runs():
+def runnable_schedules(dp_shard: int = 1, split_backward: bool | None = None) -> list[str]:
+    """The ``pp_schedule`` values :func:`check_schedule_runs` accepts beside ``dp_shard``, where
+    the torch that runs the plan splits the backward or not (``split_backward``; None: this
+    torch, :func:`split_backward_runs`)."""
+    return [s for s in SCHEDULE_CLASSES if _refusal(s, dp_shard, split_backward) is None]
+
+
+def schedule_runs(schedule: str, dp_shard: int = 1, split_backward: bool | None = None) -> bool:
+    """Whether :func:`check_schedule_runs` accepts ``schedule`` (the planner's filter)."""
+    return _refusal(schedule, dp_shard, split_backward) is None
+
+
+def check_schedule_runs(p: ParallelPlan, split_backward: bool | None = None) -> None:
+    """Raise :class:`PlanError` naming ``parallel.pp_schedule``, the installed torch and the
+    schedules accepted where ``p``'s schedule cannot run: its ``torch.distributed.pipelining``
+    class is missing; it splits the backward (:data:`SPLIT_BACKWARD`) on a torch that cannot
+    (``split_backward``: whether the torch that runs the plan can; None: this torch,
+    :func:`split_backward_runs`); or it splits the backward under FSDP (``dp_shard > 1``), whose
+    gather/release views refuse the in-place detach of the stage outputs."""
+    reason = _refusal(p.pp_schedule, p.dp_shard, split_backward)
+    if reason is not None:
+        accepted = ", ".join(runnable_schedules(p.dp_shard, split_backward))
         raise PlanError(
             "parallel.pp_schedule",
-            name,
-            f"a schedule this torch {torch.__version__} runs through moec's ops: {name!r} "
-            "splits each backward into input and weight passes, and this torch frees a moec "
-            "op's autograd node (a Python node) with the graph above it, where the weight pass "
-            "starts (newer torch releases keep it); use 1f1b, interleaved_1f1b or gpipe, or a "
-            "newer torch",
+            p.pp_schedule,
+            f"a schedule that runs on torch {torch.__version__} with this plan: {reason}; "
+            f"accepted: {accepted}",
         )
+
+
+def _refusal(schedule: str, dp_shard: int, split_backward: bool | None) -> str | None:
+    """Why ``schedule`` cannot run (see :func:`check_schedule_runs`), or None."""
+    if _class_missing(schedule):
+        return f"torch.distributed.pipelining has no {SCHEDULE_CLASSES[schedule]}"
+    if schedule not in SPLIT_BACKWARD:
+        return None
+    if not (split_backward_runs() if split_backward is None else split_backward):
+        return (
+            f"{schedule!r} splits each backward into input and weight passes, and this torch "
+            "frees a moec op's autograd node (a Python node) with the graph above it, where "
+            "the weight pass starts (torch 2.13 and newer keep it)"
+        )
+    if dp_shard > 1:
+        return (
+            f"{schedule!r} with parallel.dp_shard = {dp_shard}: its split backward detaches "
+            "the stage outputs in place, which FSDP's gather/release views refuse (or use "
+            "dp_shard = 1)"
+        )
+    return None
+
+
+def _class_missing(name: str) -> bool:
+    """Whether this torch lacks the schedule class of ``pp_schedule`` ``name``."""
+    from torch.distributed.pipelining import schedules
+
+    return getattr(schedules, SCHEDULE_CLASSES[name], None) is None
 
 
 def _pipeline_order(p: ParallelPlan) -> dict[int, list]:

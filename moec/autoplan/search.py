@@ -3,7 +3,8 @@
 :func:`search` enumerates, for a :class:`~moec.autoplan.profile.ModelProfile`, a GPU
 and a global batch: pipeline degree ``pp`` (dividing the world, at most one stage per unit),
 virtual stages and schedule (``1f1b``, ``gpipe``; ``interleaved_1f1b`` and ``zbv`` at v = 2; ``zbv``
-only where the torch that runs the plan can split the backward and without FSDP, as the runtime),
+only where the torch that runs the plan can split the backward and without FSDP: what
+:func:`moec.analysis.pipeline_schedule.schedule_runs`, the pipeline pass's gate, accepts),
 data parallel ``dp = world / pp``, EP degree (dividing dp and the experts) and path
 (``rowwise``, ``a2a_capacity``), FSDP shard size (1: DDP, 8: HSDP inside a node, dp: FSDP),
 sequences per microbatch (the microbatch count follows from the global batch), recompute
@@ -52,12 +53,7 @@ from moec.analysis.cost.time import (
     memory_time,
 )
 from moec.analysis.gpus import GPUSpec
-from moec.analysis.pipeline_schedule import (
-    V_SHAPED,
-    inflight_microbatches,
-    split_backward_runs,
-    stage_rank,
-)
+from moec.analysis.pipeline_schedule import inflight_microbatches, schedule_runs, stage_rank
 from moec.analysis.rank_memory import GIB, RankMemory
 from moec.autoplan.memory import activation_memory, state_memory
 from moec.autoplan.profile import ModelProfile, UnitProfile
@@ -229,10 +225,7 @@ class Search:
                 continue
             schedules = [(1, "1f1b")]
             if pp > 1:
-                schedules += [(1, "gpipe"), (2, "interleaved_1f1b")]
-                split = self.req.split_backward
-                if split_backward_runs() if split is None else split:
-                    schedules.append((2, "zbv"))
+                schedules += [(1, "gpipe"), (2, "interleaved_1f1b"), (2, "zbv")]
             dp = world // pp
             for v, schedule in schedules:
                 if pp * v > units:
@@ -244,8 +237,8 @@ class Search:
                     for dp_shard in shards:
                         if dp_shard > 1 and pp * v > self.profile.num_blocks:
                             continue  # an FSDP group is one unit: stages cut between blocks
-                        if dp_shard > 1 and schedule in V_SHAPED:
-                            continue  # the runtime refuses FSDP under a split backward
+                        if not schedule_runs(schedule, dp_shard, self.req.split_backward):
+                            continue  # the pipeline pass refuses it (its one gate)
                         yield pp, v, schedule, dp, ep, dp_shard
 
     def candidates(self, prune: bool = True) -> Iterator[Prediction]:

@@ -50,8 +50,8 @@ become the same ``DTensor`` shards (state dicts and checkpoints see them). torch
 (``set_requires_gradient_sync(False)``, also ``set_reshard_after_backward(False)``: a group
 gathered by a backward stays so until the block's next forward releases it) and the schedule's
 last step reduce-scatters them once and divides by the microbatch count. The zero-bubble
-schedules (``zbv``, ``dualpipev``), whose split backward detaches stage outputs in place, are
-refused with FSDP.
+schedules (``zbv``, ``dualpipev``) are refused with FSDP, and where this torch cannot split the
+backward, by the ``pipeline`` pass (:func:`moec.analysis.pipeline_schedule.check_schedule_runs`).
 
 ``grad_clip`` clips by the global norm over all stages and experts (squared norms summed over
 the EP, FSDP shard and pipeline groups), as at PP = 1.
@@ -75,8 +75,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from moec.analysis.pipeline_schedule import (
     MULTI_STAGE,
-    V_SHAPED,
-    check_schedule_runs,
     schedule_class,
 )
 from moec.optim import AdamW
@@ -299,14 +297,6 @@ class PipelineRuntime:
             raise DistributedError("no pipeline stages: compile with plan.parallel.pp > 1")
         if mesh.pp != split.pp:
             raise DistributedError(f"pipeline group has {mesh.pp} ranks, plan has pp={split.pp}")
-        if program.data_parallel is not None and split.schedule in V_SHAPED:
-            raise DistributedError(
-                f"parallel.pp_schedule={split.schedule!r} with parallel.dp_shard="
-                f"{program.data_parallel.shard}: the zero-bubble schedules' split backward "
-                "detaches the stage outputs in place, which FSDP's gather/release views refuse; "
-                "use gpipe, 1f1b or interleaved_1f1b, or dp_shard=1"
-            )
-        check_schedule_runs(split.schedule)
         self.split, self.plan, self.mesh, self.grad_clip = split, plan, mesh, grad_clip
         self.local = split.local_stages(mesh.pp_rank)
         self.num_stages = len(split.stages)

@@ -76,7 +76,7 @@ import torch.fx as fx
 from moec.analysis.cost import graph_cost
 from moec.analysis.cost.time import forward_time
 from moec.analysis.gpus import gpu_spec
-from moec.analysis.pipeline_schedule import inflight_microbatches
+from moec.analysis.pipeline_schedule import check_schedule_runs, inflight_microbatches
 from moec.passes.base import Pass, PassContext, PassResult, register_pass
 from moec.passes.pipeline.balance import balance
 from moec.passes.pipeline.legality import check_splittable
@@ -138,6 +138,7 @@ class PipelinePass(Pass):
         cost = ctx.analysis(graph_cost, program)
         names, units = pipeline_units(gm, cost, sublayers=parallel.pp_units == "sublayer")
         check_splittable(parallel, len(units))
+        check_schedule_runs(parallel)
         gpu = gpu_spec(BALANCE_GPU)
         work = unit_work(gm, cost, units, program.moe_layers, parallel.ep)
         seconds = [forward_time(w, gpu) for w in work]
