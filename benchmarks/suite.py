@@ -12,7 +12,7 @@ H100 run at their power cap and slow steps come with clock dips).
 
 Entries of kind ``setup`` install what a machine without network access needs, from files
 carried beside the working tree (``.whl/``, ``.whl-parts/``, ``.wpa/``, ``.wpb/``, ``.tao/``,
-``.qcache/``: ``shared/tools/device-wheels`` prepares them); they run nothing measured.
+``.qcache/``; ``../shared/tools/device-wheels`` prepares them); they run nothing measured.
 
 Contract: the suite imports nothing heavy (no torch) until a command runs, so ``--list`` and
 ``--dry-run`` work anywhere. Commands run from the repository root with ``PYTHONPATH`` set to
@@ -24,7 +24,9 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -32,12 +34,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TextIO
 
 ROOT = Path(__file__).resolve().parents[1]
 Launcher = Literal["python", "module", "torchrun", "pytest"]
 
-# NVLink multicast stays off on shared hosts; quack keeps its compiled kernels in this cache
+# NVLink multicast stays off: it can take a shared host's GPUs out of service
 BASE_ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -89,23 +91,31 @@ class Entry:
     commands: tuple[Command, ...] = ()
     gpus: int = 1
     kind: Literal["benchmark", "tests", "setup"] = "benchmark"
-    action: Callable[[Path], None] | None = field(default=None, compare=False)
+    action: Callable[[Path, TextIO], None] | None = field(default=None, compare=False)
 
 
-def _py(script: str, *args: str, env: tuple[tuple[str, str], ...] = AUTOTUNED) -> Command:
-    return Command("python", script, args, env)
+def _py(script: str, args: str = "") -> Command:
+    """``python SCRIPT ARGS`` (``args`` split as a shell would), autotuned."""
+    return Command("python", script, tuple(shlex.split(args)))
 
 
-def _mod(module: str, *args: str, env: tuple[tuple[str, str], ...] = AUTOTUNED) -> Command:
-    return Command("module", module, args, env)
+def _mod(module: str, args: str = "") -> Command:
+    """``python -m MODULE ARGS``, autotuned."""
+    return Command("module", module, tuple(shlex.split(args)))
 
 
-def _run(script: str, *args: str, ranks: str = "{gpus}") -> Command:
-    return Command("torchrun", script, args, AUTOTUNED, ranks)
+def _run(script: str, args: str = "", ranks: str = "{gpus}") -> Command:
+    """``torchrun`` of SCRIPT on ``ranks`` processes (default: every GPU), autotuned."""
+    return Command("torchrun", script, tuple(shlex.split(args)), AUTOTUNED, ranks)
 
 
 def _tests(path: str) -> Command:
+    """The GPU tests at ``path``, slow ones included, no ``-x``, autotuning off."""
     return Command("pytest", path, ("-q", "-rfE", "--slow"), UNTUNED)
+
+
+def _setup(name: str, what: str, action: Callable[[Path, TextIO], None]) -> Entry:
+    return Entry(name, what, "-", kind="setup", gpus=0, action=action)
 
 
 # --- setup: files the device tool carried, installed without network --------------------------
@@ -117,7 +127,7 @@ def _quack_cache() -> Path:
     return Path(os.environ.get("QUACK_CACHE_DIR", Path.home() / "quack_cache"))
 
 
-def _gather_wheel_parts(out: Path) -> None:
+def _gather_wheel_parts(out: Path, log: TextIO) -> None:
     """Copy the split wheel's parts carried in ``.whl-parts/``, ``.wpa/``, ``.wpb/`` to
     ``~/wheelparts`` (one device call carries at most 64 MiB, so a large wheel comes in two
     back-to-back calls) and restore a quack cache carried in ``.qcache/``."""
@@ -125,19 +135,19 @@ def _gather_wheel_parts(out: Path) -> None:
     for folder in (".whl-parts", ".wpa", ".wpb"):
         for part in sorted((ROOT / folder).glob("*")):
             shutil.copy2(part, WHEEL_PARTS / part.name)
-            print("carried", part.name, flush=True)
+            print("carried", part.name, file=log, flush=True)
     cache = ROOT / ".qcache" / "quack_cache.tgz"
     if cache.is_file():
         _quack_cache().mkdir(parents=True, exist_ok=True)
         with tarfile.open(cache) as tar:
             tar.extractall(_quack_cache(), filter="data")
-        print("quack cache restored to", _quack_cache(), flush=True)
+        print("quack cache restored to", _quack_cache(), file=log, flush=True)
 
 
-def _install_wheels(out: Path) -> None:
+def _install_wheels(out: Path, log: TextIO) -> None:
     """Join the wheel parts, install them and ``.whl/*.whl`` (torchao apart) into this
     interpreter, then check that the CuTe DSL and quack import."""
-    _gather_wheel_parts(out)
+    _gather_wheel_parts(out, log)
     wheels = []
     for name in sorted({p.name.rsplit(".part.", 1)[0] for p in WHEEL_PARTS.glob("*.part.*")}):
         whole = Path("/tmp") / name
@@ -146,444 +156,139 @@ def _install_wheels(out: Path) -> None:
                 dst.write(part.read_bytes())
         wheels.append(str(whole))
     wheels += [str(w) for w in sorted((ROOT / ".whl").glob("*.whl")) if "torchao" not in w.name]
-    _pip_install(wheels)
-    _check_import("import cutlass, quack; print('quack', quack.__version__, cutlass.__file__)")
+    _pip_install(wheels, log)
+    _check_import("import cutlass, quack; print('quack', quack.__version__, cutlass.__file__)", log)
 
 
-def _install_torchao(out: Path) -> None:
+def _install_torchao(out: Path, log: TextIO) -> None:
     """Install torchao's wheel carried in ``.tao/`` (the float8 baselines' anchor)."""
-    _pip_install([str(w) for w in sorted((ROOT / ".tao").glob("*.whl"))])
-    _check_import("import torchao; print('torchao', torchao.__version__)")
+    _pip_install([str(w) for w in sorted((ROOT / ".tao").glob("*.whl"))], log)
+    _check_import("import torchao; print('torchao', torchao.__version__)", log)
 
 
-def _save_quack_cache(out: Path) -> None:
+def _save_quack_cache(out: Path, log: TextIO) -> None:
     """Write the quack cache to ``OUT/quack_cache.tgz``: a later call that carries it in
     ``.qcache/`` starts warm (30 s for the e2e model's first step instead of 175 s)."""
     with tarfile.open(out / "quack_cache.tgz", "w:gz") as tar:
         tar.add(_quack_cache(), arcname=".")
-    print("quack cache written to", out / "quack_cache.tgz", flush=True)
+    print("quack cache written to", out / "quack_cache.tgz", file=log, flush=True)
 
 
-def _pip_install(wheels: list[str]) -> None:
+def _pip_install(wheels: list[str], log: TextIO) -> None:
+    """Install ``wheels`` into this interpreter (a bare ``pip`` may be another one's)."""
     if not wheels:
-        raise FileNotFoundError("no wheel carried: see shared/tools/device-wheels")
+        raise FileNotFoundError("no wheel carried: see ../shared/tools/device-wheels")
     pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", *wheels]
-    subprocess.run(pip, check=True)
+    subprocess.run(pip, check=True, stdout=log, stderr=subprocess.STDOUT)
 
 
-def _check_import(code: str) -> None:
-    subprocess.run([sys.executable, "-c", code], check=True)
+def _check_import(code: str, log: TextIO) -> None:
+    subprocess.run([sys.executable, "-c", code], check=True, stdout=log, stderr=subprocess.STDOUT)
 
 
 # --- the suite ---------------------------------------------------------------------------------
 
 E2E = "benchmarks/e2e.py"
 SCALING = "benchmarks/scaling.py"
-ALL_BASELINES = ("compiled-fp32", "compiled-fp32-float8", "compiled-bf16", "compiled-bf16-float8")
+SINGLE = "--single {out}/e2e_single.json"  # one GPU's step, the scaling runs' reference
+E = Entry
 
 ENTRIES: tuple[Entry, ...] = (
-    Entry(
-        "wheel-part",
-        "carry the first part of a split wheel; restore a carried quack cache",
-        "-",
-        kind="setup",
-        gpus=0,
-        action=_gather_wheel_parts,
-    ),
-    Entry(
-        "wheels",
-        "install quack-kernels and the CuTe DSL (and FA4) from carried wheels",
-        "-",
-        kind="setup",
-        gpus=0,
-        action=_install_wheels,
-    ),
-    Entry(
-        "torchao",
-        "install torchao from .tao/ (the float8 baselines)",
-        "-",
-        kind="setup",
-        gpus=0,
-        action=_install_torchao,
-    ),
-    Entry(
-        "quack-cache",
-        "save quack's compile cache to OUT/quack_cache.tgz",
-        "-",
-        kind="setup",
-        gpus=0,
-        action=_save_quack_cache,
-    ),
-    Entry(
-        "gpu-tests-1",
-        "GPU tests, files a-g (attention, combined, FP8, gathered, ...)",
-        "GPU tests",
-        (_tests("tests/gpu/test_[a-g]*.py"),),
-        kind="tests",
-    ),
-    Entry(
-        "gpu-tests-2",
-        "GPU tests: the kernels and ops against their references",
-        "GPU tests",
-        (_tests("tests/gpu/test_kernels_ops.py"),),
-        kind="tests",
-    ),
-    Entry(
-        "gpu-tests-3",
-        "GPU tests, files l-z (MXFP8, recompute, graphs, sync-free, multi-GPU)",
-        "GPU tests",
-        (_tests("tests/gpu/test_[l-z]*.py"),),
-        kind="tests",
-    ),
-    Entry(
-        "e2e",
-        "the e2e training step (FP8 dense FFNs, default and SDPA attention) beside "
-        "issue #20's compiled baseline, 20 timed steps",
-        "e2e training step",
-        (
-            _py(
-                E2E,
-                "--steps",
-                "20",
-                "--warmup",
-                "4",
-                "--fp8",
-                "--attention",
-                "sdpa",
-                "--baselines",
-                "compiled-fp32",
-                "--json",
-                "{out}/e2e.json",
-            ),
-        ),
-    ),
-    Entry(
-        "e2e-baselines",
-        "the e2e step beside every compiled baseline (torchao's float8 too: run `torchao` first)",
-        "e2e training step",
-        (
-            _py(
-                E2E,
-                "--steps",
-                "8",
-                "--warmup",
-                "4",
-                "--fp8",
-                "--baselines",
-                *ALL_BASELINES,
-                "--json",
-                "{out}/e2e_baselines.json",
-            ),
-        ),
-    ),
-    Entry(
-        "e2e-recompute",
-        "the e2e step with block recompute beside the default",
-        "recompute",
-        (
-            _py(
-                E2E,
-                "--moec-only",
-                "--recompute",
-                "--steps",
-                "4",
-                "--warmup",
-                "2",
-                "--json",
-                "{out}/e2e_recompute.json",
-            ),
-        ),
-    ),
-    Entry(
-        "profile",
-        "the FP8 step's kernel time and device idle time beside the baseline",
-        "step profile",
-        (
-            _mod(
-                "benchmarks.profile_step",
-                "--baseline",
-                "compiled-fp32",
-                "--fp8",
-                "dense_ffn",
-                "--rows",
-                "5",
-                "--gaps",
-                "25",
-                "--steps",
-                "3",
-            ),
-        ),
-    ),
-    Entry(
-        "profile-kernels",
-        "the FP8 step's largest kernels by kind",
-        "step profile",
-        (
-            _mod(
-                "benchmarks.profile_step",
-                "--moec-only",
-                "--fp8",
-                "dense_ffn",
-                "--rows",
-                "5",
-                "--kernels",
-                "5",
-            ),
-        ),
-    ),
-    Entry(
-        "layer",
-        "the MoE layer, forward + backward, beside sort + torch._grouped_mm",
-        "MoE layer",
-        (
-            _py(
-                "benchmarks/moe_layer.py",
-                "--skip-loop",
-                "--kernels",
-                "12",
-                "--json",
-                "{out}/layer.json",
-            ),
-        ),
-    ),
-    Entry(
-        "gemm",
-        "the grouped GEMMs by backend at the Table-48 shape",
-        "grouped GEMM",
-        (
-            _py(
-                "benchmarks/grouped_gemm.py",
-                "--m",
-                "1024",
-                "4096",
-                "32768",
-                "131072",
-                "--json",
-                "{out}/grouped_gemm.json",
-            ),
-        ),
-    ),
-    Entry(
-        "movement",
-        "dispatch / combine kernels against torch's index ops",
-        "movement kernels",
-        (_mod("benchmarks.movement", "--json", "{out}/movement.json"),),
-    ),
-    Entry(
-        "precision",
-        "FP8 rowwise and MXFP8 grouped GEMMs against bf16",
-        "precision GEMMs",
-        (_py("benchmarks/precision_gemm.py", "--out", "{out}/precision_gemm.json"),),
-    ),
-    Entry(
-        "recompute",
-        "recompute policies: step time, activation memory against the prediction",
-        "recompute",
-        (
-            _mod(
-                "benchmarks.recompute",
-                "--full",
-                "--steps",
-                "4",
-                "--out",
-                "{out}/recompute_full.json",
-            ),
-        ),
-    ),
-    Entry(
-        "memory",
-        "per-rank memory: the model's prediction against the measured peak",
-        "per-rank memory",
-        (_mod("benchmarks.memory", "--steps", "3", "--json", "{out}/memory.json"),),
-    ),
-    Entry(
-        "dense-ffn",
-        "a dense gated FFN: cuBLAS + GLU, compiled, one k-major expert, FP8, torchao float8",
-        "dense FFN",
-        (_py("benchmarks/dense_ffn.py", "--json", "{out}/dense_ffn.json"),),
-    ),
-    Entry(
-        "lm-head",
-        "the LM head's fused loss by chunk size beside torch.compile",
-        "LM head",
-        (_py("benchmarks/lm_head.py", "--json", "{out}/lm_head.json"),),
-    ),
-    Entry(
-        "cross-entropy",
-        "the LM-head loss's cross-entropy kernel",
-        "cross-entropy kernel",
-        (_py("benchmarks/cross_entropy.py", "--json", "{out}/cross_entropy.json"),),
-    ),
-    Entry(
-        "row-quantizer",
-        "the FP8 row quantizer on the e2e model's rows",
-        "FP8 row quantizer",
-        (_py("benchmarks/row_quantizer.py", "--json", "{out}/row_quantizer.json"),),
-    ),
-    Entry(
-        "glu",
-        "the GLU kernels forward and backward beside torch.compile",
-        "GLU",
-        (_py("benchmarks/glu.py", "--json", "{out}/glu.json"),),
-    ),
-    Entry(
-        "attention",
-        "FA4 against SDPA's backends at the e2e shape",
-        "attention",
-        (_py("benchmarks/attention.py", "--json", "{out}/attention.json"),),
-    ),
-    Entry(
-        "fuse-linears",
-        "q, k, v as one GEMM against three",
-        "fused linears",
-        (_py("benchmarks/fuse_linears.py", "--json", "{out}/fuse_linears.json"),),
-    ),
-    Entry(
-        "quack-layouts",
-        "quack's expert GEMMs by operand layout",
-        "quack layouts",
-        (_py("benchmarks/quack_layouts.py", "--json", "{out}/quack_layouts.json"),),
-    ),
-    Entry(
-        "quality",
-        "parity, upcycling and balancing on a corpus of moec's sources (GPU scale on a GPU)",
-        "quality",
-        (
-            _mod("moec", "data", "build", "{out}/corpus", "--source", "moec", "--force"),
-            *(
-                _mod(
-                    "benchmarks.quality",
-                    experiment,
-                    "--corpus",
-                    "{out}/corpus",
-                    "--out",
-                    "{out}/quality",
-                    "--jobs",
-                    "2",
-                )
-                for experiment in ("parity", "upcycle", "balance")
-            ),
-        ),
-    ),
-    Entry(
-        "table49",
-        "the plan search on the report's Table 49 models (on paper)",
-        "Table 49",
-        (_mod("benchmarks.autoplan_table49", "--json", "{out}/autoplan_table49.json"),),
-        gpus=0,
-    ),
-    Entry(
-        "plan-search",
-        "the plan search's top plans and the example plans, predicted "
-        "against measured, on this machine's GPUs",
-        "plan search",
-        (_run("benchmarks/autoplan_validate.py", "--json", "{out}/autoplan.json"),),
-    ),
-    Entry(
-        "ep",
-        "the EP layer by transport and the dp = ep step",
-        "expert parallelism",
-        (_run("benchmarks/ep.py", "--json", "{out}/ep.json"),),
-        gpus=2,
-    ),
-    Entry(
-        "ep-overlap",
-        "the EP layer whole, in halves and with two-batch overlap",
-        "expert parallelism",
-        (
-            _run(
-                "benchmarks/ep.py",
-                "--overlap",
-                "--paths",
-                "rowwise,a2a_capacity",
-                "--iters",
-                "20",
-                "--steps",
-                "5",
-                "--kernels",
-                "8",
-                "--json",
-                "{out}/ep_overlap.json",
-            ),
-        ),
-        gpus=2,
-    ),
-    Entry(
-        "scaling",
-        "EP and PP steps on every GPU against one GPU's step",
-        "scaling",
-        (
-            _py(E2E, "--moec-only", "--json", "{out}/e2e_single.json"),
-            _run(
-                SCALING,
-                "--ep",
-                "{gpus}",
-                "--path",
-                "rowwise",
-                "--single",
-                "{out}/e2e_single.json",
-                "--json",
-                "{out}/scaling_ep.json",
-            ),
-            _run(
-                SCALING,
-                "--pp",
-                "{gpus}",
-                "--microbatches",
-                "16",
-                "--single",
-                "{out}/e2e_single.json",
-                "--json",
-                "{out}/scaling_pp.json",
-            ),
-        ),
-        gpus=2,
-    ),
-    Entry(
-        "timeline",
-        "where the EP step's time goes, one GPU's step beside it",
-        "scaling",
-        (
-            _run(
-                SCALING,
-                "--ep",
-                "{gpus}",
-                "--path",
-                "rowwise",
-                "--timeline",
-                "{out}/tl",
-                "--kernels",
-                "{out}/k",
-                "--json",
-                "{out}/ep_timeline.json",
-            ),
-            _run(SCALING, "--timeline", "{out}/tl1", "--kernels", "{out}/k1", ranks="1"),
-            _mod(
-                "benchmarks.timeline_diff",
-                "{out}/tl_pp1_mb4_rank0.json",
-                "{out}/tl1_pp1_mb4_rank0.json",
-            ),
-        ),
-        gpus=2,
-    ),
-    Entry(
-        "collectives",
-        "NCCL collectives at a step's message sizes",
-        "collectives",
-        (_run("benchmarks/collectives.py", "--json", "{out}/collectives.json"),),
-        gpus=2,
-    ),
-    Entry(
-        "scale",
-        "sharded programs: upcycling past one GPU; DDP + EP against FSDP + EP",
-        "sharded programs",
-        (
-            _run("benchmarks/scale.py", "upcycle", "--json", "{out}/scale_upcycle.json"),
-            _run("benchmarks/scale.py", "ddp-vs-fsdp", "--json", "{out}/scale_ddp_fsdp.json"),
-        ),
-        gpus=2,
-    ),
-)
+    _setup("wheel-part", "carry a split wheel's first part; restore a carried quack cache",
+           _gather_wheel_parts),
+    _setup("wheels", "install quack-kernels, the CuTe DSL and FA4 from carried wheels",
+           _install_wheels),
+    _setup("torchao", "install torchao from .tao/ (the float8 baselines)", _install_torchao),
+    _setup("quack-cache", "save quack's compile cache to OUT/quack_cache.tgz", _save_quack_cache),
+    E("gpu-tests-1", "GPU tests, files a-g (attention, combined, FP8, gathered, ...)",
+      "GPU tests", (_tests("tests/gpu/test_[a-g]*.py"),), kind="tests"),
+    E("gpu-tests-2", "GPU tests: the kernels and ops against their references", "GPU tests",
+      (_tests("tests/gpu/test_kernels_ops.py"),), kind="tests"),
+    E("gpu-tests-3", "GPU tests, files l-z (MXFP8, recompute, graphs, sync-free, 2 GPUs)",
+      "GPU tests", (_tests("tests/gpu/test_[l-z]*.py"),), kind="tests"),
+    E("e2e", "the e2e step (FP8 dense FFNs; SDPA beside the default attention) against "
+      "issue #20's baseline, 20 timed steps", "e2e training step",
+      (_py(E2E, "--steps 20 --warmup 4 --fp8 --attention sdpa --baselines compiled-fp32 "
+           "--json {out}/e2e.json"),)),
+    E("e2e-baselines", "the e2e step beside every compiled baseline (run `torchao` first)",
+      "e2e training step",
+      (_py(E2E, "--steps 8 --warmup 4 --fp8 --baselines compiled-fp32 compiled-fp32-float8 "
+           "compiled-bf16 compiled-bf16-float8 --json {out}/e2e_baselines.json"),)),
+    E("e2e-recompute", "the e2e step with block recompute beside the default", "recompute",
+      (_py(E2E, "--moec-only --recompute --steps 4 --warmup 2 "
+           "--json {out}/e2e_recompute.json"),)),
+    E("profile", "the FP8 step's kernels by kind and the device's idle time, beside the "
+      "baseline", "step profile",
+      (_mod("benchmarks.profile_step", "--baseline compiled-fp32 --fp8 dense_ffn --rows 5 "
+            "--gaps 25 --steps 3"),)),
+    E("profile-kernels", "the FP8 step's largest kernels of each kind", "step profile",
+      (_mod("benchmarks.profile_step", "--moec-only --fp8 dense_ffn --rows 5 --kernels 5"),)),
+    E("layer", "the MoE layer, forward + backward, beside sort + torch._grouped_mm",
+      "MoE layer",
+      (_py("benchmarks/moe_layer.py", "--skip-loop --kernels 12 --json {out}/layer.json"),)),
+    E("gemm", "the grouped GEMMs by backend at the Table-48 shape", "grouped GEMM",
+      (_py("benchmarks/grouped_gemm.py", "--m 1024 4096 32768 131072 "
+           "--json {out}/grouped_gemm.json"),)),
+    E("movement", "dispatch / combine kernels against torch's index ops", "movement kernels",
+      (_mod("benchmarks.movement", "--json {out}/movement.json"),)),
+    E("precision", "FP8 rowwise and MXFP8 grouped GEMMs against bf16", "precision GEMMs",
+      (_py("benchmarks/precision_gemm.py", "--out {out}/precision_gemm.json"),)),
+    E("recompute", "each recompute policy: step time, activation memory against the "
+      "prediction", "recompute",
+      (_mod("benchmarks.recompute", "--full --steps 4 --out {out}/recompute_full.json"),)),
+    E("memory", "per-rank memory: the model's prediction against the measured peak",
+      "per-rank memory", (_mod("benchmarks.memory", "--steps 3 --json {out}/memory.json"),)),
+    E("dense-ffn", "a dense gated FFN: cuBLAS + GLU, compiled, one k-major expert, FP8, "
+      "torchao float8", "dense FFN",
+      (_py("benchmarks/dense_ffn.py", "--json {out}/dense_ffn.json"),)),
+    E("lm-head", "the LM head's loss by chunk size, fused or not, beside torch.compile",
+      "LM head", (_py("benchmarks/lm_head.py", "--json {out}/lm_head.json"),)),
+    E("cross-entropy", "the LM-head loss's cross-entropy kernel", "cross-entropy kernel",
+      (_py("benchmarks/cross_entropy.py", "--json {out}/cross_entropy.json"),)),
+    E("row-quantizer", "the FP8 row quantizer on the e2e model's rows", "FP8 row quantizer",
+      (_py("benchmarks/row_quantizer.py", "--json {out}/row_quantizer.json"),)),
+    E("glu", "the GLU kernels forward and backward beside torch.compile", "GLU",
+      (_py("benchmarks/glu.py", "--json {out}/glu.json"),)),
+    E("attention", "FA4 against SDPA's backends at the e2e shape", "attention",
+      (_py("benchmarks/attention.py", "--json {out}/attention.json"),)),
+    E("fuse-linears", "q, k, v as one GEMM against three", "fused linears",
+      (_py("benchmarks/fuse_linears.py", "--json {out}/fuse_linears.json"),)),
+    E("quack-layouts", "quack's expert GEMMs by operand layout", "quack layouts",
+      (_py("benchmarks/quack_layouts.py", "--json {out}/quack_layouts.json"),)),
+    E("quality", "parity, upcycling and balancing on a corpus of moec's sources (the GPU "
+      "scale where a GPU is)", "quality",
+      (_mod("moec", "data build {out}/corpus --source moec --force"),
+       *(_mod("benchmarks.quality", f"{x} --corpus {{out}}/corpus --out {{out}}/quality --jobs 2")
+         for x in ("parity", "upcycle", "balance")))),
+    E("table49", "the plan search on the report's Table 49 models (on paper)", "Table 49",
+      (_mod("benchmarks.autoplan_table49", "--json {out}/autoplan_table49.json"),), gpus=0),
+    E("plan-search", "the plan search's top plans and the example plans that fit, predicted "
+      "against measured, on every GPU", "plan search",
+      (_run("benchmarks/autoplan_validate.py", "--json {out}/autoplan.json"),)),
+    E("ep", "the EP layer by transport, and the dp = ep step", "expert parallelism",
+      (_run("benchmarks/ep.py", "--json {out}/ep.json"),), gpus=2),
+    E("ep-overlap", "the EP layer whole, in halves and with two-batch overlap",
+      "expert parallelism",
+      (_run("benchmarks/ep.py", "--overlap --paths rowwise,a2a_capacity --iters 20 --steps 5 "
+            "--kernels 8 --json {out}/ep_overlap.json"),), gpus=2),
+    E("scaling", "the EP and PP steps over every GPU against one GPU's step", "scaling",
+      (_py(E2E, "--moec-only --json {out}/e2e_single.json"),
+       _run(SCALING, f"--ep {{gpus}} --path rowwise {SINGLE} --json {{out}}/scaling_ep.json"),
+       _run(SCALING, f"--pp {{gpus}} --microbatches 16 {SINGLE} "
+            "--json {out}/scaling_pp.json")), gpus=2),
+    E("timeline", "where the EP step's time goes, one GPU's step beside it", "scaling",
+      (_run(SCALING, "--ep {gpus} --path rowwise --timeline {out}/tl --kernels {out}/k "
+            "--json {out}/ep_timeline.json"),
+       _run(SCALING, "--timeline {out}/tl1 --kernels {out}/k1", ranks="1"),
+       _mod("benchmarks.timeline_diff", "{out}/tl_pp1_mb4_rank0.json "
+            "{out}/tl1_pp1_mb4_rank0.json")), gpus=2),
+    E("collectives", "NCCL collectives at a step's message sizes", "collectives",
+      (_run("benchmarks/collectives.py", "--json {out}/collectives.json"),), gpus=2),
+    E("scale", "sharded programs: upcycling past one GPU; DDP + EP against FSDP + EP",
+      "sharded programs",
+      (_run("benchmarks/scale.py", "upcycle --json {out}/scale_upcycle.json"),
+       _run("benchmarks/scale.py", "ddp-vs-fsdp --json {out}/scale_ddp_fsdp.json")), gpus=2),
+)  # fmt: skip
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "gpu-tests": ("gpu-tests-1", "gpu-tests-2", "gpu-tests-3"),
@@ -650,33 +355,47 @@ def gpu_count() -> int:
 def run_entry(entry: Entry, out: Path, gpus: int, limit: int) -> int:
     """Run ``entry``'s commands into ``OUT/NAME.log``; stop at the first failing one and return
     its exit status (124: past ``limit`` seconds)."""
-    env = {**os.environ, **BASE_ENV, "PYTHONPATH": str(ROOT)}
+    env = {
+        **os.environ,
+        **BASE_ENV,
+        "PYTHONPATH": str(ROOT),
+        "QUACK_CACHE_DIR": str(_quack_cache()),
+    }
     with (out / f"{entry.name}.log").open("w") as log:
         if entry.action is not None:
             try:
-                entry.action(out)
+                entry.action(out, log)
             except (OSError, subprocess.CalledProcessError) as error:
                 print(f"{entry.name}: {error}", file=log)
                 return 1
             return 0
         for command in entry.commands:
             argv = command.argv(out, gpus)
-            print("$", " ".join(argv), file=log, flush=True)
-            try:
-                done = subprocess.run(
-                    argv,
-                    cwd=ROOT,
-                    env={**env, **dict(command.env)},
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    timeout=limit,
-                )
-            except subprocess.TimeoutExpired:
-                print(f"stopped after {limit} s", file=log)
-                return 124
-            if done.returncode:
-                return done.returncode
+            print("$", shown(argv), file=log, flush=True)
+            rc = run_process(argv, {**env, **dict(command.env)}, log, limit)
+            if rc:
+                return rc
     return 0
+
+
+def run_process(argv: list[str], env: dict[str, str], log: TextIO, limit: int) -> int:
+    """Run ``argv`` from the root, output to ``log``; past ``limit`` seconds its whole process
+    group (torchrun's workers too) is stopped and 124 returned."""
+    with subprocess.Popen(
+        argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    ) as process:
+        try:
+            return process.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            for sig, grace in ((signal.SIGTERM, 30), (signal.SIGKILL, None)):
+                os.killpg(process.pid, sig)
+                try:
+                    process.wait(timeout=grace)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            print(f"stopped after {limit} s", file=log, flush=True)
+            return 124
 
 
 def start_clocks(out: Path) -> subprocess.Popen | None:
