@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import ast
 import glob
+import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 
@@ -134,16 +136,20 @@ def test_clock_summary_counts_only_busy_samples(tmp_path):
     assert suite.clock_summary(tmp_path / "missing.csv") == ""
 
 
+def _help(target: tuple[str, str]) -> tuple[tuple[str, str], subprocess.CompletedProcess]:
+    command = suite.Command(*target)
+    argv = [sys.executable, command.target] if target[0] == "torchrun" else command.argv("O", 1)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # as the suite runs it
+    done = subprocess.run(
+        [*argv, "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    return target, done
+
+
 @pytest.mark.slow
 def test_every_command_target_parses_help():
     """Each benchmark script (and moec's CLI) imports and prints its --help on the CPU."""
-    for target in sorted(
-        {(c.launcher, c.target) for _, _, c in COMMANDS if c.launcher != "pytest"}
-    ):
-        command = suite.Command(*target)
-        argv = command.argv("OUT", 1)
-        argv = [sys.executable, command.target] if target[0] == "torchrun" else argv
-        done = subprocess.run(
-            [*argv, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300
-        )
-        assert done.returncode == 0, f"{target}: {done.stderr[-2000:]}"
+    targets = sorted({(c.launcher, c.target) for _, _, c in COMMANDS if c.launcher != "pytest"})
+    with ThreadPoolExecutor(max_workers=4) as pool:  # each import of torch is ~10 s of CPU
+        for target, done in pool.map(_help, targets):
+            assert done.returncode == 0, f"{target}: {done.stderr[-2000:]}"
