@@ -316,9 +316,11 @@ def train_arm(name: str, arm: Arm, ctx: Context, steps: int, first_step: int = 0
 
 def parity_job(ctx: Context, seed: int, implementation: str) -> dict[str, Any]:
     """One seed's run of moec or of the independent MoE, from the same initial weights (the
-    compiled program's, which both build from ``seed``)."""
+    compiled program's, which both build from ``seed``). Both balance with the micro-batch loss,
+    the one the independent MoE computes."""
     dense = dense_model(ctx, seed)
-    ours = moec_arm(dense, moe_plan(ctx.scale, ctx.device, init="random", seed=seed), ctx)
+    plan = moe_plan(ctx.scale, ctx.device, init="random", seed=seed, balance="microbatch")
+    ours = moec_arm(dense, plan, ctx)
     if implementation == "independent":
         ours = Arm(IndependentModel(dense, ours.module, ctx.scale.top_k), ctx.device, plain=True)
     run = train_arm(f"{implementation} seed {seed}", ours, ctx, ctx.steps)

@@ -114,23 +114,25 @@ class MoEPlan:
     lbl_coef: float = 0.01
     """Weight of the load-balancing loss of ``balance`` (0 disables it; not used by
     ``aux_free``, which has none)."""
-    balance: Balance = "microbatch"
+    balance: Balance = "sequence"
     """How the routers are kept balanced (:mod:`moec.runtime.router_losses` computes it). The
     load-balancing loss (LBL) of a set of tokens is ``N * sum_e f_e * P_e``: ``f_e`` the share of
     their offered routes that go to expert e, ``P_e`` the mean over them of e's normalized score
     (1 when balanced, N/top_k when collapsed); ``lbl_coef`` weighs it.
 
     - ``microbatch``: the LBL of each microbatch on each rank (Switch/OLMoE's instance-level
-      loss, moec's loss before this field existed; the default until the quality benchmark
-      measures the others).
+      loss, and HF Mixtral's).
     - ``global_batch``: ``f`` from the step's expert loads summed over the data-parallel ranks
       and over the step's microbatches so far (Megatron's ``global_aux_loss``, Qwen's global
       batch): microbatch m of M uses the loads of microbatches 1..m of every rank, so the last
       one uses the whole step's; ``P`` stays this microbatch's on this rank, whose mean over
       ranks (the gradient reduction's) is the global ``P``. One all-reduce of the blocks'
       [blocks, N] loads per microbatch, on the device.
-    - ``sequence``: the LBL of each sequence (dim 0 of the batch), averaged over sequences
-      (DeepSeek-V2/V3's sequence-wise loss).
+    - ``sequence`` (the default): the LBL of each sequence (dim 0 of the batch), averaged over
+      sequences (DeepSeek-V2/V3's sequence-wise loss). Why the default: in the quality
+      benchmark on one H200 (``benchmarks/RESULTS.md``, "quality", 6c: capacity factor 1.25,
+      1000 steps, one seed) it ended with the lowest eval loss and MaxVio of the four, 0.052
+      below ``microbatch`` (2.9x the seed spread the parity runs measured).
     - ``aux_free``: no loss; a per-expert bias (a buffer ``<block>.expert_bias``, not trained)
       is added to the gate scores to choose the top-k experts, while the route weights use the
       unbiased scores, and after each step every rank adds ``bias_update_rate * sign(mean load

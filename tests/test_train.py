@@ -91,7 +91,7 @@ def test_checkpoint_and_plots_written(tmp_path):
     assert record["max_vio"] == max(vios.values()) and record["lbl"] is not None
     summary = result.summary
     assert summary["max_vio_by_block"] == vios and summary["max_vio"] == record["max_vio"]
-    assert summary["balance"] == "microbatch" and summary["lbl"] == record["lbl"]
+    assert summary["balance"] == "sequence" and summary["lbl"] == record["lbl"]
 
 
 def test_parameter_groups_split_dense_expert_and_no_decay():
