@@ -8,13 +8,19 @@ leaks into the steps around it.
 A :class:`StepClock` measures an interval's step time: its wall time less the non-step time
 spent inside it. The loop's log windows and its steady-state window are such clocks, so
 ``step_time_s`` and tokens/s in ``metrics.jsonl`` and ``summary.json`` cover the steps alone,
-and each part's seconds are reported beside them (``checkpoint_s``, ``eval_s``)."""
+and each part's seconds are reported beside them (``checkpoint_s``, ``eval_s``).
+
+:class:`FirstStepClock` times what comes before the steps: from the run's start to the end of
+its first step, split into moec's compile phases, Inductor, kernel JIT and autotuning and the
+step itself (``first_step_s`` and ``first_step`` in ``summary.json``)."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -78,3 +84,120 @@ class StepClock:
     def step_seconds(self) -> float:
         """Seconds since the clock started, less the non-step time in them."""
         return time.perf_counter() - self.start - sum(self.non_step_seconds().values())
+
+
+INDUCTOR_METRICS = ("_compile.compile_inner", "backward._backward_impl")
+"""Dynamo's timers that cover a graph's compile: Dynamo's trace, AOTAutograd, Inductor and the
+kernels it generates (the forward's frame; a backward compiled lazily, on its first call)."""
+
+
+def inductor_state() -> dict[str, float]:
+    """What torch.compile has done in this process so far: its compile seconds and the FX
+    graphs it compiled (``fxgraph_cache_miss``) or found in the cache (``fxgraph_cache_hit``)."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    seconds = sum(sum(compilation_time_metrics.get(name, ())) for name in INDUCTOR_METRICS)
+    inductor, aot = counters["inductor"], counters["aot_autograd"]
+    return {
+        "seconds": seconds,
+        "graphs_compiled": inductor["fxgraph_cache_miss"],
+        "graphs_cached": inductor["fxgraph_cache_hit"],
+        "autograd_cache_hits": aot["autograd_cache_hit"],
+    }
+
+
+class FirstStepClock:
+    """Seconds from a run's start (before its compile) to the end of its first step, by part:
+
+    - ``capture_s``, ``passes_s``, ``materialize_s``: moec's compile phases
+      (:data:`moec.compiler.phase_seconds`, the memory check's build on the meta device
+      included);
+    - ``inductor_s``: torch.compile (Dynamo, AOTAutograd, Inductor, its generated kernels);
+    - ``kernels``: per backend (``triton``, ``cute``), moec's kernels' JIT (``jit_s``) and
+      autotuning (``autotune_s``) (:mod:`moec.kernels.compile_clock`);
+    - ``step_s``: the first step itself, its wall time less the compiling done inside it;
+    - ``other_s``: the rest (model to the device, optimizer, data, checkpoint reads).
+
+    The parts are disjoint, so they sum to ``total_s``; ``graphs_compiled`` / ``graphs_cached``
+    count the FX graphs Inductor compiled or found in the cache (:mod:`moec.cache`)."""
+
+    PHASES = ("capture", "passes", "materialize")
+
+    def __init__(self, device: torch.device):
+        from moec.compiler import phase_seconds
+        from moec.kernels.compile_clock import KernelClock
+
+        self.device = device
+        self.start = time.perf_counter()
+        self.phases_at_start = dict(phase_seconds)
+        self.inductor_at_start = inductor_state()
+        cute = device.type == "cuda"
+        self.kernels = KernelClock().start(cute=cute)
+        self.step_start: float | None = None
+        self.compiling_at_step: float = 0.0
+        self.result: dict[str, Any] | None = None
+
+    def step_starts(self) -> None:
+        """The first step begins now."""
+        self.step_start = time.perf_counter()
+        self.compiling_at_step = self._compiling()
+
+    def finish(self) -> dict[str, Any]:
+        """The first step has been launched: wait for it on the device and return the parts
+        (see class); the same dict on later calls."""
+        if self.result is not None:
+            return self.result
+        from moec.compiler import phase_seconds
+
+        wait_for_device(self.device)
+        end = time.perf_counter()
+        if self.step_start is None:
+            self.step_starts()
+        inductor = inductor_state()
+        kernels = self.kernels.stop()
+        parts = {f"{p}_s": phase_seconds[p] - self.phases_at_start[p] for p in self.PHASES}
+        parts["inductor_s"] = inductor["seconds"] - self.inductor_at_start["seconds"]
+        step_compiling = self._compiling(kernels, inductor) - self.compiling_at_step
+        parts["step_s"] = max(0.0, end - self.step_start - step_compiling)
+        total = end - self.start
+        known = sum(parts.values()) + _kernel_seconds(kernels)
+        self.result = {
+            "total_s": total,
+            **parts,
+            "kernels": kernels,
+            "other_s": max(0.0, total - known),
+            "graphs_compiled": inductor["graphs_compiled"]
+            - self.inductor_at_start["graphs_compiled"],
+            "graphs_cached": inductor["graphs_cached"] - self.inductor_at_start["graphs_cached"],
+        }
+        return self.result
+
+    def _compiling(
+        self, kernels: dict[str, dict[str, Any]] | None = None, inductor: dict | None = None
+    ) -> float:
+        """Seconds of compiling (Inductor, kernel JIT and autotuning) counted so far."""
+        kernels = kernels or {b: dataclasses.asdict(t) for b, t in self.kernels.times.items()}
+        inductor = inductor or inductor_state()
+        return inductor["seconds"] - self.inductor_at_start["seconds"] + _kernel_seconds(kernels)
+
+
+def _kernel_seconds(kernels: dict[str, dict[str, Any]]) -> float:
+    return sum(k["jit_s"] + k["autotune_s"] for k in kernels.values())
+
+
+def format_first_step(parts: dict[str, Any]) -> str:
+    """One line: the time to the first step and its parts (:class:`FirstStepClock`)."""
+    kernels = ", ".join(
+        f"{backend} JIT {k['jit_s']:.1f} ({k['kernels_compiled']} kernels) / autotune "
+        f"{k['autotune_s']:.1f}"
+        for backend, k in parts["kernels"].items()
+        if k["kernels_compiled"] or k["configs_benchmarked"] or k["jit_s"]
+    )
+    return (
+        f"first step after {parts['total_s']:.1f} s: capture {parts['capture_s']:.1f}, passes "
+        f"{parts['passes_s']:.1f}, materialize {parts['materialize_s']:.1f}, Inductor "
+        f"{parts['inductor_s']:.1f} ({parts['graphs_compiled']} graphs compiled, "
+        f"{parts['graphs_cached']} from the cache)"
+        + (f", {kernels}" if kernels else ", no kernel compiled")
+        + f", the step {parts['step_s']:.1f}, other {parts['other_s']:.1f}"
+    )

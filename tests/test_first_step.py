@@ -1,0 +1,75 @@
+"""Time to the first step (``first_step`` in the summary) and moec's compile cache."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+import torch
+
+from moec import compiler
+from moec.kernels import compile_clock
+from moec.train import TrainConfig, train
+from moec.train.timing import FirstStepClock, format_first_step
+from tests.models import tiny_llama
+
+TINY_PLAN = {"moe": {"num_experts": 4, "top_k": 2, "init": "random", "dense_first": 1}}
+
+
+def _parts(first: dict) -> list[float]:
+    """The disjoint parts of the time to the first step."""
+    kernels = [k[name] for k in first["kernels"].values() for name in ("jit_s", "autotune_s")]
+    named = ("capture_s", "passes_s", "materialize_s", "inductor_s", "step_s", "other_s")
+    return [first[name] for name in named] + kernels
+
+
+def _busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_first_step_clock_parts_are_disjoint_and_sum_to_the_total():
+    clock = FirstStepClock(torch.device("cpu"))
+    with compiler.timed("capture"):
+        _busy(0.01)
+    with compiler.timed("passes"):
+        _busy(0.01)
+    step_start = time.perf_counter()
+    clock.step_starts()
+    start = time.perf_counter()
+    _busy(0.01)  # a kernel compiled inside the step, reported by the listeners' path
+    compile_clock._each_clock("jit", "triton", time.perf_counter() - start, False)
+    _busy(0.01)
+    first = clock.finish()
+    step_wall = time.perf_counter() - step_start
+    assert clock.finish() is first
+    parts = _parts(first)
+    assert all(p >= 0 for p in parts) and sum(parts) <= first["total_s"] + 1e-9, first
+    assert first["capture_s"] > 0 and first["passes_s"] > 0 and first["step_s"] > 0
+    assert first["kernels"]["triton"]["kernels_compiled"] == 1
+    # the kernel's JIT is not counted again in the step
+    assert first["step_s"] + first["kernels"]["triton"]["jit_s"] <= step_wall
+    assert "triton JIT" in format_first_step(first)
+    # a stopped clock counts nothing more
+    compile_clock._each_clock("jit", "triton", 1.0, False)
+    assert clock.kernels.times["triton"].kernels_compiled == 1
+
+
+@pytest.mark.slow
+def test_summary_splits_the_time_to_the_first_step(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOEC_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = TrainConfig(steps=2, batch_size=2, seq_len=16, log_every=1, out=str(tmp_path / "run"))
+    result = train(tiny_llama(), TINY_PLAN, cfg)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    first = summary["first_step"]
+    assert summary["first_step_s"] == first["total_s"] == result.summary["first_step_s"]
+    parts = _parts(first)
+    assert all(math.isfinite(p) and p >= 0 for p in parts), first
+    assert sum(parts) <= first["total_s"] + 1e-6, first
+    # capture and passes ran (the memory check's meta build and the real one), a step ran
+    assert first["capture_s"] > 0 and first["passes_s"] > 0 and first["step_s"] > 0
+    assert set(first["kernels"]) == {"triton", "cute"}
+    assert first["graphs_compiled"] == first["graphs_cached"] == 0  # eager on the CPU
