@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from moec import compiler
+from moec import cache, compiler
 from moec.kernels import compile_clock
 from moec.train import TrainConfig, train
 from moec.train.timing import FirstStepClock, format_first_step
 from tests.models import tiny_llama
 
+ROOT = Path(__file__).resolve().parents[1]
 TINY_PLAN = {"moe": {"num_experts": 4, "top_k": 2, "init": "random", "dense_first": 1}}
 
 
@@ -73,3 +78,77 @@ def test_summary_splits_the_time_to_the_first_step(tmp_path, monkeypatch):
     assert first["capture_s"] > 0 and first["passes_s"] > 0 and first["step_s"] > 0
     assert set(first["kernels"]) == {"triton", "cute"}
     assert first["graphs_compiled"] == first["graphs_cached"] == 0  # eager on the CPU
+
+
+FACTORY = """
+import torch
+from moec.models import Llama, LlamaConfig
+
+
+def tiny():
+    model = Llama(LlamaConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=64))
+    return model, (torch.randint(0, 256, (2, 16)),)
+"""
+PLAN = """
+moe: {num_experts: 4, top_k: 2, init: random, dense_first: 0}
+lowering: {inductor: true}
+"""
+
+
+def _job(tmp_path: Path) -> tuple[list[str], dict[str, str]]:
+    """A plan through Inductor on the CPU, its model factory, and an environment whose caches
+    are all under ``tmp_path/cache`` (none inherited from this process)."""
+    (tmp_path / "tiny.py").write_text(FACTORY)
+    (tmp_path / "plan.yaml").write_text(PLAN)
+    env = {k: v for k, v in os.environ.items() if k not in cache.TOOL_DIRS}
+    env.update(MOEC_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
+    return ["plan.yaml", "--model", "tiny.py:tiny"], env
+
+
+def _moec(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "moec", *args], cwd=cwd, env=env, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _finish(process: subprocess.Popen) -> None:
+    _, err = process.communicate(timeout=1800)
+    assert process.returncode == 0, err
+
+
+@pytest.mark.slow
+def test_warmup_fills_the_cache_that_the_next_launch_compiles_nothing_from(tmp_path):
+    plan, env = _job(tmp_path)
+    shape = ["--batch", "2", "--seq", "16"]
+    _finish(_moec(["warmup", *plan, *shape, "--json", "warm.json"], env, tmp_path))
+    warm = json.loads((tmp_path / "warm.json").read_text())
+    assert warm["first_step"]["graphs_compiled"] > 0 and warm["cache"].startswith(str(tmp_path))
+    train_args = ["train", "--plan", *plan, "--batch-size", "2", "--seq-len", "16"]
+    _finish(_moec([*train_args, "--steps", "1", "--synthetic", "--out", "run"], env, tmp_path))
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    first = summary["first_step"]
+    # Inductor found every graph the warmup compiled: no FX graph compiled, no Triton kernel
+    assert first["graphs_compiled"] == 0 and first["graphs_cached"] > 0, first
+    assert first["kernels"]["triton"]["kernels_compiled"] == 0
+    assert summary["first_loss"] == warm["loss"]  # the same program on the same batch
+
+
+@pytest.mark.slow
+def test_two_processes_fill_one_empty_cache_at_once(tmp_path):
+    plan, env = _job(tmp_path)
+    runs = [
+        _moec(
+            ["warmup", *plan, "--batch", "2", "--seq", "16", "--json", f"{i}.json"], env, tmp_path
+        )
+        for i in range(2)
+    ]
+    for process in runs:
+        _finish(process)
+    reports = [json.loads((tmp_path / f"{i}.json").read_text()) for i in range(2)]
+    assert reports[0]["loss"] == reports[1]["loss"] and math.isfinite(reports[0]["loss"])
+    # and what they wrote is whole: a third launch compiles nothing and agrees
+    _finish(
+        _moec(["warmup", *plan, "--batch", "2", "--seq", "16", "--json", "3.json"], env, tmp_path)
+    )
+    third = json.loads((tmp_path / "3.json").read_text())
+    assert third["first_step"]["graphs_compiled"] == 0 and third["loss"] == reports[0]["loss"]
