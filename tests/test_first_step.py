@@ -152,3 +152,54 @@ def test_two_processes_fill_one_empty_cache_at_once(tmp_path):
     )
     third = json.loads((tmp_path / "3.json").read_text())
     assert third["first_step"]["graphs_compiled"] == 0 and third["loss"] == reports[0]["loss"]
+
+
+@pytest.fixture
+def fresh_cache(monkeypatch):
+    """No cache set up in this process, and every variable :func:`cache.setup` sets restored
+    after the test."""
+    monkeypatch.setattr(cache, "_ACTIVE", None)
+    for variable in [*cache.TOOL_DIRS, *cache.SWITCHES, cache.CACHE_ENV, "XDG_CACHE_HOME"]:
+        monkeypatch.delenv(variable, raising=False)
+    return monkeypatch
+
+
+def test_cache_root_is_moec_cache_dir_else_under_the_cache_home(fresh_cache, tmp_path):
+    fresh_cache.setenv("HOME", str(tmp_path / "home"))
+    assert cache.cache_root() == tmp_path / "home" / ".cache" / "moec"
+    fresh_cache.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache.cache_root() == tmp_path / "xdg" / "moec"
+    fresh_cache.setenv("MOEC_CACHE_DIR", str(tmp_path / "mine"))
+    assert cache.cache_root() == tmp_path / "mine"
+
+
+def test_setup_points_every_tool_into_one_namespace_and_keeps_the_users_own(fresh_cache, tmp_path):
+    fresh_cache.setenv("MOEC_CACHE_DIR", str(tmp_path / "moec"))
+    fresh_cache.setenv("TRITON_CACHE_DIR", str(tmp_path / "users_triton"))
+    dirs = cache.setup()
+    assert cache.setup() is dirs and cache.active() is dirs
+    folder = tmp_path / "moec" / cache.namespace()
+    assert dirs.folder == folder and folder.parent.name == "cpu"  # no GPU here
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "users_triton")
+    assert not dirs.ours["TRITON_CACHE_DIR"]
+    for variable, sub in cache.TOOL_DIRS.items():
+        if variable != "TRITON_CACHE_DIR":
+            assert os.environ[variable] == str(folder / sub) and (folder / sub).is_dir()
+    assert os.environ["TORCHINDUCTOR_FX_GRAPH_CACHE"] == "1"
+    assert cache.tuning_record() == folder / "tuning_choices.json"
+
+
+def test_namespace_separates_devices_and_versions():
+    import torch
+
+    h100 = cache.namespace("NVIDIA H100 80GB HBM3", (9, 0))
+    assert h100.startswith("sm90-nvidia-h100-80gb-hbm3/torch-")
+    assert f"torch-{torch.__version__}" in h100 and f"_moec-{cache.moec_key()}" in h100
+    assert h100 != cache.namespace("NVIDIA H200", (9, 0))
+
+
+def test_write_atomic_replaces_the_whole_file(tmp_path):
+    path = tmp_path / "sub" / "record.json"
+    cache.write_atomic(path, "first")
+    cache.write_atomic(path, "second")
+    assert path.read_text() == "second" and [p.name for p in path.parent.iterdir()] == [path.name]
