@@ -203,3 +203,34 @@ def test_write_atomic_replaces_the_whole_file(tmp_path):
     cache.write_atomic(path, "first")
     cache.write_atomic(path, "second")
     assert path.read_text() == "second" and [p.name for p in path.parent.iterdir()] == [path.name]
+
+
+@pytest.mark.slow
+def test_first_step_benchmark_runs_two_launches_at_a_tiny_shape(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in cache.TOOL_DIRS}
+    env["PYTHONPATH"] = str(ROOT)
+    report = tmp_path / "first_step.json"
+    script = [sys.executable, str(ROOT / "benchmarks" / "first_step.py"), "--tiny"]
+    args = ["--steps", "1", "--warmup", "0", "--cache", str(tmp_path / "cache")]
+    proc = subprocess.run(
+        [*script, *args, "--json", str(report)], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    launches = json.loads(report.read_text())["launches"]["moec"]
+    assert len(launches) == 2 and launches[0]["cache"] == launches[1]["cache"]
+    assert launches[0]["cache"].startswith(str(tmp_path / "cache"))
+    for launch in launches:
+        first = launch["first_step"]
+        assert all(p >= 0 for p in _parts(first)) and sum(_parts(first)) <= first["total_s"]
+        assert launch["launch_to_first_step_s"] >= first["total_s"]
+        assert launch["steady_step_s"] > 0
+    assert "launch 2 / launch 1" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="it tunes where a GPU is")
+def test_tune_table_refuses_to_run_without_a_gpu():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    script = str(ROOT / "benchmarks" / "tune_table.py")
+    proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True)
+    assert proc.returncode != 0 and "autotunes on a GPU" in proc.stderr
