@@ -179,7 +179,7 @@ def test_setup_points_every_tool_into_one_namespace_and_keeps_the_users_own(fres
     dirs = cache.setup()
     assert cache.setup() is dirs and cache.active() is dirs
     folder = tmp_path / "moec" / cache.namespace()
-    assert dirs.folder == folder and folder.parent.name == "cpu"  # no GPU here
+    assert dirs.folder == folder
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "users_triton")
     assert not dirs.ours["TRITON_CACHE_DIR"]
     for variable, sub in cache.TOOL_DIRS.items():

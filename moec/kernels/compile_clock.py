@@ -102,7 +102,12 @@ def _in_graph_compile() -> bool:
 def _install_triton() -> None:
     if "triton" in _INSTALLED or importlib.util.find_spec("triton") is None:
         return
-    from triton import knobs
+    _INSTALLED.add("triton")
+    import triton
+
+    knobs = getattr(triton, "knobs", None)  # Triton 3.4+: the listeners' home
+    if knobs is None:
+        return
 
     compiled, tuned = knobs.compilation.listener, knobs.autotuning.listener
 
@@ -116,7 +121,7 @@ def _install_triton() -> None:
                 cache_hit=cache_hit,
             )
         if not _in_graph_compile():
-            _each_clock("jit", "triton", times.total / 1e6, cache_hit)
+            _each_clock("jit", "triton", getattr(times, "total", 0) / 1e6, cache_hit)
 
     def on_autotune(**kwargs: Any) -> None:
         if tuned is not None:
@@ -126,7 +131,6 @@ def _install_triton() -> None:
 
     knobs.compilation.listener = on_compile
     knobs.autotuning.listener = on_autotune
-    _INSTALLED.add("triton")
 
 
 def _install_cute() -> None:

@@ -36,15 +36,18 @@ ROW_KEYS = frozenset({"R"})
 
 table_hits = 0
 """Launches that ran a table config instead of autotuning, in this process."""
-_recorded: set[tuple[str, str, str]] = set()
 
 
 def product(device: torch.device) -> str | None:
     """The product in :data:`PRODUCTS` this CUDA device is, by its name (None otherwise)."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device).upper()
-    return next((p for p in reversed(PRODUCTS) if p in name), None)
+    return _product(torch.cuda.get_device_name(device))
+
+
+@functools.cache
+def _product(name: str) -> str | None:
+    return next((p for p in reversed(PRODUCTS) if p in name.upper()), None)
 
 
 @functools.cache
@@ -85,10 +88,14 @@ def lookup(
 
 class TableFirst:
     """An autotuned kernel launched as ``kernel[grid](*args, **kwargs)`` that consults the
-    table first (see module); ``name`` identifies it in the table."""
+    table first (see module); ``name`` identifies it in the table. The decision is made once
+    per device, dtype and autotune key: later launches cost one dict lookup more than the
+    autotuner's own."""
 
     def __init__(self, name: str, autotuner: triton.runtime.Autotuner) -> None:
         self.name, self.autotuner = name, autotuner
+        self._decided: dict[tuple, triton.Config | None] = {}
+        self._recorded: set[tuple] = set()
 
     def __getitem__(self, grid: Any) -> Any:
         return functools.partial(self.run, grid)
@@ -97,28 +104,35 @@ class TableFirst:
         tuner = self.autotuner
         if len(tuner.configs) == 1:
             return tuner[grid](*args, **kwargs)
-        named = {**dict(zip(tuner.arg_names, args)), **kwargs}
-        key = bucket(tuner.keys, named)
-        where = product(next(v for v in named.values() if isinstance(v, torch.Tensor)).device)
-        config = lookup(where, self.name, key, tuner.configs)
+        named = dict(zip(tuner.arg_names, args))
+        named.update(kwargs)
+        first = next(v for v in named.values() if isinstance(v, torch.Tensor))
+        launch = (first.device, first.dtype, *(named[k] for k in tuner.keys))
+        if launch not in self._decided:
+            key = bucket(tuner.keys, named)
+            self._decided[launch] = lookup(product(first.device), self.name, key, tuner.configs)
+        config = self._decided[launch]
         if config is not None:
             global table_hits
             table_hits += 1
             return tuner.fn[grid](*args, **kwargs, **config.all_kwargs())
         out = tuner[grid](*args, **kwargs)
-        _record(where, self.name, key, tuner.best_config)
+        if launch not in self._recorded:
+            self._recorded.add(launch)
+            key = bucket(tuner.keys, named)
+            _record(product(first.device), self.name, key, tuner.best_config)
         return out
 
 
 def _record(where: str | None, kernel: str, key: str, config: triton.Config) -> None:
-    """Add the autotuner's choice to moec's record (once per process and bucket), merged
-    with what other processes recorded."""
+    """Add the autotuner's choice to moec's record, merged with what other processes
+    recorded (a concurrent writer's entry may be lost: the record is advice, and Triton's own
+    disk cache holds every choice)."""
     from moec import cache
 
     path = cache.tuning_record()
-    if where is None or path is None or (where, kernel, key) in _recorded:
+    if where is None or path is None:
         return
-    _recorded.add((where, kernel, key))
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError):

@@ -91,15 +91,28 @@ INDUCTOR_METRICS = ("_compile.compile_inner", "backward._backward_impl")
 kernels it generates (the forward's frame; a backward compiled lazily, on its first call)."""
 
 
+INDUCTOR_RUNTIME_AUTOTUNE = (
+    "CachingAutotuner.benchmark_all_configs",
+    "CachingAutotuner.coordinate_descent_tuning",
+    "CachingAutotuner.combo_sequential_autotune",
+)
+"""Dynamo's timers of Inductor's kernels autotuned on their first run (in the step, after the
+compile)."""
+
+
 def inductor_state() -> dict[str, float]:
-    """What torch.compile has done in this process so far: its compile seconds and the FX
-    graphs it compiled (``fxgraph_cache_miss``) or found in the cache (``fxgraph_cache_hit``)."""
+    """What torch.compile has done in this process so far: its compile seconds, its kernels'
+    first-run autotuning seconds, and the FX graphs it compiled (``fxgraph_cache_miss``) or
+    found in the cache (``fxgraph_cache_hit``)."""
     from torch._dynamo.utils import compilation_time_metrics, counters
 
-    seconds = sum(sum(compilation_time_metrics.get(name, ())) for name in INDUCTOR_METRICS)
+    def seconds(names: tuple[str, ...]) -> float:
+        return sum(sum(compilation_time_metrics.get(name, ())) for name in names)
+
     inductor, aot = counters["inductor"], counters["aot_autograd"]
     return {
-        "seconds": seconds,
+        "seconds": seconds(INDUCTOR_METRICS),
+        "runtime_autotune_seconds": seconds(INDUCTOR_RUNTIME_AUTOTUNE),
         "graphs_compiled": inductor["fxgraph_cache_miss"],
         "graphs_cached": inductor["fxgraph_cache_hit"],
         "autograd_cache_hits": aot["autograd_cache_hit"],
@@ -119,7 +132,9 @@ class FirstStepClock:
     - ``other_s``: the rest (model to the device, optimizer, data, checkpoint reads).
 
     The parts are disjoint, so they sum to ``total_s``; ``graphs_compiled`` / ``graphs_cached``
-    count the FX graphs Inductor compiled or found in the cache (:mod:`moec.cache`)."""
+    count the FX graphs Inductor compiled or found in the cache (:mod:`moec.cache`), and
+    ``inductor_runtime_autotune_s`` is the part of ``step_s`` (and of Triton's JIT, for the
+    configs compiled then) that Inductor spent autotuning its kernels on their first run."""
 
     PHASES = ("capture", "passes", "materialize")
 
@@ -169,6 +184,8 @@ class FirstStepClock:
             "graphs_compiled": inductor["graphs_compiled"]
             - self.inductor_at_start["graphs_compiled"],
             "graphs_cached": inductor["graphs_cached"] - self.inductor_at_start["graphs_cached"],
+            "inductor_runtime_autotune_s": inductor["runtime_autotune_seconds"]
+            - self.inductor_at_start["runtime_autotune_seconds"],
         }
         return self.result
 
