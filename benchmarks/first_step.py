@@ -11,14 +11,14 @@ capture, passes, materialize, Inductor and its FX graphs compiled / found in the
 JIT and autotuning per backend, the step itself, the rest) and the steady step time, with the
 second launch's over the first's.
 
-``--anchors``: also the hand-written MoE of ``e2e.py`` with each block under
-``torch.compile`` (its ``compiled, fp32 weights`` baseline: per-block compilation, as
-torchtitan compiles), launched twice the same way with Inductor's cache in a fresh folder of
+``--anchors`` (or ``--kinds compiled``): also the hand-written MoE of ``e2e.py`` with each
+block under ``torch.compile`` (its ``compiled, fp32 weights`` baseline: per-block compilation,
+as torchtitan compiles), launched twice the same way with Inductor's cache in a fresh folder of
 its own. OLMo-core and torchtitan themselves are not driven by this script: where they are
 installed it says so, and their own launchers give their figures.
 
     python benchmarks/first_step.py [--tiny] [--steps 5] [--warmup 3] [--cache DIR]
-                                    [--anchors] [--json out.json]
+                                    [--anchors | --kinds moec compiled] [--json out.json]
 """
 
 from __future__ import annotations
@@ -46,6 +46,9 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=3, help="steps before the timed ones")
     parser.add_argument("--cache", help="moec's cache folder (default: a fresh one)")
     parser.add_argument("--anchors", action="store_true", help="also the per-block compiled MoE")
+    parser.add_argument(
+        "--kinds", nargs="+", choices=KINDS, default=["moec"], help="what to launch (twice each)"
+    )
     parser.add_argument("--json", help="write the launches' reports here")
     parser.add_argument("--launch", choices=KINDS, help=argparse.SUPPRESS)
     parser.add_argument("--launched-at", type=float, help=argparse.SUPPRESS)
@@ -63,10 +66,14 @@ def main() -> None:
     env = {k: v for k, v in os.environ.items() if k not in _tool_variables()}
     env["MOEC_CACHE_DIR"] = cache
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    reports = {"moec": [run_launch(args, "moec", env, i) for i in (1, 2)]}
-    if args.anchors:
-        anchor_env = {**env, "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="anchor_")}
-        reports["compiled"] = [run_launch(args, "compiled", anchor_env, i) for i in (1, 2)]
+    kinds = list(dict.fromkeys([*args.kinds, *(["compiled"] if args.anchors else [])]))
+    reports = {}
+    for kind in kinds:
+        # the hand-written model compiles with Inductor alone: its cache in a fresh folder too
+        fresh = {"TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="anchor_")}
+        kind_env = env if kind == "moec" else {**env, **fresh}
+        reports[kind] = [run_launch(args, kind, kind_env, i) for i in (1, 2)]
+    if "compiled" in kinds:
         for package, name in ANCHOR_PACKAGES.items():
             found = importlib.util.find_spec(package) is not None
             state = "installed: run its own launcher" if found else "not installed"

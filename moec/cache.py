@@ -53,8 +53,10 @@ SWITCHES = {
     "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
     "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
     "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1",
+    "QUACK_CACHE_AUTOTUNING": "1",
 }
-"""Caches switched on unless the user set the variable (FA4's is off by default)."""
+"""Caches switched on unless the user set the variable (FA4's is off by default; quack's
+autotuning results are kept where its kernels ask for it, this makes it every kernel)."""
 
 
 @dataclasses.dataclass(frozen=True)
