@@ -3,7 +3,7 @@
 Both launches share one moec cache (:mod:`moec.cache`), empty before the first (a fresh
 folder unless ``--cache`` names one): the first launch is cold, the second finds what the first
 compiled. Each launch (``--launch``, a new Python process) builds ``benchmarks/e2e.py``'s moec
-trainer (the report's Table 47 workload; ``--tiny``: e2e's SMALL shape, which runs on a CPU),
+trainer (the report's Table 47 workload; ``--tiny``: the same structure at a CPU's size),
 runs its first step, then ``--warmup`` and ``--steps`` more for the steady step time
 (``e2e.measure``). Printed per launch: seconds from the process's start to the end of its first
 step (imports included), the first step's breakdown (``moec.train.timing.FirstStepClock``:
@@ -37,11 +37,26 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = {"moec": "moec", "compiled": "hand-written, blocks compiled"}
 ANCHOR_PACKAGES = {"olmo_core": "OLMo-core", "torchtitan": "torchtitan"}
+TINY = dict(
+    dim=64,
+    layers=2,
+    dense_first=1,
+    dense_width=128,
+    experts=4,
+    top_k=2,
+    width=64,
+    seq=32,
+    micro=2,
+    vocab=256,
+    heads=2,
+)
+"""``--tiny``: the e2e workload's structure (dense blocks first, routed experts with a shared
+one) at a shape a CPU compiles and steps in seconds."""
 
 
 def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiny", action="store_true", help="e2e's SMALL shape (a CPU run)")
+    parser.add_argument("--tiny", action="store_true", help="a CPU-sized shape (TINY)")
     parser.add_argument("--steps", type=int, default=5, help="timed steady steps per launch")
     parser.add_argument("--warmup", type=int, default=3, help="steps before the timed ones")
     parser.add_argument("--cache", help="moec's cache folder (default: a fresh one)")
@@ -123,7 +138,7 @@ def launch(args: argparse.Namespace) -> dict[str, Any]:
     from moec.train.timing import FirstStepClock
 
     cache.setup()
-    s = e2e.SMALL if args.tiny else e2e.FULL
+    s = TINY if args.tiny else e2e.FULL
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     tokens = s["micro"] * s["seq"]
