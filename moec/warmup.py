@@ -29,7 +29,9 @@ def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "warmup",
         help="fill the compile cache for a plan: compile it and run one training step",
-        description=__doc__.split("\n\n")[1],
+        description="Fill moec's compile cache for a job: build the trainer moec train would "
+        "for PLAN and MODEL at this batch and sequence length, run its first step on synthetic "
+        "tokens, and report what was compiled and what came from the cache.",
     )
     parser.add_argument("plan", help="plan YAML file (as moec train --plan)")
     parser.add_argument(
@@ -42,6 +44,12 @@ def add_parser(subparsers: Any) -> None:
     )
     parser.add_argument("--seq", type=int, default=128, help="sequence length (--seq-len)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        help="a named model's vocabulary: that of the corpus moec train --data reads (default: "
+        "the model's own, as moec train without --data)",
+    )
     parser.add_argument("--json", help="also write the report to this file")
     parser.set_defaults(func=run)
 
@@ -51,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from moec import cache
 
     dirs = cache.setup()  # before torch compiles anything
-    report = warm(args.plan, args.model, args.batch, args.seq, args.device)
+    report = warm(args.plan, args.model, args.batch, args.seq, args.device, args.vocab_size)
     report["cache"] = str(dirs.folder)
     print(describe(report))
     if args.json:
@@ -59,7 +67,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def warm(plan_path: str, model: str, batch: int, seq: int, device: str) -> dict[str, Any]:
+def warm(
+    plan_path: str, model: str, batch: int, seq: int, device: str, vocab_size: int | None = None
+) -> dict[str, Any]:
     """Build the trainer ``moec train`` would for these arguments and run its first step;
     the time to it by part (:class:`~moec.train.timing.FirstStepClock`)."""
     import torch
@@ -80,7 +90,7 @@ def warm(plan_path: str, model: str, batch: int, seq: int, device: str) -> dict[
             plots=False,
         )
         torch.manual_seed(cfg.seed)
-        trainer = Trainer(load_model(model)[0], plan, cfg)
+        trainer = Trainer(load_model(model, vocab_size=vocab_size)[0], plan, cfg)
         try:
             trainer.startup.step_starts()
             loss = trainer.train_step()
