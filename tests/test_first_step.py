@@ -58,6 +58,8 @@ def test_first_step_clock_parts_are_disjoint_and_sum_to_the_total():
     # the kernel's JIT is not counted again in the step
     assert first["step_s"] + first["kernels"]["triton"]["jit_s"] <= step_wall
     assert "triton JIT" in format_first_step(first)
+    before = first["process_start_to_first_step_s"]
+    assert before is None or before >= first["total_s"]
     # a stopped clock counts nothing more
     compile_clock._each_clock("jit", "triton", 1.0, False)
     assert clock.kernels.times["triton"].kernels_compiled == 1

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -134,7 +136,9 @@ class FirstStepClock:
     The parts are disjoint, so they sum to ``total_s``; ``graphs_compiled`` / ``graphs_cached``
     count the FX graphs Inductor compiled or found in the cache (:mod:`moec.cache`), and
     ``inductor_runtime_autotune_s`` is the part of ``step_s`` (and of Triton's JIT, for the
-    configs compiled then) that Inductor spent autotuning its kernels on their first run."""
+    configs compiled then) that Inductor spent autotuning its kernels on their first run.
+    ``process_start_to_first_step_s`` adds what came before the clock (Python and torch
+    imports, building the model; None where the process's start is unknown)."""
 
     PHASES = ("capture", "passes", "materialize")
 
@@ -144,6 +148,8 @@ class FirstStepClock:
 
         self.device = device
         self.start = time.perf_counter()
+        started = process_start()
+        self.before_s = None if started is None else max(0.0, time.time() - started)
         self.phases_at_start = dict(phase_seconds)
         self.inductor_at_start = inductor_state()
         cute = device.type == "cuda"
@@ -186,6 +192,9 @@ class FirstStepClock:
             "graphs_cached": inductor["graphs_cached"] - self.inductor_at_start["graphs_cached"],
             "inductor_runtime_autotune_s": inductor["runtime_autotune_seconds"]
             - self.inductor_at_start["runtime_autotune_seconds"],
+            "process_start_to_first_step_s": None
+            if self.before_s is None
+            else self.before_s + total,
         }
         return self.result
 
@@ -196,6 +205,20 @@ class FirstStepClock:
         kernels = kernels or {b: dataclasses.asdict(t) for b, t in self.kernels.times.items()}
         inductor = inductor or inductor_state()
         return inductor["seconds"] - self.inductor_at_start["seconds"] + _kernel_seconds(kernels)
+
+
+def process_start() -> float | None:
+    """When this process started (seconds since the epoch, to about a second: the boot time
+    is whole seconds), from Linux's ``/proc``; None elsewhere."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        boot = next(
+            line for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime")
+        )
+    except (OSError, StopIteration):
+        return None
+    ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22, starttime, after the name
+    return int(boot.split()[1]) + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _kernel_seconds(kernels: dict[str, dict[str, Any]]) -> float:
@@ -210,8 +233,10 @@ def format_first_step(parts: dict[str, Any]) -> str:
         for backend, k in parts["kernels"].items()
         if k["kernels_compiled"] or k["configs_benchmarked"] or k["jit_s"]
     )
+    launched = parts.get("process_start_to_first_step_s")
+    since = "" if launched is None else f" ({launched:.1f} s from the process's start)"
     return (
-        f"first step after {parts['total_s']:.1f} s: capture {parts['capture_s']:.1f}, passes "
+        f"first step after {parts['total_s']:.1f} s{since}: capture {parts['capture_s']:.1f}, passes "
         f"{parts['passes_s']:.1f}, materialize {parts['materialize_s']:.1f}, Inductor "
         f"{parts['inductor_s']:.1f} ({parts['graphs_compiled']} graphs compiled, "
         f"{parts['graphs_cached']} from the cache)"
