@@ -236,8 +236,8 @@ def format_first_step(parts: dict[str, Any]) -> str:
     launched = parts.get("process_start_to_first_step_s")
     since = "" if launched is None else f" ({launched:.1f} s from the process's start)"
     return (
-        f"first step after {parts['total_s']:.1f} s{since}: capture {parts['capture_s']:.1f}, passes "
-        f"{parts['passes_s']:.1f}, materialize {parts['materialize_s']:.1f}, Inductor "
+        f"first step after {parts['total_s']:.1f} s{since}: capture {parts['capture_s']:.1f}, "
+        f"passes {parts['passes_s']:.1f}, materialize {parts['materialize_s']:.1f}, Inductor "
         f"{parts['inductor_s']:.1f} ({parts['graphs_compiled']} graphs compiled, "
         f"{parts['graphs_cached']} from the cache)"
         + (f", {kernels}" if kernels else ", no kernel compiled")
