@@ -60,7 +60,7 @@ def bucket(keys: list[str], named: dict[str, Any]) -> str:
     """The shape bucket of a launch: ``keys`` (the autotuner's) as ``name=value``, row counts
     as ``R<=2^n``, then the first tensor's dtype."""
     parts = []
-    for key in keys:
+    for key in (k for k in keys if k in named):  # as the autotuner reads its key
         value = named[key]
         rows = key in ROW_KEYS
         parts.append(f"{key}<={triton.next_power_of_2(value)}" if rows else f"{key}={value}")
@@ -107,7 +107,7 @@ class TableFirst:
         named = dict(zip(tuner.arg_names, args))
         named.update(kwargs)
         first = next(v for v in named.values() if isinstance(v, torch.Tensor))
-        launch = (first.device, first.dtype, *(named[k] for k in tuner.keys))
+        launch = (first.device, first.dtype, *(named.get(k) for k in tuner.keys))
         if launch not in self._decided:
             key = bucket(tuner.keys, named)
             self._decided[launch] = lookup(product(first.device), self.name, key, tuner.configs)
