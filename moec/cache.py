@@ -17,8 +17,10 @@ entries on most of these too; the folders make the cache easy to inspect and pru
   (``FLASH_ATTENTION_CUTE_DSL_CACHE_DIR``, its cache switched on);
 - moec's record of the autotuner's choices (:func:`tuning_record`).
 
-A variable the user set already is left as it is (their cache wins). The call must come before
-anything compiles: Inductor writes its default into ``TORCHINDUCTOR_CACHE_DIR`` on first use.
+A variable the user set already is left as it is (their cache wins); the defaults torch writes
+into ``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR`` itself (importing Inductor's config
+writes the first) are not the user's and are replaced. The call must come before anything
+compiles (what compiled before it is in torch's default folders).
 :func:`setup` is idempotent (the first call in a process decides).
 
 Concurrency: two ranks or two jobs may fill one cache at once. Inductor, Triton and quack write
@@ -126,6 +128,8 @@ def setup(folder: str | Path | None = None) -> CacheDirs:
     tools, ours = {}, {}
     for variable, sub in TOOL_DIRS.items():
         given = os.environ.get(variable)
+        if given and _a_tools_default(variable, given):
+            given = None
         ours[variable] = not given
         path = Path(given) if given else base / sub
         if not given:
@@ -162,6 +166,20 @@ def write_atomic(path: Path, text: str) -> None:
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
+
+
+def _a_tools_default(variable: str, value: str) -> bool:
+    """Whether ``value`` is what torch wrote into ``variable`` itself, not the user: importing
+    Inductor's config sets ``TORCHINDUCTOR_CACHE_DIR`` to its default folder (``import moec``
+    does that), and Inductor's first kernel sets ``TRITON_CACHE_DIR`` to a folder inside it."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    inductor = os.path.abspath(default_cache_dir())
+    if variable == "TORCHINDUCTOR_CACHE_DIR":
+        return os.path.abspath(value) == inductor
+    if variable == "TRITON_CACHE_DIR":
+        return os.path.abspath(value).startswith(os.path.join(inductor, "triton") + os.sep)
+    return False
 
 
 def _switch_on_inductor_caches() -> None:

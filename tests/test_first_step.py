@@ -191,6 +191,19 @@ def test_setup_points_every_tool_into_one_namespace_and_keeps_the_users_own(fres
     assert cache.tuning_record() == folder / "tuning_choices.json"
 
 
+def test_setup_replaces_the_folders_torch_chose_itself(fresh_cache, tmp_path):
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    fresh_cache.setenv("MOEC_CACHE_DIR", str(tmp_path / "moec"))
+    # what importing Inductor's config and its first kernel write, without the user
+    fresh_cache.setenv("TORCHINDUCTOR_CACHE_DIR", os.path.abspath(default_cache_dir()))
+    fresh_cache.setenv("TRITON_CACHE_DIR", os.path.join(default_cache_dir(), "triton", "0"))
+    dirs = cache.setup()
+    assert dirs.ours["TORCHINDUCTOR_CACHE_DIR"] and dirs.ours["TRITON_CACHE_DIR"]
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(dirs.folder / "inductor")
+    assert os.environ["TRITON_CACHE_DIR"] == str(dirs.folder / "triton")
+
+
 def test_namespace_separates_devices_and_versions():
     import torch
 
