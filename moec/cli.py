@@ -8,6 +8,7 @@
     moec debug llama --plan p.yaml --out dbg  the graph after every pass, and dbg/repro.py
     moec demo / moec train ...                training (moec.train)
     moec data build DIR [--source PATH ...]   a corpus from the text on this machine, tokenized
+    moec warmup PLAN --model M                fill the compile cache for a job (moec.warmup)
 
 MODEL is a short name (``llama``, ``gpt2``, ``hf-llama``, ``hf-qwen2``, ``hf-gpt2``) or
 ``path/to/file.py:factory`` (see :mod:`moec.models.zoo`).
@@ -30,6 +31,7 @@ from types import SimpleNamespace
 from rich.console import Console
 from rich.table import Table
 
+from moec import warmup
 from moec.autoplan.cli import add_plan_auto_parser
 from moec.errors import MoecError, one_line
 from moec.export.cli import add_export_parser
@@ -503,6 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=cmd_train)
     add_export_parser(sub)
     _add_data_parser(sub)
+    warmup.add_parser(sub)
     return parser
 
 

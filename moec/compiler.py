@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -39,6 +40,22 @@ from moec.plan import Plan
 from moec.program import Program
 from moec.runtime.compiled import CompiledModel
 from moec.runtime.materialize import Checkpoint, materialize
+
+PHASES = ("capture", "passes", "materialize")
+phase_seconds: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+"""Seconds this process has spent in each phase of compiling, summed over compiles (the
+memory check's build on the meta device included); :mod:`moec.train.timing` reads the
+differences over a run's start."""
+
+
+@contextlib.contextmanager
+def timed(phase: str) -> Iterator[None]:
+    """Add the block's wall time to ``phase_seconds[phase]``."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        phase_seconds[phase] += time.perf_counter() - start
 
 
 def compile(
@@ -96,7 +113,9 @@ def compile(
 
     def initialize(program: Program) -> None:
         # a pipeline rank (PipelineMesh) builds only the parameters of the stages it holds
-        materialize(program, init_from, init_device, model, pp_rank=getattr(mesh, "pp_rank", None))
+        with timed("materialize"):
+            pp_rank = getattr(mesh, "pp_rank", None)
+            materialize(program, init_from, init_device, model, pp_rank=pp_rank)
 
     compiled = CompiledModel(
         plan,
@@ -175,11 +194,12 @@ def _build(
 ) -> Program:
     """Capture and passes (:func:`build_program` without its check)."""
     mode = training if has_batch_norm(model) else True
-    with in_mode(model, mode):
+    with in_mode(model, mode), timed("capture"):
         program = capture(model, args, kwargs)
     names = select(plan) if names is None else names
     ctx = PassContext(plan, program, ep_group=getattr(mesh, "ep_info", None))
-    PassManager(names, verify=verify, dump=dump, print_after=print_after).run(program, ctx)
+    with timed("passes"):
+        PassManager(names, verify=verify, dump=dump, print_after=print_after).run(program, ctx)
     program.pass_results = ctx.results
     program.pass_pipeline = pipeline_string(plan, names)
     return program

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from moec.kernels import tuning
 from moec.kernels.arch import interpreting
 
 UNARY_CODES = {"gelu": 0, "gelu_tanh": 1, "silu": 2, "relu": 3}
@@ -152,13 +153,15 @@ TILES = (
 
 
 @functools.cache
-def _tuned() -> triton.runtime.Autotuner:
-    """The autotuned kernel (``MOEC_AUTOTUNE=0`` and the interpreter keep the first tile: tests,
-    CI). The tile depends on the row width and the mode, not on the number of rows."""
+def _tuned() -> tuning.TableFirst:
+    """The autotuned kernel, the shipped tile table consulted first (:mod:`.tuning`;
+    ``MOEC_AUTOTUNE=0`` and the interpreter keep the first tile: tests, CI). The tile depends
+    on the row width and the mode, not on the number of rows."""
     untuned = os.environ.get("MOEC_AUTOTUNE", "1") == "0" or interpreting()
     tiles = list(TILES[:1] if untuned else TILES)
     key = ["H", "ACT", "GATED", "BACKWARD", "STORE_A"]
-    return triton.autotune(configs=tiles, key=key)(_act_kernel)
+    tuned = triton.autotune(configs=tiles, key=key, cache_results=True)(_act_kernel)
+    return tuning.TableFirst("activation.act", tuned)
 
 
 def _launch(

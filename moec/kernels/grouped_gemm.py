@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from moec.kernels import cute_gemm, grouped_tma
+from moec.kernels import cute_gemm, grouped_tma, tuning
 from moec.kernels.activation import KernelActivation, act_backward, act_forward
 from moec.kernels.arch import arch
 from moec.kernels.gemm_backend import KernelBackend, backend
@@ -231,8 +231,9 @@ def configs(kind: str, family: str) -> list[triton.Config]:
 
 
 @functools.cache
-def _tuned(kind: str, family: str) -> triton.runtime.Autotuner:
-    """The autotuned kernel; ``MOEC_AUTOTUNE=0`` keeps only the first config (tests, CI)."""
+def _tuned(kind: str, family: str) -> tuning.TableFirst:
+    """The autotuned kernel, the shipped tile table consulted first (:mod:`.tuning`);
+    ``MOEC_AUTOTUNE=0`` keeps only the first config (tests, CI)."""
     kernel = _gmm_wgrad_kernel if kind == "wgrad" else _gmm_kernel
     key = ["R", "K", "M"] if kind == "wgrad" else ["R", "K", "N_OUT", "EPILOGUE", "NUM_EXPERTS"]
     candidates = configs(kind, family)
@@ -240,7 +241,8 @@ def _tuned(kind: str, family: str) -> triton.runtime.Autotuner:
         candidates = candidates[:1]
     if kind != "wgrad":
         kernel = triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})(kernel)
-    return triton.autotune(configs=candidates, key=key)(kernel)
+    tuned = triton.autotune(configs=candidates, key=key, cache_results=True)(kernel)
+    return tuning.TableFirst(f"grouped_gemm.{kind}", tuned)
 
 
 def _check_operands(x: Tensor, w: Tensor, offsets: Tensor) -> None:

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from moec.kernels import tuning
 from moec.kernels.activation import KernelActivation
 from moec.kernels.arch import arch, interpreting
 from moec.kernels.gemm_tiles import EPILOGUE_ACT, epilogue, expert_table, expert_tile
@@ -157,13 +158,15 @@ def configs(kind: str, family: str) -> list[triton.Config]:
 
 
 @functools.cache
-def _tuned(kind: str, family: str) -> triton.runtime.Autotuner:
-    """The autotuned kernel; ``MOEC_AUTOTUNE=0`` keeps only the first config (tests, CI)."""
+def _tuned(kind: str, family: str) -> tuning.TableFirst:
+    """The autotuned kernel, the shipped tile table consulted first (:mod:`.tuning`);
+    ``MOEC_AUTOTUNE=0`` keeps only the first config (tests, CI)."""
     candidates = configs(kind, family)
     if os.environ.get("MOEC_AUTOTUNE", "1") == "0":
         candidates = candidates[:1]
     key = ["R", "K", "N_OUT", "EPILOGUE", "NUM_EXPERTS"]
-    return triton.autotune(configs=candidates, key=key)(_gmm_tma_kernel)
+    tuned = triton.autotune(configs=candidates, key=key, cache_results=True)(_gmm_tma_kernel)
+    return tuning.TableFirst(f"grouped_tma.{kind}", tuned)
 
 
 def _scratch(size: int, alignment: int, stream: int | None) -> Tensor:

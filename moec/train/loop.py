@@ -24,7 +24,7 @@ from moec.runtime.compiled import CompiledModel
 from moec.runtime.metrics import bf16_peak_tflops, count_host_syncs, useful_mfu
 from moec.runtime.profiling import ProfileWindow, StepProfiler
 from moec.train.routing_health import CollapseWatch
-from moec.train.timing import NonStepTime, StepClock, wait_for_device
+from moec.train.timing import NonStepTime, StepClock, format_first_step, wait_for_device
 
 if TYPE_CHECKING:
     from moec.train.trainer import Trainer
@@ -69,6 +69,8 @@ class TrainingLoop:
         self.steady_steps = 0
         self.timed_s, self.timed_steps = 0.0, 0
         self.syncs: int | None = None
+        self.first_step: dict[str, Any] | None = None
+        """The time to this call's first step, by part (:class:`FirstStepClock`)."""
         self.skipped = 0
         self.spike_skipped = 0
         self.longest_streak = 0
@@ -92,9 +94,13 @@ class TrainingLoop:
         )
         profiler = self._profiler()
         try:
+            t.startup.step_starts()
             while t.step < cfg.steps:
                 with profiler.step(t.step) if profiler else contextlib.nullcontext():
                     self._step(eager=profiler is not None and profiler.active)
+                if self.first_step is None:
+                    self.first_step = t.startup.finish()
+                    t._say(format_first_step(self.first_step))
                 self._after_step(log, progress, task, written)
         finally:
             if profiler is not None:
@@ -226,6 +232,8 @@ class TrainingLoop:
             "params": t.params,
             "active_params": t.active_params,
             "host_syncs_per_step": self.syncs,
+            "first_step_s": None if self.first_step is None else self.first_step["total_s"],
+            "first_step": self.first_step,
             "data_stalls": t.batches.stalls,
             "checkpoint_errors": t.checkpoint_errors,
             **self.non_step.fields(),

@@ -59,6 +59,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from moec import cache as moec_cache
 from moec.analysis.cost import graph_cost
 from moec.analysis.rank_memory import GIB, format_rank_memory, rank_memory
 from moec.compiler import compile, holds_storage, meta_program
@@ -105,6 +106,7 @@ from moec.train.evaluation import Evaluator, held_out
 from moec.train.loop import TrainingLoop, TrainResult, max_vio, mean_of
 from moec.train.objective import LanguageModelWithLoss, parameter_groups
 from moec.train.run_lock import RunLock, RunLockError, check_free, lock_run_dir
+from moec.train.timing import FirstStepClock
 
 
 class MemoryPlanError(MoecError):
@@ -122,6 +124,9 @@ class Trainer:
         self.mesh = join_job(plan)
         self.rank = dist.get_rank() if self.mesh else 0
         self.device = resolve_device(cfg.device)
+        moec_cache.setup()  # before anything compiles: launches reuse what others compiled
+        self.startup = FirstStepClock(self.device)
+        """Time to the first step, by part (``first_step`` in the summary)."""
         self.out = writable_folder(cfg.out, flag_of("out"))
         vocab = model_vocab(model)
         micro = plan.parallel.microbatches

@@ -1,0 +1,104 @@
+"""Fill moec's shipped tile table (``moec/kernels/tuning.json``) by autotuning on this GPU.
+
+Runs ``benchmarks/e2e.py``'s moec training steps (the Table 47 workload; ``--small``: its
+SMALL shape) with autotuning on, the table switched off (``MOEC_TUNING_TABLE=0``) and a fresh
+moec cache, so that every autotuned Triton kernel those steps launch is benchmarked here, under
+the GEMM policy with the CuTe DSL and again without it (which sends more pieces to moec's
+Triton kernels). The choices moec recorded (:func:`moec.cache.tuning_record`) are then written
+into the table under this GPU's product (H100, H200, B200, B300), replacing that product's
+entries for the same kernels and buckets. Review the diff, and record the run (device, commit,
+command) in ``benchmarks/RESULTS.md`` before committing the table.
+
+    python benchmarks/tune_table.py [--small] [--steps 2] [--table PATH] [--dry-run]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+# before moec's kernels are built: every candidate benchmarked, none taken from the table
+os.environ["MOEC_AUTOTUNE"] = "1"
+os.environ["MOEC_TUNING_TABLE"] = "0"
+os.environ["MOEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="moec_tune_table_")
+
+import torch  # noqa: E402
+
+from benchmarks import e2e  # noqa: E402
+from moec import cache  # noqa: E402
+from moec.kernels import gemm_backend, tuning  # noqa: E402
+from moec.train import TrainConfig, Trainer  # noqa: E402
+
+
+def arguments() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="e2e's SMALL shape")
+    parser.add_argument("--steps", type=int, default=2, help="training steps per policy")
+    parser.add_argument("--table", default=str(tuning.TABLE), help="the table file to update")
+    parser.add_argument("--dry-run", action="store_true", help="print the entries, write nothing")
+    return parser
+
+
+def tune(small: bool, steps: int) -> dict[str, dict[str, dict]]:
+    """Run the workload's steps under both GEMM policies; the choices recorded, by product."""
+    cache.setup()
+    s = e2e.SMALL if small else e2e.FULL
+    cfg = TrainConfig(
+        lr=e2e.LR,
+        steps=2 * steps,
+        batch_size=s["micro"],
+        seq_len=s["seq"],
+        device="cuda",
+        synthetic=True,
+        out=tempfile.mkdtemp(prefix="moec_tune_table_run_"),
+        plots=False,
+    )
+    trainer = Trainer(e2e.dense_model(s), e2e.moe_plan(s), cfg)
+    for _ in range(steps):
+        trainer.train_step()
+    with gemm_backend.without_quack():
+        for _ in range(steps):
+            trainer.train_step()
+    torch.cuda.synchronize()
+    trainer.batches.close()
+    record = cache.tuning_record()
+    return json.loads(record.read_text()) if record.exists() else {}
+
+
+def merge(table: dict, product: str, chosen: dict[str, dict]) -> int:
+    """Write ``chosen`` (kernel -> bucket -> config) into ``table[product]``; entries written."""
+    shipped = table.setdefault(product, {})
+    for kernel, buckets in chosen.items():
+        shipped.setdefault(kernel, {}).update(buckets)
+    return sum(len(b) for b in chosen.values())
+
+
+def main() -> None:
+    args = arguments().parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("tune_table.py autotunes on a GPU: none is visible")
+    product = tuning.product(torch.device("cuda"))
+    if product is None:
+        sys.exit(
+            f"{torch.cuda.get_device_name()} is none of {', '.join(tuning.PRODUCTS)}: the table "
+            "holds those products only"
+        )
+    chosen = tune(args.small, args.steps).get(product, {})
+    for kernel, buckets in sorted(chosen.items()):
+        for bucket, config in sorted(buckets.items()):
+            print(f"{product} {kernel} [{bucket}]: {json.dumps(config)}")
+    if args.dry_run:
+        return
+    path = Path(args.table)
+    table = json.loads(path.read_text())
+    written = merge(table, product, chosen)
+    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    print(f"{written} entries for {product} written to {path}")
+
+
+if __name__ == "__main__":
+    main()
