@@ -26,7 +26,7 @@ from tests.models import tiny_llama
 PLAN = {
     "moe": {"num_experts": 4, "top_k": 2, "routing": "random", "dense_first": 1},
 }
-TIMING = ("step_time_s", "tokens_per_s_per_gpu", "useful_mfu", "eval_s", "checkpoint_s")
+TIMING = ("step_time_s", "tokens_per_s_per_device", "useful_mfu", "eval_s", "checkpoint_s")
 
 
 def _cfg(out: Path, **kw) -> TrainConfig:

@@ -88,7 +88,7 @@ from moec.runtime.distributed import (
 from moec.runtime.distributed import parameter_groups as dist_parameter_groups
 from moec.runtime.fsdp import set_gradient_sync
 from moec.runtime.materialize import FreshInit, SubmoduleSource, open_source
-from moec.runtime.metrics import bf16_peak_tflops, useful_mfu
+from moec.runtime.metrics import THROUGHPUT, bf16_peak_tflops, tokens_per_s, useful_mfu
 from moec.runtime.step_graph import StepGraph, graph_blocker
 from moec.train.config import (
     FRESH_INIT,
@@ -700,7 +700,9 @@ class Trainer:
         if cfg.plots and writer:
             from moec.plots import write_plots
 
-            written += write_plots(self.out, history, self.compiled.routing_stats())
+            written += write_plots(
+                self.out, history, self.compiled.routing_stats(), summary, self.device
+            )
         return TrainResult(loop.losses, summary, self.compiled, self.out, written)
 
     def _keep_steps_before(self, exc: DataError, start: int) -> DataError:
@@ -751,7 +753,7 @@ class Trainer:
             "loss": loss,
             "lr": self.scheduler.get_last_lr()[0],
             "step_time_s": step_time,
-            "tokens_per_s_per_gpu": tokens / step_time,
+            THROUGHPUT: tokens_per_s(tokens, step_time),
             "useful_mfu": mfu,
             "skipped_steps": skipped,
             "spike_skipped_steps": spike_skipped,
