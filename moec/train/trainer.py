@@ -30,7 +30,8 @@ the learning rate by sqrt(batch / first batch) (:func:`moec.train.config.lr_fact
 Outputs under ``out`` (never written through a link, :mod:`moec.runtime.run_files`):
 ``run.lock`` while the run runs (one run per folder, :mod:`moec.train.run_lock`),
 ``run.json`` (the run's identity, :mod:`moec.runtime.run_identity`),
-``metrics.jsonl`` (one line per log step), ``summary.json``, PNG plots (loss, throughput,
+``metrics.jsonl`` (one line per log step, with its window's per-step losses and learning
+rates), ``summary.json``, PNG plots (every step's loss and learning rate, throughput,
 load-balancing loss and MaxVio, per-layer expert-load heatmap; need matplotlib) and
 ``checkpoints/step_N``, committed atomically by :mod:`moec.runtime.checkpoint_store` (DCP
 shards loadable at any EP degree, a manifest with checksums; the newest ``keep_checkpoints``
