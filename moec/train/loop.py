@@ -180,8 +180,8 @@ class TrainingLoop:
             if collapse:
                 t._say(f"warning: {collapse}")
             if progress:
-                tokens_per_s = self._throughput()["tokens_per_s"]
-                progress.update(task, completed=t.step, **_progress_fields(record, tokens_per_s))
+                so_far = self._throughput()["tokens_per_s"]
+                progress.update(task, completed=t.step, **_progress_fields(record, so_far))
         if (cfg.checkpoint_every and t.step % cfg.checkpoint_every == 0) or done:
             with self.non_step.timed("checkpoint"):
                 committed = t.save_checkpoint()
@@ -337,7 +337,7 @@ def max_vio(layers: list[dict[str, Any]]) -> float | None:
     return max((v for layer in layers if (v := layer["max_vio"]) is not None), default=None)
 
 
-def _progress_fields(record: dict[str, Any], tokens_per_s: float | None) -> dict[str, str]:
+def _progress_fields(record: dict[str, Any], throughput: float | None) -> dict[str, str]:
     """The progress line's fields at the log point of ``record``, with the throughput so far
     (the summary's); ``eval`` only at eval points (the line keeps the last)."""
     drop = record["drop_rate"]
@@ -345,7 +345,7 @@ def _progress_fields(record: dict[str, Any], tokens_per_s: float | None) -> dict
     return {
         **evaluated,
         "loss": f"{record['loss']:.3f}",
-        "tps": "-" if tokens_per_s is None else f"{tokens_per_s:,.0f}",
+        "tps": "-" if throughput is None else f"{throughput:,.0f}",
         "drop": "-" if drop is None else f"{100 * drop:.1f}%",
         "imb": "-" if record["load_imbalance"] is None else f"{record['load_imbalance']:.2f}",
     }
