@@ -15,7 +15,7 @@ from moec.export.hf import BUNDLED_LLAMA, _bundled_llama_config, _source_of
 from moec.models import Llama, LlamaConfig
 from moec.runtime import run_identity
 from moec.train import TrainConfig, train
-from tests.models import hf_family, tiny_gpt2, tokens
+from tests.models import hf_family, hf_model, tiny_gpt2, tokens
 
 PLAN = {"moe": {"num_experts": 4, "top_k": 2, "init": "random", "capacity_factor": None}}
 
@@ -82,7 +82,7 @@ def test_the_bundled_gpt2_is_refused_for_what_it_is(tmp_path):
 def test_an_hf_gpt2_is_refused_by_its_family_not_as_a_non_decoder(tmp_path):
     """GPT-2 is a transformers decoder; what it lacks is an HF MoE counterpart."""
     torch.manual_seed(0)
-    _train(hf_family("gpt2"), tmp_path)
+    _train(hf_model("gpt2"), tmp_path)
     with pytest.raises(ExportError, match="no HF MoE architecture for a 'gpt2' source") as caught:
         export_hf(tmp_path)
     assert "decoder" not in str(caught.value)
