@@ -15,7 +15,7 @@ from moec.cli import main
 from moec.models import Llama, LlamaConfig
 from moec.models.zoo import load_model
 from moec.plan import Plan, PlanError
-from moec.train import TrainConfig, Trainer
+from moec.train import DEMO_PLAN, TrainConfig, Trainer
 from tests.distributed import spawn
 from tests.models import tiny_llama, tokens
 
@@ -53,6 +53,10 @@ def _cfg(out: Path, world: int) -> TrainConfig:
 
 def test_the_readme_names_a_model_for_every_example_plan():
     assert sorted(COMMANDS) == sorted(p.name for p in PLANS.glob("*.yaml"))
+
+
+def test_demo_yaml_is_the_plan_moec_demo_uses():
+    assert Plan.load(PLANS / "demo.yaml").to_dict() == Plan.from_dict(DEMO_PLAN).to_dict()
 
 
 ONE_PROCESS = [name for name, (_, world) in sorted(COMMANDS.items()) if world == 1]
