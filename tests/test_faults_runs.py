@@ -68,14 +68,14 @@ def test_checkpoint_writes_are_reported_apart_from_step_time(tmp_path, monkeypat
     records = _metrics(tmp_path)
     tokens = 4 * 16  # batch x sequence per step
     assert [r["step"] for r in records] == [2, 4, 6, 8, 10]
-    assert all(r["step_time_s"] == 1.0 and r["tokens_per_s_per_gpu"] == tokens for r in records)
+    assert all(r["step_time_s"] == 1.0 and r["tokens_per_s_per_device"] == tokens for r in records)
     # the writes after steps 4 and 8 fall in the windows that follow; the last, after step 10,
     # in no window
     assert [r["checkpoint_s"] for r in records] == [0.0, 0.0, 100.0, 0.0, 100.0]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary == result.summary
     assert summary["steady_step_time_s"] == 1.0
-    assert summary["tokens_per_s_per_gpu"] == tokens
+    assert summary["tokens_per_s_per_device"] == tokens
     assert summary["checkpoint_s"] == 300.0
     capsys.readouterr()
     print_summary(result)

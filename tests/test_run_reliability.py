@@ -298,14 +298,14 @@ def test_a_resumed_runs_metrics_summary_and_plots_cover_the_whole_run(
     first_loss = full.summary["first_loss"]
     shutil.rmtree(tmp_path / "checkpoints" / "step_6")  # as if killed after logging step 6
     plotted = []
-    monkeypatch.setattr(moec.plots, "write_plots", lambda out, h, r: plotted.append(h) or [])
+    monkeypatch.setattr(moec.plots, "write_plots", lambda out, h, *rest: plotted.append(h) or [])
     cfg = _cfg(tmp_path, steps=6, checkpoint_every=4, resume=True, plots=True)
     resumed = train(tiny_llama(), PLAN, cfg)
     assert len(resumed.losses) == 2  # resumed at step 4
     assert [r["step"] for r in _metrics(tmp_path)] == [1, 2, 3, 4, 5, 6]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["first_loss"] == first_loss == full.losses[0]
-    assert summary["tokens_per_s_per_gpu"] > 0 and "too few" in summary["throughput_from"]
+    assert summary["tokens_per_s_per_device"] > 0 and "too few" in summary["throughput_from"]
     assert [r["step"] for r in plotted[0]] == [1, 2, 3, 4, 5, 6]
     _resume_of_a_finished_run_writes_nothing(tmp_path, cfg, capsys)  # item 4 of the issue
 

@@ -26,7 +26,9 @@ from tests.models import tiny_dropout_llama, tiny_llama
 PLAN = {
     "moe": {"num_experts": 4, "top_k": 2, "dense_first": 1},
 }
-TIMING = ("step_time_s", "tokens_per_s_per_gpu", "useful_mfu", "eval_s", "checkpoint_s")
+TIMING = ("step_time_s", "tokens_per_s_per_device", "useful_mfu", "eval_s", "checkpoint_s")
+WINDOW = ("step_losses", "step_lrs")
+"""A record's per-step values, over its log window (eval points are log points too)."""
 
 
 def _cfg(out: Path, **kw) -> TrainConfig:
@@ -110,9 +112,11 @@ def test_eval_changes_no_training_step_and_is_reported_across_a_resume(tmp_path)
     assert [r["step"] for r in records if "eval_loss" in r] == [2, 4, 6]
     by_step = {r["step"]: r for r in records}
     for r in before:  # the routing statistics are the training forward's, not the eval's
-        assert {k: v for k, v in r.items() if k not in TIMING} == {
-            k: v for k, v in by_step[r["step"]].items() if k not in (*TIMING, "eval_loss")
+        assert {k: v for k, v in r.items() if k not in (*TIMING, *WINDOW)} == {
+            k: v for k, v in by_step[r["step"]].items() if k not in (*TIMING, *WINDOW, "eval_loss")
         }
+    for key in WINDOW:  # every step's, whatever the windows
+        assert [v for r in before for v in r[key]] == [v for r in records for v in r[key]]
     evals = {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r}
     best = min(evals, key=evals.get)
     summary = json.loads((tmp_path / "eval" / "summary.json").read_text())

@@ -1,4 +1,6 @@
-"""``moec export RUN_OR_CHECKPOINT --to DIR --format hf``: the command line of :mod:`moec.export`.
+"""``moec export RUN_OR_CHECKPOINT [--to DIR] [--format hf]``: the command line of
+:mod:`moec.export`; ``moec export RUN`` alone writes the run's newest checkpoint of the model and
+plan its ``run.json`` recorded to ``RUN/hf``.
 
 :func:`add_export_parser` registers the subcommand on ``moec``'s subparsers (``build_parser``
 in :mod:`moec.cli` calls it); :func:`cmd_export` runs it. Errors are
@@ -39,17 +41,21 @@ def add_export_parser(subparsers: argparse._SubParsersAction) -> None:
         help="write a trained run's checkpoint as a transformers MoE model",
         description="Write a moec run's newest committed checkpoint (or the checkpoint given) "
         "as a transformers-loadable MoE model (config.json + model.safetensors): Llama/"
-        "Mistral -> Mixtral or Qwen2-MoE, Qwen2 -> Qwen2-MoE, Qwen3 -> Qwen3-MoE, OLMo-2 -> "
-        "FlexOlmo. Semantic differences (capacity drops, router z-loss) are printed.",
+        "Mistral (moec's bundled llama too) -> Mixtral or Qwen2-MoE, Qwen2 -> Qwen2-MoE, "
+        "Qwen3 -> Qwen3-MoE, OLMo-2 -> FlexOlmo. The model and plan are those the run's "
+        "run.json recorded unless given. Semantic differences (capacity drops, router z-loss) "
+        "are printed.",
     )
     export.add_argument("source", help="a moec run directory, or RUN/checkpoints/step_N")
-    export.add_argument("--to", required=True, metavar="DIR", help="output directory")
+    export.add_argument(
+        "--to", metavar="DIR", help="output directory (default: hf/ in the run directory)"
+    )
     export.add_argument("--format", choices=FORMATS, default="hf", help="hf: transformers")
     source = export.add_mutually_exclusive_group()
     source.add_argument(
         "--model",
-        help="the model the run trained (as for moec train: hf-llama, file.py:factory); "
-        "its transformers config gives the architecture",
+        help="the model the run trained (as for moec train: hf-llama, file.py:factory; "
+        "default: the one the run's run.json recorded); its config gives the architecture",
     )
     source.add_argument(
         "--config",

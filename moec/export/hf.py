@@ -11,8 +11,11 @@ per-expert layout, e.g. Mixtral's ``block_sparse_moe.experts.{e}.w1/w2/w3``, whi
 transformers 4.x/5.x and the serving engines read).
 
 What it needs besides the checkpoint: the plan (``run.json`` of the run, or given) and the
-source model's transformers config (the model the run compiled, whose ``.config`` is used, or a
-``config.json``): shapes alone do not say the head count, rope or norm settings.
+source model's architecture (shapes alone do not say the head count, rope or norm settings):
+by default the model configuration ``run.json`` recorded (read as data: a transformers
+model's config, or the config of moec's bundled Llama, which maps onto transformers' Llama),
+else the model given (a module or a ``moec train --model`` spec) or a ``config.json``. The
+output folder defaults to ``RUN/hf``.
 
 Architectures (source ``model_type`` -> target)::
 
@@ -41,7 +44,15 @@ and ungated (plain) expert activations (HF experts are bias-free GLUs), a shared
 dense first blocks where the target has none (Qwen3-MoE, FlexOlmo), un-normalized weights on a
 target that always normalizes, a source config field the target lacks at a non-neutral value
 (e.g. Llama ``attention_bias``, a Mistral sliding window on Qwen2-MoE), families with no HF MoE
-counterpart (GPT-2, Phi, GPT-NeoX, Gemma, moec's bundled models).
+counterpart (GPT-2, Phi, GPT-NeoX, Gemma, moec's bundled GPT-2), and a source the export
+cannot rebuild the architecture of (a model neither from transformers nor bundled, without
+``config``). The family is checked first, so a refusal names it before any tensor is read.
+
+moec's bundled :class:`~moec.models.Llama` computes what transformers' ``LlamaForCausalLM``
+computes (pre-norm RMSNorm blocks, rotate-half RoPE, grouped-query attention, a SwiGLU FFN):
+its config maps field by field (``dim`` -> ``hidden_size``, ...) and its tensors by name
+(``layers.N.attn`` -> ``model.layers.N.self_attn``, ...); per-block FFN widths
+(``ffn_hidden_per_layer``) have no Llama config field and are refused.
 
 Besides the model, ``out`` gets ``moec_export.json``: the checkpoint read, the architecture
 and the notes below that apply.
@@ -64,6 +75,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -206,6 +218,19 @@ class ExportResult:
     """Where the exported model's semantics differ from the moec program."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """The source model's architecture as a transformers config, and how its checkpoint's
+    tensor names map onto that config's model."""
+
+    config: Any
+    """A ``PretrainedConfig`` of one of :data:`FAMILIES`."""
+    anchor: str = "model.embed_tokens.weight"
+    """The token embedding's name in the checkpoint, below its wrapper prefix."""
+    rename: Callable[[str], str] | None = None
+    """Checkpoint name -> transformers name (None: the names are transformers' already)."""
+
+
 # --- finding the checkpoint, plan and source config ---------------------------------------------
 
 
@@ -260,16 +285,15 @@ def resolve_plan(plan: Plan | dict | str | Path | None, run_dir: Path | None) ->
     return Plan.from_dict(recorded["plan"])
 
 
-def resolve_config(
+def resolve_source(
     model: torch.nn.Module | str | None,
     config: Any,
     run_dir: Path | None,
-) -> Any:
-    """The source model's transformers config: ``model.config`` (a module, or a model spec of
+) -> Source:
+    """The source model's architecture: ``model``'s (a module, or a model spec of
     :mod:`moec.models.zoo` built on the meta device), or ``config`` (a ``PretrainedConfig``, a
-    ``config.json`` or a folder holding one); checked against the run's recorded model."""
-    from transformers import AutoConfig, PretrainedConfig
-
+    ``config.json`` or a folder holding one), checked against the run's recorded model; with
+    neither, the configuration ``run.json`` recorded."""
     recorded = None if run_dir is None else (run_identity.read(run_dir) or {}).get("model")
     if model is not None:
         if isinstance(model, str):
@@ -277,23 +301,65 @@ def resolve_config(
 
             with torch.device("meta"):
                 model = load_model(model)[0]
-        if recorded is not None and run_identity.model_spec(model) != recorded:
+        given = run_identity.model_spec(model)
+        if recorded is not None and run_identity.compared(given) != run_identity.compared(recorded):
             raise ExportError(
-                f"the model given ({run_identity.model_spec(model)}) is not the one the run "
-                f"in {run_dir} trained ({recorded}): give the run's --model"
+                f"the model given ({run_identity.compared(given)}) is not the one the run in "
+                f"{run_dir} trained ({run_identity.compared(recorded)}): give the run's --model"
             )
-        config = getattr(model, "config", None)
-        if not isinstance(config, PretrainedConfig):
-            raise ExportError(
-                f"{type(model).__name__} has no transformers config (.config): only "
-                f"transformers models of the families {sorted(FAMILIES)} can be exported"
-            )
-        return config
+        return _source_of(given["class"], getattr(model, "config", None) or given.get("config"))
+    if config is not None:
+        return Source(_given_config(config, recorded, run_dir))
+    if recorded is None:
+        raise ExportError(
+            "the checkpoint has no run.json two folders up to read its model from: give "
+            "--model MODEL (as for moec train) or --config PATH (its config.json, e.g. the "
+            "--init-from folder)"
+        )
+    return _source_of(recorded.get("class", "?"), recorded.get(run_identity.CONFIG), run_dir)
+
+
+def _source_of(qualified: str, config: Any, run_dir: Path | None = None) -> Source:
+    """The :class:`Source` of a model of class ``qualified`` with configuration ``config`` (a
+    ``PretrainedConfig`` or as ``run.json`` records it)."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    where = "the model given" if run_dir is None else f"the run in {run_dir}"
+    if qualified == BUNDLED_GPT2:
+        raise ExportError(
+            f"{where} is moec's bundled GPT-2, and no HF MoE architecture has GPT-2's blocks "
+            "(LayerNorm, learned positions, biased ungated GELU FFNs): export supports sources "
+            f"of the families {', '.join(sorted(FAMILIES))} and moec's bundled Llama"
+        )
+    if qualified != BUNDLED_LLAMA and not qualified.startswith("transformers."):
+        raise ExportError(
+            f"{where} is a {qualified}, neither a transformers model nor moec's bundled "
+            "Llama, so its architecture has no HF config to start from: give --config PATH, "
+            "the config.json of a transformers model it equals"
+        )
     if config is None:
         raise ExportError(
-            "the export needs the source model's architecture: give --model MODEL (as for "
-            "moec train) or --config PATH (its config.json, e.g. the --init-from folder)"
+            f"{where} ({qualified}) has no recorded configuration (a run of an earlier moec): "
+            "give --model MODEL (as for moec train) or --config PATH"
         )
+    if qualified == BUNDLED_LLAMA:
+        return Source(_bundled_llama_config(config), "embed.weight", _bundled_llama_name)
+    if not isinstance(config, PretrainedConfig):
+        try:
+            config = AutoConfig.for_model(**config)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ExportError(
+                f"the configuration {where} recorded cannot be read as a transformers config "
+                f"({exc}): give --config PATH"
+            ) from exc
+    return Source(config)
+
+
+def _given_config(config: Any, recorded: dict[str, Any] | None, run_dir: Path | None) -> Any:
+    """``--config``: a ``PretrainedConfig``, a ``config.json`` or a folder with one, checked
+    against the family of the run's recorded model."""
+    from transformers import AutoConfig, PretrainedConfig
+
     if not isinstance(config, PretrainedConfig):
         path = Path(config)
         if path.is_file():
@@ -314,6 +380,68 @@ def resolve_config(
     return config
 
 
+# --- moec's bundled Llama as transformers' Llama -------------------------------------------------
+
+BUNDLED_LLAMA = "moec.models.llama.Llama"
+BUNDLED_GPT2 = "moec.models.gpt2.GPT2"
+
+_BUNDLED_LLAMA_NAMES = (
+    (r"embed\.weight", "model.embed_tokens.weight"),
+    (r"norm\.weight", "model.norm.weight"),
+    (r"lm_head\.weight", "lm_head.weight"),
+    (r"layers\.(\d+)\.attn_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
+    (r"layers\.(\d+)\.attn\.([qkvo]_proj\.weight)", r"model.layers.\1.self_attn.\2"),
+    (r"layers\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
+    (r"layers\.(\d+)\.ffn\.(.+)", r"model.layers.\1.mlp.\2"),
+)
+"""moec.models.Llama's parameter names -> LlamaForCausalLM's (the FFN's MoE tensors too)."""
+
+
+def _bundled_llama_name(name: str) -> str:
+    for pattern, replacement in _BUNDLED_LLAMA_NAMES:
+        if re.fullmatch(pattern, name):
+            return re.sub(pattern, replacement, name)
+    raise ExportError(
+        f"the checkpoint's tensor {name!r} is not one of moec's bundled Llama: the checkpoint "
+        "is not of the model its run.json records"
+    )
+
+
+def _bundled_llama_config(cfg: dict[str, Any]) -> Any:
+    """transformers' ``LlamaConfig`` of moec's bundled Llama of config ``cfg`` (see module)."""
+    import transformers
+
+    try:
+        widths = set(cfg.get("ffn_hidden_per_layer") or [cfg["ffn_hidden"]])
+        if len(widths) > 1:
+            raise ExportError(
+                f"moec's bundled Llama has per-block FFN widths (ffn_hidden_per_layer = "
+                f"{cfg['ffn_hidden_per_layer']}), which no HF Llama config holds (one "
+                "intermediate_size for every block)"
+            )
+        return transformers.LlamaConfig(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["dim"],
+            intermediate_size=widths.pop(),
+            num_hidden_layers=cfg["n_layers"],
+            num_attention_heads=cfg["n_heads"],
+            num_key_value_heads=cfg["n_kv_heads"],
+            max_position_embeddings=cfg["max_seq_len"],
+            rope_parameters={"rope_type": "default", "rope_theta": cfg["rope_theta"]},
+            rms_norm_eps=cfg["norm_eps"],
+            tie_word_embeddings=cfg["tie_embeddings"],
+            hidden_act="silu",
+            attention_bias=False,
+            mlp_bias=False,
+            use_cache=False,
+        )
+    except KeyError as exc:
+        raise ExportError(
+            f"the recorded configuration of moec's bundled Llama has no field {exc} (written "
+            "by another moec version): give --config PATH"
+        ) from exc
+
+
 def _family_of_class(qualified: str) -> str | None:
     """``llama`` for ``transformers.models.llama.modeling_llama.LlamaForCausalLM``."""
     parts = qualified.split(".")
@@ -324,14 +452,17 @@ def _family_of_class(qualified: str) -> str | None:
 
 # --- reading the checkpoint ---------------------------------------------------------------------
 
-_ANCHOR = "model.embed_tokens.weight"
-"""Every supported family's token embedding, below the checkpoint's wrapper prefix."""
+_ANCHOR = Source.anchor
+"""Every supported family's token embedding (transformers' name)."""
 
 
-def read_model_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
+def read_model_tensors(checkpoint: Path, source: Source | None = None) -> dict[str, torch.Tensor]:
     """The model's tensors in ``checkpoint`` by their names in the source HF model (the
-    ``model.`` of the DCP state dict and of moec's loss wrapper removed); read without
-    running code from the folder (:mod:`moec.runtime.safe_read`)."""
+    ``model.`` of the DCP state dict and of moec's loss wrapper removed, ``source``'s names
+    mapped onto transformers'); read without running code from the folder
+    (:mod:`moec.runtime.safe_read`)."""
+    source = source or Source(None)
+    anchor = source.anchor
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     try:
@@ -345,13 +476,14 @@ def read_model_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
         for k, v in metadata.state_dict_metadata.items()
         if k.startswith("model.") and isinstance(v, TensorStorageMetadata)
     }
-    anchors = [k for k in entries if k.endswith(_ANCHOR)]
+    anchors = [k for k in entries if k.endswith("." + anchor)]
     if len(anchors) != 1:
         raise ExportError(
-            f"{checkpoint}: expected one token embedding '*{_ANCHOR}' among the model's "
-            f"tensors, found {anchors or 'none'}: only transformers decoder models export"
+            f"{checkpoint}: expected one token embedding '*{anchor}' among the model's "
+            f"tensors, found {anchors or 'none'}: the checkpoint is not of the model its "
+            "config describes; give the run's --model or --config"
         )
-    prefix = anchors[0][: -len(_ANCHOR)]
+    prefix = anchors[0][: -len(anchor)]
     state = {
         key: torch.empty(meta.size, dtype=meta.properties.dtype)
         for key, meta in entries.items()
@@ -363,7 +495,8 @@ def read_model_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
         raise ExportError(
             f"{checkpoint}: its tensors cannot be read ({safe_read.failure_reason(exc)})"
         ) from exc
-    return {key[len(prefix) :]: value for key, value in state.items()}
+    rename = source.rename or (lambda name: name)
+    return {rename(key[len(prefix) :]): value for key, value in state.items()}
 
 
 # --- choosing the target and mapping the tensors ------------------------------------------------
@@ -431,8 +564,8 @@ def _refuse_selection_bias(tensors: dict[str, torch.Tensor], moe_layers: list[in
             )
 
 
-def choose_target(config: Any, moe: MoEPlan, layout: Layout) -> Target:
-    """The first target of the source's family that expresses the plan (see module)."""
+def family_of(config: Any) -> str:
+    """The source's family, one of :data:`FAMILIES` (refused otherwise, naming it)."""
     family = getattr(config, "model_type", None)
     if family not in FAMILIES:
         raise ExportError(
@@ -440,6 +573,12 @@ def choose_target(config: Any, moe: MoEPlan, layout: Layout) -> Target:
             f"{', '.join(sorted(FAMILIES))} (Llama/Mistral -> Mixtral or Qwen2-MoE, Qwen2 -> "
             "Qwen2-MoE, Qwen3 -> Qwen3-MoE, OLMo-2 -> FlexOlmo)"
         )
+    return family
+
+
+def choose_target(config: Any, moe: MoEPlan, layout: Layout) -> Target:
+    """The first target of the source's family that expresses the plan (see module)."""
+    family = family_of(config)
     if moe.gating != "softmax":
         raise ExportError(
             f"moe.gating={moe.gating!r}: every HF target of {family} takes a softmax over the "
@@ -581,9 +720,13 @@ def semantic_notes(target: Target, moe: MoEPlan) -> list[str]:
 # --- the export ---------------------------------------------------------------------------------
 
 
+DEFAULT_OUT = "hf"
+"""The output folder in the run directory where none is given."""
+
+
 def export_hf(
     source: str | Path,
-    out: str | Path,
+    out: str | Path | None = None,
     *,
     model: torch.nn.Module | str | None = None,
     config: Any = None,
@@ -594,19 +737,22 @@ def export_hf(
 ) -> ExportResult:
     """Write the checkpoint ``source`` (a run directory or ``checkpoints/step_N``) to ``out``
     as a transformers MoE model (see module); ``model`` or ``config`` gives the source model's
-    architecture, ``plan`` defaults to the run's, ``dtype`` to the checkpoint's."""
+    architecture (default: the run's recorded one), ``plan`` defaults to the run's, ``dtype``
+    to the checkpoint's, ``out`` to ``RUN/hf``."""
     import transformers
 
-    out = Path(out)
+    checkpoint, run_dir = resolve_checkpoint(source, report)
+    out = _out_folder(out, run_dir, checkpoint)
     if (out / "config.json").exists() and not overwrite:
         raise ExportError(
             f"{out} holds a model already (config.json): choose another "
             "--to, or replace it with --force"
         )
-    checkpoint, run_dir = resolve_checkpoint(source, report)
     the_plan = resolve_plan(plan, run_dir)
-    source_config = resolve_config(model, config, run_dir)
-    tensors = read_model_tensors(checkpoint)
+    model_source = resolve_source(model, config, run_dir)
+    source_config = model_source.config
+    family_of(source_config)  # before any tensor is read
+    tensors = read_model_tensors(checkpoint, model_source)
     layout = layout_of(tensors, source_config, the_plan.moe)
     target = choose_target(source_config, the_plan.moe, layout)
     torch_dtype = _dtype(dtype, tensors)
@@ -644,6 +790,17 @@ def export_hf(
         ),
     )
     return ExportResult(out, checkpoint, target.model_class, notes)
+
+
+def _out_folder(out: str | Path | None, run_dir: Path | None, checkpoint: Path) -> Path:
+    """``out``, or :data:`DEFAULT_OUT` in the run directory."""
+    if out is not None:
+        return Path(out)
+    if run_dir is None:
+        raise ExportError(
+            f"{checkpoint} is not in a run directory to write {DEFAULT_OUT}/ into: give --to DIR"
+        )
+    return run_dir / DEFAULT_OUT
 
 
 def _dtype(dtype: str | torch.dtype | None, tensors: dict[str, torch.Tensor]) -> torch.dtype:

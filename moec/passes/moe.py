@@ -187,11 +187,10 @@ class MoEPass(Pass):
                 stacklevel=2,
             )
         if plan.dense_first >= len(blocks):
-            raise PlanError(
-                "moe.dense_first",
-                plan.dense_first,
-                f"fewer than the {len(blocks)} FFN blocks found in the model",
-            )
+            raise PlanError("moe.dense_first", plan.dense_first, _no_block_left(plan, blocks))
+        wider = _wider_than_dense(plan, [b.ffn for b in blocks[plan.dense_first :]])
+        if wider:
+            warnings.warn(f"moec: {wider}", stacklevel=2)
         editor = GraphEditor(gm, self.name)
         compute_dtype = torch.bfloat16 if ctx.plan.precision.compute_dtype == "bf16" else None
         k_major = ctx.plan.expert_weights_k_major()
@@ -504,7 +503,13 @@ def _upcycled_sources(
             field, g, f"a divisor of the dense FFN width {hidden} of {where} for init={plan.init!r}"
         )
     width = hidden // g
-    _check_width(plan, width, where, f"dense width / {field} = {width} for init={plan.init!r}")
+    cut = "copies it whole into" if g == 1 else f"cuts it into {field} = {g} slices, one per"
+    _check_width(
+        plan,
+        width,
+        where,
+        f"init={plan.init!r} reads the dense FFN ({hidden} wide) and {cut} expert",
+    )
     parts = [None] if g == 1 else [(i * width, (i + 1) * width) for i in range(g)]
     scale = _down_scale(plan, g)
     w_up, w_down, b_up = [], [], []
@@ -675,9 +680,45 @@ def _scaled(source: ParamSource, scale: float) -> ParamSource:
     return source if scale == 1.0 else Scaled(source, scale)
 
 
-def _check_width(plan: MoEPlan, width: int, where: str, allowed: str) -> None:
+def _no_block_left(plan: MoEPlan, blocks: list) -> str:
+    """What ``moe.dense_first`` asks of the model, what the model has, and what to change,
+    where it keeps every FFN block dense."""
+    count = len(blocks)
+    names = ", ".join(ffn_name(b.ffn) for b in blocks)
+    change = (
+        f"set moe.dense_first to at most {count - 1}, or use a model with more than "
+        f"{plan.dense_first} FFN blocks"
+    )
+    return (
+        f"the plan keeps the first {plan.dense_first} FFN blocks dense and needs at least one "
+        f"more to turn into experts, but the model has {count} ({names}): {change}"
+    )
+
+
+def _wider_than_dense(plan: MoEPlan, regions: list[FFNRegion]) -> str | None:
+    """What to say where ``moe.expert_width`` makes the experts wider than the dense FFNs they
+    replace (a fixed width written for another model, most often); None where it does not."""
+    width = plan.expert_width
+    narrower = [r for r in regions if width is not None and width > r.hidden]
+    if not narrower:
+        return None
+    first = narrower[0]
+    return (
+        f"moe.expert_width = {width} makes each routed expert wider than the dense FFN it "
+        f"replaces ({first.hidden} wide in {ffn_name(first)}, {width / first.hidden:.3g}x): "
+        "leave moe.expert_width unset for experts as wide as the model's FFN"
+    )
+
+
+def _check_width(plan: MoEPlan, width: int, where: str, why: str) -> None:
+    """Refuse an ``expert_width`` other than ``width``, the only width ``why`` allows."""
     if plan.expert_width is not None and plan.expert_width != width:
-        raise PlanError("moe.expert_width", plan.expert_width, f"None or {allowed} ({where})")
+        raise PlanError(
+            "moe.expert_width",
+            plan.expert_width,
+            f"{why}, so each expert of {where} is {width} wide: leave moe.expert_width unset "
+            f"(it then follows the model's FFN) or set it to {width}",
+        )
 
 
 def _scale_shared(gm: fx.GraphModule, region: FFNRegion, scale: float) -> dict[str, Scaled]:

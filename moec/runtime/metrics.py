@@ -1,7 +1,8 @@
 """Training metrics as the report's Table 51 defines them.
 
 - step time: wall time of an optimizer step in steady state (after warm-up steps);
-- useful tokens/s/GPU: tokens that enter the loss per step / step time / GPUs;
+- useful tokens/s/GPU: tokens that enter the loss per step / step time / GPUs
+  (:func:`tokens_per_s`, recorded as :data:`THROUGHPUT`, shown as :func:`throughput_label`);
 - useful-model MFU (Eq. 95): useful active-model FLOPs per step / (GPUs * step time * peak),
   with the dense BF16 peak of the GPU; recompute and inactive experts add nothing;
 - host syncs per step: device->host waits counted by CUDA's sync debug mode over one step.
@@ -14,6 +15,23 @@ import warnings
 from collections.abc import Callable, Iterator
 
 import torch
+
+THROUGHPUT = "tokens_per_s_per_device"
+"""The training throughput's key in ``metrics.jsonl`` (over the log window) and
+``summary.json`` (over the steady steps): :func:`tokens_per_s` of one rank, on one device."""
+
+
+def tokens_per_s(tokens: float, step_seconds: float) -> float:
+    """Throughput: the training tokens one rank (one device) ran through its steps, per second
+    of step time (checkpoint writes and evaluation are not step time:
+    :mod:`moec.train.timing`)."""
+    return tokens / step_seconds
+
+
+def throughput_label(gpu: bool) -> str:
+    """How :func:`tokens_per_s` is shown: per GPU on GPUs only."""
+    return "tokens/s/GPU" if gpu else "tokens/s"
+
 
 # Dense BF16 tensor-core peak, TFLOP/s per GPU (not the 2:4-sparse figure).
 _BF16_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0, "B300": 2250.0}

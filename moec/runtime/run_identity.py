@@ -4,7 +4,11 @@ A run is identified by its resolved plan (without ``parallel``: checkpoints load
 data/expert-parallel degree), its model (class, parameter count and a fingerprint of every
 parameter's name, shape and dtype), its data (batch size, sequence length, source, vocabulary)
 and its seed: two runs with the same identity see the same batches and build the same
-program, so one can continue the other's checkpoints.
+program, so one can continue the other's checkpoints. The model's configuration is recorded
+beside them as data (``model.config``: a transformers model's ``config.to_dict()``, a bundled
+moec model's config dataclass), for ``moec export`` to rebuild the architecture from without
+running code; it is not compared (the fingerprint identifies the model, and another
+transformers version may write a config's bookkeeping fields differently).
 
 :func:`check_run_dir` decides what a run may do with a directory before anything is written:
 
@@ -20,6 +24,7 @@ link there is replaced, never written through).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -70,15 +75,39 @@ def model_spec(model: nn.Module) -> dict[str, Any]:
         digest.update(f"{name}:{tuple(param.shape)}:{param.dtype};".encode())
         count += param.numel()
     kind = type(model)
-    return {
+    spec = {
         "class": f"{kind.__module__}.{kind.__qualname__}",
         "parameters": count,
         "fingerprint": digest.hexdigest()[:16],
     }
+    config = model_config(model)
+    return spec if config is None else {**spec, CONFIG: config}
+
+
+CONFIG = "config"
+"""The key of ``model_spec``'s configuration, recorded but not compared (see module)."""
+
+
+def model_config(model: nn.Module) -> dict[str, Any] | None:
+    """The model's configuration as data: a transformers model's ``config.to_dict()``, a
+    dataclass ``cfg`` (moec's bundled models) as a dict; None for other models."""
+    config = getattr(model, "config", None)
+    if callable(getattr(config, "to_dict", None)):
+        return json.loads(json.dumps(config.to_dict(), default=str))
+    cfg = getattr(model, "cfg", None)
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+    return None
+
+
+def compared(spec: dict[str, Any]) -> dict[str, Any]:
+    """``spec`` (a model spec) without what is recorded but not compared."""
+    return {k: v for k, v in spec.items() if k != CONFIG}
 
 
 def differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """``field: recorded value -> this run's value`` for every dotted field that differs."""
+    recorded, current = _comparable(recorded), _comparable(current)
     flat_old, flat_new = _flatten(recorded), _flatten(current)
     return [
         f"{key}: {flat_old.get(key, '<absent>')!r} -> {flat_new.get(key, '<absent>')!r}"
@@ -134,6 +163,12 @@ def read(out: Path) -> dict[str, Any] | None:
 def record(out: Path, identity: dict[str, Any]) -> None:
     """Write ``identity`` to ``out/run.json``, replacing it (a link there too) in one rename."""
     run_files.write_text(out / RUN_FILE, json.dumps(identity, indent=2, sort_keys=True))
+
+
+def _comparable(identity: dict[str, Any]) -> dict[str, Any]:
+    """``identity`` without the model's configuration (see module)."""
+    model = identity.get("model")
+    return {**identity, "model": compared(model)} if isinstance(model, dict) else identity
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:

@@ -6,7 +6,7 @@ the optimizer's groups), :mod:`~moec.train.trainer` (one optimizer step, checkpo
 :mod:`~moec.train.loop` (log points, metrics, summary, the non-finite stop),
 :mod:`~moec.train.evaluation` (held-out evaluation),
 :mod:`~moec.train.timing` (step time apart from checkpoint writes), :mod:`~moec.train.run_lock`
-(one run per run folder),
+(one run per run folder), :mod:`~moec.train.summary` (the end-of-run summary),
 :mod:`~moec.train.cli` (the entry points).
 """
 

@@ -10,7 +10,7 @@ import torch
 from moec.plan import Plan
 from moec.train.config import TrainConfig, resolve_device
 from moec.train.loop import TrainResult
-from moec.train.routing_health import busiest_share
+from moec.train.summary import print_summary
 from moec.train.trainer import Trainer
 
 
@@ -133,64 +133,3 @@ def _train_and_report(model: torch.nn.Module, plan: Plan, cfg: TrainConfig) -> i
     if not result.finished:
         print_summary(result)
     return 0
-
-
-def print_summary(result: TrainResult) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console()
-    s = result.summary
-    tokens = s["tokens_per_s_per_gpu"]
-    console.print(
-        f"[bold]{s['plan']}[/bold] on {s['device']}: loss {s['first_loss']:.3f} -> "
-        f"{s['final_loss']:.3f} in {s['steps']} steps; "
-        + (
-            f"eval loss {s['eval_loss']:.3f} at step {s['eval_step']} (best "
-            f"{s['best_eval_loss']:.3f} at step {s['best_eval_step']}; {s['eval_s']:.1f} s, not "
-            "counted as step time); "
-            if s.get("eval_loss") is not None and s.get("best_eval_loss") is not None
-            else ""
-        )
-        + (f"{tokens:,.0f} tokens/s ({s['throughput_from']}); " if tokens else "")
-        + (
-            f"checkpoint writes {s['checkpoint_s']:.1f} s (not counted as step time); "
-            if s.get("checkpoint_s")
-            else ""
-        )
-        + (f"{s['skipped_steps']} non-finite steps skipped; " if s["skipped_steps"] else "")
-        + (
-            f"{s['spike_skipped_steps']} loss or gradient-norm spikes skipped; "
-            if s.get("spike_skipped_steps")
-            else ""
-        )
-        + f"{s['active_params']:,} of {s['params']:,} parameters active per token"
-    )
-    stats = result.compiled.routing_stats()
-    if stats:
-        table = Table(
-            "MoE block",
-            "drop rate",
-            "load max/mean",
-            "top-k share",
-            "capacity use",
-            "LBL",
-            "MaxVio (step)",
-        )
-        for path, st in stats.items():
-            load, k = st["expert_load"], st["top_k"]
-            vio = st["max_vio"]
-            table.add_row(
-                path,
-                f"{100 * st['drop_rate']:.1f}%",
-                f"{st['load_imbalance']:.2f}",
-                f"{100 * busiest_share(load, k):.0f}% ({100 * k / len(load):.0f}%)",
-                f"{100 * st['capacity_use']:.0f}%",
-                f"{st['lbl']:.3f}",
-                "-" if vio is None else f"{vio:.2f}",
-            )
-        console.print(table)
-    names = ", ".join(str(p.relative_to(result.out)) for p in result.written)
-    console.print(f"wrote in {result.out}: {names}", markup=False, highlight=False)
-    if not any(p.suffix == ".png" for p in result.written) and result.written:
-        console.print("no plots: they need matplotlib (pip install matplotlib)", markup=False)

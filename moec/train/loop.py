@@ -3,10 +3,17 @@ per window), held-out evaluation (every ``eval_every`` steps and at the last, ea
 too: :mod:`moec.train.evaluation`), metrics, throughput and summary, the non-finite stop, the
 router-collapse watch, checkpoints on schedule.
 
-Throughput counts each step's own tokens (its global batch under batch-size warmup, divided by
-the data-parallel ranks: the tokens of this rank) over the steps' own time: checkpoint writes
-and evaluations are timed apart (:mod:`moec.train.timing`) and reported as ``checkpoint_s``
-and ``eval_s``."""
+Throughput (:func:`moec.runtime.metrics.tokens_per_s`, one definition everywhere) counts each
+step's own tokens (its global batch under batch-size warmup, divided by the data-parallel ranks:
+the tokens of this rank) over the steps' own time: checkpoint writes and evaluations are timed
+apart (:mod:`moec.train.timing`) and reported as ``checkpoint_s`` and ``eval_s``. Each
+``metrics.jsonl`` record has it over its log window; the summary over the steady steps (after
+the warmup steps) up to the last log point, which is also what the progress line shows at
+each log point, so its last figure is the summary's.
+
+Every step's loss stays on the device, with the window's others, until the log point reads
+them in one go; the record carries them (``step_losses``) with the learning rate of each step
+(``step_lrs``), first step first."""
 
 from __future__ import annotations
 
@@ -21,7 +28,14 @@ import torch
 
 from moec.errors import MoecError
 from moec.runtime.compiled import CompiledModel
-from moec.runtime.metrics import bf16_peak_tflops, count_host_syncs, useful_mfu
+from moec.runtime.metrics import (
+    THROUGHPUT,
+    bf16_peak_tflops,
+    count_host_syncs,
+    throughput_label,
+    tokens_per_s,
+    useful_mfu,
+)
 from moec.runtime.profiling import ProfileWindow, StepProfiler
 from moec.train.routing_health import CollapseWatch
 from moec.train.timing import NonStepTime, StepClock, format_first_step, wait_for_device
@@ -76,6 +90,10 @@ class TrainingLoop:
         self.longest_streak = 0
         self.window_tokens = 0
         self.steady_tokens = 0
+        self.steady_logged: tuple[float, int, int] | None = None
+        """(step seconds, steps, tokens) of the steady window at the last log point."""
+        self.window_lrs: list[float] = []
+        """The learning rate of each step of the log window."""
         self.timed_tokens = 0
         moe = trainer.plan.moe
         self.collapse = CollapseWatch(
@@ -89,8 +107,11 @@ class TrainingLoop:
 
     def run(self, log, progress, written: list[Path]) -> None:
         t, cfg = self.trainer, self.cfg
+        label = throughput_label(t.device.type == "cuda")
         task = (
-            progress.add_task("training", total=cfg.steps, completed=t.step) if progress else None
+            progress.add_task("training", total=cfg.steps, completed=t.step, tps_label=label)
+            if progress
+            else None
         )
         profiler = self._profiler()
         try:
@@ -120,6 +141,7 @@ class TrainingLoop:
     def _step(self, eager: bool) -> None:
         """One step; ``eager`` inside a profile window (no replayed CUDA graph)."""
         t = self.trainer
+        self.window_lrs.append(t.scheduler.get_last_lr()[0])  # the rate this step trains at
         if t.step == self.steady_from and self.syncs is None:
             self.syncs = count_host_syncs(
                 lambda: self.pending.append(t.train_step(eager)), t.device
@@ -156,6 +178,7 @@ class TrainingLoop:
             self.timed_steps += window
             self.timed_tokens += self.window_tokens
             self.window, self.window_steps, self.window_tokens = StepClock(self.non_step), 0, 0
+            self._log_steady()
             log.write(json.dumps(record) + "\n")
             log.flush()
             self._check_nonfinite()
@@ -163,7 +186,8 @@ class TrainingLoop:
             if collapse:
                 t._say(f"warning: {collapse}")
             if progress:
-                progress.update(task, completed=t.step, **_progress_fields(record))
+                so_far = self._throughput()["tokens_per_s"]
+                progress.update(task, completed=t.step, **_progress_fields(record, so_far))
         if (cfg.checkpoint_every and t.step % cfg.checkpoint_every == 0) or done:
             with self.non_step.timed("checkpoint"):
                 committed = t.save_checkpoint()
@@ -183,12 +207,14 @@ class TrainingLoop:
         values = torch.cat([torch.stack(self.pending), counters.to(torch.float32)]).tolist()
         losses, (skipped, longest, spikes) = values[:-3], values[-3:]
         self.pending.clear()
+        lrs, self.window_lrs = self.window_lrs, []
         self.losses += losses
         self.skipped, self.spike_skipped = int(skipped), int(spikes)
         tokens = self.window_tokens / steps  # the window's mean tokens per step
         record = t._record(
             losses[-1], step_time, tokens, self.syncs, self.skipped, self.spike_skipped
         )
+        record.update(step_losses=losses, step_lrs=lrs)
         self.history.append(record)
         self.longest_streak = int(longest)
         return record
@@ -220,7 +246,7 @@ class TrainingLoop:
             "skipped_steps": self.skipped,
             "spike_skipped_steps": self.spike_skipped,
             "steady_step_time_s": step_time,
-            "tokens_per_s_per_gpu": throughput["tokens_per_s"],
+            THROUGHPUT: throughput["tokens_per_s"],
             "throughput_from": throughput["source"],
             "useful_mfu": useful_mfu(
                 t.train_flops_per_token * throughput["tokens_per_step"], step_time or 0, 1, peak
@@ -272,15 +298,24 @@ class TrainingLoop:
             "best_eval_step": best[0],
         }
 
+    def _log_steady(self) -> None:
+        """Take the steady window's time, steps and tokens at a log point (where the host has
+        just read the device)."""
+        if self.steady is None or self.steady_steps == 0:
+            return
+        wait_for_device(self.trainer.device)
+        self.steady_logged = (self.steady.step_seconds(), self.steady_steps, self.steady_tokens)
+
     def _throughput(self) -> dict[str, Any]:
-        """Steady-state step time where this call ran past its warmup steps; else the mean
-        over every step it timed (a short resumed run), saying which. Both count the steps
-        alone: checkpoint writes are timed apart (``checkpoint_s``)."""
-        if self.steady is not None and self.steady_steps > 0:
-            wait_for_device(self.trainer.device)
-            step_time = self.steady.step_seconds() / self.steady_steps
-            tokens = self.steady_tokens / self.steady_steps
-            source = f"{self.steady_steps} steady steps (after {self.cfg.warmup_log_steps} warmup)"
+        """Steady-state step time up to the last log point where this call ran past its warmup
+        steps by then; else the mean over every step it timed (a short resumed run), saying
+        which. Both count the steps alone: checkpoint writes are timed apart
+        (``checkpoint_s``)."""
+        if self.steady_logged is not None:
+            seconds, steps, tokens_in_all = self.steady_logged
+            step_time = seconds / steps
+            tokens = tokens_in_all / steps
+            source = f"{steps} steady steps (after {self.cfg.warmup_log_steps} warmup)"
         elif self.timed_steps:
             step_time = self.timed_s / self.timed_steps
             tokens = self.timed_tokens / self.timed_steps
@@ -294,7 +329,7 @@ class TrainingLoop:
             }
         return {
             "step_time_s": step_time,
-            "tokens_per_s": tokens / step_time,
+            "tokens_per_s": tokens_per_s(tokens, step_time),
             "tokens_per_step": tokens,
             "source": source,
         }
@@ -310,14 +345,15 @@ def max_vio(layers: list[dict[str, Any]]) -> float | None:
     return max((v for layer in layers if (v := layer["max_vio"]) is not None), default=None)
 
 
-def _progress_fields(record: dict[str, Any]) -> dict[str, str]:
-    """The progress line's fields; ``eval`` only at eval points (the line keeps the last)."""
+def _progress_fields(record: dict[str, Any], throughput: float | None) -> dict[str, str]:
+    """The progress line's fields at the log point of ``record``, with the throughput so far
+    (the summary's); ``eval`` only at eval points (the line keeps the last)."""
     drop = record["drop_rate"]
     evaluated = {"eval": f"{record['eval_loss']:.3f}"} if "eval_loss" in record else {}
     return {
         **evaluated,
         "loss": f"{record['loss']:.3f}",
-        "tps": f"{record['tokens_per_s_per_gpu']:,.0f}",
+        "tps": "-" if throughput is None else f"{throughput:,.0f}",
         "drop": "-" if drop is None else f"{100 * drop:.1f}%",
         "imb": "-" if record["load_imbalance"] is None else f"{record['load_imbalance']:.2f}",
     }

@@ -30,7 +30,8 @@ the learning rate by sqrt(batch / first batch) (:func:`moec.train.config.lr_fact
 Outputs under ``out`` (never written through a link, :mod:`moec.runtime.run_files`):
 ``run.lock`` while the run runs (one run per folder, :mod:`moec.train.run_lock`),
 ``run.json`` (the run's identity, :mod:`moec.runtime.run_identity`),
-``metrics.jsonl`` (one line per log step), ``summary.json``, PNG plots (loss, throughput,
+``metrics.jsonl`` (one line per log step, with its window's per-step losses and learning
+rates), ``summary.json``, PNG plots (every step's loss and learning rate, throughput,
 load-balancing loss and MaxVio, per-layer expert-load heatmap; need matplotlib) and
 ``checkpoints/step_N``, committed atomically by :mod:`moec.runtime.checkpoint_store` (DCP
 shards loadable at any EP degree, a manifest with checksums; the newest ``keep_checkpoints``
@@ -89,7 +90,7 @@ from moec.runtime.distributed import (
 from moec.runtime.distributed import parameter_groups as dist_parameter_groups
 from moec.runtime.fsdp import set_gradient_sync
 from moec.runtime.materialize import FreshInit, SubmoduleSource, open_source
-from moec.runtime.metrics import bf16_peak_tflops, useful_mfu
+from moec.runtime.metrics import THROUGHPUT, bf16_peak_tflops, tokens_per_s, useful_mfu
 from moec.runtime.step_graph import StepGraph, graph_blocker
 from moec.train.config import (
     FRESH_INIT,
@@ -705,7 +706,9 @@ class Trainer:
         if cfg.plots and writer:
             from moec.plots import write_plots
 
-            written += write_plots(self.out, history, self.compiled.routing_stats())
+            written += write_plots(
+                self.out, history, self.compiled.routing_stats(), summary, self.device
+            )
         return TrainResult(loop.losses, summary, self.compiled, self.out, written)
 
     def _keep_steps_before(self, exc: DataError, start: int) -> DataError:
@@ -756,7 +759,7 @@ class Trainer:
             "loss": loss,
             "lr": self.scheduler.get_last_lr()[0],
             "step_time_s": step_time,
-            "tokens_per_s_per_gpu": tokens / step_time,
+            THROUGHPUT: tokens_per_s(tokens, step_time),
             "useful_mfu": mfu,
             "skipped_steps": skipped,
             "spike_skipped_steps": spike_skipped,
