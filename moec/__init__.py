@@ -25,18 +25,17 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-__getattr__, __dir__ = lazy_exports(
-    globals(),
-    {
-        "CaptureError": "moec.frontend",
-        "CompiledModel": "moec.runtime.compiled",
-        "MoecError": "moec.errors",
-        "Plan": "moec.plan",
-        "PlanError": "moec.plan",
-        "Program": "moec.program",
-        "compile": "moec.compiler",
-        "register_activation": "moec.ops.activations",
-        "trace": "moec.frontend",
-    },
-    before=("moec.ops",),
-)
+_EXPORTS = {
+    "CaptureError": "moec.frontend",
+    "CompiledModel": "moec.runtime.compiled",
+    "MoecError": "moec.errors",
+    "Plan": "moec.plan",
+    "PlanError": "moec.plan",
+    "Program": "moec.program",
+    "compile": "moec.compiler",
+    "register_activation": "moec.ops.activations",
+    "trace": "moec.frontend",
+}
+# the first name read imports all of them, as ``import moec`` did before it was lazy: code that
+# reads moec.runtime.compiled (say) after ``import moec`` finds it
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS, before=("moec.ops", *_EXPORTS.values()))

@@ -9,6 +9,12 @@
     moec demo / moec train ...                training (moec.train)
     moec data build DIR [--source PATH ...]   a corpus from the text on this machine, tokenized
 
+Building the parser imports no torch (``moec --help`` and every ``moec COMMAND --help`` start at
+once): the commands import what they run inside their function, or are named by
+:func:`~moec.lazy.lazy_command`. ``moec train``'s flags are made from
+:class:`~moec.train.config.TrainConfig` (:func:`~moec.train.config.add_flags`). A new command is
+one ``_add_..._parser(sub)`` line in :func:`build_parser` and its function.
+
 MODEL is a short name (``llama``, ``gpt2``, ``hf-llama``, ``hf-qwen2``, ``hf-gpt2``) or
 ``path/to/file.py:factory`` (see :mod:`moec.models.zoo`).
 
@@ -309,7 +315,7 @@ def cmd_data_build(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_data_parser(sub) -> None:
+def _add_data_parser(sub: argparse._SubParsersAction) -> None:
     """``moec data build`` (:mod:`moec.corpus_build`)."""
     from moec.corpus_build import MB, BuildOptions, parse_bytes
 
