@@ -131,3 +131,11 @@ def test_import_moec_imports_no_torch_until_a_name_is_used():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_no_plots_writes_none_and_blames_no_missing_matplotlib(tmp_path, capsys):
+    run = tmp_path / "run"
+    argv = ["train", "--synthetic", "--steps", "1", "--device", "cpu", "--no-plots"]
+    assert main([*argv, "--out", str(run)]) == 0
+    assert not list(run.glob("*.png"))
+    assert "matplotlib" not in capsys.readouterr().out

@@ -104,11 +104,13 @@ def cli_train(args) -> int:
 def _train_and_report(model: torch.nn.Module, plan: Plan, cfg: TrainConfig) -> int:
     result = train(model, plan, cfg, show_progress=True)
     if not result.finished:
-        print_summary(result)
+        print_summary(result, plots=cfg.plots)
     return 0
 
 
-def print_summary(result: TrainResult) -> None:
+def print_summary(result: TrainResult, plots: bool = True) -> None:
+    """The run's one-line summary, its routing table and the files written; ``plots``: the run
+    was to write plots (where none were, matplotlib is missing)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -167,5 +169,5 @@ def print_summary(result: TrainResult) -> None:
         console.print(table)
     names = ", ".join(str(p.relative_to(result.out)) for p in result.written)
     console.print(f"wrote in {result.out}: {names}", markup=False, highlight=False)
-    if not any(p.suffix == ".png" for p in result.written) and result.written:
+    if plots and result.written and not any(p.suffix == ".png" for p in result.written):
         console.print("no plots: they need matplotlib (pip install matplotlib)", markup=False)
