@@ -336,7 +336,17 @@ class TrainConfig:
             )
 
 
-_FIELDS = {field.name: field for field in dataclasses.fields(TrainConfig)}
+def _declared_fields() -> dict[str, dataclasses.Field]:
+    """TrainConfig's fields by name, each checked to be declared by :func:`option` (its flag's
+    help and section come from there)."""
+    fields = {field.name: field for field in dataclasses.fields(TrainConfig)}
+    for name, field in fields.items():
+        if "help" not in field.metadata:
+            raise TypeError(f"TrainConfig.{name}: declare it with option(default, help)")
+    return fields
+
+
+_FIELDS = _declared_fields()
 
 
 def flag(field: str) -> str:
