@@ -10,6 +10,12 @@
     moec data build DIR [--source PATH ...]   a corpus from the text on this machine, tokenized
     moec warmup PLAN --model M                fill the compile cache for a job (moec.warmup)
 
+Building the parser imports no torch (``moec --help`` and every ``moec COMMAND --help`` start at
+once): the commands import what they run inside their function, or are named by
+:func:`~moec.lazy.lazy_command`. ``moec train``'s flags are made from
+:class:`~moec.train.config.TrainConfig` (:func:`~moec.train.config.add_flags`). A new command is
+one ``_add_..._parser(sub)`` line in :func:`build_parser` and its function.
+
 MODEL is a short name (``llama``, ``gpt2``, ``hf-llama``, ``hf-qwen2``, ``hf-gpt2``) or
 ``path/to/file.py:factory`` (see :mod:`moec.models.zoo`).
 
@@ -25,26 +31,29 @@ import argparse
 import dataclasses
 import sys
 import traceback
+import typing
 from collections.abc import Sequence
 from types import SimpleNamespace
 
-from rich.console import Console
-from rich.table import Table
-
 from moec import warmup
-from moec.autoplan.cli import add_plan_auto_parser
+from moec.analysis.gpus import GPUS
 from moec.errors import MoecError, one_line
 from moec.export.cli import add_export_parser
-from moec.folders import writable_folder
-from moec.models.zoo import SHORT_NAMES, Loaded, load_model
-from moec.passes.manager import pipeline_string, select
+from moec.lazy import lazy_command
+from moec.models.zoo import SHORT_NAMES
 from moec.plan import Plan
-from moec.program import EPGroup
-from moec.train.config import TrainConfig
-from moec.train.routing_health import COLLAPSE_POLICIES, LASTING, PATIENCE
+from moec.train.cli import DEMO_CONFIG, DEMO_FLAGS
+from moec.train.config import add_flags, shown_default
+
+if typing.TYPE_CHECKING:  # the commands import torch when they run: building the parser does not
+    from rich.console import Console
+
+    from moec.models.zoo import Loaded
 
 
 def _console() -> Console:
+    from rich.console import Console
+
     console = Console(highlight=False)
     if not console.is_terminal:
         console.width = 140  # logs and pipes: wide enough for the tables
@@ -56,6 +65,8 @@ def _load_plan(path: str | None) -> Plan:
 
 
 def cmd_plan_show(args: argparse.Namespace) -> int:
+    from moec.passes.manager import pipeline_string
+
     plan = _load_plan(args.file)
     if args.world is not None:
         plan = plan_for_world(plan, args.world)
@@ -137,6 +148,8 @@ def _meta_model(spec: str) -> Loaded:
     dtypes only, no parameter or input allocated, so a model of any size can be analysed."""
     import torch
 
+    from moec.models.zoo import load_model
+
     with torch.device("meta"):
         return load_model(spec)
 
@@ -165,6 +178,8 @@ def _memory_table(plan: Plan, args: argparse.Namespace) -> str:
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Blocks, FFN regions and costs of MODEL, captured on the meta device (see
     :func:`_meta_model`)."""
+    from rich.table import Table
+
     import moec
     from moec.analysis.cost import format_count, graph_cost
     from moec.analysis.structure import find_structure
@@ -216,6 +231,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_debug(args: argparse.Namespace) -> int:
     import moec
     from moec.debug import DebugDump, with_next_token_loss
+    from moec.folders import writable_folder
+    from moec.models.zoo import load_model
+    from moec.passes.manager import pipeline_string, select
 
     if args.out is None and not args.print_after_all:
         print("moec debug: error: give --out DIR or --print-after-all", file=sys.stderr)
@@ -267,23 +285,13 @@ def cmd_debug(args: argparse.Namespace) -> int:
 
 def _debug_mesh(plan: Plan, ep_rank: int) -> SimpleNamespace | None:
     """Without a process group, show the graph EP rank ``ep_rank`` would run (it is not run)."""
+    from moec.program import EPGroup
+
     if plan.parallel.ep == 1:
         return None
     if not 0 <= ep_rank < plan.parallel.ep:
         raise SystemExit(f"moec debug: --ep-rank {ep_rank} not in [0, {plan.parallel.ep})")
     return SimpleNamespace(ep_info=EPGroup(ep_rank, plan.parallel.ep, "moec-debug"))
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    from moec.train import cli_demo
-
-    return cli_demo(args) or 0
-
-
-def cmd_train(args: argparse.Namespace) -> int:
-    from moec.train import cli_train
-
-    return cli_train(args) or 0
 
 
 def cmd_data_build(args: argparse.Namespace) -> int:
@@ -309,7 +317,7 @@ def cmd_data_build(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_data_parser(sub) -> None:
+def _add_data_parser(sub: argparse._SubParsersAction) -> None:
     """``moec data build`` (:mod:`moec.corpus_build`)."""
     from moec.corpus_build import MB, BuildOptions, parse_bytes
 
@@ -374,21 +382,60 @@ def _add_data_parser(sub) -> None:
     build.set_defaults(func=cmd_data_build)
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Help that shows each option's default, in the form the option takes
+    (:func:`~moec.train.config.shown_default`), unless its help already says it (``(default``)
+    or there is none to show (None, a switch, an empty list)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        shown = shown_default(action.default) if action.option_strings else None
+        if shown is None or action.default is argparse.SUPPRESS or "(default" in text:
+            return action.help
+        return f"{text} (default: {shown.replace('%', '%%')})".lstrip()
+
+
+class Parser(argparse.ArgumentParser):
+    """``moec``'s parsers (its subcommands' too): defaults shown in ``--help``."""
+
+    def __init__(self, *args: typing.Any, **kwargs: typing.Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+MODEL_HELP = f"one of {', '.join(SHORT_NAMES)} or path/to/file.py:factory"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    """The ``moec`` parser. Building it imports no torch (nor does ``--help``): each command's
+    function is imported when it runs (:func:`~moec.lazy.lazy_command`)."""
+    parser = Parser(
         prog="moec", description="Compile dense PyTorch models into MoE training programs."
     )
     parser.add_argument(
-        "--debug", action="store_true", help="print the traceback of an error, not just its line"
+        "--debug",
+        action="store_true",
+        help="print the traceback of an error, not just its line (anywhere on the line)",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    model_help = f"one of {', '.join(SHORT_NAMES)} or path/to/file.py:factory"
+    _add_plan_parser(sub)
+    _add_inspect_parser(sub)
+    _add_debug_parser(sub)
+    _add_demo_parser(sub)
+    _add_train_parser(sub)
+    add_export_parser(sub)
+    _add_data_parser(sub)
+    warmup.add_parser(sub)
+    return parser
 
+
+def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    """``moec plan show`` and ``moec plan auto``."""
     plan = sub.add_parser("plan", help="work with plan files")
     plan_sub = plan.add_subparsers(dest="plan_command", required=True)
     show = plan_sub.add_parser("show", help="print the resolved plan and its pipeline string")
     show.add_argument("file", help="plan YAML file")
-    show.add_argument("--model", help=f"also print the per-rank memory on {model_help}")
+    show.add_argument("--model", help=f"also print the per-rank memory on {MODEL_HELP}")
     show.add_argument(
         "--batch", type=int, default=8, help="sequences per step per dp rank (with --model)"
     )
@@ -401,16 +448,72 @@ def build_parser() -> argparse.ArgumentParser:
         "dp, stays fully sharded) and prints the layout",
     )
     show.set_defaults(func=cmd_plan_show)
-    add_plan_auto_parser(plan_sub)
+    _add_plan_auto_parser(plan_sub)
 
+
+def _add_plan_auto_parser(plan_sub: argparse._SubParsersAction) -> None:
+    """``moec plan auto`` (:mod:`moec.autoplan.cli`)."""
+    auto = plan_sub.add_parser(
+        "auto", help="search parallelism, recompute, microbatching and precision for a model"
+    )
+    auto.add_argument("--model", required=True, help="zoo name or path/to/file.py:factory")
+    auto.add_argument("--world", type=int, required=True, help="GPUs of the job")
+    auto.add_argument("--gpu", required=True, help=f"one of {', '.join(sorted(GPUS))}")
+    auto.add_argument(
+        "--global-batch", type=int, default=2**20, help="tokens per optimizer step (job)"
+    )
+    auto.add_argument("--seq", type=int, default=4096, help="sequence length")
+    auto.add_argument(
+        "--plan",
+        help="plan YAML whose moe/loss/lowering sections are kept (but lowering.gather_up and "
+        "combine_in_experts, which the search chooses)",
+    )
+    auto.add_argument("--probe", help="JSON of measured GPU values replacing the datasheet's")
+    auto.add_argument(
+        "--probe-out", help="measure this machine's GPU first (CUDA) and write the JSON here"
+    )
+    auto.add_argument("--inter-node-gbps", type=float, help="network GB/s per GPU, one way")
+    auto.add_argument(
+        "--calibrate",
+        metavar="RUN",
+        help="fit the time model to a profiled step first: a run directory of moec train "
+        "--profile (or its profile/ops_rank0.json), a profiler trace or a JSON list of samples",
+    )
+    auto.add_argument(
+        "--efficiency", metavar="FILE", help="time model factors (JSON) to start from"
+    )
+    auto.add_argument(
+        "--efficiency-out", metavar="FILE", help="write the factors the search used (JSON)"
+    )
+    auto.add_argument(
+        "--memory-fraction", type=float, default=0.92, help="usable share of GPU memory"
+    )
+    auto.add_argument("--top", type=int, default=5, help="plans to print")
+    auto.add_argument(
+        "--min-micro-seqs",
+        type=int,
+        default=2,
+        help="fewest sequences per microbatch (moec train captures at the microbatch and "
+        "needs >= 2; 1 for a search on paper)",
+    )
+    auto.add_argument(
+        "--pp", type=int, help="only plans of this pipeline degree (a divisor of --world)"
+    )
+    auto.add_argument("--out", help="write the chosen plan here (YAML)")
+    auto.set_defaults(func=lazy_command("moec.autoplan.cli:cmd_plan_auto"))
+
+
+def _add_inspect_parser(sub: argparse._SubParsersAction) -> None:
     inspect = sub.add_parser("inspect", help="list blocks and FFN regions with their costs")
-    inspect.add_argument("model", help=model_help)
+    inspect.add_argument("model", help=MODEL_HELP)
     inspect.add_argument("--batch", type=int, help="evaluate costs at this batch size")
     inspect.add_argument("--seq", type=int, help="evaluate costs at this sequence length")
     inspect.set_defaults(func=cmd_inspect)
 
+
+def _add_debug_parser(sub: argparse._SubParsersAction) -> None:
     debug = sub.add_parser("debug", help="compile and dump the graph after every pass")
-    debug.add_argument("model", help=model_help)
+    debug.add_argument("model", help=MODEL_HELP)
     debug.add_argument("--plan", help="plan YAML file (default: Plan())")
     debug.add_argument("--out", help="output directory")
     debug.add_argument(
@@ -440,190 +543,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     debug.set_defaults(func=cmd_debug)
 
+
+def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
+    """``moec demo``: a few of ``moec train``'s flags (:data:`~moec.train.cli.DEMO_FLAGS`),
+    defaulting to the demo's run."""
     demo = sub.add_parser("demo", help="compile the bundled Llama into an MoE and train it")
-    demo.add_argument("--steps", type=int, default=0, help="training steps (0: auto)")
-    demo.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    demo.add_argument("--out", default="runs/demo", help="run directory")
-    _add_run_arguments(demo)
-    demo.set_defaults(func=cmd_demo)
+    add_flags(demo, DEMO_FLAGS, defaults=DEMO_CONFIG)
+    demo.set_defaults(func=lazy_command("moec.train.cli:cli_demo"))
 
+
+def _add_train_parser(sub: argparse._SubParsersAction) -> None:
+    """``moec train``: MODEL and PLAN, then one flag per TrainConfig field
+    (:func:`~moec.train.config.add_flags`)."""
     train = sub.add_parser("train", help="train a compiled model")
-    train.add_argument("--model", default="llama", help=model_help)
-    train.add_argument("--plan", help="plan YAML file")
-    train.add_argument("--steps", type=int, default=100)
-    train.add_argument("--out", default="runs/train", help="run directory")
-    train.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    train.add_argument("--batch-size", type=int, default=8)
-    train.add_argument("--seq-len", type=int, default=128)
-    train.add_argument("--log-every", type=int, default=10)
-    train.add_argument("--checkpoint-every", type=int, default=0, help="0: only at the end")
-    train.add_argument(
-        "--keep-checkpoints", type=int, default=3, help="committed checkpoints kept (newest)"
-    )
-    train.add_argument(
-        "--on-checkpoint-error",
-        choices=("stop", "continue"),
-        default="stop",
-        help="a checkpoint that cannot be written: stop the run, or report it and continue",
-    )
-    train.add_argument(
-        "--on-router-collapse",
-        choices=COLLAPSE_POLICIES,
-        default="warn",
-        help=f"an MoE block routing most tokens to a few experts for {PATIENCE} log points and "
-        f"{LASTING} steps in a row, past twice the warmup: warn once per block, stop the run, "
-        "or ignore it",
-    )
-    train.add_argument("--synthetic", action="store_true", help="random tokens instead of text")
-    train.add_argument(
-        "--init-from",
-        metavar="PATH|fresh",
-        help="a dense checkpoint of MODEL (save_pretrained folder, .safetensors or state dict "
-        "file) to upcycle from, or 'fresh': freshly initialized from --seed, one module at a "
-        "time, the same at every layout; the model is built on the meta device and each rank "
-        "builds only its part",
-    )
-    train.add_argument(
-        "--memory-limit-gib",
-        type=float,
-        help="refuse a plan predicted to need more per rank (default: the GPU's memory)",
-    )
-    train.add_argument(
-        "--max-nonfinite-steps",
-        type=int,
-        default=5,
-        help="consecutive steps with a non-finite loss or gradient norm that stop the run",
-    )
-    _add_data_and_trainer_arguments(train)
-    _add_run_arguments(train)
-    train.add_argument(
-        "--profile",
-        metavar="START:STEPS",
-        help="profile steps START..START+STEPS-1: a torch.profiler trace (Perfetto) and NVTX "
-        "ranges by block and op (nsys --capture-range=cudaProfilerApi) into OUT/profile",
-    )
-    train.set_defaults(func=cmd_train)
-    add_export_parser(sub)
-    _add_data_parser(sub)
-    warmup.add_parser(sub)
-    return parser
-
-
-def _add_data_and_trainer_arguments(train: argparse.ArgumentParser) -> None:
-    """``moec train``'s corpus (:mod:`moec.corpus`) and trainer options (skip-step, batch-size
-    warmup, z-loss, weight-decay groups)."""
-    data = train.add_argument_group("your own tokens (see moec.corpus)")
-    data.add_argument(
-        "--data",
-        metavar="SPEC",
-        help="PATH[:WEIGHT],... of token files (.bin, .npy; globs and folders) or datasets "
-        "save_to_disk folders, or a .json/.yaml data spec; instead of the offline text",
-    )
-    data.add_argument(
-        "--data-dtype",
-        choices=("uint16", "uint32"),
-        default="uint16",
-        help="token ids of raw .bin (and header-less .npy) files (default uint16)",
-    )
-    data.add_argument(
-        "--tokenizer", metavar="NAME_OR_PATH", help="transformers tokenizer for datasets folders"
-    )
-    data.add_argument(
-        "--text-column", default="text", help="the documents' column in datasets folders"
-    )
-    data.add_argument(
-        "--prefetch", type=int, default=2, help="batches loaded ahead in a background thread"
-    )
-    held_out = train.add_argument_group("held-out evaluation (see moec.train.evaluation)")
-    held_out.add_argument(
-        "--eval-every",
-        type=int,
-        metavar="N",
-        default=TrainConfig.eval_every,
-        help="evaluate on held-out data every N steps and at the last step, in eval mode, the "
-        "LM loss without router losses (eval_loss in metrics.jsonl, summary.json, loss.png; "
-        f"default {TrainConfig.eval_every}: off)",
-    )
-    held_out.add_argument(
-        "--eval-batches",
-        type=int,
-        metavar="M",
-        default=TrainConfig.eval_batches,
-        help="fixed held-out batches of --batch-size sequences per evaluation, shared out over "
-        f"the data-parallel ranks (default {TrainConfig.eval_batches})",
-    )
-    held_out.add_argument(
-        "--eval-data",
-        metavar="SPEC",
-        help="held-out tokens, as --data (a moec data build folder: its eval split); default: "
-        "the training data's held-out split (a built corpus's eval split, the offline text's "
-        "last 5%%), none for --synthetic or other --data",
-    )
-    trainer = train.add_argument_group("trainer")
-    trainer.add_argument(
-        "--lr",
-        type=float,
-        default=TrainConfig.lr,
-        help="peak learning rate of the warmup-stable-decay schedule (the benchmarks train at "
-        "1e-4: at high rates the router can collapse onto few experts)",
-    )
-    trainer.add_argument(
-        "--warmup-steps", type=int, default=TrainConfig.warmup_steps, help="linear warmup steps"
-    )
-    trainer.add_argument("--weight-decay", type=float, default=TrainConfig.weight_decay)
-    trainer.add_argument(
-        "--batch-warmup",
-        metavar="B:STEP,...",
-        help="global batch sizes from the given steps, e.g. 8:0,16:100,32:300 (the last is "
-        "--batch-size x data-parallel ranks); the learning rate scales by sqrt(batch / first)",
-    )
-    trainer.add_argument(
-        "--spike-sigma",
-        type=float,
-        default=0.0,
-        help="skip a step whose loss or gradient norm is this many standard deviations above "
-        "the running mean (skip-step AdamW; 6 is usual); 0: off",
-    )
-    trainer.add_argument(
-        "--spike-window", type=int, default=128, help="steps the spike statistics cover"
-    )
-    trainer.add_argument(
-        "--spike-min-steps",
-        type=int,
-        default=64,
-        help="steps recorded before spikes are skipped",
-    )
-    trainer.add_argument(
-        "--z-loss",
-        type=float,
-        default=0.0,
-        help="LM-head z-loss coefficient (e.g. 1e-4): coeff x mean(logsumexp(logits)^2); 0: off",
-    )
-    trainer.add_argument(
-        "--no-decay",
-        default="embeddings,norms,biases",
-        help="parameters without weight decay: any of embeddings,norms,biases,lm_head",
-    )
-
-
-def _add_run_arguments(sub: argparse.ArgumentParser) -> None:
-    """The flags ``moec demo`` and ``moec train`` share: seed and run-directory policy."""
-    sub.add_argument("--seed", type=int, default=0, help="seeds the model, data and routing")
-    sub.add_argument(
-        "--resume", action="store_true", help="continue this run from its newest checkpoint"
-    )
-    sub.add_argument(
-        "--replan-schedule",
-        action="store_true",
-        help="with --resume and other --steps than the run planned: re-plan the learning-rate "
-        "schedule over the new --steps (default: keep the planned one; steps past its end train "
-        "at its final rate)",
-    )
-    sub.add_argument(
-        "--force",
-        action="store_true",
-        help="resume a run whose settings differ, or start over another run's checkpoints",
-    )
+    train.add_argument("--model", default="llama", help=MODEL_HELP)
+    train.add_argument("--plan", help="plan YAML file (default: Plan())")
+    add_flags(train)
+    train.set_defaults(func=lazy_command("moec.train.cli:cli_train"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

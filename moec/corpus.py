@@ -46,14 +46,17 @@ import dataclasses
 import glob as globbing
 import json
 import math
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
-import torch
 
 from moec.data import DataError, batch_size_at
+
+if typing.TYPE_CHECKING:  # imported where batches are made: moec data build --help needs none
+    import torch
 
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 TOKEN_SUFFIXES = (".bin", ".npy")
@@ -323,6 +326,8 @@ class TokenCorpus:
             weights = [float(s) for s in sizes]
         else:
             weights = [float(s.weight) for s in sources]
+        import torch
+
         self.source_probs = torch.tensor(weights, dtype=torch.float64) / sum(weights)
         # a source's files in proportion to their windows: cumulative shares for a search
         self.part_cumulative = [
@@ -398,6 +403,8 @@ class TokenCorpus:
     # --- batches -------------------------------------------------------------------------------
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
         batch_size = batch_size_at(self.batch_size, step)
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step + 1)
         which = torch.multinomial(self.source_probs, batch_size, replacement=True, generator=gen)

@@ -16,15 +16,17 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import typing
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache
 from typing import Protocol
 
-import torch
-
 from moec.errors import MoecError
+
+if typing.TYPE_CHECKING:  # imported where tensors are made: moec data build --help needs none
+    import torch
 
 BYTE_VOCAB = 256
 
@@ -63,6 +65,8 @@ def _docstrings(module_name: str) -> list[str]:
 @lru_cache(maxsize=1)
 def corpus_bytes() -> torch.Tensor:
     """The corpus as a uint8 tensor (byte-level tokens)."""
+    import torch
+
     text = "\n\n".join(doc for name in _MODULES for doc in _docstrings(name))
     return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).clone()
 
@@ -109,6 +113,8 @@ class TextBatches:
         return self._windows(-1 - index, None if self.synthetic else self.eval_data)
 
     def _windows(self, step: int, data: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step + 1)
         size = batch_size_at(self.batch_size, max(step, 0))
         if data is None:

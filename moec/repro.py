@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-import moec  # noqa: F401  (registers the moec:: ops)
+import moec.ops  # noqa: F401  (registers the moec:: ops)
 {imports}
 
 {code}

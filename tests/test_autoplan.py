@@ -36,8 +36,9 @@ from moec.autoplan import (
     capture,
     profile_program,
 )
-from moec.autoplan.cli import add_plan_auto_parser, cmd_plan_auto
+from moec.autoplan.cli import cmd_plan_auto
 from moec.autoplan.memory import rank_memory_of
+from moec.cli import build_parser
 from moec.compiler import build_program
 from moec.debug import with_next_token_loss
 from moec.models.zoo import load_model
@@ -407,8 +408,6 @@ def test_plan_auto_calibrates_from_a_profiled_run(tmp_path, capsys, monkeypatch,
     """--calibrate RUN refits the factors from the run's ops_rank0.json (memory priced with
     the model's profile), prints them, writes them (--efficiency-out), and --efficiency reads
     them back to the same search."""
-    import argparse
-
     import moec.autoplan.cli as cli
 
     monkeypatch.setattr(cli, "capture", lambda spec, plan: profile)
@@ -431,9 +430,8 @@ def test_plan_auto_calibrates_from_a_profiled_run(tmp_path, capsys, monkeypatch,
     run = tmp_path / "run"
     (run / "profile").mkdir(parents=True)
     (run / "profile" / "ops_rank0.json").write_text(json.dumps(ops))
-    parser = argparse.ArgumentParser()
-    add_plan_auto_parser(parser.add_subparsers())
-    common = ["auto", "--model", "llama", "--world", "2", "--gpu", "h200", "--global-batch",
+    parser = build_parser()
+    common = ["plan", "auto", "--model", "llama", "--world", "2", "--gpu", "h200", "--global-batch",
               str(8 * 128), "--seq", "128"]  # fmt: skip
     factors = tmp_path / "eff.json"
     args = parser.parse_args([*common, "--calibrate", str(run), "--efficiency-out", str(factors)])
@@ -452,16 +450,13 @@ def test_plan_auto_calibrates_from_a_profiled_run(tmp_path, capsys, monkeypatch,
 
 
 def test_plan_auto_cli_writes_the_chosen_plan(tmp_path, capsys, monkeypatch, profile):
-    import argparse
-
     import moec.autoplan.cli as cli
 
     monkeypatch.setattr(cli, "capture", lambda spec, plan: profile)
-    parser = argparse.ArgumentParser()
-    add_plan_auto_parser(parser.add_subparsers())
+    parser = build_parser()
     out = tmp_path / "plan.yaml"
     args = parser.parse_args(
-        ["auto", "--model", "llama", "--world", "4", "--gpu", "h200", "--global-batch",
+        ["plan", "auto", "--model", "llama", "--world", "4", "--gpu", "h200", "--global-batch",
          str(32 * 128), "--seq", "128", "--out", str(out)]
     )  # fmt: skip
     assert cmd_plan_auto(args) == 0

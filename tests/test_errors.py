@@ -148,7 +148,10 @@ def test_bad_train_flags_are_one_line(tmp_path, capsys, flags, named):
 def test_schedule_fractions_out_of_range_name_the_field(field, value):
     from moec.train.config import TrainConfig, TrainConfigError
 
-    with pytest.raises(TrainConfigError, match=rf"TrainConfig\.{field} = {value}: must be in"):
+    with pytest.raises(
+        TrainConfigError,
+        match=rf"TrainConfig\.{field} \(--{field.replace('_', '-')}\) = {value}: must be in",
+    ):
         TrainConfig(**{field: value})
 
 

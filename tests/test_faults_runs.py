@@ -23,9 +23,9 @@ from moec.cli import main as cli_main
 from moec.plan import Plan
 from moec.runtime.run_identity import RunIdentityError
 from moec.train import RunLockError, TrainConfig, Trainer, run_lock, train
-from moec.train.cli import print_summary
 from moec.train.config import lr_factor
 from moec.train.run_lock import LOCK_FILE, lock_run_dir
+from moec.train.summary import print_summary
 from tests.distributed import spawn
 from tests.test_run_reliability import (
     PLAN,

@@ -34,7 +34,7 @@ from moec.train import (
     Trainer,
     train,
 )
-from moec.train.cli import print_summary
+from moec.train.summary import print_summary
 
 PLAN = {"moe": {"num_experts": 4, "top_k": 2, "init": "random", "dense_first": 0}}
 ROOT = Path(__file__).resolve().parents[1]

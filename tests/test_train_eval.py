@@ -170,7 +170,7 @@ def test_moec_train_passes_the_eval_flags_to_the_config(tmp_path, monkeypatch, c
     assert (configs[1].eval_every, configs[1].eval_batches, configs[1].eval_data) == (0, 8, None)
     with pytest.raises(SystemExit):
         main(["train", "--help"])
-    assert "default 0: off" in capsys.readouterr().out
+    assert "0: off (default: 0)" in " ".join(capsys.readouterr().out.split())
 
 
 def test_a_built_corpus_is_evaluated_on_its_eval_split(tmp_path):

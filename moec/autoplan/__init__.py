@@ -10,11 +10,11 @@ The model is captured once on the meta device (:mod:`~moec.autoplan.profile`), e
 layout is evaluated analytically (:mod:`~moec.autoplan.search`, with the time model
 :mod:`moec.analysis.cost.time` and the GPU specs :mod:`moec.analysis.gpus`), and the memory of
 each layout is :mod:`moec.analysis.rank_memory`'s accounting done on the profile
-(:mod:`~moec.autoplan.memory`). :mod:`~moec.autoplan.cli` registers the
-subcommand (``add_plan_auto_parser``).
+(:mod:`~moec.autoplan.memory`). :mod:`~moec.autoplan.cli` runs the
+subcommand (``cmd_plan_auto``; :mod:`moec.cli` builds its parser).
 """
 
-from moec.autoplan.cli import AutoPlanResult, add_plan_auto_parser, auto_plan, capture
+from moec.autoplan.cli import AutoPlanResult, auto_plan, capture
 from moec.autoplan.profile import ModelProfile, profile_program
 from moec.autoplan.search import NoPlanFitsError, Prediction, Request, Search, search
 
@@ -25,7 +25,6 @@ __all__ = [
     "Prediction",
     "Request",
     "Search",
-    "add_plan_auto_parser",
     "auto_plan",
     "capture",
     "profile_program",

@@ -8,8 +8,8 @@ a profiler trace or a list of samples) before the search; the factors used are p
 :func:`capture` (:func:`capture_model` for a model made by a function) builds the program the
 trainer compiles (model + next-token loss) on the meta device twice, at one rank and at
 ``dp = dp_shard = 2`` (to learn FSDP's layout), and profiles it; :func:`auto_plan` runs the
-search; :func:`add_plan_auto_parser` registers the subcommand
-under ``moec plan``.
+search; :func:`cmd_plan_auto` runs the subcommand, whose parser :mod:`moec.cli` builds (without
+importing torch).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from moec.analysis.cost.time import (
     load_efficiency,
     save_efficiency,
 )
-from moec.analysis.gpus import GPUS, gpu_spec
+from moec.analysis.gpus import gpu_spec
 from moec.analysis.rank_memory import GIB
 from moec.autoplan.calibration import Fit, fit, load_measurement
 from moec.autoplan.profile import ModelProfile, profile_program
@@ -218,56 +218,3 @@ def cmd_plan_auto(args: argparse.Namespace) -> int:
         Path(args.out).write_text(chosen.to_yaml())
         print(f"wrote the chosen plan to {args.out}")
     return 0
-
-
-def add_plan_auto_parser(plan_subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register ``moec plan auto`` under ``moec plan``'s subparsers."""
-    auto = plan_subparsers.add_parser(
-        "auto", help="search parallelism, recompute, microbatching and precision for a model"
-    )
-    auto.add_argument("--model", required=True, help="zoo name or path/to/file.py:factory")
-    auto.add_argument("--world", type=int, required=True, help="GPUs of the job")
-    auto.add_argument("--gpu", required=True, help=f"one of {', '.join(sorted(GPUS))}")
-    auto.add_argument(
-        "--global-batch", type=int, default=2**20, help="tokens per optimizer step (job)"
-    )
-    auto.add_argument("--seq", type=int, default=4096, help="sequence length")
-    auto.add_argument(
-        "--plan",
-        help="plan YAML whose moe/loss/lowering sections are kept (but lowering.gather_up and "
-        "combine_in_experts, which the search chooses)",
-    )
-    auto.add_argument("--probe", help="JSON of measured GPU values replacing the datasheet's")
-    auto.add_argument(
-        "--probe-out", help="measure this machine's GPU first (CUDA) and write the JSON here"
-    )
-    auto.add_argument("--inter-node-gbps", type=float, help="network GB/s per GPU, one way")
-    auto.add_argument(
-        "--calibrate",
-        metavar="RUN",
-        help="fit the time model to a profiled step first: a run directory of moec train "
-        "--profile (or its profile/ops_rank0.json), a profiler trace or a JSON list of samples",
-    )
-    auto.add_argument(
-        "--efficiency", metavar="FILE", help="time model factors (JSON) to start from"
-    )
-    auto.add_argument(
-        "--efficiency-out", metavar="FILE", help="write the factors the search used (JSON)"
-    )
-    auto.add_argument(
-        "--memory-fraction", type=float, default=0.92, help="usable share of GPU memory"
-    )
-    auto.add_argument("--top", type=int, default=5, help="plans to print")
-    auto.add_argument(
-        "--min-micro-seqs",
-        type=int,
-        default=2,
-        help="fewest sequences per microbatch (moec train captures at the microbatch and "
-        "needs >= 2; 1 for a search on paper)",
-    )
-    auto.add_argument(
-        "--pp", type=int, help="only plans of this pipeline degree (a divisor of --world)"
-    )
-    auto.add_argument("--out", help="write the chosen plan here (YAML)")
-    auto.set_defaults(func=cmd_plan_auto)
-    return auto

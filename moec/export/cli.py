@@ -12,12 +12,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moec.export.hf import DTYPES, export_hf
+from moec.export import DTYPE_NAMES
 
 FORMATS = ("hf",)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from moec.export.hf import export_hf
+
     result = export_hf(
         args.source,
         args.to,
@@ -67,7 +69,7 @@ def add_export_parser(subparsers: argparse._SubParsersAction) -> None:
         "--plan", help="the plan the checkpoint was trained with (default: the run's run.json)"
     )
     export.add_argument(
-        "--dtype", choices=tuple(DTYPES), help="tensor dtype (default: the checkpoint's)"
+        "--dtype", choices=DTYPE_NAMES, help="tensor dtype (default: the checkpoint's)"
     )
     export.add_argument("--force", action="store_true", help="replace a model in DIR")
     export.set_defaults(func=cmd_export)

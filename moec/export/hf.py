@@ -85,12 +85,13 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from moec.errors import MoecError
+from moec.export import DTYPE_NAMES
 from moec.plan import MoEPlan, Plan
 from moec.runtime import run_files, run_identity, safe_read
 from moec.runtime.checkpoint_store import MANIFEST, CheckpointStore
 from moec.runtime.safe_read import METADATA
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 """``--dtype`` names; default: the checkpoint's (float32 master weights)."""
 
 

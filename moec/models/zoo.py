@@ -19,19 +19,21 @@ The example input of the named models is random token ids of shape (2, 64).
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable
 from typing import Any
-
-import torch
-from torch import nn
 
 from moec.errors import MoecError
 from moec.imports import load_object
 
+if typing.TYPE_CHECKING:  # torch is imported when a model is built: SHORT_NAMES needs none
+    import torch
+    from torch import nn
+
 VOCAB = 256
 EXAMPLE_SHAPE = (2, 64)
 
-Loaded = tuple[nn.Module, tuple, dict]
+Loaded = tuple["nn.Module", tuple, dict]
 
 
 class ModelSpecError(MoecError, ValueError):
@@ -39,6 +41,8 @@ class ModelSpecError(MoecError, ValueError):
 
 
 def example_tokens(vocab: int = VOCAB) -> torch.Tensor:
+    import torch
+
     return torch.randint(0, vocab, EXAMPLE_SHAPE, generator=torch.Generator().manual_seed(0))
 
 
@@ -55,6 +59,7 @@ def _bundled(name: str) -> Callable[[int], nn.Module]:
 
 def _hf(name: str) -> Callable[[int], nn.Module]:
     def build(vocab: int) -> nn.Module:
+        import torch
         import transformers as tf
 
         common = dict(vocab_size=vocab, use_cache=False, bos_token_id=1, eos_token_id=2)
@@ -121,6 +126,8 @@ def load_model(spec: str, vocab_size: int | None = None) -> Loaded:
 
 
 def _from_factory(factory: Callable[[], Any], spec: str) -> Loaded:
+    from torch import nn
+
     made = factory()
     if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module):
         model, inputs = made

@@ -8,14 +8,12 @@ the optimizer's groups), :mod:`~moec.train.trainer` (one optimizer step, checkpo
 :mod:`~moec.train.timing` (step time apart from checkpoint writes), :mod:`~moec.train.run_lock`
 (one run per run folder), :mod:`~moec.train.summary` (the end-of-run summary),
 :mod:`~moec.train.cli` (the entry points).
+
+The names below are imported on first use (:mod:`moec.lazy`): ``moec train --help`` reads
+:class:`~moec.train.config.TrainConfig` without importing torch.
 """
 
-from moec.train.cli import DEMO_PLAN, cli_demo, cli_train, demo_model, train
-from moec.train.config import TrainConfig, TrainConfigError, resolve_device, wsd_schedule
-from moec.train.loop import NonFiniteError, TrainResult
-from moec.train.objective import LanguageModelWithLoss, language_model_loss, parameter_groups
-from moec.train.run_lock import RunLockError
-from moec.train.trainer import CheckpointLoadError, MemoryPlanError, Trainer
+from moec.lazy import lazy_exports
 
 __all__ = [
     "DEMO_PLAN",
@@ -37,3 +35,25 @@ __all__ = [
     "train",
     "wsd_schedule",
 ]
+
+__getattr__, __dir__ = lazy_exports(
+    globals(),
+    {
+        **dict.fromkeys(
+            ("DEMO_PLAN", "cli_demo", "cli_train", "demo_model", "train"), "moec.train.cli"
+        ),
+        **dict.fromkeys(
+            ("TrainConfig", "TrainConfigError", "resolve_device", "wsd_schedule"),
+            "moec.train.config",
+        ),
+        **dict.fromkeys(("NonFiniteError", "TrainResult"), "moec.train.loop"),
+        **dict.fromkeys(
+            ("LanguageModelWithLoss", "language_model_loss", "parameter_groups"),
+            "moec.train.objective",
+        ),
+        "RunLockError": "moec.train.run_lock",
+        **dict.fromkeys(
+            ("CheckpointLoadError", "MemoryPlanError", "Trainer"), "moec.train.trainer"
+        ),
+    },
+)

@@ -4,14 +4,15 @@ commands with their printed summary."""
 from __future__ import annotations
 
 import contextlib
-
-import torch
+import typing
 
 from moec.plan import Plan
-from moec.train.config import TrainConfig, resolve_device
-from moec.train.loop import TrainResult
-from moec.train.summary import print_summary
-from moec.train.trainer import Trainer
+from moec.train.config import TrainConfig, from_flags, resolve_device
+
+if typing.TYPE_CHECKING:  # torch is imported where a command runs: moec --help needs none
+    import torch
+
+    from moec.train.loop import TrainResult
 
 
 def train(
@@ -22,6 +23,8 @@ def train(
     show_progress: bool = False,
 ) -> TrainResult:
     """Compile ``model`` with ``plan`` and train it (see module)."""
+    from moec.train.trainer import Trainer
+
     plan = Plan.from_dict(plan) if isinstance(plan, dict) else plan or Plan()
     cfg = config or TrainConfig()
     if not show_progress:
@@ -50,26 +53,31 @@ def demo_model() -> torch.nn.Module:
     return Llama(LlamaConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=512))
 
 
+DEMO_CONFIG = {
+    "steps": 200,
+    "batch_size": 16,
+    "seq_len": 128,
+    "lr": 3e-3,
+    "warmup_steps": 15,
+    "log_every": 10,
+    "out": "runs/demo",
+}
+"""``moec demo``'s run: its flags (:data:`DEMO_FLAGS`) default to these, the rest is fixed."""
+DEMO_FLAGS = ("steps", "device", "out", "seed", "resume", "replan_schedule", "force")
+
+
 def cli_demo(args) -> int:
     """``moec demo``: the bundled dense Llama -> 8-expert top-2 MoE, trained on offline text."""
-    device = resolve_device(args.device)
+    import dataclasses
+
+    import torch
+
+    cfg = from_flags(args, **DEMO_CONFIG)
+    device = resolve_device(cfg.device)
+    cfg = dataclasses.replace(cfg, device=str(device))
     plan = Plan.from_dict(DEMO_PLAN)
     if device.type == "cuda":
         plan.precision.compute_dtype = "bf16"
-    cfg = TrainConfig(
-        steps=args.steps or 200,
-        batch_size=16,
-        seq_len=128,
-        lr=3e-3,
-        warmup_steps=15,
-        log_every=10,
-        out=args.out,
-        device=str(device),
-        seed=args.seed,
-        resume=args.resume,
-        replan_schedule=args.replan_schedule,
-        force=args.force,
-    )
     torch.manual_seed(cfg.seed)  # the model's initialisation is part of the run
     return _train_and_report(demo_model(), plan, cfg)
 
@@ -78,48 +86,13 @@ def cli_train(args) -> int:
     """``moec train``: a model the CLI knows, a plan file, offline text, synthetic data or your
     own tokens (``--data``; a named model's vocabulary is that of the corpus ``moec data build``
     wrote, where ``--data`` is one)."""
+    import torch
+
     from moec.corpus import built_vocab, parse_spec
     from moec.models.zoo import load_model
 
     plan = Plan.load(args.plan) if args.plan else Plan()
-    cfg = TrainConfig(
-        steps=args.steps,
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        log_every=args.log_every,
-        checkpoint_every=args.checkpoint_every,
-        keep_checkpoints=args.keep_checkpoints,
-        on_checkpoint_error=args.on_checkpoint_error,
-        on_router_collapse=args.on_router_collapse,
-        out=args.out,
-        seed=args.seed,
-        device=args.device,
-        synthetic=args.synthetic,
-        resume=args.resume,
-        replan_schedule=args.replan_schedule,
-        force=args.force,
-        init_from=args.init_from,
-        max_nonfinite_steps=args.max_nonfinite_steps,
-        memory_limit_gib=args.memory_limit_gib,
-        data=args.data,
-        data_dtype=args.data_dtype,
-        tokenizer=args.tokenizer,
-        text_column=args.text_column,
-        prefetch=args.prefetch,
-        batch_warmup=args.batch_warmup or (),
-        spike_sigma=args.spike_sigma,
-        spike_window=args.spike_window,
-        spike_min_steps=args.spike_min_steps,
-        z_loss=args.z_loss,
-        no_decay=args.no_decay,
-        profile=args.profile,
-        lr=args.lr,
-        warmup_steps=args.warmup_steps,
-        weight_decay=args.weight_decay,
-        eval_every=args.eval_every,
-        eval_batches=args.eval_batches,
-        eval_data=args.eval_data,
-    )
+    cfg = from_flags(args)
     vocab = built_vocab(parse_spec(cfg.data, cfg.data_dtype)) if cfg.data else None
     torch.manual_seed(cfg.seed)  # the model's initialisation is part of the run
     # from a checkpoint or fresh, the model is built on shapes: each rank builds only its part
@@ -129,7 +102,9 @@ def cli_train(args) -> int:
 
 
 def _train_and_report(model: torch.nn.Module, plan: Plan, cfg: TrainConfig) -> int:
+    from moec.train.summary import print_summary
+
     result = train(model, plan, cfg, show_progress=True)
     if not result.finished:
-        print_summary(result)
+        print_summary(result, plots=cfg.plots)
     return 0

@@ -1,18 +1,29 @@
 """``TrainConfig``: a training run's settings, validated with errors that name the field and its
 ``moec train`` flag; the device, the warmup-stable-decay learning-rate schedule and the
-batch-size warmup (:func:`lr_factor`, :func:`rank_batch_size`)."""
+batch-size warmup (:func:`lr_factor`, :func:`rank_batch_size`).
+
+Each field is declared once, with its default and its help (:func:`option`); :func:`add_flags`
+makes ``moec train``'s flags from them (``--batch-size`` sets ``batch_size``, a field that
+defaults to True is turned off by ``--no-...``) and :func:`from_flags` reads them back, so a
+flag's default is its field's. This module imports no torch at import time (``moec train
+--help`` reads it).
+"""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
-from collections.abc import Callable
-
-import torch
+import types
+import typing
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from moec.errors import MoecError
-from moec.runtime.profiling import ProfileWindow
-from moec.train.routing_health import COLLAPSE_POLICIES
+from moec.train.routing_health import COLLAPSE_POLICIES, LASTING, PATIENCE
+
+if typing.TYPE_CHECKING:
+    import torch
 
 CHECKPOINT_ERROR_POLICIES = ("stop", "continue")
 NO_DECAY_KINDS = ("embeddings", "norms", "biases", "lm_head")
@@ -21,117 +32,223 @@ other 1-D parameters), biases (of linears), the LM head's weight (the linear who
 loss reads)."""
 FRESH_INIT = "fresh"
 """``TrainConfig.init_from`` (``--init-from``) for freshly initialized dense tensors."""
+DATA_DTYPES = ("uint16", "uint32")
+
+SECTIONS = {
+    "data": "your own tokens (see moec.corpus)",
+    "eval": "held-out evaluation (see moec.train.evaluation)",
+    "trainer": "trainer",
+}
+"""The sections of ``moec train --help`` a field's flag may be listed in (besides the first)."""
 
 
 class TrainConfigError(MoecError):
     """A TrainConfig field (a ``moec train`` flag) out of its accepted range."""
 
 
+def option(
+    default: Any,
+    help: str,
+    *,
+    section: str | None = None,
+    metavar: str | None = None,
+    choices: tuple[str, ...] | None = None,
+) -> Any:
+    """A :class:`TrainConfig` field: its ``default`` and ``help`` (the field's documentation and
+    its flag's help), the help ``section`` (a key of :data:`SECTIONS`; None: the first), and the
+    flag's ``metavar`` and ``choices``."""
+    meta = {"help": help, "section": section, "metavar": metavar, "choices": choices}
+    return dataclasses.field(default=default, metadata=meta)
+
+
 @dataclasses.dataclass
 class TrainConfig:
-    steps: int = 200
-    """The run's last step. The learning-rate schedule is planned over it when the run starts
-    and kept by a resume with other ``steps`` (see ``replan_schedule``)."""
-    batch_size: int = 16
-    """Sequences per optimizer step (split into plan.parallel.microbatches)."""
-    seq_len: int = 128
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    """Final LR of the decay phase, as a fraction of ``lr``."""
-    warmup_steps: int = 20
-    decay_fraction: float = 0.2
-    """Share of the steps spent in the final linear decay (WSD schedule)."""
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = 1.0
-    log_every: int = 10
-    checkpoint_every: int = 0
-    """0: checkpoint only at the end."""
-    keep_checkpoints: int = 3
-    """Committed checkpoints kept on disk (the newest ones)."""
-    on_checkpoint_error: str = "stop"
-    """``stop``: a checkpoint that cannot be written (or is predicted not to fit) ends the run
-    after writing its summary; ``continue``: it is reported and training goes on."""
-    max_nonfinite_steps: int = 5
-    """Consecutive skipped (non-finite) steps that stop the run."""
-    on_router_collapse: str = "warn"
-    """An MoE block whose router falls onto a few experts for several log points in a row
-    (:mod:`moec.train.routing_health`): ``warn`` says so once per block, ``stop`` ends the run
-    (after writing its summary), ``ignore`` says nothing."""
-    warmup_log_steps: int = 2
-    """Steps excluded from steady-state timing (capture, first-iteration allocations)."""
-    out: str = "runs/train"
-    seed: int = 0
-    device: str = "auto"
-    synthetic: bool = False
-    resume: bool = False
-    replan_schedule: bool = False
-    """On a resume whose ``steps`` differ from the run's plan: re-plan the learning-rate schedule
-    over the new ``steps`` (the rate moves to where the new schedule is at the resumed step).
-    Without it the planned schedule is kept: steps past its end train at its final rate, and a
-    run stopped before its end has not finished its decay."""
-    force: bool = False
-    """Resume a run whose identity differs, or start a new run over another run's checkpoints
-    (which it removes)."""
-    plots: bool = True
-    memory_limit_gib: float | None = None
-    """Refuse a plan whose predicted per-rank memory (:mod:`moec.analysis.rank_memory`) exceeds
-    this, before any parameter is allocated from a checkpoint; None: the GPU's memory on CUDA,
-    no check on the CPU."""
-    init_from: str | None = None
-    """A dense checkpoint of the model (a ``save_pretrained`` safetensors directory, a
-    ``.safetensors`` file or a torch state dict file) to initialize the program from, or
-    ``"fresh"`` (a checkpoint directory of that name: ``./fresh``) for freshly initialized
-    dense tensors drawn from ``seed`` one module at a time, the same at every layout
-    (:class:`moec.runtime.materialize.FreshInit`): the model is then given on the meta device
-    and each rank builds only its part (:mod:`moec.runtime.materialize`)."""
+    """A training run's settings; each field's help says what it does (``moec train --help``)."""
 
-    data: str | None = None
-    """Your own tokens (``--data``): ``PATH[:WEIGHT],...`` of token files (``.bin``/``.npy``,
-    globs, folders) or ``datasets`` save_to_disk folders, or a ``.json``/``.yaml`` data spec
-    (:mod:`moec.corpus`); None: the offline text (or ``synthetic``)."""
-    data_dtype: str = "uint16"
-    """The ids of raw token files (``.bin``, header-less ``.npy``): uint16 or uint32."""
-    tokenizer: str | None = None
-    """A ``transformers`` tokenizer (name or folder) for ``datasets`` folders in ``data``."""
-    text_column: str = "text"
-    """The column of a ``datasets`` folder that holds the documents."""
-    prefetch: int = 2
-    """Batches loaded ahead by a background thread (pinned on CUDA); 0: in the step."""
-    batch_warmup: tuple[tuple[int, int], ...] | str = ()
-    """Batch-size warmup: (global batch, from step) pairs, or ``"8:0,16:100,32:300"``: batch 8
-    (sequences over all data-parallel ranks) from step 0, 16 from step 100, ... The last must
-    be ``batch_size`` x data-parallel ranks; the learning rate is scaled by
-    sqrt(batch / first batch). Empty: ``batch_size`` throughout."""
-    spike_sigma: float = 0.0
-    """Skip a step whose loss or gradient norm exceeds the mean of the last ``spike_window``
-    steps by more than this many standard deviations (skip-step AdamW; 6 is a usual value);
-    0: off."""
-    spike_window: int = 128
-    """Steps whose losses and gradient norms the spike statistics cover."""
-    spike_min_steps: int = 64
-    """Steps recorded before a spike can be skipped (the statistics need a history)."""
-    z_loss: float = 0.0
-    """LM-head z-loss coefficient: ``z_loss * mean(logsumexp(logits) ** 2)`` is added to the
-    loss; 0: off. It reads the logits, so the ``fused_loss`` pass leaves the head unfused."""
-    no_decay: tuple[str, ...] | str = ("embeddings", "norms", "biases")
-    """Parameters trained without weight decay: any of embeddings, norms, biases, lm_head (a
-    tuple, or ``"embeddings,norms,lm_head"``)."""
-
-    eval_every: int = 0
-    """Evaluate on held-out data every this many steps and at the run's last step
-    (:mod:`moec.train.evaluation`; each is also a log point); 0: off."""
-    eval_batches: int = 8
-    """The fixed held-out batches of ``batch_size`` sequences one evaluation reads, shared out
-    over the data-parallel ranks."""
-    eval_data: str | None = None
-    """Held-out tokens, a ``data`` SPEC (a built corpus folder means its eval split); None: the
-    held-out split of the training data where it has one (the eval split of a corpus ``moec
-    data build`` wrote, the offline text's last 5%), else no evaluation."""
-
-    profile: str | None = None
-    """``START:STEPS``: profile steps START..START+STEPS-1 (:mod:`moec.runtime.profiling`): a
-    torch.profiler trace and NVTX ranges by block and op, written to ``out/profile``."""
+    steps: int = option(
+        100,
+        "the run's last step; the learning-rate schedule is planned over it when the run starts "
+        "and kept by a --resume with other --steps (see --replan-schedule)",
+    )
+    batch_size: int = option(
+        8,
+        "sequences per optimizer step on each data-parallel rank (split into "
+        "plan.parallel.microbatches)",
+    )
+    seq_len: int = option(128, "tokens per sequence")
+    lr: float = option(
+        3e-3,
+        "peak learning rate of the warmup-stable-decay schedule (set for the small demo models; "
+        "the benchmarks train at 1e-4: at high rates the router can collapse onto few experts)",
+        section="trainer",
+    )
+    min_lr_ratio: float = option(
+        0.1, "final learning rate of the decay phase, as a fraction of --lr", section="trainer"
+    )
+    warmup_steps: int = option(20, "linear learning-rate warmup steps", section="trainer")
+    decay_fraction: float = option(
+        0.2,
+        "share of the steps spent in the final linear decay of the learning rate",
+        section="trainer",
+    )
+    weight_decay: float = option(
+        0.1, "AdamW weight decay (of the parameters --no-decay leaves)", section="trainer"
+    )
+    betas: tuple[float, float] | str = option(
+        (0.9, 0.95), "AdamW's beta1,beta2", section="trainer", metavar="B1,B2"
+    )
+    grad_clip: float = option(1.0, "gradients are clipped to this global norm", section="trainer")
+    log_every: int = option(10, "steps between log points (progress, metrics.jsonl)")
+    checkpoint_every: int = option(0, "steps between checkpoints; 0: only at the end")
+    keep_checkpoints: int = option(3, "committed checkpoints kept on disk (the newest ones)")
+    on_checkpoint_error: str = option(
+        "stop",
+        "a checkpoint that cannot be written (or is predicted not to fit): stop the run after "
+        "writing its summary, or report it and continue",
+        choices=CHECKPOINT_ERROR_POLICIES,
+    )
+    max_nonfinite_steps: int = option(
+        5, "consecutive steps with a non-finite loss or gradient norm (skipped) that stop the run"
+    )
+    on_router_collapse: str = option(
+        "warn",
+        f"an MoE block routing most tokens to a few experts for {PATIENCE} log points and "
+        f"{LASTING} steps in a row, past twice the warmup (moec.train.routing_health): warn once "
+        "per block, stop the run (after writing its summary), or ignore it",
+        choices=COLLAPSE_POLICIES,
+    )
+    warmup_log_steps: int = option(
+        2, "first steps left out of the steady-state timing (capture, first allocations)"
+    )
+    out: str = option("runs/train", "run directory", metavar="DIR")
+    seed: int = option(0, "seeds the model, data and routing")
+    device: str = option(
+        "auto", "auto (CUDA where available), cpu, cuda or cuda:N", metavar="DEVICE"
+    )
+    synthetic: bool = option(False, "random tokens instead of text")
+    resume: bool = option(False, "continue this run from its newest checkpoint")
+    replan_schedule: bool = option(
+        False,
+        "on a --resume with other --steps than the run planned: re-plan the learning-rate "
+        "schedule over the new --steps (the rate moves to where the new schedule is at the "
+        "resumed step); without it the planned schedule is kept: steps past its end train at "
+        "its final rate, and a run stopped before its end has not finished its decay",
+    )
+    force: bool = option(
+        False,
+        "resume a run whose settings differ, or start a new run over another run's "
+        "checkpoints (which it removes)",
+    )
+    plots: bool = option(
+        True, "write the run's PNG plots (where matplotlib is installed); --no-plots: none"
+    )
+    memory_limit_gib: float | None = option(
+        None,
+        "refuse a plan whose predicted per-rank memory (moec.analysis.rank_memory) exceeds "
+        "this many GiB, before any parameter is allocated; default: the GPU's memory on CUDA, "
+        "no check on the CPU",
+        metavar="GIB",
+    )
+    init_from: str | None = option(
+        None,
+        "a dense checkpoint of the model (save_pretrained folder, .safetensors or torch state "
+        "dict file) to upcycle from, or 'fresh' (a folder of that name: ./fresh) for dense "
+        "tensors freshly drawn from --seed one module at a time, the same at every layout "
+        "(moec.runtime.materialize.FreshInit); the model is then built on the meta device and "
+        "each rank builds only its part",
+        metavar="PATH|fresh",
+    )
+    data: str | None = option(
+        None,
+        "your own tokens: PATH[:WEIGHT],... of token files (.bin, .npy; globs and folders) or "
+        "datasets save_to_disk folders, or a .json/.yaml data spec (moec.corpus); default: the "
+        "offline text (or --synthetic)",
+        section="data",
+        metavar="SPEC",
+    )
+    data_dtype: str = option(
+        "uint16",
+        "token ids of raw .bin (and header-less .npy) files",
+        section="data",
+        choices=DATA_DTYPES,
+    )
+    tokenizer: str | None = option(
+        None,
+        "a transformers tokenizer (name or folder) for datasets folders in --data",
+        section="data",
+        metavar="NAME_OR_PATH",
+    )
+    text_column: str = option(
+        "text", "the documents' column in datasets folders", section="data", metavar="NAME"
+    )
+    prefetch: int = option(
+        2,
+        "batches loaded ahead by a background thread (pinned on CUDA); 0: in the step",
+        section="data",
+    )
+    batch_warmup: tuple[tuple[int, int], ...] | str = option(
+        (),
+        "batch-size warmup: global batch sizes (over all data-parallel ranks) from the given "
+        "steps, e.g. 8:0,16:100,32:300; the last must be --batch-size x data-parallel ranks; "
+        "the learning rate scales by sqrt(batch / first batch); default: --batch-size "
+        "throughout",
+        section="trainer",
+        metavar="B:STEP,...",
+    )
+    spike_sigma: float = option(
+        0.0,
+        "skip a step whose loss or gradient norm exceeds the mean of the last --spike-window "
+        "steps by more than this many standard deviations (skip-step AdamW; 6 is usual); 0: off",
+        section="trainer",
+    )
+    spike_window: int = option(
+        128, "steps whose losses and gradient norms the spike statistics cover", section="trainer"
+    )
+    spike_min_steps: int = option(
+        64,
+        "steps recorded before a spike can be skipped (the statistics need a history)",
+        section="trainer",
+    )
+    z_loss: float = option(
+        0.0,
+        "LM-head z-loss coefficient (e.g. 1e-4): z_loss x mean(logsumexp(logits)^2) is added to "
+        "the loss; it reads the logits, so the fused_loss pass leaves the head unfused; 0: off",
+        section="trainer",
+    )
+    no_decay: tuple[str, ...] | str = option(
+        ("embeddings", "norms", "biases"),
+        f"parameters trained without weight decay: any of {','.join(NO_DECAY_KINDS)}",
+        section="trainer",
+        metavar="KINDS",
+    )
+    eval_every: int = option(
+        0,
+        "evaluate on held-out data every N steps and at the run's last step, in eval mode, the "
+        "LM loss without router losses (eval_loss in metrics.jsonl, summary.json, loss.png; "
+        "each is also a log point); 0: off",
+        section="eval",
+    )
+    eval_batches: int = option(
+        8,
+        "fixed held-out batches of --batch-size sequences one evaluation reads, shared out over "
+        "the data-parallel ranks",
+        section="eval",
+    )
+    eval_data: str | None = option(
+        None,
+        "held-out tokens, as --data (a moec data build folder: its eval split); default: the "
+        "training data's held-out split (a built corpus's eval split, the offline text's last "
+        "5%), none for --synthetic or other --data",
+        section="eval",
+        metavar="SPEC",
+    )
+    profile: str | None = option(
+        None,
+        "profile steps START..START+STEPS-1 (moec.runtime.profiling): a torch.profiler trace "
+        "(Perfetto) and NVTX ranges by block and op (nsys --capture-range=cudaProfilerApi) into "
+        "OUT/profile",
+        metavar="START:STEPS",
+    )
 
     def __post_init__(self) -> None:
         at_least = {
@@ -165,6 +282,8 @@ class TrainConfig:
             )
         resolve_device(self.device)
         if self.profile:
+            from moec.runtime.profiling import ProfileWindow
+
             ProfileWindow.parse(self.profile).check(self.steps)
         self._check_data_and_trainer()
 
@@ -173,7 +292,7 @@ class TrainConfig:
             raise TrainConfigError(
                 f"{flag_of('data')} and {flag_of('synthetic')}: give one of them"
             )
-        if self.data_dtype not in ("uint16", "uint32"):
+        if self.data_dtype not in DATA_DTYPES:
             raise TrainConfigError(
                 f"{flag_of('data_dtype')} = {self.data_dtype!r}: must be uint16 or uint32"
             )
@@ -191,6 +310,11 @@ class TrainConfig:
                 raise TrainConfigError(f"{flag_of(name)} = {value!r}: must be a number >= 0")
         if not isinstance(self.lr, (int, float)) or not math.isfinite(self.lr) or self.lr <= 0:
             raise TrainConfigError(f"{flag_of('lr')} = {self.lr!r}: must be a number > 0")
+        if not isinstance(self.grad_clip, (int, float)) or not self.grad_clip > 0:
+            raise TrainConfigError(
+                f"{flag_of('grad_clip')} = {self.grad_clip!r}: must be a number > 0"
+            )
+        self.betas = _parse_betas(self.betas)
         for name in ("min_lr_ratio", "decay_fraction"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 <= value <= 1:
@@ -212,26 +336,118 @@ class TrainConfig:
             )
 
 
-_CLI_FIELDS = frozenset(
-    "steps batch_size seq_len log_every checkpoint_every keep_checkpoints on_checkpoint_error "
-    "on_router_collapse "
-    "device seed init_from max_nonfinite_steps memory_limit_gib profile data data_dtype tokenizer "
-    "text_column prefetch batch_warmup spike_sigma spike_window spike_min_steps z_loss "
-    "no_decay lr warmup_steps weight_decay out replan_schedule eval_every eval_batches "
-    "eval_data".split()
-)
-"""TrainConfig fields that ``moec train`` sets from a flag of the same name."""
+def _declared_fields() -> dict[str, dataclasses.Field]:
+    """TrainConfig's fields by name, each checked to be declared by :func:`option` (its flag's
+    help and section come from there)."""
+    fields = {field.name: field for field in dataclasses.fields(TrainConfig)}
+    for name, field in fields.items():
+        if "help" not in field.metadata:
+            raise TypeError(f"TrainConfig.{name}: declare it with option(default, help)")
+    return fields
+
+
+_FIELDS = _declared_fields()
+
+
+def flag(field: str) -> str:
+    """The ``moec train`` flag that sets the TrainConfig field ``field``: ``--no-plots`` for a
+    field that defaults to True, else ``--`` and the name with dashes."""
+    dashed = field.replace("_", "-")
+    return f"--no-{dashed}" if _FIELDS[field].default is True else f"--{dashed}"
 
 
 def flag_of(field: str) -> str:
-    """A TrainConfig field, with the ``moec train`` flag that sets it where there is one."""
-    flag = f" (--{field.replace('_', '-')})" if field in _CLI_FIELDS else ""
-    return f"TrainConfig.{field}{flag}"
+    """A TrainConfig field with the ``moec train`` flag that sets it, for error messages."""
+    return f"TrainConfig.{field} ({flag(field)})"
+
+
+def add_flags(
+    parser: argparse.ArgumentParser,
+    fields: Iterable[str] | None = None,
+    defaults: Mapping[str, Any] | None = None,
+) -> None:
+    """Add to ``parser`` the flag of each TrainConfig field (``fields``; None: every one), in
+    the field's help section, its default the field's (or ``defaults[name]``, for ``moec
+    demo``'s recipe). A bool field is a switch; a field that also takes a string
+    (``--no-decay``, ``--batch-warmup``, ``--betas``) is given as one, which TrainConfig
+    parses."""
+    chosen = set(_FIELDS) if fields is None else set(fields)
+    unknown = chosen - set(_FIELDS)
+    if unknown:
+        raise ValueError(f"not TrainConfig fields: {', '.join(sorted(unknown))}")
+    defaults = defaults or {}
+    hints = typing.get_type_hints(TrainConfig)
+    sections: dict[str | None, Any] = {None: parser}
+    for name, field in _FIELDS.items():
+        if name not in chosen:
+            continue
+        meta = field.metadata
+        section = meta["section"]
+        if section not in sections:
+            sections[section] = parser.add_argument_group(SECTIONS[section])
+        common = dict(dest=name, default=defaults.get(name, field.default))
+        common["help"] = meta["help"].replace("%", "%%")  # argparse %-formats help
+        if isinstance(field.default, bool):
+            action = "store_false" if field.default else "store_true"
+            sections[section].add_argument(flag(name), action=action, **common)
+            continue
+        kind = _flag_type(name, hints[name])
+        metavar = meta["metavar"] or (None if meta["choices"] else _METAVARS[kind])
+        sections[section].add_argument(
+            flag(name), type=kind, metavar=metavar, choices=meta["choices"], **common
+        )
+
+
+def from_flags(args: argparse.Namespace, **fixed: Any) -> TrainConfig:
+    """The TrainConfig of the flags :func:`add_flags` added to ``args``'s parser, over the
+    fields ``fixed`` (those the command has no flag for)."""
+    given = {name: getattr(args, name) for name in _FIELDS if hasattr(args, name)}
+    return TrainConfig(**{**fixed, **given})
+
+
+def shown_default(value: Any) -> str | None:
+    """A default as ``--help`` shows it, in the form the flag takes (``embeddings,norms``,
+    ``8:0,16:100``); None where there is nothing to show (None, a switch, an empty value)."""
+    if value is None or isinstance(value, bool) or value in ((), "", []):
+        return None
+    if isinstance(value, (tuple, list)):
+        return ",".join(
+            ":".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v) for v in value
+        )
+    return str(value)
+
+
+_METAVARS = {int: "N", float: "X", str: "TEXT"}
+
+
+def _flag_type(name: str, hint: Any) -> type:
+    """What a flag's text converts to: the field's type less None; str for a field that also
+    takes a string."""
+    kinds = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    kinds = tuple(k for k in kinds if k is not type(None))
+    if str in kinds or kinds in ((int,), (float,)):
+        return str if str in kinds else kinds[0]
+    raise TypeError(f"TrainConfig.{name}: {hint} has no flag type; let the field take a str")
+
+
+def _parse_betas(betas: tuple[float, float] | str) -> tuple[float, float]:
+    """``"0.9,0.95"`` or (0.9, 0.95) as a pair of floats in [0, 1)."""
+    where = f"{flag_of('betas')} = {betas!r}"
+    parts = betas.split(",") if isinstance(betas, str) else list(betas)
+    try:
+        pair = tuple(float(b) for b in parts)
+    except (TypeError, ValueError):
+        raise TrainConfigError(f"{where}: must be two numbers B1,B2 (e.g. 0.9,0.95)") from None
+    if len(pair) != 2 or not all(0 <= b < 1 for b in pair):
+        raise TrainConfigError(f"{where}: must be two numbers B1,B2 in [0, 1) (e.g. 0.9,0.95)")
+    return pair
 
 
 def resolve_device(name: str) -> torch.device:
     """``auto`` (CUDA where available), ``cpu``, ``cuda`` or ``cuda:N``; a device this machine
     does not have is a :class:`TrainConfigError`."""
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:

@@ -146,8 +146,9 @@ def routing_table(stats: dict[str, dict[str, Any]], width: int) -> list[str]:
     return [*header, "-" * len(header[0]), *(line(r) for r in rows)]
 
 
-def summary_lines(result: TrainResult, width: int) -> list[str]:
-    """Every line of the end-of-run summary, laid out for ``width`` columns (see module)."""
+def summary_lines(result: TrainResult, width: int, plots: bool = True) -> list[str]:
+    """Every line of the end-of-run summary, laid out for ``width`` columns (see module);
+    ``plots``: the run was to write plots (where none were, matplotlib is missing)."""
     s = result.summary
     lines = wrap_pipeline(s["plan"], width)
     lines += textwrap.wrap(closing_sentence(s), width, break_on_hyphens=False)
@@ -156,16 +157,16 @@ def summary_lines(result: TrainResult, width: int) -> list[str]:
         lines += routing_table(stats, width)
     names = ", ".join(str(p.relative_to(result.out)) for p in result.written)
     lines += textwrap.wrap(f"wrote in {result.out}: {names}", width, break_on_hyphens=False)
-    if not any(p.suffix == ".png" for p in result.written) and result.written:
+    if plots and result.written and not any(p.suffix == ".png" for p in result.written):
         lines.append("no plots: they need matplotlib (pip install matplotlib)")
     return lines
 
 
-def print_summary(result: TrainResult, console=None) -> None:
+def print_summary(result: TrainResult, console=None, plots: bool = True) -> None:
     """Print :func:`summary_lines` at the width of ``console`` (default: a rich ``Console``
     on stdout, 80 columns where stdout is not a terminal)."""
     from rich.console import Console
 
     console = console or Console()
-    for line in summary_lines(result, console.width):
+    for line in summary_lines(result, console.width, plots):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
