@@ -35,7 +35,6 @@ import typing
 from collections.abc import Sequence
 from types import SimpleNamespace
 
-from moec import warmup
 from moec.analysis.gpus import GPUS
 from moec.errors import MoecError, one_line
 from moec.export.cli import add_export_parser
@@ -44,6 +43,7 @@ from moec.models.zoo import SHORT_NAMES
 from moec.plan import Plan
 from moec.train.cli import DEMO_CONFIG, DEMO_FLAGS
 from moec.train.config import add_flags, shown_default
+from moec.warmup import add_parser as _add_warmup_parser
 
 if typing.TYPE_CHECKING:  # the commands import torch when they run: building the parser does not
     from rich.console import Console
@@ -425,7 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_parser(sub)
     add_export_parser(sub)
     _add_data_parser(sub)
-    warmup.add_parser(sub)
+    _add_warmup_parser(sub)
     return parser
 
 
