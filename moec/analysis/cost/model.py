@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+from typing import Any
 
 import sympy
 import torch.fx as fx
 
-from moec.analysis.cost.report import CostReport, block_report
+from moec.analysis.cost.report import CostReport
 from moec.analysis.cost.rules import NodeCost, node_cost
 from moec.analysis.cost.sizes import friendly_dims, tokens
 from moec.analysis.structure import find_structure, module_path
@@ -105,6 +106,20 @@ class BlockCost:
     params: int
     active_params: int
 
+    def report(self, values: dict[sympy.Symbol, int]) -> dict[str, Any]:
+        """This block's row of a :class:`CostReport` at the symbol ``values``."""
+        return {
+            "index": self.index,
+            "path": self.path,
+            "ffn": self.ffn.describe(),
+            "ffn_path": self.ffn.path,
+            "flops": evaluate(self.cost.flops, values),
+            "ffn_flops": evaluate(self.ffn_cost.flops, values),
+            "saved_bytes": evaluate(self.cost.saved_bytes, values),
+            "params": self.params,
+            "active_params": self.active_params,
+        }
+
 
 @dataclasses.dataclass
 class GraphCost:
@@ -147,7 +162,7 @@ class GraphCost:
             saved_bytes=evaluate(self.total.saved_bytes, values),
             params=self.params,
             active_params=self.active_params,
-            blocks=[block_report(b, values) for b in self.blocks],
+            blocks=[b.report(values) for b in self.blocks],
         )
 
 
