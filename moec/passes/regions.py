@@ -34,7 +34,7 @@ import torch.fx as fx
 
 from moec.analysis.cost import graph_cost
 from moec.passes.base import Pass, PassContext, PassResult, register_pass
-from moec.passes.pipeline.split import PipelinePassError
+from moec.passes.pipeline.errors import PipelinePassError
 from moec.passes.pipeline.units import pipeline_units
 from moec.plan import Plan
 

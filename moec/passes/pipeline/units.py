@@ -33,7 +33,7 @@ from moec.analysis.cost.time import ForwardWork, forward_work
 from moec.analysis.structure import module_path
 from moec.fx import called_graph, evaluate, nbytes, under
 from moec.ops.param_groups import ParamGroup
-from moec.passes.pipeline.split import PipelinePassError
+from moec.passes.pipeline.errors import PipelinePassError
 from moec.program import MoELayer
 
 aten = torch.ops.aten
