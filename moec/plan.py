@@ -319,12 +319,28 @@ class ParallelPlan:
                 self.pp_layout,
                 f"{stages} unit counts >= 1, one per stage (pp * virtual_stages), or null",
             )
-        if self.pp > 1:
+        if self.pp > 1:  # the schedule's shape (pass pipeline checks the model's units)
+            if self.pp_schedule == "interleaved_1f1b":
+                _require(
+                    self.virtual_stages >= 2,
+                    "parallel.virtual_stages",
+                    self.virtual_stages,
+                    "2 or more for interleaved_1f1b",
+                )
+            if self.pp_schedule in ("gpipe", "1f1b"):
+                _require(
+                    self.virtual_stages == 1,
+                    "parallel.virtual_stages",
+                    self.virtual_stages,
+                    f"1 for {self.pp_schedule!r}",
+                )
+            need = 2 * self.pp if self.pp_schedule == "dualpipev" else self.pp
             _require(
-                self.microbatches >= self.pp,
+                self.microbatches >= need,
                 "parallel.microbatches",
                 self.microbatches,
-                f"at least pp={self.pp} so every pipeline stage has work",
+                f"at least {need} for {self.pp_schedule!r} with pp={self.pp} so every pipeline "
+                "stage has work",
             )
 
 
