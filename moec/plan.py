@@ -269,6 +269,11 @@ class ParallelPlan:
     FSDP)."""
     microbatches: int = 1
     """Microbatches per optimizer step (gradient accumulation, or the pipeline's microbatches)."""
+    microbatch_size: int | None = None
+    """Sequences per microbatch on each data-parallel rank, where the plan was sized for one
+    (``moec plan auto`` writes the size it priced: memory, step time and whether pass
+    ``overlap`` can halve the batch depend on it; ``moec plan show --model`` predicts memory at
+    it); None: not fixed by the plan (the trainer's batch size / ``microbatches``)."""
     pp_units: Literal["block", "sublayer"] = "sublayer"
     """Where pass ``pipeline`` may cut: between residual blocks only (``block``), or also before
     each block's FFN (``sublayer``: half-block units balance stages an attention's worth finer;
@@ -291,6 +296,10 @@ class ParallelPlan:
         for name in ("dp", "dp_shard", "ep", "pp", "virtual_stages", "microbatches"):
             value = getattr(self, name)
             _require(value >= 1, f"parallel.{name}", value, "an integer >= 1")
+        size = self.microbatch_size
+        _require(
+            size is None or size >= 1, "parallel.microbatch_size", size, "an integer >= 1 or null"
+        )
         _require(
             self.dp % self.ep == 0,
             "parallel.ep",

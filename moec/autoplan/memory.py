@@ -1,24 +1,38 @@
-"""Per-rank memory of a layout, analytically: :mod:`moec.analysis.rank_memory`'s accounting on a
-:class:`~moec.autoplan.profile.ModelProfile` instead of a built program.
+"""Per-rank memory of a plan: :func:`plan_memory` prices a plan on a model exactly as ``moec plan
+show`` does (:mod:`moec.analysis.rank_memory` on the program the trainer compiles, built on the
+meta device), and :func:`rank_memory_of` estimates it from a
+:class:`~moec.autoplan.profile.ModelProfile` without building, fast enough for every layout of
+the search.
 
-For the units a pipeline rank holds, with EP degree ``ep`` (an expert parameter keeps
-``num_experts / ep`` of its dim 0) and FSDP over ``dp_shard`` ranks (the parameters FSDP shards
-keep ``ceil(rows / dp_shard)`` rows and lose their working copy; expert slices are split on dim
-1 over ``dp / ep`` ranks when ``dp_shard > 1`` and ``dp > ep``), the parameters, gradients (bf16
-for a working-copy master with one microbatch), AdamW's two float32 moments, the bf16 working
-copies, FSDP's gathered units (root, two block groups and one expert group at a time; with
-several microbatches every unit's float32 gradients) and the activations: per stage
-``in_flight x kept + transient`` at the microbatch's (batch, seq), the rank's largest stage.
-Tests hold the state lines equal to ``rank_memory`` of built programs.
+``moec plan auto`` ranks and prunes the layouts by the estimate, then prices the plans it
+reports with :func:`plan_memory`, so the memory it prints and the plan it writes are
+``moec plan show``'s. The estimate: for the units a pipeline rank holds, with EP degree ``ep``
+(an expert parameter keeps ``num_experts / ep`` of its dim 0) and FSDP over ``dp_shard`` ranks
+(the parameters FSDP shards keep ``ceil(rows / dp_shard)`` rows and lose their working copy;
+expert slices are split on dim 1 over ``dp / ep`` ranks when ``dp_shard > 1`` and ``dp > ep``),
+the parameters, gradients (bf16 for a working-copy master with one microbatch), AdamW's two
+float32 moments, the bf16 working copies, FSDP's gathered units (root, two block groups and one
+expert group at a time; with several microbatches every unit's float32 gradients) and the
+activations: per stage ``in_flight x kept + transient`` at the microbatch's (batch, seq), the
+rank's largest stage. It leaves out the EP exchange buffers (tests hold the state lines equal
+to ``rank_memory`` of built programs, the activations within 10%).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 
-from moec.analysis.rank_memory import RankMemory
+import torch
+
+from moec.analysis.rank_memory import RankMemory, rank_memory
 from moec.autoplan.profile import ModelProfile, ParamInfo
+from moec.plan import Plan
+from moec.program import EPGroup
+
+ModelLoader = Callable[[], tuple[torch.nn.Module, tuple, dict]]
+"""Builds the model and its example inputs ``(model, args, kwargs)`` (called on meta)."""
 
 F32 = 4
 BF16 = 2
@@ -128,3 +142,25 @@ def rank_memory_of(
     units = [u for s in stages for u in s]
     state = state_memory(profile, units, ep, dp, dp_shard, microbatches)
     return RankMemory(*state, activation_memory(profile, stages, in_flight, batch, seq, recompute))
+
+
+def plan_memory(
+    load: ModelLoader, name: str, plan: Plan, batch: int, seq: int
+) -> tuple[RankMemory, int]:
+    """(memory, pipeline rank) of the pipeline rank of ``plan`` that holds the most, EP rank 0,
+    training on ``batch`` sequences of ``seq`` tokens per microbatch: the program ``moec
+    train`` compiles for the model ``load()`` builds (``name`` in messages), with its
+    next-token loss, built on the meta device (no parameter is allocated, so any size works)
+    and priced by :func:`moec.analysis.rank_memory.rank_memory`."""
+    from moec.compiler import build_program
+    from moec.debug import with_next_token_loss
+
+    with torch.device("meta"):
+        model, inputs, kwargs = load()
+    model, inputs = with_next_token_loss(model, inputs, kwargs, name)
+    p = plan.parallel
+    mesh = SimpleNamespace(ep_info=EPGroup(0, p.ep, "moec-plan")) if p.ep > 1 else None
+    program = build_program(model, plan, inputs, {}, mesh=mesh, verify=False)
+    ranks = [rank_memory(program, p.microbatches, batch, seq, r) for r in range(p.pp)]
+    fullest = max(range(p.pp), key=lambda r: ranks[r].total)
+    return ranks[fullest], fullest
