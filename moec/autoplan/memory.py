@@ -26,7 +26,13 @@ from types import SimpleNamespace
 
 import torch
 
-from moec.analysis.rank_memory import RankMemory, rank_memory
+from moec.analysis.rank_memory import (
+    RankMemory,
+    gathered_peak,
+    gradient_itemsize,
+    rank_memory,
+    shard_numel,
+)
 from moec.autoplan.profile import ModelProfile, ParamInfo
 from moec.plan import Plan
 from moec.program import EPGroup
@@ -44,13 +50,11 @@ def _numel(p: ParamInfo, ep: int, shard: int, expert_shard: int) -> tuple[int, i
     if p.expert:
         shape[0] //= ep
     if shard > 1 and p.fsdp and not p.expert:
-        rows = math.ceil(shape[0] / shard)
-        rest = math.prod(shape[1:])
-        return rows * rest, rows * rest * shard
+        rows = shard_numel(shape, shard)
+        return rows, rows * shard
     if expert_shard > 1 and p.fsdp and p.expert and len(shape) > 1:
-        cols = math.ceil(shape[1] / expert_shard)
-        rest = math.prod(shape) // shape[1]
-        return cols * rest, cols * rest * expert_shard
+        cols = shard_numel(shape, expert_shard, dim=1)
+        return cols, cols * expert_shard
     return math.prod(shape), math.prod(shape)
 
 
@@ -76,7 +80,7 @@ def state_memory(
             master = p.master and not fsdp and (p.expert or dp_shard == 1)
             params += numel * p.itemsize
             if p.trainable:
-                grads += numel * (BF16 if master and microbatches == 1 else p.itemsize)
+                grads += numel * gradient_itemsize(p.itemsize, master, microbatches)
                 optimizer += 2 * numel * F32
             if master:
                 copies += numel * BF16
@@ -89,17 +93,11 @@ def state_memory(
                     sizes[2] += padded * F32
                 if p.expert:
                     expert_groups.add(p.group)
-    gathered = 0
-    if gather:
-        root = gather.pop("", [0, 0, 0])
-        experts = [gather.pop(g) for g in sorted(expert_groups) if g in gather] or [[0, 0, 0]]
-        groups = list(gather.values()) or [[0, 0, 0]]
-        if microbatches > 1:
-            kept = root[2] + sum(g[2] for g in groups + experts)
-            running = max(g[0] + g[1] for g in groups) + max(g[0] + g[1] for g in experts)
-            gathered = root[0] + root[1] + kept + 2 * running
-        else:
-            gathered = sum(root) + 2 * (max(sum(g) for g in groups) + max(sum(g) for g in experts))
+    if not gather:
+        return params, grads, optimizer, copies, 0
+    root = gather.pop("", [0, 0, 0])
+    experts = [gather.pop(g) for g in sorted(expert_groups) if g in gather]
+    gathered = gathered_peak(root, list(gather.values()), experts, microbatches)
     return params, grads, optimizer, copies, gathered
 
 
