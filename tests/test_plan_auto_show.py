@@ -103,3 +103,21 @@ def test_plan_show_prices_the_plans_microbatch_size_and_the_fullest_pipeline_ran
     assert re.search(r"pipeline rank [01] of 2, the fullest; 3 x 64 tokens per microbatch", out)
     assert main(["plan", "show", str(path), "--model", "llama", "--seq", "64", "--batch", "8"]) == 0
     assert "4 x 64 tokens per microbatch" in capsys.readouterr().out
+
+
+def test_the_overlap_pass_declines_from_the_plan_what_its_run_declines():
+    """``OverlapPass.declines`` runs the checks ``run`` applies to the graph, on the plan."""
+    from moec.passes.overlap import OverlapPass
+
+    def plan(**parallel) -> Plan:
+        return Plan.from_dict({"parallel": {"dp": 2, "ep": 2, "overlap": "two_batch", **parallel}})
+
+    assert "ep_path=rowwise" in OverlapPass.declines(plan(ep_path="rowwise"))
+    assert "ep_path=sync_1d" in OverlapPass.declines(plan(ep_path="sync_1d"))
+    assert "ep_path=rowwise" in OverlapPass.declines(plan())  # auto may resolve to rowwise
+    odd = OverlapPass.declines(plan(ep_path="a2a_capacity", microbatch_size=3))
+    assert "parallel.microbatch_size is 3" in odd and "even batch >= 2" in odd
+    assert OverlapPass.declines(plan(ep_path="a2a_capacity", microbatch_size=4)) is None
+    parallel = plan(ep_path="rowwise").to_dict()["parallel"]
+    dropless = Plan.from_dict({"moe": {"capacity_factor": None}, "parallel": parallel})
+    assert OverlapPass.declines(dropless) is None
