@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from moec.analysis.gpus import GPUS
-from moec.analysis.rank_memory import GIB
-from moec.autoplan import Request, Search, capture
+from moec.analysis.rank_memory import GIB, RankMemory
+from moec.autoplan import NoPlanFitsError, Request, Search, capture
 from moec.autoplan.cli import auto_plan, plan_yaml
 from moec.autoplan.search import refusal
 from moec.cli import main
@@ -121,3 +121,28 @@ def test_the_overlap_pass_declines_from_the_plan_what_its_run_declines():
     parallel = plan(ep_path="rowwise").to_dict()["parallel"]
     dropless = Plan.from_dict({"moe": {"capacity_factor": None}, "parallel": parallel})
     assert OverlapPass.declines(dropless) is None
+
+
+def test_priced_returns_only_plans_that_fit_as_priced_in_the_searchs_order(llama_profile):
+    """``Search.priced`` replaces each estimate by the pricer's memory, drops a plan that does
+    not fit as priced, and refuses when none does."""
+    search = Search(llama_profile, Request(4, GPUS["h200"], 32 * 128, 128))
+    ranked = search.ranked()
+    too_big = RankMemory(0, 0, 0, 0, 0, round(search.capacity) + 1)
+    priced: list[Plan] = []
+
+    def price(plan: Plan, micro_seqs: int) -> RankMemory:
+        priced.append(plan)
+        first = plan == ranked[0].plan(search.base)
+        return too_big if first else RankMemory(1, 2, 3, 4, 5, micro_seqs)
+
+    best = search.priced(2, price)
+    # the first plan held (capacity + 1) / its estimate: the next priced are those whose
+    # estimate, scaled so, fits
+    scale = too_big.total / ranked[0].memory.total
+    fitting = [p.layout for p in ranked[1:] if p.memory.total * scale <= search.capacity]
+    assert len(fitting) >= 2 and [p.layout for p in best] == fitting[:2]
+    assert [p.memory.activations for p in best] == [p.layout.micro_seqs for p in best]
+    assert len(priced) == 3
+    with pytest.raises(NoPlanFitsError, match="as built"):
+        search.priced(1, lambda plan, micro_seqs: too_big)

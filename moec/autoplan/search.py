@@ -359,20 +359,35 @@ class Search:
     def priced(self, top: int, price: PlanPricer, tries: int | None = None) -> list[Prediction]:
         """The ``top`` fastest candidates that fit by ``price`` (the memory ``moec plan show``
         predicts for a candidate's plan and its sequences per microbatch), each with that
-        memory, in :meth:`ranked` order; at most ``tries`` (default ``3 * top``) are priced.
-        :class:`NoPlanFitsError` if none fits."""
+        memory, in :meth:`ranked` order. At most ``tries`` (default ``3 * top + 2``) are
+        priced: once a priced plan holds ``r`` times its estimate, candidates whose estimate
+        times the largest ``r`` seen does not fit are passed over unpriced. Only priced plans
+        are returned; :class:`NoPlanFitsError` if none fits."""
         chosen: list[Prediction] = []
-        for pred in self.ranked()[: tries or 3 * top]:
+        scale, left = 1.0, tries or 3 * top + 2
+        closest: tuple[float, str] = (math.inf, "")
+        for pred in self.ranked():
+            if pred.memory.total * scale > self.capacity:
+                continue
             memory = price(pred.plan(self.base), pred.layout.micro_seqs)
+            scale = max(scale, memory.total / pred.memory.total)
             if memory.total <= self.capacity:
                 chosen.append(dataclasses.replace(pred, memory=memory))
             else:
-                self._note(memory.total, f"{pred.layout}, priced as built")
-            if len(chosen) == top:
+                closest = min(closest, (memory.total, str(pred.layout)))
+            left -= 1
+            if len(chosen) == top or not left:
                 break
-        if not chosen:
-            raise self._nothing_fits()
-        return chosen
+        if chosen:
+            return chosen
+        if math.isfinite(closest[0]):
+            raise NoPlanFitsError(
+                f"no plan fits {self.req.world} x {self.req.gpu.name} as built: the estimate "
+                f"fits, but the closest priced as moec plan show prices it holds "
+                f"{closest[0] / GIB:.1f} GiB per rank ({closest[1]}); use more GPUs, a GPU "
+                "with more memory or a shorter sequence"
+            )
+        raise self._nothing_fits()
 
     def _refused(self, lay: Layout) -> bool:
         """Whether a pass turns ``lay``'s plan down (counted in :attr:`refused` by reason)."""
