@@ -15,7 +15,11 @@ layers' dispatch and combine fold into the expert MLPs (``lowering.gather_up`` +
 rate; priced with the profile's :attr:`~moec.autoplan.profile.ModelProfile.folded` units).
 Layouts are pruned early: divisibility, and memory lower bounds (a layout whose parameter state
 alone does not fit skips every microbatch size; a microbatch that does not fit stops the larger
-ones).
+ones). A candidate whose plan a pass would turn down is no candidate (:func:`refusal`: the
+plan's validation, the pipeline pass's ``check_splittable`` and each pass's ``declines``, the
+passes' own checks called); :attr:`Search.refused` counts them by reason.
+:meth:`Search.priced` prices the fastest candidates as ``moec plan show`` does (the program
+built on the meta device) and keeps those that fit so.
 
 Each candidate's step (:func:`evaluate`), per pipeline stage and microbatch, from the profile's
 per-unit costs and :mod:`moec.analysis.cost.time`: compute (GEMMs by shape and precision,
