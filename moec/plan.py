@@ -14,6 +14,7 @@ against the FFN width) run when the passes see the graph, with the same error ty
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 import typing
@@ -649,8 +650,13 @@ def _reject_unknown(data: dict[str, Any], known: Any, where: str) -> None:
             )
 
 
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
 def _check_types(section: Any, prefix: str) -> None:
-    hints = typing.get_type_hints(type(section))
+    hints = _type_hints(type(section))
     for f in dataclasses.fields(section):
         value = getattr(section, f.name)
         expected = hints[f.name]

@@ -340,11 +340,10 @@ class Search:
                                 folded,
                                 scope,
                             )
-                            if self._refused(lay):
-                                continue
                             pred = self.evaluate(lay)
-                            fitted |= pred.memory.total <= self.capacity
-                            if not prune or pred.memory.total <= self.capacity:
+                            fits = pred.memory.total <= self.capacity
+                            fitted |= fits
+                            if (fits or not prune) and not self._refused(lay):
                                 yield pred
                 if prune and not fitted:
                     break  # a larger microbatch holds more activations
