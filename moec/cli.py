@@ -21,7 +21,6 @@ traceback (exit status 1). Exit status 0 on success.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import traceback
 from collections.abc import Sequence
@@ -31,6 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from moec.autoplan.cli import add_plan_auto_parser
+from moec.autoplan.memory import without_named_code
 from moec.errors import MoecError, one_line
 from moec.export.cli import add_export_parser
 from moec.folders import writable_folder
@@ -72,8 +72,7 @@ def cmd_plan_show(args: argparse.Namespace) -> int:
                 "with them)",
                 markup=False,
             )
-            moe = dataclasses.replace(plan.moe, activations={})
-            plan = dataclasses.replace(plan, moe=moe)
+            plan = without_named_code(plan)
         console.print(_memory_table(plan, args), markup=False)
     return 0
 

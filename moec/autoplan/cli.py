@@ -30,7 +30,7 @@ from moec.analysis.cost.time import (
 from moec.analysis.gpus import GPUS, gpu_spec
 from moec.analysis.rank_memory import GIB, RankMemory
 from moec.autoplan.calibration import Fit, fit, load_measurement
-from moec.autoplan.memory import ModelLoader, plan_memory
+from moec.autoplan.memory import ModelLoader, plan_memory, without_named_code
 from moec.autoplan.profile import ModelProfile, profile_program
 from moec.autoplan.search import Prediction, Request, Search
 from moec.plan import Plan
@@ -123,7 +123,7 @@ def auto_plan(
     search = Search(profile, request, base)
 
     def price(candidate: Plan, micro_seqs: int) -> RankMemory:
-        return plan_memory(load, model, _showable(candidate), micro_seqs, seq)[0]
+        return plan_memory(load, model, without_named_code(candidate), micro_seqs, seq)[0]
 
     best = search.priced(top, price)
     done = time.perf_counter()
@@ -136,12 +136,6 @@ def _loader(model_spec: str) -> ModelLoader:
     from moec.models.zoo import load_model
 
     return lambda: load_model(model_spec)
-
-
-def _showable(plan: Plan) -> Plan:
-    """``plan`` as ``moec plan show`` prices it: FFNs computing ``moe.activations`` (code the
-    plan names, which show does not run) stay dense."""
-    return dataclasses.replace(plan, moe=dataclasses.replace(plan.moe, activations={}))
 
 
 SCOPE_NAMES = {"routed_experts": "experts", "dense_ffn": "dense FFNs"}

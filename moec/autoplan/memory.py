@@ -20,6 +20,7 @@ to ``rank_memory`` of built programs, the activations within 10%).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
@@ -140,6 +141,12 @@ def rank_memory_of(
     units = [u for s in stages for u in s]
     state = state_memory(profile, units, ep, dp, dp_shard, microbatches)
     return RankMemory(*state, activation_memory(profile, stages, in_flight, batch, seq, recompute))
+
+
+def without_named_code(plan: Plan) -> Plan:
+    """``plan`` as ``moec plan show`` prices it, running no code the plan names: FFNs computing
+    ``moe.activations`` stay dense."""
+    return dataclasses.replace(plan, moe=dataclasses.replace(plan.moe, activations={}))
 
 
 def plan_memory(
