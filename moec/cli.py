@@ -28,7 +28,6 @@ traceback (exit status 1). Exit status 0 on success.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import traceback
 import typing
@@ -65,6 +64,7 @@ def _load_plan(path: str | None) -> Plan:
 
 
 def cmd_plan_show(args: argparse.Namespace) -> int:
+    from moec.autoplan.memory import without_named_code
     from moec.passes.manager import pipeline_string
 
     plan = _load_plan(args.file)
@@ -85,8 +85,7 @@ def cmd_plan_show(args: argparse.Namespace) -> int:
                 "with them)",
                 markup=False,
             )
-            moe = dataclasses.replace(plan.moe, activations={})
-            plan = dataclasses.replace(plan, moe=moe)
+            plan = without_named_code(plan)
         console.print(_memory_table(plan, args), markup=False)
     return 0
 
@@ -155,24 +154,31 @@ def _meta_model(spec: str) -> Loaded:
 
 
 def _memory_table(plan: Plan, args: argparse.Namespace) -> str:
-    """Per-rank memory of ``plan`` on ``args.model``: the program the trainer compiles (with
-    its loss), built on the meta device (no parameter is allocated, so any size works), at the
-    batch per microbatch and sequence asked for."""
-    from moec.analysis.rank_memory import format_rank_memory, rank_memory
-    from moec.compiler import build_program
-    from moec.debug import with_next_token_loss
+    """Per-rank memory of ``plan`` on ``args.model`` (:func:`moec.autoplan.memory.plan_memory`,
+    which ``moec plan auto`` prices its plans with) at the plan's ``parallel.microbatch_size``
+    sequences per microbatch (``--batch``, per step, when given or the plan has none)."""
+    from moec.analysis.rank_memory import format_rank_memory
+    from moec.autoplan.memory import plan_memory
 
-    model, inputs, kwargs = _meta_model(args.model)
-    model, inputs = with_next_token_loss(model, inputs, kwargs, args.model)
-    program = build_program(model, plan, inputs, {}, mesh=_debug_mesh(plan, 0), verify=False)
     micro = plan.parallel.microbatches
-    memory = rank_memory(program, micro, args.batch // micro, args.seq)
+    if args.batch is None and plan.parallel.microbatch_size is not None:
+        micro_batch = plan.parallel.microbatch_size
+    else:
+        micro_batch = (args.batch or SHOW_BATCH) // micro
+    memory, pp_rank = plan_memory(
+        lambda: load_model(args.model), args.model, plan, micro_batch, args.seq
+    )
     device = None if args.gpu_memory is None else round(args.gpu_memory * 1024**3)
     title = (
-        f"per-rank memory of {args.model} (EP rank 0, pipeline rank 0; "
-        f"{args.batch // micro} x {args.seq} tokens per microbatch, {micro} microbatches):"
+        f"per-rank memory of {args.model} (EP rank 0, pipeline rank {pp_rank} of "
+        f"{plan.parallel.pp}, the fullest; {micro_batch} x {args.seq} tokens per microbatch, "
+        f"{micro} microbatches):"
     )
     return title + "\n" + format_rank_memory(memory, device)
+
+
+SHOW_BATCH = 8
+"""``moec plan show --batch`` when neither it nor ``parallel.microbatch_size`` is given."""
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -437,7 +443,10 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     show.add_argument("file", help="plan YAML file")
     show.add_argument("--model", help=f"also print the per-rank memory on {MODEL_HELP}")
     show.add_argument(
-        "--batch", type=int, default=8, help="sequences per step per dp rank (with --model)"
+        "--batch",
+        type=int,
+        help="sequences per step per dp rank (with --model; default: the plan's "
+        f"parallel.microbatch_size x microbatches, else {SHOW_BATCH})",
     )
     show.add_argument("--seq", type=int, default=128, help="sequence length (with --model)")
     show.add_argument("--gpu-memory", type=float, help="GiB per GPU to check the plan against")

@@ -39,7 +39,7 @@ from moec.passes.manager import DumpHook, PassManager, pipeline_string, select
 from moec.plan import Plan
 from moec.program import Program
 from moec.runtime.compiled import CompiledModel
-from moec.runtime.materialize import Checkpoint, materialize
+from moec.runtime.materialize import DenseSource, materialize
 
 PHASES = ("capture", "passes", "materialize")
 phase_seconds: dict[str, float] = dict.fromkeys(PHASES, 0.0)
@@ -70,7 +70,7 @@ def compile(
     passes: str | None = None,
     disable: Iterable[str] = (),
     print_after: Iterable[str] | None = None,
-    init_from: Checkpoint | None = None,
+    init_from: DenseSource | None = None,
     init_device: torch.device | str = "cpu",
     check: Callable[[Program], None] | None = None,
 ) -> CompiledModel:

@@ -39,42 +39,14 @@ change of level widens the statistics and stops being skipped instead of stallin
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from moec.kernels.adamw_update import AdamWStep
 from moec.runtime.working_weights import WorkingWeights
-
-
-@dataclasses.dataclass(frozen=True)
-class AdamWStep:
-    """One parameter's update: its group's hyper-parameters and ``step``, the count of this
-    update (1 for the first); the host-side factors both implementations use, as torch's
-    single-tensor AdamW computes them."""
-
-    lr: float | Tensor
-    """A host float, or a float32 device scalar (``lr_on_device``; needs a device ``step``)."""
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    step: float | Tensor
-    """A host float, or a device tensor (``device_step``): the factors below are then tensors."""
-
-    @property
-    def decay(self) -> float:
-        return 1 - self.lr * self.weight_decay
-
-    @property
-    def step_size(self) -> float:
-        return self.lr / (1 - self.beta1**self.step)
-
-    @property
-    def bias_correction2_sqrt(self) -> float:
-        return (1 - self.beta2**self.step) ** 0.5
 
 
 def adamw_reference_(

@@ -19,6 +19,7 @@ to use instead.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 import typing
@@ -269,6 +270,11 @@ class ParallelPlan:
     (:func:`moec.analysis.pipeline_schedule.check_schedule_runs`, the one gate)."""
     microbatches: int = 1
     """Microbatches per optimizer step (gradient accumulation, or the pipeline's microbatches)."""
+    microbatch_size: int | None = None
+    """Sequences per microbatch on each data-parallel rank, where the plan was sized for one
+    (``moec plan auto`` writes the size it priced: memory, step time and whether pass
+    ``overlap`` can halve the batch depend on it; ``moec plan show --model`` predicts memory at
+    it); None: not fixed by the plan (the trainer's batch size / ``microbatches``)."""
     pp_units: Literal["block", "sublayer"] = "sublayer"
     """Where pass ``pipeline`` may cut: between residual blocks only (``block``), or also before
     each block's FFN (``sublayer``: half-block units balance stages an attention's worth finer;
@@ -291,6 +297,10 @@ class ParallelPlan:
         for name in ("dp", "dp_shard", "ep", "pp", "virtual_stages", "microbatches"):
             value = getattr(self, name)
             _require(value >= 1, f"parallel.{name}", value, "an integer >= 1")
+        size = self.microbatch_size
+        _require(
+            size is None or size >= 1, "parallel.microbatch_size", size, "an integer >= 1 or null"
+        )
         _require(
             self.dp % self.ep == 0,
             "parallel.ep",
@@ -319,12 +329,28 @@ class ParallelPlan:
                 self.pp_layout,
                 f"{stages} unit counts >= 1, one per stage (pp * virtual_stages), or null",
             )
-        if self.pp > 1:
+        if self.pp > 1:  # the schedule's shape (pass pipeline checks the model's units)
+            if self.pp_schedule == "interleaved_1f1b":
+                _require(
+                    self.virtual_stages >= 2,
+                    "parallel.virtual_stages",
+                    self.virtual_stages,
+                    "2 or more for interleaved_1f1b",
+                )
+            if self.pp_schedule in ("gpipe", "1f1b"):
+                _require(
+                    self.virtual_stages == 1,
+                    "parallel.virtual_stages",
+                    self.virtual_stages,
+                    f"1 for {self.pp_schedule!r}",
+                )
+            need = 2 * self.pp if self.pp_schedule == "dualpipev" else self.pp
             _require(
-                self.microbatches >= self.pp,
+                self.microbatches >= need,
                 "parallel.microbatches",
                 self.microbatches,
-                f"at least pp={self.pp} so every pipeline stage has work",
+                f"at least {need} for {self.pp_schedule!r} with pp={self.pp} so every pipeline "
+                "stage has work",
             )
 
 
@@ -639,8 +665,13 @@ def _reject_unknown(data: dict[str, Any], known: Any, where: str) -> None:
             )
 
 
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
 def _check_types(section: Any, prefix: str) -> None:
-    hints = typing.get_type_hints(type(section))
+    hints = _type_hints(type(section))
     for f in dataclasses.fields(section):
         value = getattr(section, f.name)
         expected = hints[f.name]

@@ -26,7 +26,7 @@ from moec.analysis.cost.time import (
     samples_from_trace,
     save_efficiency,
 )
-from moec.analysis.gpus import GPUS, GPUSpecError, gpu_spec
+from moec.analysis.gpus import GPUS, GPUSpecError, gpu_spec, spec_of_device
 from moec.analysis.rank_memory import rank_memory
 from moec.autoplan import (
     NoPlanFitsError,
@@ -276,6 +276,14 @@ def test_gpu_specs_and_probe_override(tmp_path):
     probe.write_text(json.dumps({"bf16_tflop": 1}))
     with pytest.raises(GPUSpecError, match="unknown GPU spec fields"):
         gpu_spec("h200", probe)
+
+
+def test_a_cuda_device_name_finds_its_spec_the_one_home_of_the_peaks():
+    """The trainer's MFU basis is the search's spec: the same table answers both."""
+    assert spec_of_device("NVIDIA H200") is GPUS["h200"]
+    assert spec_of_device("NVIDIA H100 80GB HBM3") is GPUS["h100"]
+    assert spec_of_device("NVIDIA B300 SXM6 AC").bf16_tflops == 2250
+    assert spec_of_device("NVIDIA A100-SXM4-80GB") is None
 
 
 def test_calibration_fits_synthetic_timings(tmp_path):

@@ -10,9 +10,12 @@ A module's layer is its first name under ``moec`` (``moec.ops.ep`` -> ``ops``, `
     passes   -> runtime
     plan     -> passes, runtime, ops, kernels, analysis
 
-and no import cycle between moec modules. Imports count wherever they are written (module level
-or inside a function); those under ``if TYPE_CHECKING:`` do not. A package ``__init__`` importing
-modules under it (re-exporting them) is not an edge of a cycle.
+and the kernels import no moec module outside ``moec.kernels`` (what a kernel and its caller
+share lives in the kernels: ``moec.kernels.adamw_update`` for the optimizer), and no import
+cycle between moec modules. Imports count wherever they are written: module level, inside a
+function, and under ``if TYPE_CHECKING:`` (a type-only import is a dependency too: two modules
+naming each other's types are one module in two files). A package ``__init__`` importing modules
+under it (re-exporting them) is not an edge of a cycle.
 """
 
 from __future__ import annotations
@@ -44,8 +47,8 @@ class Import:
     where: str  # file:line
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+def module_name(path: Path, root: Path = PACKAGE.parent) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -54,23 +57,11 @@ def layer(module: str) -> str | None:
     return parts[1] if len(parts) > 1 else None
 
 
-def _type_checking_nodes(tree: ast.Module) -> set[int]:
-    """ids of the nodes under ``if TYPE_CHECKING:`` / ``if typing.TYPE_CHECKING:``."""
-    skipped = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skipped.update(id(inner) for stmt in node.body for inner in ast.walk(stmt))
-    return skipped
-
-
 def _imported_names(path: Path, module: str) -> Iterator[tuple[str, int]]:
     """Dotted names each import statement of ``path`` may refer to (``from a import b``: a.b)."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    skipped = _type_checking_nodes(tree)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
         if isinstance(node, ast.Import):
             yield from ((alias.name, node.lineno) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -83,41 +74,44 @@ def _imported_names(path: Path, module: str) -> Iterator[tuple[str, int]]:
 
 
 @functools.cache
-def modules() -> dict[str, Path]:
-    return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+def modules(package: Path = PACKAGE) -> dict[str, Path]:
+    """Every module of ``package`` (a folder named as its top-level package) by dotted name."""
+    root = package.parent
+    return {module_name(path, root): path for path in sorted(package.rglob("*.py"))}
 
 
-def _resolve(name: str) -> str | None:
-    """The moec module a dotted name lives in (its longest prefix that is a module)."""
-    known = modules()
+def _resolve(name: str, known: dict[str, Path]) -> str | None:
+    """The module a dotted name lives in (its longest prefix that is a module)."""
     while name and name not in known:
         name = name.rpartition(".")[0]
     return name or None
 
 
 @functools.cache
-def imports() -> tuple[Import, ...]:
-    found = []
-    for module, path in modules().items():
+def imports(package: Path = PACKAGE) -> tuple[Import, ...]:
+    known, found = modules(package), []
+    for module, path in known.items():
         for name, line in _imported_names(path, module):
-            target = _resolve(name) if name.split(".")[0] == "moec" else None
+            target = _resolve(name, known) if name.split(".")[0] == package.name else None
             if target is not None and target != module:
-                where = f"{path.relative_to(PACKAGE.parent)}:{line}"
+                where = f"{path.relative_to(package.parent)}:{line}"
                 found.append(Import(module, target, where))
     return tuple(dict.fromkeys(found))
 
 
-def _reexport(edge: Import) -> bool:
+def _reexport(edge: Import, known: dict[str, Path]) -> bool:
     """A package ``__init__`` importing a module under it."""
-    is_package = modules()[edge.importer].name == "__init__.py"
+    is_package = known[edge.importer].name == "__init__.py"
     return is_package and edge.imported.startswith(edge.importer + ".")
 
 
-def import_cycles() -> list[set[str]]:
-    """The strongly connected components of more than one module in the import graph."""
-    graph: dict[str, set[str]] = {module: set() for module in modules()}
-    for edge in imports():
-        if not _reexport(edge):
+def import_cycles(package: Path = PACKAGE) -> list[set[str]]:
+    """The strongly connected components of more than one module in ``package``'s import
+    graph."""
+    known = modules(package)
+    graph: dict[str, set[str]] = {module: set() for module in known}
+    for edge in imports(package):
+        if not _reexport(edge, known):
             graph[edge.importer].add(edge.imported)
 
     @functools.cache
@@ -156,7 +150,18 @@ def test_no_import_cycle_through_layer(layer_name: str):
     assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(sorted(c)) for c in cycles)
 
 
-def test_the_scan_sees_imports_in_functions_and_relative_ones_and_skips_type_checking(tmp_path):
+def test_kernels_import_only_kernels():
+    """A kernel takes plain tensors and numbers: it imports nothing of moec but other kernels
+    (the optimizer, the program or the plan would drag the layers above in)."""
+    broken = [
+        f"{edge.where}: {edge.importer} imports {edge.imported}"
+        for edge in imports()
+        if layer(edge.importer) == "kernels" and layer(edge.imported) != "kernels"
+    ]
+    assert not broken, "kernels import only moec.kernels:\n" + "\n".join(broken)
+
+
+def test_the_scan_sees_imports_in_functions_relative_ones_and_type_checking_ones(tmp_path):
     """The reader itself: a function-level import, a relative one and a TYPE_CHECKING one."""
     source = (
         "from typing import TYPE_CHECKING\n"
@@ -174,5 +179,20 @@ def test_the_scan_sees_imports_in_functions_and_relative_ones_and_skips_type_che
         "typing.TYPE_CHECKING",
         "moec.kernels.sibling",
         "moec.ops.ep.EPPathError",
+        "moec.passes.manager",
         "moec.runtime.compiled",
     ]
+
+
+def test_a_circle_through_a_type_only_import_is_a_cycle_and_a_reexport_is_not(tmp_path):
+    """The shapes the issue found: ``a`` imports ``b`` for its types only, ``b`` imports ``a``
+    inside a function; the package ``__init__`` re-exporting ``a`` closes no cycle."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("from pkg.a import A\n")
+    (package / "a.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.b import B\n"
+    )
+    (package / "b.py").write_text("def f():\n    from pkg.a import A\n")
+    (package / "c.py").write_text("import pkg\n")
+    assert import_cycles(package) == [{"pkg.a", "pkg.b"}]

@@ -192,6 +192,12 @@ def gpu_spec(
     return spec
 
 
+def spec_of_device(device_name: str) -> GPUSpec | None:
+    """The datasheet spec of the GPU a CUDA device name names (``torch.cuda.get_device_name``,
+    e.g. "NVIDIA H200"), or None for a GPU :data:`GPUS` does not hold."""
+    return next((spec for spec in GPUS.values() if spec.name in device_name), None)
+
+
 def _probe_values(probe: str | Path | dict[str, Any]) -> tuple[dict[str, Any], str]:
     if isinstance(probe, dict):
         return dict(probe), "probe"

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -86,19 +87,18 @@ def rank_memory(
     layout = program.data_parallel
     sharded = set(layout.params) if layout is not None else set()
     experts = set(layout.expert_params) if layout is not None else set()
-    grad_bf16 = microbatches == 1
     params = grads = optimizer = copies = gathered = 0
     for gm in graphs:
         for name, param in gm.named_parameters():
             numel = param.numel()
             if name in sharded:
-                numel = _shard_numel(param.shape, layout.shard)
+                numel = shard_numel(param.shape, layout.shard)
             elif name in experts:
-                numel = _shard_numel(param.shape, layout.expert_shard, dim=1)
+                numel = shard_numel(param.shape, layout.expert_shard, dim=1)
             params += numel * param.element_size()
             if param.requires_grad:
-                dtype = torch.bfloat16 if name in masters and grad_bf16 else param.dtype
-                grads += numel * dtype.itemsize
+                itemsize = gradient_itemsize(param.element_size(), name in masters, microbatches)
+                grads += numel * itemsize
                 optimizer += 2 * numel * torch.float32.itemsize
         copies += sum(_bytes(gm.get_buffer(b)) for b in program.working_weights if _has(gm, b))
         if layout is not None:
@@ -107,11 +107,38 @@ def rank_memory(
     return RankMemory(params, grads, optimizer, copies, gathered, activations)
 
 
-def _shard_numel(shape: torch.Size, shard: int, dim: int = 0) -> int:
-    """Elements of the fullest dim-``dim`` chunk (``torch.chunk``) of a tensor of ``shape``."""
+def shard_numel(shape: Sequence[int], shard: int, dim: int = 0) -> int:
+    """Elements of the fullest dim-``dim`` chunk (``torch.chunk``) of a tensor of ``shape``
+    split ``shard`` ways (FSDP2 pads every rank's shard to it)."""
     if len(shape) <= dim:
         return math.prod(shape)
     return math.ceil(shape[dim] / shard) * math.prod(shape) // shape[dim]
+
+
+def gradient_itemsize(itemsize: int, working_copy: bool, microbatches: int) -> int:
+    """Bytes per element of the gradient of a parameter of ``itemsize`` as the runtime
+    accumulates it: bf16 for a parameter read through a bf16 working copy when a step has one
+    microbatch, else the parameter's dtype (``moec.runtime.working_weights.gradient_dtype``)."""
+    return torch.bfloat16.itemsize if working_copy and microbatches == 1 else itemsize
+
+
+UnitSizes = list[int]
+"""An FSDP unit's [unsharded parameters, their gradients, float32 reduce-scatter input] bytes."""
+
+
+def gathered_peak(
+    root: UnitSizes, groups: list[UnitSizes], experts: list[UnitSizes], microbatches: int
+) -> int:
+    """Peak bytes of FSDP's unsharded parameters and gradients during a step, from its units:
+    the ``root`` (the sharded parameters of no group) for the whole step, two block ``groups``
+    and two expert units at a time, the largest; with several microbatches every unit's float32
+    gradients are kept between microbatches (the module docstring)."""
+    groups, experts = groups or [[0, 0, 0]], experts or [[0, 0, 0]]
+    if microbatches > 1:
+        kept = root[2] + sum(g[2] for g in groups + experts)
+        running = max(g[0] + g[1] for g in groups) + max(g[0] + g[1] for g in experts)
+        return root[0] + root[1] + kept + 2 * running
+    return sum(root) + 2 * (max(sum(g) for g in groups) + max(sum(g) for g in experts))
 
 
 def _gathered(gm: nn.Module, layout: ShardedDataParallel, microbatches: int) -> int:
@@ -125,10 +152,10 @@ def _gathered(gm: nn.Module, layout: ShardedDataParallel, microbatches: int) -> 
             continue
         if name in experts:
             group = next(g for g in layout.expert_groups if under(name, g))
-            padded = _shard_numel(param.shape, layout.expert_shard, 1) * layout.expert_shard
+            padded = shard_numel(param.shape, layout.expert_shard, 1) * layout.expert_shard
         else:
             group = next((g for g in layout.groups if under(name, g)), "")
-            padded = _shard_numel(param.shape, layout.shard) * layout.shard
+            padded = shard_numel(param.shape, layout.shard) * layout.shard
         itemsize = (gather or param.dtype).itemsize
         sizes = units.setdefault(group, [0, 0, 0])
         sizes[0] += padded * itemsize
@@ -136,13 +163,8 @@ def _gathered(gm: nn.Module, layout: ShardedDataParallel, microbatches: int) -> 
             sizes[1] += padded * itemsize
             sizes[2] += padded * REDUCE_DTYPE.itemsize
     root = units.pop("", [0, 0, 0])
-    expert_units = [units.pop(g) for g in layout.expert_groups if g in units] or [[0, 0, 0]]
-    groups = list(units.values()) or [[0, 0, 0]]
-    if microbatches > 1:  # every unit's float32 gradients are kept between microbatches
-        kept = root[2] + sum(g[2] for g in groups + expert_units)
-        running = max(g[0] + g[1] for g in groups) + max(g[0] + g[1] for g in expert_units)
-        return root[0] + root[1] + kept + 2 * running
-    return sum(root) + 2 * (max(sum(g) for g in groups) + max(sum(g) for g in expert_units))
+    expert_units = [units.pop(g) for g in layout.expert_groups if g in units]
+    return gathered_peak(root, list(units.values()), expert_units, microbatches)
 
 
 def _held_graphs(program: Program, pp_rank: int) -> list[nn.Module]:

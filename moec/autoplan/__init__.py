@@ -9,8 +9,10 @@
 The model is captured once on the meta device (:mod:`~moec.autoplan.profile`), every
 layout is evaluated analytically (:mod:`~moec.autoplan.search`, with the time model
 :mod:`moec.analysis.cost.time` and the GPU specs :mod:`moec.analysis.gpus`), and the memory of
-each layout is :mod:`moec.analysis.rank_memory`'s accounting done on the profile
-(:mod:`~moec.autoplan.memory`). :mod:`~moec.autoplan.cli` runs the
+each layout is estimated with :mod:`moec.analysis.rank_memory`'s rules on the profile
+(:mod:`~moec.autoplan.memory`); no candidate is a plan a pass turns down, and the plans
+reported are priced as ``moec plan show`` prices them (:func:`~moec.autoplan.memory.plan_memory`,
+the program built on the meta device). :mod:`~moec.autoplan.cli` runs the
 subcommand (``cmd_plan_auto``; :mod:`moec.cli` builds its parser).
 """
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -29,8 +28,9 @@ from moec.analysis.cost.time import (
     save_efficiency,
 )
 from moec.analysis.gpus import gpu_spec
-from moec.analysis.rank_memory import GIB
+from moec.analysis.rank_memory import GIB, RankMemory
 from moec.autoplan.calibration import Fit, fit, load_measurement
+from moec.autoplan.memory import ModelLoader, plan_memory, without_named_code
 from moec.autoplan.profile import ModelProfile, profile_program
 from moec.autoplan.search import Prediction, Request, Search
 from moec.plan import Plan
@@ -63,14 +63,10 @@ ParallelDefaults = {"dp": 1, "dp_shard": 1, "ep": 1, "pp": 1, "microbatches": 1}
 def capture(model_spec: str, plan: Plan) -> ModelProfile:
     """The profile of ``model_spec`` (a zoo name or ``file.py:factory``) under ``plan``'s MoE
     section, built on the meta device (any size works)."""
-    from moec.models.zoo import load_model
-
-    return capture_model(lambda: load_model(model_spec), plan, model_spec)
+    return capture_model(_loader(model_spec), plan, model_spec)
 
 
-def capture_model(
-    load: Callable[[], tuple[torch.nn.Module, tuple, dict]], plan: Plan, name: str = "model"
-) -> ModelProfile:
+def capture_model(load: ModelLoader, plan: Plan, name: str = "model") -> ModelProfile:
     """The profile of the model ``load()`` returns (``(model, args, kwargs)``, called under
     the meta device, its example one token tensor [batch, seq] of distinct sizes) with the
     next-token loss, under ``plan``'s MoE section."""
@@ -89,7 +85,7 @@ def capture_model(
 
 
 def auto_plan(
-    model: str | ModelProfile,
+    model: str,
     world: int,
     gpu: str,
     global_batch: int,
@@ -104,28 +100,42 @@ def auto_plan(
     min_micro_seqs: int = 1,
     pp: int | None = None,
 ) -> AutoPlanResult:
-    """Search the plans of ``model`` (see :mod:`moec.autoplan`) with the time model's factors
-    ``efficiency`` (an :class:`Efficiency` or its JSON file; default: the defaults), refitted
-    to the profiled step ``calibration`` when given; ``pp`` forces the pipeline degree."""
+    """Search the plans of ``model`` (a zoo name or ``file.py:factory``; see
+    :mod:`moec.autoplan`) with the time model's factors ``efficiency`` (an :class:`Efficiency`
+    or its JSON file; default: the defaults), refitted to the profiled step ``calibration``
+    when given; ``pp`` forces the pipeline degree. The plans a pass would turn down are not
+    candidates; the best ones are priced as ``moec plan show`` prices them
+    (:func:`~moec.autoplan.memory.plan_memory`)."""
     base = plan or Plan()
+    load = _loader(model)
     spec = gpu_spec(gpu, probe, inter_node_gbps)
     prior = load_efficiency(efficiency) if isinstance(efficiency, (str, Path)) else efficiency
     prior = prior or Efficiency()
     measurement = load_measurement(calibration) if calibration is not None else None
     start = time.perf_counter()
-    profile = model if isinstance(model, ModelProfile) else capture(model, base)
+    profile = capture(model, base)
     captured = time.perf_counter()
     fitted = fit(measurement, spec, prior, profile) if measurement is not None else None
     eff = fitted.eff if fitted is not None else prior
     request = Request(
         world, spec, global_batch, seq, memory_fraction, eff, min_micro_seqs=min_micro_seqs, pp=pp
     )
-    search = Search(profile, request)
-    best = search.best(top)
+    search = Search(profile, request, base)
+
+    def price(candidate: Plan, micro_seqs: int) -> RankMemory:
+        return plan_memory(load, model, without_named_code(candidate), micro_seqs, seq)[0]
+
+    best = search.priced(top, price)
     done = time.perf_counter()
     return AutoPlanResult(
         base, best, request, search.evaluated, captured - start, done - captured, prior, fitted
     )
+
+
+def _loader(model_spec: str) -> ModelLoader:
+    from moec.models.zoo import load_model
+
+    return lambda: load_model(model_spec)
 
 
 SCOPE_NAMES = {"routed_experts": "experts", "dense_ffn": "dense FFNs"}
@@ -183,6 +193,19 @@ def format_factors(result: AutoPlanResult) -> str:
     )
 
 
+def plan_yaml(result: AutoPlanResult, model: str) -> str:
+    """The chosen plan as YAML (every choice, ``parallel.microbatch_size`` included), after a
+    comment with its prediction and the ``moec plan show`` line that prices it again."""
+    best, req = result.best[0], result.request
+    plan = best.plan(result.base)
+    return (
+        f"# moec plan auto for {model} on {req.world} x {req.gpu.name}: "
+        f"{best.layout.micro_seqs} x {req.seq} tokens per microbatch, "
+        f"{best.memory.total / GIB:.1f} GiB per rank predicted\n"
+        f"# moec plan show PLAN.yaml --model {model} --seq {req.seq}\n" + plan.to_yaml()
+    )
+
+
 def cmd_plan_auto(args: argparse.Namespace) -> int:
     if args.probe_out:
         from moec.analysis.gpus import probe_gpu
@@ -214,7 +237,6 @@ def cmd_plan_auto(args: argparse.Namespace) -> int:
         print(f"wrote the factors to {args.efficiency_out}")
     print(format_predictions(result))
     if args.out:
-        chosen = result.best[0].plan(result.base)
-        Path(args.out).write_text(chosen.to_yaml())
+        Path(args.out).write_text(plan_yaml(result, args.model))
         print(f"wrote the chosen plan to {args.out}")
     return 0

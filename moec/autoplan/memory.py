@@ -1,24 +1,45 @@
-"""Per-rank memory of a layout, analytically: :mod:`moec.analysis.rank_memory`'s accounting on a
-:class:`~moec.autoplan.profile.ModelProfile` instead of a built program.
+"""Per-rank memory of a plan: :func:`plan_memory` prices a plan on a model exactly as ``moec plan
+show`` does (:mod:`moec.analysis.rank_memory` on the program the trainer compiles, built on the
+meta device), and :func:`rank_memory_of` estimates it from a
+:class:`~moec.autoplan.profile.ModelProfile` without building, fast enough for every layout of
+the search.
 
-For the units a pipeline rank holds, with EP degree ``ep`` (an expert parameter keeps
-``num_experts / ep`` of its dim 0) and FSDP over ``dp_shard`` ranks (the parameters FSDP shards
-keep ``ceil(rows / dp_shard)`` rows and lose their working copy; expert slices are split on dim
-1 over ``dp / ep`` ranks when ``dp_shard > 1`` and ``dp > ep``), the parameters, gradients (bf16
-for a working-copy master with one microbatch), AdamW's two float32 moments, the bf16 working
-copies, FSDP's gathered units (root, two block groups and one expert group at a time; with
-several microbatches every unit's float32 gradients) and the activations: per stage
-``in_flight x kept + transient`` at the microbatch's (batch, seq), the rank's largest stage.
-Tests hold the state lines equal to ``rank_memory`` of built programs.
+``moec plan auto`` ranks and prunes the layouts by the estimate, then prices the plans it
+reports with :func:`plan_memory`, so the memory it prints and the plan it writes are
+``moec plan show``'s. The estimate: for the units a pipeline rank holds, with EP degree ``ep``
+(an expert parameter keeps ``num_experts / ep`` of its dim 0) and FSDP over ``dp_shard`` ranks
+(the parameters FSDP shards keep ``ceil(rows / dp_shard)`` rows and lose their working copy;
+expert slices are split on dim 1 over ``dp / ep`` ranks when ``dp_shard > 1`` and ``dp > ep``),
+the parameters, gradients (bf16 for a working-copy master with one microbatch), AdamW's two
+float32 moments, the bf16 working copies, FSDP's gathered units (root, two block groups and one
+expert group at a time; with several microbatches every unit's float32 gradients) and the
+activations: per stage ``in_flight x kept + transient`` at the microbatch's (batch, seq), the
+rank's largest stage. It leaves out the EP exchange buffers (tests hold the state lines equal
+to ``rank_memory`` of built programs, the activations within 10%).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 
-from moec.analysis.rank_memory import RankMemory
+import torch
+
+from moec.analysis.rank_memory import (
+    RankMemory,
+    gathered_peak,
+    gradient_itemsize,
+    rank_memory,
+    shard_numel,
+)
 from moec.autoplan.profile import ModelProfile, ParamInfo
+from moec.plan import Plan
+from moec.program import EPGroup
+
+ModelLoader = Callable[[], tuple[torch.nn.Module, tuple, dict]]
+"""Builds the model and its example inputs ``(model, args, kwargs)`` (called on meta)."""
 
 F32 = 4
 BF16 = 2
@@ -30,13 +51,11 @@ def _numel(p: ParamInfo, ep: int, shard: int, expert_shard: int) -> tuple[int, i
     if p.expert:
         shape[0] //= ep
     if shard > 1 and p.fsdp and not p.expert:
-        rows = math.ceil(shape[0] / shard)
-        rest = math.prod(shape[1:])
-        return rows * rest, rows * rest * shard
+        rows = shard_numel(shape, shard)
+        return rows, rows * shard
     if expert_shard > 1 and p.fsdp and p.expert and len(shape) > 1:
-        cols = math.ceil(shape[1] / expert_shard)
-        rest = math.prod(shape) // shape[1]
-        return cols * rest, cols * rest * expert_shard
+        cols = shard_numel(shape, expert_shard, dim=1)
+        return cols, cols * expert_shard
     return math.prod(shape), math.prod(shape)
 
 
@@ -62,7 +81,7 @@ def state_memory(
             master = p.master and not fsdp and (p.expert or dp_shard == 1)
             params += numel * p.itemsize
             if p.trainable:
-                grads += numel * (BF16 if master and microbatches == 1 else p.itemsize)
+                grads += numel * gradient_itemsize(p.itemsize, master, microbatches)
                 optimizer += 2 * numel * F32
             if master:
                 copies += numel * BF16
@@ -75,17 +94,11 @@ def state_memory(
                     sizes[2] += padded * F32
                 if p.expert:
                     expert_groups.add(p.group)
-    gathered = 0
-    if gather:
-        root = gather.pop("", [0, 0, 0])
-        experts = [gather.pop(g) for g in sorted(expert_groups) if g in gather] or [[0, 0, 0]]
-        groups = list(gather.values()) or [[0, 0, 0]]
-        if microbatches > 1:
-            kept = root[2] + sum(g[2] for g in groups + experts)
-            running = max(g[0] + g[1] for g in groups) + max(g[0] + g[1] for g in experts)
-            gathered = root[0] + root[1] + kept + 2 * running
-        else:
-            gathered = sum(root) + 2 * (max(sum(g) for g in groups) + max(sum(g) for g in experts))
+    if not gather:
+        return params, grads, optimizer, copies, 0
+    root = gather.pop("", [0, 0, 0])
+    experts = [gather.pop(g) for g in sorted(expert_groups) if g in gather]
+    gathered = gathered_peak(root, list(gather.values()), experts, microbatches)
     return params, grads, optimizer, copies, gathered
 
 
@@ -128,3 +141,31 @@ def rank_memory_of(
     units = [u for s in stages for u in s]
     state = state_memory(profile, units, ep, dp, dp_shard, microbatches)
     return RankMemory(*state, activation_memory(profile, stages, in_flight, batch, seq, recompute))
+
+
+def without_named_code(plan: Plan) -> Plan:
+    """``plan`` as ``moec plan show`` prices it, running no code the plan names: FFNs computing
+    ``moe.activations`` stay dense."""
+    return dataclasses.replace(plan, moe=dataclasses.replace(plan.moe, activations={}))
+
+
+def plan_memory(
+    load: ModelLoader, name: str, plan: Plan, batch: int, seq: int
+) -> tuple[RankMemory, int]:
+    """(memory, pipeline rank) of the pipeline rank of ``plan`` that holds the most, EP rank 0,
+    training on ``batch`` sequences of ``seq`` tokens per microbatch: the program ``moec
+    train`` compiles for the model ``load()`` builds (``name`` in messages), with its
+    next-token loss, built on the meta device (no parameter is allocated, so any size works)
+    and priced by :func:`moec.analysis.rank_memory.rank_memory`."""
+    from moec.compiler import build_program
+    from moec.debug import with_next_token_loss
+
+    with torch.device("meta"):
+        model, inputs, kwargs = load()
+    model, inputs = with_next_token_loss(model, inputs, kwargs, name)
+    p = plan.parallel
+    mesh = SimpleNamespace(ep_info=EPGroup(0, p.ep, "moec-plan")) if p.ep > 1 else None
+    program = build_program(model, plan, inputs, {}, mesh=mesh, verify=False)
+    ranks = [rank_memory(program, p.microbatches, batch, seq, r) for r in range(p.pp)]
+    fullest = max(range(p.pp), key=lambda r: ranks[r].total)
+    return ranks[fullest], fullest

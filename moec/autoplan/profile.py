@@ -38,11 +38,11 @@ import torch.fx as fx
 
 from moec.analysis.cost import graph_cost, node_cost, work_by_kind
 from moec.analysis.cost.memory import is_activation, stored_ref
+from moec.analysis.cost.model import block_paths
 from moec.fx import module_path, under
 from moec.passes.pipeline.units import (
     CE_FLOPS_PER_LOGIT,
     FFN,
-    block_paths,
     loss_flops,
     moe_layers_in,
     pipeline_units,

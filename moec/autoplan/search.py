@@ -16,7 +16,11 @@ layers' dispatch and combine fold into the expert MLPs (``lowering.gather_up`` +
 rate; priced with the profile's :attr:`~moec.autoplan.profile.ModelProfile.folded` units).
 Layouts are pruned early: divisibility, and memory lower bounds (a layout whose parameter state
 alone does not fit skips every microbatch size; a microbatch that does not fit stops the larger
-ones).
+ones). A candidate whose plan a pass would turn down is no candidate (:func:`refusal`: the
+plan's validation, the pipeline pass's ``check_splittable`` and each pass's ``declines``, the
+passes' own checks called); :attr:`Search.refused` counts them by reason.
+:meth:`Search.priced` prices the fastest candidates as ``moec plan show`` does (the program
+built on the meta device) and keeps those that fit so.
 
 Each candidate's step (:func:`evaluate`), per pipeline stage and microbatch, from the profile's
 per-unit costs and :mod:`moec.analysis.cost.time`: compute (GEMMs by shape and precision,
@@ -39,7 +43,7 @@ import dataclasses
 import functools
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from moec.analysis.cost.overlap import exposed_comm, once_per_rank_share, two_batch_half_share
 from moec.analysis.cost.time import (
@@ -60,7 +64,12 @@ from moec.autoplan.profile import ModelProfile, UnitProfile
 from moec.errors import MoecError
 from moec.kernels.gemm_backend import quack_importable
 from moec.ops.routing import capacity
-from moec.plan import ParallelPlan, Plan
+from moec.passes.manager import default_pipeline, registered
+from moec.passes.pipeline.legality import check_splittable
+from moec.plan import ParallelPlan, Plan, PlanError
+
+PlanPricer = Callable[[Plan, int], RankMemory]
+"""The per-rank memory of a plan at that many sequences per microbatch."""
 
 OPTIMIZER_BYTES = 28
 """HBM bytes per parameter element of the AdamW step (RESULTS.md: 56 GB for 2.0B elements)."""
@@ -146,35 +155,60 @@ class Prediction:
     block recompute or FSDP); None without pipeline parallelism."""
 
     def plan(self, base: Plan) -> Plan:
-        """``base`` (its MoE, loss and lowering sections) with this layout: its parallel,
-        recompute and precision sections, and the two lowering flags that fold the experts."""
-        lay = self.layout
-        data = base.to_dict()
-        data["parallel"] = {
-            "dp": lay.dp,
-            "dp_shard": lay.dp_shard,
-            "ep": lay.ep,
-            "ep_path": lay.ep_path,
-            "pp": lay.pp,
-            "virtual_stages": lay.virtual_stages,
-            "pp_schedule": lay.schedule,
-            "microbatches": lay.microbatches,
-            "overlap": lay.overlap,
-            "pp_layout": list(self.pp_layout) if self.pp_layout else None,
-        }
-        precision = dict(data["precision"])
-        precision["compute_dtype"] = "bf16"
-        precision["gemm"] = lay.gemm
-        precision["scope"] = list(lay.scope) or ["routed_experts"]
-        data["precision"] = precision
-        data["recompute"] = {"policy": lay.recompute, "budget_bytes": None}
-        folded = {"gather_up": lay.fold_experts, "combine_in_experts": lay.fold_experts}
-        data["lowering"] = {**data["lowering"], **folded}
-        return Plan.from_dict(data)
+        """``base`` with this layout and its priced split (:func:`layout_plan`)."""
+        return layout_plan(base, self.layout, self.pp_layout)
 
     def rank_key(self) -> tuple[float, float]:
         """The search's order: fastest first, then the least memory."""
         return self.step_s, self.memory.total
+
+
+def layout_plan(base: Plan, lay: Layout, pp_layout: tuple[int, ...] | None = None) -> Plan:
+    """``base`` (its MoE, loss and lowering sections) with every choice of ``lay``: the
+    parallel section (``microbatch_size`` included), recompute and precision, the two lowering
+    flags that fold the experts, and ``pp_layout``; validated (:class:`~moec.plan.PlanError`)."""
+    data = base.to_dict()
+    data["parallel"] = {
+        **data["parallel"],
+        "dp": lay.dp,
+        "dp_shard": lay.dp_shard,
+        "ep": lay.ep,
+        "ep_path": lay.ep_path,
+        "pp": lay.pp,
+        "virtual_stages": lay.virtual_stages,
+        "pp_schedule": lay.schedule,
+        "microbatches": lay.microbatches,
+        "microbatch_size": lay.micro_seqs,
+        "overlap": lay.overlap,
+        "pp_layout": list(pp_layout) if pp_layout else None,
+    }
+    precision = dict(data["precision"])
+    precision["compute_dtype"] = "bf16"
+    precision["gemm"] = lay.gemm
+    precision["scope"] = list(lay.scope) or ["routed_experts"]
+    data["precision"] = precision
+    data["recompute"] = {"policy": lay.recompute, "budget_bytes": None}
+    folded = {"gather_up": lay.fold_experts, "combine_in_experts": lay.fold_experts}
+    data["lowering"] = {**data["lowering"], **folded}
+    return Plan.from_dict(data)
+
+
+def refusal(plan: Plan, units: int) -> str | None:
+    """Why the compiler would not build ``plan`` as planned on a model of ``units`` pipeline
+    units, or None: the pipeline pass's check (:func:`~moec.passes.pipeline.check_splittable`)
+    and every pass of the plan's pipeline that :meth:`~moec.passes.base.Pass.declines` it; the
+    passes' own checks, called, not copied."""
+    if plan.parallel.pp > 1:
+        try:
+            check_splittable(plan.parallel, units)
+        except PlanError as exc:
+            return str(exc)
+    passes = registered()
+    for name in default_pipeline(plan):
+        reason = passes[name].declines(plan)
+        if reason is not None:
+            return f"pass {name} declines: {reason}"
+    return None
 
 
 @functools.cache
@@ -193,13 +227,18 @@ def _divisors(n: int) -> list[int]:
 class Search:
     """The search over one profile and request (see module); caches per-unit sums."""
 
-    def __init__(self, profile: ModelProfile, request: Request):
+    def __init__(self, profile: ModelProfile, request: Request, base: Plan | None = None):
         if request.pp is not None and (request.pp < 1 or request.world % request.pp):
             raise NoPlanFitsError(
                 f"pipeline degree pp = {request.pp} must be a divisor of the world "
                 f"({request.world} GPUs)"
             )
         self.profile, self.req = profile, request
+        self.base = base or Plan()
+        """The plan whose MoE, loss and lowering sections every candidate keeps."""
+        self.refused: dict[str, int] = {}
+        self._refusals: dict[Layout, str | None] = {}
+        """Candidates a pass would turn down, by the reason (:func:`refusal`)."""
         experts = {m.num_experts for u in profile.units for m in u.moe}
         self.experts = min(experts) if experts else 1
         self.capacity = request.gpu.memory_bytes * request.memory_fraction
@@ -272,7 +311,7 @@ class Search:
                     precisions = [("bf16", ())]
                     precisions += [(req.gpu.low_precision(), s) for s in self.low_scopes]
                     for gemm, scope in precisions:
-                        overlaps = ("none", "two_batch") if ep > 1 and micro % 2 == 0 else ("none",)
+                        overlaps = ("none", "two_batch") if ep > 1 else ("none",)
                         paths = ("rowwise", "a2a_capacity") if ep > 1 else ("auto",)
                         fold = self.fold and ep == 1 and "routed_experts" not in scope
                         for overlap, path, folded in itertools.product(
@@ -295,19 +334,69 @@ class Search:
                                 scope,
                             )
                             pred = self.evaluate(lay)
-                            fitted |= pred.memory.total <= self.capacity
-                            if not prune or pred.memory.total <= self.capacity:
+                            fits = pred.memory.total <= self.capacity
+                            fitted |= fits
+                            if (fits or not prune) and not self._refused(lay):
                                 yield pred
                 if prune and not fitted:
                     break  # a larger microbatch holds more activations
 
     def best(self, top: int = 5, prune: bool = True) -> list[Prediction]:
         """The ``top`` fitting candidates, fastest first; :class:`NoPlanFitsError` if none."""
+        return self.ranked(prune)[:top]
+
+    def ranked(self, prune: bool = True) -> list[Prediction]:
+        """Every candidate that fits, fastest first; :class:`NoPlanFitsError` if none."""
         fitting = [p for p in self.candidates(prune) if p.memory.total <= self.capacity]
         if not fitting:
             raise self._nothing_fits()
-        fitting.sort(key=Prediction.rank_key)
-        return fitting[:top]
+        return sorted(fitting, key=Prediction.rank_key)
+
+    def priced(self, top: int, price: PlanPricer, tries: int | None = None) -> list[Prediction]:
+        """The ``top`` fastest candidates that fit by ``price`` (the memory ``moec plan show``
+        predicts for a candidate's plan and its sequences per microbatch), each with that
+        memory, in :meth:`ranked` order. At most ``tries`` (default ``3 * top + 2``) are
+        priced: once a priced plan holds ``r`` times its estimate, candidates whose estimate
+        times the largest ``r`` seen does not fit are passed over unpriced. Only priced plans
+        are returned; :class:`NoPlanFitsError` if none fits."""
+        chosen: list[Prediction] = []
+        scale, left = 1.0, tries or 3 * top + 2
+        closest: tuple[float, str] = (math.inf, "")
+        for pred in self.ranked():
+            if pred.memory.total * scale > self.capacity:
+                continue
+            memory = price(pred.plan(self.base), pred.layout.micro_seqs)
+            scale = max(scale, memory.total / pred.memory.total)
+            if memory.total <= self.capacity:
+                chosen.append(dataclasses.replace(pred, memory=memory))
+            else:
+                closest = min(closest, (memory.total, str(pred.layout)))
+            left -= 1
+            if len(chosen) == top or not left:
+                break
+        if chosen:
+            return chosen
+        if math.isfinite(closest[0]):
+            raise NoPlanFitsError(
+                f"no plan fits {self.req.world} x {self.req.gpu.name} as built: the estimate "
+                f"fits, but the closest priced as moec plan show prices it holds "
+                f"{closest[0] / GIB:.1f} GiB per rank ({closest[1]}); use more GPUs, a GPU "
+                "with more memory or a shorter sequence"
+            )
+        raise self._nothing_fits()
+
+    def _refused(self, lay: Layout) -> bool:
+        """Whether a pass turns ``lay``'s plan down (counted in :attr:`refused` by reason)."""
+        if lay not in self._refusals:
+            units = self.profile.num_blocks if lay.whole_blocks else self.profile.num_units
+            try:
+                self._refusals[lay] = refusal(layout_plan(self.base, lay), units)
+            except PlanError as exc:
+                self._refusals[lay] = str(exc)
+        reason = self._refusals[lay]
+        if reason is not None:
+            self.refused[reason] = self.refused.get(reason, 0) + 1
+        return reason is not None
 
     def _nothing_fits(self) -> NoPlanFitsError:
         gib = self.req.gpu.memory_bytes / GIB

@@ -1,7 +1,7 @@
 """One AdamW update of one parameter in a single pass, writing its bf16 working copy too.
 
 adamw_step_(param fp32, grad fp32|bf16, exp_avg, exp_avg_sq, copy bf16 | None, grad_scale | None,
-            update: moec.optim.AdamWStep (lr, beta1, beta2, eps, weight_decay, step),
+            update: moec.kernels.adamw_update.AdamWStep (lr, beta1, beta2, eps, weight_decay, step),
             found_inf | None)
     grad      /= grad_scale                      (the clip factor, a device scalar: no host read)
     param     *= 1 - lr * weight_decay
@@ -26,15 +26,13 @@ gradient from bf16 move 40.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from moec.optim import AdamWStep
+from moec.kernels.adamw_update import AdamWStep
 
 BLOCK = 1024
 

@@ -7,6 +7,9 @@ A pass is a :class:`Pass` subclass registered with :func:`register_pass`. It dec
 - ``requires``: passes that must run before it (it reads what they made);
 - ``applies(plan)``: whether the default pipeline of ``plan`` runs it;
 - ``options(plan)``: its settings as they appear in the pipeline string (``""`` for none);
+- ``declines(plan)``: why it would leave the program of ``plan`` unchanged, where the plan
+  alone tells (None: it would not, or only the graph tells); its ``run`` applies the same
+  checks, and ``moec plan auto`` calls it to propose no plan a pass turns down;
 
 (the defaults: no ordering, always applies, no options)
 - ``run(gm, ctx) -> PassResult``: the rewrite. A pass edits ``gm`` (``ctx.program.graph``) and
@@ -89,6 +92,11 @@ class Pass:
     @staticmethod
     def options(plan: Plan) -> str:
         return ""
+
+    @staticmethod
+    def declines(plan: Plan) -> str | None:
+        """never, from the plan alone"""
+        return None
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         raise NotImplementedError(f"pass {type(self).__name__} does not define run")

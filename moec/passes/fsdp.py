@@ -40,11 +40,12 @@ import torch.fx as fx
 from torch import nn
 
 from moec.analysis.cost import graph_cost
+from moec.analysis.cost.model import block_paths
 from moec.fx import called_graph, module_path, under
 from moec.ops.param_groups import ParamGroup, ReleaseParams
 from moec.passes.base import Pass, PassContext, PassResult, register_pass
 from moec.passes.casts import is_bf16_cast
-from moec.passes.pipeline.units import block_paths, find_units
+from moec.passes.pipeline.units import find_units
 from moec.plan import Plan
 from moec.program import Program, ShardedDataParallel
 

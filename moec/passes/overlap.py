@@ -178,6 +178,17 @@ class OverlapPass(Pass):
     def options(plan: Plan) -> str:
         return f"overlap={plan.parallel.overlap}"
 
+    @staticmethod
+    def declines(plan: Plan) -> str | None:
+        """the EP path cannot be halved (``ep_path: auto`` at EP > 1 counts as either path it
+        resolves to), or ``parallel.microbatch_size`` is not an even batch"""
+        p = plan.parallel
+        paths = ("rowwise", "a2a_capacity") if p.ep_path == "auto" else (p.ep_path,)
+        reasons = [_path_reason(path, plan) for path in paths] if p.ep > 1 else []
+        if p.microbatch_size is not None:
+            reasons.append(_halves_reason(p.microbatch_size, "parallel.microbatch_size"))
+        return next((r for r in reasons if r is not None), None)
+
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         chains = [_match(node) for node in gm.graph.nodes if node.target in EXPERT_OPS]
         chains = [c for c in chains if c is not None]
@@ -302,10 +313,15 @@ def _batch_reason(chain: _Chain) -> str | None:
             f"the rows of {chain.rows.name} {tuple(rows.shape)} do not share the batch dimension "
             f"of {chain.x.name} {tuple(x.shape)}"
         )
+    return _halves_reason(batch, f"the batch dimension of {chain.x.name} {tuple(x.shape)}")
+
+
+def _halves_reason(batch: int, what: str) -> str | None:
+    """Why a batch of ``batch`` sequences (``what`` names it) has no two equal halves, or None."""
     if batch < 2 or batch % 2:
         return (
-            f"the batch dimension of {chain.x.name} {tuple(x.shape)} is {batch}: two batch "
-            "halves need an even batch >= 2 (the split is on the batch, never on the sequence)"
+            f"{what} is {batch}: two batch halves need an even batch >= 2 (the split is on the "
+            "batch, never on the sequence)"
         )
     return None
 

@@ -254,12 +254,13 @@ class FreshInit(TensorSource):
         )
 
 
-Checkpoint = str | os.PathLike | Mapping[str, torch.Tensor] | TensorSource
-"""What ``init_from`` accepts: a checkpoint path, a state dict, or an opened source
+DenseSource = str | os.PathLike | Mapping[str, torch.Tensor] | TensorSource
+"""The dense model's weights ``init_from`` upcycles from (a source, not a training
+checkpoint of moec's): a dense checkpoint's path, a state dict, or an opened source
 (:class:`FreshInit` included)."""
 
 
-def open_source(source: Checkpoint) -> TensorSource:
+def open_source(source: DenseSource) -> TensorSource:
     """The :class:`TensorSource` of a checkpoint directory or file, or of a state dict."""
     if isinstance(source, TensorSource):
         return source
@@ -288,7 +289,7 @@ def open_source(source: Checkpoint) -> TensorSource:
 
 def materialize(
     program: Program,
-    source: Checkpoint,
+    source: DenseSource,
     device: torch.device | str = "cpu",
     model: nn.Module | None = None,
     *,

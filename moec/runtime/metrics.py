@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from moec.analysis.gpus import spec_of_device
+
 THROUGHPUT = "tokens_per_s_per_device"
 """The training throughput's key in ``metrics.jsonl`` (over the log window) and
 ``summary.json`` (over the steady steps): :func:`tokens_per_s` of one rank, on one device."""
@@ -33,20 +35,14 @@ def throughput_label(gpu: bool) -> str:
     return "tokens/s/GPU" if gpu else "tokens/s"
 
 
-# Dense BF16 tensor-core peak, TFLOP/s per GPU (not the 2:4-sparse figure).
-_BF16_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0, "B300": 2250.0}
-
-
 def bf16_peak_tflops(device: torch.device | str) -> float | None:
-    """The dense BF16 peak of ``device``, or None when it is not a GPU we have a number for."""
+    """The dense BF16 tensor-core peak of ``device`` (``GPUSpec.bf16_tflops``, not the
+    2:4-sparse figure), or None when it is not a GPU :mod:`moec.analysis.gpus` holds."""
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for key, peak in _BF16_PEAK_TFLOPS.items():
-        if key in name:
-            return peak
-    return None
+    spec = spec_of_device(torch.cuda.get_device_name(device))
+    return None if spec is None else spec.bf16_tflops
 
 
 def useful_mfu(

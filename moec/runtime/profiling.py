@@ -43,8 +43,9 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from moec.analysis.cost import graph_cost
+from moec.analysis.cost.model import block_paths as blocks_of
 from moec.errors import MoecError
-from moec.fx import called_graph, module_path, owning_path
+from moec.fx import module_path, owning_path
 from moec.program import Program
 from moec.runtime import run_files
 
@@ -199,11 +200,9 @@ def nvtx_pop() -> None:
 
 
 def block_paths(program: Program) -> list[str]:
-    """Module paths of the program's residual blocks: the cost model's (dense FFN blocks and
-    MoE layers) and the blocks the ``recompute`` pass moved into regions."""
-    paths = {b.path for b in graph_cost(program).blocks}
-    paths |= {module_path(n) for n in program.graph.graph.nodes if called_graph(n) is not None}
-    return sorted(p for p in paths if p)
+    """Module paths of the program's residual blocks, in graph order
+    (:func:`moec.analysis.cost.model.block_paths`)."""
+    return blocks_of(program.graph, graph_cost(program))
 
 
 def _runs(graph: fx.Graph, blocks: set[str]) -> list[tuple[str, list[fx.Node]]]:

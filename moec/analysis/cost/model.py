@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+from typing import Any
 
 import sympy
 import torch.fx as fx
 
-from moec.analysis.cost.report import CostReport, block_report
+from moec.analysis.cost.report import CostReport
 from moec.analysis.cost.rules import NodeCost, node_cost
 from moec.analysis.cost.sizes import friendly_dims, tokens
 from moec.analysis.structure import find_structure, module_path
-from moec.fx import evaluate, example_sizes, node_order, owning_path, under
+from moec.fx import called_graph, evaluate, example_sizes, owning_path, under
 from moec.program import MoELayer, ParamRole, Program
 
 Expr = sympy.Expr
@@ -105,6 +106,20 @@ class BlockCost:
     params: int
     active_params: int
 
+    def report(self, values: dict[sympy.Symbol, int]) -> dict[str, Any]:
+        """This block's row of a :class:`CostReport` at the symbol ``values``."""
+        return {
+            "index": self.index,
+            "path": self.path,
+            "ffn": self.ffn.describe(),
+            "ffn_path": self.ffn.path,
+            "flops": evaluate(self.cost.flops, values),
+            "ffn_flops": evaluate(self.ffn_cost.flops, values),
+            "saved_bytes": evaluate(self.cost.saved_bytes, values),
+            "params": self.params,
+            "active_params": self.active_params,
+        }
+
 
 @dataclasses.dataclass
 class GraphCost:
@@ -147,7 +162,7 @@ class GraphCost:
             saved_bytes=evaluate(self.total.saved_bytes, values),
             params=self.params,
             active_params=self.active_params,
-            blocks=[block_report(b, values) for b in self.blocks],
+            blocks=[b.report(values) for b in self.blocks],
         )
 
 
@@ -220,8 +235,7 @@ def _blocks(
         path = owning_path(module_path(node), members)
         if path is not None:
             members[path].append(node)
-    order = node_order(gm.graph)
-    paths = sorted((p for p in members if members[p]), key=lambda p: order[members[p][0]])
+    paths = in_graph_order(gm, [p for p in members if members[p]])
     blocks = []
     for index, path in enumerate(paths):
         ffn = ffns[path]
@@ -239,3 +253,27 @@ def _blocks(
             )
         )
     return blocks
+
+
+def in_graph_order(gm: fx.GraphModule, paths: Iterable[str]) -> list[str]:
+    """Module ``paths`` ordered by the first node that runs under each (those none runs under
+    are dropped)."""
+    paths, first = set(paths), {}
+    for i, node in enumerate(gm.graph.nodes):
+        path = module_path(node)
+        for p in paths:
+            if under(path, p):
+                first.setdefault(p, i)
+    return sorted(first, key=first.__getitem__)
+
+
+def block_paths(gm: fx.GraphModule, cost: GraphCost) -> list[str]:
+    """The residual blocks of ``gm`` in graph order, by module path: the cost model's (each
+    FFN's parent module: the dense FFN regions :func:`~moec.analysis.structure.find_structure`
+    finds and the MoE layers the ``moe`` pass recorded) and the blocks the ``recompute`` pass
+    moved into regions (whose FFNs the structure finder can no longer see). The one home of
+    "which blocks a program has": the pipeline units, FSDP groups, the plan search's profile
+    and the profiler's block ranges all read it."""
+    paths = {b.path for b in cost.blocks}
+    paths |= {module_path(n) for n in gm.graph.nodes if called_graph(n) is not None}
+    return in_graph_order(gm, (p for p in paths if p))

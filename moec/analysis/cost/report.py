@@ -9,14 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any
-
-import sympy
-
-from moec.fx import evaluate
-
-if TYPE_CHECKING:
-    from moec.analysis.cost.model import BlockCost
+from typing import Any
 
 
 @dataclasses.dataclass
@@ -47,21 +40,6 @@ class CostReport:
         data["flops_per_token"] = self.flops_per_token
         data["train_flops_per_token"] = self.train_flops_per_token
         return data
-
-
-def block_report(block: BlockCost, values: dict[sympy.Symbol, int]) -> dict[str, Any]:
-    """One residual block's row of a :class:`CostReport` at the symbol ``values``."""
-    return {
-        "index": block.index,
-        "path": block.path,
-        "ffn": block.ffn.describe(),
-        "ffn_path": block.ffn.path,
-        "flops": evaluate(block.cost.flops, values),
-        "ffn_flops": evaluate(block.ffn_cost.flops, values),
-        "saved_bytes": evaluate(block.cost.saved_bytes, values),
-        "params": block.params,
-        "active_params": block.active_params,
-    }
 
 
 def format_count(value: float) -> str:

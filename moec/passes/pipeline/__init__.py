@@ -33,7 +33,8 @@ By subject:
   ceilings and the default efficiencies: only the ratios matter), unless ``parallel.pp_layout``
   gives the units per stage (``moec plan auto`` writes the split it priced on its GPU);
 - :mod:`~moec.passes.pipeline.stages`: the stage graphs;
-- :mod:`~moec.passes.pipeline.split`: its errors and stage cost table.
+- :mod:`~moec.passes.pipeline.stage_table`: its stage cost table;
+- :mod:`~moec.passes.pipeline.errors`: its error.
 
 Activation memory per stage: ``in_flight`` microbatches of its saved bytes at its peak, plus the
 largest transient of recomputing one block in backward (sizes are the captured example's: one
@@ -79,8 +80,9 @@ from moec.analysis.gpus import gpu_spec
 from moec.analysis.pipeline_schedule import check_schedule_runs, inflight_microbatches
 from moec.passes.base import Pass, PassContext, PassResult, register_pass
 from moec.passes.pipeline.balance import balance
+from moec.passes.pipeline.errors import PipelinePassError
 from moec.passes.pipeline.legality import check_splittable
-from moec.passes.pipeline.split import PipelinePassError, format_stage_table, stage_row
+from moec.passes.pipeline.stage_table import format_stage_table, stage_row
 from moec.passes.pipeline.stages import build_split
 from moec.passes.pipeline.units import pipeline_units, unit_saved_bytes, unit_work
 from moec.plan import ParallelPlan, Plan, PlanError

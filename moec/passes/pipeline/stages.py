@@ -29,7 +29,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from moec.analysis.cost import CostTotals, GraphCost
 from moec.analysis.pipeline_schedule import stage_rank
 from moec.fx import evaluate, node_order, parameter_count, placeholders_for
-from moec.passes.pipeline.split import PipelinePassError
+from moec.passes.pipeline.errors import PipelinePassError
 from moec.passes.pipeline.units import loss_flops, unit_saved_bytes
 from moec.passes.verify import verify_graph
 from moec.plan import Plan

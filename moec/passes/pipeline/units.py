@@ -29,11 +29,12 @@ import torch
 import torch.fx as fx
 
 from moec.analysis.cost import CostTotals, GraphCost, node_cost, work_by_kind
+from moec.analysis.cost.model import block_paths
 from moec.analysis.cost.time import ForwardWork, forward_work
 from moec.analysis.structure import module_path
 from moec.fx import called_graph, evaluate, nbytes, under
 from moec.ops.param_groups import ParamGroup
-from moec.passes.pipeline.split import PipelinePassError
+from moec.passes.pipeline.errors import PipelinePassError
 from moec.program import MoELayer
 
 aten = torch.ops.aten
@@ -147,20 +148,6 @@ def _data_dependent(gm: fx.GraphModule) -> set[fx.Node]:
             if any(a in dependent for a in node.all_input_nodes):
                 dependent.add(node)
     return dependent
-
-
-def block_paths(gm: fx.GraphModule, cost: GraphCost) -> list[str]:
-    """Residual blocks in graph order: the cost model's, and the blocks the ``recompute`` pass
-    moved into regions (whose FFNs the structure finder can no longer see)."""
-    first: dict[str, int] = {}
-    paths = {b.path for b in cost.blocks}
-    paths |= {module_path(n) for n in gm.graph.nodes if called_graph(n) is not None}
-    for i, node in enumerate(gm.graph.nodes):
-        path = module_path(node)
-        for p in paths:
-            if under(path, p):
-                first.setdefault(p, i)
-    return sorted(first, key=first.__getitem__)
 
 
 def unit_work(

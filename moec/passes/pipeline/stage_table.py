@@ -1,4 +1,4 @@
-"""The ``pipeline`` pass's errors and its stage cost table.
+"""The ``pipeline`` pass's stage cost table (its ``stage_table`` statistic, and as text).
 
 :class:`moec.program.Pipeline` (the program's ``pipeline``) holds ``pp * v`` stage programs
 and one :class:`~moec.program.StageInfo` each: the rank that runs it, its blocks, the values it
@@ -10,12 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from moec.analysis.cost import format_count
-from moec.errors import MoecError
 from moec.program import Pipeline, StageInfo
-
-
-class PipelinePassError(MoecError, RuntimeError):
-    """The graph cannot be split; the message names the node or parameter that stopped it."""
 
 
 def stage_row(s: StageInfo) -> dict[str, Any]:
