@@ -159,6 +159,7 @@ def _memory_table(plan: Plan, args: argparse.Namespace) -> str:
     sequences per microbatch (``--batch``, per step, when given or the plan has none)."""
     from moec.analysis.rank_memory import format_rank_memory
     from moec.autoplan.memory import plan_memory
+    from moec.models.zoo import load_model
 
     micro = plan.parallel.microbatches
     if args.batch is None and plan.parallel.microbatch_size is not None:
