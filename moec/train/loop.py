@@ -1,6 +1,8 @@
-"""The training loop around :class:`~moec.train.trainer.Trainer`: log points (the one host read
-per window), held-out evaluation (every ``eval_every`` steps and at the last, each a log point
-too: :mod:`moec.train.evaluation`), metrics, throughput and summary, the non-finite stop, the
+"""The training loop around a trainer (:class:`~moec.train.trainer.Trainer`, which it knows
+only as :class:`LoopTrainer`): log points (the one host read per window; under PP also the one
+collective that brings the last stage's losses and every stage's routing statistics to rank
+0), held-out evaluation (every ``eval_every`` steps and at the last, each a log point too:
+:mod:`moec.train.evaluation`), metrics, throughput and summary, the non-finite stop, the
 router-collapse watch, checkpoints on schedule.
 
 Throughput counts each step's own tokens (its global batch under batch-size warmup, divided by
@@ -14,20 +16,22 @@ import contextlib
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
+from moec.data import Prefetcher
 from moec.errors import MoecError
+from moec.plan import Plan
 from moec.runtime.compiled import CompiledModel
 from moec.runtime.metrics import bf16_peak_tflops, count_host_syncs, useful_mfu
 from moec.runtime.profiling import ProfileWindow, StepProfiler
+from moec.runtime.step_graph import StepGraph
+from moec.train.config import TrainConfig
 from moec.train.routing_health import CollapseWatch
 from moec.train.timing import NonStepTime, StepClock, wait_for_device
-
-if TYPE_CHECKING:
-    from moec.train.trainer import Trainer
 
 
 class NonFiniteError(MoecError):
@@ -47,10 +51,51 @@ class TrainResult:
     """The run had already reached ``steps``: nothing was trained or written."""
 
 
+class LoopTrainer(Protocol):
+    """What the loop drives (:class:`moec.train.trainer.Trainer` is one): the step, the run's
+    device-side counters, checkpoints, evaluation and the record of a log point."""
+
+    cfg: TrainConfig
+    plan: Plan
+    compiled: CompiledModel
+    device: torch.device
+    out: Path
+    rank: int
+    dp: int
+    step: int
+    step_graph: StepGraph | None
+    evaluator: Callable[[], float] | None
+    eval_source: str | None
+    batches: Prefetcher
+    first_loss: float | None
+    skipped_steps: torch.Tensor
+    longest_streak: torch.Tensor
+    spike_skipped_steps: torch.Tensor
+    checkpoint_errors: list[str]
+    train_flops_per_token: float
+    params: int
+    active_params: int
+
+    def train_step(self, eager: bool = False) -> torch.Tensor: ...
+    def save_checkpoint(self) -> Any: ...
+    def global_batch(self, step: int) -> int: ...
+    def logged(self, values: torch.Tensor) -> list[float]: ...
+    def log_record(
+        self,
+        loss: float,
+        step_time: float,
+        tokens: float,
+        syncs: int | None,
+        skipped: int,
+        spike_skipped: int = 0,
+    ) -> dict[str, Any]: ...
+    def _say(self, message: str) -> None: ...
+
+
 class TrainingLoop:
     """One call's training loop: steps, log points (the host reads), checkpoints, timing."""
 
-    def __init__(self, trainer: Trainer, history: list[dict[str, Any]]):
+    def __init__(self, trainer: LoopTrainer, history: list[dict[str, Any]]):
         self.trainer, self.cfg = trainer, trainer.cfg
         self.history = history
         self.losses: list[float] = []
@@ -174,13 +219,15 @@ class TrainingLoop:
         and build the record."""
         t = self.trainer
         counters = torch.stack([t.skipped_steps, t.longest_streak, t.spike_skipped_steps])
-        values = torch.cat([torch.stack(self.pending), counters.to(torch.float32)]).tolist()
+        values = t.logged(torch.cat([torch.stack(self.pending).float(), counters.float()]))
         losses, (skipped, longest, spikes) = values[:-3], values[-3:]
         self.pending.clear()
+        if t.first_loss is None:
+            t.first_loss = losses[0]
         self.losses += losses
         self.skipped, self.spike_skipped = int(skipped), int(spikes)
         tokens = self.window_tokens / steps  # the window's mean tokens per step
-        record = t._record(
+        record = t.log_record(
             losses[-1], step_time, tokens, self.syncs, self.skipped, self.spike_skipped
         )
         self.history.append(record)
@@ -204,12 +251,11 @@ class TrainingLoop:
         throughput = self._throughput()
         peak = bf16_peak_tflops(t.device)
         step_time = throughput["step_time_s"]
-        first = t.first_loss
         summary = {
             "plan": t.compiled.program.pass_pipeline,
             "device": torch.cuda.get_device_name(t.device) if t.device.type == "cuda" else "cpu",
             "steps": t.step,
-            "first_loss": None if first is None else float(first),
+            "first_loss": t.first_loss,
             "final_loss": self.losses[-1] if self.losses else None,
             "skipped_steps": self.skipped,
             "spike_skipped_steps": self.spike_skipped,
