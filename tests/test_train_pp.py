@@ -1,8 +1,9 @@
 """Pipelined plans train through the Trainer's one step (issue 51, item 1): a PP = 2 job on CPU
-gloo logs the losses of the same plan at PP = 1 (float32, every logged step), resumes from its
-checkpoint and continues equal, its checkpoint resumes at PP = 1, and its held-out eval loss is
-the single process's; ``moec train`` under torchrun runs ``dp x pp`` processes and trains the
-example PP plan."""
+gloo logs every loss and held-out eval loss of the same plan at PP = 1 (float32), on rank 0 and
+on the last stage's rank alike; resumed from its checkpoint it continues equal, at PP = 2 and at
+PP = 1 (and PP = 1's checkpoint at PP = 2); every schedule the installed torch runs trains so,
+spike skips decided alike on every rank; ``moec train`` under torchrun runs ``dp x pp``
+processes, and trains the example PP plan at its declared size."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from moec.plan import Plan
+from moec.analysis.pipeline_schedule import check_schedule_runs
+from moec.plan import Plan, PlanError
+from moec.runtime.distributed import NO_MULTICAST_ENV
 from moec.train import TrainConfig, Trainer
 from tests.distributed import free_port, spawn
 from tests.models import tiny_llama
@@ -26,13 +29,14 @@ MOE = {"num_experts": 4, "top_k": 2, "init": "random", "capacity_factor": None, 
 """Dropless: every layout keeps the same routes."""
 STEPS, HALF = 6, 3
 RTOL = 1e-5
-"""fp32: the pipelined step sums the same terms in another order."""
+"""float32: the pipelined step sums the same terms in another order (the gradient norm over
+the stages, the cross-entropy's mean over the microbatches)."""
 
 
 def _plan(pp: int, schedule: str = "1f1b") -> dict:
-    virtual = 2 if schedule in ("interleaved_1f1b", "zbv", "dualpipev") else 1
-    parallel = {"pp": pp, "microbatches": 4}
+    parallel: dict = {"pp": pp, "microbatches": 4}
     if pp > 1:
+        virtual = 1 if schedule in ("gpipe", "1f1b") else 2
         parallel |= {"pp_schedule": schedule, "virtual_stages": virtual}
     return {"moe": MOE, "parallel": parallel}
 
@@ -58,56 +62,189 @@ def _train(plan: dict, out: Path, **kw) -> list[float]:
     return Trainer(tiny_llama(4), Plan.from_dict(plan), _cfg(out, **kw)).run().losses
 
 
-def _records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+def _records(out: Path, name: str = "metrics.jsonl") -> list[dict]:
+    return [json.loads(line) for line in (out / name).read_text().splitlines()]
 
 
-def _pp_worker(rank: int, world: int, plan: dict, out: str, kw: dict) -> None:
-    _train(plan, Path(out), **kw)
+def _logged(out: Path, key: str = "loss", name: str = "metrics.jsonl") -> list[float]:
+    return [r[key] for r in _records(out, name) if key in r]
 
 
-def _losses(out: Path) -> list[float]:
-    return [r["loss"] for r in _records(out)]
+def _pp_worker(rank: int, world: int, runs: list[tuple[dict, str, dict]]) -> None:
+    for plan, out, kw in runs:
+        _train(plan, Path(out), **kw)
 
 
-def test_pp2_trains_resumes_and_reshards_as_pp1(tmp_path):
-    """PP = 2 (1F1B) logs every step's loss of PP = 1; resumed from its checkpoint of step 3 it
-    logs the uninterrupted run's next losses, at PP = 2 and at PP = 1; PP = 1's checkpoint
-    resumes at PP = 2 alike."""
+def _close(got: list[float], want: list[float], where: str) -> None:
+    assert len(got) == len(want), (where, got, want)
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=0, msg=lambda m: f"{where}: {m}")
+
+
+EVAL = {"eval_every": HALF, "eval_batches": 3, "checkpoint_every": HALF}
+
+
+@pytest.mark.slow
+def test_pp2_trains_evaluates_resumes_and_reshards_as_pp1(tmp_path):
+    """PP = 2 (1F1B) logs every step's loss and every eval loss of PP = 1, the same on rank 0
+    (first stage) and rank 1 (last stage); resumed from its checkpoint of step 3 it logs the
+    uninterrupted run's next losses, at PP = 2 and at PP = 1; PP = 1's checkpoint resumes at
+    PP = 2 alike."""
     flat = tmp_path / "pp1"
-    want = _train(_plan(1), flat, checkpoint_every=HALF)
+    want = _train(_plan(1), flat, **EVAL)
     assert want[-1] < want[0], want
+    want_eval = _logged(flat, "eval_loss")
+    assert len(want_eval) == 2
 
     piped = tmp_path / "pp2"
-    spawn(_pp_worker, 2, _plan(2), str(piped), {"checkpoint_every": HALF})
-    torch.testing.assert_close(_losses(piped), want, rtol=RTOL, atol=0)
+    spawn(_pp_worker, 2, [(_plan(2), str(piped), EVAL)])
+    _close(_logged(piped), want, "pp2")
+    _close(_logged(piped, name="metrics_rank1.jsonl"), want, "pp2 rank 1")
+    _close(_logged(piped, "eval_loss"), want_eval, "pp2 eval")
     summary = json.loads((piped / "summary.json").read_text())
-    assert summary["first_loss"] == _losses(piped)[0] and summary["steps"] == STEPS
+    assert summary["first_loss"] == _logged(piped)[0] and summary["steps"] == STEPS
+    routing = _records(piped)[-1]["routing"]  # both stages' blocks, in the model's order
+    assert list(routing) == list(_records(flat)[-1]["routing"]) and len(routing) == 3
+    assert all(block["max_vio"] is not None for block in routing.values())
 
-    for source, pp, where in (
-        (piped, 2, "pp2_to_pp2"),
-        (piped, 1, "pp2_to_pp1"),
-        (flat, 2, "pp1_to_pp2"),
-    ):
+    resumes = {"pp2_to_pp2": piped, "pp2_to_pp1": piped, "pp1_to_pp2": flat}
+    for where, source in resumes.items():
+        _copy_run(source, tmp_path / where, HALF)
+    _train(_plan(1), tmp_path / "pp2_to_pp1", resume=True, **EVAL)
+    again = {"resume": True, **EVAL}
+    runs = [(_plan(2), str(tmp_path / w), again) for w in ("pp2_to_pp2", "pp1_to_pp2")]
+    spawn(_pp_worker, 2, runs)
+    for where in resumes:
         out = tmp_path / where
-        _copy_run(source, out, HALF)
-        if pp == 1:
-            got = _train(_plan(1), out, resume=True)
-        else:
-            spawn(_pp_worker, 2, _plan(2), str(out), {"resume": True})
-            got = _losses(out)[HALF:]
-        torch.testing.assert_close(
-            got, want[HALF:], rtol=RTOL, atol=0, msg=lambda m, w=where: f"{w}: {m}"
-        )
         assert [r["step"] for r in _records(out)] == list(range(1, STEPS + 1)), where
+        _close(_logged(out)[HALF:], want[HALF:], where)
+        _close(_logged(out, "eval_loss"), want_eval, f"{where} eval")
 
 
 def _copy_run(source: Path, out: Path, step: int) -> None:
     """``source``'s run folder as it was after ``step``: its checkpoint of that step alone and
-    the metrics before it."""
-    out.mkdir()
+    the records up to it."""
+    (out / "checkpoints").mkdir(parents=True)
     shutil.copy(source / "run.json", out / "run.json")
-    (out / "checkpoints").mkdir()
     shutil.copytree(source / "checkpoints" / f"step_{step}", out / "checkpoints" / f"step_{step}")
-    lines = (source / "metrics.jsonl").read_text().splitlines()[:step]
-    (out / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
+    kept = [json.dumps(r) + "\n" for r in _records(source) if r["step"] <= step]
+    (out / "metrics.jsonl").write_text("".join(kept))
+
+
+def _runs(schedule: str) -> bool:
+    try:
+        check_schedule_runs(schedule)
+    except PlanError:
+        return False
+    return True
+
+
+SCHEDULES = [s for s in ("gpipe", "interleaved_1f1b", "zbv", "dualpipev") if _runs(s)]
+"""Every other schedule this torch runs (1F1B above)."""
+SPIKES = {"steps": 4, "spike_sigma": 0.1, "spike_window": 4, "spike_min_steps": 2}
+"""Skip-step guard on: from step 3 every step here is judged a spike (its loss or gradient
+norm above the last steps' mean plus 0.1 sigma) and skipped."""
+
+
+@pytest.mark.slow
+def test_every_schedule_trains_as_pp1_with_the_same_skips(tmp_path):
+    """GPipe, Interleaved 1F1B (and ZBV, DualPipeV where torch runs them: the last stage on
+    pipeline rank 0) at PP = 2 log PP = 1's losses; with the spike guard on, every rank skips
+    the steps PP = 1 skips."""
+    want = _train(_plan(1), tmp_path / "pp1", **SPIKES)
+    skips = _logged(tmp_path / "pp1", "spike_skipped_steps")
+    assert skips[-1] > 0, skips
+    runs = [(_plan(2, s), str(tmp_path / s), SPIKES) for s in SCHEDULES]
+    spawn(_pp_worker, 2, runs)
+    for schedule in SCHEDULES:
+        for name in ("metrics.jsonl", "metrics_rank1.jsonl"):
+            _close(_logged(tmp_path / schedule, name=name), want, f"{schedule} {name}")
+            assert _logged(tmp_path / schedule, "spike_skipped_steps", name) == skips, schedule
+
+
+# --- moec train under torchrun -----------------------------------------------------------------
+
+FACTORY = """
+import torch
+from moec.models import Llama, LlamaConfig
+
+
+def model():
+    cfg = LlamaConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=128)
+    return Llama(cfg), (torch.zeros(2, 16, dtype=torch.long),)
+"""
+
+
+def _torchrun(tmp_path: Path, ranks: int, plan: Path, out: Path, *flags: str) -> None:
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={ranks}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        "-m",
+        "moec",
+        "train",
+        "--model",
+        f"{tmp_path / 'factory.py'}:model",
+        "--plan",
+        str(plan),
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        *flags,
+    ]
+    env = {**os.environ, **NO_MULTICAST_ENV, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+
+
+@pytest.mark.slow
+def test_moec_train_under_torchrun_runs_dp_x_pp_processes(tmp_path):
+    """``torchrun --nproc-per-node 2 -m moec train`` with a PP = 2 plan logs the losses of
+    ``moec train`` with the plan at PP = 1 in one process."""
+    from moec.cli import main
+
+    (tmp_path / "factory.py").write_text(FACTORY)
+    flags = ["--steps", "3", "--batch-size", "8", "--seq-len", "16", "--log-every", "1"]
+    for pp in (1, 2):
+        (tmp_path / f"pp{pp}.yaml").write_text(json.dumps(_plan(pp)))
+    assert (
+        main(
+            [
+                "train",
+                "--model",
+                f"{tmp_path / 'factory.py'}:model",
+                "--plan",
+                str(tmp_path / "pp1.yaml"),
+                "--out",
+                str(tmp_path / "pp1"),
+                "--device",
+                "cpu",
+                *flags,
+            ]
+        )
+        == 0
+    )
+    _torchrun(tmp_path, 2, tmp_path / "pp2.yaml", tmp_path / "pp2", *flags)
+    _close(_logged(tmp_path / "pp2"), _logged(tmp_path / "pp1"), "torchrun pp2")
+
+
+@pytest.mark.slow
+def test_example_pp_plan_trains_from_the_cli_at_its_size(tmp_path):
+    """``examples/plans/pp2_ep4_mxfp8_recompute.yaml`` (PP = 2 x DP = 4 x EP = 4, MXFP8
+    expert GEMMs emulated on the CPU, block recompute) trains under torchrun with its
+    ``dp x pp`` = 8 processes."""
+    plan = ROOT / "examples" / "plans" / "pp2_ep4_mxfp8_recompute.yaml"
+    p = Plan.load(plan).parallel
+    assert (p.pp, p.dp, p.ep) == (2, 4, 4)
+    (tmp_path / "factory.py").write_text(FACTORY)
+    out = tmp_path / "run"
+    flags = ["--steps", "2", "--batch-size", "4", "--seq-len", "32", "--log-every", "1"]
+    _torchrun(tmp_path, p.dp * p.pp, plan, out, *flags)
+    losses = _logged(out)
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses))), losses
+    assert sorted(f.name for f in out.glob("metrics_rank*.jsonl")) == [
+        f"metrics_rank{r}.jsonl" for r in range(1, 8)
+    ]

@@ -128,11 +128,10 @@ def build_pipeline_mesh(plan: Plan, device_type: str | None = None) -> PipelineM
         )
     p, world = plan.parallel, dist.get_world_size()
     if world != p.pp * p.dp:
+        fix = f"set dp={world // p.pp}" if world % p.pp == 0 else f"pp must divide {world}"
         raise DistributedError(
             f"parallel.pp={p.pp} x parallel.dp={p.dp} = {p.pp * p.dp} ranks but the job has "
-            f"{world}; set dp={world // p.pp}"
-            if world % p.pp == 0
-            else f"pp divides {world}"
+            f"{world}: launch {p.pp * p.dp} processes (torchrun --nproc-per-node), or {fix}"
         )
     if device_type is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
