@@ -149,16 +149,20 @@ norm above the last steps' mean plus 0.1 sigma) and skipped."""
 def test_every_schedule_trains_as_pp1_with_the_same_skips(tmp_path):
     """GPipe, Interleaved 1F1B (and ZBV, DualPipeV where torch runs them: the last stage on
     pipeline rank 0) at PP = 2 log PP = 1's losses; with the spike guard on, every rank skips
-    the steps PP = 1 skips."""
+    the steps PP = 1 skips; a profile window traces each rank's steps with its stages' block
+    ranges (the ranges are identities: the losses stay equal)."""
     want = _train(_plan(1), tmp_path / "pp1", **SPIKES)
     skips = _logged(tmp_path / "pp1", "spike_skipped_steps")
     assert skips[-1] > 0, skips
-    runs = [(_plan(2, s), str(tmp_path / s), SPIKES) for s in SCHEDULES]
+    runs = [(_plan(2, s), str(tmp_path / s), {**SPIKES, "profile": "1:1"}) for s in SCHEDULES]
     spawn(_pp_worker, 2, runs)
     for schedule in SCHEDULES:
+        out = tmp_path / schedule
         for name in ("metrics.jsonl", "metrics_rank1.jsonl"):
-            _close(_logged(tmp_path / schedule, name=name), want, f"{schedule} {name}")
-            assert _logged(tmp_path / schedule, "spike_skipped_steps", name) == skips, schedule
+            _close(_logged(out, name=name), want, f"{schedule} {name}")
+            assert _logged(out, "spike_skipped_steps", name) == skips, schedule
+        summaries = "".join((out / "profile" / f"summary_rank{r}.txt").read_text() for r in (0, 1))
+        assert all(f"block model.layers.{i} (backward)" in summaries for i in range(4)), schedule
 
 
 # --- moec train under torchrun -----------------------------------------------------------------
@@ -174,14 +178,13 @@ def model():
 """
 
 
-def _torchrun(tmp_path: Path, ranks: int, plan: Path, out: Path, *flags: str) -> None:
+def _moec_train(tmp_path: Path, ranks: int, plan: Path, out: Path, *flags: str) -> None:
+    """``moec train`` in a fresh process, under torchrun with ``ranks`` processes (1: alone)."""
+    launch = ["-m", "torch.distributed.run", f"--nproc-per-node={ranks}"]
+    launch += ["--master-addr=127.0.0.1", f"--master-port={free_port()}"]
     command = [
         sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={ranks}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
+        *(launch if ranks > 1 else []),
         "-m",
         "moec",
         "train",
@@ -204,31 +207,13 @@ def _torchrun(tmp_path: Path, ranks: int, plan: Path, out: Path, *flags: str) ->
 def test_moec_train_under_torchrun_runs_dp_x_pp_processes(tmp_path):
     """``torchrun --nproc-per-node 2 -m moec train`` with a PP = 2 plan logs the losses of
     ``moec train`` with the plan at PP = 1 in one process."""
-    from moec.cli import main
-
     (tmp_path / "factory.py").write_text(FACTORY)
     flags = ["--steps", "3", "--batch-size", "8", "--seq-len", "16", "--log-every", "1"]
     for pp in (1, 2):
         (tmp_path / f"pp{pp}.yaml").write_text(json.dumps(_plan(pp)))
-    assert (
-        main(
-            [
-                "train",
-                "--model",
-                f"{tmp_path / 'factory.py'}:model",
-                "--plan",
-                str(tmp_path / "pp1.yaml"),
-                "--out",
-                str(tmp_path / "pp1"),
-                "--device",
-                "cpu",
-                *flags,
-            ]
-        )
-        == 0
-    )
-    _torchrun(tmp_path, 2, tmp_path / "pp2.yaml", tmp_path / "pp2", *flags)
+        _moec_train(tmp_path, pp, tmp_path / f"pp{pp}.yaml", tmp_path / f"pp{pp}", *flags)
     _close(_logged(tmp_path / "pp2"), _logged(tmp_path / "pp1"), "torchrun pp2")
+    assert (tmp_path / "pp2" / "metrics_rank1.jsonl").is_file()
 
 
 @pytest.mark.slow
@@ -242,7 +227,7 @@ def test_example_pp_plan_trains_from_the_cli_at_its_size(tmp_path):
     (tmp_path / "factory.py").write_text(FACTORY)
     out = tmp_path / "run"
     flags = ["--steps", "2", "--batch-size", "4", "--seq-len", "32", "--log-every", "1"]
-    _torchrun(tmp_path, p.dp * p.pp, plan, out, *flags)
+    _moec_train(tmp_path, p.dp * p.pp, plan, out, *flags)
     losses = _logged(out)
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses))), losses
     assert sorted(f.name for f in out.glob("metrics_rank*.jsonl")) == [

@@ -90,8 +90,9 @@ class CompiledModel(nn.Module):
         self._variants: dict[tuple, tuple[tuple, fx.GraphModule]] = {}
         self.working_weights: WorkingWeights | None = None
         self.instrument: Callable[[fx.GraphModule], fx.GraphModule] | None = None
-        """Set by :mod:`moec.runtime.profiling` while a profile window is open: the graph runs
-        through this rewrite (its block and op ranges), made once per graph."""
+        """Set by :mod:`moec.runtime.profiling` while a profile window is open
+        (:meth:`set_instrument`): the graph runs through this rewrite (its block and op
+        ranges), made once per graph."""
         self._initialize = initialize
         self._lowering = InductorGraphs(plan)
         """``plan.lowering.inductor``: what runs each graph (:mod:`.lowering`)."""
@@ -181,6 +182,17 @@ class CompiledModel(nn.Module):
             key = ("instrumented", self.training, torch.is_grad_enabled())
             graph = self._variant(key, graph, self.instrument)
         return graph
+
+    def set_instrument(self, rewrite: Callable[[fx.GraphModule], fx.GraphModule] | None) -> None:
+        """Run the graphs through ``rewrite`` from the next forward on (None: plain again), and
+        make the rewritten copy of the training graph now, outside the steps; for a pipelined
+        program, its runtime's stage graphs (:mod:`moec.runtime.pipeline`)."""
+        self.instrument = rewrite
+        runtime = getattr(self, "_pipeline_runtime", None)
+        if runtime is not None:
+            runtime.set_instrument(rewrite)
+        elif rewrite is not None:
+            self._graph()
 
     def _graph_in_mode(self, training: bool) -> fx.GraphModule:
         if training == self.program.captured_training:

@@ -247,6 +247,9 @@ class StageModule(nn.Module):
         self.meter: SavedTensorMeter | None = None
         self._lowering = InductorGraphs(plan)
         self._other_mode: fx.GraphModule | None = None
+        self.instrument: Callable[[fx.GraphModule], fx.GraphModule] | None = None
+        """A profile window's rewrite (:meth:`PipelineRuntime.set_instrument`)."""
+        self._instrumented: dict[bool, tuple[Callable, fx.GraphModule]] = {}
 
     def forward(self, *received: torch.Tensor, **graph_inputs: torch.Tensor) -> Any:
         acc = None
@@ -272,11 +275,20 @@ class StageModule(nn.Module):
         return tuple(sends) if len(sends) > 1 else sends[0]
 
     def _graph(self) -> fx.GraphModule:
-        if self.training == self.program.captured_training:
-            return self.graph_module
-        if self._other_mode is None:
-            self._other_mode = graph_in_mode(self.graph_module, self.training)
-        return self._other_mode
+        """The stage graph in this module's mode, through :attr:`instrument` when one is set
+        (each made once)."""
+        graph = self.graph_module
+        if self.training != self.program.captured_training:
+            if self._other_mode is None:
+                self._other_mode = graph_in_mode(self.graph_module, self.training)
+            graph = self._other_mode
+        if self.instrument is None:
+            return graph
+        rewrite, made = self._instrumented.get(self.training, (None, None))
+        if rewrite is not self.instrument or made is None:
+            made = self.instrument(graph)
+            self._instrumented[self.training] = (self.instrument, made)
+        return made
 
     def _accumulate(
         self, acc: torch.Tensor | None, aux: dict[tuple[str, str], torch.Tensor], like: torch.Tensor
@@ -464,6 +476,15 @@ class PipelineRuntime:
             return None
         # the first step's shape inference may run the loss once more, on placeholder values
         return torch.stack(self._ce[-self.split.microbatches :]).mean()
+
+    def set_instrument(self, rewrite: Callable[[fx.GraphModule], fx.GraphModule] | None) -> None:
+        """Run the stage graphs through ``rewrite`` (a profile window's ranges; None: plain),
+        the rewritten copies made now, outside the steps."""
+        for module in self.modules:
+            module.instrument = rewrite
+            module._instrumented.clear()
+            if rewrite is not None:
+                module._graph()
 
     def routing_stats(self) -> dict[str, dict[str, Any]]:
         """:func:`~moec.runtime.compiled.routing_stats` of this rank's stages' MoE blocks (the
