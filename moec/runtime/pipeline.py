@@ -82,6 +82,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from moec.analysis.pipeline_schedule import (
     MULTI_STAGE,
+    SPLIT_BACKWARD,
     V_SHAPED,
     check_schedule_runs,
     schedule_class,
@@ -479,7 +480,12 @@ class PipelineRuntime:
 
     def set_instrument(self, rewrite: Callable[[fx.GraphModule], fx.GraphModule] | None) -> None:
         """Run the stage graphs through ``rewrite`` (a profile window's ranges; None: plain),
-        the rewritten copies made now, outside the steps."""
+        the rewritten copies made now, outside the steps. Not under the zero-bubble schedules
+        (:data:`~moec.analysis.pipeline_schedule.SPLIT_BACKWARD`): their input backward
+        detaches the stage outputs in place, which the ranges' views refuse, so their stages
+        are traced without block ranges."""
+        if self.split.schedule in SPLIT_BACKWARD:
+            return
         for module in self.modules:
             module.instrument = rewrite
             module._instrumented.clear()

@@ -205,6 +205,8 @@ class TrainingLoop:
                 progress.update(task, completed=t.step, **_progress_fields(record))
         if (cfg.checkpoint_every and t.step % cfg.checkpoint_every == 0) or done:
             with self.non_step.timed("checkpoint"):
+                if t.first_loss is None:  # saved with the checkpoint: read before a log point
+                    t.first_loss = t.logged(self.pending[0].float().reshape(1).clone())[0]
                 committed = t.save_checkpoint()
             if committed is not None and done:
                 written.append(committed.path)

@@ -27,13 +27,14 @@ AdamW): a finite step whose loss or gradient norm exceeds the running statistics
 (one scalar all-reduce over the job; under PP, of the last stage's losses), so every rank, every
 pipeline rank included, skips the same steps.
 
-Balance: after each step's backwards the trainer calls ``compiled.finish_step()``
-(:mod:`moec.runtime.router_losses`): the step's expert loads summed over the data-parallel
-ranks, MaxVio per block (``max_vio`` in the metrics) and, under ``moe.balance: aux_free``, the
-selection biases' update from those loads, on the device; a skipped step moves them too.
+Balance: after each step's backwards the trainer calls ``compiled.finish_step()`` (under PP the
+pipeline runtime does, per stage; :mod:`moec.runtime.router_losses`): the step's expert loads
+summed over the data-parallel ranks, MaxVio per block (``max_vio`` in the metrics) and, under
+``moe.balance: aux_free``, the selection biases' update from those loads, on the device; a
+skipped step moves them too.
 
 Data: the offline text, synthetic tokens or ``data`` (:mod:`moec.corpus`), each batch a pure
-function of (seed, step, rank), read ``prefetch`` steps ahead by a background thread
+function of (seed, step, data-parallel rank), read ``prefetch`` steps ahead by a background thread
 (:class:`moec.data.Prefetcher`). Batch-size warmup (``batch_warmup``) changes the global batch at
 the configured steps (each rank's share split into ``plan.parallel.microbatches``) and scales
 the learning rate by sqrt(batch / first batch) (:func:`moec.train.config.lr_factor`).
@@ -44,7 +45,7 @@ Outputs under ``out`` (never written through a link, :mod:`moec.runtime.run_file
 ``metrics.jsonl`` (one line per log step), ``summary.json``, PNG plots (loss, throughput,
 load-balancing loss and MaxVio, per-layer expert-load heatmap; need matplotlib) and
 ``checkpoints/step_N``, committed atomically by :mod:`moec.runtime.checkpoint_store` (DCP
-shards loadable at any EP degree, a manifest with checksums; the newest ``keep_checkpoints``
+shards loadable at any EP or PP degree, a manifest with checksums; the newest ``keep_checkpoints``
 kept). ``resume=True`` continues the
 same run from its newest checkpoint that verifies and loads (each one that does not is skipped
 with the reason; files are read without running code, :mod:`moec.runtime.safe_read`; ``run.json``
