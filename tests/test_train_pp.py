@@ -167,6 +167,26 @@ def test_every_schedule_trains_as_pp1_with_the_same_skips(tmp_path):
         assert all(ranges) if schedule not in SPLIT_BACKWARD else not any(ranges), schedule
 
 
+def _host_reads_worker(rank: int, world: int, out: str) -> None:
+    from tests.test_pipeline import _HostReads
+
+    torch.manual_seed(0)
+    cfg = _cfg(Path(out), spike_sigma=3.0)
+    trainer = Trainer(tiny_llama(4), Plan.from_dict(_plan(2)), cfg)
+    for _ in range(2):  # the schedule's first step infers shapes
+        trainer.train_step()
+    with _HostReads() as reads:
+        trainer.train_step()
+    assert not reads.found, f"rank {rank}: ops that read device values on the host: {reads.found}"
+
+
+@pytest.mark.slow
+def test_pp2_trainer_step_reads_no_device_value_on_the_host(tmp_path):
+    """A steady PP = 2 step of the Trainer (schedule, clipping over the stages, spike guard,
+    device-step AdamW) reads no device value on the host, on either pipeline rank."""
+    spawn(_host_reads_worker, 2, str(tmp_path))
+
+
 # --- moec train under torchrun -----------------------------------------------------------------
 
 FACTORY = """
@@ -228,7 +248,7 @@ def test_example_pp_plan_trains_from_the_cli_at_its_size(tmp_path):
     assert (p.pp, p.dp, p.ep) == (2, 4, 4)
     (tmp_path / "factory.py").write_text(FACTORY)
     out = tmp_path / "run"
-    flags = ["--steps", "2", "--batch-size", "4", "--seq-len", "32", "--log-every", "1"]
+    flags = ["--steps", "2", "--batch-size", "8", "--seq-len", "32", "--log-every", "1"]
     _moec_train(tmp_path, p.dp * p.pp, plan, out, *flags)
     losses = _logged(out)
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses))), losses
