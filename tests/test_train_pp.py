@@ -19,7 +19,7 @@ import torch
 
 from moec.analysis.pipeline_schedule import SPLIT_BACKWARD, check_schedule_runs
 from moec.plan import Plan, PlanError
-from moec.runtime.distributed import NO_MULTICAST_ENV
+from moec.runtime.distributed import NO_MULTICAST_ENV, TORCHRUN_VARS, DistributedError
 from moec.train import TrainConfig, Trainer
 from tests.distributed import free_port, spawn
 from tests.models import tiny_llama
@@ -265,3 +265,13 @@ def test_first_loss_is_saved_by_a_checkpoint_before_the_first_log_point(tmp_path
     result = Trainer(tiny_llama(2), Plan.from_dict(_plan(1)), cfg).run()
     state = torch.load(tmp_path / "checkpoints" / "step_1" / "trainer.pt")
     assert state["first_loss"] == result.summary["first_loss"] == result.losses[0]
+
+
+def test_pp_plan_outside_torchrun_says_how_many_processes(tmp_path, monkeypatch):
+    """A PP = 2 x DP = 2 plan started as one process names the ``dp x pp`` = 4 processes to
+    launch under torchrun."""
+    for name in TORCHRUN_VARS:
+        monkeypatch.delenv(name, raising=False)
+    plan = {"moe": MOE, "parallel": {"pp": 2, "dp": 2, "microbatches": 4}}
+    with pytest.raises(DistributedError, match=r"runs 4 processes.*torchrun --nproc-per-node 4"):
+        Trainer(tiny_llama(4), Plan.from_dict(plan), _cfg(tmp_path))
