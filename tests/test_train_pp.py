@@ -71,8 +71,13 @@ def _logged(out: Path, key: str = "loss", name: str = "metrics.jsonl") -> list[f
 
 
 def _pp_worker(rank: int, world: int, runs: list[tuple[dict, str, dict]]) -> None:
+    """The runs, one after the other; each rank's result holds every stage's MoE blocks (what
+    ``moec train`` prints)."""
     for plan, out, kw in runs:
-        _train(plan, Path(out), **kw)
+        torch.manual_seed(0)
+        trainer = Trainer(tiny_llama(4), Plan.from_dict(plan), _cfg(Path(out), **kw))
+        result = trainer.run()
+        assert list(result.routing) == [m.path for m in trainer.compiled.moe_layers]
 
 
 def _close(got: list[float], want: list[float], where: str) -> None:

@@ -166,7 +166,7 @@ def print_summary(result: TrainResult) -> None:
         )
         + f"{s['active_params']:,} of {s['params']:,} parameters active per token"
     )
-    stats = result.compiled.routing_stats()
+    stats = result.routing
     if stats:
         table = Table(
             "MoE block",

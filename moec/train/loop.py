@@ -47,6 +47,8 @@ class TrainResult:
     out: Path
     written: list[Path] = dataclasses.field(default_factory=list)
     """The files and checkpoints this call wrote."""
+    routing: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    """Every MoE block's routing statistics at the last log point (under PP, every stage's)."""
     finished: bool = False
     """The run had already reached ``steps``: nothing was trained or written."""
 
@@ -211,10 +213,11 @@ class TrainingLoop:
             if committed is not None and done:
                 written.append(committed.path)
 
-    def tokens_of(self, step: int) -> int:
-        """Tokens this rank trains on in step ``step``."""
+    def tokens_of(self, step: int) -> float:
+        """Tokens this rank trains on in step ``step``: its data-parallel rank's, shared by the
+        ranks of its pipeline under PP."""
         t = self.trainer
-        return t.global_batch(step) // t.dp * self.cfg.seq_len
+        return t.global_batch(step) // t.dp * self.cfg.seq_len / t.plan.parallel.pp
 
     def _log_point(self, step_time: float, steps: int) -> dict[str, Any]:
         """Read the window's losses and the skip counters (the one host read per log window)

@@ -728,12 +728,12 @@ class Trainer:
         if writer:
             run_files.write_text(self.out / "summary.json", json.dumps(summary, indent=2))
             written.insert(1, self.out / "summary.json")
+        routing = history[-1]["routing"] if history else {}  # the last step's, a log point
         if cfg.plots and writer:
             from moec.plots import write_plots
 
-            final = history[-1]["routing"] if history else {}  # the last step's, a log point
-            written += write_plots(self.out, history, final)
-        return TrainResult(loop.losses, summary, self.compiled, self.out, written)
+            written += write_plots(self.out, history, routing)
+        return TrainResult(loop.losses, summary, self.compiled, self.out, written, routing=routing)
 
     def _keep_steps_before(self, exc: DataError, start: int) -> DataError:
         """``exc`` (raised when step ``self.step`` read its batch, so every step before it is
