@@ -47,15 +47,13 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-import moec
 from benchmarks.e2e import FULL, LR, SMALL, dense_model, moe_plan, warm_up
-from moec.analysis.cost import graph_cost
 from moec.analysis.cost.time import merged_spans
 from moec.analysis.pipeline_schedule import V_SHAPED
 from moec.runtime.distributed import NO_MULTICAST_ENV, join_process_group
 from moec.runtime.metrics import bf16_peak_tflops, sync_debug_mode, useful_mfu
-from moec.runtime.pipeline import build_pipeline_mesh, runtime_for
-from moec.train import LanguageModelWithLoss, TrainConfig, Trainer
+from moec.runtime.pipeline import runtime_for
+from moec.train import TrainConfig, Trainer
 
 ONE_STAGE_PER_RANK = ("gpipe", "1f1b")
 ZERO_BUBBLE = V_SHAPED
@@ -88,38 +86,28 @@ def parallel_plan(
 
 
 def trainer_step(s: dict, plan, device: torch.device) -> tuple[Callable, float, int]:
-    """(step, useful FLOPs per step on this rank, tokens per step on this rank): the Trainer."""
+    """(step, useful FLOPs per step on this rank, tokens per step on this rank): the Trainer's
+    step, for every layout. A pipelined plan's batch is its microbatches of ``s["micro"]``, and
+    every rank of a pipeline counts its share of the pipeline's tokens, so the job's total is
+    right when summed over ranks."""
+    pp = plan.parallel.pp
+    batch = s["micro"] * (plan.parallel.microbatches if pp > 1 else 1)
     cfg = TrainConfig(
         lr=LR,
-        steps=1000, batch_size=s["micro"], seq_len=s["seq"], device=str(device), synthetic=True,
+        steps=1000, batch_size=batch, seq_len=s["seq"], device=str(device), synthetic=True,
         out=tempfile.mkdtemp(prefix="moec_scaling_"), plots=False,
     )  # fmt: skip
     trainer = Trainer(dense_model(s), plan, cfg)
-    tokens = s["micro"] * s["seq"]
-    return trainer.train_step, trainer.train_flops_per_token * tokens, tokens
+    tokens = batch * s["seq"] / pp
 
+    def step() -> torch.Tensor:
+        return trainer.train_step()
 
-def pipeline_step(s: dict, plan, device: torch.device) -> tuple[Callable, float, int]:
-    """The same for a pipelined program; every rank of a pipeline counts its share of the
-    pipeline's tokens, so the job's total is right when summed over ranks."""
-    mesh = build_pipeline_mesh(plan)
-    batch = plan.parallel.microbatches * s["micro"]
-    seqs = torch.randint(0, s["vocab"], (batch, s["seq"] + 1), device=device)
-    inputs, targets = seqs[:, :-1], seqs[:, 1:]
-    example = (inputs[: s["micro"]], targets[: s["micro"]])
-    model = LanguageModelWithLoss(dense_model(s).to(device))
-    compiled = moec.compile(model, plan, example, mesh=mesh)
-    flops_per_token = graph_cost(compiled.program).evaluate().train_flops_per_token
-    options = {"lr": 1e-4, "device_step": True}
-    runtime_for(compiled, optimizer_options=options, grad_clip=1.0)
-    tokens = batch * s["seq"] / plan.parallel.pp
-
-    def step() -> torch.Tensor | None:
-        return compiled.train_step((inputs, targets))
-
-    step.stage_ms = lambda: stage_ms(compiled, step, device)  # type: ignore[attr-defined]
-    step.stage_pass = lambda: stage_pass(compiled, step)  # type: ignore[attr-defined]
-    return step, flops_per_token * tokens, tokens
+    if trainer.pipeline is not None:
+        compiled = trainer.compiled
+        step.stage_ms = lambda: stage_ms(compiled, step, device)  # type: ignore[attr-defined]
+        step.stage_pass = lambda: stage_pass(compiled, step)  # type: ignore[attr-defined]
+    return step, trainer.train_flops_per_token * tokens, tokens
 
 
 def stage_pass(compiled, step: Callable) -> Callable[[], None]:
@@ -161,7 +149,7 @@ def stage_ms(compiled, step: Callable, device: torch.device, reps: int = 3) -> f
         once()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    runtime_for(compiled).optimizer.zero_grad(set_to_none=True)
+    compiled.zero_grad(set_to_none=True)
     return (time.perf_counter() - start) / reps * 1e3
 
 
@@ -340,8 +328,7 @@ def run(
         s, world, ep, pp, path, microbatches, fused_loss, schedule, inductor, dp_shard
     )
     v = plan.parallel.virtual_stages
-    build = pipeline_step if pp > 1 else trainer_step
-    step, flops, tokens = build(s, plan, device)
+    step, flops, tokens = trainer_step(s, plan, device)
     result = measure(step, device, steps, warmup, trace)
     if pp > 1:  # every rank's stage time, in rank order (rank = pipeline rank * dp + dp rank)
         mine = torch.tensor([step.stage_ms()], device=device, dtype=torch.float64)

@@ -43,7 +43,9 @@ from moec.runtime import distributed as mdist
 from moec.runtime.distributed import DistributedError
 from moec.runtime.pipeline import PipelineRuntime, build_pipeline_mesh, runtime_for
 from moec.train import LanguageModelWithLoss
+from moec.train.trainer import clip_job_gradients
 from tests.distributed import spawn
+from tests.pipeline_steps import pipeline_step
 
 CFG = LlamaConfig(vocab_size=128, dim=64, n_layers=8, n_heads=4, n_kv_heads=2, ffn_hidden=128)
 MOE = {"num_experts": 4, "top_k": 2, "capacity_factor": 4.0, "init": "random", "dense_first": 1}
@@ -130,13 +132,13 @@ def _run_schedule(
 
 def _check_ownership(gm, runtime: PipelineRuntime, everything: set[str]) -> None:
     """The compiled graph module (the compiled model's only module), whose parameters the
-    optimizer steps, holds exactly this rank's stages' parameters; over the pipeline group
-    every parameter is held once."""
+    optimizer steps, holds exactly this rank's stages' parameters (the same tensors); over the
+    pipeline group every parameter is held once."""
     mine = {n for n, _ in gm.named_parameters()}
     stages = {n for m in runtime.modules for n, _ in m.graph_module.named_parameters()}
     assert mine == stages, mine ^ stages
-    stepped = {id(p) for group in runtime.optimizer.param_groups for p in group["params"]}
-    assert stepped == {id(p) for p in gm.parameters()}
+    trained = {id(p) for m in runtime.modules for p in m.parameters()}
+    assert trained == {id(p) for p in gm.parameters()}
     held: list = [None] * runtime.mesh.pp
     dist.all_gather_object(held, mine, group=runtime.mesh.pp_group)
     assert sum(map(len, held)) == len(everything) and set().union(*held) == everything
@@ -163,8 +165,9 @@ def _schedules_worker(rank: int, world: int) -> None:
 def _bf16_worker(rank: int, world: int, inductor: bool) -> None:
     """bf16: each stage reads the working copies of its own parameters (non-persistent), the
     PP = 2 step's loss and gradients equal the full graph's run microbatch by microbatch, and
-    the default optimizer (``moec.optim.AdamW``) leaves every copy fresh; with ``inductor``,
-    each stage through Inductor, which takes the copies as inputs (made in front of it)."""
+    ``moec.optim.AdamW`` given the runtime's working weights leaves every copy fresh; with
+    ``inductor``, each stage through Inductor, which takes the copies as inputs (made in front
+    of it)."""
     micro = 2
     x, y = _batch(micro)
     plan = moec.Plan.from_dict(
@@ -179,7 +182,8 @@ def _bf16_worker(rank: int, world: int, inductor: bool) -> None:
     compiled = moec.compile(_dense(), plan, (x[:MB],), mesh=mesh, verify=False)
     ref = _unsplit(compiled, x, y, micro)
     runtime = runtime_for(compiled)
-    assert compiled.working_weights is None and isinstance(runtime.optimizer, AdamW)
+    assert compiled.working_weights is None
+    optimizer = AdamW(compiled.parameters(), lr=1e-3, working_weights=runtime.working_weights)
     for module in runtime.modules:
         copies = module.program.working_weights
         assert copies and not copies.keys() & module.graph_module.state_dict().keys()
@@ -192,7 +196,7 @@ def _bf16_worker(rank: int, world: int, inductor: bool) -> None:
             assert (param.grad - want).norm() <= 2e-2 * want.norm() + 1e-6, name
     if runtime.is_last:  # the reference's cross-entropy of bf16 logits is rounded to bf16
         torch.testing.assert_close(loss, ref[0].float(), rtol=1e-2, atol=0)
-    runtime.optimizer.step()
+    optimizer.step()
     assert runtime.working_weights.refresh() == 0
 
 
@@ -238,16 +242,18 @@ def _reference_steps(compiled, x, y, micro: int) -> tuple[list, dict[str, torch.
 
 
 def _train_steps(compiled, x, y, micro: int) -> None:
-    """``CompiledModel.train_step``: the rank holds only its stages' parameters (the others'
-    storage is released, though the source model shares it), clipped training equals PP = 1
-    step by step, and the full graph and a re-split refuse with the freed parameter's name."""
+    """The runtime's steps (``pipeline_step``: the Trainer's clipping): the rank holds only its
+    stages' parameters (the others' storage is released, though the source model shares it),
+    clipped training equals PP = 1 step by step, and the full graph and a re-split refuse with
+    the freed parameter's name."""
     ref_losses, trained = _reference_steps(compiled, x, y, micro)
     before = dict(compiled.graph_module.named_parameters())
-    runtime = runtime_for(compiled, optimizer=lambda ps: torch.optim.SGD(ps, lr=LR), grad_clip=CLIP)
+    runtime = runtime_for(compiled)
+    optimizer = torch.optim.SGD(compiled.parameters(), lr=LR)
     _check_ownership(compiled.graph_module, runtime, set(before))
     mine = {n.removeprefix("graph_module.") for n, _ in compiled.named_parameters()}
     assert all(before[n].numel() == 0 for n in before.keys() - mine)
-    losses = [compiled.train_step((x, y)) for _ in range(STEPS)]
+    losses = [pipeline_step(compiled, optimizer, x, y, CLIP) for _ in range(STEPS)]
     for name in mine:
         torch.testing.assert_close(before[name], trained[name], msg=lambda m, n=name: f"{n}: {m}")
     if runtime.is_last:
@@ -284,10 +290,12 @@ def _pp2_ep2(unsplit) -> None:
     # the global norm sums the other pipeline rank's stages and the other EP rank's experts
     norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in expected.values()]))
     assert norm > CLIP
-    torch.testing.assert_close(runtime.clip_gradients(CLIP), norm)
-    # the default optimizer (moec's AdamW) takes the clip factor and divides as it reads
+    optimizer = AdamW(compiled.parameters(), lr=1e-3)
+    clipped = clip_job_gradients(compiled, mesh, CLIP, optimizer, torch.device("cpu"))
+    torch.testing.assert_close(clipped, norm)
+    # moec's AdamW takes the clip factor and divides as it reads
     _check_grads(runtime, expected, "pp2 x ep2 after clipping", experts)
-    torch.testing.assert_close(runtime.optimizer.grad_scale, (norm + 1e-6) / CLIP)
+    torch.testing.assert_close(optimizer.grad_scale, (norm + 1e-6) / CLIP)
 
 
 @pytest.mark.slow
@@ -296,7 +304,7 @@ def test_every_schedule_equals_pp1_and_memory_prediction(world):
     """GPipe, 1F1B, Interleaved1F1B, ZBV and DualPipeV at PP = world give the loss and gradients
     of the unsplit program; each stage's peak of saved activations (saved-tensor hooks) is
     within 15% of the schedule-derived prediction; each rank holds only its stages' parameters;
-    (world 2) clipped train_step equals PP = 1 step by step (``_train_steps``); (world 4)
+    (world 2) clipped training equals PP = 1 step by step (``_train_steps``); (world 4)
     PP = 2 x EP = 2 equals the single-process result, also clipped (``_pp2_ep2``)."""
     spawn(_schedules_worker, world)
 
@@ -352,16 +360,19 @@ def _fused_loss_worker(rank: int, world: int) -> None:
         misses += _run_schedule(fused, mesh, schedule, v, x, y, micro, ref, " fused loss")
     misses += _run_schedule(unfused, mesh, "1f1b", 1, x, y, micro, ref, " unfused loss")
     assert not misses, "activation prediction off by more than 15%:\n" + "\n".join(misses)
-    runtime = runtime_for(fused, optimizer_options={"lr": 1e-3, "device_step": True}, grad_clip=1e3)
-    assert runtime.loss_in_program and isinstance(runtime.optimizer, AdamW)
-    losses = [fused.train_step((x, y)) for _ in range(STEPS)]
+    runtime = runtime_for(fused)
+    assert runtime.loss_in_program
+    optimizer = AdamW(
+        fused.parameters(), lr=1e-3, device_step=True, working_weights=runtime.working_weights
+    )
+    losses = [pipeline_step(fused, optimizer, x, y, 1e3) for _ in range(STEPS)]
     if runtime.is_last:
         torch.testing.assert_close(losses[0], ref[0])
         assert losses[-1] < losses[0], losses
     else:
         assert all(loss is None for loss in losses)
     with _HostReads() as reads:  # a steady step: clipped, device-step AdamW, working copies
-        fused.train_step((x, y))
+        pipeline_step(fused, optimizer, x, y, 1e3)
     assert not reads.found, f"rank {rank}: ops that read device values on the host: {reads.found}"
 
 
@@ -580,8 +591,8 @@ def test_stage_reads_a_specialized_size_as_its_value():
 
 def _adamw_pipeline(plan, mesh, x):
     compiled = moec.compile(_dense(), plan, (x[:MB],), mesh=mesh, verify=False)
-    runtime = runtime_for(compiled, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
-    return compiled, runtime
+    runtime = runtime_for(compiled)
+    return compiled, runtime, torch.optim.AdamW(compiled.parameters(), lr=1e-2)
 
 
 def _checkpoint_worker(rank: int, world: int, path: str) -> None:
@@ -591,16 +602,16 @@ def _checkpoint_worker(rank: int, world: int, path: str) -> None:
     x, y = _batch(micro, seed=rank % 2)
     plan = _plan(pp=2, dp=2, ep=2, microbatches=micro)
     mesh = build_pipeline_mesh(plan)
-    writer, runtime = _adamw_pipeline(plan, mesh, x)
+    writer, runtime, optimizer = _adamw_pipeline(plan, mesh, x)
     for _ in range(2):
-        writer.train_step((x, y))
-    checkpoint.save(writer, runtime.optimizer, path, mesh.moe)
+        pipeline_step(writer, optimizer, x, y)
+    checkpoint.save(writer, optimizer, path, mesh.moe)
     saved = {n: p.detach().clone() for n, p in writer.named_parameters()}
-    after = [writer.train_step((x, y)) for _ in range(2)]
+    after = [pipeline_step(writer, optimizer, x, y) for _ in range(2)]
 
-    reader, runtime = _adamw_pipeline(plan, mesh, x)
-    checkpoint.load(reader, runtime.optimizer, path, mesh.moe)
-    resumed = [reader.train_step((x, y)) for _ in range(2)]
+    reader, runtime, optimizer = _adamw_pipeline(plan, mesh, x)
+    checkpoint.load(reader, optimizer, path, mesh.moe)
+    resumed = [pipeline_step(reader, optimizer, x, y) for _ in range(2)]
     if runtime.is_last:
         assert torch.equal(torch.stack(after), torch.stack(resumed)), (after, resumed)
     for (name, a), (_, b) in zip(writer.named_parameters(), reader.named_parameters()):

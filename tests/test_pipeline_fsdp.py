@@ -19,6 +19,7 @@ from moec.runtime import checkpoint
 from moec.runtime.pipeline import build_pipeline_mesh, runtime_for
 from moec.train import LanguageModelWithLoss
 from tests.distributed import spawn
+from tests.pipeline_steps import pipeline_step
 
 CFG = LlamaConfig(vocab_size=128, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=128)
 MOE = {"num_experts": 4, "top_k": 2, "capacity_factor": None, "init": "random", "dense_first": 1}
@@ -49,8 +50,8 @@ def _job(plan: moec.Plan, x: torch.Tensor, y: torch.Tensor, seed: int, loss: str
         assert compiled.pass_results["fused_loss"].stats["fused"] == 1
     else:
         compiled = moec.compile(Llama(CFG), plan, (x[:MB],), mesh=mesh, verify=False)
-    runtime = runtime_for(compiled, optimizer=lambda ps: torch.optim.SGD(ps, lr=LR), grad_clip=CLIP)
-    return compiled, runtime, mesh
+    runtime = runtime_for(compiled)
+    return compiled, runtime, torch.optim.SGD(compiled.parameters(), lr=LR), mesh
 
 
 def _full(param: torch.Tensor) -> torch.Tensor:
@@ -63,8 +64,8 @@ def _worker(
     g = torch.Generator().manual_seed(seed + rank % 2)  # one batch per data-parallel rank
     seq = torch.randint(0, CFG.vocab_size, (MB * MICRO, SEQ + 1), generator=g)
     x, y = seq[:, :-1], seq[:, 1:]
-    sharded, runtime, mesh = _job(_plan(schedule, dtype, 2), x, y, seed, loss)
-    replicated, reference, _ = _job(_plan(schedule, dtype, 1), x, y, seed, loss)
+    sharded, runtime, optimizer, mesh = _job(_plan(schedule, dtype, 2), x, y, seed, loss)
+    replicated, _, reference, _ = _job(_plan(schedule, dtype, 1), x, y, seed, loss)
 
     # each rank holds half (dim 0) of every sharded parameter of its stages, and the compiled
     # model's parameters are those shards
@@ -80,8 +81,8 @@ def _worker(
         assert held[name].shape == whole.shape, name
         assert held[name].to_local().shape[0] == (whole.shape[0] + 1) // 2, name
 
-    got = [sharded.train_step((x, y)) for _ in range(STEPS)]
-    want = [replicated.train_step((x, y)) for _ in range(STEPS)]
+    got = [pipeline_step(sharded, optimizer, x, y, CLIP) for _ in range(STEPS)]
+    want = [pipeline_step(replicated, reference, x, y, CLIP) for _ in range(STEPS)]
     atol = 1e-5 if dtype == "fp32" else 2e-2
     if runtime.is_last:
         torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=atol, atol=atol)
@@ -89,11 +90,11 @@ def _worker(
     for name, param in replicated.named_parameters():
         torch.testing.assert_close(_full(held[name]), param.detach(), rtol=atol, atol=atol)
 
-    checkpoint.save(sharded, runtime.optimizer, path, mesh.moe)
+    checkpoint.save(sharded, optimizer, path, mesh.moe)
     with torch.no_grad():
         for param in replicated.parameters():
             param.zero_()
-    checkpoint.load(replicated, reference.optimizer, path, mesh.moe)
+    checkpoint.load(replicated, reference, path, mesh.moe)
     for name, param in replicated.named_parameters():
         assert torch.equal(_full(held[name]), param.detach()), name
 

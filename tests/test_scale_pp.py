@@ -20,6 +20,7 @@ from moec.runtime.distributed import DistributedError
 from moec.runtime.materialize import MaterializeError, open_source
 from moec.runtime.pipeline import PipelineRuntime, build_pipeline_mesh, runtime_for
 from tests.distributed import spawn
+from tests.pipeline_steps import pipeline_step
 
 VOCAB, SEQ, MB, MICRO, DP, STEPS, LR = 128, 16, 2, 2, 2, 3, 1.0
 MOE = {"num_experts": 16, "top_k": 2, "init": "upcycle", "capacity_factor": None}
@@ -101,10 +102,11 @@ def _worker(rank: int, world: int, path: str, data: str) -> None:
     with pytest.raises(DistributedError, match="is on the meta device"):
         PipelineRuntime(compiled.program, plan, other)
 
-    runtime = runtime_for(compiled, optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
+    runtime = runtime_for(compiled)
     held = dict(compiled.named_parameters())
     assert held.keys() == mine and all(p.device.type == "cpu" for p in held.values())
-    losses = [compiled.train_step((x, y)) for _ in range(STEPS)]
+    optimizer = torch.optim.SGD(held.values(), lr=LR)
+    losses = [pipeline_step(compiled, optimizer, x, y) for _ in range(STEPS)]
     if not runtime.is_last:
         assert all(loss is None for loss in losses)
         return

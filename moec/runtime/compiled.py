@@ -90,8 +90,9 @@ class CompiledModel(nn.Module):
         self._variants: dict[tuple, tuple[tuple, fx.GraphModule]] = {}
         self.working_weights: WorkingWeights | None = None
         self.instrument: Callable[[fx.GraphModule], fx.GraphModule] | None = None
-        """Set by :mod:`moec.runtime.profiling` while a profile window is open: the graph runs
-        through this rewrite (its block and op ranges), made once per graph."""
+        """Set by :mod:`moec.runtime.profiling` while a profile window is open
+        (:meth:`set_instrument`): the graph runs through this rewrite (its block and op
+        ranges), made once per graph."""
         self._initialize = initialize
         self._lowering = InductorGraphs(plan)
         """``plan.lowering.inductor``: what runs each graph (:mod:`.lowering`)."""
@@ -182,6 +183,17 @@ class CompiledModel(nn.Module):
             graph = self._variant(key, graph, self.instrument)
         return graph
 
+    def set_instrument(self, rewrite: Callable[[fx.GraphModule], fx.GraphModule] | None) -> None:
+        """Run the graphs through ``rewrite`` from the next forward on (None: plain again), and
+        make the rewritten copy of the training graph now, outside the steps; for a pipelined
+        program, its runtime's stage graphs (:mod:`moec.runtime.pipeline`)."""
+        self.instrument = rewrite
+        runtime = getattr(self, "_pipeline_runtime", None)
+        if runtime is not None:
+            runtime.set_instrument(rewrite)
+        elif rewrite is not None:
+            self._graph()
+
     def _graph_in_mode(self, training: bool) -> fx.GraphModule:
         if training == self.program.captured_training:
             return self.program.graph
@@ -257,49 +269,51 @@ class CompiledModel(nn.Module):
             self.balance.finish_step()
 
     def routing_stats(self) -> dict[str, dict[str, Any]]:
-        """Per MoE block, from the last forward on this rank: the LBL of ``plan.moe.balance``
-        (``lbl``), z-loss, offered and accepted routes, drop rate, load imbalance, capacity use,
-        routes per expert (``expert_load``); from the last finished step, summed over its
-        microbatches and the data-parallel ranks: MaxVio (``max_vio``) and routes per expert
-        (``step_load``), None before the first. Reads the device: not in a step."""
-        stats: dict[str, dict[str, Any]] = {}
+        """:func:`routing_stats` of the program's MoE blocks, from the last forward on this
+        rank and the last finished step; for a pipelined program, of the blocks of this rank's
+        stages (its runtime's, :mod:`moec.runtime.pipeline`). Reads the device: not in a
+        step."""
+        runtime = getattr(self, "_pipeline_runtime", None)
+        if runtime is not None:
+            return runtime.routing_stats()
         if not self.moe_layers:
-            return stats
-        lbl = self.balance.lbl_values(self.aux_outputs).float().cpu().tolist()
-        finished = self.balance.finished()
-        for i, layer in enumerate(self.moe_layers):
-            losses = self.aux_outputs[(layer.path, "router_losses")].detach().float().cpu()
-            counts = self.aux_outputs[(layer.path, "expert_counts")].detach().cpu()
-            accepted = int(self.aux_outputs[(layer.path, "expert_offsets")][-1].item())
-            offered = int(counts.sum())
-            tokens = offered // layer.top_k
-            cap = capacity(tokens, layer.top_k, layer.num_experts, layer.capacity_factor or 0.0)
-            stats[layer.path] = {
-                "lbl": lbl[i],
-                "max_vio": None if finished is None else finished[0][i],
-                "z_loss": float(losses[1]),
-                "offered": offered,
-                "accepted": accepted,
-                "drop_rate": 1.0 - accepted / max(offered, 1),
-                "load_imbalance": float(counts.max()) / max(offered / layer.num_experts, 1e-9),
-                "capacity_use": accepted / max(cap * layer.num_experts, 1),
-                "top_k": layer.top_k,
-                "expert_load": counts.tolist(),
-                "step_load": None if finished is None else finished[1][i],
-            }
-        return stats
+            return {}
+        return routing_stats(self.moe_layers, self.aux_outputs, self.balance)
 
-    # --- pipelined programs (moec.runtime.pipeline) ---------------------------------------------
 
-    def train_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
-        """One optimizer step of a pipelined program (``plan.parallel.pp > 1``, compiled with
-        ``mesh=build_pipeline_mesh(plan)``): ``batch = (inputs, targets)`` split into the plan's
-        microbatches; for a model that computes its loss (``LanguageModelWithLoss``, the fused
-        LM-head loss in the last stage) these are its two inputs. Returns the mean loss on the
-        ranks holding the last stage, else None."""
-        from moec.runtime.pipeline import runtime_for
-
-        return runtime_for(self).train_step(*batch)
+def routing_stats(
+    layers: list[MoELayer], aux: dict[tuple[str, str], torch.Tensor], balance: RouterBalance
+) -> dict[str, dict[str, Any]]:
+    """Per MoE block of ``layers``, from the last forward's ``aux`` outputs: the LBL of
+    ``plan.moe.balance`` (``lbl``), z-loss, offered and accepted routes, drop rate, load
+    imbalance, capacity use, routes per expert (``expert_load``); from the last step
+    ``balance`` finished, summed over its microbatches and the data-parallel ranks: MaxVio
+    (``max_vio``) and routes per expert (``step_load``), None before the first. Reads the
+    device."""
+    stats: dict[str, dict[str, Any]] = {}
+    lbl = balance.lbl_values(aux).float().cpu().tolist()
+    finished = balance.finished()
+    for i, layer in enumerate(layers):
+        losses = aux[(layer.path, "router_losses")].detach().float().cpu()
+        counts = aux[(layer.path, "expert_counts")].detach().cpu()
+        accepted = int(aux[(layer.path, "expert_offsets")][-1].item())
+        offered = int(counts.sum())
+        tokens = offered // layer.top_k
+        cap = capacity(tokens, layer.top_k, layer.num_experts, layer.capacity_factor or 0.0)
+        stats[layer.path] = {
+            "lbl": lbl[i],
+            "max_vio": None if finished is None else finished[0][i],
+            "z_loss": float(losses[1]),
+            "offered": offered,
+            "accepted": accepted,
+            "drop_rate": 1.0 - accepted / max(offered, 1),
+            "load_imbalance": float(counts.max()) / max(offered / layer.num_experts, 1e-9),
+            "capacity_use": accepted / max(cap * layer.num_experts, 1),
+            "top_k": layer.top_k,
+            "expert_load": counts.tolist(),
+            "step_load": None if finished is None else finished[1][i],
+        }
+    return stats
 
 
 class ProgramTracer(fx.Tracer):

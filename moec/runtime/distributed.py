@@ -98,18 +98,25 @@ def join_process_group(backend: str | None = None) -> None:
 
 def init_from_env(plan: Plan, backend: str | None = None) -> MoEMesh:
     """Join the torchrun job (if not joined yet) and build the mesh for ``plan``."""
+    join_plan_job(plan, backend)
+    return build_mesh(plan)
+
+
+def join_plan_job(plan: Plan, backend: str | None = None) -> None:
+    """Join the torchrun job of ``plan``'s ``dp x pp`` processes (if not joined yet); outside
+    torchrun, say how to launch it."""
     missing = [name for name in TORCHRUN_VARS if name not in os.environ]
     if missing and not dist.is_initialized():
         p = plan.parallel
         ranks = p.dp * p.pp
         raise DistributedError(
-            f"plan parallel.dp={p.dp}, parallel.ep={p.ep} runs {ranks} processes, but this one "
-            f"was not started by torchrun ({', '.join(missing)} unset): launch with "
-            f"`torchrun --nproc-per-node {ranks} -m moec train ...` (or your script in place of "
-            "`-m moec ...`), or set parallel.dp and parallel.ep to 1 for one process"
+            f"plan parallel.dp={p.dp} x parallel.pp={p.pp} (parallel.ep={p.ep}) runs {ranks} "
+            f"processes, but this one was not started by torchrun ({', '.join(missing)} unset): "
+            f"launch with `torchrun --nproc-per-node {ranks} -m moec train ...` (or your script "
+            "in place of `-m moec ...`), or set parallel.dp, parallel.ep and parallel.pp to 1 "
+            "for one process"
         )
     join_process_group(backend)
-    return build_mesh(plan)
 
 
 def build_mesh(plan: Plan, device_type: str | None = None) -> MoEMesh:

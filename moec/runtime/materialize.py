@@ -393,8 +393,8 @@ def _refuse_full_graph(gm: fx.GraphModule, split: Pipeline, pp_rank: int) -> Non
         raise MaterializeError(
             f"parameter {name!r} of pipeline stage {stage} (pipeline rank "
             f"{split.info[stage].rank}) was not materialized on this process (pipeline rank "
-            f"{pp_rank}), which builds only its own stages from the checkpoint: train with "
-            "compiled.train_step, which runs this rank's stages"
+            f"{pp_rank}), which builds only its own stages from the checkpoint: train it with "
+            "moec.train (the Trainer), whose pipeline runtime runs this rank's stages"
         )
 
     gm.register_forward_pre_hook(refuse)

@@ -1,14 +1,19 @@
-"""Pipelined training on ``torch.distributed.pipelining``: stages, schedules, mesh, one step.
+"""Pipelined forward/backward on ``torch.distributed.pipelining``: stages, schedules, mesh.
 
 The ``pipeline`` pass leaves the program's ``pipeline`` (:class:`moec.program.Pipeline`: the
 stage programs and their ranks); this module runs the stages this rank holds. The mesh is ``(pp,
 dp // ep, ep)`` with names ``("pp", "edp", "ep")``: rank = pp_index * dp + dp_index, so an EP
 group (and the data-parallel group the gradient reducer uses) lives inside one pipeline rank and
-runs the same stages in the same schedule order. Under torchrun::
+runs the same stages in the same schedule order. The runtime is the part of a training step
+that differs from PP = 1: the schedule's forward and backward over the microbatches (and a
+forward-only pass for evaluation). The rest of the step (learning rate, clipping by the norm
+over every stage, skip guards, the optimizer, checkpoints) is the Trainer's
+(:mod:`moec.train.trainer`), the same for every layout. Under torchrun::
 
     mesh = build_pipeline_mesh(plan)                    # after init_process_group
     model = moec.compile(LanguageModelWithLoss(dense), plan, (inputs_mb, targets_mb), mesh=mesh)
-    loss = model.train_step((inputs, targets))          # loss on the last stage's ranks, else None
+    runtime = runtime_for(model)                        # frees the other ranks' stages
+    loss = runtime.forward_backward(inputs, targets)    # loss on the last stage's ranks, else None
 
 Schedules (``plan.parallel.pp_schedule``): ``gpipe``, ``1f1b`` (one stage per rank),
 ``interleaved_1f1b`` (v stages per rank, loop placement), ``zbv`` and ``dualpipev`` (v = 2,
@@ -53,15 +58,17 @@ last step reduce-scatters them once and divides by the microbatch count. The zer
 schedules (``zbv``, ``dualpipev``) are refused with FSDP, and where this torch cannot split the
 backward, by the ``pipeline`` pass (:func:`moec.analysis.pipeline_schedule.check_schedule_runs`).
 
-``grad_clip`` clips by the global norm over all stages and experts (squared norms summed over
-the EP, FSDP shard and pipeline groups), as at PP = 1.
+Routing: each stage keeps the aux outputs of its last forward and a
+:class:`~moec.runtime.router_losses.RouterBalance` over its MoE blocks, fed after the schedule
+with the step's microbatches (the schedule's first step also runs each stage once on placeholder
+values to infer shapes: those forwards are not counted); :meth:`PipelineRuntime.finish_step`
+ends the balance's step and :meth:`PipelineRuntime.routing_stats` gives this rank's blocks.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import inspect
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -75,24 +82,18 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from moec.analysis.pipeline_schedule import (
     MULTI_STAGE,
+    SPLIT_BACKWARD,
     schedule_class,
 )
-from moec.optim import AdamW
 from moec.plan import Plan
 from moec.program import EPGroup, Pipeline, Program
 from moec.runtime.autocast import program_context
-from moec.runtime.distributed import (
-    DistributedError,
-    GradientReducer,
-    MoEMesh,
-    clip_gradients_,
-    fsdp_mesh_dims,
-    global_grad_norm,
-    parameter_groups,
-)
+from moec.runtime.compiled import routing_stats
+from moec.runtime.distributed import DistributedError, GradientReducer, MoEMesh, fsdp_mesh_dims
 from moec.runtime.fsdp import shard_dense_parameters
 from moec.runtime.lowering import InductorGraphs
-from moec.runtime.router_losses import router_loss_objective
+from moec.runtime.router_losses import RouterBalance, router_loss_objective
+from moec.runtime.variants import graph_in_mode
 from moec.runtime.working_weights import WorkingWeights, gradient_dtype
 
 
@@ -126,11 +127,10 @@ def build_pipeline_mesh(plan: Plan, device_type: str | None = None) -> PipelineM
         )
     p, world = plan.parallel, dist.get_world_size()
     if world != p.pp * p.dp:
+        fix = f"set dp={world // p.pp}" if world % p.pp == 0 else f"pp must divide {world}"
         raise DistributedError(
             f"parallel.pp={p.pp} x parallel.dp={p.dp} = {p.pp * p.dp} ranks but the job has "
-            f"{world}; set dp={world // p.pp}"
-            if world % p.pp == 0
-            else f"pp divides {world}"
+            f"{world}: launch {p.pp * p.dp} processes (torchrun --nproc-per-node), or {fix}"
         )
     if device_type is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -221,28 +221,44 @@ class StageModule(nn.Module):
     (:func:`graph_input_key`), of which a later stage takes those it reads (``side_inputs``,
     e.g. the targets of a fused loss) after the received values; sends = the next stage's inputs
     (+ accumulator), or on the last stage the user outputs (+ accumulator), which the loss
-    function reads.
+    function reads. In eval mode it runs the stage graph in eval mode
+    (:func:`~moec.runtime.variants.graph_in_mode`, made once).
     """
 
     def __init__(
-        self, program: Program, carries_aux: bool, plan: Plan, side_inputs: Sequence[int] = ()
+        self,
+        program: Program,
+        carries_aux: bool,
+        plan: Plan,
+        side_inputs: Sequence[int] = (),
+        dp_group: dist.ProcessGroup | None = None,
     ):
         super().__init__()
         self.graph_module, self.index = program.graph, program.stage_index
         self.program, self.carries_aux, self.plan = program, carries_aux, plan
         self.side_inputs = [graph_input_key(i) for i in side_inputs]
         self.aux_outputs: dict[tuple[str, str], torch.Tensor] = {}
+        """The last forward's aux outputs (detached)."""
+        self.step_aux: list[dict[tuple[str, str], torch.Tensor]] = []
+        """The aux outputs of this step's training forwards (placeholder runs included)."""
+        micro = plan.parallel.microbatches
+        self.balance = RouterBalance(plan.moe, program.moe_layers, micro, dp_group, program.graph)
         self.meter: SavedTensorMeter | None = None
         self._lowering = InductorGraphs(plan)
+        self._other_mode: fx.GraphModule | None = None
+        self.instrument: Callable[[fx.GraphModule], fx.GraphModule] | None = None
+        """A profile window's rewrite (:meth:`PipelineRuntime.set_instrument`)."""
+        self._instrumented: dict[bool, tuple[Callable, fx.GraphModule]] = {}
 
     def forward(self, *received: torch.Tensor, **graph_inputs: torch.Tensor) -> Any:
         acc = None
         if self.carries_aux and self.index > 0:
             *received, acc = received
         args = [*received, *(graph_inputs[key] for key in self.side_inputs)]
+        graph = self._graph()
         with self.meter.track() if self.meter else contextlib.nullcontext():
             with program_context(self.plan, args):
-                outputs = self._lowering(self.graph_module, args)(*args)
+                outputs = self._lowering(graph, args)(*args)
             sig = self.program.signature
             sends = list(outputs[: sig.num_user_outputs])
             aux = dict(zip(sig.aux_outputs, outputs[sig.num_user_outputs :]))
@@ -253,7 +269,25 @@ class StageModule(nn.Module):
         # graph still holds the saved tensors of the nodes only the input backward ran (see
         # "Zero-bubble release" in moec.passes.pipeline).
         self.aux_outputs = {key: value.detach() for key, value in aux.items()}
+        if self.training and torch.is_grad_enabled():
+            self.step_aux.append(self.aux_outputs)
         return tuple(sends) if len(sends) > 1 else sends[0]
+
+    def _graph(self) -> fx.GraphModule:
+        """The stage graph in this module's mode, through :attr:`instrument` when one is set
+        (each made once)."""
+        graph = self.graph_module
+        if self.training != self.program.captured_training:
+            if self._other_mode is None:
+                self._other_mode = graph_in_mode(self.graph_module, self.training)
+            graph = self._other_mode
+        if self.instrument is None:
+            return graph
+        rewrite, made = self._instrumented.get(self.training, (None, None))
+        if rewrite is not self.instrument or made is None:
+            made = self.instrument(graph)
+            self._instrumented[self.training] = (self.instrument, made)
+        return made
 
     def _accumulate(
         self, acc: torch.Tensor | None, aux: dict[tuple[str, str], torch.Tensor], like: torch.Tensor
@@ -261,6 +295,14 @@ class StageModule(nn.Module):
         total = torch.zeros((), device=like.device) if acc is None else acc
         losses = router_loss_objective(aux, self.plan.moe)
         return total if losses is None else total + losses
+
+    def count_step(self, microbatches: int) -> None:
+        """Feed the step's last ``microbatches`` training forwards to the balance (the earlier
+        ones ran on the schedule's placeholder values) and end its step."""
+        for aux in self.step_aux[-microbatches:]:
+            self.balance.after_forward(aux, True)
+        self.step_aux.clear()
+        self.balance.finish_step()
 
 
 def graph_input_key(index: int) -> str:
@@ -270,10 +312,13 @@ def graph_input_key(index: int) -> str:
 
 
 class PipelineRuntime:
-    """The local stages of a compiled pipelined program, their schedule, reducers, optimizer
-    (by default ``moec.optim.AdamW`` over the local parameters, which also writes the stages'
-    bf16 working copies, with ``optimizer_options`` such as ``lr`` or ``device_step``; any
-    other optimizer works, the copies are then refreshed each step).
+    """The local stages of a compiled pipelined program, their schedule and gradient reducers:
+    the forward and backward of one step over its microbatches (:meth:`forward_backward`), and
+    the forward-only pass of an evaluation (:meth:`evaluate`). The optimizer, clipping and the
+    rest of the step are the caller's (the Trainer's): the stages' parameters are the compiled
+    model's (``compiled.named_parameters()`` after the runtime is built), and
+    :attr:`working_weights` tracks the stages' bf16 working copies (give it to
+    ``moec.optim.AdamW``, which then writes them; they are refreshed before each step otherwise).
 
     Two kinds of program: one whose model returns logits (``forward(inputs)``), to which the
     runtime applies an unfused float32 cross-entropy on the last stage; and one that computes
@@ -282,22 +327,14 @@ class PipelineRuntime:
     loss and reads the targets itself (``loss_in_program``)."""
 
     def __init__(
-        self,
-        program: Program,
-        plan: Plan,
-        mesh: PipelineMesh,
-        *,
-        optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
-        optimizer_options: dict[str, Any] | None = None,
-        grad_clip: float | None = None,
-        measure_memory: bool = False,
+        self, program: Program, plan: Plan, mesh: PipelineMesh, *, measure_memory: bool = False
     ):
         split = program.pipeline
         if split is None:
             raise DistributedError("no pipeline stages: compile with plan.parallel.pp > 1")
         if mesh.pp != split.pp:
             raise DistributedError(f"pipeline group has {mesh.pp} ranks, plan has pp={split.pp}")
-        self.split, self.plan, self.mesh, self.grad_clip = split, plan, mesh, grad_clip
+        self.split, self.plan, self.mesh = split, plan, mesh
         self.local = split.local_stages(mesh.pp_rank)
         self.num_stages = len(split.stages)
         if unbuilt := _on_meta(split, self.local):
@@ -311,21 +348,17 @@ class PipelineRuntime:
             _free_other_stages(program.graph, split, mesh.pp_rank)
         elif missing := [(n, s) for n, s in split.freed.items() if s in self.local]:
             raise DistributedError(_not_held(split, *missing[0]))
-        if optimizer is not None and optimizer_options:
-            raise DistributedError(
-                "optimizer_options configure the default optimizer (moec.optim.AdamW); with "
-                "an optimizer factory, pass its options to the factory"
-            )
         self.loss_in_program = _returns_loss(split)
         names = [n.name for n in program.graph.graph.find_nodes(op="placeholder")]
         if self.loss_in_program and len(names) != 2:
             raise DistributedError(
-                f"the pipelined program computes its loss, so train_step takes (inputs, "
-                f"targets) as its two graph inputs, but the graph takes {len(names)}: {names}"
+                f"the pipelined program computes its loss, so a step takes (inputs, targets) "
+                f"as its two graph inputs, but the graph takes {len(names)}: {names}"
             )
         carries_aux = bool(program.moe_layers)
+        dp_group = mesh.moe.dp_group if mesh.moe.dp > 1 else None
         self.modules = [
-            StageModule(split.stages[s], carries_aux, plan, _side_inputs(split, s, names))
+            StageModule(split.stages[s], carries_aux, plan, _side_inputs(split, s, names), dp_group)
             for s in self.local
         ]
         self._side_inputs = sorted({i for s in self.local for i in _side_inputs(split, s, names)})
@@ -338,15 +371,7 @@ class PipelineRuntime:
         self.reducers = (
             [GradientReducer(m, mesh.moe) for m in self.modules] if mesh.moe.dp > 1 else []
         )
-        groups = [parameter_groups(m) for m in self.modules]
-        self._dense = [p for dense, _ in groups for p in dense]
-        self._expert = [p for _, expert in groups for p in expert]
         self.working_weights = _working_weights(self.modules, plan)
-        params = [p for m in self.modules for p in m.parameters() if p.requires_grad]
-        if optimizer is None:
-            options = {"lr": 1e-3, **(optimizer_options or {})}
-            optimizer = functools.partial(AdamW, **options, working_weights=self.working_weights)
-        self.optimizer = optimizer(params)
         self._ce: list[torch.Tensor] = []
 
     def _schedule(self, split: Pipeline, mesh: PipelineMesh) -> Any:
@@ -380,11 +405,52 @@ class PipelineRuntime:
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """One pipelined forward + backward over all microbatches; gradients averaged over
-        microbatches and data-parallel ranks. Returns the mean cross-entropy on ranks holding
-        the last stage, else None."""
-        self._ce.clear()
+        microbatches and data-parallel ranks, the routers' step balance ended. Returns the mean
+        cross-entropy on ranks holding the last stage, else None."""
         if self.working_weights is not None:  # the optimizer may not have written them
             self.working_weights.refresh()
+        with contextlib.ExitStack() as stack:
+            for reducer in self.reducers:
+                stack.enter_context(reducer.no_sync())
+            loss = self._run(self.schedule.step, inputs, targets)
+        for reducer in self.reducers:
+            reducer.finish()
+        for module in self.modules:
+            module.count_step(self.split.microbatches)
+        return loss
+
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """The mean cross-entropy over the microbatches of ``(inputs, targets)``, forward only
+        in eval mode without gradients, on the ranks holding the last stage (else None). The
+        stages' aux outputs (the routing statistics of the last training forward) and modes
+        are kept."""
+        kept = [(m.training, m.aux_outputs) for m in self.modules]
+        try:
+            for module in self.modules:
+                module.eval()
+            with torch.no_grad():
+                return self._run(self._forward_only, inputs, targets)
+        finally:
+            for module, (training, aux) in zip(self.modules, kept, strict=True):
+                module.train(training)
+                module.aux_outputs = aux
+
+    def _forward_only(self, *args: Any, **kwargs: Any) -> None:
+        """The schedule's step without its backward, as torch's ``schedule.eval`` runs it, but
+        without merging the last stage's outputs (scalar losses, which do not concatenate)."""
+        schedule, kept = self.schedule, self.schedule._has_backward
+        schedule._has_backward = False
+        try:
+            schedule.step(*args, **kwargs)
+        finally:
+            schedule._has_backward = kept
+
+    def _run(
+        self, run: Callable[..., Any], inputs: torch.Tensor, targets: torch.Tensor
+    ) -> torch.Tensor | None:
+        """``run`` (the schedule's ``step`` or ``eval``) on the whole batch; the mean
+        cross-entropy of its microbatches on the last stage's ranks, else None."""
+        self._ce.clear()
         graph_inputs = [inputs, targets] if self.loss_in_program else [inputs]
         # torch's stages check each microbatch's strides against the traced contiguous ones
         graph_inputs = [t.contiguous() for t in graph_inputs]
@@ -396,39 +462,35 @@ class PipelineRuntime:
             kwargs |= {"target": targets, "losses": []}
         if _STEP_TAKES_RETURN_OUTPUTS:
             kwargs["return_outputs"] = False  # the loss is all we need of the last stage
-        with contextlib.ExitStack() as stack:
-            for reducer in self.reducers:
-                stack.enter_context(reducer.no_sync())
-            self.schedule.step(*args, **kwargs)
-        for reducer in self.reducers:
-            reducer.finish()
+        run(*args, **kwargs)
         if not self.is_last:
             return None
         # the first step's shape inference may run the loss once more, on placeholder values
         return torch.stack(self._ce[-self.split.microbatches :]).mean()
 
-    def clip_gradients(self, max_norm: float) -> torch.Tensor:
-        """Clip this rank's gradients so that the norm over every stage's and expert's gradient
-        is at most ``max_norm`` (``clip_grad_norm_`` at PP = 1); returns that norm."""
-        ep_group = self.mesh.moe.ep_group if self.mesh.ep_info.size > 1 else None
-        norm = global_grad_norm(
-            self._dense,
-            self._expert,
-            _device(self.mesh),
-            ep_group,
-            self.mesh.pp_group,
-            dense_group=self.mesh.moe.dense_shard_group,
-        )
-        clip_gradients_(self._dense + self._expert, norm, max_norm, self.optimizer)
-        return norm
+    def set_instrument(self, rewrite: Callable[[fx.GraphModule], fx.GraphModule] | None) -> None:
+        """Run the stage graphs through ``rewrite`` (a profile window's ranges; None: plain),
+        the rewritten copies made now, outside the steps. Not under the zero-bubble schedules
+        (:data:`~moec.analysis.pipeline_schedule.SPLIT_BACKWARD`): their input backward
+        detaches the stage outputs in place, which the ranges' views refuse, so their stages
+        are traced without block ranges."""
+        if self.split.schedule in SPLIT_BACKWARD:
+            return
+        for module in self.modules:
+            module.instrument = rewrite
+            module._instrumented.clear()
+            if rewrite is not None:
+                module._graph()
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
-        loss = self.forward_backward(inputs, targets)
-        if self.grad_clip is not None:
-            self.clip_gradients(self.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss
+    def routing_stats(self) -> dict[str, dict[str, Any]]:
+        """:func:`~moec.runtime.compiled.routing_stats` of this rank's stages' MoE blocks (the
+        other pipeline ranks hold the others). Reads the device: not in a step."""
+        stats: dict[str, dict[str, Any]] = {}
+        for module in self.modules:
+            layers = module.program.moe_layers
+            if layers:
+                stats |= routing_stats(layers, module.aux_outputs, module.balance)
+        return stats
 
     def measured_peak_bytes(self) -> dict[int, int]:
         """Peak saved-activation bytes per local stage (``measure_memory=True``)."""
@@ -532,8 +594,8 @@ def _not_held(split: Pipeline, name: str, stage: int) -> str:
     return (
         f"parameter {name!r} of pipeline stage {stage} (pipeline rank {split.info[stage].rank}) "
         "was freed on this process, which keeps only the parameters of the stages its pipeline "
-        "runtime runs; train with compiled.train_step, or compile without parallel.pp to run "
-        "the whole model in one process"
+        "runtime runs; train it with moec.train (the Trainer), or compile without parallel.pp to "
+        "run the whole model in one process"
     )
 
 
@@ -552,17 +614,19 @@ def _device(mesh: PipelineMesh) -> torch.device:
     return torch.device(mesh.device_mesh.device_type)
 
 
-def runtime_for(compiled: Any, **options: Any) -> PipelineRuntime:
-    """The (cached) runtime of a compiled pipelined model; ``options`` apply when it is built,
-    which frees the parameters of the stages other ranks run (see the module docstring)."""
+def runtime_for(compiled: Any, *, measure_memory: bool = False) -> PipelineRuntime:
+    """The (cached) runtime of a compiled pipelined model; building it frees the parameters of
+    the stages other ranks run (see the module docstring), so build it before the optimizer."""
     runtime = getattr(compiled, "_pipeline_runtime", None)
     if runtime is None:
         if not isinstance(compiled.mesh, PipelineMesh):
             raise DistributedError(
-                "train_step needs a pipelined program: compile with plan.parallel.pp > 1 and "
-                "mesh=moec.runtime.pipeline.build_pipeline_mesh(plan)"
+                "a pipeline runtime needs a pipelined program: compile with plan.parallel.pp > 1 "
+                "and mesh=moec.runtime.pipeline.build_pipeline_mesh(plan)"
             )
-        runtime = PipelineRuntime(compiled.program, compiled.plan, compiled.mesh, **options)
+        runtime = PipelineRuntime(
+            compiled.program, compiled.plan, compiled.mesh, measure_memory=measure_memory
+        )
         compiled._pipeline_runtime = runtime
         # the full graph no longer runs (other ranks' stages are freed); the runtime keeps the
         # copies of its own stages

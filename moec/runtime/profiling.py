@@ -361,8 +361,8 @@ class StepProfiler:
         if program is None:
             raise ProfileError("the profile window opens before the model's first call")
         blocks = block_paths(program)
-        self.compiled.instrument = functools.partial(instrument, blocks=blocks, nvtx=self.cuda)
-        self.compiled._graph()  # builds the instrumented copy now, outside the traced steps
+        # the instrumented copy is made now, outside the traced steps
+        self.compiled.set_instrument(functools.partial(instrument, blocks=blocks, nvtx=self.cuda))
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -379,7 +379,7 @@ class StepProfiler:
         if self.profiler is None:
             return self.written
         profiler, self.profiler = self.profiler, None
-        self.compiled.instrument = None
+        self.compiled.set_instrument(None)
         if self.cuda:  # after the window's last step: its kernels end inside the capture
             torch.cuda.synchronize(self.device)
         profiler.stop()

@@ -16,8 +16,11 @@ router losses. The eval loss is the mean over the batches (equal sizes: the mean
 token). The batches are shared out over the data-parallel ranks, rank r taking batches r,
 r + dp, ...; every rank runs the same number of forwards, since expert-parallel exchanges need
 all of them (a rank out of batches in the last round runs one of its own again and leaves it
-out), and the loss sums and counts are all-reduced over the data-parallel group. Pipelined
-plans (``parallel.pp > 1``) do not train through the Trainer, so they are not evaluated here.
+out), and the loss sums and counts are all-reduced over the job. Under pipeline parallelism
+(``parallel.pp > 1``) each batch runs forward-only through the pipeline schedule
+(:meth:`moec.runtime.pipeline.PipelineRuntime.evaluate`): its loss is on the last stage's ranks,
+the other ranks add nothing to the sums, and the all-reduce brings the eval loss to every rank,
+rank 0 included.
 
 Evaluation changes nothing training reads: the random streams (random routing draws from them)
 and the last training forward's aux outputs (the routing statistics of the log points) are
@@ -44,6 +47,11 @@ EVAL_SEED = 1
 
 HeldOut = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 """Eval batch ``i`` as (inputs, targets) on the host, a pure function of ``i``."""
+
+BatchLoss = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | None"]
+"""``loss_of(inputs, targets)``: the mean LM loss of a batch's microbatches in eval mode without
+gradients (a device scalar), None on ranks that do not hold it (a pipeline's first stages); the
+program's mode and the aux outputs of its last training forward are left as they were."""
 
 
 def held_out(cfg: TrainConfig, vocab: int) -> tuple[HeldOut | None, str]:
@@ -99,52 +107,64 @@ def rank_batches(count: int, rank: int, ranks: int) -> list[tuple[int, bool]]:
     return [(own[i], True) if i < len(own) else (spare, False) for i in range(rounds)]
 
 
+def compiled_loss(compiled: CompiledModel, microbatches: int) -> BatchLoss:
+    """The :data:`BatchLoss` of a program that runs whole in this process (PP = 1): each
+    microbatch through ``compiled`` in eval mode."""
+
+    def loss_of(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        was_training, aux = compiled.training, compiled.aux_outputs
+        compiled.eval()
+        try:
+            with torch.no_grad():
+                losses = [
+                    compiled(x, y).detach().double()
+                    for x, y in zip(
+                        inputs.chunk(microbatches), targets.chunk(microbatches), strict=True
+                    )
+                ]
+        finally:
+            compiled.train(was_training)
+            compiled.aux_outputs = aux
+        return torch.stack(losses).mean()
+
+    return loss_of
+
+
 class Evaluator:
-    """The eval loss of ``compiled`` on this rank's share of the fixed eval batches (see
-    module); ``group``: the data-parallel process group (None outside a job)."""
+    """The eval loss of ``loss_of`` (:data:`BatchLoss`) on this data-parallel rank's share of
+    the fixed eval batches (see module); ``share``: (this rank's data-parallel index, the
+    data-parallel ranks); ``in_job``: the sums are all-reduced over the job's ranks."""
 
     def __init__(
         self,
-        compiled: CompiledModel,
+        loss_of: BatchLoss,
         batches: HeldOut,
         count: int,
-        microbatches: int,
         device: torch.device,
-        group: dist.ProcessGroup | None = None,
+        *,
+        share: tuple[int, int] = (0, 1),
+        in_job: bool = False,
     ):
-        self.compiled, self.microbatches, self.device = compiled, microbatches, device
-        self.group = group
-        rank, ranks = (dist.get_rank(group), dist.get_world_size(group)) if group else (0, 1)
+        self.loss_of, self.device, self.in_job = loss_of, device, in_job
         # loaded once, on the device: every eval point reads the same tokens
         self.batches = [
             (tuple(t.to(device) for t in batches(i)), counted)
-            for i, counted in rank_batches(count, rank, ranks)
+            for i, counted in rank_batches(count, *share)
         ]
 
     def __call__(self) -> float:
         """The mean LM loss over the eval batches of every data-parallel rank (a collective in
-        a job: every rank calls it at the same step); reads the device."""
-        compiled = self.compiled
-        was_training, aux = compiled.training, compiled.aux_outputs
+        a job: every rank calls it at the same step); reads the device. The random streams
+        (random routing draws from them) are restored afterwards."""
         devices = [self.device] if self.device.type == "cuda" else []
-        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, forwards
-        compiled.eval()
-        try:
-            with torch.random.fork_rng(devices), torch.no_grad():
-                for (inputs, targets), counted in self.batches:
-                    pairs = zip(
-                        inputs.chunk(self.microbatches),
-                        targets.chunk(self.microbatches),
-                        strict=True,
-                    )
-                    for x, y in pairs:
-                        loss = compiled(x, y).detach().double()
-                        if counted:
-                            sums += torch.stack([loss, torch.ones_like(loss)])
-        finally:
-            compiled.train(was_training)
-            compiled.aux_outputs = aux
-        if self.group is not None:
-            dist.all_reduce(sums, group=self.group)
-        total, forwards = sums.tolist()
-        return total / forwards
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, batches
+        with torch.random.fork_rng(devices):
+            for (inputs, targets), counted in self.batches:
+                loss = self.loss_of(inputs, targets)
+                if loss is not None and counted:
+                    loss = loss.double()
+                    sums += torch.stack([loss, torch.ones_like(loss)])
+        if self.in_job:
+            dist.all_reduce(sums)
+        total, batches = sums.tolist()
+        return total / batches

@@ -1,6 +1,8 @@
-"""The training loop around :class:`~moec.train.trainer.Trainer`: log points (the one host read
-per window), held-out evaluation (every ``eval_every`` steps and at the last, each a log point
-too: :mod:`moec.train.evaluation`), metrics, throughput and summary, the non-finite stop, the
+"""The training loop around a trainer (:class:`~moec.train.trainer.Trainer`, which it knows
+only as :class:`LoopTrainer`): log points (the one host read per window; under PP also the one
+collective that brings the last stage's losses and every stage's routing statistics to rank
+0), held-out evaluation (every ``eval_every`` steps and at the last, each a log point too:
+:mod:`moec.train.evaluation`), metrics, throughput and summary, the non-finite stop, the
 router-collapse watch, checkpoints on schedule.
 
 Throughput (:func:`moec.runtime.metrics.tokens_per_s`, one definition everywhere) counts each
@@ -21,12 +23,15 @@ import contextlib
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
+from moec.data import Prefetcher
 from moec.errors import MoecError
+from moec.plan import Plan
 from moec.runtime.compiled import CompiledModel
 from moec.runtime.metrics import (
     THROUGHPUT,
@@ -37,11 +42,10 @@ from moec.runtime.metrics import (
     useful_mfu,
 )
 from moec.runtime.profiling import ProfileWindow, StepProfiler
+from moec.runtime.step_graph import StepGraph
+from moec.train.config import TrainConfig
 from moec.train.routing_health import CollapseWatch
 from moec.train.timing import NonStepTime, StepClock, format_first_step, wait_for_device
-
-if TYPE_CHECKING:
-    from moec.train.trainer import Trainer
 
 
 class NonFiniteError(MoecError):
@@ -57,14 +61,57 @@ class TrainResult:
     out: Path
     written: list[Path] = dataclasses.field(default_factory=list)
     """The files and checkpoints this call wrote."""
+    routing: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    """Every MoE block's routing statistics at the last log point (under PP, every stage's)."""
     finished: bool = False
     """The run had already reached ``steps``: nothing was trained or written."""
+
+
+class LoopTrainer(Protocol):
+    """What the loop drives (:class:`moec.train.trainer.Trainer` is one): the step, the run's
+    device-side counters, checkpoints, evaluation and the record of a log point."""
+
+    cfg: TrainConfig
+    plan: Plan
+    compiled: CompiledModel
+    device: torch.device
+    out: Path
+    rank: int
+    dp: int
+    step: int
+    step_graph: StepGraph | None
+    evaluator: Callable[[], float] | None
+    eval_source: str | None
+    batches: Prefetcher
+    first_loss: float | None
+    skipped_steps: torch.Tensor
+    longest_streak: torch.Tensor
+    spike_skipped_steps: torch.Tensor
+    checkpoint_errors: list[str]
+    train_flops_per_token: float
+    params: int
+    active_params: int
+
+    def train_step(self, eager: bool = False) -> torch.Tensor: ...
+    def save_checkpoint(self) -> Any: ...
+    def global_batch(self, step: int) -> int: ...
+    def logged(self, values: torch.Tensor) -> list[float]: ...
+    def log_record(
+        self,
+        loss: float,
+        step_time: float,
+        tokens: float,
+        syncs: int | None,
+        skipped: int,
+        spike_skipped: int = 0,
+    ) -> dict[str, Any]: ...
+    def _say(self, message: str) -> None: ...
 
 
 class TrainingLoop:
     """One call's training loop: steps, log points (the host reads), checkpoints, timing."""
 
-    def __init__(self, trainer: Trainer, history: list[dict[str, Any]]):
+    def __init__(self, trainer: LoopTrainer, history: list[dict[str, Any]]):
         self.trainer, self.cfg = trainer, trainer.cfg
         self.history = history
         self.losses: list[float] = []
@@ -190,28 +237,33 @@ class TrainingLoop:
                 progress.update(task, completed=t.step, **_progress_fields(record, so_far))
         if (cfg.checkpoint_every and t.step % cfg.checkpoint_every == 0) or done:
             with self.non_step.timed("checkpoint"):
+                if t.first_loss is None:  # saved with the checkpoint: read before a log point
+                    t.first_loss = t.logged(self.pending[0].float().reshape(1).clone())[0]
                 committed = t.save_checkpoint()
             if committed is not None and done:
                 written.append(committed.path)
 
-    def tokens_of(self, step: int) -> int:
-        """Tokens this rank trains on in step ``step``."""
+    def tokens_of(self, step: int) -> float:
+        """Tokens this rank trains on in step ``step``: its data-parallel rank's, shared by the
+        ranks of its pipeline under PP."""
         t = self.trainer
-        return t.global_batch(step) // t.dp * self.cfg.seq_len
+        return t.global_batch(step) // t.dp * self.cfg.seq_len / t.plan.parallel.pp
 
     def _log_point(self, step_time: float, steps: int) -> dict[str, Any]:
         """Read the window's losses and the skip counters (the one host read per log window)
         and build the record."""
         t = self.trainer
         counters = torch.stack([t.skipped_steps, t.longest_streak, t.spike_skipped_steps])
-        values = torch.cat([torch.stack(self.pending), counters.to(torch.float32)]).tolist()
+        values = t.logged(torch.cat([torch.stack(self.pending).float(), counters.float()]))
         losses, (skipped, longest, spikes) = values[:-3], values[-3:]
         self.pending.clear()
         lrs, self.window_lrs = self.window_lrs, []
+        if t.first_loss is None:
+            t.first_loss = losses[0]
         self.losses += losses
         self.skipped, self.spike_skipped = int(skipped), int(spikes)
         tokens = self.window_tokens / steps  # the window's mean tokens per step
-        record = t._record(
+        record = t.log_record(
             losses[-1], step_time, tokens, self.syncs, self.skipped, self.spike_skipped
         )
         record.update(step_losses=losses, step_lrs=lrs)
@@ -236,12 +288,11 @@ class TrainingLoop:
         throughput = self._throughput()
         peak = bf16_peak_tflops(t.device)
         step_time = throughput["step_time_s"]
-        first = t.first_loss
         summary = {
             "plan": t.compiled.program.pass_pipeline,
             "device": torch.cuda.get_device_name(t.device) if t.device.type == "cuda" else "cpu",
             "steps": t.step,
-            "first_loss": None if first is None else float(first),
+            "first_loss": t.first_loss,
             "final_loss": self.losses[-1] if self.losses else None,
             "skipped_steps": self.skipped,
             "spike_skipped_steps": self.spike_skipped,

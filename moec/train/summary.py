@@ -152,7 +152,7 @@ def summary_lines(result: TrainResult, width: int, plots: bool = True) -> list[s
     s = result.summary
     lines = wrap_pipeline(s["plan"], width)
     lines += textwrap.wrap(closing_sentence(s), width, break_on_hyphens=False)
-    stats = result.compiled.routing_stats()
+    stats = result.routing
     if stats:
         lines += routing_table(stats, width)
     names = ", ".join(str(p.relative_to(result.out)) for p in result.written)

@@ -1,11 +1,21 @@
 """Training a compiled model: ``moec.train(model, plan, config)``, ``moec train``, ``moec demo``.
 
-One optimizer step = ``plan.parallel.microbatches`` forward/backward passes (gradient
-accumulation), gradient clipping, AdamW (:class:`moec.optim.AdamW`, which also writes the
-program's bf16 working weights) with separate dense and expert parameter groups (no weight
-decay on embeddings, norms and biases), a warmup-stable-decay learning rate. The step
+One training step for every layout (one process; data, expert and FSDP/HSDP parallel; pipeline
+parallel, ``parallel.pp > 1``): the forward and backward of ``plan.parallel.microbatches``
+microbatches (gradient accumulation; under PP, the plan's pipeline schedule over the stages this
+rank holds, :mod:`moec.runtime.pipeline`), gradient clipping by the norm over every gradient of
+the job (all experts, shards and pipeline stages), AdamW (:class:`moec.optim.AdamW`, which also
+writes the program's bf16 working weights) with separate dense and expert parameter groups (no
+weight decay on embeddings, norms and biases), a warmup-stable-decay learning rate. The step
 itself never reads the device: losses, routing statistics and the non-finite counters stay on
 the device and are read every ``log_every`` steps, which is also where step time is measured.
+
+Jobs run under torchrun with ``dp x pp`` processes (:func:`join_job`). Under PP, rank =
+pp_index * dp + dp_index: the pipeline ranks of one data-parallel rank read the same batches, and
+the loss lives on the last stage's ranks (the other ranks' step returns 0); at log points (only
+there) each pipeline group's losses and routing statistics reach its ranks, so rank 0 logs
+them. Checkpoints name parameters as the full graph does, whatever ``pp``: a run resumes at
+another PP, EP or data-parallel degree (parameters and optimizer state resharded).
 
 Non-finite steps: a step whose loss or global gradient norm is not finite is skipped on the
 device (AdamW's ``found_inf``: parameters, moments and step counters keep their values) and
@@ -14,15 +24,17 @@ run with :class:`NonFiniteError` at the next log point. Spikes (``spike_sigma`` 
 AdamW): a finite step whose loss or gradient norm exceeds the running statistics
 (:class:`moec.optim.SpikeDetector`) is skipped through the same ``found_inf`` and counted as
 ``spike_skipped_steps``; in a job the loss it judges is the mean over the data-parallel ranks
-(one scalar all-reduce), so every rank skips the same steps.
+(one scalar all-reduce over the job; under PP, of the last stage's losses), so every rank, every
+pipeline rank included, skips the same steps.
 
-Balance: after each step's backwards the trainer calls ``compiled.finish_step()``
-(:mod:`moec.runtime.router_losses`): the step's expert loads summed over the data-parallel
-ranks, MaxVio per block (``max_vio`` in the metrics) and, under ``moe.balance: aux_free``, the
-selection biases' update from those loads, on the device; a skipped step moves them too.
+Balance: after each step's backwards the trainer calls ``compiled.finish_step()`` (under PP the
+pipeline runtime does, per stage; :mod:`moec.runtime.router_losses`): the step's expert loads
+summed over the data-parallel ranks, MaxVio per block (``max_vio`` in the metrics) and, under
+``moe.balance: aux_free``, the selection biases' update from those loads, on the device; a
+skipped step moves them too.
 
 Data: the offline text, synthetic tokens or ``data`` (:mod:`moec.corpus`), each batch a pure
-function of (seed, step, rank), read ``prefetch`` steps ahead by a background thread
+function of (seed, step, data-parallel rank), read ``prefetch`` steps ahead by a background thread
 (:class:`moec.data.Prefetcher`). Batch-size warmup (``batch_warmup``) changes the global batch at
 the configured steps (each rank's share split into ``plan.parallel.microbatches``) and scales
 the learning rate by sqrt(batch / first batch) (:func:`moec.train.config.lr_factor`).
@@ -34,7 +46,7 @@ Outputs under ``out`` (never written through a link, :mod:`moec.runtime.run_file
 rates), ``summary.json``, PNG plots (every step's loss and learning rate, throughput,
 load-balancing loss and MaxVio, per-layer expert-load heatmap; need matplotlib) and
 ``checkpoints/step_N``, committed atomically by :mod:`moec.runtime.checkpoint_store` (DCP
-shards loadable at any EP degree, a manifest with checksums; the newest ``keep_checkpoints``
+shards loadable at any EP or PP degree, a manifest with checksums; the newest ``keep_checkpoints``
 kept). ``resume=True`` continues the
 same run from its newest checkpoint that verifies and loads (each one that does not is skipped
 with the reason; files are read without running code, :mod:`moec.runtime.safe_read`; ``run.json``
@@ -70,7 +82,7 @@ from moec.errors import MoecError
 from moec.folders import writable_folder
 from moec.kernels import arch
 from moec.optim import AdamW, SpikeDetector
-from moec.plan import Plan, PlanError
+from moec.plan import Plan
 from moec.program import Program
 from moec.runtime import checkpoint, run_files, run_identity, safe_read
 from moec.runtime.checkpoint_store import (
@@ -86,11 +98,13 @@ from moec.runtime.distributed import (
     clip_gradients_,
     global_grad_norm,
     init_from_env,
+    join_plan_job,
 )
 from moec.runtime.distributed import parameter_groups as dist_parameter_groups
 from moec.runtime.fsdp import set_gradient_sync
 from moec.runtime.materialize import FreshInit, SubmoduleSource, open_source
 from moec.runtime.metrics import THROUGHPUT, bf16_peak_tflops, tokens_per_s, useful_mfu
+from moec.runtime.pipeline import PipelineMesh, PipelineRuntime, build_pipeline_mesh, runtime_for
 from moec.runtime.step_graph import StepGraph, graph_blocker
 from moec.train.config import (
     FRESH_INIT,
@@ -103,7 +117,7 @@ from moec.train.config import (
     rank_batch_size,
     resolve_device,
 )
-from moec.train.evaluation import Evaluator, held_out
+from moec.train.evaluation import Evaluator, compiled_loss, held_out
 from moec.train.loop import TrainingLoop, TrainResult, max_vio, mean_of
 from moec.train.objective import LanguageModelWithLoss, parameter_groups
 from moec.train.run_lock import RunLock, RunLockError, check_free, lock_run_dir
@@ -122,8 +136,13 @@ class Trainer:
     def __init__(self, model: torch.nn.Module, plan: Plan, cfg: TrainConfig, console=None):
         self.plan, self.cfg = plan, cfg
         self.console = console
-        self.mesh = join_job(plan)
-        self.rank = dist.get_rank() if self.mesh else 0
+        job = join_job(plan)
+        self.pp_mesh = job if isinstance(job, PipelineMesh) else None
+        """The pipeline mesh under ``parallel.pp > 1``, else None."""
+        self.mesh = job.moe if isinstance(job, PipelineMesh) else job
+        """The data/expert-parallel groups (under PP, among this pipeline rank's ranks); None
+        for one process."""
+        self.rank = dist.get_rank() if job else 0
         self.device = resolve_device(cfg.device)
         moec_cache.setup()  # before anything compiles: launches reuse what others compiled
         self.startup = FirstStepClock(self.device)
@@ -131,15 +150,17 @@ class Trainer:
         self.out = writable_folder(cfg.out, flag_of("out"))
         vocab = model_vocab(model)
         micro = plan.parallel.microbatches
-        self.dp = plan.parallel.dp  # data-parallel ranks (pp is 1 here)
+        self.dp = plan.parallel.dp  # data-parallel ranks
+        dp_rank = dist.get_rank(self.mesh.dp_group) if self.mesh else 0
         if cfg.batch_size % micro:
             raise TrainConfigError(
                 f"{flag_of('batch_size')} = {cfg.batch_size}: must be divisible by "
                 f"parallel.microbatches = {micro}"
             )
         check_batch_warmup(cfg, micro, self.dp)
-        # every data-parallel rank reads its own batches (same model init on every rank)
-        data_seed = cfg.seed + 7919 * self.rank
+        # every data-parallel rank reads its own batches (same model init on every rank); the
+        # pipeline ranks of one data-parallel rank read the same ones
+        data_seed = cfg.seed + 7919 * dp_rank
         self.batches: Prefetcher | None = None
         self.data = make_batches(cfg, vocab, data_seed, rank_batch_size(cfg, self.dp))
         self.identity = run_identity.run_identity(
@@ -176,28 +197,31 @@ class Trainer:
         if check is not None and holds_storage(wrapped):
             # predicted on shapes before the model moves to the device (compile would check
             # after that, before its passes allocate)
-            check(meta_program(wrapped, plan, example, {}, training=model.training, mesh=self.mesh))
+            check(meta_program(wrapped, plan, example, {}, training=model.training, mesh=job))
             check = None
         self.compiled = compile(
             wrapped if cfg.init_from else wrapped.to(self.device),
             plan,
             example,
-            mesh=self.mesh,
+            mesh=job,
             # the wrapper holds the checkpoint's model at "model."
             init_from=dense and SubmoduleSource(dense, "model."),
             init_device=self.device,
             check=check,
         )
+        self.pipeline: PipelineRuntime | None = runtime_for(self.compiled) if self.pp_mesh else None
+        """This rank's pipeline stages under PP (built before the optimizer: it frees the
+        other ranks' parameters)."""
         self.eval_source: str | None = None
         """What the eval batches are (None: no evaluation)."""
-        self.evaluator = self._evaluator(vocab)
+        self.evaluator = self._evaluator(vocab, dp_rank)
         self.reducer = (
             GradientReducer(self.compiled, self.mesh, bucket_bytes_for(plan, self.device.type))
-            if self.mesh
+            if self.mesh and self.pipeline is None  # the pipeline's stages have their own
             else None
         )
         graph_off = (
-            graph_blocker(self.device, self.mesh is not None)
+            graph_blocker(self.device, job is not None)
             if plan.experimental.cuda_graph
             else "experimental.cuda_graph is off"
         )
@@ -216,7 +240,7 @@ class Trainer:
             parameter_groups(self.compiled, cfg.weight_decay, cfg.no_decay),
             lr=cfg.lr,
             betas=cfg.betas,
-            working_weights=self.compiled.working_weights,
+            working_weights=(self.pipeline or self.compiled).working_weights,
             device_step=True,  # a non-finite step is skipped on the device
             lr_on_device=graph_off is None,  # a replayed step reads the schedule's lr there
         )
@@ -237,8 +261,9 @@ class Trainer:
             device=self.device,
             report=self._say,
         )
+        self.first_loss: float | None = None
+        """The run's first loss (rank 0's data-parallel rank's), set at its first log point."""
         # device-side run state, read at log points and saved with every checkpoint
-        self.first_loss: torch.Tensor | None = None
         self.skipped_steps = torch.zeros((), dtype=torch.int64, device=self.device)
         self.nonfinite_streak = torch.zeros((), dtype=torch.int64, device=self.device)
         self.longest_streak = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -267,7 +292,7 @@ class Trainer:
         self._data = source
         self.batches = Prefetcher(source, self.device, self.cfg.prefetch)
 
-    def _evaluator(self, vocab: int) -> Evaluator | None:
+    def _evaluator(self, vocab: int, dp_rank: int) -> Evaluator | None:
         """The held-out evaluation of ``eval_every`` (:mod:`moec.train.evaluation`); None when
         it is off or there is nothing held out (said in one line)."""
         cfg = self.cfg
@@ -278,9 +303,16 @@ class Trainer:
             self._say(f"note: {flag_of('eval_every')} = {cfg.eval_every}: no evaluation: {what}")
             return None
         self.eval_source = what
-        group = self.mesh.dp_group if self.mesh else None
         micro = self.plan.parallel.microbatches
-        return Evaluator(self.compiled, batches, cfg.eval_batches, micro, self.device, group)
+        loss_of = self.pipeline.evaluate if self.pipeline else compiled_loss(self.compiled, micro)
+        return Evaluator(
+            loss_of,
+            batches,
+            cfg.eval_batches,
+            self.device,
+            share=(dp_rank, self.dp),
+            in_job=self.mesh is not None,
+        )
 
     def _memory_limit(self) -> int | None:
         """The bytes a rank may use (``TrainConfig.memory_limit_gib``, else the GPU's memory);
@@ -327,14 +359,33 @@ class Trainer:
         total = run(inputs, targets)
         self.scheduler.step()
         self.step += 1
-        if self.first_loss is None:
-            self.first_loss = total
         return total
 
     def _device_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The step's device work: forward/backward per microbatch, gradient reduction,
-        clipping, the skip decision and AdamW. Capturable: it reads no host value that changes
-        between steps, and updates the run's device state in place."""
+        """The step's device work: forward/backward over the microbatches (with the gradient
+        reduction), clipping, the skip decision and AdamW. Capturable at PP = 1: it reads no
+        host value that changes between steps, and updates the run's device state in place."""
+        total = self._forward_backward(inputs, targets)
+        norm = self._clip_gradients()
+        nonfinite = self._nonfinite(total, norm)
+        skip = nonfinite
+        if self.spikes is not None:
+            spike = self.spikes(self._job_mean(total), norm)
+            self.spike_skipped_steps += spike
+            skip = nonfinite | spike
+        self.optimizer.found_inf = skip.float()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._count_nonfinite(nonfinite)
+        return total
+
+    def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The part of the step that differs by layout: every microbatch's forward and backward,
+        gradients reduced over the data-parallel ranks and the routers' step balance ended.
+        Returns the step's mean loss; under PP, on the last stage's ranks (0 elsewhere)."""
+        if self.pipeline is not None:
+            loss = self.pipeline.forward_backward(inputs, targets)
+            return torch.zeros((), device=self.device) if loss is None else loss
         micro = self.plan.parallel.microbatches
         total = torch.zeros((), device=self.device)
         pairs = list(zip(inputs.chunk(micro), targets.chunk(micro), strict=True))
@@ -351,40 +402,19 @@ class Trainer:
         self.compiled.finish_step()  # global expert loads, MaxVio, the aux_free bias update
         if self.reducer is not None:
             self.reducer.finish()
-        norm = self._clip_gradients()
-        nonfinite = self._nonfinite(total, norm)
-        skip = nonfinite
-        if self.spikes is not None:
-            spike = self.spikes(self._job_mean(total), norm)
-            self.spike_skipped_steps += spike
-            skip = nonfinite | spike
-        self.optimizer.found_inf = skip.float()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self._count_nonfinite(nonfinite)
         return total
 
     def _clip_gradients(self) -> torch.Tensor:
-        """Clip by the global norm (over the EP group's experts under EP; see
-        :func:`~moec.runtime.distributed.global_grad_norm`) and return that norm."""
-        dense, expert = dist_parameter_groups(self.compiled)
-        ep_group = self.mesh.ep_group if self.mesh else None
-        dense_group = self.mesh.dense_shard_group if self.mesh else None
-        norm = global_grad_norm(
-            dense,
-            expert,
-            self.device,
-            ep_group,
-            dense_group=dense_group,
-            expert_shard_group=self.mesh.dp_group if self.mesh else None,
+        """:func:`clip_job_gradients` of this step; the norm, the same on every rank."""
+        job = self.pp_mesh or self.mesh
+        return clip_job_gradients(
+            self.compiled, job, self.cfg.grad_clip, self.optimizer, self.device
         )
-        clip_gradients_(dense + expert, norm, self.cfg.grad_clip, self.optimizer)
-        return norm
 
     def _nonfinite(self, loss: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
         """Whether this step is skipped. In a job only the global gradient norm decides: it is
-        the same on every rank (this rank's loss is not), and a non-finite loss anywhere makes
-        it non-finite."""
+        the same on every rank, every pipeline rank included (this rank's loss is not), and a
+        non-finite loss anywhere makes it non-finite."""
         finite = torch.isfinite(norm)
         if self.mesh is None:
             finite = finite & torch.isfinite(loss)
@@ -392,12 +422,13 @@ class Trainer:
 
     def _job_mean(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss averaged over the data-parallel ranks (on the device), so that every rank
-        judges the same value; this rank's loss outside a job."""
+        judges the same value; this rank's loss outside a job. Summed over the whole job: under
+        PP only the last stage's ranks hold a loss (the others add 0)."""
         if self.mesh is None:
             return loss
         mean = loss.detach().float().clone()
-        dist.all_reduce(mean, group=self.mesh.dp_group)
-        return mean / self.mesh.dp
+        dist.all_reduce(mean)
+        return mean / self.dp
 
     def _count_nonfinite(self, nonfinite: torch.Tensor) -> None:
         """In place (a captured step's counters are the tensors the graph writes)."""
@@ -427,7 +458,7 @@ class Trainer:
             "schedule_steps": self.schedule_steps,
             "cpu_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None,
-            "first_loss": None if self.first_loss is None else self.first_loss.cpu(),
+            "first_loss": self.first_loss,
             "skipped_steps": self.skipped_steps.cpu(),
             "nonfinite_streak": self.nonfinite_streak.cpu(),
             "longest_streak": self.longest_streak.cpu(),
@@ -507,8 +538,8 @@ class Trainer:
                 "optimizer state are resharded; random streams restart from the seed"
             )
             torch.manual_seed(self.cfg.seed + 7919 * self.rank + self.step)
-        first = extra.get("first_loss")
-        self.first_loss = None if first is None else first.to(self.device)
+        first = extra.get("first_loss")  # a device scalar in older checkpoints
+        self.first_loss = None if first is None else float(first)
         for name in ("skipped_steps", "nonfinite_streak", "longest_streak", "spike_skipped_steps"):
             if name in extra:
                 getattr(self, name).copy_(extra[name])
@@ -703,13 +734,12 @@ class Trainer:
         if writer:
             run_files.write_text(self.out / "summary.json", json.dumps(summary, indent=2))
             written.insert(1, self.out / "summary.json")
+        routing = history[-1]["routing"] if history else {}  # the last step's, a log point
         if cfg.plots and writer:
             from moec.plots import write_plots
 
-            written += write_plots(
-                self.out, history, self.compiled.routing_stats(), summary, self.device
-            )
-        return TrainResult(loop.losses, summary, self.compiled, self.out, written)
+            written += write_plots(self.out, history, routing, summary, self.device)
+        return TrainResult(loop.losses, summary, self.compiled, self.out, written, routing=routing)
 
     def _keep_steps_before(self, exc: DataError, start: int) -> DataError:
         """``exc`` (raised when step ``self.step`` read its batch, so every step before it is
@@ -741,16 +771,41 @@ class Trainer:
         except (OSError, ValueError):
             return {}
 
-    def _record(
+    # --- log points (the loop's; under PP a collective over each pipeline group) --------------
+
+    def logged(self, values: torch.Tensor) -> list[float]:
+        """``values`` (this step's losses and the run's counters) read on the host, under PP
+        those of the pipeline's last stage (broadcast over the pipeline group from the rank
+        holding it): rank 0 logs the losses of its data-parallel rank."""
+        if self.pipeline is not None:
+            group = self.pp_mesh.pp_group
+            last = self.pipeline.split.info[-1].rank
+            dist.broadcast(values, src=dist.get_global_rank(group, last), group=group)
+        return values.tolist()
+
+    def routing_stats(self) -> dict[str, dict[str, Any]]:
+        """:meth:`~moec.runtime.compiled.CompiledModel.routing_stats` of every MoE block, in
+        the program's order: under PP gathered from the pipeline group (each rank holds its
+        stages' blocks)."""
+        stats = self.compiled.routing_stats()
+        if self.pipeline is None:
+            return stats
+        parts: list[Any] = [None] * self.pp_mesh.pp
+        dist.all_gather_object(parts, stats, group=self.pp_mesh.pp_group)
+        merged = {path: block for part in parts for path, block in part.items()}
+        return {m.path: merged[m.path] for m in self.compiled.moe_layers if m.path in merged}
+
+    def log_record(
         self,
         loss: float,
         step_time: float,
-        tokens: int,
+        tokens: float,
         syncs: int | None,
         skipped: int,
         spike_skipped: int = 0,
     ) -> dict[str, Any]:
-        routing = self.compiled.routing_stats() if self.compiled.moe_layers else {}
+        """The metrics record of this step (a log point's)."""
+        routing = self.routing_stats()
         layers = list(routing.values())
         peak = bf16_peak_tflops(self.device)
         mfu = useful_mfu(self.train_flops_per_token * tokens, step_time, 1, peak)
@@ -815,16 +870,43 @@ def data_identity(cfg: TrainConfig, data: Batches) -> dict[str, Any]:
     return extra
 
 
-def join_job(plan: Plan) -> MoEMesh | None:
-    """The (edp, ep) mesh when ``plan`` is data/expert parallel (under torchrun), else None."""
+def clip_job_gradients(
+    compiled: torch.nn.Module,
+    mesh: MoEMesh | PipelineMesh | None,
+    max_norm: float,
+    optimizer: Any,
+    device: torch.device,
+) -> torch.Tensor:
+    """Clip the gradients of ``compiled``'s parameters (this rank's: its experts, its FSDP
+    shards, its pipeline stages) so that the norm over every gradient of the job is at most
+    ``max_norm``, and return that norm (on the device, the same on every rank: squares summed
+    over the EP, FSDP shard, data-parallel expert shard and pipeline groups, see
+    :func:`~moec.runtime.distributed.global_grad_norm`). ``optimizer`` takes the factor where
+    it can (:func:`~moec.runtime.distributed.clip_gradients_`)."""
+    pipelined = isinstance(mesh, PipelineMesh)
+    groups = mesh.moe if pipelined else mesh
+    dense, expert = dist_parameter_groups(compiled)
+    norm = global_grad_norm(
+        dense,
+        expert,
+        device,
+        groups.ep_group if groups else None,
+        mesh.pp_group if pipelined else None,
+        dense_group=groups.dense_shard_group if groups else None,
+        expert_shard_group=groups.dp_group if groups else None,
+    )
+    clip_gradients_(dense + expert, norm, max_norm, optimizer)
+    return norm
+
+
+def join_job(plan: Plan) -> MoEMesh | PipelineMesh | None:
+    """Join the torchrun job of ``plan`` (``dp x pp`` processes) and build its mesh: the
+    (pp, edp, ep) pipeline mesh when ``parallel.pp > 1``, else the (edp, ep) mesh when the plan
+    is data/expert parallel; None for one process."""
     p = plan.parallel
     if p.pp > 1:
-        raise PlanError(
-            "parallel.pp",
-            p.pp,
-            "1 for the Trainer; pipelined programs train through "
-            "CompiledModel.train_step (moec.runtime.pipeline)",
-        )
+        join_plan_job(plan)
+        return build_pipeline_mesh(plan)
     if p.dp == 1 and p.ep == 1:
         return None
     return init_from_env(plan)
