@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moec.analysis.pipeline_schedule import SPLIT_BACKWARD, check_schedule_runs
-from moec.plan import Plan, PlanError
+from moec.analysis.pipeline_schedule import SPLIT_BACKWARD, schedule_runs
+from moec.plan import Plan
 from moec.runtime.distributed import NO_MULTICAST_ENV, TORCHRUN_VARS, DistributedError
 from moec.train import TrainConfig, Trainer
 from tests.distributed import free_port, spawn
@@ -135,15 +135,7 @@ def _copy_run(source: Path, out: Path, step: int) -> None:
     (out / "metrics.jsonl").write_text("".join(kept))
 
 
-def _runs(schedule: str) -> bool:
-    try:
-        check_schedule_runs(schedule)
-    except PlanError:
-        return False
-    return True
-
-
-SCHEDULES = [s for s in ("gpipe", "interleaved_1f1b", "zbv", "dualpipev") if _runs(s)]
+SCHEDULES = [s for s in ("gpipe", "interleaved_1f1b", "zbv", "dualpipev") if schedule_runs(s)]
 """Every other schedule this torch runs (1F1B above)."""
 SPIKES = {"steps": 4, "spike_sigma": 0.1, "spike_window": 4, "spike_min_steps": 2}
 """Skip-step guard on: from step 3 every step here is judged a spike (its loss or gradient
