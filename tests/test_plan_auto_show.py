@@ -113,7 +113,6 @@ def test_the_overlap_pass_declines_from_the_plan_what_its_run_declines():
         return Plan.from_dict({"parallel": {"dp": 2, "ep": 2, "overlap": "two_batch", **parallel}})
 
     assert "ep_path=rowwise" in OverlapPass.declines(plan(ep_path="rowwise"))
-    assert "ep_path=sync_1d" in OverlapPass.declines(plan(ep_path="sync_1d"))
     assert "ep_path=rowwise" in OverlapPass.declines(plan())  # auto may resolve to rowwise
     odd = OverlapPass.declines(plan(ep_path="a2a_capacity", microbatch_size=3))
     assert "parallel.microbatch_size is 3" in odd and "even batch >= 2" in odd
