@@ -6,8 +6,6 @@ compiled = moec.compile(model, moec.Plan.from_dict({"moe": {"num_experts": 8, "t
 loss = loss_fn(compiled(tokens)) + compiled.aux_loss()
 """
 
-import torch
-
 import moec.ops  # noqa: F401  (registers the moec:: ops)
 from moec.compiler import compile
 from moec.errors import MoecError
@@ -16,11 +14,6 @@ from moec.ops.activations import register_activation
 from moec.plan import Plan, PlanError
 from moec.program import Program
 from moec.runtime.compiled import CompiledModel
-
-if torch.cuda.is_available():  # the ops pick the Triton kernels on CUDA automatically
-    from moec.ops.cuda import register_kernels as _register_kernels
-
-    _register_kernels()
 
 __all__ = [
     "CaptureError",

@@ -50,7 +50,7 @@ GemmPrecision = Literal["bf16", "mxfp8", "fp8_rowwise"]
 GemmScope = Literal["routed_experts", "shared_expert", "attn_qkv", "attn_out", "dense_ffn"]
 RecomputePolicy = Literal["none", "block", "selective", "budget"]
 FFNDropout = Literal["error", "drop"]
-Attention = Literal["auto", "sdpa", "fa4", "cudnn", "flash", "efficient", "math"]
+Attention = Literal["auto", "sdpa", "fa4"]
 
 
 @dataclass
@@ -397,31 +397,25 @@ class LoweringPlan:
     """Which kernels run ``scaled_dot_product_attention``. ``fa4``: each attention
     FlashAttention 4 takes (no mask or dropout, bf16 compute) runs on its CuTe DSL kernels
     (package flash-attn-4, in ``moec[cutlass]``; Hopper and Blackwell), the rest on torch's
-    SDPA (:mod:`moec.runtime.attention_kernels`; refused on a GPU FA4 does not run on).
-    ``sdpa``: torch's SDPA in torch's order (cuDNN's FA3-class kernel first on Hopper).
-    ``cudnn`` / ``flash`` / ``efficient`` / ``math``: that SDPA backend first, then the others
-    (an attention the first does not take falls to the next); the choice is made in the
-    forward and the backward follows it. ``auto`` (the default): ``fa4`` where it measured
-    faster than torch's order in the training step, i.e. on Hopper with flash-attn-4 installed
-    (benchmarks/RESULTS.md), else ``sdpa``."""
+    SDPA (pass ``bind`` swaps them; refused on a GPU FA4 does not run on). ``sdpa``: torch's
+    SDPA in torch's order (cuDNN's FA3-class kernel first on Hopper). ``auto`` (the default):
+    ``fa4`` where it measured faster than torch's order in the training step, i.e. on Hopper
+    with flash-attn-4 installed (benchmarks/RESULTS.md), else ``sdpa``. (SDPA's own backends
+    in another order are a baseline of ``benchmarks/e2e.py --attention``.)"""
     cuda_graph: bool = False
     """Capture the steady-state training step (forward, backward, clipping, AdamW) as one CUDA
     graph and replay it (:mod:`moec.runtime.step_graph`): the host launches one graph instead of
     every kernel. Needs a CUDA device and one process; elsewhere the trainer says why and runs
     eagerly. Off by default until it measures faster (benchmarks/e2e.py --cuda-graph)."""
-    gather_up: bool = False
-    """Fold each MoE layer's dispatch into its expert MLP (pass ``gather_up``,
-    ``moec::expert_mlp_gathered``): where the up projection runs on the CuTe DSL it reads the
-    token rows through a row index, so the dispatched T*K x D buffer is neither written nor kept
-    for backward. Off by default until it measures faster on the GPU
-    (benchmarks/moe_layer.py)."""
     combine_in_experts: bool = False
-    """Fold each MoE layer's combine into its gathered expert MLP (pass ``combine_experts``,
-    ``moec::expert_mlp_combined``; needs ``gather_up``): on the CuTe DSL the backward applies
-    the route weights and reduces their gradient in the down projection's dgrad epilogue,
-    reading the output gradient's token rows, so the experts' output rows are not kept for
-    backward and their gradient is never written. Off by default: time-neutral in the e2e step
-    and slightly slower in the layer on an H200, it saves memory (benchmarks/RESULTS.md)."""
+    """Fold each MoE layer's dispatch and combine into its expert MLP (pass
+    ``combine_experts``, ``moec::expert_mlp`` with the combine inside): on the CuTe DSL the up
+    projection reads the token rows through the route table, and the backward applies the route
+    weights and reduces their gradient in the down projection's dgrad epilogue, reading the
+    output gradient's token rows, so neither the dispatched T*K x D buffer nor the experts'
+    output rows are kept for backward and their gradient is never written. Off by default:
+    time-neutral in the e2e step and slightly slower in the layer on an H200, it saves memory
+    (benchmarks/RESULTS.md)."""
     regions: Literal["whole", "blocks"] = "whole"
     """How Inductor compiles a one-stage program (pass ``regions``). ``whole``: one graph, whose
     one backward hands every gradient to the data-parallel reduction at its end, which then
@@ -445,13 +439,6 @@ class LoweringPlan:
     an H200 (benchmarks/RESULTS.md)."""
 
     def validate(self) -> None:
-        _require(
-            self.gather_up or not self.combine_in_experts,
-            "lowering.combine_in_experts",
-            self.combine_in_experts,
-            "false unless lowering.gather_up is true: the combine folds into the gathered "
-            "expert MLP that pass gather_up makes",
-        )
         _require(
             not (self.shared_expert_stream and self.inductor is True),
             "lowering.shared_expert_stream",

@@ -78,7 +78,7 @@ def capture_model(
     from moec.debug import with_next_token_loss
 
     folded = _one_rank(plan).to_dict()
-    folded["lowering"] = {**folded["lowering"], "gather_up": True, "combine_in_experts": True}
+    folded["lowering"] = {**folded["lowering"], "combine_in_experts": True}
     programs = []
     for one in (_one_rank(plan), _one_rank(plan, dp=2, dp_shard=2), Plan.from_dict(folded)):
         with torch.device("meta"):
@@ -166,7 +166,7 @@ def format_predictions(result: AutoPlanResult) -> str:
         f"{req.memory_fraction:.0%} usable), global batch {req.global_batch} tokens at seq "
         f"{req.seq}; mb = sequences per microbatch, m = microbatches; low-prec scope = the GEMMs "
         "in the gemm precision; fold = dispatch and "
-        "combine folded into the expert MLPs (lowering.gather_up + combine_in_experts); MFU on "
+        "combine folded into the expert MLPs (lowering.combine_in_experts); MFU on "
         f"{req.gpu.bf16_tflops:.0f} TFLOP/s; {result.evaluated} candidates evaluated in "
         f"{result.search_s:.2f} s (capture {result.capture_s:.1f} s)"
     )
@@ -234,7 +234,7 @@ def add_plan_auto_parser(plan_subparsers: argparse._SubParsersAction) -> argpars
     auto.add_argument("--seq", type=int, default=4096, help="sequence length")
     auto.add_argument(
         "--plan",
-        help="plan YAML whose moe/loss/lowering sections are kept (but lowering.gather_up and "
+        help="plan YAML whose moe/loss/lowering sections are kept (but lowering."
         "combine_in_experts, which the search chooses)",
     )
     auto.add_argument("--probe", help="JSON of measured GPU values replacing the datasheet's")

@@ -1,21 +1,18 @@
 """The ``moec::`` custom ops: MoE semantics as opaque, autograd-aware graph nodes.
 
 Importing this package registers ``torch.ops.moec.{route, router_losses, dispatch, combine,
-expert_mlp, expert_mlp_gathered, expert_mlp_combined, flash_attention, glu,
-linear_cross_entropy, rope, quantized_expert_mlp, quantized_linear}``. Each op's Python body is the
-pure-PyTorch reference, the oracle for every faster implementation;
-:func:`moec.ops.cuda.register_kernels` registers CUDA implementations on the Triton kernels of
-:mod:`moec.kernels` over the same schemas.
+expert_mlp, flash_attention, glu, linear_cross_entropy, rope, quantized_linear}``. Each op's
+module holds its pure-PyTorch reference, the oracle for every faster implementation, and one
+table, ``IMPLEMENTATIONS``, naming the implementations its ``impl`` argument selects (the
+reference and the kernels of :mod:`moec.kernels`; :mod:`moec.ops.binding`).
 """
 
 from moec.ops.attention import flash_attention
-from moec.ops.combined_experts import expert_mlp_combined
 from moec.ops.experts import expert_mlp
-from moec.ops.gathered_experts import expert_mlp_gathered
 from moec.ops.glu import glu
 from moec.ops.loss import linear_cross_entropy
 from moec.ops.movement import combine, dispatch
-from moec.ops.quantized import quantized_expert_mlp, quantized_linear
+from moec.ops.quantized import quantized_linear
 from moec.ops.rope import rope
 from moec.ops.routing import capacity, route, router_losses
 
@@ -24,12 +21,9 @@ __all__ = [
     "combine",
     "dispatch",
     "expert_mlp",
-    "expert_mlp_combined",
-    "expert_mlp_gathered",
     "flash_attention",
     "glu",
     "linear_cross_entropy",
-    "quantized_expert_mlp",
     "quantized_linear",
     "rope",
     "route",

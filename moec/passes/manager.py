@@ -49,11 +49,11 @@ PASS_MODULES = (
     "moec.passes.working_weights",
     "moec.passes.recompute",
     "moec.passes.fsdp",
-    "moec.passes.gather_up",
     "moec.passes.combine_experts",
     "moec.passes.shared_stream",
     "moec.passes.pipeline",
     "moec.passes.regions",
+    "moec.passes.bind",
 )
 """The modules whose import registers moec's passes; their order breaks ordering ties."""
 

@@ -48,7 +48,6 @@ class RegionsPass(Pass):
     after: tuple[str, ...] = (
         "recompute",
         "fsdp",
-        "gather_up",
         "combine_experts",
         "shared_stream",
         "pipeline",

@@ -102,7 +102,7 @@ def _move_to_side_stream(
 @register_pass
 class SharedStreamPass(Pass):
     name = "shared_stream"
-    after: tuple[str, ...] = ("gather_up", "combine_experts")  # the last rewrites
+    after: tuple[str, ...] = ("combine_experts",)  # the last rewrites
 
     @staticmethod
     def applies(plan: Plan) -> bool:
