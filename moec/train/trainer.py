@@ -67,6 +67,7 @@ from moec.data import Batches, DataError, Prefetcher, TextBatches
 from moec.errors import MoecError
 from moec.folders import writable_folder
 from moec.kernels import arch
+from moec.kernels.target import Target
 from moec.optim import AdamW, SpikeDetector
 from moec.plan import Plan, PlanError
 from moec.program import Program
@@ -116,7 +117,16 @@ class CheckpointLoadError(MoecError):
 
 
 class Trainer:
-    def __init__(self, model: torch.nn.Module, plan: Plan, cfg: TrainConfig, console=None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        plan: Plan,
+        cfg: TrainConfig,
+        console=None,
+        target: Target | None = None,
+    ):
+        """``target``: the machine the program is bound for (``moec.compile``'s; default
+        detected for ``cfg.device``), e.g. a benchmark's target without the CuTe DSL."""
         self.plan, self.cfg = plan, cfg
         self.console = console
         self.mesh = join_job(plan)
@@ -170,7 +180,12 @@ class Trainer:
         if check is not None and holds_storage(wrapped):
             # predicted on shapes before the model moves to the device (compile would check
             # after that, before its passes allocate)
-            check(meta_program(wrapped, plan, example, {}, training=model.training, mesh=self.mesh))
+            check(
+                meta_program(
+                    wrapped, plan, example, {}, training=model.training, mesh=self.mesh,
+                    target=target or Target.detect(self.device),
+                )
+            )  # fmt: skip
             check = None
         self.compiled = compile(
             wrapped if cfg.init_from else wrapped.to(self.device),
@@ -181,6 +196,7 @@ class Trainer:
             init_from=dense and SubmoduleSource(dense, "model."),
             init_device=self.device,
             check=check,
+            target=target,
         )
         self.eval_source: str | None = None
         """What the eval batches are (None: no evaluation)."""
