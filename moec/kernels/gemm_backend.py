@@ -184,11 +184,7 @@ def _takes(
 
 
 def backend(
-    piece: str,
-    x: Tensor,
-    w: Tensor,
-    policy: GemmPolicy | None = None,
-    glu_epilogue: bool = False,
+    piece: str, x: Tensor, w: Tensor, policy: GemmPolicy | None = None, glu_epilogue: bool = False
 ) -> Backend:
     """The implementation that runs ``piece`` on these operands (see module) under ``policy``
     (moec's kernels; None: the ops' pure-PyTorch path); ``glu_epilogue``: the call has a gated

@@ -14,12 +14,11 @@ this module only knows which of them a target can run.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib.util
 from typing import Literal
 
 import torch
 
+from moec.kernels import flash_attention
 from moec.kernels.arch import HAVE_TRITON, Arch, arch, interpreting
 from moec.kernels.gemm_backend import KERNEL_BACKENDS, GemmPolicy, quack_importable
 
@@ -34,14 +33,6 @@ NATIVE_RECIPES: dict[str, str] = {"sm90": "fp8_rowwise", "sm100": "mxfp8"}
 """The low-precision recipe each arch runs on its own kernels (``fp8_rowwise``:
 ``torch._scaled_grouped_mm``, sm90 only: that op is never called elsewhere; ``mxfp8``: the
 block-scaled MMA of sm100+). Any other recipe runs emulated (right values, not speed)."""
-
-
-@functools.cache
-def _fa4_installed() -> bool:
-    try:
-        return importlib.util.find_spec("flash_attn.cute") is not None
-    except ModuleNotFoundError:  # no flash_attn package at all
-        return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +80,7 @@ class Target:
             arch=family,
             triton=HAVE_TRITON and on_kernels,
             quack=gpu and quack_importable(),
-            fa4=gpu and _fa4_installed(),
+            fa4=gpu and flash_attention.installed(),
         )
 
     @property

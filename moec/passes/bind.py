@@ -47,6 +47,7 @@ import moec.ops  # noqa: F401  (registers torch.ops.moec)
 from moec.kernels import flash_attention as fa4
 from moec.kernels.target import Target
 from moec.passes.base import Pass, PassContext, PassResult, register_pass
+from moec.passes.combine_experts import CombineExpertsPass
 from moec.passes.rewrite import GraphEditor
 from moec.plan import Plan, PlanError
 
@@ -180,22 +181,8 @@ def _graphs(gm: fx.GraphModule, ctx: PassContext) -> list[tuple[str, fx.GraphMod
 class BindPass(Pass):
     name = "bind"
     after: tuple[str, ...] = (
-        "moe",
-        "expert_parallel",
-        "precision",
-        "overlap",
-        "fused_loss",
-        "shared_casts",
-        "fuse_rope",
-        "fuse_glu",
-        "working_weights",
-        "recompute",
-        "fsdp",
-        "combine_experts",
-        "shared_stream",
-        "pipeline",
-        "regions",
-    )
+        *CombineExpertsPass.after, "combine_experts", "shared_stream", "pipeline", "regions"
+    )  # fmt: skip  (every other pass: the last)
 
     @staticmethod
     def applies(plan: Plan) -> bool:

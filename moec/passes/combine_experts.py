@@ -43,6 +43,7 @@ import torch.fx as fx
 import moec.ops  # noqa: F401  (registers torch.ops.moec)
 from moec.fx import graph_modules
 from moec.passes.base import Pass, PassContext, PassResult, register_pass
+from moec.passes.recompute import RecomputePass
 from moec.passes.rewrite import GraphEditor
 from moec.plan import Plan
 
@@ -111,19 +112,7 @@ def _fold(sub: fx.GraphModule, mlp: fx.Node, combine: fx.Node, pass_name: str) -
 @register_pass
 class CombineExpertsPass(Pass):
     name = "combine_experts"
-    after: tuple[str, ...] = (
-        "moe",
-        "expert_parallel",
-        "precision",
-        "overlap",
-        "fused_loss",
-        "shared_casts",
-        "fuse_rope",
-        "fuse_glu",
-        "working_weights",
-        "recompute",
-        "fsdp",
-    )
+    after: tuple[str, ...] = (*RecomputePass.after, "overlap", "recompute", "fsdp")
 
     @staticmethod
     def applies(plan: Plan) -> bool:
