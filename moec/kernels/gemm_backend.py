@@ -1,15 +1,17 @@
-"""Which implementation runs a grouped GEMM over an expert buffer: the one home of that choice.
+"""Which backend runs a grouped GEMM over an expert buffer: the one home of that choice.
 
-:func:`backend` answers for one expert GEMM ``piece`` and its operands ``x`` (the row buffer)
-and ``w`` (the weights, or ``dy`` for ``"wgrad"``):
+:func:`backend` answers for one expert GEMM ``piece``, its operands ``x`` (the row buffer) and
+``w`` (the weights, or ``dy`` for ``"wgrad"``), and a :class:`GemmPolicy` (what the
+``moec::expert_mlp`` node's bound implementation ``kernels:<policy>`` names; a
+:class:`moec.kernels.target.Target` makes it):
 
-- ``kernels=True`` (moec's Triton kernels run these operands: the CUDA implementation that
-  :mod:`moec.ops.cuda` registers, or the interpreter): bf16 on CUDA follows the rules of
-  :data:`GEMM_BACKENDS` ``[arch][piece]`` by buffer rows (a backend that does not take the
-  operands passes to the rule before it); everything else (float32/16, the interpreter, an arch
-  without a table) runs ``"pointer"``, the kernels of :mod:`moec.kernels.grouped_gemm`.
-- ``kernels=False`` (the ops' pure-PyTorch path, :mod:`moec.ops.grouped`): ``"grouped_mm"``
-  where :func:`grouped_mm_takes` the operands, else ``"loop"`` (a masked loop over experts).
+- a policy (moec's kernels run these operands: on CUDA, or the interpreter): bf16 on CUDA
+  follows the policy's rules (:data:`GEMM_BACKENDS` ``[arch][piece]`` by buffer rows, or one
+  forced backend; a backend that does not take the operands passes to the rule before it);
+  everything else (float32/16, the interpreter, an arch without a table) runs ``"pointer"``,
+  the kernels of :mod:`moec.kernels.grouped_gemm`.
+- no policy (the ops' pure-PyTorch path, :mod:`moec.ops.grouped`): ``"grouped_mm"`` where
+  :func:`grouped_mm_takes` the operands, else ``"loop"`` (a masked loop over experts).
 
 Backends: ``"cute"`` is the CuTe DSL GEMMs of quack-kernels (:mod:`moec.kernels.cute_gemm`;
 optional), a plain activation in quack's epilogue, a gated one on moec's activation kernel;
