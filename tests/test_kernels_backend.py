@@ -237,12 +237,13 @@ def test_a_target_binds_the_fused_loss_only_with_quack_and_the_fused_loss_on():
 @pytest.mark.parametrize(
     "arch,recipe,want",
     [("sm90", "fp8_rowwise", "native"), ("sm90", "mxfp8", "kernels"),
-     ("sm100", "mxfp8", "native"), ("sm100", "fp8_rowwise", "reference")],
+     ("sm100", "mxfp8", "native"), ("sm100", "fp8_rowwise", "kernels")],
 )  # fmt: skip
 def test_a_target_binds_low_precision_native_only_on_its_arch(arch, recipe, want):
-    """fp8_rowwise is native on sm90 only (torch._scaled_grouped_mm is never called on sm100),
-    mxfp8 on sm100 (elsewhere the Triton MXFP8 kernels emulate the MMA); a CPU target or one
-    asking for the reference binds the pure-PyTorch path."""
+    """fp8_rowwise is native on sm90 only (torch._scaled_grouped_mm is never called on sm100,
+    where its fake-quantized operands run on the grouped-GEMM kernels), mxfp8 on sm100
+    (elsewhere the Triton MXFP8 kernels emulate the MMA); a CPU target or one asking for the
+    reference binds the pure-PyTorch path."""
     target = Target(device="cuda", arch=arch, triton=True)
     assert target.native_recipe == {"sm90": "fp8_rowwise", "sm100": "mxfp8"}[arch]
     assert target.expert_impl(recipe) == want

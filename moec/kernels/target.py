@@ -100,15 +100,18 @@ class Target:
         """The implementation ``moec::expert_mlp`` binds to for ``recipe`` (see
         :data:`moec.ops.experts.IMPLEMENTATIONS`): ``reference``/``loop`` (pure PyTorch; a
         low-precision recipe fake-quantized), ``kernels:<policy>`` (moec's kernels, bf16 on the
-        :meth:`gemm_policy`), ``kernels`` (mxfp8 on the Triton MXFP8 kernels, whose MMA is
-        emulated off sm100) or ``native`` (the recipe on this arch's own kernels)."""
+        :meth:`gemm_policy`), ``kernels`` (a low-precision recipe emulated on the kernels: mxfp8
+        on the Triton MXFP8 kernels, whose MMA is emulated off sm100, also under the
+        interpreter; another recipe fake-quantized into the grouped-GEMM kernels) or ``native``
+        (the recipe on this arch's own kernels)."""
         if self.gemm in ("reference", "loop") or not self.triton:
             return "loop" if self.gemm == "loop" else "reference"
+        on_cuda = self.device == "cuda"
         if recipe == "bf16":
-            return f"kernels:{self.gemm_policy().spec()}" if self.device == "cuda" else "reference"
+            return f"kernels:{self.gemm_policy().spec()}" if on_cuda else "reference"
         if recipe == self.native_recipe:
             return "native"
-        return "kernels" if recipe == "mxfp8" else "reference"
+        return "kernels" if on_cuda or recipe == "mxfp8" else "reference"
 
     def implementation(self, op: str) -> str:
         """The implementation the other ``moec::`` ops bind to: ``fa4`` for attention where FA4

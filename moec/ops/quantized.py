@@ -18,8 +18,10 @@ oracle in plain torch (:func:`mx_quantize_reference` follows the spec literally)
 ``kernels``, mxfp8 on the fused Triton kernels of :mod:`moec.kernels.mxfp8` (which equal the
 reference bit for bit in quantization; their MMA is native on sm100, emulated elsewhere);
 ``native``, the recipe on the arch's own kernels (mxfp8 as ``kernels``; fp8_rowwise on sm90's
-``torch._scaled_grouped_mm``, never called elsewhere). A path that does not take some operands
-runs the reference for them. :meth:`moec.kernels.target.Target.expert_impl` binds the path.
+``torch._scaled_grouped_mm``, never called elsewhere). Where neither runs a recipe, ``kernels``
+and ``native`` multiply the fake-quantized operands on the grouped-GEMM kernels; a path that
+does not take some operands runs the reference for them.
+:meth:`moec.kernels.target.Target.expert_impl` binds the path.
 
 The linear's backward GEMMs are an internal op, so AOTAutograd traces them as one opaque call
 (never a kernel launch on fake tensors); the bias gradient stays plain torch in the formula::
@@ -42,6 +44,7 @@ from moec.ops.grouped import gmm, gmm_wgrad, row_experts
 
 if HAVE_TRITON:
     from moec.kernels import fp8_rowwise
+    from moec.kernels import grouped_gemm as kernel_gemm
     from moec.kernels.mxfp8 import mx_gmm, mx_gmm_wgrad
 
 Recipe = Literal["mxfp8", "fp8_rowwise"]
@@ -162,6 +165,8 @@ def quantized_gmm(
         aq, bq = mx_fake_quantize(a), mx_fake_quantize(b, dim=-2)
     else:
         aq, bq = rowwise_fake_quantize(a), rowwise_fake_quantize(b, dim=-2)
+    if path != "reference" and float_supported(aq):  # emulated on the grouped-GEMM kernels
+        return _valid_rows(kernel_gemm.gmm(aq, bq, offsets), offsets).to(a.dtype)
     return _valid_rows(gmm(aq, bq, offsets), offsets).to(a.dtype)
 
 

@@ -181,7 +181,11 @@ def _graphs(gm: fx.GraphModule, ctx: PassContext) -> list[tuple[str, fx.GraphMod
 class BindPass(Pass):
     name = "bind"
     after: tuple[str, ...] = (
-        *CombineExpertsPass.after, "combine_experts", "shared_stream", "pipeline", "regions"
+        *CombineExpertsPass.after,
+        "combine_experts",
+        "shared_stream",
+        "pipeline",
+        "regions",
     )  # fmt: skip  (every other pass: the last)
 
     @staticmethod
