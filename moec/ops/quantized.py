@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from moec.kernels.arch import HAVE_TRITON, KERNEL_DTYPES, float_supported
-from moec.kernels.target import Target
+from moec.ops.binding import detected
 from moec.ops.grouped import gmm, gmm_wgrad, row_experts
 
 if HAVE_TRITON:
@@ -239,7 +239,7 @@ def linear_path(x: Tensor, recipe: str, impl: str) -> str:
     """The GEMM path of ``moec::quantized_linear``'s ``impl`` (``auto``: detected for x's
     device, as the expert MLP binds it)."""
     if impl == "auto":
-        impl = Target.detect(x.device).expert_impl(recipe)
+        impl = detected(x.device).expert_impl(recipe)
     path = impl.partition(":")[0]
     if path not in PATHS or (path != "reference" and not HAVE_TRITON):
         raise ValueError(f"moec::quantized_linear: impl {impl!r}; known: 'auto', {PATHS}")
