@@ -59,6 +59,7 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     import moec.ops  # noqa: F401  (registers torch.ops.moec)
+
     shape = (args.batch, args.heads, args.seq, args.head_dim)
     # (B, S, H, D) storage seen as (B, H, S, D), as a model's q/k/v reach attention
     q, k, v = (

@@ -169,6 +169,7 @@ def test_low_precision_gemms_count_the_same_work(gemm):
             }
         )
         costs[precision] = graph_cost(moec.compile(model, plan, example_inputs=example).program)
+
     def quantized(node) -> bool:
         if node.target == torch.ops.moec.expert_mlp.default:
             return node.args[7:8] == (gemm,)  # the recipe

@@ -59,6 +59,8 @@ AUTO_ARCHS = ("sm90",)
 attention in the training step (benchmarks/RESULTS.md). Blackwell is FA4's own target, but
 unmeasured here: there ``fa4`` asks for it."""
 MAJORS = {"sm90": 9, "sm100": 10}
+LAST_REWRITES = ("combine_experts", "shared_stream", "pipeline", "regions")
+"""The passes that run after ``combine_experts`` (bind runs after them and everything before)."""
 
 
 def _recipe(node: fx.Node, at: int) -> str:
@@ -180,13 +182,7 @@ def _graphs(gm: fx.GraphModule, ctx: PassContext) -> list[tuple[str, fx.GraphMod
 @register_pass
 class BindPass(Pass):
     name = "bind"
-    after: tuple[str, ...] = (
-        *CombineExpertsPass.after,
-        "combine_experts",
-        "shared_stream",
-        "pipeline",
-        "regions",
-    )  # fmt: skip  (every other pass: the last)
+    after: tuple[str, ...] = (*CombineExpertsPass.after, *LAST_REWRITES)  # every other pass
 
     @staticmethod
     def applies(plan: Plan) -> bool:
