@@ -59,9 +59,7 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     import moec.ops  # noqa: F401  (registers torch.ops.moec)
-    from moec.ops.cuda import register_kernels
 
-    assert register_kernels()
     shape = (args.batch, args.heads, args.seq, args.head_dim)
     # (B, S, H, D) storage seen as (B, H, S, D), as a model's q/k/v reach attention
     q, k, v = (

@@ -26,15 +26,14 @@ wide (24576: the width that gives the report's 2.01B total / 0.995B active param
   --no-inductor  moec again with ``plan.lowering.inductor: false`` (on CUDA the default plan
             runs the program through Inductor; this row runs its dense ops eagerly)
   --attention B  moec again with ``plan.lowering.attention = B`` (sdpa: torch's order, what
-            ``auto`` runs where FA4 does not; cudnn: Hopper's FA3-class kernel; fa4:
+            ``auto`` runs where FA4 does not; cudnn / flash / efficient / math: ``sdpa`` with
+            that SDPA backend tried first, a baseline; cudnn is Hopper's FA3-class kernel; fa4:
             FlashAttention 4's CuTe DSL kernels, what ``auto`` runs on Hopper where
             flash-attn-4 is installed); the hand-written baselines then run with torch's choice
             and again with B (fa4: their attention calls it; not again for sdpa); with --fp8,
             the FP8 dense FFNs' plan with B too
-  --gather-up  moec again with ``plan.lowering.gather_up`` (each dispatch folded into its
-            experts' up projection: no dispatched buffer where the CuTe DSL runs it)
-  --combine-in-experts  moec again with ``plan.lowering.combine_in_experts`` (and gather_up,
-            which it needs: each combine folded into its gathered expert MLP)
+  --combine-in-experts  moec again with ``plan.lowering.combine_in_experts`` (each dispatch and
+            combine folded into its expert MLP)
   --n-major  moec again with ``plan.lowering.expert_weights: n_major`` (the default plan's
             routed expert weights are k-major)
   --copies-traced  moec again with its working copies traced into the Inductor graph, as before
@@ -51,8 +50,8 @@ wide (24576: the width that gives the report's 2.01B total / 0.995B active param
   --cuda-graph  moec again with ``plan.experimental.cuda_graph`` (the step replayed as one CUDA
             graph). ``--small`` shows the launch-bound end, where the graph matters most
 
-With quack-kernels installed, moec also runs with the policy it has without it (no CuTe DSL
-GEMMs), the ratio printed. Both step on the same synthetic batches.
+With quack-kernels installed, moec also runs compiled for the same target without it (no CuTe
+DSL GEMMs, ``Target.quack`` off), the ratio printed. Both step on the same synthetic batches.
 Printed: steady-state step time, tokens/s, useful MFU
 (Eq. 95 with the GPU's dense BF16 peak; the same useful FLOPs for both, from moec's cost
 model), peak memory and host syncs per step (CUDA sync debug mode over one step).
@@ -68,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import gc
 import json
@@ -82,15 +82,49 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from moec.kernels import cute_loss, gemm_backend
+from moec.kernels.target import Target
 from moec.models import Llama, LlamaConfig
 from moec.ops import loss as loss_op
 from moec.plan import Plan
 from moec.runtime import lowering
-from moec.runtime.autocast import attention_preference
 from moec.runtime.metrics import bf16_peak_tflops, count_host_syncs, useful_mfu
 from moec.train import TrainConfig, Trainer, language_model_loss
+
+SDPA_BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+"""``--attention`` values that order torch's SDPA backends (a baseline, not a plan value): the
+chosen one first, then the others in this order."""
+
+
+def attention_preference(chosen: str) -> contextlib.AbstractContextManager:
+    """SDPA backend ``chosen`` first, then the others (anything else: torch's own order)."""
+    if chosen not in SDPA_BACKENDS:
+        return contextlib.nullcontext()
+    first = SDPA_BACKENDS[chosen]
+    order = [first, *(b for b in SDPA_BACKENDS.values() if b != first)]
+    return sdpa_kernel(order, set_priority=True)
+
+
+def preferring(chosen: str, step: Callable[[], Any]) -> Callable[[], Any]:
+    """``step`` run with SDPA backend ``chosen`` first (:func:`attention_preference`)."""
+
+    def run() -> Any:
+        with attention_preference(chosen):
+            return step()
+
+    return run
+
+
+def plan_attention(chosen: str) -> str:
+    """The plan's ``lowering.attention`` for an ``--attention`` value."""
+    return "sdpa" if chosen in SDPA_BACKENDS else chosen
+
 
 # Every benchmark trains at the hand-written baseline's learning rate. At moec's default (3e-3,
 # warming up over 20 steps) the router collapses on synthetic tokens within ten steps: the
@@ -444,22 +478,31 @@ def wanted(args: argparse.Namespace, row: str) -> bool:
 
 
 def also_loss_variants(
-    args: argparse.Namespace, name: str, step: Callable[[], Any], common: tuple, drops: Any
+    args: argparse.Namespace,
+    name: str,
+    step: Callable[[], Any],
+    common: tuple,
+    drops: Any,
+    chunked: Callable[[], Any],
 ) -> list[dict]:
-    """Row ``name`` again, the same trainer, with its LM-head loss on moec's own chunks instead
-    of quack's fused GEMMs (``--chunked-loss``, where the fused pipeline runs at all), and with
-    each chunk bound of ``--loss-chunks``."""
+    """Row ``name`` again with its LM-head loss on moec's own chunks instead of quack's fused
+    GEMMs (``--chunked-loss``, where the target runs the fused pipeline at all: ``chunked()``
+    makes that row's trainer, compiled for the target with ``fused_loss`` off), and, the same
+    trainer, with each chunk bound of ``--loss-chunks``."""
     if name not in LOSS_VARIANTS_TOO:
         return []
-    variants = [(f"{name}, loss chunks of 2^{n}", loss_chunk_bound(n)) for n in args.loss_chunks]
-    if args.chunked_loss and gemm_backend.have_quack():
-        variants.insert(0, (f"{name}, chunked loss", cute_loss.chunked_loss()))
     rows = []
-    for row, context in variants:
-        if not wanted(args, row):
-            continue
-        with context:
-            rows.append(measure(row, step, *common, drops=drops))
+    row = f"{name}, chunked loss"
+    if args.chunked_loss and common[0].type == "cuda" and Target.detect("cuda").quack:
+        if wanted(args, row):
+            trainer = chunked()
+            rows.append(measure(row, trainer.train_step, *common, drops=drops))
+            del trainer
+    for n in args.loss_chunks:
+        row = f"{name}, loss chunks of 2^{n}"
+        if wanted(args, row):
+            with loss_chunk_bound(n):
+                rows.append(measure(row, step, *common, drops=drops))
     return rows
 
 
@@ -481,9 +524,8 @@ def plan_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, dict[st
     if args.dropless:
         variants.append(("moec, dropless", {"moe": {"capacity_factor": None}}))
     if args.attention:
-        variants.append(
-            (f"moec + {args.attention} attention", {"lowering": {"attention": args.attention}})
-        )
+        attention = {"lowering": {"attention": plan_attention(args.attention)}}
+        variants.append((f"moec + {args.attention} attention", attention))
     if args.no_inductor:
         variants.append(("moec without inductor", {"lowering": {"inductor": False}}))
     if args.recompute:
@@ -500,14 +542,12 @@ def plan_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, dict[st
         ):
             variants.append((name, {"precision": fp8 | {"scope": scope}}))
         if args.attention:
-            attention = {"lowering": {"attention": args.attention}}
+            attention = {"lowering": {"attention": plan_attention(args.attention)}}
             fp8_dense = {"precision": fp8 | {"scope": ["dense_ffn"]}}
             variants.append((f"{FP8_DENSE} + {args.attention} attention", fp8_dense | attention))
-    if args.gather_up:
-        variants.append(("moec + gather_up", {"lowering": {"gather_up": True}}))
     if args.combine_in_experts:
-        both = {"lowering": {"gather_up": True, "combine_in_experts": True}}
-        variants.append(("moec + gather_up + combine_in_experts", both))
+        folded = {"lowering": {"combine_in_experts": True}}
+        variants.append(("moec + combine_in_experts", folded))
     if args.n_major:
         variants.append((N_MAJOR, {"lowering": {"expert_weights": "n_major"}}))
     if args.cuda_graph:
@@ -552,14 +592,9 @@ def arguments() -> argparse.ArgumentParser:
         help="also moec with its working copies traced into the Inductor graph (as before)",
     )
     parser.add_argument(
-        "--gather-up",
-        action="store_true",
-        help="also moec with plan.lowering.gather_up (dispatch folded into the up projection)",
-    )
-    parser.add_argument(
         "--combine-in-experts",
         action="store_true",
-        help="also moec with plan.lowering.gather_up and combine_in_experts",
+        help="also moec with plan.lowering.combine_in_experts",
     )
     parser.add_argument(
         "--n-major",
@@ -627,8 +662,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.memory_snapshot and not torch.cuda.is_available():
         parser.error("--memory-snapshot records the CUDA allocator: it needs a GPU")
-    with cute_loss.chunked_loss() if args.no_fused_loss else contextlib.nullcontext():
-        run(args)
+    run(args)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -646,13 +680,25 @@ def run(args: argparse.Namespace) -> None:
         out=tempfile.mkdtemp(prefix="moec_e2e_"),  # a fresh run directory per run
         plots=False,
     )
-    if device.type == "cuda" and not gemm_backend.have_quack():
+    target = Target.detect(device)
+    if args.no_fused_loss:
+        target = dataclasses.replace(target, fused_loss=False)
+    quack = device.type == "cuda" and target.quack
+    if device.type == "cuda" and not quack:
         print(
             "note: quack-kernels (moec[cutlass]) is not installed: every moec row runs its "
             "expert GEMMs without the CuTe DSL",
             flush=True,
         )
-    trainer = Trainer(dense_model(s), moe_plan(s), cfg)
+    without_quack = dataclasses.replace(target, quack=False)
+    unfused = dataclasses.replace(target, fused_loss=False)
+
+    def trainer_for(plan: Plan, bound: Target) -> Trainer:
+        _release(device)
+        torch.manual_seed(0)
+        return Trainer(dense_model(s), plan, cfg, target=bound)
+
+    trainer = Trainer(dense_model(s), moe_plan(s), cfg, target=target)
     flops = trainer.train_flops_per_token * tokens
     common = (device, args.steps, args.warmup, flops, tokens)
     drops = functools.partial(drop_rate, trainer)
@@ -663,16 +709,18 @@ def run(args: argparse.Namespace) -> None:
             snapshot = snapshot_step(trainer.train_step, "moec", args.memory_snapshot)
             results[0]["memory_snapshot"] = snapshot
         results[0]["data_stalls"] = trainer.batches.stalls  # steps that waited for their batch
-    results += also_loss_variants(args, "moec", trainer.train_step, common, drops)
-    quack = device.type == "cuda" and gemm_backend.have_quack()
+    chunked = functools.partial(trainer_for, moe_plan(s), unfused)
+    results += also_loss_variants(args, "moec", trainer.train_step, common, drops, chunked)
+    del trainer, drops
     if quack and wanted(args, "moec without CuTe DSL"):  # the policy before the CuTe DSL
-        with gemm_backend.without_quack():
-            results.append(
-                measure("moec without CuTe DSL", trainer.train_step, *common, drops=drops)
-            )
+        plain = trainer_for(moe_plan(s), without_quack)
+        plain_drops = functools.partial(drop_rate, plain)
+        results.append(
+            measure("moec without CuTe DSL", plain.train_step, *common, drops=plain_drops)
+        )
         if results[0]["name"] == "moec":
             print(f"moec CuTe DSL policy: {results[-1]['step_s'] / results[0]['step_s']:.3f}x")
-    del trainer, drops
+        del plain, plain_drops
     for name, changes in plan_variants(args):
         if not any(wanted(args, row) for row in (name, f"{name} without CuTe DSL")):
             continue
@@ -682,25 +730,29 @@ def run(args: argparse.Namespace) -> None:
         for section, fields in changes.items():
             for field, value in fields.items():
                 setattr(getattr(plan, section), field, value)
-        lowered = Trainer(dense_model(s), plan, cfg)
+        lowered = Trainer(dense_model(s), plan, cfg, target=target)
         lowered_drops = functools.partial(drop_rate, lowered)
+        step = lowered.train_step
+        if args.attention in SDPA_BACKENDS and name.endswith(f"{args.attention} attention"):
+            step = preferring(args.attention, step)
         if wanted(args, name):
-            results.append(measure(name, lowered.train_step, *common, drops=lowered_drops))
+            results.append(measure(name, step, *common, drops=lowered_drops))
             results[-1]["data_stalls"] = lowered.batches.stalls
-        if name in WITHOUT_QUACK_TOO and quack and wanted(args, f"{name} without CuTe DSL"):
-            with gemm_backend.without_quack():
-                row = f"{name} without CuTe DSL"
-                results.append(measure(row, lowered.train_step, *common, drops=lowered_drops))
         if args.memory_snapshot:
-            results[-1]["memory_snapshot"] = snapshot_step(
-                lowered.train_step, name, args.memory_snapshot
-            )
-        results += also_loss_variants(args, name, lowered.train_step, common, lowered_drops)
-        del lowered, lowered_drops
+            results[-1]["memory_snapshot"] = snapshot_step(step, name, args.memory_snapshot)
+        chunked = functools.partial(trainer_for, plan, unfused)
+        results += also_loss_variants(args, name, step, common, lowered_drops, chunked)
+        del lowered, lowered_drops, step
+        row = f"{name} without CuTe DSL"
+        if name in WITHOUT_QUACK_TOO and quack and wanted(args, row):
+            plain = trainer_for(plan, without_quack)
+            drops_of = functools.partial(drop_rate, plain)
+            results.append(measure(row, plain.train_step, *common, drops=drops_of))
+            del plain, drops_of
     if args.copies_traced:
         _release(device)
         torch.manual_seed(0)
-        traced = Trainer(dense_model(s), moe_plan(s), cfg)
+        traced = Trainer(dense_model(s), moe_plan(s), cfg, target=target)
         with copies_traced():  # the graph is compiled in the first (warm-up) step
             results.append(
                 measure(
@@ -754,7 +806,7 @@ def run(args: argparse.Namespace) -> None:
         )
     if args.json:
         with open(args.json, "w") as f:
-            cute_dsl = device.type == "cuda" and gemm_backend.have_quack()
+            cute_dsl = quack
             record = {"device": name, "shape": s, "cute_dsl": cute_dsl, "results": results}
             json.dump(record, f, indent=2)
 

@@ -33,7 +33,6 @@ from triton.testing import do_bench
 
 from moec.kernels import activation
 from moec.ops.activations import activate, activate_backward
-from moec.ops.cuda import register_kernels
 
 SILU = activation.KernelActivation(activation.UNARY_CODES["silu"], gated=True)
 
@@ -109,7 +108,6 @@ def main() -> None:
     parser.add_argument("--widths", type=int, nargs="+", default=[24576, 1536])
     parser.add_argument("--json")
     args = parser.parse_args()
-    assert register_kernels()
     print(f"device: {torch.cuda.get_device_name()}  rows {args.rows}")
     results = []
     for width in args.widths:

@@ -32,10 +32,13 @@ import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
 from moec.kernels import activation, cute_gemm, gemm_backend, grouped_gemm
-from moec.ops.cuda import kernel_activation
+from moec.kernels.gemm_backend import GemmPolicy
+from moec.kernels.target import Target
+from moec.ops.activations import kernel_activation
 
 GROUPS, K, N = 16, 1536, 3072
-FORCED = ("pointer", "tma") + (("cute", "cute_glu") if gemm_backend.have_quack() else ())
+TARGET = Target.detect("cuda")
+FORCED = ("pointer", "tma") + (("cute", "cute_glu") if TARGET.quack else ())
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -46,9 +49,9 @@ def _first(out: torch.Tensor | tuple) -> torch.Tensor:
     return out[-1] if isinstance(out, tuple) else out
 
 
-def cases(m: int) -> dict[str, tuple[Callable, Callable]]:
-    """name -> (moec call, baseline call); each returns the tensor to compare (a gated d_h from
-    an interleaved h is compared after :func:`cute_gemm.deinterleave`)."""
+def cases(m: int, policy: GemmPolicy) -> dict[str, tuple[Callable, Callable]]:
+    """name -> (moec call on ``policy``, baseline call); each returns the tensor to compare (a
+    gated d_h from an interleaved h is compared after :func:`cute_gemm.deinterleave`)."""
     torch.manual_seed(m)
     bf = dict(device="cuda", dtype=torch.bfloat16)
     x = torch.randn(m, K, **bf)
@@ -63,9 +66,9 @@ def cases(m: int) -> dict[str, tuple[Callable, Callable]]:
     h_pairs = h.unflatten(-1, (2, N // 2)).transpose(-1, -2).reshape(m, N)  # interleaved h
 
     def moec_act_backward() -> torch.Tensor:
-        if not gg.h_interleaved(x, w, False, swiglu):
-            return gg.gmm_act_backward(d_y, w_down, offs, h, swiglu)[0]
-        d_h = gg.gmm_act_backward(d_y, w_down, offs, h_pairs, swiglu, interleaved=True)[0]
+        if not gg.h_interleaved(x, w, False, swiglu, policy):
+            return gg.gmm_act_backward(d_y, w_down, offs, h, swiglu, False, policy)[0]
+        d_h = gg.gmm_act_backward(d_y, w_down, offs, h_pairs, swiglu, True, policy)[0]
         return cute_gemm.deinterleave(d_h[None], d_h.dtype)[0]
 
     def base_act() -> torch.Tensor:
@@ -76,15 +79,18 @@ def cases(m: int) -> dict[str, tuple[Callable, Callable]]:
         return activation.act_backward(h, d_a, swiglu)[0]
 
     return {
-        "gmm": (lambda: gg.gmm(x, w, offs), lambda: torch._grouped_mm(x, w, offs=offs)),
-        "gmm+swiglu": (lambda: gg.gmm_act(x, w, offs, None, swiglu)[1], base_act),
+        "gmm": (
+            lambda: gg.gmm(x, w, offs, None, "down", policy),
+            lambda: torch._grouped_mm(x, w, offs=offs),
+        ),
+        "gmm+swiglu": (lambda: gg.gmm_act(x, w, offs, None, swiglu, None, policy)[1], base_act),
         "dgrad": (
-            lambda: gg.gmm(dy, w.transpose(-1, -2), offs, piece="dgrad"),
+            lambda: gg.gmm(dy, w.transpose(-1, -2), offs, None, "dgrad", policy),
             lambda: torch._grouped_mm(dy, w.transpose(-1, -2), offs=offs),
         ),
         "dgrad+act": (moec_act_backward, base_act_backward),
         "wgrad": (
-            lambda: gg.gmm_wgrad(x, dy, offs),
+            lambda: gg.gmm_wgrad(x, dy, offs, None, policy),
             lambda: torch._grouped_mm(x.t(), dy, offs=offs),
         ),
     }
@@ -96,7 +102,7 @@ def run(m: int) -> list[dict]:
     b = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
     dense_ms = do_bench(lambda: a @ b)
     out = []
-    for name, (moec_fn, base_fn) in cases(m).items():
+    for name, (moec_fn, base_fn) in cases(m, TARGET.gemm_policy()).items():
         row = {"op": name, "M": m, "dense_tflops": flops / dense_ms / 1e9}
         want = base_fn()
         for backend in FORCED:
@@ -104,11 +110,11 @@ def run(m: int) -> list[dict]:
                 backend == "cute_glu" and name not in ("gmm+swiglu", "dgrad+act")
             ):  # no TMA wgrad; cute_glu differs from cute on the gated pieces alone
                 continue
-            with gemm_backend.forced_backend(backend):
-                err = _rel(_first(moec_fn()), want)
-                if err > 1e-2:
-                    raise AssertionError(f"{name} M={m} {backend}: relative error {err:.3g}")
-                row[f"{backend}_ms"] = do_bench_cudagraph(moec_fn)
+            forced_fn = cases(m, GemmPolicy.parse(backend))[name][0]
+            err = _rel(_first(forced_fn()), want)
+            if err > 1e-2:
+                raise AssertionError(f"{name} M={m} {backend}: relative error {err:.3g}")
+            row[f"{backend}_ms"] = do_bench_cudagraph(forced_fn)
         row["moec_ms"] = do_bench(moec_fn)
         row["grouped_mm_ms"] = do_bench(base_fn)
         row["moec_graph_ms"] = do_bench_cudagraph(moec_fn)
@@ -126,7 +132,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
-    print(gemm_backend.policy_text(torch.device("cuda")))
+    print(gemm_backend.policy_text(TARGET.arch, TARGET.gemm_policy()))
     rows = [r for m in args.m for r in run(m)]
     forced = "".join(f"{b:>9}" for b in FORCED)
     print(f"{'op':<11}{'M':>7}{forced}{'moec':>9}{'_grouped_mm':>12}"

@@ -26,7 +26,6 @@ chunk size.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 from collections.abc import Callable
 
@@ -36,15 +35,19 @@ from torch import Tensor
 from triton.testing import do_bench
 
 from moec.kernels import cute_loss
+from moec.kernels.target import Target
 from moec.ops import loss as loss_op
 
 Step = Callable[[], tuple[Tensor, Tensor, Tensor]]
 
 
-def moec_step(h: Tensor, weight: Tensor, targets: Tensor) -> Step:
+def moec_step(h: Tensor, weight: Tensor, targets: Tensor, impl: str) -> Step:
+    """The op on implementation ``impl`` (``triton``: the chunks; ``cute``: quack's pipeline)."""
+
     def step() -> tuple[Tensor, Tensor, Tensor]:
         with torch.autocast("cuda", torch.bfloat16):
-            loss = torch.ops.moec.linear_cross_entropy(h, weight, None, targets, -100, "mean")[0]
+            op = torch.ops.moec.linear_cross_entropy
+            loss = op(h, weight, None, targets, -100, "mean", True, impl)[0]
         return loss, *torch.autograd.grad(loss, (h, weight))
 
     return step
@@ -110,12 +113,12 @@ def main() -> None:
     for log2 in args.chunks:
         loss_op.CHUNK_ELEMENTS = 1 << log2
         rows = loss_op.chunk_rows(args.rows, args.vocab)
-        pipelines = [("chunks", cute_loss.chunked_loss)]
-        if cute_loss.takes(h.to(torch.bfloat16), weight.to(torch.bfloat16), rows):
-            pipelines.append(("fused", contextlib.nullcontext))
-        for pipeline, context in pipelines:
-            with context():
-                ms, peak, got = measure(moec_step(h, weight, targets), want)
+        pipelines = [("chunks", "triton")]
+        head = (h.to(torch.bfloat16), weight.to(torch.bfloat16), rows)
+        if Target.detect("cuda").quack and cute_loss.takes(*head):
+            pipelines.append(("fused", "cute"))
+        for pipeline, impl in pipelines:
+            ms, peak, got = measure(moec_step(h, weight, targets, impl), want)
             want = got if want is None else want
             name = f"moec {pipeline}, chunks of 2^{log2} logits ({rows} rows)"
             results[name] = {"ms": ms, "peak_gib": peak, "log2": log2, "pipeline": pipeline}

@@ -3,20 +3,18 @@
 The report's profiling workload: tokens 2 x 8192, d 1536, 32 routed experts top-8 with SwiGLU
 width 1536, one shared SwiGLU expert of width 1536, capacity factor 1.25, bf16 weights.
 
-  moec      torch.ops.moec.{route, dispatch, expert_mlp, combine} with the CUDA kernels registered
-  moec_gathered  the same with dispatch + expert_mlp as one moec.expert_mlp_gathered (pass
-            gather_up, lowering.gather_up): the up projection reads token rows through quack's
-            A_idx where it runs on the CuTe DSL, else the buffer is gathered (the run prints which)
+  moec      torch.ops.moec.{route, dispatch, expert_mlp, combine} on the implementations this
+            machine's target binds (moec.kernels.target.Target.detect)
   loop      (a) torch routing, then per expert: nonzero -> gather -> two matmuls -> index_add
   sorted    (b) torch routing (stable sort ranks), gather, torch._grouped_mm x2, bmm combine
-  reference the ops' *_reference functions under autograd (the oracle all three must match)
+  reference the ops' reference implementations under autograd, the grouped GEMMs as a masked
+            loop (the oracle all three must match)
   moec_k_major  the moec layer with k-major expert weights (stacked nn.Linear layout, what
             SonicMoE keeps): with quack, the gated epilogues read w_up's [gate | up] dim as
             pairs, no weight copies
-  moec_combined  k-major weights, the gathered expert MLP and its combine as one
-            moec.expert_mlp_combined (lowering.combine_in_experts): with quack, the route
-            weights and their gradient in the down dgrad's epilogue, d_out's token rows read
-            through A_idx
+  moec_combined  k-major weights, moec.expert_mlp with the dispatch and combine inside
+            (lowering.combine_in_experts): with quack, the up projection reads token rows
+            through A_idx, the route weights and their gradient in the down dgrad's epilogue
   sonic     the anchor, where sonic-moe is installed: SonicMoE's layer (its top-k router,
             quack GEMMs with the gather in the up projection's A loads, route weights and their
             gradient in the down projection's dgrad epilogue) + the same shared expert, its
@@ -27,7 +25,8 @@ the accepted routes) and ratios; ``--pieces`` also times each expert GEMM on eve
 (moec's pointer and TMA kernels, ``torch._grouped_mm``, the CuTe DSL kernels of quack-kernels
 when installed), which is how :data:`moec.kernels.gemm_backend.GEMM_BACKENDS` is set. With quack
 installed, "moec" runs the policy with its CuTe DSL rules and "moec_triton" the same policy
-without them (what runs where quack is not installed), both in the same run.
+without them (a target without quack: what runs where quack is not installed), both in the
+same run.
 
 ``--kernels N`` profiles a few steps of the moec layer (and of the anchor, where installed) and
 prints each one's N largest kernels, ms per step: where the two layers' time differs.
@@ -38,6 +37,8 @@ prints each one's N largest kernels, ms per step: where the two layers' time dif
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -48,17 +49,18 @@ from torch import Tensor
 from triton.testing import do_bench
 
 from moec.kernels import gemm_backend, grouped_gemm
-from moec.ops import grouped
-from moec.ops.cuda import kernel_activation, register_kernels
-from moec.ops.experts import expert_mlp_reference
-from moec.ops.gathered_experts import row_sources
+from moec.kernels.gemm_backend import GemmPolicy
+from moec.kernels.target import Target
+from moec.ops.activations import kernel_activation
 from moec.ops.movement import combine_reference, dispatch_reference
 from moec.ops.routing import assign_rows, capacity, route_reference
 
 T, D, N, K, H, CF = 2 * 8192, 1536, 32, 8, 1536, 1.25
-BACKENDS = ("pointer", "tma", "grouped_mm") + (
-    ("cute", "cute_glu") if gemm_backend.have_quack() else ()
-)
+TARGET = Target.detect("cuda")
+EXPERTS = TARGET.expert_impl("bf16")
+"""The expert MLP's implementation on this machine (the CuTe DSL rules where quack is)."""
+WITHOUT_QUACK = dataclasses.replace(TARGET, quack=False).expert_impl("bf16")
+BACKENDS = ("pointer", "tma", "grouped_mm") + (("cute", "cute_glu") if TARGET.quack else ())
 
 
 def make_params(device: str) -> dict[str, Tensor]:
@@ -86,45 +88,34 @@ def shared(x: Tensor, p: dict[str, Tensor]) -> Tensor:
     return swiglu(x @ p["s_up"]) @ p["s_down"]
 
 
-def layer_moec(x: Tensor, p: dict[str, Tensor]) -> Tensor:
+def layer_moec(x: Tensor, p: dict[str, Tensor], impl: str = EXPERTS) -> Tensor:
+    """The layer on the ops, the expert MLP on implementation ``impl``."""
     ops = torch.ops.moec
     _, weights, rows, offsets, _ = ops.route(x @ p["router"], K, CF, "softmax", True, "learned")
     buf = ops.dispatch(x, rows)
-    y, _ = ops.expert_mlp(buf, p["w_up"], p["w_down"], offsets, None, None, "swiglu")
+    y, _ = ops.expert_mlp(buf, p["w_up"], p["w_down"], offsets, None, None, "swiglu", "bf16",
+                          None, None, impl)  # fmt: skip
     return ops.combine(y, weights, rows) + shared(x, p)
 
 
-def layer_moec_gathered(x: Tensor, p: dict[str, Tensor]) -> Tensor:
+def layer_moec_combined(x: Tensor, p: dict[str, Tensor], impl: str = EXPERTS) -> Tensor:
+    """The layer with the dispatch and combine inside the expert MLP."""
     ops = torch.ops.moec
     _, weights, rows, offsets, _ = ops.route(x @ p["router"], K, CF, "softmax", True, "learned")
-    y, _ = ops.expert_mlp_gathered(x, rows, p["w_up"], p["w_down"], offsets, None, None, "swiglu")
-    return ops.combine(y, weights, rows) + shared(x, p)
-
-
-def layer_moec_combined(x: Tensor, p: dict[str, Tensor]) -> Tensor:
-    ops = torch.ops.moec
-    _, weights, rows, offsets, _ = ops.route(x @ p["router"], K, CF, "softmax", True, "learned")
-    out, _ = ops.expert_mlp_combined(x, rows, weights, p["w_up"], p["w_down"], offsets, "swiglu")
+    out, _ = ops.expert_mlp(x, p["w_up"], p["w_down"], offsets, None, None, "swiglu", "bf16",
+                            rows, weights, impl)  # fmt: skip
     return out + shared(x, p)
 
 
-def gathered_up_text(x: Tensor, rows: Tensor, w_up: Tensor) -> str:
-    """Which backend runs the gathered layer's up projection, and so whether the buffer exists."""
-    buffer = grouped_gemm.buffer_like(x, row_sources(rows))
-    chosen = grouped_gemm.up_backend(
-        buffer, w_up.detach().to(x.dtype), False, kernel_activation("swiglu")
-    )
-    if chosen in ("cute", "cute_glu"):
-        return f"{chosen}: token rows read through A_idx, no buffer"
-    return f"{chosen}: buffer gathered (index_select), re-gathered in backward"
-
-
 def layer_reference(x: Tensor, p: dict[str, Tensor]) -> Tensor:
+    """The reference implementations, the grouped GEMMs as the masked per-expert loop
+    (independent of the kernels and of torch._grouped_mm)."""
     _, weights, rows, offsets, _ = route_reference(
         x @ p["router"], K, CF, "softmax", True, "learned"
     )
     buf = dispatch_reference(x, rows)
-    y, _ = expert_mlp_reference(buf, p["w_up"], p["w_down"], offsets, None, None, "swiglu")
+    y, _ = torch.ops.moec.expert_mlp(buf, p["w_up"], p["w_down"], offsets, None, None, "swiglu",
+                                     "bf16", None, None, "loop")  # fmt: skip
     return combine_reference(y, weights, rows) + shared(x, p)
 
 
@@ -163,7 +154,6 @@ def layer_loop(x: Tensor, p: dict[str, Tensor]) -> Tensor:
 
 LAYERS: dict[str, Callable[[Tensor, dict[str, Tensor]], Tensor]] = {
     "moec": layer_moec,
-    "moec_gathered": layer_moec_gathered,
     "sorted": layer_sorted,
     "loop": layer_loop,
 }
@@ -232,14 +222,9 @@ def fwd_bwd(fn: Callable, x: Tensor, p: dict[str, Tensor], grad: Tensor) -> list
 
 
 def reference(x: Tensor, p: dict[str, Tensor], grad: Tensor) -> list[Tensor]:
-    """Output and gradients of the reference layer, its grouped GEMMs run as the masked
-    per-expert loop (independent of the kernels and of torch._grouped_mm)."""
-    grouped._FORCE_LOOP = True
-    try:
-        out = layer_reference(x, p).detach()
-        return [out, *fwd_bwd(layer_reference, x, p, grad)]
-    finally:
-        grouped._FORCE_LOOP = False
+    """Output and gradients of :func:`layer_reference`."""
+    out = layer_reference(x, p).detach()
+    return [out, *fwd_bwd(layer_reference, x, p, grad)]
 
 
 def check(name: str, fn: Callable, x: Tensor, p: dict[str, Tensor], grad: Tensor,
@@ -256,13 +241,16 @@ def check(name: str, fn: Callable, x: Tensor, p: dict[str, Tensor], grad: Tensor
     return worst
 
 
-def expert_path(buf: Tensor, offsets: Tensor, p: dict[str, Tensor], dy: Tensor) -> dict[str, float]:
-    """Milliseconds of expert_mlp forward + backward: moec op (n-major weights, and k-major
-    where quack is installed) vs _grouped_mm under autograd."""
+def expert_path(
+    buf: Tensor, offsets: Tensor, p: dict[str, Tensor], dy: Tensor, impl: str = EXPERTS
+) -> dict[str, float]:
+    """Milliseconds of expert_mlp forward + backward on ``impl``: moec op (n-major weights, and
+    k-major where quack is installed) vs _grouped_mm under autograd."""
     w_up, w_down = p["w_up"], p["w_down"]
 
     def moec_step(w_up: Tensor = w_up, w_down: Tensor = w_down) -> None:
-        y, _ = torch.ops.moec.expert_mlp(buf, w_up, w_down, offsets, None, None, "swiglu")
+        y, _ = torch.ops.moec.expert_mlp(buf, w_up, w_down, offsets, None, None, "swiglu",
+                                         "bf16", None, None, impl)  # fmt: skip
         torch.autograd.grad(y, (buf, w_up, w_down), dy)
 
     def sorted_step() -> None:
@@ -271,7 +259,7 @@ def expert_path(buf: Tensor, offsets: Tensor, p: dict[str, Tensor], dy: Tensor) 
         torch.autograd.grad(y, (buf, w_up, w_down), dy)
 
     times = {"moec": do_bench(moec_step), "sorted": do_bench(sorted_step)}
-    if gemm_backend.have_quack():
+    if TARGET.quack:
         k_up, k_down = k_major_leaf(w_up), k_major_leaf(w_down)
         times["k_major"] = do_bench(lambda: moec_step(k_up, k_down))
     return times
@@ -282,33 +270,34 @@ def pieces(buf: Tensor, offsets: Tensor, p: dict[str, Tensor]) -> list[dict]:
     w_up, w_down = p["w_up"].detach(), p["w_down"].detach()
     x = buf.detach()
     swiglu = kernel_activation("swiglu")
-    h, a = grouped_gemm.gmm_act(x, w_up, offsets, None, swiglu)
+    h, a = grouped_gemm.gmm_act(x, w_up, offsets, None, swiglu, None, TARGET.gemm_policy())
     dy = torch.randn_like(x)
     d_h = torch.randn_like(h)
     gg = grouped_gemm
 
-    def dgrad_act() -> tuple[Tensor, Tensor]:  # the forced backend's h layout (timing only)
-        interleaved = gg.h_interleaved(x, w_up, False, swiglu)
-        return gg.gmm_act_backward(dy, w_down, offsets, h, swiglu, interleaved)
+    def cases(policy: GemmPolicy) -> dict[str, Callable[[], object]]:
+        def dgrad_act() -> tuple[Tensor, Tensor]:  # the forced backend's h layout (timing only)
+            interleaved = gg.h_interleaved(x, w_up, False, swiglu, policy)
+            return gg.gmm_act_backward(dy, w_down, offsets, h, swiglu, interleaved, policy)
 
-    cases = {
-        "up": lambda: gg.gmm_act(x, w_up, offsets, None, swiglu),
-        "down": lambda: gg.gmm(a, w_down, offsets, piece="down"),
-        "dgrad_act": dgrad_act,
-        "dgrad": lambda: gg.gmm(d_h, w_up.transpose(-1, -2), offsets, piece="dgrad"),
-        "wgrad_down": lambda: gg.gmm_wgrad(a, dy, offsets),
-        "wgrad_up": lambda: gg.gmm_wgrad(x, d_h, offsets),
-    }
+        return {
+            "up": lambda: gg.gmm_act(x, w_up, offsets, None, swiglu, None, policy),
+            "down": lambda: gg.gmm(a, w_down, offsets, None, "down", policy),
+            "dgrad_act": dgrad_act,
+            "dgrad": lambda: gg.gmm(d_h, w_up.transpose(-1, -2), offsets, None, "dgrad", policy),
+            "wgrad_down": lambda: gg.gmm_wgrad(a, dy, offsets, None, policy),
+            "wgrad_up": lambda: gg.gmm_wgrad(x, d_h, offsets, None, policy),
+        }
+
     out = []
-    for name, fn in cases.items():
+    for name in cases(TARGET.gemm_policy()):
         times = {}
         for backend in BACKENDS:
             if (backend == "tma" and name.startswith("wgrad")) or (
                 backend == "cute_glu" and name not in ("up", "dgrad_act")
             ):  # no TMA wgrad; cute_glu differs from cute on the gated pieces alone
                 continue
-            with gemm_backend.forced_backend(backend):
-                times[backend] = do_bench(fn)
+            times[backend] = do_bench(cases(GemmPolicy.parse(backend))[name])
         out.append({"piece": name, **times})
     return out
 
@@ -356,14 +345,13 @@ def main() -> None:
     )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    register_kernels()
     dev = "cuda"
     torch.manual_seed(0)
     p = make_params(dev)
     x = torch.randn(T, D, device=dev, dtype=torch.bfloat16).requires_grad_()
     grad = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
-    print(gemm_backend.policy_text(torch.device("cuda")))
+    print(gemm_backend.policy_text(TARGET.arch, TARGET.gemm_policy()))
 
     _, _, rows, offsets, _ = torch.ops.moec.route(
         x @ p["router"], K, CF, "softmax", True, "learned"
@@ -387,7 +375,7 @@ def main() -> None:
         print(f"{name:<8} fwd+bwd {ms:8.3f} ms   (max rel err vs reference {err:.2e})")
     pk = {**p, "w_up": k_major_leaf(p["w_up"]), "w_down": k_major_leaf(p["w_down"])}
     for name, layer in K_MAJOR_LAYERS.items():
-        if not (gemm_backend.have_quack() and runs(name)):
+        if not (TARGET.quack and runs(name)):
             continue
         err = check(name, layer, x, pk, grad, want)
         ms = do_bench(lambda layer=layer: fwd_bwd(layer, x, pk, grad), rep=200)
@@ -407,25 +395,13 @@ def main() -> None:
         print(f"{'sonic':<8} fwd+bwd {ms:8.3f} ms   (max rel err vs reference {err:.2e})")
     else:
         print("sonic-moe not installed: no anchor row")
-    if runs("moec_gathered"):
-        up = gathered_up_text(x, rows, p["w_up"])
-        results["layers"]["moec_gathered"]["up"] = up
-        print(f"moec_gathered up projection: {up}")
-
-    if gemm_backend.have_quack() and runs("moec_triton"):
-        with gemm_backend.without_quack():
-            for name, fn in (
-                ("moec_triton", layer_moec),
-                ("moec_gathered_triton", layer_moec_gathered),
-            ):
-                err = check(name, fn, x, p, grad, want)
-                ms = do_bench(lambda fn=fn: fwd_bwd(fn, x, p, grad), rep=200)
-                results["layers"][name] = {"ms": ms, "max_rel_err": err}
-                names.append(name)
-                print(f"{name:<8} fwd+bwd {ms:8.3f} ms   (max rel err vs reference {err:.2e})")
-            up = gathered_up_text(x, rows, p["w_up"])
-        results["layers"]["moec_gathered_triton"]["up"] = up
-        print(f"moec_gathered_triton up projection: {up}")
+    if TARGET.quack and runs("moec_triton"):  # the same target without the CuTe DSL
+        fn = functools.partial(layer_moec, impl=WITHOUT_QUACK)
+        err = check("moec_triton", fn, x, p, grad, want)
+        ms = do_bench(lambda: fwd_bwd(fn, x, p, grad), rep=200)
+        results["layers"]["moec_triton"] = {"ms": ms, "max_rel_err": err}
+        names.append("moec_triton")
+        print(f"moec_triton fwd+bwd {ms:8.3f} ms   (max rel err vs reference {err:.2e})")
 
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)  # keep the device busy: measure what the host alone takes
@@ -440,9 +416,8 @@ def main() -> None:
     buf = torch.ops.moec.dispatch(x.detach(), rows).requires_grad_()
     dy = torch.randn_like(buf)
     ep = expert_path(buf, offsets, p, dy)
-    if gemm_backend.have_quack() and runs("moec_triton"):
-        with gemm_backend.without_quack():
-            ep["moec_triton"] = expert_path(buf, offsets, p, dy)["moec"]
+    if TARGET.quack and runs("moec_triton"):
+        ep["moec_triton"] = expert_path(buf, offsets, p, dy, WITHOUT_QUACK)["moec"]
     results["expert_path_ms"] = ep
     for name, ms in ep.items():
         print(f"expert path {name:<7} {ms:8.3f} ms  {expert_flops / ms / 1e9:7.1f} TFLOP/s")

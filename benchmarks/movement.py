@@ -15,7 +15,6 @@ import json
 import torch
 
 from moec.kernels import movement
-from moec.ops.cuda import register_kernels
 from moec.ops.routing import route_reference
 
 
@@ -40,7 +39,6 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--json")
     args = parser.parse_args()
-    assert register_kernels()
     t, d, k = args.tokens, args.dim, args.top_k
     logits = torch.randn(t, args.experts, device="cuda")
     _, weights, rows, _, _ = route_reference(logits, k, 0.0, "softmax", True, "learned")

@@ -475,7 +475,7 @@ def _add_plan_auto_parser(plan_sub: argparse._SubParsersAction) -> None:
     auto.add_argument("--seq", type=int, default=4096, help="sequence length")
     auto.add_argument(
         "--plan",
-        help="plan YAML whose moe/loss/lowering sections are kept (but lowering.gather_up and "
+        help="plan YAML whose moe/loss/lowering sections are kept (but lowering."
         "combine_in_experts, which the search chooses)",
     )
     auto.add_argument("--probe", help="JSON of measured GPU values replacing the datasheet's")

@@ -34,6 +34,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from moec.frontend import capture
+from moec.kernels.target import Target
 from moec.passes.base import PassContext
 from moec.passes.manager import DumpHook, PassManager, pipeline_string, select
 from moec.plan import Plan
@@ -73,8 +74,14 @@ def compile(
     init_from: DenseSource | None = None,
     init_device: torch.device | str = "cpu",
     check: Callable[[Program], None] | None = None,
+    target: Target | None = None,
 ) -> CompiledModel:
     """Compile a dense model into the MoE training program ``plan`` describes.
+
+    ``target``: the machine the program is bound for (pass ``bind``: which implementation each
+    ``moec::`` node runs); default :meth:`Target.detect` of the example inputs' device (or of
+    ``init_device`` when they are on the meta device). Benchmarks and tests pass one to compare
+    implementations (e.g. ``dataclasses.replace(Target.detect("cuda"), quack=False)``).
 
     ``mesh``: the process groups (``moec.runtime.distributed.init_from_env`` or
     ``moec.runtime.pipeline.build_pipeline_mesh``) when the plan is expert or pipeline
@@ -97,6 +104,7 @@ def compile(
     names = select(plan, passes, disable)
 
     def build(args: tuple, kwargs: dict, training: bool) -> Program:
+        bound = target or default_target(args, kwargs, init_device)
         return build_program(
             model,
             plan,
@@ -109,6 +117,7 @@ def compile(
             verify=verify,
             print_after=print_after,
             check=check,
+            target=bound,
         )
 
     def initialize(program: Program) -> None:
@@ -143,17 +152,25 @@ def build_program(
     verify: bool = True,
     print_after: Iterable[str] | None = None,
     check: Callable[[Program], None] | None = None,
+    target: Target | None = None,
 ) -> Program:
     """Capture ``model(*args, **kwargs)`` and run the passes ``names`` (default: the plan's
-    pipeline) over it; ``training`` is the mode the program will first run in.
+    pipeline) over it for ``target`` (default: :func:`default_target`); ``training`` is the
+    mode the program will first run in.
     ``check(program)`` (e.g. a memory check) runs on the program built on the meta device,
     before the real build allocates anything: for a model holding real tensors that is a
     :func:`meta_program` built first, for a model on the meta device the program itself
     (which :func:`compile` materializes only afterwards)."""
     on_meta = not holds_storage(model)
+    target = target or default_target(args, kwargs)
     if check is not None and not on_meta:
-        check(meta_program(model, plan, args, kwargs, training=training, mesh=mesh, names=names))
-    program = _build(model, plan, args, kwargs, training, mesh, names, dump, verify, print_after)
+        meta = meta_program(
+            model, plan, args, kwargs, training=training, mesh=mesh, names=names, target=target
+        )
+        check(meta)
+    program = _build(
+        model, plan, args, kwargs, training, mesh, names, dump, verify, print_after, target
+    )
     if check is not None and on_meta:
         check(program)
     return program
@@ -168,15 +185,19 @@ def meta_program(
     training: bool = True,
     mesh: Any = None,
     names: list[str] | None = None,
+    target: Target | None = None,
 ) -> Program:
-    """The program :func:`build_program` builds for ``model(*args, **kwargs)``, built on the
-    meta device (no verification): the same graph, parameters (shapes, dtypes, roles),
+    """The program :func:`build_program` builds for ``model(*args, **kwargs)`` (bound for
+    ``target``, default :func:`default_target` of the inputs), built on the meta device (no
+    verification): the same graph, parameters (shapes, dtypes, roles),
     working copies and pipeline stages, with no storage. ``model`` is left as it is (its copy,
     :func:`meta_copy`, is captured) and the inputs are read only for their shapes and dtypes;
     nothing the size of a parameter is allocated, so any plan can be predicted."""
+    target = target or default_target(args, kwargs)
     meta_args, meta_kwargs = pytree.tree_map_only(torch.Tensor, _on_meta, (args, kwargs))
+    model = meta_copy(model)
     return _build(
-        meta_copy(model), plan, meta_args, meta_kwargs, training, mesh, names, None, False, None
+        model, plan, meta_args, meta_kwargs, training, mesh, names, None, False, None, target
     )
 
 
@@ -191,11 +212,13 @@ def _build(
     dump: DumpHook | None,
     verify: bool,
     print_after: Iterable[str] | None,
+    target: Target,
 ) -> Program:
     """Capture and passes (:func:`build_program` without its check)."""
     mode = training if has_batch_norm(model) else True
     with in_mode(model, mode), timed("capture"):
         program = capture(model, args, kwargs)
+    program.target = target
     names = select(plan) if names is None else names
     ctx = PassContext(plan, program, ep_group=getattr(mesh, "ep_info", None))
     with timed("passes"):
@@ -203,6 +226,14 @@ def _build(
     program.pass_results = ctx.results
     program.pass_pipeline = pipeline_string(plan, names)
     return program
+
+
+def default_target(args: tuple, kwargs: dict, fallback: torch.device | str = "cpu") -> Target:
+    """:meth:`Target.detect` for the device of the first input tensor not on the meta device
+    (``fallback`` where there is none)."""
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    device = next((t.device for t in tensors if t.device.type != "meta"), fallback)
+    return Target.detect(device)
 
 
 def holds_storage(model: nn.Module) -> bool:

@@ -10,6 +10,8 @@
     out_dir/NN_<stage>/diff.patch   unified diff of graph.py against the previous stage (a comment
                                     line when the pass changed nothing)
     out_dir/NN_<stage>/stats.json   nodes, parameters, active parameters, FLOPs/token, pass stats
+    out_dir/bindings.txt            after pass ``bind``: the target, the grouped-GEMM policy and
+                                    each ``moec::`` node's bound implementation (also printed)
 
 and, after the compile, ``dump.write_repro(compiled, args, kwargs)`` adds ``out_dir/repro.py``:
 the final program as a standalone script with random weights (see :mod:`moec.repro`); where the
@@ -44,7 +46,6 @@ from rich.table import Table
 from moec.analysis.cost import format_count, graph_cost
 from moec.errors import MoecError
 from moec.fx import module_path, parameter_count
-from moec.kernels.arch import arch, emulated_precision
 from moec.kernels.gemm_backend import policy_text
 from moec.passes.manager import pipeline_string
 from moec.plan import Plan
@@ -111,6 +112,9 @@ class DebugDump:
         self.summaries.append(line)
         if self.print_after_all:
             self._safely("terminal", lambda: self._print(name, code, ops, diff, line))
+            if stage == "bind":
+                text = self._safely("bindings", lambda: bindings_text(program)) or ""
+                self.console.print(text, markup=False, highlight=False, soft_wrap=True)
             return
         files: dict[str, Callable[[], str]] = {
             "graph.py": lambda: code,
@@ -126,6 +130,10 @@ class DebugDump:
             self._safely(f"{name}/{filename}", lambda t=text, f=filename: self._write(name, f, t()))
         self._safely("summary.txt", lambda: self._append_summary(line))
         self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+        if stage == "bind":
+            text = self._safely("bindings", lambda: bindings_text(program)) or ""
+            self._safely("bindings.txt", lambda: (self.out / "bindings.txt").write_text(text))
+            self.console.print(text, markup=False, highlight=False, soft_wrap=True)
 
     def write_repro(self, compiled: Any, args: tuple, kwargs: dict, title: str) -> Path | None:
         """``out_dir/repro.py`` (and its ``repro_state.pt``) for ``compiled``'s final program,
@@ -164,15 +172,7 @@ class DebugDump:
     # --- output ------------------------------------------------------------------------------
 
     def _start(self) -> None:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        text = f"{self.pass_pipeline}\n\n{self.plan.to_yaml()}\n{policy_text(device)}"
-        gemm = self.plan.precision.gemm
-        if gemm != "bf16":
-            if device.type != "cuda":
-                runs = f"the ops' reference on {device.type} (fake quantization)"
-            else:
-                runs = emulated_precision(gemm, device) or f"its kernels ({arch(device)})"
-            text += f"\nprecision.gemm {gemm}: {runs}"
+        text = f"{self.pass_pipeline}\n\n{self.plan.to_yaml()}"
         if self.print_after_all:
             self.console.rule("pipeline")
             self.console.print(text, markup=False, highlight=False)
@@ -319,6 +319,23 @@ def graphviz_dot(gm: fx.GraphModule, name: str = "graph") -> str:
         for source in node.all_input_nodes:
             lines.append(f'  "{_dot_escape(source.name)}" -> "{_dot_escape(node.name)}";')
     lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def bindings_text(program: Program) -> str:
+    """What pass ``bind`` bound: the target, its grouped-GEMM policy, and one line per
+    ``moec::`` node (``node  op: impl (what it is)``)."""
+    target = program.target
+    if target is None:
+        return "bindings: none (pass bind did not run)\n"
+    kernels = target.triton and target.device == "cuda" and target.gemm not in ("reference", "loop")
+    lines = [
+        f"target: {target.describe()}",
+        policy_text(target.arch, target.gemm_policy() if kernels else None),
+    ]
+    lines.append(f"bound implementations ({len(program.bindings)} moec:: nodes):")
+    width = max((len(name) for name in program.bindings), default=0)
+    lines += [f"  {name.ljust(width)}  {what}" for name, what in program.bindings.items()]
     return "\n".join(lines) + "\n"
 
 

@@ -55,7 +55,7 @@ GemmPrecision = Literal["bf16", "mxfp8", "fp8_rowwise"]
 GemmScope = Literal["routed_experts", "shared_expert", "attn_qkv", "attn_out", "dense_ffn"]
 RecomputePolicy = Literal["none", "block", "selective", "budget"]
 FFNDropout = Literal["error", "drop"]
-Attention = Literal["auto", "sdpa", "fa4", "cudnn", "flash", "efficient", "math"]
+Attention = Literal["auto", "sdpa", "fa4"]
 
 
 @dataclass
@@ -423,28 +423,20 @@ class LoweringPlan:
     """Which kernels run ``scaled_dot_product_attention``. ``fa4``: each attention
     FlashAttention 4 takes (no mask or dropout, bf16 compute) runs on its CuTe DSL kernels
     (package flash-attn-4, in ``moec[cutlass]``; Hopper and Blackwell), the rest on torch's
-    SDPA (:mod:`moec.runtime.attention_kernels`; refused on a GPU FA4 does not run on).
-    ``sdpa``: torch's SDPA in torch's order (cuDNN's FA3-class kernel first on Hopper).
-    ``cudnn`` / ``flash`` / ``efficient`` / ``math``: that SDPA backend first, then the others
-    (an attention the first does not take falls to the next); the choice is made in the
-    forward and the backward follows it. ``auto`` (the default): ``fa4`` where it measured
-    faster than torch's order in the training step, i.e. on Hopper with flash-attn-4 installed
-    (benchmarks/RESULTS.md), else ``sdpa``."""
-    gather_up: bool = False
-    """Fold each MoE layer's dispatch into its expert MLP (pass ``gather_up``,
-    ``moec::expert_mlp_gathered``): where the up projection runs on the CuTe DSL it reads the
-    token rows through a row index, so the dispatched T*K x D buffer is neither written nor kept
-    for backward. Off by default until it measures faster on the GPU
-    (benchmarks/moe_layer.py)."""
+    SDPA (pass ``bind`` swaps them; refused on a GPU FA4 does not run on). ``sdpa``: torch's
+    SDPA in torch's order (cuDNN's FA3-class kernel first on Hopper). ``auto`` (the default):
+    ``fa4`` where it measured faster than torch's order in the training step, i.e. on Hopper
+    with flash-attn-4 installed (benchmarks/RESULTS.md), else ``sdpa``. (SDPA's own backends
+    in another order are a baseline of ``benchmarks/e2e.py --attention``.)"""
     combine_in_experts: bool = False
-    """Fold each MoE layer's combine into its gathered expert MLP (pass ``combine_experts``,
-    ``moec::expert_mlp_combined``; needs ``gather_up``): on the CuTe DSL the backward applies
-    the route weights and reduces their gradient in the down projection's dgrad epilogue,
-    reading the output gradient's token rows, so the experts' output rows are not kept for
-    backward and their gradient is never written. A memory lever ``moec plan auto`` chooses
-    (with ``gather_up``) where it prices a plan short of memory: measured time-neutral in the
-    e2e step (1.00x) and 6.7 GB less at peak on an H200 (benchmarks/RESULTS.md, session 18).
-    Off otherwise."""
+    """Fold each MoE layer's dispatch and combine into its expert MLP (pass
+    ``combine_experts``, ``moec::expert_mlp`` with the combine inside): on the CuTe DSL the up
+    projection reads the token rows through the route table, and the backward applies the route
+    weights and reduces their gradient in the down projection's dgrad epilogue, reading the
+    output gradient's token rows, so neither the dispatched T*K x D buffer nor the experts'
+    output rows are kept for backward and their gradient is never written. Off by default:
+    time-neutral in the e2e step and slightly slower in the layer on an H200, it saves memory
+    (benchmarks/RESULTS.md)."""
     expert_weights: Literal["auto", "n_major", "k_major"] = "auto"
     """Memory layout of the routed experts' ``w_up`` [N, D, U] and ``w_down`` [N, H, D] (the
     logical shapes are the same either way). ``n_major``: the output dim unit-stride.
@@ -452,15 +444,6 @@ class LoweringPlan:
     then runs the activation in the up projection's epilogue and the activation backward in
     the down dgrad's, reading ``[gate | up]`` in place, and every weight gradient is written in
     the weight's layout. ``auto``: :meth:`Plan.expert_weights_k_major` decides."""
-
-    def validate(self) -> None:
-        _require(
-            self.gather_up or not self.combine_in_experts,
-            "lowering.combine_in_experts",
-            self.combine_in_experts,
-            "false unless lowering.gather_up is true: the combine folds into the gathered "
-            "expert MLP that pass gather_up makes",
-        )
 
 
 @dataclass
@@ -525,7 +508,8 @@ class Plan:
             if not isinstance(value, _SECTIONS[section]):
                 raise PlanError(section, value, f"a {_SECTIONS[section].__name__} or a dict")
             _check_types(value, section)
-            value.validate()
+            if hasattr(value, "validate"):  # the sections with rules across their fields
+                value.validate()
         _require(
             not (self.lowering.expert_weights == "k_major" and self.parallel.shards_experts),
             "lowering.expert_weights",
@@ -627,6 +611,8 @@ REMOVED_FIELDS: dict[str, str] = {
     "lowering.shared_expert_stream": "the shared expert on a second stream measured 1.01x, "
     "within noise (benchmarks/RESULTS.md); delete the field",
     "lowering.cuda_graph": "it moved to experimental.cuda_graph",
+    "lowering.gather_up": "the dispatch folded alone measured 0.98x (benchmarks/RESULTS.md); "
+    "lowering.combine_in_experts folds the dispatch and the combine",
 }
 """Fields an older moec accepted, and what to use now (:class:`PlanError` on a plan naming
 one, so an old plan file is never read as something it did not say)."""
@@ -634,6 +620,11 @@ one, so an old plan file is never read as something it did not say)."""
 REMOVED_VALUES: dict[tuple[str, Any], str] = {
     ("parallel.ep_path", "sync_1d"): "the synchronized EP baseline is a benchmark's "
     "(benchmarks/ep.py); use 'auto', 'rowwise' or 'a2a_capacity'",
+    **{
+        ("lowering.attention", order): "SDPA's backends in another order are a baseline of "
+        "benchmarks/e2e.py --attention; use 'auto', 'sdpa' or 'fa4'"
+        for order in ("cudnn", "flash", "efficient", "math")
+    },
 }
 """Values an older moec accepted for a field, and what to use now."""
 

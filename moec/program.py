@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.fx as fx
@@ -34,6 +34,9 @@ import torch.utils._pytree as pytree
 
 from moec.errors import MoecError
 from moec.fx import under
+
+if TYPE_CHECKING:
+    from moec.kernels.target import Target
 
 ParamRole = Literal["dense", "router", "expert"]
 """``expert``: sliced over the EP group and reduced over the expert-data-parallel group;
@@ -478,6 +481,13 @@ class Program:
     """The pass-pipeline string of the passes that made this program (``moe{...},...``)."""
     pass_results: dict[str, Any] = dataclasses.field(default_factory=dict)
     """What each pass that ran reported (``moec.passes.base.PassResult`` by pass name)."""
+    target: Target | None = None
+    """The machine the program is compiled for (the compiler sets it; pass ``bind`` binds
+    every ``moec::`` node's implementation against it)."""
+    bindings: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Set by pass ``bind``: each ``moec::`` node (``name``, or ``submodule.name`` inside a
+    sub-graph) -> ``op: impl`` and what that implementation is (the node's ``impl`` argument
+    holds the same name; ``moec debug`` prints them)."""
 
     def role(self, name: str) -> ParamRole:
         """The role of parameter ``name`` (a name in ``graph``)."""
@@ -509,4 +519,5 @@ class Program:
             stage_index=index,
             captured_training=self.captured_training,
             pass_pipeline=self.pass_pipeline,
+            target=self.target,
         )

@@ -101,7 +101,7 @@ def run_on_stand_in(monkeypatch, glu_epilogue_backend: str = "cute_glu") -> Fake
     from moec.kernels import cute_gemm, grouped_gemm
     from moec.kernels import experts as kernel_experts
 
-    def policy(piece, x, w, kernels=True, glu_epilogue=False):
+    def policy(piece, x, w, policy=None, glu_epilogue=False):
         return glu_epilogue_backend if glu_epilogue else "cute"
 
     quack = FakeQuack()

@@ -55,7 +55,7 @@ def _plan(parallel: dict | None = None, recompute: str = "none", fold: bool = Fa
             "parallel": parallel or {},
             "precision": {"compute_dtype": "bf16"},
             "recompute": {"policy": recompute},
-            "lowering": {"gather_up": fold, "combine_in_experts": fold},
+            "lowering": {"combine_in_experts": fold},
         }
     )
 
@@ -189,7 +189,7 @@ def test_folding_the_experts_keeps_less_and_is_offered_where_memory_needs_it(pro
     assert best[0].layout.fold_experts and best[0].layout.recompute == "none"
     assert best[0].step_s <= min(p.step_s for p in best)
     lowering = best[0].plan(_plan()).lowering
-    assert lowering.gather_up and lowering.combine_in_experts
+    assert lowering.combine_in_experts
     unfolded = Search(profile, dataclasses.replace(tight, fold_experts=False))
     assert not any(p.layout.fold_experts for p in unfolded.candidates(prune=False))
 

@@ -30,15 +30,31 @@ def plan_file(tmp_path):
     return path
 
 
-def test_debug_says_where_the_quantized_gemms_run(tmp_path):
-    """pipeline.txt names what runs a low-precision recipe on this machine (no GPU here: the
-    reference's fake quantization), beside the bf16 expert GEMMs' backend table."""
+def test_debug_prints_each_nodes_bound_implementation(tmp_path, capsys):
+    """After pass bind, moec debug prints (and writes to bindings.txt) the target, the expert
+    GEMMs' policy and every moec:: node's bound implementation: here (no GPU) the reference, a
+    low-precision recipe emulated, and the FA4 swap of each attention as its own node."""
     path = tmp_path / "plan.yaml"
-    moec.Plan.from_dict({**PLAN, "precision": {"gemm": "fp8_rowwise"}}).save(path)
+    plan = {
+        **PLAN,
+        "precision": {"gemm": "fp8_rowwise", "compute_dtype": "bf16"},
+        "lowering": {"attention": "fa4"},
+    }
+    moec.Plan.from_dict(plan).save(path)
     out = tmp_path / "dump"
     assert main(["debug", "llama", "--plan", str(path), "--out", str(out)]) == 0
-    text = (out / "pipeline.txt").read_text()
-    assert "precision.gemm fp8_rowwise: the ops' reference on cpu (fake quantization)" in text
+    printed = capsys.readouterr().out
+    text = (out / "bindings.txt").read_text()
+    assert text in printed
+    assert text.startswith("target: cpu ") and "expert GEMMs: the ops' reference path" in text
+    lines = text.splitlines()
+    mlps = [line for line in lines if " expert_mlp: " in line]
+    attention = [line for line in lines if " flash_attention: " in line]
+    assert len(mlps) == 3 and all("reference (fp8_rowwise emulated)" in m for m in mlps)
+    assert len(attention) == 4 and all("(SDPA swapped)" in a for a in attention)
+    assert any(" linear_cross_entropy: reference" in line for line in lines)
+    graph = next(out.glob("*_bind")) / "graph.py"
+    assert "impl = 'reference'" in graph.read_text()
 
 
 @pytest.mark.parametrize("model, ffns", [("llama", 4), ("hf-gpt2", 2)])
@@ -46,7 +62,9 @@ def test_debug_writes_every_artifact_for_every_pass(tmp_path, plan_file, model, 
     out = tmp_path / "dump"
     assert main(["debug", model, "--plan", str(plan_file), "--out", str(out)]) == 0
     stages = sorted(p.name for p in out.iterdir() if p.is_dir())
-    assert stages == ["00_capture", "01_moe", "02_fused_loss", "03_fuse_rope", "04_fuse_glu"]
+    assert stages == [
+        "00_capture", "01_moe", "02_fused_loss", "03_fuse_rope", "04_fuse_glu", "05_bind"
+    ]  # fmt: skip
     for stage in stages:
         for name in ARTIFACTS:
             assert (out / stage / name).stat().st_size > 0, f"{stage}/{name} is empty"
@@ -64,7 +82,7 @@ def test_debug_writes_every_artifact_for_every_pass(tmp_path, plan_file, model, 
     assert stats["active_params"] < stats["params"]
     assert stats["flops_per_token"] > 0
     summary = (out / "summary.txt").read_text().splitlines()
-    expected = ["[capture]", "[moe]", "[fused_loss]", "[fuse_rope]", "[fuse_glu]"]
+    expected = ["[capture]", "[moe]", "[fused_loss]", "[fuse_rope]", "[fuse_glu]", "[bind]"]
     assert [line.split()[0] for line in summary] == expected
     # captured with moec train's next-token loss, which the fused_loss pass fuses with the head
     fused = json.loads((out / "02_fused_loss" / "stats.json").read_text())

@@ -7,6 +7,7 @@ buffer tails poisoned with NaN / 1e4 that must not reach any result.
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -26,24 +27,29 @@ from moec.kernels import (  # noqa: E402
     movement,
     rope,
 )
-from moec.ops import cuda  # noqa: E402
+from moec.ops import experts as expert_ops  # noqa: E402
+from moec.ops import routing as routing_ops  # noqa: E402
 from moec.ops.activations import (  # noqa: E402
     ACTIVATIONS,
     activate,
     activate_backward,
     is_gated,
+    kernel_activation,
 )
-from moec.ops.experts import (  # noqa: E402
-    bias_grads,
-    expert_mlp_backward_reference,
-    expert_mlp_reference,
-)
+from moec.ops.experts import bias_grads  # noqa: E402
 from moec.ops.loss import cross_entropy_rows_reference  # noqa: E402
 from moec.ops.movement import combine_reference, dispatch_reference  # noqa: E402
 from moec.ops.rope import rotate  # noqa: E402
 from moec.ops.routing import route_reference  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+ops = torch.ops.moec
+KERNELS = "kernels:rules"
+"""The expert MLP's kernels implementation (the measured rules, no CuTe DSL: on the
+interpreter every piece runs the pointer kernels)."""
+route_kernels = routing_ops.IMPLEMENTATIONS["triton"]
+glu_ops = importlib.import_module("moec.ops.glu")  # the module (moec.ops.glu is the op)
+rope_ops = importlib.import_module("moec.ops.rope")
 """Triton decides interpretation when it is imported: without the variable set from the start,
 this module re-runs itself in a subprocess that has it, and its tests here are skipped."""
 
@@ -86,7 +92,7 @@ def _logits(tokens: int, num_experts: int, case: str, dtype: torch.dtype) -> tor
 )
 def test_route_equals_reference(tokens, num_experts, top_k, cf, gating, normalize, case, dtype):
     logits = _logits(tokens, num_experts, case, dtype)
-    got = cuda.route(logits, top_k, cf, gating, normalize, "learned")
+    got = route_kernels(logits, top_k, cf, gating, normalize, "learned")
     want = route_reference(logits, top_k, cf, gating, normalize, "learned")
     for name, a, b in zip(["ids", "weights", "rows", "offsets", "counts"], got, want, strict=True):
         if name == "weights":
@@ -102,7 +108,7 @@ def test_route_of_non_finite_logits_picks_valid_experts():
     logits = torch.randn(40, 8)
     logits[3] = float("nan")
     logits[7, 2] = float("nan")
-    ids, weights, rows, offsets, counts = cuda.route(logits, 2, 1.0, "softmax", True, "learned")
+    ids, weights, rows, offsets, counts = route_kernels(logits, 2, 1.0, "softmax", True, "learned")
     assert ids.min() >= 0 and ids.max() < 8
     assert ids[3].unique().numel() == 2 and 2 not in ids[7].tolist()
     assert weights[3].isnan().all() and weights[7].isnan().all()
@@ -115,9 +121,9 @@ def test_route_with_a_selection_bias_equals_reference(gating):
     """``aux_free``: the experts chosen by scores + bias, ranked by the kernels."""
     logits = torch.randn(2, 90, 8)
     bias = torch.randn(8) * 0.2
-    got = cuda.route(logits, 2, 1.0, gating, True, "learned", bias)
+    got = route_kernels(logits, 2, 1.0, gating, True, "learned", bias)
     want = route_reference(logits, 2, 1.0, gating, True, "learned", bias)
-    assert not torch.equal(got[0], cuda.route(logits, 2, 1.0, gating, True, "learned")[0])
+    assert not torch.equal(got[0], route_kernels(logits, 2, 1.0, gating, True, "learned")[0])
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b)
 
@@ -125,7 +131,7 @@ def test_route_with_a_selection_bias_equals_reference(gating):
 @interpreted
 def test_route_uniform_policy_and_lead_dims():
     logits = torch.randn(3, 20, 8)
-    got = cuda.route(logits, 2, 1.0, "softmax", True, "uniform")
+    got = route_kernels(logits, 2, 1.0, "softmax", True, "uniform")
     want = route_reference(logits, 2, 1.0, "softmax", True, "uniform")
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b)
@@ -269,7 +275,7 @@ def test_tma_gmm_epilogues(case):
     """The persistent TMA kernel (float32): plain product through a weight and a transposed
     view, the fused SwiGLU forward and backward; K, width and rows not multiples of the tiles,
     poisoned rows past the offsets and outputs pre-filled with 1e4 there must stay untouched."""
-    swiglu = cuda.kernel_activation("swiglu")
+    swiglu = kernel_activation("swiglu")
     offsets = _offsets(OFFSET_CASES[case])
     rows, depth, hidden, used = 48, 40, 24, int(offsets[-1])
     x = torch.randn(rows, depth)
@@ -315,7 +321,8 @@ def test_expert_mlp_forward_backward(activation_name, bias):
     w_down = torch.randn(num_experts, hidden, dim) / hidden**0.5
     b_up = torch.randn(num_experts, width) if bias else None
     b_down = torch.randn(num_experts, dim) if bias else None
-    y, h = cuda.expert_mlp(x, w_up, w_down, offsets, b_up, b_down, activation_name)
+    y, h = ops.expert_mlp(x, w_up, w_down, offsets, b_up, b_down, activation_name, "bf16",
+                          None, None, KERNELS)  # fmt: skip
     leaves = [t.double().requires_grad_() for t in (x, w_up, w_down, b_up, b_down) if t is not None]
     rb = (leaves[3], leaves[4]) if bias else (None, None)
     y_ref, h_ref = torch.ops.moec.expert_mlp(*leaves[:3], offsets, *rb, activation_name)
@@ -324,7 +331,8 @@ def test_expert_mlp_forward_backward(activation_name, bias):
     dy = torch.randn(rows, dim)
     dy[used:] = 1e4
     bias_dtypes = (torch.float32, torch.float32) if bias else (None, None)
-    *grads, d_h = cuda.expert_mlp_backward(x, w_up, w_down, offsets, h, dy, activation_name)
+    *grads, d_h, _ = ops.expert_mlp_backward(x, w_up, w_down, offsets, h, dy, activation_name,
+                                             bias, "bf16", None, None, KERNELS)  # fmt: skip
     grads += bias_grads(d_h, dy, offsets, bias_dtypes)
     want = torch.autograd.grad(y_ref, leaves, dy.double())
     names = ["x", "w_up", "w_down", "b_up", "b_down"]
@@ -342,13 +350,13 @@ def test_activation_kernels_match_reference():
     """Every activation with a kernel form: the kernels' forward and backward (with and without
     the recomputed activation) equal the reference (plain ones on h, gated ones on h = [gate |
     up])."""
-    with_kernel = [name for name in ACTIVATIONS if cuda.kernel_activation(name) is not None]
+    with_kernel = [name for name in ACTIVATIONS if kernel_activation(name) is not None]
     assert {"gelu", "gelu_tanh", "silu", "relu", "swiglu", "geglu", "geglu_tanh", "reglu"} <= set(
         with_kernel
     )
     h = torch.randn(20, 2 * 33) * 3
     for name in with_kernel:
-        act = cuda.kernel_activation(name)
+        act = kernel_activation(name)
         d_a = torch.randn(20, 33 if act.gated else 66)
         torch.testing.assert_close(activation.act_forward(h, act), activate(h, name), msg=name)
         d_h, a = activation.act_backward(h, d_a, act)
@@ -369,33 +377,40 @@ def _refuse(*args, **kwargs):
 
 @interpreted
 def test_inputs_without_a_kernel_run_the_reference(monkeypatch):
-    """The CUDA implementations run the op's reference for every activation without a kernel
-    code (quick_gelu, relu2 and their gated forms today) and for a 5-D rope input: no kernel
-    runs, and the results are the reference's."""
-    without_code = [name for name in ACTIVATIONS if cuda.kernel_activation(name) is None]
+    """The kernels implementations run the reference's activation for every activation without
+    a kernel code (quick_gelu, relu2 and their gated forms today: the expert MLP's GEMMs stay
+    on the grouped-GEMM kernels, the fused expert kernels never run) and the reference for a
+    5-D rope input; the results are the reference's."""
+    without_code = [name for name in ACTIVATIONS if kernel_activation(name) is None]
     assert without_code, "every built-in has a kernel code: withdraw one here to test this"
     for name in ("act_forward", "act_gradient"):
-        monkeypatch.setattr(cuda, name, _refuse)
+        monkeypatch.setattr(glu_ops, name, _refuse)
     for name in ("expert_mlp", "expert_mlp_backward"):
-        monkeypatch.setattr(cuda.experts, name, _refuse)
+        monkeypatch.setattr(expert_ops.kernel_experts, name, _refuse)
     offsets = _offsets([3, 0, 6])
     x, w_down, d_y = torch.randn(9, 8), torch.randn(3, 12, 8), torch.randn(9, 8)
+    close = dict(atol=1e-5, rtol=1e-5)
     for name in without_code:
         gated = is_gated(name)
         w_up = torch.randn(3, 8, 24 if gated else 12)
-        y, h = cuda.expert_mlp(x, w_up, w_down, offsets, None, None, name)
-        y_ref, h_ref = expert_mlp_reference(x, w_up, w_down, offsets, None, None, name)
-        assert torch.equal(y, y_ref) and torch.equal(h, h_ref), name
-        grads = cuda.expert_mlp_backward(x, w_up, w_down, offsets, h, d_y, name)
-        want = expert_mlp_backward_reference(x, w_up, w_down, offsets, h, d_y, name)
-        assert all(torch.equal(g, r) for g, r in zip(grads, want, strict=True)), name
+        args = (x, w_up, w_down, offsets)
+        y, h = ops.expert_mlp(*args, None, None, name, "bf16", None, None, KERNELS)
+        y_ref, h_ref = ops.expert_mlp(*args, None, None, name, "bf16", None, None, "reference")
+        torch.testing.assert_close(y, y_ref, **close, msg=name)
+        torch.testing.assert_close(h, h_ref, **close, msg=name)
+        grads = ops.expert_mlp_backward(*args, h, d_y, name, False, "bf16", None, None, KERNELS)
+        want = ops.expert_mlp_backward(*args, h, d_y, name, False, "bf16", None, None, "reference")
+        for g, r in zip(grads, want, strict=True):
+            torch.testing.assert_close(g, r, **close, msg=name)
         if gated:
             d_a = torch.randn(9, 12)
-            assert torch.equal(cuda.glu_forward(h, name), activate(h, name)), name
-            assert torch.equal(cuda.glu_backward(h, d_a, name), activate_backward(h, d_a, name))
+            forward, backward = glu_ops.IMPLEMENTATIONS["triton"]
+            assert torch.equal(forward(h, name), activate(h, name)), name
+            assert torch.equal(backward(h, d_a, name), activate_backward(h, d_a, name))
     monkeypatch.setattr(rope, "_rope_kernel", None)  # launching it would raise
     x5, cos, sin = torch.randn(2, 2, 3, 5, 8), torch.randn(5, 8), torch.randn(5, 8)
-    assert torch.equal(cuda.rope(x5, cos, sin, torch.float32, False), rotate(x5, cos, sin, False))
+    rotated = rope_ops.IMPLEMENTATIONS["triton"](x5, cos, sin, torch.float32, False)
+    assert torch.equal(rotated, rotate(x5, cos, sin, False))
 
 
 @interpreted

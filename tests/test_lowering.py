@@ -8,7 +8,6 @@ import copy
 
 import pytest
 import torch
-from torch.nn.attention import SDPBackend
 from torch.profiler import ProfilerActivity, profile
 
 import moec
@@ -94,26 +93,6 @@ def test_auto_runs_the_graph_itself_on_the_cpu():
     graph = model.program.graph
     assert InductorGraphs(model.plan)(graph, [tokens()]) is graph
     assert InductorGraphs(moec.Plan.from_dict(INDUCTOR))(graph, [tokens()]) is not graph
-
-
-def test_attention_backend_goes_first_while_the_program_runs():
-    """``plan.lowering.attention`` orders the attention backends around the program (torch's
-    priority seen from inside the graph's forward), and the values stay the default's."""
-    torch.manual_seed(0)
-    math_plan = {**PLAN, "lowering": {"attention": "math"}}
-    default, chosen = _pair(PLAN, math_plan)
-    first = []
-    hook = lambda module, args: first.append(torch._C._get_sdp_priority_order()[0])  # noqa: E731
-    for model in (default, chosen):
-        model.program.graph.register_forward_pre_hook(hook)
-    x = tokens()
-    want, want_grads = _step(default, x)
-    got, got_grads = _step(chosen, x)
-    assert first[1] == int(SDPBackend.MATH) and first[0] != first[1]
-    assert torch._C._get_sdp_priority_order()[0] == first[0]  # restored after the program
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    for g, w in zip(got_grads, want_grads, strict=True):
-        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
 
 
 def _backward_keeping_backend(backwards: list[torch.fx.GraphModule]):

@@ -90,60 +90,43 @@ def _expert_weights(activation: str, grad: bool, bias: bool):
 
 
 def _expert_mlp() -> list[Sample]:
+    """Plain (with and without biases), the combine inside (tokens of one and two leading
+    dims) and the low-precision recipes."""
     samples = []
     for activation, bias in (("swiglu", False), ("gelu", True)):
         _, _, offsets, _ = _routed(0.0)  # dropless: no garbage rows, whose values are undefined
         w_up, w_down, b_up, b_down = _expert_weights(activation, True, bias)
         args = (_randn(T * K, D, grad=True), w_up, w_down, offsets, b_up, b_down, activation)
         samples.append((args, {}))
+    for activation, lead in (("swiglu", (T,)), ("gelu", (2, 3))):
+        weights, rows, offsets, _ = _routed(0.0, lead)  # dropless: no garbage rows in h
+        w_up, w_down, _, _ = _expert_weights(activation, True, False)
+        x, weights = _randn(*lead, D, grad=True), weights.detach().requires_grad_()
+        args = (x, w_up, w_down, offsets, None, None, activation, "bf16", rows, weights)
+        samples.append((args, {}))
+    for recipe, bias in (("mxfp8", False), ("fp8_rowwise", True)):
+        _, _, offsets, _ = _routed()
+        w_up, w_down, b_up, b_down = _expert_weights("swiglu", True, bias)
+        args = (_randn(T * K, D, grad=True), w_up, w_down, offsets, b_up, b_down, "swiglu", recipe)
+        samples.append((args, {}))
     return samples
 
 
 def _expert_mlp_backward() -> list[Sample]:
     samples = []
-    for activation in ("swiglu", "relu2"):
+    for activation, recipe in (("swiglu", "bf16"), ("relu2", "bf16"), ("swiglu", "mxfp8"),
+                               ("swiglu", "fp8_rowwise")):  # fmt: skip
         _, _, offsets, _ = _routed(0.0)
         w_up, w_down, _, _ = _expert_weights(activation, False, False)
         h = _randn(T * K, w_up.shape[-1])
         args = (_randn(T * K, D), w_up, w_down, offsets, h, _randn(T * K, D), activation, False)
-        samples.append((args, {}))
-    return samples
-
-
-def _expert_mlp_gathered() -> list[Sample]:
-    samples = []
-    for activation, bias, lead in (("swiglu", False, (T,)), ("gelu", True, (2, 3))):
-        _, rows, offsets, _ = _routed(0.0, lead)  # dropless: every buffer row is a route
-        w_up, w_down, b_up, b_down = _expert_weights(activation, True, bias)
-        x = _randn(*lead, D, grad=True)
-        samples.append(((x, rows, w_up, w_down, offsets, b_up, b_down, activation), {}))
-    return samples
-
-
-def _expert_mlp_gathered_backward() -> list[Sample]:
-    _, rows, offsets, _ = _routed(0.0)
-    w_up, w_down, _, _ = _expert_weights("swiglu", False, False)
-    h = _randn(T * K, w_up.shape[-1])
-    args = (_randn(T, D), rows, w_up, w_down, offsets, h, _randn(T * K, D), "swiglu", False)
-    return [(args, {})]
-
-
-def _expert_mlp_combined() -> list[Sample]:
-    samples = []
-    for activation, lead in (("swiglu", (T,)), ("gelu", (2, 3))):
-        weights, rows, offsets, _ = _routed(0.0, lead)  # dropless: no garbage rows in h
-        w_up, w_down, _, _ = _expert_weights(activation, True, False)
-        x, weights = _randn(*lead, D, grad=True), weights.detach().requires_grad_()
-        samples.append(((x, rows, weights, w_up, w_down, offsets, activation), {}))
-    return samples
-
-
-def _expert_mlp_combined_backward() -> list[Sample]:
+        samples.append(((*args, recipe), {}))
     weights, rows, offsets, _ = _routed(0.0)
     w_up, w_down, _, _ = _expert_weights("swiglu", False, False)
     h = _randn(T * K, w_up.shape[-1])
-    args = (_randn(T, D), rows, weights, w_up, w_down, offsets, h, _randn(T, D), "swiglu")
-    return [(args, {})]
+    args = (_randn(T, D), w_up, w_down, offsets, h, _randn(T, D), "swiglu", False, "bf16")
+    samples.append(((*args, rows, weights), {}))
+    return samples
 
 
 def _glu() -> list[Sample]:
@@ -205,27 +188,6 @@ def _linear_cross_entropy() -> list[Sample]:
         h, weight = _randn(10, D, grad=with_grads), _randn(16, D, grad=with_grads)
         args = (h, weight, b, targets, -100, reduction)
         samples.append(((*args, with_grads), {}))
-    return samples
-
-
-def _quantized_expert_mlp() -> list[Sample]:
-    samples = []
-    for recipe, bias in (("mxfp8", False), ("fp8_rowwise", True)):
-        _, _, offsets, _ = _routed()
-        w_up, w_down, b_up, b_down = _expert_weights("swiglu", True, bias)
-        args = (_randn(T * K, D, grad=True), w_up, w_down, offsets, b_up, b_down, "swiglu", recipe)
-        samples.append((args, {}))
-    return samples
-
-
-def _quantized_expert_mlp_backward() -> list[Sample]:
-    samples = []
-    for recipe in ("mxfp8", "fp8_rowwise"):
-        _, _, offsets, _ = _routed()
-        w_up, w_down, _, _ = _expert_weights("swiglu", False, False)
-        h = _randn(T * K, 2 * H)
-        args = (_randn(T * K, D), w_up, w_down, offsets, h, _randn(T * K, D), "swiglu", recipe)
-        samples.append((args, {}))
     return samples
 
 
@@ -387,10 +349,6 @@ SAMPLES: dict[str, Callable[[], list[Sample]]] = {
     "combine_backward": _combine_backward,
     "expert_mlp": _expert_mlp,
     "expert_mlp_backward": _expert_mlp_backward,
-    "expert_mlp_gathered": _expert_mlp_gathered,
-    "expert_mlp_gathered_backward": _expert_mlp_gathered_backward,
-    "expert_mlp_combined": _expert_mlp_combined,
-    "expert_mlp_combined_backward": _expert_mlp_combined_backward,
     "glu": _glu,
     "glu_backward": _glu_backward,
     "flash_attention": _flash_attention,
@@ -398,8 +356,6 @@ SAMPLES: dict[str, Callable[[], list[Sample]]] = {
     "rope": _rope,
     "rope_backward": _rope_backward,
     "linear_cross_entropy": _linear_cross_entropy,
-    "quantized_expert_mlp": _quantized_expert_mlp,
-    "quantized_expert_mlp_backward": _quantized_expert_mlp_backward,
     "quantized_linear": _quantized_linear,
     "quantized_linear_backward": _quantized_linear_backward,
     "ep_layout": _ep_layout,
@@ -532,7 +488,7 @@ def test_inductor_equals_eager_with_the_fused_loss_and_mxfp8_experts():
     inputs = (ids[:, :-1], ids[:, 1:])
     plan = {"moe": {**MOE, "dense_first": 0}, "precision": {"gemm": "mxfp8"}}
     model = moec.compile(LanguageModelWithLoss(tiny_llama(1)), plan, inputs)
-    assert {"linear_cross_entropy", "quantized_expert_mlp"} <= _moec_ops(model)
+    assert {"linear_cross_entropy", "expert_mlp"} <= _moec_ops(model)
     _inductor_matches_eager(model, inputs, lambda loss: loss, 1e-5, 1e-5)
 
 

@@ -41,7 +41,7 @@ def test_every_pass_runs_after_what_it_declares():
 @pytest.mark.parametrize(
     "plan, expected",
     [
-        ({}, ["moe", "fused_loss", "fuse_rope", "fuse_glu"]),
+        ({}, ["moe", "fused_loss", "fuse_rope", "fuse_glu", "bind"]),
         (
             BF16,
             [
@@ -55,6 +55,7 @@ def test_every_pass_runs_after_what_it_declares():
                 "working_weights",
                 "recompute",
                 "pipeline",
+                "bind",  # always, the last
             ],
         ),
     ],

@@ -14,11 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from moec.frontend import capture
+from moec.kernels.target import Target
 from moec.ops.recompute import recompute_region
 from moec.passes.base import PassContext, PassResult
+from moec.passes.bind import BindPass
 from moec.passes.casts import SharedCastsPass
+from moec.passes.combine_experts import CombineExpertsPass
 from moec.passes.expert_parallel import ExpertParallelError, ExpertParallelPass
-from moec.passes.gather_up import GatherUpPass
 from moec.passes.loss import FusedLossPass
 from moec.passes.moe import MoEPass
 from moec.passes.pipeline import PipelinePass, PipelinePassError
@@ -28,7 +30,7 @@ from moec.passes.rewrite import GraphEditor
 from moec.passes.rope import FuseRopePass
 from moec.passes.verify import verify_graph
 from moec.passes.working_weights import WorkingWeightsPass
-from moec.plan import Plan
+from moec.plan import Plan, PlanError
 from moec.program import EPGroup, Program
 
 aten = torch.ops.aten
@@ -38,18 +40,18 @@ MOE = {"num_experts": 4, "top_k": 2}
 
 
 class FFN(nn.Module):
-    def __init__(self):
+    def __init__(self, bias: bool = True):
         super().__init__()
-        self.up, self.down = nn.Linear(DIM, HIDDEN), nn.Linear(HIDDEN, DIM)
+        self.up, self.down = nn.Linear(DIM, HIDDEN, bias), nn.Linear(HIDDEN, DIM, bias)
 
     def forward(self, x):
         return self.down(F.silu(self.up(x)))
 
 
 class Block(nn.Module):
-    def __init__(self):
+    def __init__(self, bias: bool = True):
         super().__init__()
-        self.ffn = FFN()
+        self.ffn = FFN(bias)
 
     def forward(self, x):
         return x + self.ffn(x)
@@ -58,9 +60,9 @@ class Block(nn.Module):
 class Blocks(nn.Module):
     """``n`` residual FFN blocks: the smallest graph with blocks (x: [B, S, DIM])."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, bias: bool = True):
         super().__init__()
-        self.layers = nn.ModuleList(Block() for _ in range(n))
+        self.layers = nn.ModuleList(Block(bias) for _ in range(n))
 
     def forward(self, x):
         for layer in self.layers:
@@ -120,8 +122,8 @@ def test_moe_replaces_the_ffn_past_dense_first_and_keeps_the_first():
 # --- expert_parallel ---------------------------------------------------------------------------
 
 
-def _moe_graph(n: int = 1) -> fx.GraphModule:
-    gm = _trace(Blocks(n), (_x(),))
+def _moe_graph(n: int = 1, bias: bool = True) -> fx.GraphModule:
+    gm = _trace(Blocks(n, bias), (_x(),))
     return _run(MoEPass(), gm, {"moe": MOE}).gm
 
 
@@ -153,8 +155,8 @@ def test_precision_quantizes_the_routed_experts_in_scope():
     plan = {"moe": MOE, "precision": {"gemm": "fp8_rowwise", "scope": ["routed_experts"]}}
     result = _run(PrecisionPass(), gm, plan)
     assert result.stats["experts_quantized"] == 1
-    assert _count(result.gm, moec_ops.expert_mlp.default) == 0
-    assert _count(result.gm, moec_ops.quantized_expert_mlp.default) == 1
+    (mlp,) = result.gm.graph.find_nodes(op="call_function", target=moec_ops.expert_mlp.default)
+    assert mlp.args[7] == "fp8_rowwise"  # the recipe
 
 
 def test_precision_leaves_linears_outside_its_scope():
@@ -295,56 +297,154 @@ def test_recompute_leaves_a_graph_without_blocks():
     assert _count(result.gm, aten.linear.default) == 1
 
 
-# --- gather_up ---------------------------------------------------------------------------------
+# --- combine_experts ---------------------------------------------------------------------------
 
-GATHER = {"moe": MOE, "lowering": {"gather_up": True}}
+COMBINE = {"moe": MOE, "lowering": {"combine_in_experts": True}}
 
 
-def test_gather_up_folds_the_dispatch_into_the_expert_mlp():
+def test_combine_experts_folds_the_dispatch_and_combine_into_the_expert_mlp():
     x = _x()
-    gm = _moe_graph()
+    gm = _moe_graph(bias=False)
     want = gm(x)[0]
     (mlp,) = gm.graph.find_nodes(op="call_function", target=moec_ops.expert_mlp.default)
     stack = mlp.meta["nn_module_stack"]
-    result = _run(GatherUpPass(), gm, GATHER)
+    result = _run(CombineExpertsPass(), gm, COMBINE)
     assert result.stats["fused"] == 1 and result.stats["left_alone"] == {}
     assert _count(result.gm, moec_ops.dispatch.default) == 0
-    assert _count(result.gm, moec_ops.expert_mlp.default) == 0
-    (new,) = result.gm.graph.find_nodes(
-        op="call_function", target=moec_ops.expert_mlp_gathered.default
-    )
-    assert new.meta["nn_module_stack"] == stack and new.meta["from_pass"] == "gather_up"
+    assert _count(result.gm, moec_ops.combine.default) == 0
+    (new,) = result.gm.graph.find_nodes(op="call_function", target=moec_ops.expert_mlp.default)
+    assert new.args[7] == "bf16" and new.args[8] is not None and new.args[9] is not None
+    assert new.meta["nn_module_stack"] == stack and new.meta["from_pass"] == "combine_experts"
     torch.testing.assert_close(result.gm(x)[0], want)
 
 
-def test_gather_up_leaves_a_dispatch_with_another_reader():
+def test_combine_experts_leaves_an_expert_mlp_with_biases():
     gm = _moe_graph()
+    result = _run(CombineExpertsPass(), gm, COMBINE)
+    assert not result.modified and result.stats["fused"] == 0
+    assert list(result.stats["left_alone"].values()) == ["it has biases"]
+    assert _count(result.gm, moec_ops.dispatch.default) == 1
+    assert _count(result.gm, moec_ops.combine.default) == 1
+
+
+def test_combine_experts_leaves_a_dispatch_with_another_reader():
+    gm = _moe_graph(bias=False)
     (buffer,) = gm.graph.find_nodes(op="call_function", target=moec_ops.dispatch.default)
     with gm.graph.inserting_after(buffer):
         GraphEditor(gm, "test").call(aten.clone.default, (buffer,), buffer)
     gm.recompile()
-    result = _run(GatherUpPass(), gm, GATHER)
+    result = _run(CombineExpertsPass(), gm, COMBINE)
     assert not result.modified and result.stats["fused"] == 0
     assert "other readers" in next(iter(result.stats["left_alone"].values()))
     assert _count(result.gm, moec_ops.dispatch.default) == 1
-    assert _count(result.gm, moec_ops.expert_mlp.default) == 1
 
 
-def test_gather_up_folds_inside_a_recompute_region():
+def test_combine_experts_folds_inside_a_recompute_region():
     x = _x()
-    gm = _moe_graph()
+    gm = _moe_graph(bias=False)
     want = gm(x)[0]
     gm = _run(RecomputePass(), gm, {"moe": MOE, "recompute": {"policy": "block"}}).gm
-    result = _run(GatherUpPass(), gm, {**GATHER, "recompute": {"policy": "block"}})
+    result = _run(CombineExpertsPass(), gm, {**COMBINE, "recompute": {"policy": "block"}})
     assert result.stats["fused"] == 1 and result.stats["in_regions"] == 1
     (region,) = (
         m
         for _, m in result.gm.named_modules()
         if isinstance(m, fx.GraphModule) and m is not result.gm
     )
-    assert _count(region, moec_ops.expert_mlp_gathered.default) == 1
     assert _count(region, moec_ops.dispatch.default) == 0
+    assert _count(region, moec_ops.combine.default) == 0
     torch.testing.assert_close(result.gm(x)[0], want)
+
+
+# --- bind --------------------------------------------------------------------------------------
+
+HOPPER = Target(device="cuda", arch="sm90", triton=True, quack=True, fa4=True)
+
+
+def _bound(gm: fx.GraphModule, target: Target, plan: dict) -> PassResult:
+    PROGRAMS[gm].target = target
+    return _run(BindPass(), gm, plan)
+
+
+def _impls(gm: fx.GraphModule) -> dict[str, str]:
+    return {
+        n.target._schema.name: n.kwargs["impl"]
+        for n in gm.graph.nodes
+        if n.op == "call_function" and "impl" in n.kwargs
+    }
+
+
+def test_bind_binds_every_moec_node_for_the_target_and_records_it():
+    x = _x()
+    gm = _moe_graph()
+    want = gm(x)[0]
+    result = _bound(gm, HOPPER, {"moe": MOE})
+    assert _impls(result.gm) == {
+        "moec::route": "triton",
+        "moec::dispatch": "triton",
+        "moec::expert_mlp": "kernels:rules+quack",
+        "moec::combine": "triton",
+    }
+    program = PROGRAMS[result.gm]
+    assert program.target == HOPPER and result.stats["bound"] == 4
+    (mlp,) = result.gm.graph.find_nodes(op="call_function", target=moec_ops.expert_mlp.default)
+    assert program.bindings[mlp.name].startswith("expert_mlp: kernels:rules+quack")
+    # its kernels take no CPU tensor: every implementation runs the reference here
+    torch.testing.assert_close(result.gm(x)[0], want)
+
+
+def test_bind_binds_the_reference_on_a_cpu_target():
+    result = _bound(_moe_graph(), Target(), {"moe": MOE})
+    assert set(_impls(result.gm).values()) == {"reference"}
+
+
+def test_bind_leaves_a_graph_without_moec_ops():
+    gm = _trace(OneLinear(), (_x(),))
+    result = _bound(gm, HOPPER, {})
+    assert not result.modified and result.stats["bound"] == 0
+    assert PROGRAMS[result.gm].bindings == {}
+
+
+class Attention(nn.Module):
+    """One causal SDPA over 2 heads of 16 (x: [B, S, 32])."""
+
+    def forward(self, x):
+        q = x.unflatten(-1, (2, 16)).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        return out.transpose(1, 2).flatten(-2)
+
+
+BF16 = {"precision": {"compute_dtype": "bf16"}}
+
+
+@pytest.mark.parametrize(
+    "target,attention,swapped",
+    [(HOPPER, "auto", True), (Target(device="cuda", arch="sm100", fa4=True), "auto", False),
+     (Target(), "auto", False), (Target(), "fa4", True), (HOPPER, "sdpa", False)],
+)  # fmt: skip
+def test_bind_swaps_sdpa_for_fa4_where_the_target_runs_it(target, attention, swapped):
+    """``auto``: FA4 on Hopper with FA4 installed; ``fa4`` asks for it (the reference on a CPU
+    target: tests); ``sdpa`` keeps torch's. The swap is a visible node with its impl."""
+    x = torch.randn(2, 8, 32)
+    gm = _trace(Attention(), (x,))
+    want = gm(x)
+    result = _bound(gm, target, {**BF16, "lowering": {"attention": attention}})
+    assert result.stats["attention_swapped"] == int(swapped)
+    assert _count(result.gm, aten.scaled_dot_product_attention.default) == int(not swapped)
+    if swapped:
+        impl = "fa4" if target.fa4 else "reference"
+        assert _impls(result.gm) == {"moec::flash_attention": impl}
+        (node,) = PROGRAMS[result.gm].bindings
+        assert "SDPA swapped" in PROGRAMS[result.gm].bindings[node]
+    if target.device == "cpu":
+        torch.testing.assert_close(result.gm(x), want, atol=1e-5, rtol=1e-5)
+
+
+def test_bind_refuses_fa4_on_a_cuda_target_without_it():
+    gm = _trace(Attention(), (torch.randn(2, 8, 32),))
+    without = Target(device="cuda", arch="sm90", triton=True)
+    with pytest.raises(PlanError, match="lowering.attention"):
+        _bound(gm, without, {**BF16, "lowering": {"attention": "fa4"}})
 
 
 # --- pipeline ----------------------------------------------------------------------------------

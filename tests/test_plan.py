@@ -42,6 +42,8 @@ from moec.plan import REMOVED_FIELDS, Plan, PlanError
         ({"moe": {"experts": 8}}, "moe.experts"),
         ({"moe": {"ffn_dropout": "keep"}}, "moe.ffn_dropout"),
         ({"lowering": {"attention": "fa3"}}, "lowering.attention"),
+        ({"lowering": {"attention": "cudnn"}}, "lowering.attention"),  # a benchmark baseline
+        ({"lowering": {"gather_up": True}}, "lowering.gather_up"),  # removed: no measured gain
         ({"moe": {"activations": ["mish"]}}, "moe.activations"),
         ({"moe": {"activations": {"mish": 3}}}, "moe.activations"),
         ({"moe": {"activations": {"mish": "math"}}}, "moe.activations.mish"),

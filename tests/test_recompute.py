@@ -170,7 +170,7 @@ def _budget_between(base, floor) -> int:
 
 def test_compile_registers_the_pass_after_moe():
     compiled = moec.compile(tiny_llama(layers=2), _plan("block"), (tokens(),))
-    passes = ["moe", "fused_loss", "fuse_rope", "fuse_glu", "recompute"]
+    passes = ["moe", "fused_loss", "fuse_rope", "fuse_glu", "recompute", "bind"]
     assert list(compiled.pass_results) == passes
     assert compiled.pass_results["recompute"].stats["blocks_recomputed"] == 2
 

@@ -74,7 +74,7 @@ def capture_model(load: ModelLoader, plan: Plan, name: str = "model") -> ModelPr
     from moec.debug import with_next_token_loss
 
     folded = _one_rank(plan).to_dict()
-    folded["lowering"] = {**folded["lowering"], "gather_up": True, "combine_in_experts": True}
+    folded["lowering"] = {**folded["lowering"], "combine_in_experts": True}
     programs = []
     for one in (_one_rank(plan), _one_rank(plan, dp=2, dp_shard=2), Plan.from_dict(folded)):
         with torch.device("meta"):
@@ -176,7 +176,7 @@ def format_predictions(result: AutoPlanResult) -> str:
         f"{req.memory_fraction:.0%} usable), global batch {req.global_batch} tokens at seq "
         f"{req.seq}; mb = sequences per microbatch, m = microbatches; low-prec scope = the GEMMs "
         "in the gemm precision; fold = dispatch and "
-        "combine folded into the expert MLPs (lowering.gather_up + combine_in_experts); MFU on "
+        "combine folded into the expert MLPs (lowering.combine_in_experts); MFU on "
         f"{req.gpu.bf16_tflops:.0f} TFLOP/s; {result.evaluated} candidates evaluated in "
         f"{result.search_s:.2f} s (capture {result.capture_s:.1f} s)"
     )

@@ -17,10 +17,10 @@ first and the epilogue to the last):
   role, working copy, FSDP group), from which :mod:`~moec.autoplan.memory` sizes
   every layout analytically, with :mod:`moec.analysis.rank_memory`'s accounting.
 
-Optionally a third program, the same model with ``lowering.gather_up`` and
-``combine_in_experts`` (each MoE layer's dispatch and combine folded into its expert MLP), is
-profiled as :attr:`ModelProfile.folded`: the same units with what that lowering keeps for
-backward, which the search offers as a memory lever at EP = 1.
+Optionally a third program, the same model with ``lowering.combine_in_experts`` (each MoE
+layer's dispatch and combine folded into its expert MLP), is profiled as
+:attr:`ModelProfile.folded`: the same units with what that lowering keeps for backward,
+which the search offers as a memory lever at EP = 1.
 
 :meth:`ModelProfile.repeat_block` grows a captured model to its full depth (a model captured
 with a few identical blocks stands for one with many, e.g. the report's 63-layer Ultra).
@@ -112,7 +112,7 @@ class ModelProfile:
     FLOPs, a function of (1, seq)."""
     folded: ModelProfile | None = None
     """The same model with the MoE layers' dispatch and combine folded into the expert MLPs
-    (``lowering.gather_up`` + ``combine_in_experts``, EP = 1 only), unit for unit; None: not
+    (``lowering.combine_in_experts``, EP = 1 only), unit for unit; None: not
     profiled."""
 
     @property
@@ -205,7 +205,7 @@ def profile_program(
 ) -> ModelProfile:
     """The :class:`ModelProfile` of ``program`` (one rank, no recompute, no pipeline), with the
     FSDP layout of ``fsdp_program`` (the same model and plan at ``dp = dp_shard = 2``) and, from
-    ``folded_program`` (the same with ``lowering.gather_up`` and ``combine_in_experts``), its
+    ``folded_program`` (the same with ``lowering.combine_in_experts``), its
     :attr:`~ModelProfile.folded` profile."""
     if program.pipeline is not None:
         raise ValueError("profile a program built without pipeline parallelism (pp = 1)")

@@ -11,9 +11,9 @@ sequences per microbatch (the microbatch count follows from the global batch), r
 (``none``, ``block``), the low-precision scope (bf16, or the GPU's native FP8 format on the
 routed experts, on the dense FFNs where the model has any, or on both: ``precision.scope``),
 EP overlap (``none``, ``two_batch``) and, at EP = 1 with bf16 experts, whether the MoE
-layers' dispatch and combine fold into the expert MLPs (``lowering.gather_up`` +
-``combine_in_experts``: less memory, the expert GEMMs at ``Efficiency.folded_experts`` of their
-rate; priced with the profile's :attr:`~moec.autoplan.profile.ModelProfile.folded` units).
+layers' dispatch and combine fold into the expert MLPs (``lowering.combine_in_experts``: less
+memory, the expert GEMMs at ``Efficiency.folded_experts`` of their rate; priced with the
+profile's :attr:`~moec.autoplan.profile.ModelProfile.folded` units).
 Layouts are pruned early: divisibility, and memory lower bounds (a layout whose parameter state
 alone does not fit skips every microbatch size; a microbatch that does not fit stops the larger
 ones). A candidate whose plan a pass would turn down is no candidate (:func:`refusal`: the
@@ -188,8 +188,7 @@ def layout_plan(base: Plan, lay: Layout, pp_layout: tuple[int, ...] | None = Non
     precision["scope"] = list(lay.scope) or ["routed_experts"]
     data["precision"] = precision
     data["recompute"] = {"policy": lay.recompute, "budget_bytes": None}
-    folded = {"gather_up": lay.fold_experts, "combine_in_experts": lay.fold_experts}
-    data["lowering"] = {**data["lowering"], **folded}
+    data["lowering"] = {**data["lowering"], "combine_in_experts": lay.fold_experts}
     return Plan.from_dict(data)
 
 

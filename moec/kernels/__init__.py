@@ -1,9 +1,10 @@
 """Triton kernels behind the ``moec::`` ops, configured per device (sm90 / sm100+).
 
 Kernels take plain tensors and numbers (an activation as a code and a gated flag, a capacity as
-a row count) and know nothing of the ops: :mod:`moec.ops.cuda` checks the ops' arguments, picks
-a kernel or the op's reference, and registers the CUDA implementations. Each kernel family
-documents the inputs it takes; :data:`~moec.kernels.arch.HAVE_TRITON` says whether any can run.
+a row count) and know nothing of the ops: each op names its implementations in a table beside
+it (:mod:`moec.ops.binding`), checks its arguments, and runs a kernel or its reference. Each
+kernel family documents the inputs it takes; :data:`~moec.kernels.arch.HAVE_TRITON` says
+whether any can run, and :class:`~moec.kernels.target.Target` which backends a machine has.
 
 Families: :mod:`~moec.kernels.router` (route), :mod:`~moec.kernels.movement` (dispatch,
 combine), :mod:`~moec.kernels.grouped_gemm` and :mod:`~moec.kernels.grouped_tma` (grouped GEMMs

@@ -40,7 +40,7 @@ wgrad (``out``, written k-major like the weight).
 quack compiles each kernel on first use (and autotunes it unless ``MOEC_AUTOTUNE=0``; the first
 steps of a run then take minutes); after that a call launches without reading the device. quack
 is optional (``pip install moec[cutlass]``): without it
-:func:`moec.kernels.gemm_backend.have_quack` is False and the policy never picks this backend,
+:class:`moec.kernels.target.Target` has ``quack`` off and the policy never picks this backend,
 whose module imports quack only when a kernel runs.
 """
 

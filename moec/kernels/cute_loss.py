@@ -15,41 +15,24 @@ accumulator). A target outside [0, V) that is not ``ignore_index`` gives its row
 and no gradient, as moec's row kernel does (without a host sync; quack's kernels would index
 past the logits, so such rows reach them as ignored ones).
 
-:func:`takes` says where the pipeline runs; :func:`chunked_loss` switches it off (benchmarks
-compare the two in one run). quack is optional (``moec[cutlass]``) and imported on first use;
-each GEMM compiles once per shape and then launches without reading the device.
+:func:`takes` says which heads the pipeline computes; whether it runs is the bound
+implementation of ``moec::linear_cross_entropy`` (:mod:`moec.ops.loss`; a
+:class:`moec.kernels.target.Target` without quack never binds it). quack is optional
+(``moec[cutlass]``) and imported on first use; each GEMM compiles once per shape and then
+launches without reading the device.
 """
 
 from __future__ import annotations
-
-import contextlib
-from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
 from moec.kernels.arch import arch
-from moec.kernels.gemm_backend import have_quack
 
 ROW_TILE = 128
 """The pipeline's row tile: chunks are a multiple of it (quack pads a shorter last chunk)."""
 VOCAB_TILE = 128
 """The d_weight GEMM's row tile over the vocabulary: the vocabulary is a multiple of it."""
-
-_OFF = False
-"""Set by :func:`chunked_loss`: :func:`takes` answers False."""
-
-
-@contextlib.contextmanager
-def chunked_loss() -> Iterator[None]:
-    """Compute every LM-head loss on moec's own chunks (logits GEMM, row kernel, two gradient
-    GEMMs) even where this pipeline takes the operands; restores the choice on exit."""
-    global _OFF
-    saved, _OFF = _OFF, True
-    try:
-        yield
-    finally:
-        _OFF = saved
 
 
 def chunk_sizes(rows: int, rows_per_chunk: int) -> set[int]:
@@ -75,19 +58,16 @@ def shapes_fit(rows: int, dim: int, vocab: int, rows_per_chunk: int) -> bool:
 
 
 def takes(h: Tensor, weight: Tensor, rows_per_chunk: int) -> bool:
-    """Whether :func:`linear_cross_entropy` computes this head: quack installed (and not switched
-    off by :func:`chunked_loss` or :func:`moec.kernels.gemm_backend.without_quack`), bf16 h and
-    weight on an sm90 GPU (the pipeline's operand-transform mainloop is Hopper's), unit-stride
-    rows, and :func:`shapes_fit`."""
+    """Whether :func:`linear_cross_entropy` computes this head: bf16 h and weight on an sm90 GPU
+    (the pipeline's operand-transform mainloop is Hopper's), unit-stride rows, and
+    :func:`shapes_fit` (quack's presence is the caller's: the bound implementation)."""
     return (
-        not _OFF
-        and h.is_cuda
+        h.is_cuda
         and h.dtype == weight.dtype == torch.bfloat16
         and h.stride(-1) == 1
         and weight.is_contiguous()
         and arch(h.device) == "sm90"
         and shapes_fit(h.shape[0], h.shape[1], weight.shape[0], rows_per_chunk)
-        and have_quack()
     )
 
 

@@ -10,12 +10,11 @@ backward: d_h, a = gmm_act_backward(d_y, w_down, h)      d_a = d_y @ w_down^T, t
 Inputs the kernels take: float32/16/bf16 x, int32 offsets, an activation with a kernel code.
 The backward returns d_h, from which the caller reduces the bias gradients.
 
-Gathered (:func:`expert_mlp` given ``sources``, :func:`expert_mlp_gathered_backward`): x is the
+Gathered (:func:`expert_mlp` given ``sources``, the forward of the combined MLP): x is the
 token rows [T, D] and buffer row r is ``x[sources[r]]``. Where the policy runs the up projection on
 the CuTe DSL (``"cute"``/``"cute_glu"`` for a buffer of R = len(sources) rows), its GEMM and its
 wgrad read the token rows through quack's ``A_idx`` and the buffer is never written; on any
-other backend the buffer is gathered (one ``index_select``) and the plain functions run, the
-backward gathering it again rather than keeping it.
+other backend the buffer is gathered (one ``index_select``) and the plain functions run.
 
 Combined (:func:`expert_mlp_combined_backward`): the gathered expert MLP whose output rows a
 combine weighs and sums per token. On the CuTe DSL its backward reads the output gradient's
@@ -31,7 +30,7 @@ from torch import Tensor
 from moec.kernels import cute_gemm
 from moec.kernels import grouped_gemm as gg
 from moec.kernels.activation import KernelActivation
-from moec.kernels.gemm_backend import backend
+from moec.kernels.gemm_backend import GemmPolicy, backend
 
 
 def expert_mlp(
@@ -42,13 +41,15 @@ def expert_mlp(
     b_up: Tensor | None,
     b_down: Tensor | None,
     act: KernelActivation,
+    policy: GemmPolicy,
     sources: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(y, h): the expert MLP's output and pre-activation; weights cast to x's dtype.
+    """(y, h): the expert MLP's output and pre-activation; weights cast to x's dtype; every
+    function here runs its GEMMs on the backends ``policy`` picks.
     ``sources``: x is token rows, buffer row r is ``x[sources[r]]`` (see module)."""
     x = x.contiguous()
-    h, a = gg.gmm_act(x, w_up.to(x.dtype), offsets, b_up, act, sources)
-    y = gg.gmm(a, w_down.to(x.dtype), offsets, b_down, piece="down")
+    h, a = gg.gmm_act(x, w_up.to(x.dtype), offsets, b_up, act, sources, policy)
+    y = gg.gmm(a, w_down.to(x.dtype), offsets, b_down, "down", policy)
     return y, h
 
 
@@ -60,6 +61,7 @@ def expert_mlp_backward(
     h: Tensor,
     d_y: Tensor,
     act: KernelActivation,
+    policy: GemmPolicy,
     up_bias: bool = False,
     sources: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -72,10 +74,10 @@ def expert_mlp_backward(
     d_y = d_y.to(x.dtype).contiguous()
     w_up_x = w_up.to(x.dtype)  # what the forward's GEMM read
     rows = x if sources is None else gg.buffer_like(x, sources)
-    interleaved = gg.h_interleaved(rows, w_up_x, up_bias, act)
-    d_h, a = gg.gmm_act_backward(d_y, w_down.to(x.dtype), offsets, h, act, interleaved)
-    d_w_down = _wgrad_like(a, d_y, offsets, w_down)
-    d_x, d_w_up = _up_backward(x, sources, w_up, offsets, d_h, interleaved)
+    interleaved = gg.h_interleaved(rows, w_up_x, up_bias, act, policy)
+    d_h, a = gg.gmm_act_backward(d_y, w_down.to(x.dtype), offsets, h, act, interleaved, policy)
+    d_w_down = _wgrad_like(a, d_y, offsets, w_down, policy)
+    d_x, d_w_up = _up_backward(x, sources, w_up, offsets, d_h, interleaved, policy)
     return d_x, d_w_up, d_w_down, d_h
 
 
@@ -86,19 +88,21 @@ def _up_backward(
     offsets: Tensor,
     d_h: Tensor,
     interleaved: bool,
+    policy: GemmPolicy,
 ) -> tuple[Tensor, Tensor]:
     """(d_x per buffer row, d_w_up) of the up projection, given d_h in the layout the forward's
     h had (``interleaved``: see :func:`grouped_gemm.h_interleaved`)."""
     w_up_x = w_up.to(x.dtype)
     if interleaved and cute_gemm.k_major(w_up_x):  # pairs read in place (see cute_gemm)
-        d_w_up = _up_wgrad(x, sources, d_h, offsets, w_up, paired=True)
+        d_w_up = _up_wgrad(x, sources, d_h, offsets, w_up, policy, paired=True)
         return cute_gemm.gmm(d_h, w_up_x.transpose(-1, -2), offsets, paired_k=True), d_w_up
     if interleaved:
-        d_w_up = cute_gemm.deinterleave(_up_wgrad(x, sources, d_h, offsets, w_up_x), w_up.dtype)
+        wgrad = _up_wgrad(x, sources, d_h, offsets, w_up_x, policy)
+        d_w_up = cute_gemm.deinterleave(wgrad, w_up.dtype)
         w_up_x = cute_gemm.interleave(w_up_x, x.dtype)
     else:
-        d_w_up = _up_wgrad(x, sources, d_h, offsets, w_up)
-    return gg.gmm(d_h, w_up_x.transpose(-1, -2), offsets, piece="dgrad"), d_w_up
+        d_w_up = _up_wgrad(x, sources, d_h, offsets, w_up, policy)
+    return gg.gmm(d_h, w_up_x.transpose(-1, -2), offsets, None, "dgrad", policy), d_w_up
 
 
 def _up_wgrad(
@@ -107,6 +111,7 @@ def _up_wgrad(
     d_h: Tensor,
     offsets: Tensor,
     like: Tensor,
+    policy: GemmPolicy,
     paired: bool = False,
 ) -> Tensor:
     """The up projection's weight gradient in ``like``'s dtype: of the buffer x (in ``like``'s
@@ -119,10 +124,10 @@ def _up_wgrad(
     if paired:
         return cute_gemm.gmm_wgrad(x, d_h, offsets, out_dtype, sources, paired_out=True)
     if sources is None:
-        return _wgrad_like(x, d_h, offsets, like)
-    if backend("wgrad", gg.buffer_like(x, sources), d_h) == "cute":
+        return _wgrad_like(x, d_h, offsets, like, policy)
+    if backend("wgrad", gg.buffer_like(x, sources), d_h, policy) == "cute":
         return cute_gemm.gmm_wgrad(x, d_h, offsets, out_dtype, sources)
-    return gg.gmm_wgrad(x.index_select(0, sources), d_h, offsets, out_dtype=out_dtype)
+    return gg.gmm_wgrad(x.index_select(0, sources), d_h, offsets, out_dtype, policy)
 
 
 def expert_mlp_combined_backward(
@@ -135,6 +140,7 @@ def expert_mlp_combined_backward(
     h: Tensor,
     d_out: Tensor,
     act: KernelActivation,
+    policy: GemmPolicy,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(d_rows [R, D], d_row_weights [R] float32, d_w_up, d_w_down, d_h) of the gathered expert
     MLP (no biases; x token rows [T, D], buffer row r = ``x[sources[r]]``) followed by the
@@ -148,61 +154,42 @@ def expert_mlp_combined_backward(
     weights' gradient. d_rows is per buffer row; the caller sums it over each token's routes."""
     d_out = d_out.to(x.dtype).contiguous()
     w_up_x, w_down_x = w_up.to(x.dtype), w_down.to(x.dtype)
-    up_sources = sources if gg.reads_token_rows(x, sources, w_up_x, False, act) else None
+    reads_tokens = gg.reads_token_rows(x, sources, w_up_x, False, act, policy)
+    up_sources = sources if reads_tokens else None
     rows = gg.buffer_like(x, sources)
-    interleaved = gg.h_interleaved(rows, w_up_x, False, act)
-    if gg.dact_in_cute_epilogue(rows, w_down_x, act, interleaved):
+    interleaved = gg.h_interleaved(rows, w_up_x, False, act, policy)
+    if gg.dact_in_cute_epilogue(rows, w_down_x, act, interleaved, policy):
         d_h, a_w, d_row_weights = cute_gemm.gmm_act_backward_combined(
             d_out, w_down_x, offsets, h, act, sources, row_weights
         )
-        d_w_down = _down_wgrad_of_token_rows(a_w, d_out, sources, offsets, w_down)
+        d_w_down = _down_wgrad_of_token_rows(a_w, d_out, sources, offsets, w_down, policy)
     else:
         picked = d_out.index_select(0, sources)
         d_y = (picked * row_weights[:, None]).to(x.dtype)
-        d_h, a = gg.gmm_act_backward(d_y, w_down_x, offsets, h, act, interleaved)
-        y = gg.gmm(a, w_down_x, offsets, piece="down")
+        d_h, a = gg.gmm_act_backward(d_y, w_down_x, offsets, h, act, interleaved, policy)
+        y = gg.gmm(a, w_down_x, offsets, None, "down", policy)
         d_row_weights = (y.float() * picked.float()).sum(-1)
-        d_w_down = _wgrad_like(a, d_y, offsets, w_down)
+        d_w_down = _wgrad_like(a, d_y, offsets, w_down, policy)
     x_up = x if up_sources is not None else x.index_select(0, sources)
-    d_rows, d_w_up = _up_backward(x_up, up_sources, w_up, offsets, d_h, interleaved)
+    d_rows, d_w_up = _up_backward(x_up, up_sources, w_up, offsets, d_h, interleaved, policy)
     return d_rows, d_row_weights, d_w_up, d_w_down, d_h
 
 
 def _down_wgrad_of_token_rows(
-    a_w: Tensor, d_out: Tensor, sources: Tensor, offsets: Tensor, like: Tensor
+    a_w: Tensor, d_out: Tensor, sources: Tensor, offsets: Tensor, like: Tensor, policy: GemmPolicy
 ) -> Tensor:
     """``sum over e's rows r of a_w[r]^T d_out[sources[r]]`` per expert, in ``like``'s dtype and
     layout: for a k-major ``like`` on the CuTe DSL, ``(d_out[sources]^T a_w)^T`` with the token
     rows read through ``A_idx`` and written in place; else on the gathered rows."""
-    if cute_gemm.k_major(like) and backend("wgrad", gg.buffer_like(d_out, sources), a_w) == "cute":
+    on_cute = backend("wgrad", gg.buffer_like(d_out, sources), a_w, policy) == "cute"
+    if cute_gemm.k_major(like) and on_cute:
         return cute_gemm.gmm_wgrad(d_out, a_w, offsets, like.dtype, sources).transpose(-1, -2)
-    return _wgrad_like(a_w, d_out.index_select(0, sources), offsets, like)
+    return _wgrad_like(a_w, d_out.index_select(0, sources), offsets, like, policy)
 
 
-def _wgrad_like(x: Tensor, dy: Tensor, offsets: Tensor, like: Tensor) -> Tensor:
+def _wgrad_like(x: Tensor, dy: Tensor, offsets: Tensor, like: Tensor, policy: GemmPolicy) -> Tensor:
     """``x_e^T dy_e`` per expert in ``like``'s dtype, and for a :func:`cute_gemm.k_major`
     ``like`` in its layout: computed as ``(dy_e^T x_e)^T``, which no transposing copy follows."""
     if cute_gemm.k_major(like):
-        return gg.gmm_wgrad(dy, x, offsets, out_dtype=like.dtype).transpose(-1, -2)
-    return gg.gmm_wgrad(x, dy, offsets, out_dtype=like.dtype)
-
-
-def expert_mlp_gathered_backward(
-    x: Tensor,
-    sources: Tensor,
-    w_up: Tensor,
-    w_down: Tensor,
-    offsets: Tensor,
-    h: Tensor,
-    d_y: Tensor,
-    act: KernelActivation,
-    up_bias: bool = False,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(d_rows [R, D], d_w_up, d_w_down, d_h) of :func:`expert_mlp` given ``sources``: as on the
-    buffer, which is gathered again unless the forward read the token rows; the caller sums
-    d_rows over each token's routes."""
-    x = x.contiguous()
-    if gg.reads_token_rows(x, sources, w_up.to(x.dtype), up_bias, act):
-        return expert_mlp_backward(x, w_up, w_down, offsets, h, d_y, act, up_bias, sources)
-    buffer = x.index_select(0, sources)
-    return expert_mlp_backward(buffer, w_up, w_down, offsets, h, d_y, act, up_bias)
+        return gg.gmm_wgrad(dy, x, offsets, like.dtype, policy).transpose(-1, -2)
+    return gg.gmm_wgrad(x, dy, offsets, like.dtype, policy)

@@ -1,15 +1,17 @@
-"""Which implementation runs a grouped GEMM over an expert buffer: the one home of that choice.
+"""Which backend runs a grouped GEMM over an expert buffer: the one home of that choice.
 
-:func:`backend` answers for one expert GEMM ``piece`` and its operands ``x`` (the row buffer)
-and ``w`` (the weights, or ``dy`` for ``"wgrad"``):
+:func:`backend` answers for one expert GEMM ``piece``, its operands ``x`` (the row buffer) and
+``w`` (the weights, or ``dy`` for ``"wgrad"``), and a :class:`GemmPolicy` (what the
+``moec::expert_mlp`` node's bound implementation ``kernels:<policy>`` names; a
+:class:`moec.kernels.target.Target` makes it):
 
-- ``kernels=True`` (moec's Triton kernels run these operands: the CUDA implementation that
-  :mod:`moec.ops.cuda` registers, or the interpreter): bf16 on CUDA follows the rules of
-  :data:`GEMM_BACKENDS` ``[arch][piece]`` by buffer rows (a backend that does not take the
-  operands passes to the rule before it); everything else (float32/16, the interpreter, an arch
-  without a table) runs ``"pointer"``, the kernels of :mod:`moec.kernels.grouped_gemm`.
-- ``kernels=False`` (the ops' pure-PyTorch path, :mod:`moec.ops.grouped`): ``"grouped_mm"``
-  where :func:`grouped_mm_takes` the operands, else ``"loop"`` (a masked loop over experts).
+- a policy (moec's kernels run these operands: on CUDA, or the interpreter): bf16 on CUDA
+  follows the policy's rules (:data:`GEMM_BACKENDS` ``[arch][piece]`` by buffer rows, or one
+  forced backend; a backend that does not take the operands passes to the rule before it);
+  everything else (float32/16, the interpreter, an arch without a table) runs ``"pointer"``,
+  the kernels of :mod:`moec.kernels.grouped_gemm`.
+- no policy (the ops' pure-PyTorch path, :mod:`moec.ops.grouped`): ``"grouped_mm"`` where
+  :func:`grouped_mm_takes` the operands, else ``"loop"`` (a masked loop over experts).
 
 Backends: ``"cute"`` is the CuTe DSL GEMMs of quack-kernels (:mod:`moec.kernels.cute_gemm`;
 optional), a plain activation in quack's epilogue, a gated one on moec's activation kernel;
@@ -24,9 +26,8 @@ ask it on machines without Triton.
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import functools
-from collections.abc import Iterator
 from typing import Literal
 
 import torch
@@ -68,34 +69,43 @@ there and its varlen-K wgrad from 1024 rows (without quack: the rule before). sm
 sm90 table until measured on its own."""
 
 
-@contextlib.contextmanager
-def forced_backend(chosen: KernelBackend) -> Iterator[None]:
-    """Run every piece at every size on ``chosen`` where moec's kernels run and it takes the
-    operands (benchmarks, tests); restores the policy on exit. The ops' pure-PyTorch path is
-    unaffected."""
-    saved = dict(GEMM_BACKENDS)
-    every = dict.fromkeys(PIECES, ((0, chosen),))
-    GEMM_BACKENDS.update(sm90=every, sm100=every)
-    try:
-        yield
-    finally:
-        GEMM_BACKENDS.update(saved)
+@dataclasses.dataclass(frozen=True)
+class GemmPolicy:
+    """Which backend runs each expert GEMM where moec's kernels run: the measured rules of
+    :data:`GEMM_BACKENDS` (``forced`` None) or one backend at every size (benchmarks, tests),
+    with or without the CuTe DSL (``quack``: quack-kernels may run). A
+    :class:`moec.kernels.target.Target` makes it; its :meth:`spec` is what a bound
+    ``moec::expert_mlp`` node carries (``"rules+quack"``, ``"rules"``, ``"tma"``...)."""
+
+    quack: bool
+    forced: KernelBackend | None = None
+
+    def rules(self, family: str, piece: str) -> tuple[Rule, ...]:
+        """The rules for ``piece`` on an arch ``family``."""
+        if self.forced is not None:
+            return ((0, self.forced),)
+        return GEMM_BACKENDS.get(family, {}).get(piece, ())
+
+    def spec(self) -> str:
+        """The policy as text, :meth:`parse`'s inverse."""
+        if self.forced is not None:
+            return self.forced
+        return "rules+quack" if self.quack else "rules"
+
+    @classmethod
+    def parse(cls, spec: str) -> GemmPolicy:
+        """The policy :meth:`spec` wrote; a forced backend runs the CuTe DSL only if it is one."""
+        if spec in ("rules", "rules+quack"):
+            return cls(quack=spec == "rules+quack")
+        if spec not in KERNEL_BACKENDS:
+            raise ValueError(
+                f"unknown grouped-GEMM policy {spec!r}; known: 'rules', 'rules+quack', "
+                f"{', '.join(map(repr, KERNEL_BACKENDS))}"
+            )
+        return cls(quack=spec in ("cute", "cute_glu"), forced=spec)  # type: ignore[arg-type]
 
 
-_QUACK_OFF = False
-"""Set by :func:`without_quack`: the policy runs as if quack were not installed."""
-
-
-@contextlib.contextmanager
-def without_quack() -> Iterator[None]:
-    """Run the policy as it runs where quack-kernels is not installed (benchmarks compare the
-    two in one run); restores it on exit."""
-    global _QUACK_OFF
-    saved, _QUACK_OFF = _QUACK_OFF, True
-    try:
-        yield
-    finally:
-        _QUACK_OFF = saved
+KERNEL_BACKENDS: tuple[str, ...] = ("cute", "cute_glu", "grouped_mm", "tma", "pointer")
 
 
 @functools.cache
@@ -108,15 +118,15 @@ def quack_importable() -> bool:
     return True
 
 
-def have_quack() -> bool:
-    """Whether the policy may run the CuTe DSL backend: quack imports, and it is not switched
-    off by :func:`without_quack`."""
-    return not _QUACK_OFF and quack_importable()
+def detected_policy() -> GemmPolicy:
+    """The measured rules, with the CuTe DSL where quack imports: the policy of a direct call
+    (no bound node)."""
+    return GemmPolicy(quack=quack_importable())
 
 
-def cute_ready(x: Tensor, w: Tensor) -> bool:
-    """Whether the CuTe DSL kernels take these operands: quack installed, bf16 on CUDA sm90+,
-    rows of x and w 16-byte aligned (TMA)."""
+def cute_ready(x: Tensor, w: Tensor, quack: bool) -> bool:
+    """Whether the CuTe DSL kernels take these operands: ``quack`` (the policy may run it), bf16
+    on CUDA sm90+, rows of x and w 16-byte aligned (TMA)."""
     return (
         x.is_cuda
         and x.dtype == torch.bfloat16
@@ -124,7 +134,7 @@ def cute_ready(x: Tensor, w: Tensor) -> bool:
         and x.shape[-1] % 8 == 0
         and w.shape[-1] % 8 == 0
         and w.shape[-2] % 8 == 0
-        and have_quack()
+        and quack
     )
 
 
@@ -163,45 +173,47 @@ def grouped_mm_takes(piece: str, x: Tensor, w: Tensor) -> bool:
     return all(t.shape[-1] * t.element_size() % 16 == 0 for t in operands)
 
 
-def _takes(chosen: KernelBackend, piece: str, x: Tensor, w: Tensor, glu_epilogue: bool) -> bool:
+def _takes(
+    chosen: KernelBackend, piece: str, x: Tensor, w: Tensor, glu_epilogue: bool, quack: bool
+) -> bool:
     if chosen == "cute":
-        return cute_ready(x, w)
+        return cute_ready(x, w, quack)
     if chosen == "cute_glu":
-        return glu_epilogue and cute_ready(x, w)
+        return glu_epilogue and cute_ready(x, w, quack)
     if chosen == "tma":
         return piece != "wgrad" and tma_applies(x, w)
     return True
 
 
 def backend(
-    piece: str, x: Tensor, w: Tensor, kernels: bool = True, glu_epilogue: bool = False
+    piece: str, x: Tensor, w: Tensor, policy: GemmPolicy | None = None, glu_epilogue: bool = False
 ) -> Backend:
-    """The implementation that runs ``piece`` on these operands (see module); ``glu_epilogue``:
-    the call has a gated activation that quack's epilogue computes, so ``"cute_glu"`` may run."""
-    if not kernels:
+    """The implementation that runs ``piece`` on these operands (see module) under ``policy``
+    (moec's kernels; None: the ops' pure-PyTorch path); ``glu_epilogue``: the call has a gated
+    activation that quack's epilogue computes, so ``"cute_glu"`` may run."""
+    if policy is None:
         return "grouped_mm" if grouped_mm_takes(piece, x, w) else "loop"
     if not x.is_cuda or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
         return "pointer"
-    rules = GEMM_BACKENDS.get(arch(x.device), {}).get(piece, ())
-    for min_rows, chosen in reversed(rules):
-        if x.shape[0] >= min_rows and _takes(chosen, piece, x, w, glu_epilogue):
+    for min_rows, chosen in reversed(policy.rules(arch(x.device), piece)):
+        if x.shape[0] >= min_rows and _takes(chosen, piece, x, w, glu_epilogue, policy.quack):
             return chosen
     return "pointer"
 
 
-def policy_text(device: torch.device) -> str:
-    """Which backend runs each expert GEMM on ``device`` at which buffer sizes, in one line per
-    piece (``moec debug`` and the benchmarks print it)."""
-    if device.type != "cuda":
+def policy_text(family: str, policy: GemmPolicy | None) -> str:
+    """Which backend runs each expert GEMM on an arch ``family`` under ``policy`` (None: the
+    ops' reference path) at which buffer sizes, one line per piece (``moec debug`` and the
+    benchmarks print it)."""
+    if policy is None:
         return (
-            f"expert GEMMs on {device.type}: the ops' reference path "
+            "expert GEMMs: the ops' reference path "
             "(torch._grouped_mm where it takes the operands, else a masked loop)"
         )
-    family = arch(device)
-    table = GEMM_BACKENDS.get(family, {})
-    quack = "installed" if have_quack() else "not installed: its rules pass to the rule before"
-    lines = [f"expert GEMMs on {family}, bf16 (quack-kernels {quack}; other dtypes: pointer):"]
+    quack = "may run" if policy.quack else "off: its rules pass to the rule before"
+    lines = [f"expert GEMMs on {family}, bf16 (CuTe DSL {quack}; other dtypes: pointer):"]
     for piece in PIECES:
-        rules = ", ".join(f"{chosen} from {rows} rows" for rows, chosen in table.get(piece, ()))
-        lines.append(f"  {piece:<10} {rules or 'pointer'}")
+        rules = policy.rules(family, piece)
+        text = ", ".join(f"{chosen} from {rows} rows" for rows, chosen in rules)
+        lines.append(f"  {piece:<10} {text or 'pointer'}")
     return "\n".join(lines)

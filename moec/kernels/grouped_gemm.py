@@ -37,7 +37,7 @@ from torch import Tensor
 from moec.kernels import cute_gemm, grouped_tma, tuning
 from moec.kernels.activation import KernelActivation, act_backward, act_forward
 from moec.kernels.arch import arch
-from moec.kernels.gemm_backend import KernelBackend, backend
+from moec.kernels.gemm_backend import GemmPolicy, KernelBackend, backend, detected_policy
 from moec.kernels.gemm_tiles import (
     EPILOGUE_ACT,
     EPILOGUE_ACT_BACKWARD,
@@ -301,10 +301,16 @@ def _launch_gmm(
 
 
 def gmm(
-    x: Tensor, w: Tensor, offsets: Tensor, bias: Tensor | None = None, piece: str = "down"
+    x: Tensor,
+    w: Tensor,
+    offsets: Tensor,
+    bias: Tensor | None = None,
+    piece: str = "down",
+    policy: GemmPolicy | None = None,
 ) -> Tensor:
-    """``out[r] = x[r] @ w[e(r)] (+ bias[e(r)])``; ``w`` may be a transposed view."""
-    chosen = backend(piece, x, w) if bias is None else "pointer"
+    """``out[r] = x[r] @ w[e(r)] (+ bias[e(r)])``; ``w`` may be a transposed view. ``policy``
+    (every function here): which backend runs (None: :func:`detected_policy`)."""
+    chosen = backend(piece, x, w, policy or detected_policy()) if bias is None else "pointer"
     if chosen == "grouped_mm":
         return torch._grouped_mm(x.contiguous(), w, offs=offsets)
     if chosen == "cute":
@@ -314,7 +320,9 @@ def gmm(
     return out
 
 
-def up_backend(x: Tensor, w_up: Tensor, has_bias: bool, act: KernelActivation) -> str:
+def up_backend(
+    x: Tensor, w_up: Tensor, has_bias: bool, act: KernelActivation, policy: GemmPolicy | None
+) -> str:
     """The backend of the up projection (:func:`gmm_act`) for these operands; the pointer
     kernels are the only ones with a bias epilogue. Where the policy picks ``"cute"`` for a
     gated activation quack computes and ``w_up`` is :func:`cute_gemm.k_major`, ``"cute_glu"``
@@ -322,17 +330,23 @@ def up_backend(x: Tensor, w_up: Tensor, has_bias: bool, act: KernelActivation) -
     if has_bias:
         return "pointer"
     glu_epilogue = act.gated and cute_gemm.computes(act)
-    chosen = backend("up", x, w_up, glu_epilogue=glu_epilogue)
+    chosen = backend("up", x, w_up, policy or detected_policy(), glu_epilogue)
     if chosen == "cute" and glu_epilogue and cute_gemm.k_major(w_up):
         return "cute_glu"
     return chosen
 
 
-def h_interleaved(x: Tensor, w_up: Tensor, has_bias: bool, act: KernelActivation) -> bool:
+def h_interleaved(
+    x: Tensor,
+    w_up: Tensor,
+    has_bias: bool,
+    act: KernelActivation,
+    policy: GemmPolicy | None = None,
+) -> bool:
     """Whether :func:`gmm_act` leaves a gated ``h`` with interleaved ``[gate, up]`` column pairs
     (``"cute_glu"``; see :mod:`moec.kernels.cute_gemm`); the backward asks with the forward's
     operands to read ``h`` right."""
-    return act.gated and up_backend(x, w_up, has_bias, act) == "cute_glu"
+    return act.gated and up_backend(x, w_up, has_bias, act, policy) == "cute_glu"
 
 
 def buffer_like(x: Tensor, sources: Tensor) -> Tensor:
@@ -342,11 +356,17 @@ def buffer_like(x: Tensor, sources: Tensor) -> Tensor:
 
 
 def reads_token_rows(
-    x: Tensor, sources: Tensor, w_up: Tensor, has_bias: bool, act: KernelActivation
+    x: Tensor,
+    sources: Tensor,
+    w_up: Tensor,
+    has_bias: bool,
+    act: KernelActivation,
+    policy: GemmPolicy | None = None,
 ) -> bool:
     """Whether :func:`gmm_act` given ``sources`` reads the token rows x through them (the CuTe
     DSL's ``A_idx``) rather than gathering the buffer first."""
-    return up_backend(buffer_like(x, sources), w_up, has_bias, act) in ("cute", "cute_glu")
+    chosen = up_backend(buffer_like(x, sources), w_up, has_bias, act, policy)
+    return chosen in ("cute", "cute_glu")
 
 
 def gmm_act(
@@ -356,6 +376,7 @@ def gmm_act(
     bias: Tensor | None,
     act: KernelActivation,
     sources: Tensor | None = None,
+    policy: GemmPolicy | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(h, a): the up projection with the activation fused into its epilogue (``h`` interleaved
     where :func:`h_interleaved`), or run after it on the activation kernel. ``sources``: x is
@@ -363,7 +384,7 @@ def gmm_act(
     where it runs (:func:`reads_token_rows`), else gathered first."""
     width = w_up.shape[-1]
     rows = x if sources is None else buffer_like(x, sources)
-    chosen = up_backend(rows, w_up, bias is not None, act)
+    chosen = up_backend(rows, w_up, bias is not None, act, policy)
     if sources is not None and chosen not in ("cute", "cute_glu"):
         x, sources = x.index_select(0, sources), None
     if chosen == "cute_glu" or (chosen == "cute" and not act.gated and cute_gemm.computes(act)):
@@ -381,14 +402,18 @@ def gmm_act(
 
 
 def dact_in_cute_epilogue(
-    d_y: Tensor, w_down: Tensor, act: KernelActivation, interleaved: bool
+    d_y: Tensor,
+    w_down: Tensor,
+    act: KernelActivation,
+    interleaved: bool,
+    policy: GemmPolicy | None = None,
 ) -> bool:
     """Whether :func:`gmm_act_backward` runs the activation's backward in a CuTe DSL epilogue
     (:func:`cute_gemm.gmm_act_backward`): always for an interleaved h, else where the policy
     picks ``"cute"`` for the dgrad and quack computes the (ungated) activation."""
     if interleaved:
         return True
-    chosen = backend("dgrad_act", d_y, w_down.transpose(-1, -2))
+    chosen = backend("dgrad_act", d_y, w_down.transpose(-1, -2), policy or detected_policy())
     return chosen == "cute" and not act.gated and cute_gemm.computes(act)
 
 
@@ -399,14 +424,15 @@ def gmm_act_backward(
     h: Tensor,
     act: KernelActivation,
     interleaved: bool = False,
+    policy: GemmPolicy | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(d_h, a): ``d_a = d_y @ w_down[e]^T`` then the activation backward (in the GEMM's
     epilogue, or on the activation kernel); an ``interleaved`` h (see :func:`h_interleaved`)
     gives an interleaved d_h."""
-    if dact_in_cute_epilogue(d_y, w_down, act, interleaved):
+    if dact_in_cute_epilogue(d_y, w_down, act, interleaved, policy):
         return cute_gemm.gmm_act_backward(d_y, w_down, offsets, h, act)
     w_t = w_down.transpose(-1, -2)
-    chosen = backend("dgrad_act", d_y, w_t)
+    chosen = backend("dgrad_act", d_y, w_t, policy or detected_policy())
     if chosen == "cute":
         return act_backward(h, cute_gemm.gmm(d_y, w_t, offsets), act)
     if chosen == "grouped_mm":
@@ -420,11 +446,15 @@ def gmm_act_backward(
 
 
 def gmm_wgrad(
-    x: Tensor, dy: Tensor, offsets: Tensor, out_dtype: torch.dtype | None = None
+    x: Tensor,
+    dy: Tensor,
+    offsets: Tensor,
+    out_dtype: torch.dtype | None = None,
+    policy: GemmPolicy | None = None,
 ) -> Tensor:
     """``dw[e] = x_e^T @ dy_e`` -> (N, K, M) in ``out_dtype`` (default x's); empty experts get 0."""
     out_dtype = out_dtype or x.dtype
-    chosen = backend("wgrad", x, dy)
+    chosen = backend("wgrad", x, dy, policy or detected_policy())
     if chosen == "grouped_mm":
         return torch._grouped_mm(x.t(), dy.contiguous(), offs=offsets).to(out_dtype)
     if chosen == "cute":

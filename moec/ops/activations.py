@@ -24,6 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from moec.errors import MoecError
+from moec.kernels.arch import HAVE_TRITON
+
+if HAVE_TRITON:
+    from moec.kernels.activation import UNARY_CODES, KernelActivation
 
 Unary = Callable[[torch.Tensor], torch.Tensor]
 aten = torch.ops.aten
@@ -196,3 +200,16 @@ def _check_elementwise(name: str, fn: Unary) -> None:
             f"{where} is not elementwise: each output element must depend only on the input "
             "element at its position"
         )
+
+
+def kernel_activation(activation: str):
+    """The kernels' form of ``activation`` (:class:`moec.kernels.activation.KernelActivation`:
+    the code of its unary function and whether it is gated); None where no kernel computes it
+    (or Triton is missing)."""
+    if not HAVE_TRITON:
+        return None
+    gated = is_gated(activation)
+    for unary, code in UNARY_CODES.items():
+        if (gated_from_unary(unary) if gated else unary) == activation:
+            return KernelActivation(code, gated)
+    return None

@@ -1,20 +1,21 @@
 """``moec::flash_attention``: attention that keeps its softmax statistics for the backward.
 
-flash_attention(q[B, Hq, S, D], k[B, Hkv, S, D], v[B, Hkv, S, Dv], is_causal, scale)
+flash_attention(q[B, Hq, S, D], k[B, Hkv, S, D], v[B, Hkv, S, Dv], is_causal, scale, impl)
     -> (out[B, Hq, S, Dv] in q's dtype, lse[B, Hq, S] float32)
 
 ``scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)`` without a mask or
 dropout (query head h reads key head h // (Hq / Hkv), as SDPA's ``enable_gqa``), and ``lse``,
 the natural-log sum of each query row's exponentiated scaled scores. The backward is the
-internal op ``moec::flash_attention_backward(q, k, v, out, lse, d_out, is_causal, scale) ->
-(d_q, d_k, d_v)``, which reads ``out`` and ``lse`` instead of recomputing the forward.
+internal op ``moec::flash_attention_backward(q, k, v, out, lse, d_out, is_causal, scale, impl)
+-> (d_q, d_k, d_v)``, which reads ``out`` and ``lse`` instead of recomputing the forward.
 
 Outputs are stored as (B, S, H, D) and seen as (B, H, S, D) (the layout FA4 writes; a model's
 transpose back to tokens-major is then a view). The reference below materializes the score
-matrix in float32: it is the oracle, for CPU tests. On CUDA the op runs FlashAttention 4's
-kernels where :func:`moec.kernels.flash_attention.takes` the inputs, the reference elsewhere;
-the lowering (``plan.lowering.attention``) puts the op only where FA4 takes it. Under autocast
-the op casts its inputs to bf16, as SDPA does.
+matrix in float32: it is the oracle, for CPU tests. Both ops take a last ``impl``
+(:mod:`moec.ops.binding`), a name of :data:`IMPLEMENTATIONS`: ``fa4`` runs FlashAttention 4's
+kernels where :func:`moec.kernels.flash_attention.takes` the inputs, the reference elsewhere.
+Pass ``bind`` puts the op where the target runs FA4 and FA4 takes the attention
+(``plan.lowering.attention``). Under autocast the op casts its inputs to bf16, as SDPA does.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from moec.ops.grouped import cuda_kernel
+from moec.kernels import flash_attention as fa4
+from moec.ops.binding import resolve
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
@@ -107,28 +109,50 @@ def flash_attention_backward_reference(
     )
 
 
-@torch.library.custom_op("moec::flash_attention", mutates_args=())
-def flash_attention(
+def _fa4_forward(
     q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float
 ) -> tuple[Tensor, Tensor]:
+    """FA4 where it takes the inputs, else the reference."""
+    if not fa4.takes(q, k, v, is_causal):
+        return flash_attention_reference(q, k, v, is_causal, scale)
+    return fa4.forward(q, k, v, is_causal, scale)
+
+
+def _fa4_backward(q, k, v, out, lse, d_out, is_causal, scale):
+    if not fa4.takes(q, k, v, is_causal):
+        return flash_attention_backward_reference(q, k, v, out, lse, d_out, is_causal, scale)
+    return fa4.backward(q, k, v, out, lse, d_out, is_causal, scale)
+
+
+IMPLEMENTATIONS = {
+    "reference": (flash_attention_reference, flash_attention_backward_reference),
+    "fa4": (_fa4_forward, _fa4_backward),
+}
+"""(forward, backward) of ``moec::flash_attention`` by implementation name."""
+
+
+@torch.library.custom_op("moec::flash_attention", mutates_args=())
+def flash_attention(
+    q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float, impl: str = "auto"
+) -> tuple[Tensor, Tensor]:
     _check(q, k, v)
-    forward = cuda_kernel("flash_attention", q) or flash_attention_reference
+    forward, _ = IMPLEMENTATIONS[resolve("flash_attention", impl, q, IMPLEMENTATIONS)]
     return forward(q, k, v, is_causal, scale)
 
 
 @flash_attention.register_fake
-def _fake(q, k, v, is_causal, scale):
+def _fake(q, k, v, is_causal, scale, impl="auto"):
     _check(q, k, v)
     out = _heads_major_like(q, (*q.shape[:3], v.shape[-1]), q.dtype)
     return out, q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, is_causal, scale = inputs
+    q, k, v, is_causal, scale, impl = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)  # a statistic the backward reads, not a result to train on
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.is_causal, ctx.scale = is_causal, scale
+    ctx.is_causal, ctx.scale, ctx.impl = is_causal, scale, impl
 
 
 @torch.library.custom_op("moec::flash_attention_backward", mutates_args=())
@@ -141,14 +165,15 @@ def flash_attention_backward(
     d_out: Tensor,
     is_causal: bool,
     scale: float,
+    impl: str = "auto",
 ) -> tuple[Tensor, Tensor, Tensor]:
     _check(q, k, v)
-    backward = cuda_kernel("flash_attention_backward", q) or flash_attention_backward_reference
+    _, backward = IMPLEMENTATIONS[resolve("flash_attention", impl, q, IMPLEMENTATIONS)]
     return backward(q, k, v, out, lse, d_out, is_causal, scale)
 
 
 @flash_attention_backward.register_fake
-def _backward_fake(q, k, v, out, lse, d_out, is_causal, scale):
+def _backward_fake(q, k, v, out, lse, d_out, is_causal, scale, impl="auto"):
     _check(q, k, v)
     return tuple(_heads_major_like(t, t.shape, t.dtype) for t in (q, k, v))
 
@@ -156,9 +181,9 @@ def _backward_fake(q, k, v, out, lse, d_out, is_causal, scale):
 def _backward(ctx, d_out, _d_lse):
     q, k, v, out, lse = ctx.saved_tensors
     grads = torch.ops.moec.flash_attention_backward(
-        q, k, v, out, lse, d_out, ctx.is_causal, ctx.scale
+        q, k, v, out, lse, d_out, ctx.is_causal, ctx.scale, ctx.impl
     )
-    return *grads, None, None
+    return *grads, None, None, None
 
 
 flash_attention.register_autograd(_backward, setup_context=_setup)

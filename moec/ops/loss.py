@@ -1,7 +1,7 @@
 """``moec::linear_cross_entropy``: an LM head and its cross-entropy loss as one op, in row chunks.
 
 linear_cross_entropy(h[N, D], weight[V, D], bias[V]?, targets[N], ignore_index, reduction,
-                     with_grads=True)
+                     with_grads=True, impl="auto")
     -> (loss[], d_h[N, D], d_weight[V, D], d_bias[V] or [0])   (loss and d_weight/d_bias in
        float32, or float64 for float64 inputs)
 
@@ -17,11 +17,14 @@ only scales them by ``d_loss`` (and 1 / count for "mean"). ``with_grads=False`` 
 loss alone (the same chunks, no gradient GEMMs; the three gradients come back empty and the op
 has no backward): ``CompiledModel`` runs its graph so under ``torch.no_grad()``.
 
-On CUDA, where quack-kernels' scaled-exp GEMMs take the head (:func:`moec.kernels.cute_loss.takes`:
-bf16 on sm90, no bias, a vocabulary and chunks of multiples of 128, no chunk as long as the model
-is wide), the same chunks run on them instead: the logits GEMM's epilogue writes the softmax's
-exponentials and the gradient GEMMs scale them as they load them, so the logits' gradient is never
-written (faster and smaller at the e2e shape: ``benchmarks/RESULTS.md``, session 26).
+``impl`` (:mod:`moec.ops.binding`) names one of :data:`IMPLEMENTATIONS`: ``reference`` (the
+row loss in torch), ``triton`` (the row kernel of :mod:`moec.kernels.cross_entropy` where it
+takes the logits) or ``cute``: where quack-kernels' scaled-exp GEMMs take the head
+(:func:`moec.kernels.cute_loss.takes`: bf16 on sm90, no bias, a vocabulary and chunks of
+multiples of 128, no chunk as long as the model is wide), the same chunks run on them instead
+(else as ``triton``): the logits GEMM's epilogue writes the softmax's exponentials and the
+gradient GEMMs scale them as they load them, so the logits' gradient is never written (faster
+and smaller at the e2e shape: ``benchmarks/RESULTS.md``, session 26).
 
 Logits are computed in h's dtype (the op casts the weight to it; under autocast it casts its
 inputs to the autocast dtype, as ``linear`` does); softmax statistics and the loss in float32.
@@ -31,12 +34,18 @@ A target outside [0, V) that is not ``ignore_index`` raises on CPU and gives a N
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moec.kernels import cute_loss
-from moec.ops.grouped import cuda_kernel
+from moec.kernels.arch import HAVE_TRITON, float_supported
+from moec.ops.binding import resolve
+
+if HAVE_TRITON:
+    from moec.kernels import cross_entropy, cute_loss
 
 REDUCTIONS = ("mean", "sum")
 CHUNK_ELEMENTS = 1 << 30
@@ -73,11 +82,35 @@ def _accumulation_dtype(t: Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def _cross_entropy_rows(logits: Tensor, targets: Tensor, ignore_index: int) -> Tensor:
-    kernel = cuda_kernel("cross_entropy_rows", logits)
-    if kernel is not None:
-        return kernel(logits, targets, ignore_index)
-    return cross_entropy_rows_reference(logits, targets, ignore_index)
+def _triton_rows(logits: Tensor, targets: Tensor, ignore_index: int) -> Tensor:
+    """The row kernel where it takes the logits, else the reference."""
+    if not float_supported(logits):
+        return cross_entropy_rows_reference(logits, targets, ignore_index)
+    return cross_entropy.cross_entropy_rows(logits, targets, ignore_index)
+
+
+def _cute_head(h: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, step: int):
+    """(per-row loss, d_h, d_weight) on quack's pipeline where it takes the head, else None."""
+    if not cute_loss.takes(h, weight, step):
+        return None
+    return cute_loss.linear_cross_entropy(h, weight, targets, ignore_index, step)
+
+
+class Loss(NamedTuple):
+    """An implementation: the row loss of a chunk's logits (see
+    :func:`cross_entropy_rows_reference`), and the whole head with its gradients where it takes
+    them (None: the chunks)."""
+
+    rows: Callable[[Tensor, Tensor, int], Tensor]
+    head: Callable[..., tuple[Tensor, Tensor, Tensor] | None] | None = None
+
+
+IMPLEMENTATIONS: dict[str, Loss] = {
+    "reference": Loss(cross_entropy_rows_reference),
+    "triton": Loss(_triton_rows),
+    "cute": Loss(_triton_rows, _cute_head),
+}
+"""``moec::linear_cross_entropy``'s implementations by name (see the module)."""
 
 
 def _mm_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
@@ -133,19 +166,22 @@ def linear_cross_entropy_reference(
 @torch.library.custom_op("moec::linear_cross_entropy", mutates_args=())
 def linear_cross_entropy(
     h: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, ignore_index: int,
-    reduction: str, with_grads: bool = True,
+    reduction: str, with_grads: bool = True, impl: str = "auto",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     _check(h, weight, bias, targets, reduction)
     weight = weight.to(h.dtype)
     bias = None if bias is None else bias.to(h.dtype)
     step = chunk_rows(h.shape[0], weight.shape[0])
-    fused = cuda_kernel("fused_linear_cross_entropy", h)
-    if with_grads and bias is None and fused is not None and cute_loss.takes(h, weight, step):
-        rows_loss, d_h, d_weight = fused(h, weight, targets, ignore_index, step)
+    loss_impl = IMPLEMENTATIONS[resolve("linear_cross_entropy", impl, h, IMPLEMENTATIONS)]
+    fused = None
+    if with_grads and bias is None and loss_impl.head is not None:
+        fused = loss_impl.head(h, weight, targets, ignore_index, step)
+    if fused is not None:
+        rows_loss, d_h, d_weight = fused
         loss, d_bias = rows_loss.sum(), d_weight.new_empty((0,))
     else:
         loss, d_h, d_weight, d_bias = _chunks(
-            h, weight, bias, targets, ignore_index, with_grads, step
+            h, weight, bias, targets, ignore_index, with_grads, step, loss_impl.rows
         )
     if reduction == "mean":
         loss = loss / (targets != ignore_index).sum()
@@ -154,10 +190,10 @@ def linear_cross_entropy(
 
 def _chunks(
     h: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, ignore_index: int,
-    with_grads: bool, step: int,
+    with_grads: bool, step: int, row_loss: Callable[[Tensor, Tensor, int], Tensor],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """The summed loss and its gradients, ``step`` rows at a time: each chunk's logits, turned
-    in place into their gradient by the row kernel, multiplied into d_h and d_weight."""
+    in place into their gradient by ``row_loss``, multiplied into d_h and d_weight."""
     rows, acc = h.shape[0], _accumulation_dtype(h)
     loss = torch.zeros((), dtype=acc, device=h.device)
     d_h, d_weight, d_bias = _grad_buffers(h, weight, bias, with_grads)
@@ -167,7 +203,7 @@ def _chunks(
     for start in range(0, rows, step):
         h_chunk = h[start : start + step]
         grad = F.linear(h_chunk, weight, bias)  # the logits, then (in place) their gradient
-        loss += _cross_entropy_rows(grad, targets[start : start + step], ignore_index).sum()
+        loss += row_loss(grad, targets[start : start + step], ignore_index).sum()
         if not with_grads:
             continue
         torch.mm(grad, weight, out=d_h[start : start + step])
@@ -188,14 +224,14 @@ def _grad_buffers(h: Tensor, weight: Tensor, bias: Tensor | None, with_grads: bo
 
 
 @linear_cross_entropy.register_fake
-def _fake(h, weight, bias, targets, ignore_index, reduction, with_grads=True):
+def _fake(h, weight, bias, targets, ignore_index, reduction, with_grads=True, impl="auto"):
     _check(h, weight, bias, targets, reduction)
     loss = h.new_empty((), dtype=_accumulation_dtype(h))
     return loss, *_grad_buffers(h, weight, bias, with_grads)
 
 
 def _setup(ctx, inputs, output):
-    h, weight, bias, targets, ignore_index, reduction, with_grads = inputs
+    h, weight, bias, targets, ignore_index, reduction, with_grads, _ = inputs
     _, d_h, d_weight, d_bias = output
     ctx.save_for_backward(d_h, d_weight, d_bias, targets)
     ctx.mark_non_differentiable(d_h, d_weight, d_bias)
@@ -206,7 +242,7 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, d_loss, *unused):
     if d_loss is None:  # the loss was not used: no gradient flows
-        return (None,) * 7
+        return (None,) * 8
     if not ctx.with_grads:
         raise RuntimeError(
             "moec::linear_cross_entropy ran with with_grads=False (a forward-only program, e.g. "
@@ -221,6 +257,7 @@ def _backward(ctx, d_loss, *unused):
         (d_h * scale).to(h_dtype),
         (d_weight * scale).to(weight_dtype),
         None if bias_dtype is None else (d_bias * scale).to(bias_dtype),
+        None,
         None,
         None,
         None,

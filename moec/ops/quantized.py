@@ -1,33 +1,32 @@
-"""Quantized GEMM ops: ``moec::quantized_expert_mlp`` and ``moec::quantized_linear``.
+"""Quantized GEMMs: the recipes of ``moec::expert_mlp`` and the op ``moec::quantized_linear``.
 
-quantized_expert_mlp(x, w_up, w_down, offsets, b_up?, b_down?, activation, recipe) -> (y, h)
-    ``moec::expert_mlp`` (same shapes and meaning) with its three GEMMs per pass in ``recipe``.
-quantized_linear(x[*, K], weight[N, K], bias[N]?, recipe) -> y[*, N]
+quantized_linear(x[*, K], weight[N, K], bias[N]?, recipe, impl="auto") -> y[*, N]
     ``aten.linear`` with its GEMMs in ``recipe``.
 
 Recipes (the weights stay high precision masters; every step quantizes them afresh). The expert
-MLP reads its weights in x's dtype, as ``moec::expert_mlp`` does (bf16 activations: the bf16
-working copies where the runtime keeps them); the linear follows autocast like ``aten.linear``
-(registered for CPU and CUDA), so under bf16 compute both quantize from bf16:
+MLP (``moec::expert_mlp`` with a ``recipe``) reads its weights in x's dtype (bf16 activations:
+the bf16 working copies where the runtime keeps them); the linear follows autocast like
+``aten.linear`` (registered for CPU and CUDA), so under bf16 compute both quantize from bf16:
 
 - ``mxfp8``: OCP MX v1.0 e4m3 with E8M0 scales per 32 contraction elements, for the forward,
   dgrad and wgrad GEMMs (wgrad blocks run along the rows of each group, from its first row).
 - ``fp8_rowwise``: e4m3 with one fp32 scale per row of the activation and per output channel
   of the weight (``amax / 448``) for the forward and dgrad GEMMs; wgrad in high precision.
 
-The functions here in plain torch are the oracle (:func:`mx_quantize_reference` follows the
-spec literally); on CUDA (or under ``TRITON_INTERPRET=1``) the GEMMs run as the fused Triton
-kernels of :mod:`moec.kernels.mxfp8`, which equal the reference bit for bit in quantization.
-``fp8_rowwise`` on sm90 runs ``torch._scaled_grouped_mm``; the expert MLP there runs whole on
-:mod:`moec.kernels.fp8_experts` (installed by :mod:`moec.ops.cuda`), its activation fused into
-the down projection's quantizer.
+Every GEMM here takes a ``path``, the bound implementation (:data:`PATHS`): ``reference``, the
+oracle in plain torch (:func:`mx_quantize_reference` follows the spec literally);
+``kernels``, mxfp8 on the fused Triton kernels of :mod:`moec.kernels.mxfp8` (which equal the
+reference bit for bit in quantization; their MMA is native on sm100, emulated elsewhere);
+``native``, the recipe on the arch's own kernels (mxfp8 as ``kernels``; fp8_rowwise on sm90's
+``torch._scaled_grouped_mm``, never called elsewhere). Where neither runs a recipe, ``kernels``
+and ``native`` multiply the fake-quantized operands on the grouped-GEMM kernels; a path that
+does not take some operands runs the reference for them.
+:meth:`moec.kernels.target.Target.expert_impl` binds the path.
 
-Each op's backward GEMMs are an internal op, so AOTAutograd traces them as one opaque call
-(never a kernel launch on fake tensors); bias gradients stay plain torch in the formulas::
+The linear's backward GEMMs are an internal op, so AOTAutograd traces them as one opaque call
+(never a kernel launch on fake tensors); the bias gradient stays plain torch in the formula::
 
-    quantized_expert_mlp_backward(x, w_up, w_down, offsets, h, d_y, activation, recipe)
-        -> (d_x, d_w_up, d_w_down, d_h)     (the shapes of x, the weights and h; d_h in x's dtype)
-    quantized_linear_backward(x, weight, d_y, recipe) -> (d_x, d_weight)
+    quantized_linear_backward(x, weight, d_y, recipe, impl) -> (d_x, d_weight)
 
 All outputs are contiguous.
 """
@@ -39,12 +38,18 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from moec.ops.activations import activate, activate_backward, check_activation, is_gated
-from moec.ops.experts import bias_grads, expert_mlp_grads_like, h_saved_only
-from moec.ops.grouped import add_row_bias, gmm, gmm_wgrad, row_experts
+from moec.kernels.arch import HAVE_TRITON, KERNEL_DTYPES, float_supported
+from moec.ops.binding import detected
+from moec.ops.grouped import gmm, gmm_wgrad, row_experts
+
+if HAVE_TRITON:
+    from moec.kernels import fp8_rowwise
+    from moec.kernels import grouped_gemm as kernel_gemm
+    from moec.kernels.mxfp8 import mx_gmm, mx_gmm_wgrad
 
 Recipe = Literal["mxfp8", "fp8_rowwise"]
 RECIPES: tuple[str, ...] = ("mxfp8", "fp8_rowwise")
+PATHS: tuple[str, ...] = ("reference", "kernels", "native")
 MX_BLOCK = 32
 E4M3_MAX = 448.0
 E4M3_EMAX = 8
@@ -119,37 +124,35 @@ def _valid_rows(out: Tensor, offsets: Tensor) -> Tensor:
     return torch.where((rows < offsets[-1])[:, None], out, 0)
 
 
-def _kernels_apply(a: Tensor, b: Tensor, recipe: str) -> bool:
-    """Whether the Triton MXFP8 kernels take this call (device and dtypes)."""
-    from moec.kernels import arch
+def _mx_kernels(a: Tensor, b: Tensor, recipe: str, path: str) -> bool:
+    """Whether the Triton MXFP8 kernels run this call (path, recipe, device and dtypes)."""
+    return (
+        path in ("kernels", "native")
+        and recipe == "mxfp8"
+        and float_supported(a, b)
+        and b.dtype in KERNEL_DTYPES
+    )
 
-    return recipe == "mxfp8" and arch.float_supported(a, b) and b.dtype in arch.KERNEL_DTYPES
 
-
-def _rowwise_fast_path(a: Tensor, b: Tensor, recipe: str) -> bool:
-    """fp8_rowwise through ``torch._scaled_grouped_mm``: bf16 on sm90, 16-aligned K and N."""
-    if recipe != "fp8_rowwise" or a.device.type != "cuda" or a.dtype != torch.bfloat16:
+def _rowwise_native(a: Tensor, b: Tensor, recipe: str, path: str) -> bool:
+    """fp8_rowwise through ``torch._scaled_grouped_mm``: the native path, bf16 on sm90,
+    16-aligned K and N."""
+    if path != "native" or recipe != "fp8_rowwise" or a.dtype != torch.bfloat16:
         return False
-    from moec.kernels import fp8_rowwise
-
     aligned = a.shape[-1] % 16 == 0 and b.shape[-1] % 16 == 0
     return aligned and fp8_rowwise.scaled_grouped_mm_available(a.device)
 
 
 def quantized_gmm(
-    a: Tensor, b: Tensor, offsets: Tensor, recipe: str, forward: bool = False
+    a: Tensor, b: Tensor, offsets: Tensor, recipe: str, path: str, forward: bool = False
 ) -> Tensor:
     """``out[r] = a[r] @ b[e(r)]`` with a (R, K), b (G, K, N) each quantized along K from its
-    own dtype (fp32 masters are not rounded to bf16 first); the result in a's dtype.
-    ``forward``: a forward GEMM, which the sm90 fp8_rowwise path accumulates fast
+    own dtype (fp32 masters are not rounded to bf16 first) on ``path``; the result in a's
+    dtype. ``forward``: a forward GEMM, which the sm90 fp8_rowwise path accumulates fast
     (:func:`moec.kernels.fp8_rowwise.rowwise_gmm`); dgrad accumulates exactly."""
-    if _kernels_apply(a, b, recipe):
-        from moec.kernels.mxfp8 import mx_gmm
-
+    if _mx_kernels(a, b, recipe, path):
         return mx_gmm(a, b, offsets, a.dtype)
-    if _rowwise_fast_path(a, b, recipe):
-        from moec.kernels import fp8_rowwise
-
+    if _rowwise_native(a, b, recipe, path):
         out = fp8_rowwise.rowwise_gmm(
             fp8_rowwise.rowwise_quantize(a),
             fp8_rowwise.quantize_weight(b),
@@ -162,6 +165,8 @@ def quantized_gmm(
         aq, bq = mx_fake_quantize(a), mx_fake_quantize(b, dim=-2)
     else:
         aq, bq = rowwise_fake_quantize(a), rowwise_fake_quantize(b, dim=-2)
+    if path != "reference" and float_supported(aq):  # emulated on the grouped-GEMM kernels
+        return _valid_rows(kernel_gemm.gmm(aq, bq, offsets), offsets).to(a.dtype)
     return _valid_rows(gmm(aq, bq, offsets), offsets).to(a.dtype)
 
 
@@ -185,15 +190,13 @@ def _fake_quantize_groups(x: Tensor, offsets: Tensor) -> Tensor:
     return torch.where(valid[:, None], quantized[dest.clamp(max=length - 1)], 0)
 
 
-def quantized_gmm_wgrad(a: Tensor, b: Tensor, offsets: Tensor, recipe: str) -> Tensor:
+def quantized_gmm_wgrad(a: Tensor, b: Tensor, offsets: Tensor, recipe: str, path: str) -> Tensor:
     """``out[g] = a_g^T @ b_g`` over the rows of group g: a (R, K), b (R, N) -> (G, K, N).
 
     mxfp8: both quantized along the rows, 32-row blocks from each group's first row.
     fp8_rowwise: unquantized, with float32 accumulation (bf16 operands stay bf16 on CUDA).
     """
-    if _kernels_apply(a, b, recipe):
-        from moec.kernels.mxfp8 import mx_gmm_wgrad
-
+    if _mx_kernels(a, b, recipe, path):
         return mx_gmm_wgrad(a, b, offsets, a.dtype)
     if recipe == "mxfp8":
         a, b = _fake_quantize_groups(a, offsets), _fake_quantize_groups(b, offsets)
@@ -202,117 +205,9 @@ def quantized_gmm_wgrad(a: Tensor, b: Tensor, offsets: Tensor, recipe: str) -> T
     return gmm_wgrad(a.float(), b.float(), offsets).to(a.dtype)
 
 
-# --- moec::quantized_expert_mlp ------------------------------------------------------------------
-
-
 def _check_recipe(recipe: str) -> None:
     if recipe not in RECIPES:
         raise ValueError(f"unknown quantization recipe {recipe!r}; known: {RECIPES}")
-
-
-def check_quantized_mlp_args(x, w_up, w_down, offsets, activation, recipe) -> None:
-    """Raise ValueError unless the shapes fit, the activation and the recipe are known."""
-    check_activation(activation)
-    _check_recipe(recipe)
-    n, d, u = w_up.shape
-    hidden = u // 2 if is_gated(activation) else u
-    if x.shape[-1] != d or w_down.shape != (n, hidden, d) or offsets.shape != (n,):
-        raise ValueError(
-            f"moec::quantized_expert_mlp: shapes do not fit: x {tuple(x.shape)}, w_up "
-            f"{tuple(w_up.shape)}, w_down {tuple(w_down.shape)}, offsets {tuple(offsets.shape)}"
-        )
-
-
-def quantized_expert_mlp_reference(x, w_up, w_down, offsets, b_up, b_down, activation, recipe):
-    experts = row_experts(offsets, x.shape[0])
-    w_up, w_down = w_up.to(x.dtype), w_down.to(x.dtype)
-    h = quantized_gmm(x, w_up, offsets, recipe, forward=True)
-    if b_up is not None:
-        h = add_row_bias(h, b_up, experts)
-    y = quantized_gmm(activate(h, activation), w_down, offsets, recipe, forward=True)
-    if b_down is not None:
-        y = add_row_bias(y, b_down, experts)
-    return y, h
-
-
-@torch.library.custom_op("moec::quantized_expert_mlp", mutates_args=())
-def quantized_expert_mlp(
-    x: Tensor,
-    w_up: Tensor,
-    w_down: Tensor,
-    offsets: Tensor,
-    b_up: Tensor | None,
-    b_down: Tensor | None,
-    activation: str,
-    recipe: str,
-) -> tuple[Tensor, Tensor]:
-    check_quantized_mlp_args(x, w_up, w_down, offsets, activation, recipe)
-    args = (x, w_up, w_down, offsets, b_up, b_down, activation, recipe)
-    return quantized_expert_mlp_reference(*args)
-
-
-@quantized_expert_mlp.register_fake
-def _quantized_expert_mlp_fake(x, w_up, w_down, offsets, b_up, b_down, activation, recipe):
-    check_quantized_mlp_args(x, w_up, w_down, offsets, activation, recipe)
-    return x.new_empty(x.shape), x.new_empty((x.shape[0], w_up.shape[-1]))
-
-
-def _mlp_setup(ctx, inputs, output):
-    x, w_up, w_down, offsets, b_up, b_down, activation, recipe = inputs
-    ctx.save_for_backward(x, w_up, w_down, offsets, output[1])
-    h_saved_only(ctx, output[1])
-    ctx.activation, ctx.recipe = activation, recipe
-    ctx.bias_dtypes = tuple(None if b is None else b.dtype for b in (b_up, b_down))
-
-
-@torch.library.custom_op("moec::quantized_expert_mlp_backward", mutates_args=())
-def quantized_expert_mlp_backward(
-    x: Tensor,
-    w_up: Tensor,
-    w_down: Tensor,
-    offsets: Tensor,
-    h: Tensor,
-    d_y: Tensor,
-    activation: str,
-    recipe: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    check_quantized_mlp_args(x, w_up, w_down, offsets, activation, recipe)
-    return quantized_expert_mlp_backward_reference(
-        x, w_up, w_down, offsets, h, d_y, activation, recipe
-    )
-
-
-def quantized_expert_mlp_backward_reference(x, w_up, w_down, offsets, h, d_y, activation, recipe):
-    """The oracle backward without biases: (d_x, d_w_up, d_w_down, d_h)."""
-    d_y = d_y.to(x.dtype)
-    act = activate(h, activation)
-    d_w_down = quantized_gmm_wgrad(act, d_y, offsets, recipe).to(w_down.dtype)
-    d_act = quantized_gmm(d_y, w_down.to(x.dtype).transpose(-1, -2), offsets, recipe)
-    d_h = activate_backward(h, d_act, activation).to(x.dtype)
-    d_w_up = quantized_gmm_wgrad(x, d_h, offsets, recipe).to(w_up.dtype)
-    d_x = quantized_gmm(d_h, w_up.to(x.dtype).transpose(-1, -2), offsets, recipe).to(x.dtype)
-    return d_x.contiguous(), d_w_up.contiguous(), d_w_down.contiguous(), d_h.contiguous()
-
-
-@quantized_expert_mlp_backward.register_fake
-def _quantized_expert_mlp_backward_fake(x, w_up, w_down, offsets, h, d_y, activation, recipe):
-    check_quantized_mlp_args(x, w_up, w_down, offsets, activation, recipe)
-    return expert_mlp_grads_like(x, w_up, w_down, h)
-
-
-def _mlp_backward(ctx, d_y, d_h_unused):
-    if d_y is None:  # y was not used (h takes no gradient): no gradient flows
-        return (None,) * 8
-    x, w_up, w_down, offsets, h = ctx.saved_tensors
-    d_y = d_y.to(x.dtype)
-    d_x, d_w_up, d_w_down, d_h = torch.ops.moec.quantized_expert_mlp_backward(
-        x, w_up, w_down, offsets, h, d_y, ctx.activation, ctx.recipe
-    )
-    d_b_up, d_b_down = bias_grads(d_h, d_y, offsets, ctx.bias_dtypes)
-    return d_x, d_w_up, d_w_down, None, d_b_up, d_b_down, None, None
-
-
-quantized_expert_mlp.register_autograd(_mlp_backward, setup_context=_mlp_setup)
 
 
 # --- moec::quantized_linear ----------------------------------------------------------------------
@@ -322,42 +217,55 @@ def _one_group(rows: int, device: torch.device) -> Tensor:
     return torch.full((1,), rows, dtype=torch.int32, device=device)
 
 
-def quantized_mm(a: Tensor, b: Tensor, recipe: str, forward: bool = False) -> Tensor:
+def quantized_mm(a: Tensor, b: Tensor, recipe: str, path: str, forward: bool = False) -> Tensor:
     """``a @ b`` for a (R, K), b (K, N), each quantized along K: :func:`quantized_gmm` with one
     group, or on the sm90 fp8_rowwise path ``torch._scaled_mm`` (no offsets, no row mask)."""
-    if _rowwise_fast_path(a, b, recipe):
-        from moec.kernels import fp8_rowwise
-
+    if _rowwise_native(a, b, recipe, path):
         b_codes, b_scales = fp8_rowwise.quantize_weight(b[None])
         a_q = fp8_rowwise.rowwise_quantize(a)
         return fp8_rowwise.rowwise_mm(a_q, (b_codes[0], b_scales), a.dtype, fast_accum=forward)
-    return quantized_gmm(a, b[None], _one_group(a.shape[0], a.device), recipe, forward)
+    return quantized_gmm(a, b[None], _one_group(a.shape[0], a.device), recipe, path, forward)
 
 
-def quantized_mm_wgrad(a: Tensor, b: Tensor, recipe: str) -> Tensor:
+def quantized_mm_wgrad(a: Tensor, b: Tensor, recipe: str, path: str) -> Tensor:
     """``a^T @ b`` over all rows of a (R, M) and b (R, K): :func:`quantized_gmm_wgrad` with one
     group; fp8_rowwise on CUDA is one unquantized ``mm`` (float32 accumulation, as there)."""
     if recipe == "fp8_rowwise" and a.is_cuda:
         return a.t().mm(b)
-    return quantized_gmm_wgrad(a, b, _one_group(a.shape[0], a.device), recipe)[0]
+    return quantized_gmm_wgrad(a, b, _one_group(a.shape[0], a.device), recipe, path)[0]
 
 
-def quantized_linear_reference(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: str):
+def linear_path(x: Tensor, recipe: str, impl: str) -> str:
+    """The GEMM path of ``moec::quantized_linear``'s ``impl`` (``auto``: detected for x's
+    device, as the expert MLP binds it)."""
+    if impl == "auto":
+        impl = detected(x.device).expert_impl(recipe)
+    path = impl.partition(":")[0]
+    if path not in PATHS or (path != "reference" and not HAVE_TRITON):
+        raise ValueError(f"moec::quantized_linear: impl {impl!r}; known: 'auto', {PATHS}")
+    return path
+
+
+def quantized_linear_reference(
+    x: Tensor, weight: Tensor, bias: Tensor | None, recipe: str, path: str = "reference"
+):
     x2 = x.reshape(-1, x.shape[-1])
-    y = quantized_mm(x2, weight.t(), recipe, forward=True)
+    y = quantized_mm(x2, weight.t(), recipe, path, forward=True)
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 @torch.library.custom_op("moec::quantized_linear", mutates_args=())
-def quantized_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: str) -> Tensor:
+def quantized_linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None, recipe: str, impl: str = "auto"
+) -> Tensor:
     _check_recipe(recipe)
-    return quantized_linear_reference(x, weight, bias, recipe)
+    return quantized_linear_reference(x, weight, bias, recipe, linear_path(x, recipe, impl))
 
 
 @quantized_linear.register_fake
-def _quantized_linear_fake(x, weight, bias, recipe):
+def _quantized_linear_fake(x, weight, bias, recipe, impl="auto"):
     _check_recipe(recipe)
     if x.shape[-1] != weight.shape[1]:
         shapes = f"x {tuple(x.shape)}, weight {tuple(weight.shape)}"
@@ -366,35 +274,36 @@ def _quantized_linear_fake(x, weight, bias, recipe):
 
 
 def _linear_setup(ctx, inputs, output):
-    x, weight, bias, recipe = inputs
+    x, weight, bias, recipe, impl = inputs
     ctx.save_for_backward(x, weight)
-    ctx.recipe = recipe
+    ctx.recipe, ctx.impl = recipe, impl
     ctx.bias_dtype = None if bias is None else bias.dtype
 
 
 @torch.library.custom_op("moec::quantized_linear_backward", mutates_args=())
 def quantized_linear_backward(
-    x: Tensor, weight: Tensor, d_y: Tensor, recipe: str
+    x: Tensor, weight: Tensor, d_y: Tensor, recipe: str, impl: str = "auto"
 ) -> tuple[Tensor, Tensor]:
     _check_recipe(recipe)
+    path = linear_path(x, recipe, impl)
     x2, d_y2 = x.reshape(-1, x.shape[-1]), d_y.reshape(-1, d_y.shape[-1]).to(x.dtype)
-    d_x = quantized_mm(d_y2, weight, recipe).reshape(x.shape)
-    d_w = quantized_mm_wgrad(d_y2, x2, recipe).to(weight.dtype)
+    d_x = quantized_mm(d_y2, weight, recipe, path).reshape(x.shape)
+    d_w = quantized_mm_wgrad(d_y2, x2, recipe, path).to(weight.dtype)
     return d_x.to(x.dtype).contiguous(), d_w.contiguous()
 
 
 @quantized_linear_backward.register_fake
-def _quantized_linear_backward_fake(x, weight, d_y, recipe):
+def _quantized_linear_backward_fake(x, weight, d_y, recipe, impl="auto"):
     _check_recipe(recipe)
     return x.new_empty(x.shape), weight.new_empty(weight.shape)
 
 
 def _linear_backward(ctx, d_y):
     x, weight = ctx.saved_tensors
-    d_x, d_w = torch.ops.moec.quantized_linear_backward(x, weight, d_y, ctx.recipe)
+    d_x, d_w = torch.ops.moec.quantized_linear_backward(x, weight, d_y, ctx.recipe, ctx.impl)
     d_y2 = d_y.reshape(-1, d_y.shape[-1]).to(x.dtype)
     d_b = None if ctx.bias_dtype is None else d_y2.float().sum(0).to(ctx.bias_dtype)
-    return d_x, d_w, d_b, None
+    return d_x, d_w, d_b, None, None
 
 
 quantized_linear.register_autograd(_linear_backward, setup_context=_linear_setup)

@@ -64,8 +64,6 @@ GEMMS = (
         moec_ops,
         (
             "expert_mlp",
-            "expert_mlp_gathered",
-            "quantized_expert_mlp",
             "quantized_linear",
             "flash_attention",
         ),

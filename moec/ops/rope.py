@@ -1,6 +1,6 @@
 """``moec::rope``: rotary position embedding in one op.
 
-rope(x[..., D], cos, sin, out_dtype?) -> out[..., D]
+rope(x[..., D], cos, sin, out_dtype?, impl) -> out[..., D]
 
     out = x * cos + rotate_half(x) * sin,   rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])
 
@@ -12,8 +12,9 @@ runs five elementwise kernels per tensor and writes float32 intermediates when t
 float32; the kernel reads x once and writes the result once.
 
 The gradient w.r.t. x is the transposed rotation, the internal op
-``moec::rope_backward(d_out, cos, sin, x_dtype) -> d_x`` (d_out's shape, ``x_dtype``), so that
-AOTAutograd traces the backward as one opaque call (on CUDA it runs the same kernel).
+``moec::rope_backward(d_out, cos, sin, x_dtype, impl) -> d_x`` (d_out's shape, ``x_dtype``), so
+that AOTAutograd traces the backward as one opaque call (on the kernels it runs the same one).
+Both take a last ``impl`` (:mod:`moec.ops.binding`), a name of :data:`IMPLEMENTATIONS`.
 
 Layout: both ops return ``torch.empty_like(x)``'s layout (x's strides when x is dense, else
 dense in x's order), exactly as their fake implementations do (Inductor checks custom ops'
@@ -26,10 +27,16 @@ leading dimensions in memory order, which is that layout.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
-from moec.ops.grouped import cuda_kernel
+from moec.kernels.arch import HAVE_TRITON, float_supported
+from moec.ops.binding import resolve
+
+if HAVE_TRITON:
+    from moec.kernels import rope as rope_kernel
 
 
 def _out_dtype(x: Tensor, cos: Tensor, sin: Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
@@ -61,10 +68,27 @@ def _layout(x: Tensor, dtype: torch.dtype) -> tuple[int, ...]:
     return torch.empty_like(x, dtype=dtype, device="meta").stride()
 
 
-def _rope(x: Tensor, cos: Tensor, sin: Tensor, dtype: torch.dtype, backward: bool) -> Tensor:
+Rotation = Callable[[Tensor, Tensor, Tensor, torch.dtype, bool], Tensor]
+
+
+def _triton(x: Tensor, cos: Tensor, sin: Tensor, dtype: torch.dtype, backward: bool) -> Tensor:
+    """The rope kernel's rotation (or its transpose when ``backward``) in ``dtype``; x of more
+    than :data:`moec.kernels.rope.MAX_DIMS` dimensions in torch."""
+    if x.dim() > rope_kernel.MAX_DIMS:
+        return rotate(x, cos, sin, backward).to(dtype)
+    return rope_kernel.rope(x, cos, sin, dtype, backward)
+
+
+IMPLEMENTATIONS: dict[str, Rotation | None] = {"reference": None, "triton": _triton}
+"""The kernel rotation of each implementation (None: :func:`rotate` in torch)."""
+
+
+def _rope(
+    x: Tensor, cos: Tensor, sin: Tensor, dtype: torch.dtype, backward: bool, impl: str
+) -> Tensor:
     strides = _layout(x, dtype)
-    kernel = cuda_kernel("rope", x)
-    if kernel is None:
+    kernel = IMPLEMENTATIONS[resolve("rope", impl, x, IMPLEMENTATIONS)]
+    if kernel is None or not float_supported(x):
         out = x.new_empty_strided(x.shape, strides, dtype=dtype)
         return out.copy_(rotate(x, cos, sin, backward))
     # leading dimensions by decreasing stride, the last one kept last: the result's memory order
@@ -90,43 +114,48 @@ def _is_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
 
 
 @torch.library.custom_op("moec::rope", mutates_args=())
-def rope(x: Tensor, cos: Tensor, sin: Tensor, out_dtype: torch.dtype | None) -> Tensor:
+def rope(
+    x: Tensor, cos: Tensor, sin: Tensor, out_dtype: torch.dtype | None, impl: str = "auto"
+) -> Tensor:
     _check(x, cos, sin)
-    return _rope(x, cos, sin, _out_dtype(x, cos, sin, out_dtype), backward=False)
+    return _rope(x, cos, sin, _out_dtype(x, cos, sin, out_dtype), False, impl)
 
 
 @rope.register_fake
-def _fake(x, cos, sin, out_dtype):
+def _fake(x, cos, sin, out_dtype, impl="auto"):
     _check(x, cos, sin)
     return torch.empty_like(x, dtype=_out_dtype(x, cos, sin, out_dtype))
 
 
 def _setup(ctx, inputs, output):
-    x, cos, sin, _ = inputs
+    x, cos, sin, _, impl = inputs
     if cos.requires_grad or sin.requires_grad:
         raise ValueError(
             "moec::rope: cos and sin must not require grad (the op gives them no gradient); "
             "compute the tables from buffers, or leave RoPE unfused"
         )
     ctx.save_for_backward(cos, sin)
-    ctx.x_dtype = x.dtype
+    ctx.x_dtype, ctx.impl = x.dtype, impl
 
 
 @torch.library.custom_op("moec::rope_backward", mutates_args=())
-def rope_backward(d_out: Tensor, cos: Tensor, sin: Tensor, x_dtype: torch.dtype) -> Tensor:
+def rope_backward(
+    d_out: Tensor, cos: Tensor, sin: Tensor, x_dtype: torch.dtype, impl: str = "auto"
+) -> Tensor:
     _check(d_out, cos, sin)
-    return _rope(d_out, cos, sin, x_dtype, backward=True)
+    return _rope(d_out, cos, sin, x_dtype, True, impl)
 
 
 @rope_backward.register_fake
-def _backward_fake(d_out, cos, sin, x_dtype):
+def _backward_fake(d_out, cos, sin, x_dtype, impl="auto"):
     _check(d_out, cos, sin)
     return torch.empty_like(d_out, dtype=x_dtype)
 
 
 def _backward(ctx, d_out):
     cos, sin = ctx.saved_tensors
-    return torch.ops.moec.rope_backward(d_out, cos, sin, ctx.x_dtype), None, None, None
+    d_x = torch.ops.moec.rope_backward(d_out, cos, sin, ctx.x_dtype, ctx.impl)
+    return d_x, None, None, None, None
 
 
 rope.register_autograd(_backward, setup_context=_setup)

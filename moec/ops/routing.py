@@ -1,6 +1,6 @@
 """``moec::route`` and ``moec::router_losses``: token -> expert assignment with capacity.
 
-route(logits[*, N], top_k, capacity_factor, gating, normalize, routing, bias[N]?) ->
+route(logits[*, N], top_k, capacity_factor, gating, normalize, routing, bias[N]?, impl) ->
     expert_ids[*, K] int64   chosen experts per token, best first (ties: lower expert id)
     weights[*, K]    float32 route weights (float64 for float64 logits), differentiable
     rows[*, K]       int64   row of the route in the expert-major buffer, -1 when dropped
@@ -17,7 +17,11 @@ routes of an expert are ranked in token-major order ``t * K + k`` and those rank
 dropped. Accepted routes of expert e fill rows ``offsets[e-1] + rank``; the buffer has T*K rows.
 
 Everything is static-shaped and stays on the device: a stable sort ranks routes, scatter_add
-counts them; no nonzero, bincount, boolean indexing or host reads.
+counts them; no nonzero, bincount, boolean indexing or host reads. ``impl``
+(:mod:`moec.ops.binding`) names one of :data:`IMPLEMENTATIONS`: ``reference`` (here) or
+``triton`` (the router kernels of :mod:`moec.kernels.router`, which rank the routes, and choose
+them when learned without a selection bias; a biased choice is made in torch, like the
+benchmark policies).
 """
 
 from __future__ import annotations
@@ -26,6 +30,12 @@ import math
 
 import torch
 from torch import Tensor
+
+from moec.kernels.arch import HAVE_TRITON, float_supported
+from moec.ops.binding import resolve
+
+if HAVE_TRITON:
+    from moec.kernels import router
 
 IntLike = int | torch.SymInt
 """A size: a Python int, or a symbolic one while tracing with fake tensors."""
@@ -140,6 +150,32 @@ def route_reference(
     )
 
 
+def _route_triton(
+    logits: Tensor,
+    top_k: int,
+    capacity_factor: float,
+    gating: str,
+    normalize: bool,
+    routing: str,
+    bias: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The router kernels where they take the logits (float data on their device)."""
+    if not float_supported(logits):
+        return route_reference(logits, top_k, capacity_factor, gating, normalize, routing, bias)
+    num_experts = logits.shape[-1]
+    flat = logits.reshape(-1, num_experts)
+    cap = capacity(flat.shape[0], top_k, num_experts, capacity_factor)
+    chosen = None
+    if routing != "learned" or bias is not None:
+        expert_ids = choose_experts(flat, top_k, routing, gating, bias)
+        chosen = expert_ids, route_weights(flat, expert_ids, gating, normalize)
+    return router.route(logits, top_k, cap, gating, normalize, chosen)
+
+
+IMPLEMENTATIONS = {"reference": route_reference, "triton": _route_triton}
+"""``moec::route``'s implementations by name."""
+
+
 @torch.library.custom_op("moec::route", mutates_args=())
 def route(
     logits: Tensor,
@@ -149,13 +185,15 @@ def route(
     normalize: bool,
     routing: str,
     bias: Tensor | None = None,
+    impl: str = "auto",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     check_route_args(logits, top_k, gating, routing, bias)
-    return route_reference(logits, top_k, capacity_factor, gating, normalize, routing, bias)
+    implementation = IMPLEMENTATIONS[resolve("route", impl, logits, IMPLEMENTATIONS)]
+    return implementation(logits, top_k, capacity_factor, gating, normalize, routing, bias)
 
 
 @route.register_fake
-def _route_fake(logits, top_k, capacity_factor, gating, normalize, routing, bias=None):
+def _route_fake(logits, top_k, capacity_factor, gating, normalize, routing, bias=None, impl="auto"):
     check_route_args(logits, top_k, gating, routing, bias)
     shape = (*logits.shape[:-1], top_k)
     n = logits.shape[-1]
@@ -170,7 +208,7 @@ def _route_fake(logits, top_k, capacity_factor, gating, normalize, routing, bias
 
 
 def _route_setup(ctx, inputs, output):
-    logits, _, _, gating, normalize, _, _ = inputs
+    logits, _, _, gating, normalize, _, _, _ = inputs
     ctx.save_for_backward(logits, output[0])
     ctx.gating, ctx.normalize = gating, normalize
 
@@ -181,7 +219,7 @@ def _route_backward(ctx, d_ids, d_weights, d_rows, d_offsets, d_counts):
         leaf = logits.detach().requires_grad_(True)
         weights = route_weights(leaf, expert_ids, ctx.gating, ctx.normalize)
         (d_logits,) = torch.autograd.grad(weights, leaf, d_weights)
-    return d_logits, None, None, None, None, None, None
+    return d_logits, None, None, None, None, None, None, None
 
 
 route.register_autograd(_route_backward, setup_context=_route_setup)

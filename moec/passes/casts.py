@@ -13,7 +13,7 @@ Matches  ops autocast runs in bf16 (linear, mm, matmul, bmm, addmm, baddbmm,
          through the graph under bf16 autocast, at the example's sizes in a fake mode of its
          own; the captured ``meta["val"]`` is autocast-free); and the weights of moec ops
          that cast their weights to their bf16 activation's dtype themselves
-         (``expert_mlp``, ``quantized_expert_mlp``: in the forward and again in the backward,
+         (``expert_mlp``, whatever its recipe: in the forward and again in the backward,
          and they cast the weight gradients back, every step).
 Emits    one ``aten._to_copy(source, dtype=bfloat16)`` per such source, right after it; every
          such reader reads it (explicit casts of the same source are merged into it). The
@@ -56,7 +56,6 @@ AUTOCAST_BF16 = MATMUL_OPS | {
 """Ops on autocast's lower-precision list for both CUDA and CPU: they cast float inputs."""
 SELF_CASTING = {
     torch.ops.moec.expert_mlp.default: (1, 2),
-    torch.ops.moec.quantized_expert_mlp.default: (1, 2),
 }
 """moec ops that cast the float inputs at these positions to their first input's dtype."""
 

@@ -49,9 +49,9 @@ PASS_MODULES = (
     "moec.passes.working_weights",
     "moec.passes.recompute",
     "moec.passes.fsdp",
-    "moec.passes.gather_up",
     "moec.passes.combine_experts",
     "moec.passes.pipeline",
+    "moec.passes.bind",
 )
 """The modules whose import registers moec's passes; their order breaks ordering ties."""
 

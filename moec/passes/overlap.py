@@ -6,7 +6,7 @@ Runs when ``plan.parallel.overlap`` is ``two_batch``, after ``expert_parallel`` 
 
     ids, weights, rows, offsets, counts = moec.route(logits, K, cf, ...)   # stays whole
     buffer = moec.dispatch(x, rows)                     # or, at EP = n, ep_layout + ep_dispatch
-    y, _ = moec.expert_mlp(buffer, w_up, w_down, offsets, ...)    # or quantized_expert_mlp
+    y, _ = moec.expert_mlp(buffer, w_up, w_down, offsets, ...)    # any recipe
     out = moec.combine(y, weights, rows)                # or ep_combine
 
 Emits, for halves A = batch rows [0, B/2) and B = [B/2, B), at EP = 1::
@@ -78,7 +78,6 @@ import torch
 import torch.fx as fx
 
 import moec.ops.ep  # noqa: F401  (registers the moec::ep_* ops)
-import moec.ops.quantized  # noqa: F401  (registers moec::quantized_expert_mlp)
 from moec.fx import node_order
 from moec.passes.base import Pass, PassContext, PassResult, register_pass
 from moec.passes.rewrite import GraphEditor
@@ -87,7 +86,7 @@ from moec.plan import Plan
 aten = torch.ops.aten
 moec_ops = torch.ops.moec
 
-EXPERT_OPS = (moec_ops.expert_mlp.default, moec_ops.quantized_expert_mlp.default)
+EXPERT_OPS = (moec_ops.expert_mlp.default,)
 """Expert ops of a chain: argument 0 is the buffer, argument 3 the offsets."""
 
 SCHEDULE = (

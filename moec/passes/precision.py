@@ -7,7 +7,7 @@ and ``plan.precision.scope``, a subset of:
 
       y, h = moec.expert_mlp(buf: bf16[R, D], w_up: f32[N, D, U], w_down: f32[N, H, D], offs, ...)
     becomes
-      y, h = moec.quantized_expert_mlp(buf, w_up, w_down, offs, ..., "mxfp8")
+      y, h = moec.expert_mlp(buf, w_up, w_down, offs, b_up, b_down, act, "mxfp8")  # recipe
 
 - ``shared_expert``: the ``aten.linear`` nodes of a shared expert, found structurally: the
   linears on the paths from the tensor the block's ``moec.dispatch`` reads to the dense branch
@@ -197,7 +197,7 @@ class PrecisionPass(Pass):
         scope = set(precision.scope)
         experts = routed_expert_nodes(gm) if "routed_experts" in scope else []
         for node in experts:
-            self._replace(editor, node, moec_ops.quantized_expert_mlp.default, (*node.args, recipe))
+            self._replace(editor, node, moec_ops.expert_mlp.default, (*node.args[:7], recipe))
         stats["experts_quantized"] = len(experts)
         finders = {
             "shared_expert": ("shared_linears_quantized", shared_expert_linears),

@@ -43,7 +43,6 @@ from torch import fx
 from torch._dynamo.exc import BackendCompilerFailed
 
 from moec.ops.working_weights import working_copy
-from moec.runtime import attention_kernels
 
 if TYPE_CHECKING:
     from moec.plan import Plan
@@ -53,8 +52,8 @@ class InductorGraphs:
     """What runs a graph under ``plan``: the graph itself where the plan does not lower to
     Inductor on the inputs' device (:meth:`moec.plan.Plan.lowers_to_inductor`), else its
     Inductor-compiled form, made once per graph object (a new graph, e.g. a mode variant rebuilt
-    after ``.to()``, is compiled anew). Either way with the attention kernels the plan chose for
-    that device (:mod:`moec.runtime.attention_kernels`)."""
+    after ``.to()``, is compiled anew). The graph's kernels (FA4's attention included) are the
+    ones pass ``bind`` bound; nothing here chooses them."""
 
     def __init__(self, plan: Plan, backend: str | Callable[..., Any] = "inductor") -> None:
         self.plan = plan
@@ -63,12 +62,10 @@ class InductorGraphs:
         # what is made once per graph object (:func:`_per_graph`), by graph id
         self._compiled: dict[int, tuple[fx.GraphModule, Callable[..., Any]]] = {}
         self._lifted: dict[int, tuple[fx.GraphModule, Lifted]] = {}
-        self._attention: dict[int, tuple[fx.GraphModule, fx.GraphModule]] = {}
 
     def __call__(self, graph: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
         if torch.compiler.is_compiling():  # a user's torch.compile traces the model's forward
             return functools.partial(_with_lifted_copies, self, graph)
-        graph = self.with_attention_kernels(graph, inputs)
         if not self.plan.lowers_to_inductor(device_type(inputs)):
             return graph
         compiled = self.compiled(graph)
@@ -87,25 +84,14 @@ class InductorGraphs:
 
         return _per_graph(self._compiled, graph, compile_graph)
 
-    def with_attention_kernels(
-        self, graph: fx.GraphModule, inputs: Sequence[Any]
-    ) -> fx.GraphModule:
-        """``graph`` with its attention on the kernels the plan chose for the inputs' device
-        (``graph`` itself where that is torch's SDPA), made once per graph object."""
-        choose = functools.partial(attention_kernels.for_plan, graph, self.plan, inputs)
-        return _per_graph(self._attention, graph, choose)
-
     def lifted(self, graph: fx.GraphModule) -> Lifted:
         """:func:`lift_working_copies` of ``graph``, made once per graph object."""
         return _per_graph(self._lifted, graph, lambda: lift_working_copies(graph))
 
     @torch._dynamo.disable
-    def lifted_with_copies(
-        self, graph: fx.GraphModule, inputs: Sequence[Any]
-    ) -> tuple[fx.GraphModule, list[Any]]:
-        """``graph``'s lifted form (with the attention kernels chosen for ``inputs``' device)
-        and its working copies, made outside any traced graph."""
-        inner, copies = self.lifted(self.with_attention_kernels(graph, inputs))
+    def lifted_with_copies(self, graph: fx.GraphModule) -> tuple[fx.GraphModule, list[Any]]:
+        """``graph``'s lifted form and its working copies, made outside any traced graph."""
+        inner, copies = self.lifted(graph)
         return inner, _working_copies(graph, copies)
 
     def _or_eager(self, graph: fx.GraphModule, compiled: Callable[..., Any], *args: Any) -> Any:
@@ -127,7 +113,6 @@ class InductorGraphs:
     def clear(self) -> None:
         self._compiled.clear()
         self._lifted.clear()
-        self._attention.clear()
 
 
 WorkingCopy = tuple[str, tuple[str, ...]]
@@ -191,7 +176,7 @@ def _with_copies(
 def _with_lifted_copies(graphs: InductorGraphs, graph: fx.GraphModule, *args: Any) -> Any:
     """``graph`` on ``args`` as its lifted form, traced by a user's ``torch.compile``, and the
     working copies that :meth:`InductorGraphs.lifted_with_copies` makes outside the trace."""
-    inner, made = graphs.lifted_with_copies(graph, args)
+    inner, made = graphs.lifted_with_copies(graph)
     return inner(*args, *made)
 
 

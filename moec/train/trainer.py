@@ -81,6 +81,7 @@ from moec.data import Batches, DataError, Prefetcher, TextBatches
 from moec.errors import MoecError
 from moec.folders import writable_folder
 from moec.kernels import arch
+from moec.kernels.target import Target
 from moec.optim import AdamW, SpikeDetector
 from moec.plan import Plan
 from moec.program import Program
@@ -133,7 +134,16 @@ class CheckpointLoadError(MoecError):
 
 
 class Trainer:
-    def __init__(self, model: torch.nn.Module, plan: Plan, cfg: TrainConfig, console=None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        plan: Plan,
+        cfg: TrainConfig,
+        console=None,
+        target: Target | None = None,
+    ):
+        """``target``: the machine the program is bound for (``moec.compile``'s; default
+        detected for ``cfg.device``), e.g. a benchmark's target without the CuTe DSL."""
         self.plan, self.cfg = plan, cfg
         self.console = console
         job = join_job(plan)
@@ -197,7 +207,12 @@ class Trainer:
         if check is not None and holds_storage(wrapped):
             # predicted on shapes before the model moves to the device (compile would check
             # after that, before its passes allocate)
-            check(meta_program(wrapped, plan, example, {}, training=model.training, mesh=job))
+            check(
+                meta_program(
+                    wrapped, plan, example, {}, training=model.training, mesh=job,
+                    target=target or Target.detect(self.device),
+                )
+            )  # fmt: skip
             check = None
         self.compiled = compile(
             wrapped if cfg.init_from else wrapped.to(self.device),
@@ -208,6 +223,7 @@ class Trainer:
             init_from=dense and SubmoduleSource(dense, "model."),
             init_device=self.device,
             check=check,
+            target=target,
         )
         self.pipeline: PipelineRuntime | None = runtime_for(self.compiled) if self.pp_mesh else None
         """This rank's pipeline stages under PP (built before the optimizer: it frees the

@@ -1,7 +1,7 @@
-"""GPU: ``plan.lowering.attention = "cudnn"`` (Hopper's FA3-class attention), ``"fa4"``
-(FlashAttention 4's kernels, where flash-attn-4 is installed) and ``"auto"`` (FA4 on Hopper where
-it is installed, else torch's order) give torch's SDPA's outputs and gradients (bf16 tolerance),
-run the kernels they name, and their steps never sync the host."""
+"""GPU: ``plan.lowering.attention = "fa4"`` (FlashAttention 4's kernels, where flash-attn-4 is
+installed) and ``"auto"`` (FA4 on Hopper where it is installed, else torch's order) give torch's
+SDPA's outputs and gradients (bf16 tolerance), run the kernels they name, and their steps never
+sync the host."""
 
 import copy
 
@@ -10,8 +10,9 @@ import torch
 
 import moec
 from moec.kernels import flash_attention as fa4
+from moec.kernels.target import Target
 from moec.models.llama import Llama, LlamaConfig
-from moec.runtime.attention_kernels import AUTO_CHIPS
+from moec.passes.bind import AUTO_ARCHS
 from moec.runtime.metrics import run_without_host_sync
 from tests.models import tokens
 
@@ -43,15 +44,14 @@ def _attention_ops(step) -> set[str]:
 
 
 def _auto_runs_fa4() -> bool:
-    """Whether ``auto`` runs FA4 on this GPU: a chip of AUTO_CHIPS where FA4 runs."""
-    hopper = torch.cuda.get_device_capability()[0] in AUTO_CHIPS
-    return hopper and fa4.device_why_not(torch.device("cuda")) is None
+    """Whether ``auto`` runs FA4 on this GPU: an arch of AUTO_ARCHS where FA4 runs."""
+    target = Target.detect("cuda")
+    return target.arch in AUTO_ARCHS and target.fa4
 
 
 @pytest.mark.parametrize(
     "backend, kernel",
     [
-        ("cudnn", "cudnn"),
         pytest.param(
             "fa4",
             "moec::flash_attention_backward",

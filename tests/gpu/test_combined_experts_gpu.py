@@ -1,10 +1,12 @@
-"""``moec::expert_mlp_combined`` on the CUDA kernels equals the float64 reference, fwd + bwd.
+"""``moec::expert_mlp`` with the combine inside, on the CUDA kernels, equals the float64
+reference, fwd + bwd.
 
-Under the default policy and with every piece forced onto the CuTe DSL (``"cute_glu"``: the down
-dgrad then reads the output gradient's token rows through ``A_idx``, scales them by the route
-weights and reduces the weights' gradient in its epilogue, which the test checks ran), with
-n-major and k-major expert weights; routings with dropped routes and one expert taking every
-row. Also: a layer step with the op raises no host sync.
+Under the default policy and with every piece forced onto the CuTe DSL (``impl`` ``kernels:cute``
+/ ``kernels:cute_glu``: the up projection reads the token rows through ``A_idx``; the down dgrad
+reads the output gradient's token rows, scales them by the route weights and reduces the
+weights' gradient in its epilogue, which the test checks ran), with n-major and k-major expert
+weights; routings with dropped routes, empty experts and one expert taking every row. Also: a
+layer step with the op raises no host sync.
 """
 
 from __future__ import annotations
@@ -12,39 +14,57 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moec.kernels import cute_gemm, gemm_backend
-from moec.ops.cuda import register_kernels
-from tests.gpu.test_gathered_experts_gpu import (
-    SHAPES,
-    TOP_K,
-    _forced,
-    _rel,
-    _routing,
-    assert_layer_step_sync_free,
-)
-from tests.gpu.test_kernels_ops import layer_inputs
+from moec.kernels import cute_gemm
+from moec.ops.routing import assign_rows
+from moec.runtime.metrics import run_without_host_sync
+from tests.gpu.test_kernels_ops import POLICY, TARGET, _rel, layer_inputs
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 needs_quack = pytest.mark.skipif(
-    not gemm_backend.have_quack(), reason="quack-kernels (moec[cutlass]) is not installed"
+    not TARGET.quack, reason="quack-kernels (moec[cutlass]) is not installed"
 )
+SHAPES = [(8, 1000, 128, 96), (32, 8192, 512, 384)]
+"""(experts, buffer rows R = T*K, D, H), as tests/gpu/test_kernels_ops.py's CuTe DSL cases."""
+TOP_K = {1000: 4, 8192: 8}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _registered():
-    assert register_kernels()
+def _impl(backend: str) -> str:
+    """``policy``: what this GPU binds; else that backend forced for every piece."""
+    return POLICY if backend == "policy" else f"kernels:{backend}"
+
+
+def _routing(case: str, experts: int, tokens: int, top_k: int) -> tuple[torch.Tensor, ...]:
+    """(rows [T, K], offsets [N] int32) on the device: ``drops`` (capacity below the load),
+    ``empty_experts`` (two of every three experts get nothing), ``one_expert`` (every route to
+    expert N/2, no drops)."""
+    if case == "one_expert":
+        ids = torch.full((tokens, top_k), experts // 2)
+        cap = tokens * top_k
+    else:
+        scores = torch.randn(tokens, experts)
+        if case == "empty_experts":
+            keep = torch.zeros(experts, dtype=torch.bool)
+            keep[1::3] = True
+            scores[:, ~keep] -= 100.0
+            top_k = min(top_k, int(keep.sum()))
+        ids = scores.topk(top_k, dim=-1).indices
+        cap = max(1, int(0.8 * tokens * top_k / experts)) if case == "drops" else tokens * top_k
+    rows, offsets, _ = assign_rows(ids, experts, cap)
+    return rows.cuda(), offsets.cuda()
 
 
 def _k_major(w: torch.Tensor) -> torch.Tensor:
     return w.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-@pytest.mark.parametrize("backend", ["policy", pytest.param("cute_glu", marks=needs_quack)])
+@pytest.mark.parametrize(
+    "backend", ["policy", *(pytest.param(b, marks=needs_quack) for b in ("cute", "cute_glu"))]
+)
 @pytest.mark.parametrize("layout", ["n_major", "k_major"])
-@pytest.mark.parametrize("case", ["drops", "one_expert"])
+@pytest.mark.parametrize("case", ["drops", "empty_experts", "one_expert"])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_combined_expert_mlp_equals_reference(monkeypatch, backend, layout, case, shape):
     experts, num_rows, dim, hidden = shape
@@ -68,19 +88,14 @@ def test_combined_expert_mlp_equals_reference(monkeypatch, backend, layout, case
 
     monkeypatch.setattr(cute_gemm, "gmm_act_backward_combined", counted)
     leaves = (x, weights, w_up, w_down)
-    with _forced(backend):
-        out, _ = torch.ops.moec.expert_mlp_combined(
-            x, rows, weights, w_up, w_down, offsets, "swiglu"
-        )
-        d_out = torch.randn_like(out)
-        grads = torch.autograd.grad(out, leaves, d_out)
+    out, _ = _combined(x, rows, weights, w_up, w_down, offsets, _impl(backend))
+    d_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, d_out)
     if backend == "cute_glu":  # forced: the weights went through the dgrad's epilogue
         assert fused == [True]
 
     ref = [t.detach().double().cpu().requires_grad_() for t in leaves]
-    out_ref, _ = torch.ops.moec.expert_mlp_combined(
-        ref[0], rows.cpu(), ref[1], ref[2], ref[3], offsets.cpu(), "swiglu"
-    )
+    out_ref, _ = _combined(ref[0], rows.cpu(), ref[1], ref[2], ref[3], offsets.cpu(), "reference")
     ref_grads = torch.autograd.grad(out_ref, ref, d_out.double().cpu())
     tol = 2e-2
     assert _rel(out.cpu(), out_ref) < tol
@@ -91,14 +106,27 @@ def test_combined_expert_mlp_equals_reference(monkeypatch, backend, layout, case
     assert (grads[1][rows < 0] == 0).all()  # dropped routes: no weight gradient
 
 
-def _layer(x, router, w_up, w_down):
-    ops = torch.ops.moec
-    _, weights, rows, offsets, _ = ops.route(x @ router, 8, 1.25, "softmax", True, "learned")
-    return ops.expert_mlp_combined(x, rows, weights, w_up, w_down, offsets, "swiglu")[0]
+def _combined(x, rows, weights, w_up, w_down, offsets, impl):
+    return torch.ops.moec.expert_mlp(
+        x, w_up, w_down, offsets, None, None, "swiglu", "bf16", rows, weights, impl
+    )
 
 
 @pytest.mark.parametrize("backend", ["policy", pytest.param("cute_glu", marks=needs_quack)])
 def test_combined_layer_step_is_sync_free(backend):
-    """One forward + backward of a layer on the combined op (k-major weights, the compiler's
-    default) under ``torch.cuda.set_sync_debug_mode("error")``."""
-    assert_layer_step_sync_free(_layer, layer_inputs(k_major=True), backend)
+    """One forward + backward of a layer on the op with the combine inside (k-major weights,
+    the compiler's default) under ``torch.cuda.set_sync_debug_mode("error")``; every gradient
+    finite."""
+    x, router, w_up, w_down = layer_inputs(k_major=True)
+
+    def step():
+        ops = torch.ops.moec
+        _, weights, rows, offsets, _ = ops.route(x @ router, 8, 1.25, "softmax", True, "learned")
+        out = _combined(x, rows, weights, w_up, w_down, offsets, _impl(backend))[0]
+        out.float().square().mean().backward()
+
+    for _ in range(3):  # warm-up: autotuning and compilation may sync
+        step()
+    run_without_host_sync(step, 1)
+    torch.cuda.synchronize()
+    assert all(torch.isfinite(t.grad).all() for t in (x, w_up, w_down))

@@ -9,7 +9,6 @@ import torch
 import moec.ops  # noqa: F401  (registers torch.ops.moec)
 from moec.kernels import flash_attention as fa4
 from moec.ops.attention import flash_attention_backward_reference, flash_attention_reference
-from moec.ops.cuda import register_kernels
 from moec.runtime.metrics import run_without_host_sync
 
 pytestmark = [
@@ -45,18 +44,17 @@ def _qkv(batch, heads, kv_heads, seq, dim, dtype=torch.bfloat16, heads_major=Fal
     ],
 )
 def test_fa4_equals_the_reference(batch, heads, kv_heads, seq, dim, causal, heads_major):
-    assert register_kernels()
     q, k, v = _qkv(batch, heads, kv_heads, seq, dim, heads_major=heads_major)
     assert fa4.takes(q, k, v, causal), fa4.why_not(q, k, v, causal)
     scale = dim**-0.5 * 1.3
-    out, lse = torch.ops.moec.flash_attention(q, k, v, causal, scale)
+    out, lse = torch.ops.moec.flash_attention(q, k, v, causal, scale, "fa4")
     want_out, want_lse = flash_attention_reference(q, k, v, causal, scale)
     assert out.shape == want_out.shape and out.stride() == want_out.stride()
     assert out.dtype == q.dtype and lse.dtype == torch.float32
     assert _rel(out, want_out) < 1e-2
     torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
     d_out = torch.randn_like(out)
-    got = torch.ops.moec.flash_attention_backward(q, k, v, out, lse, d_out, causal, scale)
+    got = torch.ops.moec.flash_attention_backward(q, k, v, out, lse, d_out, causal, scale, "fa4")
     want = flash_attention_backward_reference(q, k, v, out, lse, d_out, causal, scale)
     for name, g, w in zip("qkv", got, want, strict=True):
         assert g.shape == w.shape and g.stride() == w.stride(), name
@@ -64,11 +62,10 @@ def test_fa4_equals_the_reference(batch, heads, kv_heads, seq, dim, causal, head
 
 
 def test_fa4_forward_and_backward_never_sync_the_host():
-    assert register_kernels()
     q, k, v = (t.requires_grad_() for t in _qkv(2, 4, 2, 512, 128))
 
     def step() -> torch.Tensor:
-        out = torch.ops.moec.flash_attention(q, k, v, True, 128**-0.5)[0]
+        out = torch.ops.moec.flash_attention(q, k, v, True, 128**-0.5, "fa4")[0]
         return torch.autograd.grad(out.float().square().sum(), (q, k, v))[0]
 
     step()  # FA4 compiles its kernels on first use

@@ -13,12 +13,8 @@ import pytest
 import torch
 
 from moec.kernels import fp8_rowwise
-from moec.ops.activations import activate
-from moec.ops.cuda import kernel_activation, register_kernels
-from moec.ops.experts import expert_mlp_reference
+from moec.ops.activations import activate, kernel_activation
 from moec.ops.quantized import (
-    quantized_expert_mlp_backward_reference,
-    quantized_expert_mlp_reference,
     rowwise_fake_quantize,
     rowwise_quantize_reference,
 )
@@ -34,9 +30,10 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _registered():
-    assert register_kernels()
+def _mlp(x, w_up, w_down, offsets, activation, recipe, impl):
+    return torch.ops.moec.expert_mlp(
+        x, w_up, w_down, offsets, None, None, activation, recipe, None, None, impl
+    )
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -122,22 +119,20 @@ def test_fp8_expert_mlp_equals_reference(case, activation):
     leaves = [t.clone().requires_grad_() for t in (x, w_up, w_down)]
 
     def step():
-        y, _ = torch.ops.moec.quantized_expert_mlp(
-            *leaves, offsets, None, None, activation, "fp8_rowwise"
-        )
+        y, _ = _mlp(*leaves, offsets, activation, "fp8_rowwise", "native")
         return y, torch.autograd.grad(y, leaves, d_y)
 
     step()  # compiles the kernels
     ((y, grads),) = run_without_host_sync(step, 1)
 
     args = (x, w_up, w_down, offsets)
-    ref_y, ref_h = quantized_expert_mlp_reference(*args, None, None, activation, "fp8_rowwise")
-    ref_d_x, ref_d_w_up, ref_d_w_down, _ = quantized_expert_mlp_backward_reference(
-        *args, ref_h, d_y, activation, "fp8_rowwise"
+    ref_y, ref_h = _mlp(*args, activation, "fp8_rowwise", "reference")
+    ref_d_x, ref_d_w_up, ref_d_w_down, _, _ = torch.ops.moec.expert_mlp_backward(
+        *args, ref_h, d_y, activation, False, "fp8_rowwise", None, None, "reference"
     )
     exact = [t.double() for t in (x[:used], w_up, w_down)]
     leaves64 = [t.clone().requires_grad_() for t in exact]
-    y64, _ = expert_mlp_reference(*leaves64, offsets, None, None, activation)
+    y64, _ = _mlp(*leaves64, offsets, activation, "bf16", "reference")
     grads64 = torch.autograd.grad(y64, leaves64, d_y[:used].double())
 
     got = [y[:used], grads[0][:used], grads[1], grads[2]]

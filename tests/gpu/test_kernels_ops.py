@@ -7,7 +7,6 @@ buffer tails poisoned with NaN / 1e4. Also: a steady-state layer step raises no 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 
@@ -15,10 +14,11 @@ import pytest
 import torch
 import triton
 
-from moec.kernels import activation, cute_gemm, gemm_backend, grouped_gemm
+from moec.kernels import activation, cute_gemm, grouped_gemm
+from moec.kernels.gemm_backend import GemmPolicy
+from moec.kernels.target import Target
 from moec.ops import grouped
-from moec.ops.activations import is_gated
-from moec.ops.cuda import kernel_activation, register_kernels
+from moec.ops.activations import is_gated, kernel_activation
 from moec.ops.movement import combine_reference, dispatch_reference
 from moec.ops.routing import route_reference
 from moec.runtime.metrics import run_without_host_sync
@@ -35,10 +35,14 @@ TOL = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _registered():
-    assert register_kernels()
-    assert register_kernels()  # idempotent
+TARGET = Target.detect("cuda") if torch.cuda.is_available() else Target()
+POLICY = TARGET.expert_impl("bf16")
+"""The expert MLP's implementation this GPU binds (the measured rules)."""
+
+
+def _forced(backend: str) -> str:
+    """The expert MLP's implementation with ``backend`` forced for every piece."""
+    return f"kernels:{backend}"
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -150,7 +154,7 @@ def _expert_case(case: str, experts: int, rows: int) -> torch.Tensor:
 
 
 needs_quack = pytest.mark.skipif(
-    not gemm_backend.have_quack(), reason="quack-kernels (moec[cutlass]) is not installed"
+    not TARGET.quack, reason="quack-kernels (moec[cutlass]) is not installed"
 )
 
 
@@ -164,8 +168,7 @@ def test_expert_mlp_forward_backward(dtype, activation, case, backend, bias):
     kernels) against the float64 reference, with NaN rows past the offsets."""
     if backend != "pointer" and dtype == torch.float32:
         pytest.skip("float32 GEMMs run the pointer kernels whatever the policy")
-    with gemm_backend.forced_backend(backend):
-        _check_expert_mlp(dtype, activation, case, bias)
+    _check_expert_mlp(dtype, activation, case, bias, impl=_forced(backend))
 
 
 @needs_quack
@@ -180,8 +183,7 @@ def test_expert_mlp_on_the_cute_dsl(backend, activation, case, shape):
     reference's (float32 masters) straddle zero, on every backend (the pointer kernels measured
     3-4% on d_x too): a wider tolerance for the ReLU family."""
     tol = 5e-2 if "relu" in activation or "reglu" in activation else 2e-2
-    with gemm_backend.forced_backend(backend):
-        _check_expert_mlp(torch.bfloat16, activation, case, False, shape, tol)
+    _check_expert_mlp(torch.bfloat16, activation, case, False, shape, tol, impl=_forced(backend))
 
 
 @needs_quack
@@ -193,13 +195,12 @@ def test_expert_mlp_with_k_major_weights(backend, activation, case, shape):
     """k-major weights (stacked nn.Linear layout): a gated up projection runs quack's gated
     epilogues reading w_up's [gate | up] dim as pairs (concat_layout) in the GEMM, its dgrad and
     its wgrad; against the float64 reference, poisoned tails, gradients k-major."""
-    forced = gemm_backend.forced_backend("cute") if backend == "cute" else contextlib.nullcontext()
-    with forced:
-        _check_expert_mlp(torch.bfloat16, activation, case, False, shape, 2e-2, k_major=True)
+    impl = _forced("cute") if backend == "cute" else POLICY
+    _check_expert_mlp(torch.bfloat16, activation, case, False, shape, 2e-2, True, impl)
 
 
 def _check_expert_mlp(
-    dtype, activation, case, bias, shape=(8, 1000, 128, 96), tol=None, k_major=False
+    dtype, activation, case, bias, shape=(8, 1000, 128, 96), tol=None, k_major=False, impl=POLICY
 ):
     experts, rows, dim, hidden = shape
     gated = is_gated(activation)
@@ -217,7 +218,9 @@ def _check_expert_mlp(
     w_up, w_down = w_up.requires_grad_(), w_down.requires_grad_()
     b_up = torch.randn(experts, width, **masters).requires_grad_() if bias else None
     b_down = torch.randn(experts, dim, **masters).requires_grad_() if bias else None
-    y, h = torch.ops.moec.expert_mlp(x, w_up, w_down, offsets, b_up, b_down, activation)
+    y, h = torch.ops.moec.expert_mlp(
+        x, w_up, w_down, offsets, b_up, b_down, activation, "bf16", None, None, impl
+    )
     leaves = [t for t in (x, w_up, w_down, b_up, b_down) if t is not None]
     dy = torch.randn_like(y)
     dy[used:] = 1e4
@@ -232,7 +235,8 @@ def _check_expert_mlp(
     tol = tol or (2e-2 if dtype == torch.bfloat16 else 1e-5)
     assert _rel(y[:used].cpu(), y_ref[:used]) < tol
     act = kernel_activation(activation)
-    if act is not None and grouped_gemm.h_interleaved(x, w_up.to(dtype), bias, act):
+    policy = GemmPolicy.parse(impl.partition(":")[2])
+    if act is not None and grouped_gemm.h_interleaved(x, w_up.to(dtype), bias, act, policy):
         h = cute_gemm.deinterleave(h[None], h.dtype)[0]
     assert _rel(h[:used].cpu(), h_ref[:used]) < tol
     for name, g, r in zip(
@@ -254,27 +258,26 @@ def test_expert_mlp_without_a_kernel_code_runs_the_reference(activation):
     _check_expert_mlp(torch.float32, activation, "random", bias=True)
 
 
-def test_gmm_hooks_in_reference_module():
-    """moec.ops.grouped.gmm / gmm_wgrad route to the kernels on CUDA."""
+def test_kernel_gmm_equals_the_reference_loop():
+    """The grouped-GEMM kernels (the bound policy) equal the reference's masked loop."""
     x = torch.randn(300, 64, device="cuda")
     w = torch.randn(4, 64, 48, device="cuda")
     offsets = torch.tensor([50, 50, 200, 260], device="cuda", dtype=torch.int32)
-    got = grouped.gmm(x, w, offsets)
-    grouped._FORCE_LOOP = True
-    try:
-        want = grouped.gmm(x, w, offsets)
-        want_w = grouped.gmm_wgrad(x, got, offsets)
-    finally:
-        grouped._FORCE_LOOP = False
+    policy = TARGET.gemm_policy()
+    got = grouped_gemm.gmm(x, w, offsets, None, "down", policy)
+    want = grouped.gmm(x, w, offsets, loop=True)
+    want_w = grouped.gmm_wgrad(x, got, offsets, loop=True)
     torch.testing.assert_close(got[:260], want[:260])
-    torch.testing.assert_close(grouped.gmm_wgrad(x, got, offsets), want_w, atol=1e-3, rtol=1e-4)
+    got_w = grouped_gemm.gmm_wgrad(x, got, offsets, None, policy)
+    torch.testing.assert_close(got_w, want_w, atol=1e-3, rtol=1e-4)
 
 
-def _layer(x, router, w_up, w_down):
+def _layer(x, router, w_up, w_down, impl=POLICY):
     ops = torch.ops.moec
     _, weights, rows, offsets, _ = ops.route(x @ router, 8, 1.25, "softmax", True, "learned")
     buf = ops.dispatch(x, rows)
-    y, _ = ops.expert_mlp(buf, w_up, w_down, offsets, None, None, "swiglu")
+    y, _ = ops.expert_mlp(buf, w_up, w_down, offsets, None, None, "swiglu", "bf16", None, None,
+                          impl)  # fmt: skip
     return ops.combine(y, weights, rows)
 
 
@@ -291,8 +294,7 @@ def test_layer_step_is_sync_free_and_runs_ahead(backend):
     if backend.startswith("policy"):
         _check_layer_step(k_major=backend == "policy_k_major")
     else:
-        with gemm_backend.forced_backend(backend):
-            _check_layer_step()
+        _check_layer_step(impl=_forced(backend))
 
 
 def layer_inputs(k_major: bool = False) -> tuple[torch.Tensor, ...]:
@@ -310,11 +312,11 @@ def layer_inputs(k_major: bool = False) -> tuple[torch.Tensor, ...]:
     return x, router, w_up.requires_grad_(), w_down.requires_grad_()
 
 
-def _check_layer_step(k_major: bool = False):
+def _check_layer_step(k_major: bool = False, impl: str = POLICY):
     x, router, w_up, w_down = layer_inputs(k_major)
 
     def step():
-        _layer(x, router, w_up, w_down).float().square().mean().backward()
+        _layer(x, router, w_up, w_down, impl).float().square().mean().backward()
 
     for _ in range(3):  # warm-up: autotuning and compilation may sync
         step()
@@ -383,7 +385,6 @@ def test_linear_cross_entropy_on_quacks_fused_gemms_equals_reference(monkeypatch
     """bf16 autocast over an fp32 weight, chunks of 512 rows (1000: the last one short, padded
     by quack), a seventh of the rows ignored: the op runs quack's pipeline where it takes the
     head, and its loss and gradients equal the reference's and moec's own chunks'."""
-    from moec.kernels import cute_loss
     from moec.ops import loss as loss_op
 
     dim, vocab = 384, 32768
@@ -399,10 +400,10 @@ def test_linear_cross_entropy_on_quacks_fused_gemms_equals_reference(monkeypatch
             loss = op(h, weight, None, targets, -100, reduction)
         return loss, *torch.autograd.grad(loss, (h, weight))
 
-    got = loss_and_grads(lambda *a: torch.ops.moec.linear_cross_entropy(*a)[0])
+    op = torch.ops.moec.linear_cross_entropy
+    got = loss_and_grads(lambda *a: op(*a, True, "cute")[0])
     assert len(calls) == 1
-    with cute_loss.chunked_loss():
-        chunked = loss_and_grads(lambda *a: torch.ops.moec.linear_cross_entropy(*a)[0])
+    chunked = loss_and_grads(lambda *a: op(*a, True, "triton")[0])
     assert len(calls) == 1
     want = loss_and_grads(loss_op.linear_cross_entropy_reference)
     for other in (want, chunked):

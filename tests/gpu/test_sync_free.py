@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moec.kernels.gemm_backend import have_quack
+from moec.kernels.target import Target
 from moec.plan import Plan
 from moec.runtime.metrics import run_without_host_sync
 from moec.runtime.router_losses import bias_step
@@ -19,7 +19,7 @@ pytestmark = [
 def test_steady_state_step_has_no_host_sync(tmp_path, monkeypatch):
     """With quack-kernels installed, the head (vocabulary 256, 2048 rows) runs on quack's fused
     loss GEMMs in those steps too."""
-    fused_loss_calls = quack_loss_calls(monkeypatch) if have_quack() else None
+    fused_loss_calls = quack_loss_calls(monkeypatch) if Target.detect("cuda").quack else None
     plan = Plan.from_dict({**DEMO_PLAN, "precision": {"compute_dtype": "bf16"}})
     trainer = Trainer(
         demo_model(),

@@ -114,20 +114,13 @@ def _grad_bytes(val: Any) -> sympy.Expr:
     return ZERO
 
 
-_GATHERED_W_UP_AT = {  # expert ops over token rows (args x, rows, ...): the index of w_up
-    torch.ops.moec.expert_mlp_gathered.default: 2,
-    torch.ops.moec.expert_mlp_combined.default: 3,
-}
-
-
 def backward_workspace(node: fx.Node) -> sympy.Expr:
     """Bytes live together while ``node``'s backward runs, besides saved tensors: the gradients
     of its outputs and of its floating inputs (a parameter's arrives in the dtype the op read
     before it is accumulated), plus what the backward allocates inside: ``moec.expert_mlp``
-    (and its quantized form)
-    holds the pre-activation's gradient [R, U] and the recomputed activation [R, H] as well,
-    ``moec.expert_mlp_gathered`` and ``moec.expert_mlp_combined`` also their rows' input
-    gradient [R, D]."""
+    (any recipe) holds the pre-activation's gradient [R, U] and the recomputed activation
+    [R, H] as well, and with the combine inside (token rows in) also its rows' input gradient
+    [R, D]."""
     if node.op != "call_function" or node.target in VIEW_LIKE:
         return ZERO
     val = node.meta.get("val")
@@ -137,16 +130,19 @@ def backward_workspace(node: fx.Node) -> sympy.Expr:
     grads = _grad_bytes(val) + sympy.Add(
         *(_grad_bytes(value_of(a)) for a in dict.fromkeys(node.all_input_nodes))
     )
-    if node.target in (
-        torch.ops.moec.expert_mlp.default,
-        torch.ops.moec.quantized_expert_mlp.default,
-    ):
+    if node.target == torch.ops.moec.expert_mlp.default:
         x, w_up, w_down = (value_of(a) for a in node.args[:3])
-        rows = sym(x.shape[0])
-        grads += rows * (sym(w_up.shape[-1]) + sym(w_down.shape[1])) * x.element_size()
-    elif node.target in _GATHERED_W_UP_AT:  # also the rows' d_x
-        at = _GATHERED_W_UP_AT[node.target]
-        x, routes, w_up, w_down = (value_of(node.args[i]) for i in (0, 1, at, at + 1))
-        width = sym(w_up.shape[-1]) + sym(w_down.shape[1]) + sym(x.shape[-1])
-        grads += numel(routes) * width * x.element_size()
+        routes = expert_mlp_routes(node)
+        width = sym(w_up.shape[-1]) + sym(w_down.shape[1])
+        if routes is None:
+            grads += sym(x.shape[0]) * width * x.element_size()
+        else:  # also the rows' d_x
+            grads += numel(routes) * (width + sym(x.shape[-1])) * x.element_size()
     return grads
+
+
+def expert_mlp_routes(node: fx.Node) -> torch.Tensor | None:
+    """The route table ``rows`` of a ``moec.expert_mlp`` node with the combine inside (its x
+    then holds the tokens), else None."""
+    rows = node.args[8] if len(node.args) > 8 else node.kwargs.get("rows")
+    return None if rows is None else value_of(rows)

@@ -3,11 +3,10 @@
 The ops (:mod:`moec.ops`) import no analysis; their rules live here, each keyed by its op
 overload. Over R = T*K routed rows of T tokens, top-K:
 
-- ``moec.expert_mlp`` and ``moec.quantized_expert_mlp``: 2*R*(D*U + H*D) (an EP receive
-  buffer counts this rank's T*K routes, not its padding); saves its input rows and the
-  pre-activation h; ``moec.expert_mlp_gathered`` the same over R = T*K rows of its route table,
-  saving the tokens, the table and h; ``moec.expert_mlp_combined`` that plus its combine's
-  2*R*D, saving the tokens, the table, the route weights and h (not the experts' output);
+- ``moec.expert_mlp`` (any recipe): 2*R*(D*U + H*D) (an EP receive buffer counts this rank's
+  T*K routes, not its padding); saves its input rows and the pre-activation h; with the combine
+  inside, over R = T*K rows of its route table plus the combine's 2*R*D, saving the tokens, the
+  table, the route weights and h (not the experts' output);
 - ``moec.route``: 4 FLOPs per logit, saving the logits and the chosen expert ids;
   ``moec.router_losses``: 6 per logit, saving its inputs;
 - ``moec.dispatch``: data movement, saving the row indices; ``moec.combine``: its weighted sum,
@@ -17,6 +16,8 @@ overload. Over R = T*K routed rows of T tokens, top-K:
 - ``moec.quantized_linear``: as ``aten.linear`` (the recipe changes the rate, not the work);
 - ``moec.linear_cross_entropy``: the head's 2*N*D*V, saving the gradients it computed in the
   forward (held until the backward scales them);
+- ``moec.flash_attention``: as ``scaled_dot_product_attention`` (pass ``bind`` swaps one for
+  the other), saving q, k, v, its output and the softmax statistics;
 - ``moec.rope``: 3 FLOPs per element, saving nothing but its (buffer) tables; ``moec.glu``:
   2 FLOPs per output element, saving its input.
 """
@@ -28,8 +29,13 @@ import torch
 import torch.fx as fx
 
 import moec.ops  # noqa: F401  (registers torch.ops.moec)
-import moec.ops.quantized  # noqa: F401  (registers moec::quantized_*)
-from moec.analysis.cost.memory import SavedRef, activation_refs, stored_ref, value_of
+from moec.analysis.cost.memory import (
+    SavedRef,
+    activation_refs,
+    expert_mlp_routes,
+    stored_ref,
+    value_of,
+)
 from moec.analysis.cost.rules import RuleResult, cost_rule, matmul_rule
 from moec.fx import numel, sym
 
@@ -53,31 +59,26 @@ def _expert_rows(buffer: fx.Node) -> sympy.Expr:
     return sym(value_of(buffer).shape[0])
 
 
-@cost_rule(ops.expert_mlp.default, ops.quantized_expert_mlp.default)
+@cost_rule(ops.expert_mlp.default)
 def _expert_mlp(node: fx.Node) -> RuleResult:
     x, w_up, w_down = (value_of(a) for a in node.args[:3])
-    rows, dim, up = _expert_rows(node.args[0]), sym(x.shape[1]), sym(w_up.shape[-1])
-    hidden = sym(w_down.shape[1])
-    flops = 2 * rows * (dim * up + hidden * dim)
-    return flops, "experts", [stored_ref(node.args[0]), SavedRef(node, 1)]
-
-
-@cost_rule(ops.expert_mlp_gathered.default)
-def _expert_mlp_gathered(node: fx.Node) -> RuleResult:
-    x, rows, w_up, w_down = (value_of(a) for a in node.args[:4])
     dim, up, hidden = sym(x.shape[-1]), sym(w_up.shape[-1]), sym(w_down.shape[1])
-    flops = 2 * numel(rows) * (dim * up + hidden * dim)
-    saved = [stored_ref(node.args[0]), stored_ref(node.args[1]), SavedRef(node, 1)]
-    return flops, "experts", saved
+    routes = expert_mlp_routes(node)
+    if routes is None:
+        flops = 2 * _expert_rows(node.args[0]) * (dim * up + hidden * dim)
+        return flops, "experts", [stored_ref(node.args[0]), SavedRef(node, 1)]
+    flops = 2 * numel(routes) * (dim * up + hidden * dim + dim)  # and the combine
+    tokens, rows, weights = node.args[0], node.args[8], node.args[9]
+    return flops, "experts", [*(stored_ref(a) for a in (tokens, rows, weights)), SavedRef(node, 1)]
 
 
-@cost_rule(ops.expert_mlp_combined.default)
-def _expert_mlp_combined(node: fx.Node) -> RuleResult:
-    x, rows, _, w_up, w_down = (value_of(a) for a in node.args[:5])
-    dim, up, hidden = sym(x.shape[-1]), sym(w_up.shape[-1]), sym(w_down.shape[1])
-    flops = 2 * numel(rows) * (dim * up + hidden * dim + dim)
-    saved = [*(stored_ref(a) for a in node.args[:3]), SavedRef(node, 1)]
-    return flops, "experts", saved
+@cost_rule(ops.flash_attention.default)
+def _flash_attention(node: fx.Node) -> RuleResult:
+    q, k, v = (value_of(a) for a in node.args[:3])
+    rows = numel(q) / sym(q.shape[-1])  # B * H * Sq
+    flops = 2 * rows * sym(k.shape[-2]) * (sym(q.shape[-1]) + sym(v.shape[-1]))
+    saved = [*activation_refs(node.args[:3]), SavedRef(node, 0), SavedRef(node, 1)]
+    return flops / 2 if node.args[3] else flops, "attention", saved
 
 
 # x[*, K] times weight[N, K] as aten.linear, whatever the recipe's operand precision

@@ -107,7 +107,7 @@ class Efficiency:
     measured and keeps its ceiling."""
     folded_experts: float = 0.99
     """Share of the expert GEMMs' rate kept where the MoE layers' dispatch and combine fold
-    into them (``lowering.gather_up`` + ``combine_in_experts``: row-indexed loads, the combine
+    into them (``lowering.combine_in_experts``: row-indexed loads, the combine
     in the dgrad epilogue): the autotuned e2e step on one H200 measured 266.9 against 266.3 ms
     beside the unfolded one, ~0.6 ms over its ~71 ms of expert GEMMs; with autotuning off
     (each kernel's first config) the fold cost 8 ms (RESULTS.md, session 20)."""
@@ -371,7 +371,7 @@ def load_samples(path: str | Path) -> list[OpSample]:
 # --- reading a profiler trace -----------------------------------------------------------------
 
 _GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm"})
-_EXPERT_OPS = ("moec::expert_mlp", "moec::quantized_expert_mlp")
+_EXPERT_OPS = ("moec::expert_mlp",)
 _ATTENTION_ARGS = {
     # op -> (index of the query among its inputs, index of is_causal): query, key, value in
     # order (after the output gradient in aten's backwards)

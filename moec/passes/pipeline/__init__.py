@@ -108,7 +108,6 @@ class PipelinePass(Pass):
     after: tuple[str, ...] = (  # the last
         "recompute",
         "fsdp",
-        "gather_up",
         "combine_experts",
     )
 

@@ -1,0 +1,139 @@
+"""What a program is compiled for: the device architecture and the backends installed there.
+
+A :class:`Target` is what pass ``bind`` (:mod:`moec.passes.bind`) binds each ``moec::`` node's
+implementation against. :meth:`Target.detect` reads it from the machine (the device the program
+runs on, what imports); benchmarks and tests build one instead (``Target.detect(device)`` with
+fields replaced, e.g. ``dataclasses.replace(target, quack=False)``) and hand it to
+``moec.compile(..., target=...)`` or to an op's ``impl`` through :meth:`expert_impl` and
+:meth:`implementation`; nothing here is a switch to flip.
+
+Each op names its implementations in one table beside it (``IMPLEMENTATIONS`` in its module);
+this module only knows which of them a target can run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import torch
+
+from moec.kernels import flash_attention
+from moec.kernels.arch import HAVE_TRITON, Arch, arch, interpreting
+from moec.kernels.gemm_backend import KERNEL_BACKENDS, GemmPolicy, quack_importable
+
+GemmChoice = Literal[
+    "auto", "reference", "loop", "cute", "cute_glu", "grouped_mm", "tma", "pointer"
+]
+"""``Target.gemm``: the measured rules (``auto``), the ops' reference path (``reference``:
+``torch._grouped_mm`` where it takes the operands, else a masked loop; ``loop``: always the
+loop), or one kernel backend at every size."""
+
+NATIVE_RECIPES: dict[str, str] = {"sm90": "fp8_rowwise", "sm100": "mxfp8"}
+"""The low-precision recipe each arch runs on its own kernels (``fp8_rowwise``:
+``torch._scaled_grouped_mm``, sm90 only: that op is never called elsewhere; ``mxfp8``: the
+block-scaled MMA of sm100+). Any other recipe runs emulated (right values, not speed)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """The machine a program is bound for.
+
+    ``device``: the device type the program runs on (``cuda``, ``cpu``; ``meta`` for a program
+    only priced). ``arch``: :func:`moec.kernels.arch.arch` of that device (``interpreter`` off
+    CUDA). ``triton``: moec's Triton kernels run (on CUDA, or on the CPU under
+    ``TRITON_INTERPRET=1``). ``quack``: the CuTe DSL (quack-kernels) may run. ``fa4``:
+    FlashAttention 4 (flash-attn-4) may run. ``gemm``: the grouped-GEMM choice
+    (:data:`GemmChoice`). ``fused_loss``: the LM head's loss may run on quack's fused pipeline.
+
+    On the CPU under the interpreter only the MXFP8 GEMMs bind to kernels (the others' kernels
+    are tested there by naming their implementation: ``impl="triton"``).
+    """
+
+    device: str = "cpu"
+    arch: Arch = "interpreter"
+    triton: bool = False
+    quack: bool = False
+    fa4: bool = False
+    gemm: GemmChoice = "auto"
+    fused_loss: bool = True
+
+    def __post_init__(self) -> None:
+        if self.gemm not in ("auto", "reference", "loop", *KERNEL_BACKENDS):
+            raise ValueError(
+                f"Target.gemm = {self.gemm!r}; accepted: 'auto', 'reference', 'loop', "
+                f"{', '.join(map(repr, KERNEL_BACKENDS))}"
+            )
+
+    @classmethod
+    def detect(cls, device: torch.device | str | None = None) -> Target:
+        """The target of ``device`` (default: CUDA where there is one, else the CPU) on this
+        machine: its arch, and which of Triton, quack and FA4 import (FA4 only on sm90/sm100)."""
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(device)
+        family = arch(device) if device.type == "cuda" else "interpreter"
+        on_kernels = device.type == "cuda" or (device.type == "cpu" and interpreting())
+        gpu = family in ("sm90", "sm100")
+        return cls(
+            device=device.type,
+            arch=family,
+            triton=HAVE_TRITON and on_kernels,
+            quack=gpu and quack_importable(),
+            fa4=gpu and flash_attention.installed(),
+        )
+
+    @property
+    def native_recipe(self) -> str | None:
+        """The low-precision recipe with native kernels here (:data:`NATIVE_RECIPES`)."""
+        return NATIVE_RECIPES.get(self.arch) if self.device == "cuda" else None
+
+    def gemm_policy(self) -> GemmPolicy:
+        """The kernels' grouped-GEMM policy (``gemm`` ``auto``: the measured rules)."""
+        if self.gemm in ("auto", "reference", "loop"):
+            return GemmPolicy(quack=self.quack)
+        if self.gemm in ("cute", "cute_glu") and not self.quack:
+            return GemmPolicy.parse("pointer")  # what the CuTe DSL passes to without quack
+        return GemmPolicy.parse(self.gemm)
+
+    def expert_impl(self, recipe: str) -> str:
+        """The implementation ``moec::expert_mlp`` binds to for ``recipe`` (see
+        :data:`moec.ops.experts.IMPLEMENTATIONS`): ``reference``/``loop`` (pure PyTorch; a
+        low-precision recipe fake-quantized), ``kernels:<policy>`` (moec's kernels, bf16 on the
+        :meth:`gemm_policy`), ``kernels`` (a low-precision recipe emulated on the kernels: mxfp8
+        on the Triton MXFP8 kernels, whose MMA is emulated off sm100, also under the
+        interpreter; another recipe fake-quantized into the grouped-GEMM kernels) or ``native``
+        (the recipe on this arch's own kernels)."""
+        if self.gemm in ("reference", "loop") or not self.triton:
+            return "loop" if self.gemm == "loop" else "reference"
+        on_cuda = self.device == "cuda"
+        if recipe == "bf16":
+            return f"kernels:{self.gemm_policy().spec()}" if on_cuda else "reference"
+        if recipe == self.native_recipe:
+            return "native"
+        return "kernels" if on_cuda or recipe == "mxfp8" else "reference"
+
+    def implementation(self, op: str) -> str:
+        """The implementation the other ``moec::`` ops bind to: ``fa4`` for attention where FA4
+        may run; ``triton`` where moec's kernels run, ``cute`` for the LM head's loss where
+        quack's pipeline may run (it takes the head's shapes at run time, else the Triton loss
+        runs); else ``reference``."""
+        if op == "flash_attention":
+            return "fa4" if self.fa4 else "reference"
+        if not (self.triton and self.device == "cuda"):
+            return "reference"
+        if op == "linear_cross_entropy" and self.quack and self.fused_loss:
+            return "cute"
+        return "triton"
+
+    def describe(self) -> str:
+        """One line: what the target is (``moec debug`` prints it)."""
+        fields = [f"{self.device} {self.arch}"]
+        fields += [name for name in ("triton", "quack", "fa4") if getattr(self, name)]
+        if self.gemm != "auto":
+            fields.append(f"gemm={self.gemm}")
+        if not self.fused_loss:
+            fields.append("fused_loss=off")
+        native = self.native_recipe
+        fields.append(f"native low precision: {native or 'none'}")
+        return ", ".join(fields)

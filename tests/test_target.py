@@ -1,0 +1,52 @@
+"""``moec.kernels.target.Target``: detected for a device by default, given to ``moec.compile``
+otherwise; the program records it and binds every ``moec::`` node for it (pass ``bind``)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import moec
+from moec.kernels.arch import HAVE_TRITON, interpreting
+from moec.kernels.target import Target
+from tests.models import tiny_llama, tokens
+
+PLAN = {"moe": {"num_experts": 4, "top_k": 2, "dense_first": 1}}
+HOPPER = Target(device="cuda", arch="sm90", triton=True, quack=True, fa4=True)
+
+
+def test_the_cpu_target_runs_no_gpu_backend():
+    target = Target.detect("cpu")
+    assert (target.device, target.arch) == ("cpu", "interpreter")
+    assert target.triton == (HAVE_TRITON and interpreting())
+    assert not (target.quack or target.fa4) and target.native_recipe is None
+    assert target.describe().startswith("cpu interpreter")
+
+
+def _impls(compiled) -> dict[str, set[str]]:
+    found: dict[str, set[str]] = {}
+    for module in compiled.program.graph.modules():
+        for node in getattr(module, "graph", torch.fx.Graph()).nodes:
+            if "impl" in node.kwargs:
+                found.setdefault(node.target._schema.name, set()).add(node.kwargs["impl"])
+    return found
+
+
+def test_compile_binds_for_the_target_it_is_given_and_records_it():
+    """A program bound for a Hopper target (kernels, the CuTe DSL rules) on this CPU: every node
+    names its kernels implementation, the program records the target and each binding, and the
+    values equal the program bound for the detected CPU target (the kernels take no CPU tensor,
+    so each implementation runs its reference)."""
+    torch.manual_seed(0)
+    model, ids = tiny_llama(layers=2), tokens(batch=2, seq=16)
+    detected = moec.compile(copy.deepcopy(model), PLAN, (ids,))
+    hopper = moec.compile(copy.deepcopy(model), PLAN, (ids,), target=HOPPER)
+    assert detected.program.target == Target.detect("cpu")
+    assert hopper.program.target == HOPPER
+    assert _impls(hopper)["moec::expert_mlp"] == {"kernels:rules+quack"}
+    assert _impls(hopper)["moec::route"] == {"triton"}
+    assert set().union(*_impls(detected).values()) == {"reference"}
+    names = {name for name in hopper.program.bindings}
+    assert len(names) == hopper.pass_results["bind"].stats["bound"] > 0
+    torch.testing.assert_close(hopper(ids), detected(ids))
