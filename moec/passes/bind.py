@@ -59,7 +59,7 @@ AUTO_ARCHS = ("sm90",)
 attention in the training step (benchmarks/RESULTS.md). Blackwell is FA4's own target, but
 unmeasured here: there ``fa4`` asks for it."""
 MAJORS = {"sm90": 9, "sm100": 10}
-LAST_REWRITES = ("combine_experts", "shared_stream", "pipeline", "regions")
+LAST_REWRITES = ("combine_experts", "pipeline")
 """The passes that run after ``combine_experts`` (bind runs after them and everything before)."""
 
 
