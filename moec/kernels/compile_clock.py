@@ -109,7 +109,10 @@ def _install_triton() -> None:
     if knobs is None:
         return
 
-    compiled, tuned = knobs.compilation.listener, knobs.autotuning.listener
+    # the compilation listener came before the autotuning one (Triton 3.6 has only the first)
+    has_tuning = hasattr(knobs.autotuning, "listener")
+    compiled = knobs.compilation.listener
+    tuned = knobs.autotuning.listener if has_tuning else None
 
     def on_compile(*, src: Any, metadata: Any, metadata_group: Any, times: Any, cache_hit: bool):
         if compiled is not None:
@@ -130,7 +133,8 @@ def _install_triton() -> None:
         _each_clock("autotuned", "triton", seconds, len(kwargs.get("configs_timings") or ()))
 
     knobs.compilation.listener = on_compile
-    knobs.autotuning.listener = on_autotune
+    if has_tuning:
+        knobs.autotuning.listener = on_autotune
 
 
 def _install_cute() -> None:
