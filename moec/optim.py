@@ -200,8 +200,6 @@ class AdamW(torch.optim.AdamW):
         return True
 
     def _step(self, grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
-        from moec.kernels.adamw import adamw_step_, kernel_applies
-
         stepped = [
             (group, param)
             for group in self.param_groups
@@ -225,9 +223,8 @@ class AdamW(torch.optim.AdamW):
             # an FSDP shard (DTensor) steps its local part, in place
             local, grad = _local(param), _local(param.grad)
             moments = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
-            kernel = kernel_applies(local, grad, *moments, copy)
-            step_ = adamw_step_ if kernel else adamw_reference_
-            step_(local, grad, *moments, copy, grad_scale, update, found_inf)
+            kernel = _kernel_step(local, grad, *moments, copy)
+            (kernel or adamw_reference_)(local, grad, *moments, copy, grad_scale, update, found_inf)
             if kernel:  # written through a raw pointer: tell autograd, as in-place ops do
                 torch.autograd.graph.increment_version(param)
             if copy is not None:
@@ -284,3 +281,13 @@ def _capturing() -> bool:
 def _local(tensor: Tensor) -> Tensor:
     """The local part of a ``DTensor`` (it shares its storage), or ``tensor``."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _kernel_step(*tensors: Tensor | None) -> Callable[..., None] | None:
+    """moec's Triton AdamW where it takes these tensors, else None. Only CUDA tensors ask the
+    kernel: a CPU-only torch build comes without Triton."""
+    if not tensors[0].is_cuda:
+        return None
+    from moec.kernels.adamw import adamw_step_, kernel_applies
+
+    return adamw_step_ if kernel_applies(*tensors) else None

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import copy
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -142,3 +144,21 @@ def test_the_readmes_python_example_trains_with_torch_adamw_in_bf16():
     exec(compile(code, "README.md", "exec"), namespace)
     assert namespace["compiled"].plan.precision.compute_dtype == "bf16"
     assert torch.isfinite(namespace["loss"])
+
+
+def test_moec_adamw_steps_cpu_tensors_without_triton():
+    """A CPU-only torch build comes without Triton: moec's AdamW then steps by its reference
+    (``moec demo`` on such an install crashed importing the Triton kernel)."""
+    script = (
+        "import sys; sys.modules['triton'] = None\n"  # import triton raises, as where it is absent
+        "import torch\n"
+        "from moec.optim import AdamW\n"
+        "w = torch.nn.Parameter(torch.ones(4)); w.grad = torch.ones(4)\n"
+        "AdamW([w], lr=0.1).step()\n"
+        "assert bool((w < 1).all()), w\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
