@@ -25,6 +25,7 @@ a kernel's host launch (~25 us for a Triton launch) is longer than its GPU time,
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from collections.abc import Callable
 
@@ -37,8 +38,17 @@ from moec.kernels.target import Target
 from moec.ops.activations import kernel_activation
 
 GROUPS, K, N = 16, 1536, 3072
-TARGET = Target.detect("cuda")
-FORCED = ("pointer", "tma") + (("cute", "cute_glu") if TARGET.quack else ())
+
+
+@functools.cache
+def target() -> Target:
+    """This machine's GPU (detected when the benchmark runs: ``--help`` needs no GPU)."""
+    return Target.detect("cuda")
+
+
+def forced() -> tuple[str, ...]:
+    """The backends each case also runs forced to."""
+    return ("pointer", "tma") + (("cute", "cute_glu") if target().quack else ())
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -102,10 +112,10 @@ def run(m: int) -> list[dict]:
     b = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
     dense_ms = do_bench(lambda: a @ b)
     out = []
-    for name, (moec_fn, base_fn) in cases(m, TARGET.gemm_policy()).items():
+    for name, (moec_fn, base_fn) in cases(m, target().gemm_policy()).items():
         row = {"op": name, "M": m, "dense_tflops": flops / dense_ms / 1e9}
         want = base_fn()
-        for backend in FORCED:
+        for backend in forced():
             if (backend == "tma" and name == "wgrad") or (
                 backend == "cute_glu" and name not in ("gmm+swiglu", "dgrad+act")
             ):  # no TMA wgrad; cute_glu differs from cute on the gated pieces alone
@@ -132,14 +142,14 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
-    print(gemm_backend.policy_text(TARGET.arch, TARGET.gemm_policy()))
+    print(gemm_backend.policy_text(target().arch, target().gemm_policy()))
     rows = [r for m in args.m for r in run(m)]
-    forced = "".join(f"{b:>9}" for b in FORCED)
-    print(f"{'op':<11}{'M':>7}{forced}{'moec':>9}{'_grouped_mm':>12}"
+    forced_head = "".join(f"{b:>9}" for b in forced())
+    print(f"{'op':<11}{'M':>7}{forced_head}{'moec':>9}{'_grouped_mm':>12}"
           f"{'graph moec':>11}{'graph gmm':>10}{'TF/s':>6}{'dense':>6}"
           f"{'eager':>8}{'graph':>7}")  # fmt: skip
     for r in rows:
-        forced_ms = "".join(f"{r.get(f'{b}_ms', float('nan')) * 1e3:>9.1f}" for b in FORCED)
+        forced_ms = "".join(f"{r.get(f'{b}_ms', float('nan')) * 1e3:>9.1f}" for b in forced())
         print(f"{r['op']:<11}{r['M']:>7}{forced_ms}{r['moec_ms'] * 1e3:>9.1f}"
               f"{r['grouped_mm_ms'] * 1e3:>12.1f}{r['moec_graph_ms'] * 1e3:>11.1f}"
               f"{r['grouped_mm_graph_ms'] * 1e3:>10.1f}{r['moec_tflops']:>6.0f}"

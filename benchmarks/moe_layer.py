@@ -56,7 +56,8 @@ from moec.ops.movement import combine_reference, dispatch_reference
 from moec.ops.routing import assign_rows, capacity, route_reference
 
 T, D, N, K, H, CF = 2 * 8192, 1536, 32, 8, 1536, 1.25
-TARGET = Target.detect("cuda")
+TARGET = Target.detect("cuda" if torch.cuda.is_available() else "cpu")
+"""This machine's GPU (the CPU's target where there is none: ``--help`` runs anywhere)."""
 EXPERTS = TARGET.expert_impl("bf16")
 """The expert MLP's implementation on this machine (the CuTe DSL rules where quack is)."""
 WITHOUT_QUACK = dataclasses.replace(TARGET, quack=False).expert_impl("bf16")

@@ -194,6 +194,9 @@ def moe_plan(s: Scale, device: torch.device, **moe: Any) -> dict[str, Any]:
             "top_k": s.top_k,
             "dense_first": 0,
             "capacity_factor": None,  # dropless: the independent MoE drops nothing either
+            # the independent MoE's loss, and what the recorded GPU-scale runs used (before
+            # sequence became the default); the balance experiment names its method
+            "balance": "microbatch",
             **moe,
         },
         "lowering": {"inductor": False},
@@ -316,11 +319,9 @@ def train_arm(name: str, arm: Arm, ctx: Context, steps: int, first_step: int = 0
 
 def parity_job(ctx: Context, seed: int, implementation: str) -> dict[str, Any]:
     """One seed's run of moec or of the independent MoE, from the same initial weights (the
-    compiled program's, which both build from ``seed``). Both balance with the micro-batch loss,
-    the one the independent MoE computes."""
+    compiled program's, which both build from ``seed``)."""
     dense = dense_model(ctx, seed)
-    plan = moe_plan(ctx.scale, ctx.device, init="random", seed=seed, balance="microbatch")
-    ours = moec_arm(dense, plan, ctx)
+    ours = moec_arm(dense, moe_plan(ctx.scale, ctx.device, init="random", seed=seed), ctx)
     if implementation == "independent":
         ours = Arm(IndependentModel(dense, ours.module, ctx.scale.top_k), ctx.device, plain=True)
     run = train_arm(f"{implementation} seed {seed}", ours, ctx, ctx.steps)
