@@ -403,8 +403,16 @@ class LossPlan:
         pass
 
 
+class _FreeSection:
+    """A plan section whose fields are independent: nothing to check across them beyond each
+    field's type (``Plan.validate`` checks those)."""
+
+    def validate(self) -> None:
+        return None
+
+
 @dataclass
-class LoweringPlan:
+class LoweringPlan(_FreeSection):
     """How the final program runs (:mod:`moec.runtime.lowering`)."""
 
     inductor: bool | Literal["auto"] = "auto"
@@ -447,7 +455,7 @@ class LoweringPlan:
 
 
 @dataclass
-class ExperimentalPlan:
+class ExperimentalPlan(_FreeSection):
     """Options kept for experts. Each works and is tested, but it measured no gain at the shape
     moec is benchmarked on, so neither ``auto`` nor ``moec plan auto`` turns it on; the field
     cites what was measured. An option leaves this section when a measurement lets the planner
@@ -508,8 +516,7 @@ class Plan:
             if not isinstance(value, _SECTIONS[section]):
                 raise PlanError(section, value, f"a {_SECTIONS[section].__name__} or a dict")
             _check_types(value, section)
-            if hasattr(value, "validate"):  # the sections with rules across their fields
-                value.validate()
+            value.validate()
         _require(
             not (self.lowering.expert_weights == "k_major" and self.parallel.shards_experts),
             "lowering.expert_weights",
