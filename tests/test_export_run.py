@@ -114,3 +114,26 @@ def test_the_recorded_config_is_not_part_of_the_compared_identity():
     assert run_identity.differences(older, {"model": spec, "seed": 0}) == []
     changed = {**spec, "parameters": 1}
     assert run_identity.differences({"model": changed, "seed": 0}, {"model": spec, "seed": 0})
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"model_type": "no_such_family"},
+        {"hidden_size": 8},  # no model_type
+        ["not", "a", "mapping"],
+        # a Hub config's pointer to remote code: read as data, never imported
+        {"model_type": "llama", "auto_map": {"AutoConfig": "evil.Config"}, "vocab_size": "x"},
+    ],
+)
+def test_a_hostile_recorded_config_is_refused_as_data(config, tmp_path):
+    """``run.json``'s recorded configuration comes from a run folder: what transformers cannot
+    read as a config is one ExportError naming the run, and nothing it names is imported."""
+    qualified = "transformers.models.llama.modeling_llama.LlamaForCausalLM"
+    try:
+        source = _source_of(qualified, config, tmp_path)
+    except ExportError as exc:
+        assert str(tmp_path) in str(exc)
+        return
+    # transformers may take an odd value as given; then it is only data on the config
+    assert type(source.config).__module__.startswith("transformers.")

@@ -348,7 +348,8 @@ def _source_of(qualified: str, config: Any, run_dir: Path | None = None) -> Sour
     if not isinstance(config, PretrainedConfig):
         try:
             config = AutoConfig.for_model(**config)
-        except (KeyError, TypeError, ValueError) as exc:
+        except Exception as exc:  # data from a run folder: whatever transformers refuses
+            # (KeyError, TypeError, ValueError, huggingface_hub's field validation errors)
             raise ExportError(
                 f"the configuration {where} recorded cannot be read as a transformers config "
                 f"({exc}): give --config PATH"
