@@ -75,7 +75,9 @@ def test_torch_adamw_trains_a_bf16_program_as_moecs_adamw_does(implementation):
         for (name, want), got in zip(ours.named_parameters(), theirs.parameters(), strict=True):
             torch.testing.assert_close(got, want, atol=0, rtol=0, msg=name)
     else:
-        torch.testing.assert_close(torch_losses, moec_losses, atol=5e-3, rtol=0)
+        # a flipped route moves later losses by up to ~6e-3 (seed 1125902521); stale bf16
+        # copies, which the losses guard against, moved them by 0.12 at step 3
+        torch.testing.assert_close(torch_losses, moec_losses, atol=2e-2, rtol=0)
         one_ours, one_theirs = copy.deepcopy(pristine), copy.deepcopy(pristine)
         moec_step = AdamW(
             one_ours.parameters(), **options, working_weights=one_ours.working_weights
