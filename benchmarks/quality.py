@@ -276,7 +276,8 @@ def evaluate(arm: Arm, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> floa
 
 def train_arm(name: str, arm: Arm, ctx: Context, steps: int, first_step: int = 0) -> dict[str, Any]:
     """Train ``arm`` for ``steps`` on the training split's batches ``first_step ..``; the curve
-    of eval loss (and MaxVio of the training step before each eval point) by step."""
+    of eval loss (and MaxVio of the training step before each eval point) by step, and the eval
+    loss before the first step (an upcycled start's equals the dense model's)."""
     s, device = ctx.scale, arm.device
     groups = param_groups(arm.module, 0.1)
     fused = device.type == "cuda"
@@ -285,6 +286,7 @@ def train_arm(name: str, arm: Arm, ctx: Context, steps: int, first_step: int = 0
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     params = [p for g in groups for p in g["params"]]
     curve: dict[str, list] = {"step": [], "eval_loss": [], "max_vio": [], "train_loss": []}
+    start_eval_loss = evaluate(arm, ctx.evals)
     started = time.perf_counter()
     for step in range(steps):
         inputs, targets = (t.to(device) for t in ctx.train.batch(first_step + step))
@@ -306,7 +308,13 @@ def train_arm(name: str, arm: Arm, ctx: Context, steps: int, first_step: int = 0
             curve["eval_loss"].append(evaluate(arm, ctx.evals))
     seconds = time.perf_counter() - started
     print(f"  {name}: eval {curve['eval_loss'][-1]:.4f} after {steps} steps ({seconds:.0f} s)")
-    return {"name": name, "seconds": seconds, "flops_per_token": flops_per_token(arm), **curve}
+    return {
+        "name": name,
+        "seconds": seconds,
+        "flops_per_token": flops_per_token(arm),
+        "start_eval_loss": start_eval_loss,
+        **curve,
+    }
 
 
 # --- the experiments -------------------------------------------------------------------------
