@@ -41,7 +41,7 @@ from moec.lazy import lazy_command
 from moec.models.zoo import SHORT_NAMES
 from moec.plan import Plan
 from moec.train.cli import DEMO_CONFIG, DEMO_FLAGS
-from moec.train.config import add_flags, shown_default
+from moec.train.config import DEFAULT_BATCH_SIZE, add_flags, batch_per_rank, shown_default
 from moec.warmup import add_parser as _add_warmup_parser
 
 if typing.TYPE_CHECKING:  # the commands import torch when they run: building the parser does not
@@ -155,17 +155,16 @@ def _meta_model(spec: str) -> Loaded:
 
 def _memory_table(plan: Plan, args: argparse.Namespace) -> str:
     """Per-rank memory of ``plan`` on ``args.model`` (:func:`moec.autoplan.memory.plan_memory`,
-    which ``moec plan auto`` prices its plans with) at the plan's ``parallel.microbatch_size``
-    sequences per microbatch (``--batch``, per step, when given or the plan has none)."""
+    which ``moec plan auto`` prices its plans with) at the batch ``moec train`` runs the plan
+    at without ``--batch-size`` (:func:`~moec.train.config.batch_per_rank`: the plan's
+    ``parallel.microbatch_size`` per microbatch where it fixes one), or at ``--batch`` per step
+    where given (a what-if, which may differ from the plan's)."""
     from moec.analysis.rank_memory import format_rank_memory
     from moec.autoplan.memory import plan_memory
     from moec.models.zoo import load_model
 
     micro = plan.parallel.microbatches
-    if args.batch is None and plan.parallel.microbatch_size is not None:
-        micro_batch = plan.parallel.microbatch_size
-    else:
-        micro_batch = (args.batch or SHOW_BATCH) // micro
+    micro_batch = (args.batch or batch_per_rank(None, plan.parallel)) // micro
     memory, pp_rank = plan_memory(
         lambda: load_model(args.model), args.model, plan, micro_batch, args.seq
     )
@@ -176,10 +175,6 @@ def _memory_table(plan: Plan, args: argparse.Namespace) -> str:
         f"{micro} microbatches):"
     )
     return title + "\n" + format_rank_memory(memory, device)
-
-
-SHOW_BATCH = 8
-"""``moec plan show --batch`` when neither it nor ``parallel.microbatch_size`` is given."""
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -446,8 +441,8 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     show.add_argument(
         "--batch",
         type=int,
-        help="sequences per step per dp rank (with --model; default: the plan's "
-        f"parallel.microbatch_size x microbatches, else {SHOW_BATCH})",
+        help="sequences per step per dp rank (with --model; default: moec train's, the plan's "
+        f"parallel.microbatch_size x microbatches, else {DEFAULT_BATCH_SIZE})",
     )
     show.add_argument("--seq", type=int, default=128, help="sequence length (with --model)")
     show.add_argument("--gpu-memory", type=float, help="GiB per GPU to check the plan against")

@@ -40,7 +40,10 @@ def add_parser(subparsers: Any) -> None:
         help="the model, as moec train --model (a short name or path/to/file.py:factory)",
     )
     parser.add_argument(
-        "--batch", type=int, default=8, help="sequences per step per rank (moec train --batch-size)"
+        "--batch",
+        type=int,
+        help="sequences per step per rank (moec train --batch-size; default: as moec train's, "
+        "the plan's microbatches x microbatch_size where it fixes one)",
     )
     parser.add_argument("--seq", type=int, default=128, help="sequence length (--seq-len)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
@@ -68,10 +71,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def warm(
-    plan_path: str, model: str, batch: int, seq: int, device: str, vocab_size: int | None = None
+    plan_path: str,
+    model: str,
+    batch: int | None,
+    seq: int,
+    device: str,
+    vocab_size: int | None = None,
 ) -> dict[str, Any]:
-    """Build the trainer ``moec train`` would for these arguments and run its first step;
-    the time to it by part (:class:`~moec.train.timing.FirstStepClock`)."""
+    """Build the trainer ``moec train`` would for these arguments (``batch``: its
+    ``--batch-size``, None for none) and run its first step; the time to it by part
+    (:class:`~moec.train.timing.FirstStepClock`) and the batch it ran at."""
     import torch
 
     from moec.models.zoo import load_model
@@ -100,7 +109,7 @@ def warm(
     return {
         "plan": plan_path,
         "model": model,
-        "batch": batch,
+        "batch": trainer.cfg.batch_size,
         "seq": seq,
         "device": str(trainer.device),
         "loss": float(loss),

@@ -25,6 +25,8 @@ from moec.train.routing_health import COLLAPSE_POLICIES, LASTING, PATIENCE
 if typing.TYPE_CHECKING:
     import torch
 
+    from moec.plan import ParallelPlan
+
 CHECKPOINT_ERROR_POLICIES = ("stop", "continue")
 NO_DECAY_KINDS = ("embeddings", "norms", "biases", "lm_head")
 """What ``TrainConfig.no_decay`` (``--no-decay``) may name: embedding tables, norm scales (the
@@ -40,6 +42,11 @@ SECTIONS = {
     "trainer": "trainer",
 }
 """The sections of ``moec train --help`` a field's flag may be listed in (besides the first)."""
+
+
+DEFAULT_BATCH_SIZE = 8
+"""``TrainConfig.batch_size`` where neither it nor the plan's ``parallel.microbatch_size`` is
+given."""
 
 
 class TrainConfigError(MoecError):
@@ -70,10 +77,11 @@ class TrainConfig:
         "the run's last step; the learning-rate schedule is planned over it when the run starts "
         "and kept by a --resume with other --steps (see --replan-schedule)",
     )
-    batch_size: int = option(
-        8,
+    batch_size: int | None = option(
+        None,
         "sequences per optimizer step on each data-parallel rank (split into "
-        "plan.parallel.microbatches)",
+        "plan.parallel.microbatches); default: the plan's parallel.microbatches x "
+        f"parallel.microbatch_size where it fixes one, else {DEFAULT_BATCH_SIZE}",
     )
     seq_len: int = option(128, "tokens per sequence")
     lr: float = option(
@@ -251,9 +259,10 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.batch_size is not None:
+            _check_at_least("batch_size", self.batch_size, 1)
         at_least = {
             "steps": 1,
-            "batch_size": 1,
             "seq_len": 2,
             "log_every": 1,
             "checkpoint_every": 0,
@@ -265,11 +274,7 @@ class TrainConfig:
             "eval_batches": 1,
         }
         for name, minimum in at_least.items():
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < minimum:
-                raise TrainConfigError(
-                    f"{flag_of(name)} = {value!r}: must be an integer >= {minimum}"
-                )
+            _check_at_least(name, getattr(self, name), minimum)
         if self.on_checkpoint_error not in CHECKPOINT_ERROR_POLICIES:
             raise TrainConfigError(
                 f"{flag_of('on_checkpoint_error')} = {self.on_checkpoint_error!r}: must be one of "
@@ -334,6 +339,36 @@ class TrainConfig:
                 f"{flag_of('eval_data')} = {self.eval_data!r} is read at eval points only: set "
                 f"{flag_of('eval_every')} (e.g. 100)"
             )
+
+
+def _check_at_least(name: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, int) or value < minimum:
+        raise TrainConfigError(f"{flag_of(name)} = {value!r}: must be an integer >= {minimum}")
+
+
+def batch_per_rank(batch_size: int | None, parallel: ParallelPlan) -> int:
+    """Sequences per optimizer step on each data-parallel rank, ``parallel.microbatches``
+    microbatches of ``parallel.microbatch_size``: ``batch_size`` (``--batch-size``) where
+    given, else the plan's (microbatches x microbatch_size), else :data:`DEFAULT_BATCH_SIZE`.
+    A given size must split into the microbatches and, where the plan fixes the microbatch
+    size (``moec plan auto`` priced memory and time at it), be that size's batch
+    (:class:`TrainConfigError` naming both fields and the size accepted)."""
+    micro, size = parallel.microbatches, parallel.microbatch_size
+    if batch_size is None:
+        return DEFAULT_BATCH_SIZE if size is None else micro * size
+    if size is not None and batch_size != micro * size:
+        raise TrainConfigError(
+            f"{flag_of('batch_size')} = {batch_size} contradicts the plan's "
+            f"parallel.microbatch_size = {size} x parallel.microbatches = {micro}: give "
+            f"--batch-size {micro * size} or none (the plan's), or set "
+            "parallel.microbatch_size to null in the plan"
+        )
+    if batch_size % micro:
+        raise TrainConfigError(
+            f"{flag_of('batch_size')} = {batch_size}: must be divisible by "
+            f"parallel.microbatches = {micro}"
+        )
+    return batch_size
 
 
 def _declared_fields() -> dict[str, dataclasses.Field]:

@@ -61,6 +61,7 @@ skipped (``"continue"``); whether checkpoints fit on the disk is checked before 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import shutil
 import sys
@@ -110,7 +111,7 @@ from moec.runtime.step_graph import StepGraph, graph_blocker
 from moec.train.config import (
     FRESH_INIT,
     TrainConfig,
-    TrainConfigError,
+    batch_per_rank,
     check_batch_warmup,
     flag_of,
     global_batch_at,
@@ -143,7 +144,10 @@ class Trainer:
         target: Target | None = None,
     ):
         """``target``: the machine the program is bound for (``moec.compile``'s; default
-        detected for ``cfg.device``), e.g. a benchmark's target without the CuTe DSL."""
+        detected for ``cfg.device``), e.g. a benchmark's target without the CuTe DSL.
+        ``self.cfg`` is ``cfg`` with the batch size the run trains at (:func:`batch_per_rank`:
+        the plan's microbatches x microbatch size where ``cfg`` gives none)."""
+        cfg = dataclasses.replace(cfg, batch_size=batch_per_rank(cfg.batch_size, plan.parallel))
         self.plan, self.cfg = plan, cfg
         self.console = console
         job = join_job(plan)
@@ -162,11 +166,6 @@ class Trainer:
         micro = plan.parallel.microbatches
         self.dp = plan.parallel.dp  # data-parallel ranks
         dp_rank = dist.get_rank(self.mesh.dp_group) if self.mesh else 0
-        if cfg.batch_size % micro:
-            raise TrainConfigError(
-                f"{flag_of('batch_size')} = {cfg.batch_size}: must be divisible by "
-                f"parallel.microbatches = {micro}"
-            )
         check_batch_warmup(cfg, micro, self.dp)
         # every data-parallel rank reads its own batches (same model init on every rank); the
         # pipeline ranks of one data-parallel rank read the same ones
