@@ -342,20 +342,20 @@ def _add_data_parser(sub: argparse._SubParsersAction) -> None:
         metavar="PATH",
         help="a folder or file of text (repeatable); default: the installed Python packages",
     )
-    build.add_argument(
-        "--max-bytes",
-        type=parse_bytes,
-        metavar="SIZE",
-        default=defaults.max_bytes,
-        help=f"text taken at most, e.g. 300M (default {defaults.max_bytes / MB:g}M)",
-    )
-    build.add_argument(
-        "--max-file-bytes",
-        type=parse_bytes,
-        metavar="SIZE",
-        default=defaults.max_file_bytes,
-        help=f"larger files are left out (default {defaults.max_file_bytes / MB:g}M)",
-    )
+    sizes = {
+        "max_bytes": "text taken at most, e.g. 300M",
+        "max_file_bytes": "larger files are left out",
+        "tokenizer_sample_bytes": "train-split text the tokenizer is trained on",
+    }
+    for name, text in sizes.items():  # sizes as 300M or 1G, shown in M
+        default = getattr(defaults, name)
+        build.add_argument(
+            "--" + name.replace("_", "-"),
+            type=parse_bytes,
+            metavar="SIZE",
+            default=default,
+            help=f"{text} (default {default / MB:g}M)",
+        )
     build.add_argument(
         "--eval-fraction",
         type=float,
@@ -367,14 +367,6 @@ def _add_data_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=defaults.vocab_size,
         help="the tokenizer's vocabulary at most (default %(default)s)",
-    )
-    build.add_argument(
-        "--tokenizer-sample-bytes",
-        type=parse_bytes,
-        metavar="SIZE",
-        default=defaults.tokenizer_sample_bytes,
-        help="train-split text the tokenizer is trained on (default "
-        f"{defaults.tokenizer_sample_bytes / MB:g}M)",
     )
     build.add_argument(
         "--force",

@@ -45,25 +45,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from moec.kernels.adamw_update import AdamWStep
+from moec.kernels.adamw_update import AdamWStep, AdamWTensors
 from moec.runtime.working_weights import WorkingWeights
 
 
-def adamw_reference_(
-    param: Tensor,
-    grad: Tensor,
-    exp_avg: Tensor,
-    exp_avg_sq: Tensor,
-    copy: Tensor | None,
-    grad_scale: Tensor | None,
-    update: AdamWStep,
-    found_inf: Tensor | None = None,
-) -> None:
+def adamw_reference_(tensors: AdamWTensors, update: AdamWStep) -> None:
     """:func:`moec.kernels.adamw.adamw_step_` in torch ops, in the order of torch's
     single-tensor AdamW (bit for bit equal to it on float32 gradients and a host step)."""
-    grad = grad.to(param.dtype)
-    if grad_scale is not None:
-        grad = grad / grad_scale
+    param, exp_avg, exp_avg_sq = tensors.param, tensors.exp_avg, tensors.exp_avg_sq
+    grad, found_inf = tensors.grad.to(param.dtype), tensors.found_inf
+    if tensors.grad_scale is not None:
+        grad = grad / tensors.grad_scale
     state = (param, exp_avg, exp_avg_sq)
     if found_inf is not None:  # update copies; keep the old values where found_inf is set
         param, exp_avg, exp_avg_sq = (t.clone() for t in state)
@@ -79,8 +71,8 @@ def adamw_reference_(
         for old, new in zip(state, (param, exp_avg, exp_avg_sq), strict=True):
             old.copy_(torch.where(found_inf != 0, old, new))
         param = state[0]
-    if copy is not None:
-        copy.copy_(param)
+    if tensors.copy is not None:
+        tensors.copy.copy_(param)
 
 
 class AdamW(torch.optim.AdamW):
@@ -224,7 +216,8 @@ class AdamW(torch.optim.AdamW):
             local, grad = _local(param), _local(param.grad)
             moments = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
             kernel = _kernel_step(local, grad, *moments, copy)
-            (kernel or adamw_reference_)(local, grad, *moments, copy, grad_scale, update, found_inf)
+            tensors = AdamWTensors(local, grad, *moments, copy, grad_scale, found_inf)
+            (kernel or adamw_reference_)(tensors, update)
             if kernel:  # written through a raw pointer: tell autograd, as in-place ops do
                 torch.autograd.graph.increment_version(param)
             if copy is not None:

@@ -1,8 +1,8 @@
 """One AdamW update of one parameter in a single pass, writing its bf16 working copy too.
 
-adamw_step_(param fp32, grad fp32|bf16, exp_avg, exp_avg_sq, copy bf16 | None, grad_scale | None,
-            update: moec.kernels.adamw_update.AdamWStep (lr, beta1, beta2, eps, weight_decay, step),
-            found_inf | None)
+adamw_step_(tensors: moec.kernels.adamw_update.AdamWTensors (param fp32, grad fp32|bf16,
+                    exp_avg, exp_avg_sq, copy bf16 | None, grad_scale | None, found_inf | None),
+            update: moec.kernels.adamw_update.AdamWStep (lr, beta1, beta2, eps, weight_decay, step))
     grad      /= grad_scale                      (the clip factor, a device scalar: no host read)
     param     *= 1 - lr * weight_decay
     exp_avg    = exp_avg + (1 - beta1) * (grad - exp_avg)
@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from moec.kernels.adamw_update import AdamWStep
+from moec.kernels.adamw_update import AdamWStep, AdamWTensors
 
 BLOCK = 1024
 
@@ -98,18 +98,11 @@ def _adamw_kernel(
         tl.store(copy_ptr + offs, rounded, mask=mask)
 
 
-def adamw_step_(
-    param: Tensor,
-    grad: Tensor,
-    exp_avg: Tensor,
-    exp_avg_sq: Tensor,
-    copy: Tensor | None,
-    grad_scale: Tensor | None,
-    update: AdamWStep,
-    found_inf: Tensor | None = None,
-) -> None:
-    """Update ``param``, ``exp_avg``, ``exp_avg_sq`` (and ``copy``) in place; all of one shape
-    and one dense layout (:func:`kernel_applies`): the kernel walks their storage as flat."""
+def adamw_step_(tensors: AdamWTensors, update: AdamWStep) -> None:
+    """Update ``tensors``' parameter, moments (and copy) in place; all of one shape and one
+    dense layout (:func:`kernel_applies`): the kernel walks their storage as flat."""
+    param, copy = tensors.param, tensors.copy
+    grad_scale, found_inf = tensors.grad_scale, tensors.found_inf
     n = param.numel()
     device_step = isinstance(update.step, Tensor)
     device_lr = isinstance(update.lr, Tensor)
@@ -120,9 +113,9 @@ def adamw_step_(
         host = dataclasses.replace(host, lr=1.0)
     _adamw_kernel[(triton.cdiv(n, BLOCK),)](
         param,
-        grad,
-        exp_avg,
-        exp_avg_sq,
+        tensors.grad,
+        tensors.exp_avg,
+        tensors.exp_avg_sq,
         param if copy is None else copy,
         param if grad_scale is None else grad_scale,
         update.step if device_step else param,

@@ -1,8 +1,10 @@
-"""One AdamW update's hyper-parameters and the host-side factors both AdamW implementations use.
+"""One AdamW update's tensors, hyper-parameters and the host-side factors both AdamW
+implementations use.
 
-:class:`AdamWStep` is the argument of the Triton kernel (:func:`moec.kernels.adamw.adamw_step_`)
-and of the torch reference (:func:`moec.optim.adamw_reference_`); it lives here, below both,
-so the kernel knows nothing of the optimizer. Plain Python: importable without Triton.
+:class:`AdamWTensors` and :class:`AdamWStep` are the arguments of the Triton kernel
+(:func:`moec.kernels.adamw.adamw_step_`) and of the torch reference
+(:func:`moec.optim.adamw_reference_`); they live here, below both, so the kernel knows nothing
+of the optimizer. Plain Python: importable without Triton.
 """
 
 from __future__ import annotations
@@ -10,6 +12,25 @@ from __future__ import annotations
 import dataclasses
 
 from torch import Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamWTensors:
+    """One parameter's tensors of an update: ``param``, ``exp_avg``, ``exp_avg_sq`` (and
+    ``copy``) are updated in place."""
+
+    param: Tensor
+    """float32."""
+    grad: Tensor
+    """float32 or bf16."""
+    exp_avg: Tensor
+    exp_avg_sq: Tensor
+    copy: Tensor | None = None
+    """The parameter's working copy (bf16), written from the updated value; None: none."""
+    grad_scale: Tensor | None = None
+    """The clip factor the gradient is divided by, a device scalar (no host read); None: 1."""
+    found_inf: Tensor | None = None
+    """A float32 device scalar, nonzero to skip the update (everything keeps its value)."""
 
 
 @dataclasses.dataclass(frozen=True)

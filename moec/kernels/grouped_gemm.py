@@ -300,6 +300,20 @@ def _launch_gmm(
     )  # fmt: skip
 
 
+def _library_gmm(
+    chosen: KernelBackend, x: Tensor, w: Tensor, offsets: Tensor, sources: Tensor | None = None
+) -> Tensor | None:
+    """``x @ w[e]`` per expert, no epilogue, on the library ``chosen`` names: the CuTe DSL
+    (reading rows ``x[sources]`` where given: only ``"cute"`` is given ``sources``, the callers
+    gather the rows for the others) or ``torch._grouped_mm``; None where ``chosen`` is one of
+    moec's own Triton kernels (``"tma"``, ``"pointer"``), whose launch the caller sets up."""
+    if chosen == "cute":
+        return cute_gemm.gmm(x, w, offsets, sources)
+    if chosen == "grouped_mm":
+        return torch._grouped_mm(x.contiguous(), w, offs=offsets)
+    return None
+
+
 def gmm(
     x: Tensor,
     w: Tensor,
@@ -311,10 +325,9 @@ def gmm(
     """``out[r] = x[r] @ w[e(r)] (+ bias[e(r)])``; ``w`` may be a transposed view. ``policy``
     (every function here): which backend runs (None: :func:`detected_policy`)."""
     chosen = backend(piece, x, w, policy or detected_policy()) if bias is None else "pointer"
-    if chosen == "grouped_mm":
-        return torch._grouped_mm(x.contiguous(), w, offs=offsets)
-    if chosen == "cute":
-        return cute_gemm.gmm(x, w, offsets)
+    library = _library_gmm(chosen, x, w, offsets)
+    if library is not None:
+        return library
     out = x.new_empty(x.shape[0], w.shape[-1])
     _launch_gmm(chosen, x, w, offsets, bias, out, None, None, EPILOGUE_PLAIN, None)
     return out
@@ -389,11 +402,8 @@ def gmm_act(
         x, sources = x.index_select(0, sources), None
     if chosen == "cute_glu" or (chosen == "cute" and not act.gated and cute_gemm.computes(act)):
         return cute_gemm.gmm_act(x, w_up, offsets, act, sources)
-    if chosen == "cute":
-        h = cute_gemm.gmm(x, w_up, offsets, sources)
-        return h, act_forward(h, act)
-    if chosen == "grouped_mm":
-        h = torch._grouped_mm(x.contiguous(), w_up, offs=offsets)
+    h = _library_gmm(chosen, x, w_up, offsets, sources)
+    if h is not None:  # the activation on its own kernel
         return h, act_forward(h, act)
     h = x.new_empty(x.shape[0], width)
     a = x.new_empty(x.shape[0], width // 2 if act.gated else width)
@@ -433,10 +443,8 @@ def gmm_act_backward(
         return cute_gemm.gmm_act_backward(d_y, w_down, offsets, h, act)
     w_t = w_down.transpose(-1, -2)
     chosen = backend("dgrad_act", d_y, w_t, policy or detected_policy())
-    if chosen == "cute":
-        return act_backward(h, cute_gemm.gmm(d_y, w_t, offsets), act)
-    if chosen == "grouped_mm":
-        d_a = torch._grouped_mm(d_y.contiguous(), w_t, offs=offsets)
+    d_a = _library_gmm(chosen, d_y, w_t, offsets)
+    if d_a is not None:  # the activation's backward on its own kernel
         return act_backward(h, d_a, act)
     h = h.contiguous()
     a = d_y.new_empty(d_y.shape[0], w_t.shape[-1])

@@ -69,7 +69,8 @@ class TrainResult:
 
 class LoopTrainer(Protocol):
     """What the loop drives (:class:`moec.train.trainer.Trainer` is one): the step, the run's
-    device-side counters, checkpoints, evaluation and the record of a log point."""
+    device-side counters, checkpoints, evaluation and the routing statistics a log point
+    records."""
 
     cfg: TrainConfig
     plan: Plan
@@ -80,6 +81,7 @@ class LoopTrainer(Protocol):
     dp: int
     step: int
     step_graph: StepGraph | None
+    scheduler: torch.optim.lr_scheduler.LRScheduler
     evaluator: Callable[[], float] | None
     eval_source: str | None
     batches: Prefetcher
@@ -96,15 +98,7 @@ class LoopTrainer(Protocol):
     def save_checkpoint(self) -> Any: ...
     def global_batch(self, step: int) -> int: ...
     def logged(self, values: torch.Tensor) -> list[float]: ...
-    def log_record(
-        self,
-        loss: float,
-        step_time: float,
-        tokens: float,
-        syncs: int | None,
-        skipped: int,
-        spike_skipped: int = 0,
-    ) -> dict[str, Any]: ...
+    def routing_stats(self) -> dict[str, dict[str, Any]]: ...
     def _say(self, message: str) -> None: ...
 
 
@@ -263,13 +257,42 @@ class TrainingLoop:
         self.losses += losses
         self.skipped, self.spike_skipped = int(skipped), int(spikes)
         tokens = self.window_tokens / steps  # the window's mean tokens per step
-        record = t.log_record(
-            losses[-1], step_time, tokens, self.syncs, self.skipped, self.spike_skipped
-        )
+        record = self._record(losses[-1], step_time, tokens)
         record.update(step_losses=losses, step_lrs=lrs)
         self.history.append(record)
         self.longest_streak = int(longest)
         return record
+
+    def _record(self, loss: float, step_time: float, tokens: float) -> dict[str, Any]:
+        """The metrics record of a log point: the window's last ``loss``, its mean
+        ``step_time`` and ``tokens`` per step, the skip counters just read, and every MoE
+        block's routing statistics (the trainer's, under PP gathered from every stage)."""
+        t = self.trainer
+        routing = t.routing_stats()
+        layers = list(routing.values())
+        peak = bf16_peak_tflops(t.device)
+        mfu = useful_mfu(t.train_flops_per_token * tokens, step_time, 1, peak)
+        cuda = t.device.type == "cuda"
+        return {
+            "step": t.step,
+            "loss": loss,
+            "lr": t.scheduler.get_last_lr()[0],
+            "step_time_s": step_time,
+            THROUGHPUT: tokens_per_s(tokens, step_time),
+            "useful_mfu": mfu,
+            "skipped_steps": self.skipped,
+            "spike_skipped_steps": self.spike_skipped,
+            "global_batch": t.global_batch(t.step - 1),
+            "drop_rate": mean_of(layer["drop_rate"] for layer in layers),
+            "load_imbalance": max((layer["load_imbalance"] for layer in layers), default=None),
+            "capacity_use": mean_of(layer["capacity_use"] for layer in layers),
+            "lbl": mean_of(layer["lbl"] for layer in layers),
+            "max_vio": max_vio(layers),
+            "host_syncs_per_step": self.syncs,
+            "data_stalls": t.batches.stalls,
+            "peak_memory_bytes": torch.cuda.max_memory_allocated(t.device) if cuda else None,
+            "routing": {path: dict(stats) for path, stats in routing.items()},
+        }
 
     def _check_nonfinite(self) -> None:
         t = self.trainer

@@ -105,7 +105,6 @@ from moec.runtime.distributed import (
 from moec.runtime.distributed import parameter_groups as dist_parameter_groups
 from moec.runtime.fsdp import set_gradient_sync
 from moec.runtime.materialize import FreshInit, SubmoduleSource, open_source
-from moec.runtime.metrics import THROUGHPUT, bf16_peak_tflops, tokens_per_s, useful_mfu
 from moec.runtime.pipeline import PipelineMesh, PipelineRuntime, build_pipeline_mesh, runtime_for
 from moec.runtime.step_graph import StepGraph, graph_blocker
 from moec.train.config import (
@@ -120,7 +119,7 @@ from moec.train.config import (
     resolve_device,
 )
 from moec.train.evaluation import Evaluator, compiled_loss, held_out
-from moec.train.loop import TrainingLoop, TrainResult, max_vio, mean_of
+from moec.train.loop import TrainingLoop, TrainResult
 from moec.train.objective import LanguageModelWithLoss, parameter_groups
 from moec.train.run_lock import RunLock, RunLockError, check_free, lock_run_dir
 from moec.train.timing import FirstStepClock
@@ -809,43 +808,6 @@ class Trainer:
         dist.all_gather_object(parts, stats, group=self.pp_mesh.pp_group)
         merged = {path: block for part in parts for path, block in part.items()}
         return {m.path: merged[m.path] for m in self.compiled.moe_layers if m.path in merged}
-
-    def log_record(
-        self,
-        loss: float,
-        step_time: float,
-        tokens: float,
-        syncs: int | None,
-        skipped: int,
-        spike_skipped: int = 0,
-    ) -> dict[str, Any]:
-        """The metrics record of this step (a log point's)."""
-        routing = self.routing_stats()
-        layers = list(routing.values())
-        peak = bf16_peak_tflops(self.device)
-        mfu = useful_mfu(self.train_flops_per_token * tokens, step_time, 1, peak)
-        return {
-            "step": self.step,
-            "loss": loss,
-            "lr": self.scheduler.get_last_lr()[0],
-            "step_time_s": step_time,
-            THROUGHPUT: tokens_per_s(tokens, step_time),
-            "useful_mfu": mfu,
-            "skipped_steps": skipped,
-            "spike_skipped_steps": spike_skipped,
-            "global_batch": self.global_batch(self.step - 1),
-            "drop_rate": mean_of(layer["drop_rate"] for layer in layers),
-            "load_imbalance": max((layer["load_imbalance"] for layer in layers), default=None),
-            "capacity_use": mean_of(layer["capacity_use"] for layer in layers),
-            "lbl": mean_of(layer["lbl"] for layer in layers),
-            "max_vio": max_vio(layers),
-            "host_syncs_per_step": syncs,
-            "data_stalls": self.batches.stalls,
-            "peak_memory_bytes": torch.cuda.max_memory_allocated(self.device)
-            if self.device.type == "cuda"
-            else None,
-            "routing": {path: {k: v for k, v in s.items()} for path, s in routing.items()},
-        }
 
 
 def model_vocab(model: torch.nn.Module) -> int:
