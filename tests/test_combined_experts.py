@@ -216,13 +216,12 @@ def test_cute_path_reads_token_rows_through_a_idx(monkeypatch, backend, activati
     buffer = x[sources.long()]
 
     monkeypatch.setattr(torch.Tensor, "index_select", None)  # the buffer path would call it
-    y, h = kernel_experts.expert_mlp(x, w_up, w_down, offsets, None, None, act, ON_CUTE, sources)
+    operands = kernel_experts.ExpertOperands(x, w_up, w_down, offsets)
+    y, h = kernel_experts.expert_mlp(operands, None, None, act, ON_CUTE, sources)
     assert quack.gathered == ["m"]
     monkeypatch.undo()
     quack = run_on_stand_in(monkeypatch, backend)
-    y_ref, h_ref = kernel_experts.expert_mlp(
-        buffer, w_up, w_down, offsets, None, None, act, ON_CUTE
-    )
+    y_ref, h_ref = kernel_experts.expert_mlp(operands._replace(x=buffer), None, None, act, ON_CUTE)
     close = dict(atol=1e-5, rtol=1e-5)
     oracle = ops.expert_mlp(buffer, w_up, w_down, offsets, None, None, activation)[0]
     torch.testing.assert_close(y[:used], oracle[:used], **close)  # the stand-in is quack's math
@@ -249,11 +248,12 @@ def test_cute_path_weighs_rows_in_the_dgrad_epilogue(monkeypatch, layout):
     sources = row_sources(rows)
     d_out = torch.randn(TOKENS, DIM)
 
-    _, h = kernel_experts.expert_mlp(x, w_up, w_down, offsets, None, None, act, ON_CUTE, sources)
+    operands = kernel_experts.ExpertOperands(x, w_up, w_down, offsets)
+    _, h = kernel_experts.expert_mlp(operands, None, None, act, ON_CUTE, sources)
     if layout == "k_major":  # every row read through A_idx: nothing gathered
         monkeypatch.setattr(torch.Tensor, "index_select", None)
     d_rows, d_row_weights, d_w_up, d_w_down, _ = kernel_experts.expert_mlp_combined_backward(
-        x, sources, by_row(route_weights, rows), w_up, w_down, offsets, h, d_out, act, ON_CUTE
+        operands, sources, by_row(route_weights, rows), h, d_out, act, ON_CUTE
     )
     monkeypatch.undo()
     assert "dact" in quack.gathered and "k" in quack.gathered
@@ -299,10 +299,9 @@ def test_k_major_w_up_runs_the_gated_epilogues_without_weight_copies(monkeypatch
     d_y = torch.randn(TOKENS * TOP_K, DIM)
 
     def run(w_up, w_down):
-        y, h = kernel_experts.expert_mlp(buffer, w_up, w_down, offsets, None, None, act, ON_CUTE)
-        grads = kernel_experts.expert_mlp_backward(
-            buffer, w_up, w_down, offsets, h, d_y, act, ON_CUTE
-        )
+        operands = kernel_experts.ExpertOperands(buffer, w_up, w_down, offsets)
+        y, h = kernel_experts.expert_mlp(operands, None, None, act, ON_CUTE)
+        grads = kernel_experts.expert_mlp_backward(operands, h, d_y, act, ON_CUTE)
         return y, h, grads
 
     y_ref, h_ref, want = run(w_up, w_down)

@@ -10,7 +10,8 @@ backward: d_h, a = gmm_act_backward(d_y, w_down, h)      d_a = d_y @ w_down^T, t
 Inputs the kernels take: float32/16/bf16 x, int32 offsets, an activation with a kernel code.
 The backward returns d_h, from which the caller reduces the bias gradients.
 
-Gathered (:func:`expert_mlp` given ``sources``, the forward of the combined MLP): x is the
+Every function takes the MLP's :class:`ExpertOperands`. Gathered (:func:`expert_mlp` given
+``sources``, the forward of the combined MLP): x is the
 token rows [T, D] and buffer row r is ``x[sources[r]]``. Where the policy runs the up projection on
 the CuTe DSL (``"cute"``/``"cute_glu"`` for a buffer of R = len(sources) rows), its GEMM and its
 wgrad read the token rows through quack's ``A_idx`` and the buffer is never written; on any
@@ -25,6 +26,8 @@ forward's y exist.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from torch import Tensor
 
 from moec.kernels import cute_gemm
@@ -33,11 +36,20 @@ from moec.kernels.activation import KernelActivation
 from moec.kernels.gemm_backend import GemmPolicy, backend
 
 
+class ExpertOperands(NamedTuple):
+    """What every expert MLP of the kernels (here and :mod:`moec.kernels.fp8_experts`) takes:
+    the rows ``x`` [R, D] (or the token rows a gathered call reads), the weights ``w_up``
+    [N, D, U] and ``w_down`` [N, H, D] (any float dtype, read in x's) and the int32 ``offsets``
+    [N] that end each expert's rows."""
+
+    x: Tensor
+    w_up: Tensor
+    w_down: Tensor
+    offsets: Tensor
+
+
 def expert_mlp(
-    x: Tensor,
-    w_up: Tensor,
-    w_down: Tensor,
-    offsets: Tensor,
+    operands: ExpertOperands,
     b_up: Tensor | None,
     b_down: Tensor | None,
     act: KernelActivation,
@@ -47,6 +59,7 @@ def expert_mlp(
     """(y, h): the expert MLP's output and pre-activation; weights cast to x's dtype; every
     function here runs its GEMMs on the backends ``policy`` picks.
     ``sources``: x is token rows, buffer row r is ``x[sources[r]]`` (see module)."""
+    x, w_up, w_down, offsets = operands
     x = x.contiguous()
     h, a = gg.gmm_act(x, w_up.to(x.dtype), offsets, b_up, act, sources, policy)
     y = gg.gmm(a, w_down.to(x.dtype), offsets, b_down, "down", policy)
@@ -54,10 +67,7 @@ def expert_mlp(
 
 
 def expert_mlp_backward(
-    x: Tensor,
-    w_up: Tensor,
-    w_down: Tensor,
-    offsets: Tensor,
+    operands: ExpertOperands,
     h: Tensor,
     d_y: Tensor,
     act: KernelActivation,
@@ -71,6 +81,7 @@ def expert_mlp_backward(
     returned in ``[gate | up]`` order unless h was interleaved, which never has a bias.
     ``sources``: x is the token rows of a gathered forward (buffer row r = ``x[sources[r]]``,
     see the module) whose up projection read them through ``A_idx``; d_x is then per buffer row."""
+    x, w_up, w_down, offsets = operands
     d_y = d_y.to(x.dtype).contiguous()
     w_up_x = w_up.to(x.dtype)  # what the forward's GEMM read
     rows = x if sources is None else gg.buffer_like(x, sources)
@@ -131,12 +142,9 @@ def _up_wgrad(
 
 
 def expert_mlp_combined_backward(
-    x: Tensor,
+    operands: ExpertOperands,
     sources: Tensor,
     row_weights: Tensor,
-    w_up: Tensor,
-    w_down: Tensor,
-    offsets: Tensor,
     h: Tensor,
     d_out: Tensor,
     act: KernelActivation,
@@ -152,6 +160,7 @@ def expert_mlp_combined_backward(
     (:func:`cute_gemm.gmm_act_backward_combined`): no [R, D] d_y is written, and y need not
     have been kept. Elsewhere d_y is gathered and scaled, and y recomputed from h for the
     weights' gradient. d_rows is per buffer row; the caller sums it over each token's routes."""
+    x, w_up, w_down, offsets = operands
     d_out = d_out.to(x.dtype).contiguous()
     w_up_x, w_down_x = w_up.to(x.dtype), w_down.to(x.dtype)
     reads_tokens = gg.reads_token_rows(x, sources, w_up_x, False, act, policy)

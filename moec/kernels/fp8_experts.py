@@ -26,11 +26,13 @@ from torch import Tensor
 from moec.kernels import fp8_rowwise
 from moec.kernels import grouped_gemm as gg
 from moec.kernels.activation import KernelActivation, act_backward
+from moec.kernels.experts import ExpertOperands
 
 
-def takes(x: Tensor, w_up: Tensor, w_down: Tensor, offsets: Tensor) -> bool:
+def takes(operands: ExpertOperands) -> bool:
     """Whether these operands run here: bf16 x on a device with the FP8 grouped GEMM, int32
     offsets, and 16-aligned D, U and H (each GEMM's K and N)."""
+    x, w_up, w_down, offsets = operands
     dims = (x.shape[-1], w_up.shape[-1], w_down.shape[-2])
     return (
         x.dtype == torch.bfloat16
@@ -40,10 +42,9 @@ def takes(x: Tensor, w_up: Tensor, w_down: Tensor, offsets: Tensor) -> bool:
     )
 
 
-def expert_mlp(
-    x: Tensor, w_up: Tensor, w_down: Tensor, offsets: Tensor, act: KernelActivation
-) -> tuple[Tensor, Tensor]:
+def expert_mlp(operands: ExpertOperands, act: KernelActivation) -> tuple[Tensor, Tensor]:
     """(y, h): the output and the pre-activation, both in x's dtype."""
+    x, w_up, w_down, offsets = operands
     x = x.contiguous()
     w_up_q = fp8_rowwise.quantize_weight(w_up.to(x.dtype))
     w_down_q = fp8_rowwise.quantize_weight(w_down.to(x.dtype))
@@ -56,16 +57,11 @@ def expert_mlp(
 
 
 def expert_mlp_backward(
-    x: Tensor,
-    w_up: Tensor,
-    w_down: Tensor,
-    offsets: Tensor,
-    h: Tensor,
-    d_y: Tensor,
-    act: KernelActivation,
+    operands: ExpertOperands, h: Tensor, d_y: Tensor, act: KernelActivation
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(d_x, d_w_up, d_w_down, d_h) for the output gradient d_y; weight gradients in the
     weights' dtype, the others in x's."""
+    x, w_up, w_down, offsets = operands
     x, d_y = x.contiguous(), d_y.to(x.dtype).contiguous()
     d_a = _dgrad(d_y, w_down.to(x.dtype), offsets)
     d_h, a = act_backward(h, d_a, act)

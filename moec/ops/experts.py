@@ -271,11 +271,10 @@ def _kernels_forward(call: ExpertCall, spec: str) -> tuple[Tensor, Tensor]:
     act = _kernels_takes(call)
     if act is None:
         return composed_forward(call, _kernel_gemms(policy, call.x))
-    args = (call.w_up, call.w_down, call.offsets, call.b_up, call.b_down, act, policy)
+    operands, args = _kernel_operands(call), (call.b_up, call.b_down, act, policy)
     if call.rows is None:
-        return kernel_experts.expert_mlp(call.x, *args)
-    flat = call.x.reshape(-1, call.x.shape[-1])
-    y, h = kernel_experts.expert_mlp(flat, *args, row_sources(call.rows))
+        return kernel_experts.expert_mlp(operands, *args)
+    y, h = kernel_experts.expert_mlp(operands, *args, row_sources(call.rows))
     return kernel_movement.combine(y, call.weights, call.rows), h
 
 
@@ -286,20 +285,15 @@ def _kernels_backward(call, h, d_y, up_bias, spec):
     act = _kernels_takes(call)
     if act is None:
         return composed_backward(call, h, d_y, _kernel_gemms(policy, call.x))
-    w_up, w_down, offsets, x = call.w_up, call.w_down, call.offsets, call.x
+    operands = _kernel_operands(call)
     if call.rows is None:
-        grads = kernel_experts.expert_mlp_backward(
-            x, w_up, w_down, offsets, h, d_y, act, policy, up_bias
-        )
-        return (*grads, x.new_empty(0))
+        grads = kernel_experts.expert_mlp_backward(operands, h, d_y, act, policy, up_bias)
+        return (*grads, call.x.new_empty(0))
     rows = call.rows
     d_rows, d_row_weights, d_w_up, d_w_down, d_h = kernel_experts.expert_mlp_combined_backward(
-        x.reshape(-1, x.shape[-1]),
+        operands,
         row_sources(rows),
         by_row(call.weights.float(), rows),
-        w_up,
-        w_down,
-        offsets,
         h,
         d_y.reshape(-1, d_y.shape[-1]),
         act,
@@ -309,12 +303,19 @@ def _kernels_backward(call, h, d_y, up_bias, spec):
     return d_rows, d_w_up, d_w_down, d_h, d_weights
 
 
+def _kernel_operands(call: ExpertCall):
+    """The call's :class:`moec.kernels.experts.ExpertOperands` (a combined call's x as token
+    rows [T, D])."""
+    x = call.x if call.rows is None else call.x.reshape(-1, call.x.shape[-1])
+    return kernel_experts.ExpertOperands(x, call.w_up, call.w_down, call.offsets)
+
+
 def _native_takes(call: ExpertCall):
     """The kernels' activation where the fp8_rowwise kernels of :mod:`moec.kernels.fp8_experts`
     run the whole MLP (plain, no biases, operands they take), else None."""
     if call.rows is not None or call.b_up is not None or call.b_down is not None:
         return None
-    if not fp8_experts.takes(call.x, call.w_up, call.w_down, call.offsets):
+    if not fp8_experts.takes(_kernel_operands(call)):
         return None
     return kernel_activation(call.activation)
 
@@ -326,16 +327,15 @@ def _native_forward(call: ExpertCall, option: str) -> tuple[Tensor, Tensor]:
     act = _native_takes(call)
     if act is None:
         return composed_forward(call, _quantized_gemms(call.recipe, "native"))
-    return fp8_experts.expert_mlp(call.x, call.w_up, call.w_down, call.offsets, act)
+    return fp8_experts.expert_mlp(_kernel_operands(call), act)
 
 
 def _native_backward(call, h, d_y, up_bias, option):
     act = _native_takes(call)  # h is laid out the same by either forward
     if act is None:
         return composed_backward(call, h, d_y, _quantized_gemms(call.recipe, "native"))
-    x = call.x
-    grads = fp8_experts.expert_mlp_backward(x, call.w_up, call.w_down, call.offsets, h, d_y, act)
-    return (*grads, x.new_empty(0))
+    grads = fp8_experts.expert_mlp_backward(_kernel_operands(call), h, d_y, act)
+    return (*grads, call.x.new_empty(0))
 
 
 IMPLEMENTATIONS: dict[str, tuple[Forward, Backward]] = {
