@@ -84,9 +84,10 @@ def test_fa4_backward_writes_tokens_major_gradients_for_heads_major_inputs(monke
     monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
     q, k, v = (torch.randn(2, h, 9, 8, dtype=torch.bfloat16) for h in (4, 4, 4))  # (B, H, S, D)
     out, lse = torch.ops.moec.flash_attention(q, k, v, True, 0.3)
-    args = (q, k, v, out, lse, torch.randn_like(out), True, 0.3)
-    reference = torch.ops.moec.flash_attention_backward(*args)  # the fake's strides
-    for got, want in zip(fa4.backward(*args), reference, strict=True):
+    d_out = torch.randn_like(out)
+    reference = torch.ops.moec.flash_attention_backward(q, k, v, out, lse, d_out, True, 0.3)
+    grads = fa4.backward(fa4.AttentionSaved(q, k, v, out, lse), d_out, True, 0.3)
+    for got, want in zip(grads, reference, strict=True):  # the fake's strides
         assert got.shape == want.shape and got.stride() == want.stride()
 
 

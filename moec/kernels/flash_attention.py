@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -134,20 +135,26 @@ def forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tupl
     return _swap_heads_and_tokens(out), lse
 
 
+class AttentionSaved(NamedTuple):
+    """What an attention's backward reads of its forward (FA4's and the reference's alike): the
+    inputs ``q`` (B, Hq, S, D), ``k`` and ``v`` (B, Hkv, Sk, D), the output ``out`` and its
+    float32 log-sum-exp ``lse`` (B, Hq, S)."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    out: Tensor
+    lse: Tensor
+
+
 def backward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    d_out: Tensor,
-    causal: bool,
-    scale: float,
+    saved: AttentionSaved, d_out: Tensor, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(d_q, d_k, d_v) of :func:`forward` for the output gradient ``d_out``."""
     from flash_attn.cute.interface import _flash_attn_bwd
 
-    q, k, v = (_swap_heads_and_tokens(t) for t in (q, k, v))
+    out, lse = saved.out, saved.lse
+    q, k, v = (_swap_heads_and_tokens(t) for t in (saved.q, saved.k, saved.v))
     # the gradients in (B, S, H, D) storage whatever the inputs' strides (FA4 would make each
     # like its input): the strides the op's fake promises
     d_q, d_k, d_v = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from moec.kernels import flash_attention as fa4
+from moec.kernels.flash_attention import AttentionSaved
 from moec.ops.binding import resolve
 
 
@@ -80,15 +81,9 @@ def flash_attention_reference(
 
 
 def flash_attention_backward_reference(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    d_out: Tensor,
-    is_causal: bool,
-    scale: float,
+    saved: AttentionSaved, d_out: Tensor, is_causal: bool, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
+    q, k, v, out, lse = saved
     group = q.shape[1] // k.shape[1]
     p = torch.exp(_scores(q, k, is_causal, scale) - lse[..., None])
     d_out = d_out.float()
@@ -118,10 +113,12 @@ def _fa4_forward(
     return fa4.forward(q, k, v, is_causal, scale)
 
 
-def _fa4_backward(q, k, v, out, lse, d_out, is_causal, scale):
-    if not fa4.takes(q, k, v, is_causal):
-        return flash_attention_backward_reference(q, k, v, out, lse, d_out, is_causal, scale)
-    return fa4.backward(q, k, v, out, lse, d_out, is_causal, scale)
+def _fa4_backward(
+    saved: AttentionSaved, d_out: Tensor, is_causal: bool, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    if not fa4.takes(saved.q, saved.k, saved.v, is_causal):
+        return flash_attention_backward_reference(saved, d_out, is_causal, scale)
+    return fa4.backward(saved, d_out, is_causal, scale)
 
 
 IMPLEMENTATIONS = {
@@ -169,7 +166,7 @@ def flash_attention_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     _check(q, k, v)
     _, backward = IMPLEMENTATIONS[resolve("flash_attention", impl, q, IMPLEMENTATIONS)]
-    return backward(q, k, v, out, lse, d_out, is_causal, scale)
+    return backward(AttentionSaved(q, k, v, out, lse), d_out, is_causal, scale)
 
 
 @flash_attention_backward.register_fake
