@@ -400,7 +400,7 @@ def gmm_act(
     chosen = up_backend(rows, w_up, bias is not None, act, policy)
     if sources is not None and chosen not in ("cute", "cute_glu"):
         x, sources = x.index_select(0, sources), None
-    if chosen == "cute_glu" or (chosen == "cute" and not act.gated and cute_gemm.computes(act)):
+    if chosen == "cute_glu" or _cute_epilogue_runs(chosen, act):
         return cute_gemm.gmm_act(x, w_up, offsets, act, sources)
     h = _library_gmm(chosen, x, w_up, offsets, sources)
     if h is not None:  # the activation on its own kernel
@@ -424,6 +424,12 @@ def dact_in_cute_epilogue(
     if interleaved:
         return True
     chosen = backend("dgrad_act", d_y, w_down.transpose(-1, -2), policy or detected_policy())
+    return _cute_epilogue_runs(chosen, act)
+
+
+def _cute_epilogue_runs(chosen: KernelBackend, act: KernelActivation) -> bool:
+    """Whether a ``"cute"`` GEMM runs ``act`` (or its backward) in its epilogue: quack computes
+    the activation and it is ungated (gated ones take ``"cute_glu"``'s interleaved layout)."""
     return chosen == "cute" and not act.gated and cute_gemm.computes(act)
 
 
