@@ -254,8 +254,10 @@ def _ep_worker(rank: int, world: int) -> None:
     tokens, targets = _batch(4, seed=10 + rank)
     dense = _dense()
     # rows no route writes hold NaN (garbage must not leak); gloo's exchanges left running
-    # from issue to wait, as NCCL's are
-    target = dataclasses.replace(Target.detect("cpu"), ep_poison=NAN, ep_asynchronous=True)
+    # from issue to wait, as NCCL's are; a copy-kernel cap (the emulated transport has none)
+    target = dataclasses.replace(
+        Target.detect("cpu"), ep_poison=NAN, ep_asynchronous=True, ep_copy_programs=4
+    )
 
     def build(overlap: str, path: str, cf: float | None = 1.0):
         plan = _plan(overlap, cf, dp=world, ep=world, ep_path=path)
@@ -268,6 +270,7 @@ def _ep_worker(rank: int, world: int) -> None:
     assert set(exchanges) == {f"moec::ep_{op}" for op in split_ops}
     for kwargs in exchanges.values():  # what bind set from the target
         assert math.isnan(kwargs["poison"]) and kwargs["asynchronous"] is True
+        assert kwargs["copy_programs"] == 4
     stats = two.pass_results["overlap"].stats
     assert stats["applied"] and stats["path"] == "a2a_capacity"
     assert stats["schedule"] == list(EP_SCHEDULE)

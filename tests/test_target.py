@@ -60,7 +60,9 @@ def test_the_target_resolves_ep_path_auto_and_supplies_op_arguments():
     assert (cpu.ep_path("auto"), cuda.ep_path("auto")) == ("a2a_capacity", "rowwise")
     assert cuda.ep_path("sync_1d") == "sync_1d" and Target.ep_paths("sync_1d") == ("sync_1d",)
     assert set(Target.ep_paths("auto")) == {"rowwise", "a2a_capacity"}
-    assert cpu.op_arguments() == {"poison": None, "asynchronous": False, "chunk_elements": 2**30}
+    assert cpu.op_arguments() == {
+        "poison": None, "asynchronous": False, "copy_programs": None, "chunk_elements": 2**30
+    }  # fmt: skip
     assert cuda.op_arguments()["asynchronous"] is True
     tested = dataclasses.replace(cpu, ep_poison=-1.0, ep_asynchronous=True)
     assert tested.op_arguments()["poison"] == -1.0 and tested.op_arguments()["asynchronous"]

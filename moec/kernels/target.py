@@ -61,7 +61,9 @@ class Target:
     EP exchanges fill every buffer row no route writes with it (tests: NaN, so that garbage a
     result read would show). ``ep_asynchronous``: whether split EP exchanges (pass
     ``overlap``) leave an a2a exchange running from its issue to its wait; None: on CUDA
-    (gloo's exchanges run to completion at the issue, unless True).
+    (gloo's exchanges run to completion at the issue, unless True). ``ep_copy_programs``: the
+    programs per column tile of the ``rowwise`` split exchanges' copy kernel (None: one per
+    route tile).
 
     On the CPU under the interpreter only the MXFP8 GEMMs bind to kernels (the others' kernels
     are tested there by naming their implementation: ``impl="triton"``).
@@ -77,6 +79,7 @@ class Target:
     loss_chunk_elements: int = LOSS_CHUNK_ELEMENTS
     ep_poison: float | None = None
     ep_asynchronous: bool | None = None
+    ep_copy_programs: int | None = None
 
     def __post_init__(self) -> None:
         if self.loss_chunk_elements < 1:
@@ -125,11 +128,13 @@ class Target:
     def op_arguments(self) -> dict[str, Any]:
         """The ``moec::`` op arguments the target supplies, by name (pass ``bind`` sets each on
         every op that takes it): the EP exchanges' ``poison``, the split ones' ``asynchronous``
-        (``ep_asynchronous`` resolved), the fused loss's ``chunk_elements``."""
+        (``ep_asynchronous`` resolved) and ``copy_programs``, the fused loss's
+        ``chunk_elements``."""
         asynchronous = self.ep_asynchronous
         return {
             "poison": self.ep_poison,
             "asynchronous": self.device == "cuda" if asynchronous is None else asynchronous,
+            "copy_programs": self.ep_copy_programs,
             "chunk_elements": self.loss_chunk_elements,
         }
 
@@ -190,6 +195,8 @@ class Target:
             fields.append(f"EP buffers poisoned with {self.ep_poison}")
         if self.ep_asynchronous is not None:
             fields.append(f"ep_asynchronous={self.ep_asynchronous}")
+        if self.ep_copy_programs is not None:
+            fields.append(f"ep_copy_programs={self.ep_copy_programs}")
         native = self.native_recipe
         fields.append(f"native low precision: {native or 'none'}")
         return ", ".join(fields)

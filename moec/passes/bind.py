@@ -27,7 +27,8 @@ Matches and emits:
   at run time chooses again but the implementations' own fallback to the reference for
   operands their kernels do not take.
 - each argument of a ``moec::`` op that the target supplies (:meth:`Target.op_arguments`: the
-  EP exchanges' ``poison`` and ``asynchronous``, the fused loss's ``chunk_elements``), set
+  EP exchanges' ``poison``, ``asynchronous`` and ``copy_programs``, the fused loss's
+  ``chunk_elements``), set
   from it. The EP ops' implementation is their ``path`` (:data:`moec.ops.ep.PATHS`), which
   pass ``expert_parallel`` resolved for the same target (:meth:`Target.ep_path`); it is
   recorded with them.
@@ -127,6 +128,8 @@ def describe(op: str, impl: str, node: fx.Node, target: Target) -> str:
         extras = [] if poison is None else [f"empty rows poisoned with {poison}"]
         if node.kwargs.get("asynchronous"):
             extras.append("left running from issue to wait")
+        if node.kwargs.get("copy_programs") is not None:
+            extras.append(f"copy kernel of {node.kwargs['copy_programs']} programs a tile")
         return "; ".join([EP_PATHS[impl], *extras])
     if op in ("expert_mlp", "quantized_linear"):
         recipe = argument(node, "recipe", "bf16")

@@ -85,12 +85,6 @@ def _workspace_for(rows: int, like: Tensor, pg: dist.ProcessGroup, lane: str = "
     return _workspace(rows, like.shape[-1], like.dtype, like.device, pg.group_name, lane)
 
 
-SPLIT_PROGRAMS: int | None = None
-"""Programs per column tile of a split exchange's copy kernel (None: one per route tile). A
-capped grid holds fewer SMs while the copy runs beside the expert GEMMs; ``benchmarks/ep.py
---overlap`` measures both."""
-
-
 @functools.cache
 def _comm_stream(device: torch.device) -> torch.cuda.Stream:
     """The stream split exchanges run on (one per device)."""
@@ -132,10 +126,14 @@ def _copy_out(buffer: Tensor, push: Push, out: Tensor) -> Tensor:
     return torch.where(push.written[:, None], buffer, other, out=out)
 
 
-def issue(push: Push, pg: dist.ProcessGroup, out_rows: int) -> tuple[Tensor, Callable[[], None]]:
+def issue(
+    push: Push, pg: dist.ProcessGroup, out_rows: int, programs: int | None = None
+) -> tuple[Tensor, Callable[[], None]]:
     """:func:`send` on the communication stream (module docstring): this rank's ``[out_rows,
     D]`` result (rows ``[0, rows)`` as :func:`send` fills them) and the ``wait()`` after which
-    the current stream may read it."""
+    the current stream may read it. ``programs``: the copy kernel's programs per column tile
+    (None: one per route tile; a capped grid holds fewer SMs while the copy runs beside the
+    expert GEMMs, ``moec.ops.ep.split.Split``)."""
     x = push.x
     check_available(x)
     buffer, handle, peers = _workspace_for(push.rows, x, pg, lane="split")
@@ -147,7 +145,7 @@ def issue(push: Push, pg: dist.ProcessGroup, out_rows: int) -> tuple[Tensor, Cal
         if before is not None:
             buffer.fill_(before)
         handle.barrier(channel=0)
-        _push(push, peers, SPLIT_PROGRAMS)
+        _push(push, peers, programs)
         handle.barrier(channel=0)
         _copy_out(buffer, push, out[: push.rows])
         done = torch.cuda.Event()

@@ -231,11 +231,12 @@ class RowwiseTransport(Protocol):
         exchange (rows no route wrote hold garbage)."""
 
     def issue(
-        self, push: Push, pg: dist.ProcessGroup, out_rows: int
+        self, push: Push, pg: dist.ProcessGroup, out_rows: int, programs: int | None = None
     ) -> tuple[Tensor, Callable[[], None]]:
         """:meth:`send` started on the transport's own stream: returns this rank's ``[out_rows,
         D]`` result (rows ``[0, rows)`` as :meth:`send` fills them, the rest unspecified), valid
-        once the returned ``wait()`` made the current stream wait for it."""
+        once the returned ``wait()`` made the current stream wait for it. ``programs``: its copy
+        kernel's programs per column tile (None: one per route tile)."""
 
 
 Loader = Callable[[], RowwiseTransport]

@@ -1,8 +1,8 @@
 """Split expert-parallel exchanges (pass ``overlap``): each exchange as an issue op and a wait
 op, so that the wait sits right before the consumer and other work is queued between them::
 
-    tail = (*exchange, asynchronous)     # the fused ops' exchange arguments (moec.ops.ep), then
-    pending = ep_dispatch_issue(x, None, *tail)                               # whether to overlap
+    tail = (*exchange, asynchronous, copy_programs)  # the fused ops' exchange (moec.ops.ep),
+    pending = ep_dispatch_issue(x, None, *tail)         # then how to overlap (:class:`Split`)
     buffer = ep_dispatch_wait(pending, *tail)                                 # [R, D]
     pending, row_w = ep_combine_issue(y, weights, *tail)
     out, picked = ep_combine_wait(pending, weights, *tail)
@@ -20,13 +20,13 @@ per (token, rank) as its fused exchanges do) is what arrived at this rank, valid
 op ran: the wait makes the current stream wait for that exchange alone (found by ``pending``'s
 storage, see :func:`pending_exchanges`), then does the receiver's local work (``rowwise``: the
 gather into the expert buffer, or the sum of the partials). The a2a issue leaves its exchange
-running only with ``asynchronous`` (the split ops' last argument, bound by pass ``bind`` from the
-target: on CUDA; tests turn it on for gloo); without it the issue completes before it returns, so
-every op's output is complete data (what opcheck and Inductor's reference runs read). ``sync_1d``
-cannot be split (its split sizes reach the host; it synchronizes anyway): the issue ops refuse it.
-Costs against the fused ops: none on ``a2a_capacity`` (the receiver's placement moves into the
-wait); ``rowwise`` copies each result once more (the transport's stream copies it out of symmetric
-memory into ``pending``, which the wait then reads).
+running only with ``asynchronous`` (:class:`Split`, the split ops' last arguments, bound by pass
+``bind`` from the target: on CUDA; tests turn it on for gloo); without it the issue completes before
+it returns, so every op's output is complete data (what opcheck and Inductor's reference runs read).
+``sync_1d`` cannot be split (its split sizes reach the host; it synchronizes anyway): the issue ops
+refuse it. Costs against the fused ops: none on ``a2a_capacity`` (the receiver's placement moves
+into the wait); ``rowwise`` copies each result once more (the transport's stream copies it out of
+symmetric memory into ``pending``, which the wait then reads).
 
 The four ops are each other's backward, so the backward is split the same way and autograd
 keeps the wait late: the wait's backward issues the reverse exchange (``dispatch_wait`` ->
@@ -42,7 +42,7 @@ D]``, in both directions): only the pair's composition is a vector-Jacobian prod
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -74,10 +74,23 @@ from moec.ops.ep.per_rank import (
 )
 from moec.ops.movement import block_output
 
-SPLIT = ", bool asynchronous=False"
-"""The split ops' last argument, after the exchange's: whether an a2a issue leaves its
-exchange running until its wait (the ``rowwise`` transport's issue always does)."""
-SPLIT_NO_GRADS = (*NO_GRADS, None)
+SPLIT = ", bool asynchronous=False, int? copy_programs=None"
+"""The split ops' last arguments, after the exchange's (:class:`Split`)."""
+
+
+class Split(NamedTuple):
+    """The split ops' last arguments, bound by pass ``bind`` from the target
+    (``Target.ep_asynchronous``, ``Target.ep_copy_programs``): ``asynchronous``, whether an a2a
+    issue leaves its exchange running until its wait (the ``rowwise`` transport's issue always
+    does); ``copy_programs``, programs per column tile of the ``rowwise`` transport's copy
+    kernel on its stream (None: one per route tile; a cap holds fewer SMs while it runs beside
+    the expert GEMMs, ``benchmarks/ep.py --overlap`` measures both)."""
+
+    asynchronous: bool = False
+    copy_programs: int | None = None
+
+
+SPLIT_NO_GRADS = (*NO_GRADS, *(None,) * len(Split._fields))
 
 _PENDING: dict[int, tuple[Tensor, Callable[[], None], tuple]] = {}
 """In-flight exchanges by the storage of their result: (result, wait, tensors kept alive)."""
@@ -111,8 +124,8 @@ def pending_rows(slots: Tensor, recv_rows: Tensor, ep_size: int, path: str):
     return recv_rows.shape[0]
 
 
-def _split_exchange(exchange: tuple | list) -> tuple[Exchange, bool]:
-    """A split op's trailing arguments: the exchange and ``asynchronous``; ``sync_1d`` refused."""
+def _split_exchange(exchange: tuple | list) -> tuple[Exchange, Split]:
+    """A split op's trailing arguments: the exchange and :class:`Split`; ``sync_1d`` refused."""
     ex = Exchange.of(tuple(exchange))
     if ex.path == "sync_1d":
         raise ValueError(
@@ -120,8 +133,7 @@ def _split_exchange(exchange: tuple | list) -> tuple[Exchange, bool]:
             "exchanges cannot be issued ahead of their wait; use moec::ep_dispatch/ep_combine, "
             "or ep_path 'a2a_capacity' / 'rowwise'"
         )
-    extra = exchange[len(Exchange._fields) :]
-    return ex, bool(extra[0]) if extra else False
+    return ex, Split(*exchange[len(Exchange._fields) :])
 
 
 def _pending_like(like: Tensor, ex: Exchange) -> Tensor:
@@ -140,21 +152,22 @@ def _issue_a2a(send: Tensor, pg: dist.ProcessGroup, asynchronous: bool) -> Tenso
     return out
 
 
-def _issue_rowwise(push: Push, pg: dist.ProcessGroup) -> Tensor:
+def _issue_rowwise(push: Push, pg: dist.ProcessGroup, split: Split) -> Tensor:
     """``push`` (with ``written``: its rows marked False come out zero, so every pending result
     is defined data) issued on the transport's stream, into a ``[P, D]`` result."""
-    out, wait = rowwise_transport().issue(push, pg, push.rows)
+    out, wait = rowwise_transport().issue(push, pg, push.rows, split.copy_programs)
     _register(out, wait)
     return out
 
 
 @exchange_op("ep_dispatch_issue", "Tensor x, Tensor? weights", "Tensor", SPLIT)
 def ep_dispatch_issue(x: Tensor, weights: Tensor | None, *exchange: Any) -> Tensor:
-    ex, asynchronous = _split_exchange(exchange)
+    ex, split = _split_exchange(exchange)
     flat, pg = x.reshape(-1, x.shape[-1]), ex.process_group()
     if ex.path != "rowwise":
         routes = route_rows(flat, ex.top_k, weights)
-        return _issue_a2a(place_rows(routes, ex.routes, ex.num_rows, ex.poison), pg, asynchronous)
+        send = place_rows(routes, ex.routes, ex.num_rows, ex.poison)
+        return _issue_a2a(send, pg, split.asynchronous)
     if weights is not None:
         raise ValueError(
             "ep_dispatch_issue on the rowwise path sends each token's row once per rank, "
@@ -162,7 +175,7 @@ def ep_dispatch_issue(x: Tensor, weights: Tensor | None, *exchange: Any) -> Tens
             "and its backward); pass weights=None"
         )
     arriving = (token_route_table(ex.recv_rows, ex.tokens, ex.top_k, ex.ep_size) >= 0).any(1)
-    return _issue_rowwise(token_push(flat, ex, dist.get_rank(pg), arriving), pg)
+    return _issue_rowwise(token_push(flat, ex, dist.get_rank(pg), arriving), pg, split)
 
 
 @ep_dispatch_issue.register_fake
@@ -189,15 +202,15 @@ def _ep_dispatch_wait_fake(pending, *exchange):
 def ep_combine_issue(y: Tensor, weights: Tensor | None, *exchange: Any) -> tuple[Tensor, Tensor]:
     """``(pending, row_weights)``: ``row_weights`` are the route weights as the experts' side
     holds them (``[R]``) when ``rowwise`` weights here, else empty (``[0]``)."""
-    ex, asynchronous = _split_exchange(exchange)
+    ex, split = _split_exchange(exchange)
     pg, acc = ex.process_group(), accumulation_dtype(y)
     unweighted = y.new_empty((0,), dtype=acc)
     if ex.path != "rowwise":  # the weights apply home, at the wait
-        return _issue_a2a(take_rows(y, ex.recv_rows), pg, asynchronous), unweighted
+        return _issue_a2a(take_rows(y, ex.recv_rows), pg, split.asynchronous), unweighted
     row_weights = None if weights is None else weights_to_experts(weights, ex, acc)
     written = ranks_reached(ex).t().reshape(-1)  # [ep*T]: the partials coming home
     push = partial_sums(y, ex, dist.get_rank(pg), row_weights, written)
-    return _issue_rowwise(push, pg), unweighted if row_weights is None else row_weights
+    return _issue_rowwise(push, pg, split), unweighted if row_weights is None else row_weights
 
 
 @ep_combine_issue.register_fake
@@ -268,14 +281,14 @@ def _ep_combine_issue_backward_fake(d_pending, weights, row_weights, y, *exchang
 
 def _save(ctx, exchange: list, *tensors: Tensor | None) -> None:
     """Save ``tensors`` and a split op's trailing arguments (:func:`_restore`)."""
-    ex, ctx.asynchronous = _split_exchange(exchange)
+    ex, ctx.split = _split_exchange(exchange)
     ex.save(ctx, *tensors)
 
 
 def _restore(ctx) -> tuple[tuple[Tensor | None, ...], tuple]:
     """The tensors :func:`_save` saved, and the trailing arguments of the split ops."""
     tensors, ex = Exchange.restore(ctx)
-    return tensors, (*ex, ctx.asynchronous)
+    return tensors, (*ex, *ctx.split)
 
 
 def _dispatch_issue_setup(ctx, inputs, output) -> None:
