@@ -1,8 +1,8 @@
 """Split expert-parallel exchanges (pass ``overlap``): each exchange as an issue op and a wait
 op, so that the wait sits right before the consumer and other work is queued between them::
 
-    tail = (*exchange, asynchronous, copy_programs)  # the fused ops' exchange (moec.ops.ep),
-    pending = ep_dispatch_issue(x, None, *tail)         # then how to overlap (:class:`Split`)
+    tail = (*exchange, asynchronous, copy_programs)  # the fused ops' exchange, then Split's
+    pending = ep_dispatch_issue(x, None, *tail)
     buffer = ep_dispatch_wait(pending, *tail)                                 # [R, D]
     pending, row_w = ep_combine_issue(y, weights, *tail)
     out, picked = ep_combine_wait(pending, weights, *tail)
