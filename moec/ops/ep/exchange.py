@@ -43,6 +43,10 @@ EXCHANGE_SCHEMA = (
 """The arguments every exchange op ends with (:class:`Exchange`)."""
 
 
+_TENSORS = 4
+"""The exchange's tensor arguments lead it (``slots``, ``recv_rows``, ``sent``, ``counts``)."""
+
+
 class Exchange(NamedTuple):
     """The arguments every exchange op (dispatch, combine, their backwards and split halves)
     ends with: ``ep_layout``'s ``slots`` (``[T, K]``), ``recv_rows`` (``[R]``), ``sent``
@@ -91,14 +95,14 @@ class Exchange(NamedTuple):
 
     def save(self, ctx: Any, *tensors: Tensor | None) -> None:
         """Save ``tensors`` and the exchange for an autograd backward (:meth:`restore`)."""
-        ctx.save_for_backward(*tensors, *self[:4])
-        ctx.exchange = tuple(self[4:])
+        ctx.save_for_backward(*tensors, *self[:_TENSORS])
+        ctx.exchange = tuple(self[_TENSORS:])
 
     @classmethod
     def restore(cls, ctx: Any) -> tuple[tuple[Tensor | None, ...], Exchange]:
         """The tensors :meth:`save` saved, and the exchange."""
         saved = ctx.saved_tensors
-        return saved[:-4], cls(*saved[-4:], *ctx.exchange)
+        return saved[:-_TENSORS], cls(*saved[-_TENSORS:], *ctx.exchange)
 
 
 NO_GRADS = (None,) * len(Exchange._fields)
