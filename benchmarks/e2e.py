@@ -46,7 +46,8 @@ wide (24576: the width that gives the report's 2.01B total / 0.995B active param
             quack's fused scaled-exp GEMMs (``moec.kernels.cute_loss``)
   --no-fused-loss  every moec row with the LM-head loss on moec's own chunks
   --loss-chunks N ...  moec and its FP8 dense FFNs row again with the LM-head loss computed
-            at most 2^N logits at a time (``moec.ops.loss.CHUNK_ELEMENTS``), the same trainer
+            at most 2^N logits at a time (compiled for the target with
+            ``Target.loss_chunk_elements`` = 2^N)
   --cuda-graph  moec again with ``plan.experimental.cuda_graph`` (the step replayed as one CUDA
             graph). ``--small`` shows the launch-bound end, where the graph matters most
 
@@ -86,7 +87,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moec.kernels.target import Target
 from moec.models import Llama, LlamaConfig
-from moec.ops import loss as loss_op
 from moec.plan import Plan
 from moec.runtime import lowering
 from moec.runtime.metrics import bf16_peak_tflops, count_host_syncs, useful_mfu
@@ -461,17 +461,6 @@ LOSS_VARIANTS_TOO = {"moec", FP8_DENSE, f"{FP8_DENSE} + fa4 attention"}
 """The rows --chunked-loss and --loss-chunks run again."""
 
 
-@contextlib.contextmanager
-def loss_chunk_bound(log2: int) -> Any:
-    """The LM-head loss computes at most 2^log2 logits at a time meanwhile."""
-    original = loss_op.CHUNK_ELEMENTS
-    loss_op.CHUNK_ELEMENTS = 1 << log2
-    try:
-        yield
-    finally:
-        loss_op.CHUNK_ELEMENTS = original
-
-
 def wanted(args: argparse.Namespace, row: str) -> bool:
     """Whether row ``row`` is measured (``--rows``: a regular expression the name matches)."""
     return args.rows is None or re.search(args.rows, row) is not None
@@ -480,29 +469,28 @@ def wanted(args: argparse.Namespace, row: str) -> bool:
 def also_loss_variants(
     args: argparse.Namespace,
     name: str,
-    step: Callable[[], Any],
     common: tuple,
-    drops: Any,
-    chunked: Callable[[], Any],
+    trainer_for: Callable[[Target], Trainer],
+    target: Target,
 ) -> list[dict]:
-    """Row ``name`` again with its LM-head loss on moec's own chunks instead of quack's fused
-    GEMMs (``--chunked-loss``, where the target runs the fused pipeline at all: ``chunked()``
-    makes that row's trainer, compiled for the target with ``fused_loss`` off), and, the same
-    trainer, with each chunk bound of ``--loss-chunks``."""
+    """Row ``name`` again (``trainer_for(target)`` makes its trainer compiled for ``target``)
+    with its LM-head loss on moec's own chunks instead of quack's fused GEMMs
+    (``--chunked-loss``, where the target runs the fused pipeline at all: ``fused_loss`` off),
+    and with each chunk bound of ``--loss-chunks`` (``loss_chunk_elements``)."""
     if name not in LOSS_VARIANTS_TOO:
         return []
-    rows = []
-    row = f"{name}, chunked loss"
-    if args.chunked_loss and common[0].type == "cuda" and Target.detect("cuda").quack:
-        if wanted(args, row):
-            trainer = chunked()
-            rows.append(measure(row, trainer.train_step, *common, drops=drops))
-            del trainer
+    variants = []
+    if args.chunked_loss and common[0].type == "cuda" and target.quack and target.fused_loss:
+        variants.append((f"{name}, chunked loss", {"fused_loss": False}))
     for n in args.loss_chunks:
-        row = f"{name}, loss chunks of 2^{n}"
+        variants.append((f"{name}, loss chunks of 2^{n}", {"loss_chunk_elements": 1 << n}))
+    rows = []
+    for row, changes in variants:
         if wanted(args, row):
-            with loss_chunk_bound(n):
-                rows.append(measure(row, step, *common, drops=drops))
+            trainer = trainer_for(dataclasses.replace(target, **changes))
+            drops = functools.partial(drop_rate, trainer)
+            rows.append(measure(row, trainer.train_step, *common, drops=drops))
+            del trainer, drops
     return rows
 
 
@@ -691,7 +679,6 @@ def run(args: argparse.Namespace) -> None:
             flush=True,
         )
     without_quack = dataclasses.replace(target, quack=False)
-    unfused = dataclasses.replace(target, fused_loss=False)
 
     def trainer_for(plan: Plan, bound: Target) -> Trainer:
         _release(device)
@@ -709,8 +696,8 @@ def run(args: argparse.Namespace) -> None:
             snapshot = snapshot_step(trainer.train_step, "moec", args.memory_snapshot)
             results[0]["memory_snapshot"] = snapshot
         results[0]["data_stalls"] = trainer.batches.stalls  # steps that waited for their batch
-    chunked = functools.partial(trainer_for, moe_plan(s), unfused)
-    results += also_loss_variants(args, "moec", trainer.train_step, common, drops, chunked)
+    variant = functools.partial(trainer_for, moe_plan(s))
+    results += also_loss_variants(args, "moec", common, variant, target)
     del trainer, drops
     if quack and wanted(args, "moec without CuTe DSL"):  # the policy before the CuTe DSL
         plain = trainer_for(moe_plan(s), without_quack)
@@ -740,8 +727,8 @@ def run(args: argparse.Namespace) -> None:
             results[-1]["data_stalls"] = lowered.batches.stalls
         if args.memory_snapshot:
             results[-1]["memory_snapshot"] = snapshot_step(step, name, args.memory_snapshot)
-        chunked = functools.partial(trainer_for, plan, unfused)
-        results += also_loss_variants(args, name, step, common, lowered_drops, chunked)
+        variant = functools.partial(trainer_for, plan)
+        results += also_loss_variants(args, name, common, variant, target)
         del lowered, lowered_drops, step
         row = f"{name} without CuTe DSL"
         if name in WITHOUT_QUACK_TOO and quack and wanted(args, row):

@@ -118,9 +118,11 @@ class Layer:
     def step(self, path: str) -> None:
         self.forward(path).backward(self.grad)
 
-    def two_batch(self, path: str, overlap: bool) -> torch.Tensor:
+    def two_batch(self, path: str, overlap: bool, copy_programs: int | None = None) -> torch.Tensor:
         """The layer as two batch halves, each routed on its own: their fused exchanges one after
-        the other, or (``overlap``) pass overlap's schedule of split exchanges."""
+        the other, or (``overlap``) pass overlap's schedule of split exchanges, asynchronous on
+        CUDA, the rowwise copy kernel of ``copy_programs`` a tile (what pass ``bind`` gives a
+        program from its target: ``moec.ops.ep.split.Split``)."""
         half = self.x.shape[0] // 2
         xs = [self.x[:half], self.x[half:]]
         routed = [self.route(path, x) for x in xs]  # both layouts first, as the pass issues them
@@ -139,6 +141,7 @@ class Layer:
                 for h in (0, 1)
             ]
             return torch.cat([o for o, _ in outs])
+        comm = [(*c, None, DEVICE == "cuda", copy_programs) for c in comm]  # poison, Split
         pending = [ops.ep_dispatch_issue(xs[h], None, *comm[h]) for h in (0, 1)]
         returning = []
         for h in (0, 1):  # B's dispatch runs under A's experts, A's combine under B's
@@ -233,14 +236,6 @@ def profiled(fn: Callable[[], object]) -> tuple[float | None, dict[str, float]]:
     return exposed / 1e3, scaling.ms_by_kernel(kernels, 60)
 
 
-def set_split_programs(programs: int | None) -> None:
-    """The rowwise split exchanges' copy-kernel grid cap (``moec.runtime.ep_rowwise``)."""
-    if DEVICE == "cuda":
-        from moec.runtime import ep_rowwise
-
-        ep_rowwise.SPLIT_PROGRAMS = programs
-
-
 def exchange_kernel_ms(layer: Layer, path: str) -> float | None:
     """Milliseconds the exchange kernels of one forward dispatch + combine of the whole run
     with no other kernel beside them (None on the CPU): the probe's moving time."""
@@ -306,12 +301,13 @@ def measure_overlap(
         runs = {
             "whole": lambda p=path: layer.step(p),
             "halves": lambda p=path: layer.two_batch(p, False).backward(layer.grad),
-            "two_batch": lambda p=path: layer.two_batch(p, True).backward(layer.grad),
         }
         results[path] = {}
         predicted = predicted_exposed(layer, path, iters)
-        for cap in [None] + (split_programs if path == "rowwise" else []):
-            set_split_programs(cap)
+        for cap in [None] + (split_programs if path == "rowwise" else []):  # cap: of the copy
+            runs["two_batch"] = lambda p=path, c=cap: layer.two_batch(p, True, c).backward(
+                layer.grad
+            )
             for name, run in runs.items():
                 if cap is not None and name != "two_batch":
                     continue
@@ -324,7 +320,6 @@ def measure_overlap(
                     "predicted_exposed_ms": predicted.get(label),
                     "kernel_ms": kernels,
                 }
-        set_split_programs(None)
         if ops_pending():
             raise RuntimeError(f"{path}: exchanges issued and never waited for")
     return results

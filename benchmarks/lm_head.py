@@ -1,7 +1,8 @@
 """The LM head and its loss, forward and backward, at several chunk sizes beside torch.compile.
 
-``moec::linear_cross_entropy`` computes the head's logits ``moec.ops.loss.CHUNK_ELEMENTS`` at a
-time (``chunk_rows`` rows per chunk), on one of two pipelines:
+``moec::linear_cross_entropy`` computes the head's logits ``chunk_elements`` at a time (its
+argument, ``Target.loss_chunk_elements`` in a compiled program; ``chunk_rows`` rows per chunk),
+on one of two pipelines:
 
   chunks  moec's own: each chunk's logits become their gradient in place (the row kernel) and
           are multiplied straight into d_h and d_weight (float32, accumulated in the GEMM's
@@ -35,19 +36,20 @@ from torch import Tensor
 from triton.testing import do_bench
 
 from moec.kernels import cute_loss
-from moec.kernels.target import Target
+from moec.kernels.target import LOSS_CHUNK_ELEMENTS, Target
 from moec.ops import loss as loss_op
 
 Step = Callable[[], tuple[Tensor, Tensor, Tensor]]
 
 
-def moec_step(h: Tensor, weight: Tensor, targets: Tensor, impl: str) -> Step:
-    """The op on implementation ``impl`` (``triton``: the chunks; ``cute``: quack's pipeline)."""
+def moec_step(h: Tensor, weight: Tensor, targets: Tensor, impl: str, chunk: int) -> Step:
+    """The op on implementation ``impl`` (``triton``: the chunks; ``cute``: quack's pipeline),
+    ``chunk`` logits at a time."""
 
     def step() -> tuple[Tensor, Tensor, Tensor]:
         with torch.autocast("cuda", torch.bfloat16):
             op = torch.ops.moec.linear_cross_entropy
-            loss = op(h, weight, None, targets, -100, "mean", True, impl)[0]
+            loss = op(h, weight, None, targets, -100, "mean", True, chunk, impl)[0]
         return loss, *torch.autograd.grad(loss, (h, weight))
 
     return step
@@ -95,7 +97,7 @@ def main() -> None:
         type=int,
         nargs="+",
         default=[28, 29, 30],
-        help="log2 of the logits per chunk (CHUNK_ELEMENTS) to time",
+        help="log2 of the logits per chunk (the op's chunk_elements) to time",
     )
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -105,24 +107,22 @@ def main() -> None:
     weight.requires_grad_()
     targets = torch.randint(0, args.vocab, (args.rows,), device="cuda")
     flops = 3 * 2 * args.rows * args.dim * args.vocab
-    default = loss_op.CHUNK_ELEMENTS
+    default = LOSS_CHUNK_ELEMENTS
     print(f"device: {torch.cuda.get_device_name()}  rows {args.rows}  dim {args.dim}  "
           f"vocab {args.vocab}  default chunk 2^{default.bit_length() - 1}")  # fmt: skip
     results: dict[str, dict[str, float]] = {}
     want = None
     for log2 in args.chunks:
-        loss_op.CHUNK_ELEMENTS = 1 << log2
-        rows = loss_op.chunk_rows(args.rows, args.vocab)
+        rows = loss_op.chunk_rows(args.rows, args.vocab, 1 << log2)
         pipelines = [("chunks", "triton")]
         head = (h.to(torch.bfloat16), weight.to(torch.bfloat16), rows)
         if Target.detect("cuda").quack and cute_loss.takes(*head):
             pipelines.append(("fused", "cute"))
         for pipeline, impl in pipelines:
-            ms, peak, got = measure(moec_step(h, weight, targets, impl), want)
+            ms, peak, got = measure(moec_step(h, weight, targets, impl, 1 << log2), want)
             want = got if want is None else want
             name = f"moec {pipeline}, chunks of 2^{log2} logits ({rows} rows)"
             results[name] = {"ms": ms, "peak_gib": peak, "log2": log2, "pipeline": pipeline}
-    loss_op.CHUNK_ELEMENTS = default
     ms, peak, _ = measure(compiled_step(h, weight, targets), want)
     results["torch.compile, whole logits"] = {"ms": ms, "peak_gib": peak}
     default_ms = next(

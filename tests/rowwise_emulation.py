@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from moec.ops import ep as ep_ops
+from moec.ops.ep import Push
 
 GARBAGE_INT = 2**40
 """What an unspecified integer row holds."""
@@ -29,27 +29,18 @@ def check_available(t: Tensor) -> None:
 
 
 def send(
-    x: Tensor,
-    address: Tensor,
-    rows: int,
-    pg: dist.ProcessGroup,
-    top_k: int = 1,
-    weights: Tensor | None = None,
-    fill: float | None = None,
-    written: Tensor | None = None,
-    consume: Callable[[Tensor], Tensor] | None = None,
+    push: Push, pg: dist.ProcessGroup, consume: Callable[[Tensor], Tensor] | None = None
 ) -> Tensor:
-    routes = address.numel()
-    values = x[torch.arange(routes, device=x.device) // top_k]
-    if weights is not None:
-        values = values * weights.reshape(-1, 1).to(values.dtype)
+    x, address, rows = push.x, push.address, push.rows
+    values = x[torch.arange(address.numel(), device=x.device) // push.top_k]
+    if push.weights is not None:
+        values = values * push.weights.reshape(-1, 1).to(values.dtype)
     world, me = dist.get_world_size(pg), dist.get_rank(pg)
     addresses = [torch.empty_like(address) for _ in range(world)]
     dist.all_gather(addresses, address.contiguous(), group=pg)
     rows_of = [torch.empty_like(values) for _ in range(world)]
     dist.all_gather(rows_of, values.contiguous(), group=pg)
-    masked_later = written is not None or consume is not None
-    before = ep_ops.HOOKS.poison if masked_later or fill is None else fill
+    before = push.before(push.written is not None or consume is not None)
     if before is None:
         before = float("nan") if x.is_floating_point() else GARBAGE_INT
     buffer = x.new_full((rows, x.shape[-1]), before)
@@ -58,23 +49,17 @@ def send(
         buffer[sent[mine] % rows] = row[mine]
     if consume is not None:
         return consume(buffer)
-    if written is not None:
-        return torch.where(written[:, None], buffer, 0.0 if fill is None else fill)
+    if push.written is not None:
+        return torch.where(push.written[:, None], buffer, 0.0 if push.fill is None else push.fill)
     return buffer
 
 
 def issue(
-    x: Tensor,
-    address: Tensor,
-    rows: int,
-    out_rows: int,
-    pg: dist.ProcessGroup,
-    top_k: int = 1,
-    weights: Tensor | None = None,
-    fill: float | None = None,
-    written: Tensor | None = None,
+    push: Push, pg: dist.ProcessGroup, out_rows: int, programs: int | None = None
 ) -> tuple[Tensor, Callable[[], None]]:
-    """:func:`send`, done by the time it returns: the wait has nothing to wait for."""
+    """:func:`send`, done by the time it returns: the wait has nothing to wait for (no copy
+    kernel: ``programs`` changes nothing)."""
+    x = push.x
     out = x.new_full((out_rows, x.shape[-1]), float("nan") if x.is_floating_point() else 0)
-    out[:rows] = send(x, address, rows, pg, top_k, weights, fill, written)
+    out[: push.rows] = send(push, pg)
     return out, lambda: None

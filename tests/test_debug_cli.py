@@ -268,6 +268,8 @@ def test_dump_hook_never_raises(tmp_path, caplog):
 
 
 def test_debug_shows_an_ep_rank_graph_without_a_process_group(tmp_path):
+    """The EP program's graph, and in its bindings each exchange's path: ``ep_path: auto``
+    resolved for the (CPU) target."""
     plan = tmp_path / "ep.yaml"
     moec.Plan.from_dict({**PLAN, "parallel": {"dp": 2, "ep": 2}}).save(plan)
     out = tmp_path / "dump"
@@ -275,6 +277,11 @@ def test_debug_shows_an_ep_rank_graph_without_a_process_group(tmp_path):
     stage = out / "02_expert_parallel"
     assert all((stage / name).exists() for name in ARTIFACTS)
     assert "moec.ep_dispatch" in (stage / "graph.py").read_text()
+    lines = (out / "bindings.txt").read_text().splitlines()
+    exchanges = [line for line in lines if " ep_" in line]
+    ops = {line.split(": ")[0].split()[-1] for line in exchanges}
+    assert ops == {"ep_layout", "ep_dispatch", "ep_combine"}
+    assert all(": a2a_capacity (sync-free all_to_all" in line for line in exchanges), exchanges
 
 
 TWO_BLOCK_LLAMA = """

@@ -60,9 +60,8 @@ def _ops_worker(
     rank: int, world: int, path: str, cf: float, poison: bool, split=False, device="cpu"
 ) -> None:
     """``split``: the exchanges as issue and wait ops (pass overlap's), run asynchronously, with
-    the other exchange issued between each issue and its wait, in forward and backward."""
-    ep_ops.HOOKS.poison = float("nan") if poison else None
-    ep_ops.HOOKS.asynchronous = True if split else None
+    the other exchange issued between each issue and its wait, in forward and backward.
+    ``poison``: the buffer rows no route writes hold NaN (checked), which must not leak."""
     tokens, dim, hidden = 12, 16, 8
     full = torch.Generator().manual_seed(0)
     w_up = torch.randn(N, dim, 2 * hidden, generator=full, dtype=torch.float64) * 0.3
@@ -84,13 +83,14 @@ def _ops_worker(
     ex, ew, eup, edown = leaves
     group = dist.group.WORLD.group_name
     slots, recv, loffs, counts, sent, dropped = ops.ep_layout(rows, offsets, group, world, cf, path)
-    comm = (group, world, path)
+    exchange = (slots, recv, sent, counts, group, world, path, float("nan") if poison else None)
     if split:
-        out = _split_layer(ex, ew, eup, edown, (slots, recv, sent, counts, *comm), loffs)
+        out = _split_layer(ex, ew, eup, edown, (*exchange, True), loffs, cf)
     else:
-        buffer = ops.ep_dispatch(ex, slots, recv, sent, counts, *comm)
+        buffer = ops.ep_dispatch(ex, *exchange)
+        _check_poisoned(buffer, loffs, poison, cf)
         y, _ = ops.expert_mlp(buffer, eup, edown, loffs, None, None, "swiglu")
-        out, _ = ops.ep_combine(y, ew, slots, recv, sent, counts, *comm)
+        out, _ = ops.ep_combine(y, ew, *exchange)
     out.backward(grad)
     assert ep_ops.pending_exchanges() == 0
 
@@ -119,16 +119,26 @@ def _ops_worker(
     torch.testing.assert_close(edown.grad, rdown.grad[part])
 
 
-def _split_layer(x, weights, w_up, w_down, comm, local_offsets):
+def _check_poisoned(buffer, local_offsets, poison: bool, cf: float) -> None:
+    """With ``poison``, the expert buffer's rows past its experts' (no route writes them) hold
+    NaN, and at a capacity that does not bind (``cf >= N/K``) there are such rows."""
+    if poison:
+        tail = buffer[int(local_offsets[-1]) :]
+        assert tail.isnan().all() and (cf < N / K or tail.numel() > 0), tail
+
+
+def _split_layer(x, weights, w_up, w_down, comm, local_offsets, cf):
     """The layer on split exchanges, twice on the same inputs and interleaved as pass overlap
-    interleaves two halves: both dispatches issued, then each copy's wait, experts and combine
-    issue, each combine waited after the other copy's experts (autograd mirrors it). Returns
-    the mean of the two copies: exactly one layer's output and, in binary floating point,
-    exactly its gradients."""
+    interleaves two halves: both dispatches issued (both left running: ``comm`` asks for
+    asynchronous exchanges), then each copy's wait, experts and combine issue, each combine
+    waited after the other copy's experts (autograd mirrors it). Returns the mean of the two
+    copies: exactly one layer's output and, in binary floating point, exactly its gradients."""
     issued = [ops.ep_dispatch_issue(x, None, *comm) for _ in range(2)]
+    assert ep_ops.pending_exchanges() == 2
     returning = []
     for pending in issued:
         buffer = ops.ep_dispatch_wait(pending, *comm)
+        _check_poisoned(buffer, local_offsets, comm[7] is not None, cf)
         y, _ = ops.expert_mlp(buffer, w_up, w_down, local_offsets, None, None, "swiglu")
         returning.append(ops.ep_combine_issue(y, weights, *comm)[0])
     outs = [ops.ep_combine_wait(pending, weights, *comm)[0] for pending in returning]
@@ -204,9 +214,9 @@ def _rows_crossing_worker(rank: int, world: int, split: bool) -> None:
     pushed: list[tuple[int, int]] = []
 
     def counted(push):
-        def count(x, address, *args, **kwargs):
-            pushed.append((x.shape[-1], int((address >= 0).sum())))
-            return push(x, address, *args, **kwargs)
+        def count(push_: ep_ops.Push, *args, **kwargs):
+            pushed.append((push_.x.shape[-1], int((push_.address >= 0).sum())))
+            return push(push_, *args, **kwargs)
 
         return staticmethod(count)
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import moec
+from moec.kernels.target import Target
 from moec.ops import loss as loss_op
 from moec.ops.loss import linear_cross_entropy_reference
 from moec.passes.base import PassContext
@@ -30,11 +33,12 @@ def _grads(loss: torch.Tensor, tensors) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_op_equals_reference_over_several_chunks(monkeypatch, reduction, bias):
+def test_op_equals_reference_over_several_chunks(reduction, bias):
     h, weight, b, targets = _inputs(300, 24, 70, bias)
-    monkeypatch.setattr(loss_op, "CHUNK_ELEMENTS", 128 * 70)  # 3 chunks, the last one short
-    assert loss_op.chunk_rows(300, 70) == 128
-    got = torch.ops.moec.linear_cross_entropy(h, weight, b, targets, -100, reduction)[0]
+    chunk = 128 * 70  # 3 chunks, the last one short
+    assert loss_op.chunk_rows(300, 70, chunk) == 128 and loss_op.chunk_rows(300, 70) >= 300
+    op = torch.ops.moec.linear_cross_entropy
+    got = op(h, weight, b, targets, -100, reduction, chunk_elements=chunk)[0]
     want = linear_cross_entropy_reference(h, weight, b, targets, -100, reduction)
     torch.testing.assert_close(got, want)
     for a, e in zip(_grads(got, (h, weight, b)), _grads(want, (h, weight, b)), strict=True):
@@ -99,6 +103,37 @@ def test_pass_fuses_the_head_and_keeps_loss_and_gradients():
              zip(losses, (fused, unfused))]  # fmt: skip
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _chunk_steps(monkeypatch) -> list[int]:
+    """Records the rows per chunk of each fused loss's chunks (``loss_op._chunks``' step)."""
+    steps: list[int] = []
+    original = loss_op._chunks
+    monkeypatch.setattr(loss_op, "_chunks", lambda *a: steps.append(a[6]) or original(*a))
+    return steps
+
+
+def test_the_chunk_bound_is_the_targets_bound_at_compile_time(monkeypatch):
+    """``Target.loss_chunk_elements`` reaches the op through pass ``bind`` (its argument,
+    recorded in the program's bindings): chunks of 128 rows (the least a chunk holds) at 2^14
+    logits instead of the whole batch at the default; the loss is the same."""
+    torch.manual_seed(0)
+    ids = tokens(4, 65)  # 256 rows of a 256-token vocabulary
+    base = LanguageModelWithLoss(tiny_llama())
+    plan = {"moe": {"num_experts": 4, "top_k": 2, "dense_first": 1}}
+    small = dataclasses.replace(Target.detect("cpu"), loss_chunk_elements=1 << 14)
+    compiled = [moec.compile(base, plan, (ids[:, :-1], ids[:, 1:]), target=t)
+                for t in (Target.detect("cpu"), small)]  # fmt: skip
+    fused = [
+        n for n in compiled[1].graph_module.graph.nodes
+        if n.target is torch.ops.moec.linear_cross_entropy.default
+    ]  # fmt: skip
+    assert [n.kwargs["chunk_elements"] for n in fused] == [1 << 14]
+    assert "chunks of at most 16384 logits" in compiled[1].program.bindings[fused[0].name]
+    steps = _chunk_steps(monkeypatch)
+    losses = [c(ids[:, :-1], ids[:, 1:]) for c in compiled]
+    assert steps == [256, 128]
+    torch.testing.assert_close(losses[0], losses[1])
 
 
 def test_no_grad_calls_run_the_loss_without_head_gradients(monkeypatch):

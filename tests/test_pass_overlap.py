@@ -7,6 +7,8 @@ the issue order it records, recompute on top, pipeline stages of a two_batch pro
 from __future__ import annotations
 
 import copy
+import dataclasses
+import math
 import operator
 
 import pytest
@@ -21,6 +23,7 @@ from moec.analysis.cost.overlap import (
     overlap_gain,
     two_batch_half_share,
 )
+from moec.kernels.target import Target
 from moec.models import Llama, LlamaConfig
 from moec.ops import ep as ep_ops
 from moec.passes.manager import default_pipeline
@@ -32,6 +35,7 @@ from tests.distributed import spawn
 CFG = LlamaConfig(vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128)
 N, K = 8, 2
 TOL = {"rtol": 1e-5, "atol": 1e-6}
+NAN = float("nan")
 ops = torch.ops.moec
 
 
@@ -236,19 +240,37 @@ def test_pipeline_stages_split_a_two_batch_program(dense):
 # --- EP = 2 on gloo ----------------------------------------------------------------------------
 
 
+def _ep_exchanges(compiled) -> dict[str, dict]:
+    """The arguments of the program's EP exchanges (the ops that take ``poison``) by op."""
+    found = {}
+    for node in compiled.graph_module.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if schema is not None and any(a.name == "poison" for a in schema.arguments):
+            found[schema.name] = node.kwargs
+    return found
+
+
 def _ep_worker(rank: int, world: int) -> None:
-    ep_ops.HOOKS.asynchronous = (
-        True  # gloo's exchanges left running from issue to wait, as NCCL's are
-    )
-    ep_ops.HOOKS.poison = float("nan")  # rows no route writes: garbage must not leak
     tokens, targets = _batch(4, seed=10 + rank)
     dense = _dense()
+    # rows no route writes hold NaN (garbage must not leak); gloo's exchanges left running
+    # from issue to wait, as NCCL's are; a copy-kernel cap (the emulated transport has none)
+    target = dataclasses.replace(
+        Target.detect("cpu"), ep_poison=NAN, ep_asynchronous=True, ep_copy_programs=4
+    )
 
     def build(overlap: str, path: str, cf: float | None = 1.0):
         plan = _plan(overlap, cf, dp=world, ep=world, ep_path=path)
-        return moec.compile(copy.deepcopy(dense), plan, (tokens,), mesh=mdist.build_mesh(plan))
+        mesh = mdist.build_mesh(plan)
+        return moec.compile(copy.deepcopy(dense), plan, (tokens,), mesh=mesh, target=target)
 
     ref, two = build("none", "a2a_capacity"), build("two_batch", "a2a_capacity")
+    exchanges = _ep_exchanges(two)
+    split_ops = ("dispatch_issue", "dispatch_wait", "combine_issue", "combine_wait")
+    assert set(exchanges) == {f"moec::ep_{op}" for op in split_ops}
+    for kwargs in exchanges.values():  # what bind set from the target
+        assert math.isnan(kwargs["poison"]) and kwargs["asynchronous"] is True
+        assert kwargs["copy_programs"] == 4
     stats = two.pass_results["overlap"].stats
     assert stats["applied"] and stats["path"] == "a2a_capacity"
     assert stats["schedule"] == list(EP_SCHEDULE)

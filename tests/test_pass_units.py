@@ -138,6 +138,20 @@ def test_expert_parallel_rewrites_the_moe_block_to_ep_ops_with_this_ranks_expert
     assert mlp.args[1].meta["val"].shape[0] == 2  # w_up: [L = N / ep, D, U]
 
 
+@pytest.mark.parametrize("device, path", [("cuda", "rowwise"), ("cpu", "a2a_capacity")])
+def test_expert_parallel_resolves_auto_for_the_programs_target(device, path):
+    """``ep_path: auto`` resolves for the program's target (``Target.ep_path``), whatever the
+    group's device; bind records the path of each exchange."""
+    gm = _moe_graph()
+    PROGRAMS[gm].target = Target(device=device)
+    plan = {"moe": MOE, "parallel": {"ep": 2, "dp": 2}}
+    result = _run(ExpertParallelPass(), gm, plan, EPGroup(rank=0, size=2, group="g"))
+    assert result.stats["path"] == path
+    bound = _run(BindPass(), result.gm, plan)
+    exchanges = {k: v for k, v in PROGRAMS[bound.gm].bindings.items() if k.startswith("ep_")}
+    assert len(exchanges) == 3 and all(f": {path} (" in v for v in exchanges.values())
+
+
 def test_expert_parallel_refuses_a_dense_graph_and_leaves_it_unchanged():
     gm = _trace(OneLinear(), (_x(),))
     before = [n.target for n in gm.graph.nodes]

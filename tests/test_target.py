@@ -4,6 +4,7 @@ otherwise; the program records it and binds every ``moec::`` node for it (pass `
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 
@@ -50,3 +51,19 @@ def test_compile_binds_for_the_target_it_is_given_and_records_it():
     names = {name for name in hopper.program.bindings}
     assert len(names) == hopper.pass_results["bind"].stats["bound"] > 0
     torch.testing.assert_close(hopper(ids), detected(ids))
+
+
+def test_the_target_resolves_ep_path_auto_and_supplies_op_arguments():
+    """``ep_path: auto``: rowwise on CUDA, a2a_capacity elsewhere (a plan-only check allows for
+    both); split exchanges run asynchronously on CUDA unless the target says otherwise."""
+    cpu, cuda = Target(), Target(device="cuda")
+    assert (cpu.ep_path("auto"), cuda.ep_path("auto")) == ("a2a_capacity", "rowwise")
+    assert cuda.ep_path("sync_1d") == "sync_1d" and Target.ep_paths("sync_1d") == ("sync_1d",)
+    assert set(Target.ep_paths("auto")) == {"rowwise", "a2a_capacity"}
+    assert cpu.op_arguments() == {
+        "poison": None, "asynchronous": False, "copy_programs": None, "chunk_elements": 2**30
+    }  # fmt: skip
+    assert cuda.op_arguments()["asynchronous"] is True
+    tested = dataclasses.replace(cpu, ep_poison=-1.0, ep_asynchronous=True)
+    assert tested.op_arguments()["poison"] == -1.0 and tested.op_arguments()["asynchronous"]
+    assert "EP buffers poisoned with -1.0" in tested.describe()

@@ -14,7 +14,7 @@ this module only knows which of them a target can run.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -35,6 +35,17 @@ NATIVE_RECIPES: dict[str, str] = {"sm90": "fp8_rowwise", "sm100": "mxfp8"}
 block-scaled MMA of sm100+). Any other recipe runs emulated (right values, not speed)."""
 
 
+LOSS_CHUNK_ELEMENTS = 1 << 30
+"""``Target.loss_chunk_elements`` by default: 2 GiB of bf16 logits, so few chunks that d_h's
+GEMM fills the GPU and d_weight's accumulator is read by few epilogues
+(``benchmarks/lm_head.py`` weighs the time against the memory)."""
+
+EP_AUTO_PATHS: dict[str, str] = {"cuda": "rowwise"}
+"""What ``parallel.ep_path: auto`` resolves to by device type: ``rowwise`` (symmetric memory)
+on CUDA; elsewhere :data:`EP_FALLBACK_PATH`, the path every backend runs."""
+EP_FALLBACK_PATH = "a2a_capacity"
+
+
 @dataclasses.dataclass(frozen=True)
 class Target:
     """The machine a program is bound for.
@@ -45,6 +56,14 @@ class Target:
     ``TRITON_INTERPRET=1``). ``quack``: the CuTe DSL (quack-kernels) may run. ``fa4``:
     FlashAttention 4 (flash-attn-4) may run. ``gemm``: the grouped-GEMM choice
     (:data:`GemmChoice`). ``fused_loss``: the LM head's loss may run on quack's fused pipeline.
+    ``loss_chunk_elements``: logits the fused loss (``moec::linear_cross_entropy``) computes
+    at a time, at most (:func:`moec.ops.loss.chunk_rows`). ``ep_poison``: where not None, the
+    EP exchanges fill every buffer row no route writes with it (tests: NaN, so that garbage a
+    result read would show). ``ep_asynchronous``: whether split EP exchanges (pass
+    ``overlap``) leave an a2a exchange running from its issue to its wait; None: on CUDA
+    (gloo's exchanges run to completion at the issue, unless True). ``ep_copy_programs``: the
+    programs per column tile of the ``rowwise`` split exchanges' copy kernel (None: one per
+    route tile).
 
     On the CPU under the interpreter only the MXFP8 GEMMs bind to kernels (the others' kernels
     are tested there by naming their implementation: ``impl="triton"``).
@@ -57,8 +76,16 @@ class Target:
     fa4: bool = False
     gemm: GemmChoice = "auto"
     fused_loss: bool = True
+    loss_chunk_elements: int = LOSS_CHUNK_ELEMENTS
+    ep_poison: float | None = None
+    ep_asynchronous: bool | None = None
+    ep_copy_programs: int | None = None
 
     def __post_init__(self) -> None:
+        if self.loss_chunk_elements < 1:
+            raise ValueError(
+                f"Target.loss_chunk_elements = {self.loss_chunk_elements}; accepted: >= 1"
+            )
         if self.gemm not in ("auto", "reference", "loop", *KERNEL_BACKENDS):
             raise ValueError(
                 f"Target.gemm = {self.gemm!r}; accepted: 'auto', 'reference', 'loop', "
@@ -82,6 +109,34 @@ class Target:
             quack=gpu and quack_importable(),
             fa4=gpu and flash_attention.installed(),
         )
+
+    def ep_path(self, requested: str) -> str:
+        """``parallel.ep_path`` on this target: ``auto`` resolved (:data:`EP_AUTO_PATHS`), any
+        other path as it is."""
+        if requested != "auto":
+            return requested
+        return EP_AUTO_PATHS.get(self.device, EP_FALLBACK_PATH)
+
+    @staticmethod
+    def ep_paths(requested: str) -> tuple[str, ...]:
+        """The paths ``requested`` resolves to on some target (what a check of the plan alone,
+        before the target is known, must allow for)."""
+        if requested != "auto":
+            return (requested,)
+        return tuple(dict.fromkeys((*EP_AUTO_PATHS.values(), EP_FALLBACK_PATH)))
+
+    def op_arguments(self) -> dict[str, Any]:
+        """The ``moec::`` op arguments the target supplies, by name (pass ``bind`` sets each on
+        every op that takes it): the EP exchanges' ``poison``, the split ones' ``asynchronous``
+        (``ep_asynchronous`` resolved) and ``copy_programs``, the fused loss's
+        ``chunk_elements``."""
+        asynchronous = self.ep_asynchronous
+        return {
+            "poison": self.ep_poison,
+            "asynchronous": self.device == "cuda" if asynchronous is None else asynchronous,
+            "copy_programs": self.ep_copy_programs,
+            "chunk_elements": self.loss_chunk_elements,
+        }
 
     @property
     def native_recipe(self) -> str | None:
@@ -134,6 +189,14 @@ class Target:
             fields.append(f"gemm={self.gemm}")
         if not self.fused_loss:
             fields.append("fused_loss=off")
+        if self.loss_chunk_elements != LOSS_CHUNK_ELEMENTS:
+            fields.append(f"loss chunks of {self.loss_chunk_elements} logits")
+        if self.ep_poison is not None:
+            fields.append(f"EP buffers poisoned with {self.ep_poison}")
+        if self.ep_asynchronous is not None:
+            fields.append(f"ep_asynchronous={self.ep_asynchronous}")
+        if self.ep_copy_programs is not None:
+            fields.append(f"ep_copy_programs={self.ep_copy_programs}")
         native = self.native_recipe
         fields.append(f"native low precision: {native or 'none'}")
         return ", ".join(fields)

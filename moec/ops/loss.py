@@ -1,21 +1,22 @@
 """``moec::linear_cross_entropy``: an LM head and its cross-entropy loss as one op, in row chunks.
 
 linear_cross_entropy(h[N, D], weight[V, D], bias[V]?, targets[N], ignore_index, reduction,
-                     with_grads=True, impl="auto")
+                     with_grads=True, chunk_elements=2**30, impl="auto")
     -> (loss[], d_h[N, D], d_weight[V, D], d_bias[V] or [0])   (loss and d_weight/d_bias in
        float32, or float64 for float64 inputs)
 
 ``loss`` equals ``cross_entropy(linear(h, weight, bias).float(), targets, ignore_index=...,
 reduction=...)`` for ``reduction`` ``"mean"`` (over targets != ignore_index) or ``"sum"``.
 
-The [N, V] logits never exist whole (at a 100k vocabulary they are the largest tensors of a
-training step): rows go through in chunks, each chunk's logits are turned in place into the
-gradient of the summed loss (softmax - onehot, zero on ignored rows) and multiplied straight into
-``d_h`` and ``d_weight``. So the op computes the head's gradients during the forward, in one pass
-over the logits instead of log-softmax, its backward and the casts between them; the backward
-only scales them by ``d_loss`` (and 1 / count for "mean"). ``with_grads=False`` computes the
-loss alone (the same chunks, no gradient GEMMs; the three gradients come back empty and the op
-has no backward): ``CompiledModel`` runs its graph so under ``torch.no_grad()``.
+The [N, V] logits never exist whole (at a 100k vocabulary they are the largest tensors of a training
+step): rows go through in chunks of at most ``chunk_elements`` logits (:func:`chunk_rows`; pass
+``bind`` sets it from ``Target.loss_chunk_elements``), each chunk's logits are turned in place into
+the gradient of the summed loss (softmax - onehot, zero on ignored rows) and multiplied straight
+into ``d_h`` and ``d_weight``. So the op computes the head's gradients during the forward, in one
+pass over the logits instead of log-softmax, its backward and the casts between them; the backward
+only scales them by ``d_loss`` (and 1 / count for "mean"). ``with_grads=False`` computes the loss
+alone (the same chunks, no gradient GEMMs; the three gradients come back empty and the op has no
+backward): ``CompiledModel`` runs its graph so under ``torch.no_grad()``.
 
 ``impl`` (:mod:`moec.ops.binding`) names one of :data:`IMPLEMENTATIONS`: ``reference`` (the
 row loss in torch), ``triton`` (the row kernel of :mod:`moec.kernels.cross_entropy` where it
@@ -42,25 +43,22 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moec.kernels.arch import HAVE_TRITON, float_supported
+from moec.kernels.target import LOSS_CHUNK_ELEMENTS
 from moec.ops.binding import resolve
 
 if HAVE_TRITON:
     from moec.kernels import cross_entropy, cute_loss
 
 REDUCTIONS = ("mean", "sum")
-CHUNK_ELEMENTS = 1 << 30
-"""Logits per chunk at most (2 GiB in bf16): few chunks, so that d_h's GEMM fills the GPU and
-d_weight's accumulator is read by few epilogues (``benchmarks/lm_head.py`` weighs the time
-against the memory)."""
 
 
-def chunk_rows(rows: int, vocab: int) -> int:
-    """Rows per chunk: at most CHUNK_ELEMENTS logits (but at least 128 rows), as few chunks as
+def chunk_rows(rows: int, vocab: int, elements: int = LOSS_CHUNK_ELEMENTS) -> int:
+    """Rows per chunk: at most ``elements`` logits (but at least 128 rows), as few chunks as
     that allows, of equal size rounded up to a multiple of 128 rows (no short last chunk whose
     GEMMs fill a fraction of the GPU)."""
     if rows <= 128:
         return max(rows, 1)
-    most = max(128, CHUNK_ELEMENTS // max(vocab, 1) // 128 * 128)
+    most = max(128, elements // max(vocab, 1) // 128 * 128)
     per_chunk = -(-rows // -(-rows // most))
     return min(most, -(-per_chunk // 128) * 128)
 
@@ -166,12 +164,13 @@ def linear_cross_entropy_reference(
 @torch.library.custom_op("moec::linear_cross_entropy", mutates_args=())
 def linear_cross_entropy(
     h: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, ignore_index: int,
-    reduction: str, with_grads: bool = True, impl: str = "auto",
+    reduction: str, with_grads: bool = True, chunk_elements: int = LOSS_CHUNK_ELEMENTS,
+    impl: str = "auto",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     _check(h, weight, bias, targets, reduction)
     weight = weight.to(h.dtype)
     bias = None if bias is None else bias.to(h.dtype)
-    step = chunk_rows(h.shape[0], weight.shape[0])
+    step = chunk_rows(h.shape[0], weight.shape[0], chunk_elements)
     loss_impl = IMPLEMENTATIONS[resolve("linear_cross_entropy", impl, h, IMPLEMENTATIONS)]
     fused = None
     if with_grads and bias is None and loss_impl.head is not None:
@@ -224,14 +223,17 @@ def _grad_buffers(h: Tensor, weight: Tensor, bias: Tensor | None, with_grads: bo
 
 
 @linear_cross_entropy.register_fake
-def _fake(h, weight, bias, targets, ignore_index, reduction, with_grads=True, impl="auto"):
+def _fake(
+    h, weight, bias, targets, ignore_index, reduction, with_grads=True,
+    chunk_elements=LOSS_CHUNK_ELEMENTS, impl="auto",
+):  # fmt: skip
     _check(h, weight, bias, targets, reduction)
     loss = h.new_empty((), dtype=_accumulation_dtype(h))
     return loss, *_grad_buffers(h, weight, bias, with_grads)
 
 
 def _setup(ctx, inputs, output):
-    h, weight, bias, targets, ignore_index, reduction, with_grads, _ = inputs
+    h, weight, bias, targets, ignore_index, reduction, with_grads, *_ = inputs
     _, d_h, d_weight, d_bias = output
     ctx.save_for_backward(d_h, d_weight, d_bias, targets)
     ctx.mark_non_differentiable(d_h, d_weight, d_bias)
@@ -242,7 +244,7 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, d_loss, *unused):
     if d_loss is None:  # the loss was not used: no gradient flows
-        return (None,) * 8
+        return (None,) * 9
     if not ctx.with_grads:
         raise RuntimeError(
             "moec::linear_cross_entropy ran with with_grads=False (a forward-only program, e.g. "
@@ -257,11 +259,7 @@ def _backward(ctx, d_loss, *unused):
         (d_h * scale).to(h_dtype),
         (d_weight * scale).to(weight_dtype),
         None if bias_dtype is None else (d_bias * scale).to(bias_dtype),
-        None,
-        None,
-        None,
-        None,
-        None,
+        *(None,) * 6,
     )
 
 

@@ -26,6 +26,12 @@ Matches and emits:
   recipe, :meth:`Target.implementation` for the others). ``auto`` is resolved here; nothing
   at run time chooses again but the implementations' own fallback to the reference for
   operands their kernels do not take.
+- each argument of a ``moec::`` op that the target supplies (:meth:`Target.op_arguments`: the
+  EP exchanges' ``poison``, ``asynchronous`` and ``copy_programs``, the fused loss's
+  ``chunk_elements``), set
+  from it. The EP ops' implementation is their ``path`` (:data:`moec.ops.ep.PATHS`), which
+  pass ``expert_parallel`` resolved for the same target (:meth:`Target.ep_path`); it is
+  recorded with them.
 
 Invariants: values as before up to the implementations' summation order (every implementation
 computes its op's reference); parameters, their gradients and the signature unchanged.
@@ -46,6 +52,7 @@ import torch.fx as fx
 import moec.ops  # noqa: F401  (registers torch.ops.moec)
 from moec.kernels import flash_attention as fa4
 from moec.kernels.target import Target
+from moec.ops.ep import PATHS as EP_PATHS
 from moec.passes.base import Pass, PassContext, PassResult, register_pass
 from moec.passes.combine_experts import CombineExpertsPass
 from moec.passes.rewrite import GraphEditor
@@ -63,29 +70,69 @@ LAST_REWRITES = ("combine_experts", "pipeline")
 """The passes that run after ``combine_experts`` (bind runs after them and everything before)."""
 
 
-def _recipe(node: fx.Node, at: int) -> str:
-    return node.args[at] if len(node.args) > at else node.kwargs.get("recipe", "bf16")
+def program_target(ctx: PassContext) -> Target:
+    """The target the program is compiled for (one without: the detected CPU target)."""
+    target = ctx.program.target if ctx.program is not None else None
+    return target or Target.detect("cpu")
+
+
+def _moec_schema(node: fx.Node) -> torch._C.FunctionSchema | None:
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or not schema.name.startswith("moec::"):
+        return None
+    return schema
+
+
+def argument(node: fx.Node, name: str, default: Any = None) -> Any:
+    """The value ``node`` (a ``moec::`` op call) passes for its argument ``name``."""
+    names = [a.name for a in node.target._schema.arguments]
+    at = names.index(name)
+    return node.args[at] if len(node.args) > at else node.kwargs.get(name, default)
 
 
 def implementation(node: fx.Node, target: Target) -> str | None:
     """The implementation ``target`` binds ``node`` to (None: not a ``moec::`` op with one)."""
-    schema = getattr(node.target, "_schema", None)
-    if node.op != "call_function" or schema is None or not schema.name.startswith("moec::"):
-        return None
-    if not any(argument.name == "impl" for argument in schema.arguments):
+    schema = _moec_schema(node)
+    if schema is None or not any(a.name == "impl" for a in schema.arguments):
         return None
     op = schema.name.removeprefix("moec::")
-    if op == "expert_mlp":
-        return target.expert_impl(_recipe(node, 7))
-    if op == "quantized_linear":
-        return target.expert_impl(_recipe(node, 3))
+    if op in ("expert_mlp", "quantized_linear"):
+        return target.expert_impl(argument(node, "recipe", "bf16"))
     return target.implementation(op)
+
+
+def bind_node(node: fx.Node, target: Target) -> str | None:
+    """Set ``node``'s target-bound arguments (its ``impl`` and :meth:`Target.op_arguments`);
+    returns what it runs, ``op: implementation (in words)``, or None: nothing bound."""
+    schema = _moec_schema(node)
+    if schema is None:
+        return None
+    names = {a.name for a in schema.arguments}
+    bound = {k: v for k, v in target.op_arguments().items() if k in names}
+    impl = implementation(node, target)
+    if impl is not None:
+        bound["impl"] = impl
+    elif "path" in names:
+        impl = argument(node, "path")
+    if impl is None:
+        return None
+    node.kwargs = {**node.kwargs, **bound}
+    op = schema.name.removeprefix("moec::")
+    return f"{op}: {impl} ({describe(op, impl, node, target)})"
 
 
 def describe(op: str, impl: str, node: fx.Node, target: Target) -> str:
     """What ``impl`` of ``op`` is on ``target``, in a few words (``moec debug`` prints it)."""
+    if op.startswith("ep_"):
+        poison = node.kwargs.get("poison")
+        extras = [] if poison is None else [f"empty rows poisoned with {poison}"]
+        if node.kwargs.get("asynchronous"):
+            extras.append("left running from issue to wait")
+        if node.kwargs.get("copy_programs") is not None:
+            extras.append(f"copy kernel of {node.kwargs['copy_programs']} programs a tile")
+        return "; ".join([EP_PATHS[impl], *extras])
     if op in ("expert_mlp", "quantized_linear"):
-        recipe = _recipe(node, 7 if op == "expert_mlp" else 3)
+        recipe = argument(node, "recipe", "bf16")
         if recipe != "bf16":
             native = impl == "native" or (recipe == "mxfp8" and target.arch == "sm100")
             where = "native" if native and target.device == "cuda" else "emulated"
@@ -96,9 +143,12 @@ def describe(op: str, impl: str, node: fx.Node, target: Target) -> str:
         return (
             "FlashAttention 4 (SDPA swapped)" if impl == "fa4" else "the reference (SDPA swapped)"
         )
-    if op == "linear_cross_entropy" and impl == "cute":
-        return "quack's fused pipeline where it takes the head, else the Triton rows"
-    return {"triton": "moec's Triton kernels", "reference": "pure PyTorch"}.get(impl, impl)
+    words = {"triton": "moec's Triton kernels", "reference": "pure PyTorch"}.get(impl, impl)
+    if op == "linear_cross_entropy":
+        if impl == "cute":
+            words = "quack's fused pipeline where it takes the head, else the Triton rows"
+        return f"{words}; chunks of at most {node.kwargs['chunk_elements']} logits"
+    return words
 
 
 def wants_fa4(plan: Plan, target: Target) -> bool:
@@ -190,8 +240,7 @@ class BindPass(Pass):
         return True
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-        target = ctx.program.target if ctx.program is not None else None
-        target = target or Target.detect("cpu")
+        target = program_target(ctx)
         fa4_here = wants_fa4(ctx.plan, target)
         half = ctx.plan.precision.compute_dtype == "bf16"
         attention_impl = target.implementation("flash_attention")
@@ -204,14 +253,9 @@ class BindPass(Pass):
             else:
                 kept += len(graph.graph.find_nodes(op="call_function", target=SDPA))
             for node in graph.graph.nodes:
-                impl = implementation(node, target)
-                if impl is None:
-                    continue
-                node.kwargs = {**node.kwargs, "impl": impl}
-                op = node.target._schema.name.removeprefix("moec::")
-                bindings[f"{prefix}{node.name}"] = (
-                    f"{op}: {impl} ({describe(op, impl, node, target)})"
-                )
+                bound = bind_node(node, target)
+                if bound is not None:
+                    bindings[f"{prefix}{node.name}"] = bound
             graph.recompile()
         if ctx.plan.lowering.attention == "fa4" and kept and not swapped:
             warnings.warn(

@@ -25,7 +25,8 @@ Precondition: every rank of the EP group runs the same graph on local batches of
 (the exchanged buffers have static, equal sizes). The rank comes from the context's
 :class:`~moec.program.EPGroup`, never from global state, so the pass stays a pure function.
 
-Options: ``plan.parallel.ep``, ``plan.parallel.ep_path`` (``auto``: ``rowwise`` on CUDA, else
+Options: ``plan.parallel.ep``, ``plan.parallel.ep_path`` (``auto`` resolved for the program's
+target, :meth:`~moec.kernels.target.Target.ep_path`: ``rowwise`` on CUDA, else
 ``a2a_capacity``), the group. Invariants: those of :mod:`moec.passes.rewrite`; the user outputs
 are unchanged; one aux output ``(block, "ep_dropped")`` per block is appended; the program's
 ``expert_parallel`` records the group and the resolved path for the runtime and dumps (its
@@ -43,6 +44,7 @@ import torch.fx as fx
 import moec.ops.ep  # noqa: F401  (registers the moec::ep_* ops)
 from moec.errors import MoecError
 from moec.passes.base import Pass, PassContext, PassResult, register_pass
+from moec.passes.bind import program_target
 from moec.passes.rewrite import GraphEditor
 from moec.plan import Plan
 from moec.program import EPGroup, ExpertParallelLayout, ExpertSlice, Program
@@ -55,13 +57,6 @@ EXPERT_ARGS = {1: "w_up", 2: "w_down", 4: "b_up", 5: "b_down"}
 
 class ExpertParallelError(MoecError, RuntimeError):
     """The pass cannot apply; the message names the node, module or setting that stopped it."""
-
-
-def resolve_path(path: str, device_type: str) -> str:
-    """``auto`` -> ``rowwise`` on CUDA, ``a2a_capacity`` elsewhere; others unchanged."""
-    if path != "auto":
-        return path
-    return "rowwise" if device_type == "cuda" else "a2a_capacity"
 
 
 @dataclasses.dataclass
@@ -104,7 +99,7 @@ class ExpertParallelPass(Pass):
         sites = [self._match(gm, node, group) for node in gm.graph.nodes if _is(node, "dispatch")]
         if not sites:
             raise ExpertParallelError("pass expert_parallel found no moec.dispatch: run moe first")
-        path = resolve_path(ctx.plan.parallel.ep_path, group.device_type)
+        path = program_target(ctx).ep_path(ctx.plan.parallel.ep_path)
         editor = GraphEditor(gm, self.name)
         removed = 0
         dropped: list[fx.Node] = []

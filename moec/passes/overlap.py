@@ -79,6 +79,7 @@ import torch.fx as fx
 
 import moec.ops.ep  # noqa: F401  (registers the moec::ep_* ops)
 from moec.fx import node_order
+from moec.kernels.target import Target
 from moec.passes.base import Pass, PassContext, PassResult, register_pass
 from moec.passes.rewrite import GraphEditor
 from moec.plan import Plan
@@ -179,11 +180,12 @@ class OverlapPass(Pass):
 
     @staticmethod
     def declines(plan: Plan) -> str | None:
-        """the EP path cannot be halved (``ep_path: auto`` at EP > 1 counts as either path it
-        resolves to), or ``parallel.microbatch_size`` is not an even batch"""
+        """the EP path cannot be halved (``ep_path: auto`` at EP > 1 counts as every path it
+        resolves to, :meth:`Target.ep_paths`), or ``parallel.microbatch_size`` is not an even
+        batch"""
         p = plan.parallel
-        paths = ("rowwise", "a2a_capacity") if p.ep_path == "auto" else (p.ep_path,)
-        reasons = [_path_reason(path, plan) for path in paths] if p.ep > 1 else []
+        paths = Target.ep_paths(p.ep_path) if p.ep > 1 else ()
+        reasons = [_path_reason(path, plan) for path in paths]
         if p.microbatch_size is not None:
             reasons.append(_halves_reason(p.microbatch_size, "parallel.microbatch_size"))
         return next((r for r in reasons if r is not None), None)

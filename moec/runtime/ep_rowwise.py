@@ -7,11 +7,11 @@ NVLink. Addresses are ``dest * rows + row`` (-1: nowhere), computed on the devic
 (:mod:`moec.ops.ep.index`), so nothing is copied to the host. One primitive serves every
 direction::
 
-    send(x[T, D], to[T*ep], ep*T, pg, top_k=ep, consume=expand) -> buffer[Cr, D]  # dispatch
-    send(route_ids[T*K, 1], slots, Cr, pg, fill=-1) -> origins[Cr]    # layout: who sent row r
-    send(weights[T*K, 1], slots, Cr, pg, fill=0) -> weights[Cr]       # combine: to the experts
-    send(partial[ep*T, D], home[ep*T], ep*T, pg, consume=sum) -> out[T, D]  # combine: home
-    send(d_w[Cr, 1], origins, T*K, pg, fill=0, written=home) -> d_weights[T*K]  # its backward
+    send(Push(x[T, D], to[T*ep], ep*T, top_k=ep), pg, expand) -> buffer[Cr, D]  # dispatch
+    send(Push(route_ids[T*K, 1], slots, Cr, fill=-1), pg) -> origins[Cr]  # layout: row r's sender
+    send(Push(weights[T*K, 1], slots, Cr, fill=0), pg) -> weights[Cr]    # combine: to experts
+    send(Push(partial[ep*T, D], home[ep*T], ep*T), pg, sum) -> out[T, D]  # combine: home
+    send(Push(d_w[Cr, 1], origins, T*K, fill=0, written=home), pg) -> d_weights[T*K]  # backward
 
 Toward the experts (dispatch, combine's backward) each token's row crosses once per rank that
 gets any of its routes (``to``: one address per token and rank,
@@ -52,8 +52,7 @@ import torch.distributed._symmetric_memory as symm_mem
 from torch import Tensor
 
 from moec.kernels.ep_push import push_rows
-from moec.ops import ep as ep_ops
-from moec.ops.ep import EPPathError
+from moec.ops.ep import EPPathError, Push
 
 
 def check_available(t: Tensor) -> None:
@@ -86,12 +85,6 @@ def _workspace_for(rows: int, like: Tensor, pg: dist.ProcessGroup, lane: str = "
     return _workspace(rows, like.shape[-1], like.dtype, like.device, pg.group_name, lane)
 
 
-SPLIT_PROGRAMS: int | None = None
-"""Programs per column tile of a split exchange's copy kernel (None: one per route tile). A
-capped grid holds fewer SMs while the copy runs beside the expert GEMMs; ``benchmarks/ep.py
---overlap`` measures both."""
-
-
 @functools.cache
 def _comm_stream(device: torch.device) -> torch.cuda.Stream:
     """The stream split exchanges run on (one per device)."""
@@ -99,70 +92,52 @@ def _comm_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def send(
-    x: Tensor,
-    address: Tensor,
-    rows: int,
-    pg: dist.ProcessGroup,
-    top_k: int = 1,
-    weights: Tensor | None = None,
-    fill: float | None = None,
-    written: Tensor | None = None,
-    consume: Callable[[Tensor], Tensor] | None = None,
+    push: Push, pg: dist.ProcessGroup, consume: Callable[[Tensor], Tensor] | None = None
 ) -> Tensor:
-    """Push route ``i``'s row ``x[i // top_k]`` (times ``weights[i]`` if given) to
-    ``address[i] = dest * rows + row``; return this rank's ``[rows, D]`` buffer. Rows no route
-    wrote hold ``fill`` (unspecified when None). ``written`` (bool ``[rows]``, where the caller
-    knows which rows arrive: the routes coming home) puts ``fill`` in the others as the buffer
-    is copied out, in the same pass (no fill before the push). ``consume``: return
-    ``consume(workspace)`` instead of a copy; it must read the workspace on the current stream
-    and keep no view of it (the next exchange of the shape overwrites it), and mask the rows no
-    route wrote itself."""
-    check_available(x)
-    buffer, handle, peers = _workspace_for(rows, x, pg)
-    before = _fill_before(fill, written is not None or consume is not None)
+    """Run ``push`` (:class:`~moec.ops.ep.Push`); return this rank's ``[rows, D]`` buffer.
+    ``written`` puts ``fill`` in the rows it marks False as the buffer is copied out, in the
+    same pass (no fill before the push). ``consume``: return ``consume(workspace)`` instead of
+    a copy; it must read the workspace on the current stream and keep no view of it (the next
+    exchange of the shape overwrites it), and mask the rows no route wrote itself."""
+    check_available(push.x)
+    buffer, handle, peers = _workspace_for(push.rows, push.x, pg)
+    before = push.before(push.written is not None or consume is not None)
     if before is not None:
         buffer.fill_(before)
     handle.barrier(channel=0)  # every peer done with its last copy out of its buffer
-    push_rows(x, address, peers, rows, top_k, weights)  # weighted as the other paths weight rows
+    _push(push, peers)  # weighted as the other paths weight rows
     handle.barrier(channel=0)  # every peer's rows have landed here
     if consume is not None:
         return consume(buffer)
-    return _copy_out(buffer, written, fill, buffer.new_empty(buffer.shape))
+    return _copy_out(buffer, push, buffer.new_empty(buffer.shape))
 
 
-def _fill_before(fill: float | None, masked_later: bool) -> float | None:
-    """What the workspace holds before the push: ``fill``, unless the copy out (or the
-    consumer) masks the rows no route wrote; then, and where ``fill`` is None, the tests'
-    poison (``moec.ops.ep.HOOKS.poison``: None, no fill, outside them)."""
-    return ep_ops.HOOKS.poison if masked_later or fill is None else fill
+def _push(push: Push, peers: Tensor, programs: int | None = None) -> None:
+    push_rows(push.x, push.address, peers, push.rows, push.top_k, push.weights, programs)
 
 
-def _copy_out(buffer: Tensor, written: Tensor | None, fill: float | None, out: Tensor) -> Tensor:
-    """``out`` = the workspace, with ``fill`` (0 when None) in the rows ``written`` marks
-    False, in one pass."""
-    if written is None:
+def _copy_out(buffer: Tensor, push: Push, out: Tensor) -> Tensor:
+    """``out`` = the workspace, with ``push.fill`` (0 when None) in the rows ``push.written``
+    marks False, in one pass."""
+    if push.written is None:
         return out.copy_(buffer)
-    other = buffer.new_full((), 0.0 if fill is None else fill)  # where(out=) takes no scalar
-    return torch.where(written[:, None], buffer, other, out=out)
+    fill = 0.0 if push.fill is None else push.fill
+    other = buffer.new_full((), fill)  # where(out=) takes no scalar
+    return torch.where(push.written[:, None], buffer, other, out=out)
 
 
 def issue(
-    x: Tensor,
-    address: Tensor,
-    rows: int,
-    out_rows: int,
-    pg: dist.ProcessGroup,
-    top_k: int = 1,
-    weights: Tensor | None = None,
-    fill: float | None = None,
-    written: Tensor | None = None,
+    push: Push, pg: dist.ProcessGroup, out_rows: int, programs: int | None = None
 ) -> tuple[Tensor, Callable[[], None]]:
     """:func:`send` on the communication stream (module docstring): this rank's ``[out_rows,
     D]`` result (rows ``[0, rows)`` as :func:`send` fills them) and the ``wait()`` after which
-    the current stream may read it."""
+    the current stream may read it. ``programs``: the copy kernel's programs per column tile
+    (None: one per route tile; a capped grid holds fewer SMs while the copy runs beside the
+    expert GEMMs, ``moec.ops.ep.split.Split``)."""
+    x = push.x
     check_available(x)
-    buffer, handle, peers = _workspace_for(rows, x, pg, lane="split")
-    before = _fill_before(fill, written is not None)
+    buffer, handle, peers = _workspace_for(push.rows, x, pg, lane="split")
+    before = push.before(push.written is not None)
     compute, comm = torch.cuda.current_stream(x.device), _comm_stream(x.device)
     out = x.new_empty(out_rows, x.shape[-1])  # on the compute stream, which reads it
     comm.wait_stream(compute)  # x, address and weights are written
@@ -170,12 +145,12 @@ def issue(
         if before is not None:
             buffer.fill_(before)
         handle.barrier(channel=0)
-        push_rows(x, address, peers, rows, top_k, weights, SPLIT_PROGRAMS)
+        _push(push, peers, programs)
         handle.barrier(channel=0)
-        _copy_out(buffer, written, fill, out[:rows])
+        _copy_out(buffer, push, out[: push.rows])
         done = torch.cuda.Event()
         done.record(comm)
-    for t in (x, address, weights, written, out):
+    for t in (x, push.address, push.weights, push.written, out):
         if t is not None:
             t.record_stream(comm)
     return out, lambda: torch.cuda.current_stream(out.device).wait_event(done)

@@ -343,10 +343,10 @@ def _check_layer_step(k_major: bool = False, impl: str = POLICY):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_cross_entropy_kernel_equals_reference(monkeypatch, bias):
+def test_linear_cross_entropy_kernel_equals_reference(bias):
     from moec.ops import loss as loss_op
 
-    monkeypatch.setattr(loss_op, "CHUNK_ELEMENTS", 1024 * 10007)  # 3 chunks, the last one short
+    chunk = 1024 * 10007  # 3 chunks, the last one short
     rows, dim, vocab = 2500, 256, 10007  # vocab: 3 kernel blocks, the last one partial
     bf = dict(device="cuda", dtype=torch.bfloat16)
     h = torch.randn(rows, dim, **bf, requires_grad=True)
@@ -355,7 +355,8 @@ def test_linear_cross_entropy_kernel_equals_reference(monkeypatch, bias):
     targets = torch.randint(0, vocab, (rows,), device="cuda")
     targets[::7] = -100
     params = [t for t in (h, weight, b) if t is not None]
-    got = torch.ops.moec.linear_cross_entropy(h, weight, b, targets, -100, "mean")[0]
+    op = torch.ops.moec.linear_cross_entropy
+    got = op(h, weight, b, targets, -100, "mean", chunk_elements=chunk)[0]
     want = loss_op.linear_cross_entropy_reference(h, weight, b, targets, -100, "mean")
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
     for g, r in zip(torch.autograd.grad(got, params), torch.autograd.grad(want, params)):
@@ -388,7 +389,7 @@ def test_linear_cross_entropy_on_quacks_fused_gemms_equals_reference(monkeypatch
     from moec.ops import loss as loss_op
 
     dim, vocab = 384, 32768
-    monkeypatch.setattr(loss_op, "CHUNK_ELEMENTS", 512 * vocab)
+    chunk = 512 * vocab
     calls = quack_loss_calls(monkeypatch)
     h = torch.randn(rows, dim, device="cuda", requires_grad=True)
     weight = (torch.randn(vocab, dim, device="cuda") / dim**0.5).requires_grad_()
@@ -401,9 +402,9 @@ def test_linear_cross_entropy_on_quacks_fused_gemms_equals_reference(monkeypatch
         return loss, *torch.autograd.grad(loss, (h, weight))
 
     op = torch.ops.moec.linear_cross_entropy
-    got = loss_and_grads(lambda *a: op(*a, True, "cute")[0])
+    got = loss_and_grads(lambda *a: op(*a, True, chunk, "cute")[0])
     assert len(calls) == 1
-    chunked = loss_and_grads(lambda *a: op(*a, True, "triton")[0])
+    chunked = loss_and_grads(lambda *a: op(*a, True, chunk, "triton")[0])
     assert len(calls) == 1
     want = loss_and_grads(loss_op.linear_cross_entropy_reference)
     for other in (want, chunked):

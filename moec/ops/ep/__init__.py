@@ -12,10 +12,16 @@ An EP group of ``n`` ranks splits the ``N`` routed experts: rank ``r`` holds exp
 ``moec::route`` (rows ``[T, K]`` into its local expert-major buffer, ``offsets[N]``); these ops
 move the accepted routes to the ranks that own their experts and back::
 
-    slots, recv_rows, local_offsets, counts, dropped = ep_layout(rows, offsets, group, n, cf, path)
-    buffer = ep_dispatch(x, slots, recv_rows, counts, group, n, path)          # [R, D]
-    y, _ = expert_mlp(buffer, w_up[L], w_down[L], local_offsets, ...)           # local experts
-    out, saved = ep_combine(y, weights, slots, recv_rows, counts, group, n, path)  # [*, D]
+    slots, recv_rows, local_offsets, counts, sent, dropped = ep_layout(rows, offsets, group, n,
+                                                                      cf, path)
+    exchange = (slots, recv_rows, sent, counts, group, n, path, poison)
+    buffer = ep_dispatch(x, *exchange)                                        # [R, D]
+    y, _ = expert_mlp(buffer, w_up[L], w_down[L], local_offsets, ...)          # local experts
+    out, saved = ep_combine(y, weights, *exchange)                            # [*, D]
+
+Every exchange op ends with these arguments (:class:`~moec.ops.ep.exchange.Exchange`);
+``poison`` (default None) fills the buffer rows no route writes with a value (tests: NaN), bound
+by pass ``bind`` from the target (``Target.ep_poison``).
 
 ``counts[n, L]``: accepted routes source ``s`` sends to each local expert (exchanged on the
 device). ``buffer`` is expert-major: local expert ``l`` owns rows ``[local_offsets[l-1],
@@ -38,7 +44,7 @@ Capacity and drops (the reference policy, exactly):
    order above; routes whose row is ``>= Cr`` are dropped and counted in ``dropped`` of their
    source. With ``cf >= N / K`` neither step drops anything, so EP = n equals EP = 1.
 
-Paths (``path``):
+Paths (``path``, :data:`~moec.ops.ep.exchange.PATHS`):
 
 - ``a2a_capacity`` (sync-free, any backend): a send buffer of ``N * C`` rows, slot ``e*C + j``
   for the j-th accepted route of expert e; one equal-split ``all_to_all_single``; the receiver
@@ -71,10 +77,9 @@ index math is plain functions tested on CPU.
 The exchanges of the backwards are internal ops, so AOTAutograd traces each as one opaque call
 and no collective ever runs on fake tensors::
 
-    ep_dispatch_backward(d_buffer[R, D], slots, recv_rows, sent, counts, group, ep_size, path)
-        -> d_x[T, D]
-    ep_combine_backward(d_out[*, D], weights, saved, y | None, slots, recv_rows, sent, counts,
-                        group, ep_size, path) -> (d_y[R, D], d_weights)
+    ep_dispatch_backward(d_buffer[R, D], *exchange) -> d_x[T, D]
+    ep_combine_backward(d_out[*, D], weights, saved, y | None, *exchange)
+        -> (d_y[R, D], d_weights)
 
 Every op's outputs are contiguous, as their fake implementations promise.
 
@@ -82,9 +87,10 @@ Split exchanges: :mod:`moec.ops.ep.split`.
 """
 
 from moec.ops.ep.exchange import (
-    HOOKS,
     PATHS,
     EPPathError,
+    Exchange,
+    Push,
     RowwiseTransport,
     register_rowwise_transport,
     rowwise_transport,
@@ -100,9 +106,10 @@ from moec.ops.ep.split import (
 )
 
 __all__ = [
-    "HOOKS",
     "PATHS",
     "EPPathError",
+    "Exchange",
+    "Push",
     "RowwiseTransport",
     "ep_combine",
     "ep_combine_issue",

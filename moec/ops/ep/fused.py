@@ -10,16 +10,20 @@ traces each as one call and no collective ever runs on fake tensors.
 
 from __future__ import annotations
 
-import functools
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from moec.ops.ep.exchange import (
+    NO_GRADS,
+    Exchange,
+    Push,
     accumulation_dtype,
     check_path,
+    exchange_op,
     fetch_routes,
     picked_weight_grad,
     resolve_group,
@@ -64,7 +68,7 @@ def _layout(rows, offsets, group, ep_size, capacity_factor, path):
         slots, dropped = rowwise_route_map(rows, offsets, all_counts, rank, num_rows)
         counts = all_counts.view(ep_size, ep_size, -1)[:, rank]
         route_ids = rank * slots.numel() + torch.arange(slots.numel(), device=rows.device)
-        recv = transport.send(route_ids[:, None], slots, num_rows, pg, fill=-1).view(-1)
+        recv = transport.send(Push(route_ids[:, None], slots, num_rows, fill=-1), pg).view(-1)
         offs = local_offsets(counts, num_rows)
         return slots.view(rows.shape), recv, offs, counts, sent, dropped
     counts = torch.empty_like(accepted)
@@ -109,70 +113,46 @@ def _ep_layout_fake(rows, offsets, group, ep_size, capacity_factor, path):
 # --- ep_dispatch -------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("moec::ep_dispatch", mutates_args=())
-def ep_dispatch(
-    x: Tensor,
-    slots: Tensor,
-    recv_rows: Tensor,
-    sent: Tensor,
-    counts: Tensor,
-    group: str,
-    ep_size: int,
-    path: str,
-) -> Tensor:
-    check_path(path)
-    flat, top_k = x.reshape(-1, x.shape[-1]), slots.shape[-1]
-    if path == "rowwise":
-        pg = resolve_group(group, ep_size)
-        return send_once_per_rank(flat, top_k, slots.reshape(-1), recv_rows, pg, ep_size)
-    comm = (recv_rows, sent, counts, group, ep_size, path)
-    return send_routes(flat, top_k, None, slots.reshape(-1), *comm)
+@exchange_op("ep_dispatch", "Tensor x", "Tensor")
+def ep_dispatch(x: Tensor, *exchange: Any) -> Tensor:
+    ex = Exchange.of(exchange)
+    flat = x.reshape(-1, x.shape[-1])
+    if ex.path == "rowwise":
+        return send_once_per_rank(flat, ex)
+    return send_routes(flat, None, ex)
 
 
 @ep_dispatch.register_fake
-def _ep_dispatch_fake(x, slots, recv_rows, sent, counts, group, ep_size, path):
-    return x.new_empty((recv_rows.shape[0], x.shape[-1]))
+def _ep_dispatch_fake(x, *exchange):
+    return x.new_empty((Exchange.of(exchange).num_rows, x.shape[-1]))
 
 
 def _dispatch_setup(ctx, inputs, output):
-    x, slots, recv_rows, sent, counts, group, ep_size, path = inputs
-    ctx.save_for_backward(slots, recv_rows, sent, counts)
-    ctx.args, ctx.x_shape = (group, ep_size, path), x.shape
+    x, *exchange = inputs
+    Exchange(*exchange).save(ctx)
+    ctx.x_shape = x.shape
 
 
-@torch.library.custom_op("moec::ep_dispatch_backward", mutates_args=())
-def ep_dispatch_backward(
-    d_buffer: Tensor,
-    slots: Tensor,
-    recv_rows: Tensor,
-    sent: Tensor,
-    counts: Tensor,
-    group: str,
-    ep_size: int,
-    path: str,
-) -> Tensor:
-    check_path(path)
-    comm = (recv_rows, sent, counts, group, ep_size, path)
-    flat, top_k = slots.reshape(-1), slots.shape[-1]
-    if path == "rowwise":
-        pg = resolve_group(group, ep_size)
-        d_x = sum_home_once_per_rank(d_buffer, flat, recv_rows, top_k, pg, ep_size)
+@exchange_op("ep_dispatch_backward", "Tensor d_buffer", "Tensor")
+def ep_dispatch_backward(d_buffer: Tensor, *exchange: Any) -> Tensor:
+    ex = Exchange.of(exchange)
+    if ex.path == "rowwise":
+        d_x = sum_home_once_per_rank(d_buffer, ex)
     else:
-        sum_accepted = functools.partial(sum_routes, top_k=top_k, valid=flat >= 0)
-        d_x = fetch_routes(d_buffer, flat, *comm, consume=sum_accepted)
+        d_x = sum_routes(fetch_routes(d_buffer, ex), ex.top_k, valid=ex.routes >= 0)
     return d_x.reshape(-1, d_buffer.shape[-1]).contiguous()
 
 
 @ep_dispatch_backward.register_fake
-def _ep_dispatch_backward_fake(d_buffer, slots, recv_rows, sent, counts, group, ep_size, path):
-    check_path(path)
+def _ep_dispatch_backward_fake(d_buffer, *exchange):
+    slots = Exchange.of(exchange).slots
     return d_buffer.new_empty((math.prod(slots.shape[:-1]), d_buffer.shape[-1]))
 
 
 def _dispatch_backward(ctx, d_buffer):
-    slots, recv_rows, sent, counts = ctx.saved_tensors
-    d_x = torch.ops.moec.ep_dispatch_backward(d_buffer, slots, recv_rows, sent, counts, *ctx.args)
-    return d_x.view(ctx.x_shape), None, None, None, None, None, None, None
+    _, ex = Exchange.restore(ctx)
+    d_x = torch.ops.moec.ep_dispatch_backward(d_buffer, *ex)
+    return d_x.view(ctx.x_shape), *NO_GRADS
 
 
 ep_dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
@@ -181,86 +161,63 @@ ep_dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
 # --- ep_combine --------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("moec::ep_combine", mutates_args=())
-def ep_combine(
-    y: Tensor,
-    weights: Tensor,
-    slots: Tensor,
-    recv_rows: Tensor,
-    sent: Tensor,
-    counts: Tensor,
-    group: str,
-    ep_size: int,
-    path: str,
-) -> tuple[Tensor, Tensor]:
-    check_path(path)
-    flat, top_k = slots.reshape(-1), slots.shape[-1]
-    if path == "rowwise":
-        pg = resolve_group(group, ep_size)
-        out, saved = combine_once_per_rank(y, weights, flat, recv_rows, top_k, pg, ep_size)
+@exchange_op("ep_combine", "Tensor y, Tensor weights", "(Tensor, Tensor)")
+def ep_combine(y: Tensor, weights: Tensor, *exchange: Any) -> tuple[Tensor, Tensor]:
+    ex = Exchange.of(exchange)
+    if ex.path == "rowwise":
+        out, saved = combine_once_per_rank(y, weights, ex)
     else:
-        saved = fetch_routes(y, flat, recv_rows, sent, counts, group, ep_size, path)  # picked
-        out = sum_routes(saved, top_k, weights)
-    return block_output(out, (*slots.shape[:-1], y.shape[-1])), saved
+        saved = fetch_routes(y, ex)  # picked
+        out = sum_routes(saved, ex.top_k, weights)
+    return block_output(out, (*ex.slots.shape[:-1], y.shape[-1])), saved
 
 
 @ep_combine.register_fake
-def _ep_combine_fake(y, weights, slots, recv_rows, sent, counts, group, ep_size, path):
-    check_path(path)
-    out = y.new_empty((*slots.shape[:-1], y.shape[-1]))
-    if path == "rowwise":
-        return out, y.new_empty((recv_rows.shape[0],), dtype=accumulation_dtype(y))
-    return out, y.new_empty((slots.numel(), y.shape[-1]))
+def _ep_combine_fake(y, weights, *exchange):
+    ex = Exchange.of(exchange)
+    out = y.new_empty((*ex.slots.shape[:-1], y.shape[-1]))
+    if ex.path == "rowwise":
+        return out, y.new_empty((ex.num_rows,), dtype=accumulation_dtype(y))
+    return out, y.new_empty((ex.slots.numel(), y.shape[-1]))
 
 
 def _combine_setup(ctx, inputs, output):
-    y, weights, slots, recv_rows, sent, counts, group, ep_size, path = inputs
-    experts_side = y if path == "rowwise" else None  # only rowwise's backward reads y
-    ctx.save_for_backward(weights, output[1], experts_side, slots, recv_rows, sent, counts)
-    ctx.args = (group, ep_size, path)
+    y, weights, *exchange = inputs
+    ex = Exchange(*exchange)
+    experts_side = y if ex.path == "rowwise" else None  # only rowwise's backward reads y
+    ex.save(ctx, weights, output[1], experts_side)
 
 
-@torch.library.custom_op("moec::ep_combine_backward", mutates_args=())
+@exchange_op(
+    "ep_combine_backward",
+    "Tensor d_out, Tensor weights, Tensor saved, Tensor? y",
+    "(Tensor, Tensor)",
+)
 def ep_combine_backward(
-    d_out: Tensor,
-    weights: Tensor,
-    saved: Tensor,
-    y: Tensor | None,
-    slots: Tensor,
-    recv_rows: Tensor,
-    sent: Tensor,
-    counts: Tensor,
-    group: str,
-    ep_size: int,
-    path: str,
+    d_out: Tensor, weights: Tensor, saved: Tensor, y: Tensor | None, *exchange: Any
 ) -> tuple[Tensor, Tensor]:
-    check_path(path)
-    flat_d_out, top_k = d_out.reshape(-1, d_out.shape[-1]), slots.shape[-1]
-    if path == "rowwise":
+    ex = Exchange.of(exchange)
+    flat_d_out = d_out.reshape(-1, d_out.shape[-1])
+    if ex.path == "rowwise":
         if y is None:
             raise ValueError("ep_combine_backward on the rowwise path needs the expert output y")
-        pg = resolve_group(group, ep_size)
-        comm = (slots.reshape(-1), recv_rows, top_k, pg, ep_size)
-        d_y, d_weights = combine_backward_once_per_rank(flat_d_out, y, saved, *comm)
+        d_y, d_weights = combine_backward_once_per_rank(flat_d_out, y, saved, ex)
     else:
-        comm = (recv_rows, sent, counts, group, ep_size, path)
-        d_y = send_routes(flat_d_out, top_k, weights, slots.reshape(-1), *comm)
-        d_weights = picked_weight_grad(saved, flat_d_out, top_k)
+        d_y = send_routes(flat_d_out, weights, ex)
+        d_weights = picked_weight_grad(saved, flat_d_out, ex.top_k)
     return d_y.contiguous(), d_weights.to(weights.dtype).view(weights.shape).contiguous()
 
 
 @ep_combine_backward.register_fake
-def _ep_combine_backward_fake(
-    d_out, weights, saved, y, slots, recv_rows, sent, counts, group, ep_size, path
-):
-    check_path(path)
-    return d_out.new_empty((recv_rows.shape[0], d_out.shape[-1])), weights.new_empty(weights.shape)
+def _ep_combine_backward_fake(d_out, weights, saved, y, *exchange):
+    ex = Exchange.of(exchange)
+    return d_out.new_empty((ex.num_rows, d_out.shape[-1])), weights.new_empty(weights.shape)
 
 
 def _combine_backward(ctx, d_out, d_saved_unused):
-    weights, saved, y, *comm = ctx.saved_tensors
-    d_y, d_weights = torch.ops.moec.ep_combine_backward(d_out, weights, saved, y, *comm, *ctx.args)
-    return d_y, d_weights, *([None] * 7)
+    (weights, saved, y), ex = Exchange.restore(ctx)
+    d_y, d_weights = torch.ops.moec.ep_combine_backward(d_out, weights, saved, y, *ex)
+    return d_y, d_weights, *NO_GRADS
 
 
 ep_combine.register_autograd(_combine_backward, setup_context=_combine_setup)
