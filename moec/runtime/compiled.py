@@ -54,7 +54,7 @@ from moec.ops.routing import capacity
 from moec.plan import Plan
 from moec.program import MoELayer, Program
 from moec.runtime.autocast import program_context
-from moec.runtime.block_graphs import program_blocks
+from moec.runtime.block_graphs import Whole, program_blocks
 from moec.runtime.fsdp import shard_dense_parameters
 from moec.runtime.lowering import InductorGraphs
 from moec.runtime.router_losses import RouterBalance
@@ -168,6 +168,17 @@ class CompiledModel(nn.Module):
         self.aux_outputs = dict(zip(sig.aux_outputs, outputs[sig.num_user_outputs :]))
         self.balance.after_forward(self.aux_outputs, self.training and torch.is_grad_enabled())
         return sig.unflatten_outputs(outputs)
+
+    def lowering_layout(self) -> str:
+        """How Inductor compiles the program's graph (where the plan lowers it): per block,
+        with which blocks share one compiled graph, or whole and why
+        (:mod:`moec.runtime.block_graphs`). Needs the program (captured)."""
+        if self.program.pipeline is not None:
+            return Whole(
+                "the program is pipelined, and each stage is compiled whole on its own "
+                "(moec.runtime.pipeline)"
+            ).describe()
+        return self._lowering.partition(self.program.graph).describe()
 
     def train(self, mode: bool = True) -> CompiledModel:
         """Set the mode (see the module docstring); raises

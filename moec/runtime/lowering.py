@@ -4,10 +4,14 @@ The graph the passes leave (the whole program, or one pipeline stage's) runs thr
 ``torch.compile(backend="inductor")``: Dynamo traces the graph module's ``forward``, AOTAutograd
 its backward, and Inductor fuses the dense ATen ops between moec's (norms, residual adds,
 casts, attention glue) into generated kernels, while every ``moec::`` op (and its backward op)
-stays an opaque custom-op call whose fake implementation gives the shapes. What the runtime does
-around the graph is unchanged: autocast is entered outside the compiled call (Dynamo guards on
-it), the working weights are refreshed before it, EP collectives run inside moec's ops, and a
-pipeline stage is compiled on its own.
+stays an opaque custom-op call whose fake implementation gives the shapes. Given the program's
+blocks (``blocks``: a :class:`~moec.runtime.compiled.CompiledModel`'s), the graph is cut at
+its residual blocks and each distinct block graph is compiled once for all the blocks that are
+the same computation, the glue between them run eagerly (:mod:`moec.runtime.block_graphs`,
+which also says where a graph stays whole: :meth:`InductorGraphs.partition`). What the runtime
+does around the graph is unchanged: autocast is entered outside the compiled call (Dynamo guards
+on it), the working weights are refreshed before it, EP collectives run inside moec's ops, and
+a pipeline stage is compiled whole, on its own.
 
 Working weights: each ``working_copy(buffer, [P, ...])`` call is lifted out of the compiled graph
 and made in front of it, and the graph takes the bf16 copy as an input. Traced inside, the
