@@ -83,10 +83,13 @@ Compile = Callable[[fx.GraphModule], Callable[..., Any]]
 
 def program_blocks(program: Program) -> list[str]:
     """Module paths of ``program``'s residual blocks in graph order
-    (:func:`moec.analysis.cost.model.block_paths`)."""
+    (:func:`moec.analysis.cost.model.block_paths`); none for a graph whose nodes carry no
+    meta (rebuilt from its code: the cost model needs their values)."""
     from moec.analysis.cost import graph_cost
     from moec.analysis.cost.model import block_paths
 
+    if not any(module_path(n) for n in program.graph.graph.nodes):
+        return []
     return block_paths(program.graph, graph_cost(program))
 
 
@@ -151,15 +154,17 @@ class Partition:
 
 def partition(graph: fx.GraphModule, blocks: Sequence[str]) -> Partition | Whole:
     """``graph`` cut at its ``blocks`` (module paths, see the module), or why it is not."""
+    nodes = [n for n in graph.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
+    if not any(module_path(n) for n in nodes):
+        return Whole(
+            "no node carries a module path (a graph rebuilt from its code, e.g. unpickled, has "
+            "none), so its blocks cannot be told apart"
+        )
     if len(blocks) < 2:
         return Whole(f"the program has {len(blocks)} residual block(s): nothing repeats")
-    nodes = [n for n in graph.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
     owners = [owning_path(module_path(n), set(blocks)) for n in nodes]
     if not any(owners):
-        return Whole(
-            "no node carries the module path of a block (a graph rebuilt from its code, e.g. "
-            "unpickled, has none)"
-        )
+        return Whole(f"no node runs under the blocks' module paths ({', '.join(blocks)})")
     runs = _runs(nodes, owners)
     if isinstance(runs, Whole):
         return runs
