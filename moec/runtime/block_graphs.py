@@ -29,23 +29,24 @@ the glue eager.)
 Each segment has a **structural key**: its nodes in order, each one's op, target and arguments
 (nodes by position, constants by value: the bound ``impl`` of every ``moec::`` op, casts'
 dtypes, dropout rates, the recompute level, the EP group's name), its inputs' shapes, dtypes,
-strides and ``requires_grad``, and a recompute region's graph by its own key. Two segments
+strides and ``requires_grad`` (from their ``meta["val"]``; a parameter's or buffer's from
+itself), and a recompute region's graph by its own key. Two segments
 of equal key compute the same function of their inputs: :class:`BlockProgram` compiles the
 first block of a key and calls that one compiled graph for every block of the key. So blocks
 share a graph exactly where the plan makes them the same: same shapes, same precision scope,
 same recompute policy, same bound implementations. A dense block and an MoE block differ, as
 do blocks whose recompute levels differ (``recompute.policy: budget`` chooses per block); a
 tensor attribute a block's graph reads (other than its parameters and buffers) or a constant
-that is not a plain value makes its key its own.
+that is not a plain value makes its key its own. The compiled callable's guards check every
+call's actual inputs, so an input the key misjudges (one without ``meta["val"]``, as the
+profiler's block markers) costs a recompile, never a wrong result.
 
 Where the program is not cut (:class:`Whole`, its ``reason`` printed by ``moec debug``):
 
 - fewer than two blocks: nothing repeats;
 - nodes without module paths (a graph rebuilt from its code, e.g. unpickled): the blocks
   cannot be told apart;
-- blocks whose nodes interleave (a node of one block between two nodes of another);
-- a value crossing a cut that is neither a tensor nor a number (a tuple returned by a call
-  whose items another segment reads).
+- blocks whose nodes interleave (a node of one block between two nodes of another).
 
 The program is compiled whole, as before, also where :mod:`moec.runtime.lowering` is given no
 blocks: each pipeline stage (:mod:`moec.runtime.pipeline`, compiled on its own) and a graph a
@@ -171,10 +172,7 @@ def partition(graph: fx.GraphModule, blocks: Sequence[str]) -> Partition | Whole
     segments = []
     for i, (path, members) in enumerate(runs):
         name = path or _glue_name(runs, i)
-        segment = _segment(graph, name, bool(path), members)
-        if isinstance(segment, Whole):
-            return segment
-        segments.append(segment)
+        segments.append(_segment(graph, name, bool(path), members))
     return Partition(segments)
 
 
@@ -213,35 +211,23 @@ def _glue_name(runs: list[tuple[str, list]], index: int) -> str:
     return f"glue after {runs[index - 1][0]}"
 
 
-CROSSING = (torch.Tensor, int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)
-"""Values a segment may read from another: what ``torch.compile`` takes as an input."""
-
-
 def _segment(
     graph: fx.GraphModule,
     name: str,
     block: bool,
     members: list[fx.Node],
-) -> Segment | Whole:
+) -> Segment:
     """The segment of ``members`` (consecutive nodes of ``graph``)."""
     reads = external_inputs(members)
     inputs = [n for n in reads if not isinstance(_attribute(graph, n), fx.GraphModule)]
-    for node in inputs:
-        value = node.meta.get("val")
-        if node.op not in ("placeholder", "get_attr") and not isinstance(value, CROSSING):
-            return Whole(
-                f"{node.name} ({type(value).__name__}) crosses into segment {name}: only "
-                "tensors and numbers cross between segments"
-            )
     inside = set(members)
     outputs = [n for n in members if any(u not in inside for u in n.users)]
     sub = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for i, node in enumerate(inputs):
         env[node] = sub.placeholder(f"in_{i}")
-        env[node].meta["val"] = (
-            _attribute(graph, node) if node.op == "get_attr" else node.meta.get("val")
-        )
+        value = _attribute(graph, node) if node.op == "get_attr" else node.meta.get("val")
+        env[node].meta["val"] = _on_meta(value) if node.op == "get_attr" else value
     for node in reads:
         if node not in env:  # a sub-graph the segment calls (a recompute region)
             env[node] = sub.get_attr(str(node.target))
@@ -250,6 +236,15 @@ def _segment(
     sub.output(tuple(env[n] for n in outputs))
     module = fx.GraphModule(graph, sub, class_name="segment")
     return Segment(name, block, module, inputs, outputs, structural_key(module))
+
+
+def _on_meta(value: Any) -> Any:
+    """A tensor attribute's shape, strides, dtype and ``requires_grad`` without its storage
+    (what its key needs; the segment reads the attribute itself at every call)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    meta = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    return meta.requires_grad_(value.requires_grad)
 
 
 def _attribute(graph: fx.GraphModule, node: fx.Node) -> Any:
@@ -264,9 +259,9 @@ PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.lay
 
 
 def structural_key(gm: fx.GraphModule) -> tuple:
-    """What ``gm`` computes, as a hashable value: equal keys, the same function of the inputs
-    (see the module). Nodes are named by position; a tensor attribute or a constant of no
-    plain type is keyed by its identity (so it is shared by no other graph)."""
+    """What ``gm`` computes, as a hashable value: equal keys, the same function of inputs of
+    the same kinds (see the module). Nodes are named by position; a tensor attribute or a
+    constant of no plain type is keyed by its identity (so it is shared by no other graph)."""
     index: dict[fx.Node, int] = {}
     items: list[tuple] = []
     for i, node in enumerate(gm.graph.nodes):
