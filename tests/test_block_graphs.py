@@ -6,6 +6,7 @@ which."""
 from __future__ import annotations
 
 import copy
+import functools
 import io
 
 import pytest
@@ -52,7 +53,7 @@ class Counting:
         sub-graphs it calls (a checkpointed region's) too."""
         return [
             sum(
-                n.target is ROUTE
+                n.target in (ROUTE, ROUTE.overloadpacket)
                 for m in g.modules()
                 if isinstance(m, torch.fx.GraphModule)
                 for n in m.graph.nodes
@@ -185,3 +186,25 @@ def test_debug_says_which_blocks_share_a_graph(tmp_path, capsys):
     assert "off on cpu" in text and "4 blocks, 2 distinct block graphs" in text
     assert "model.layers.1, model.layers.2, model.layers.3" in text
     assert text in capsys.readouterr().out
+
+
+def test_a_profile_windows_instrumented_graph_is_cut_too():
+    """The profiler's block markers (nodes of no block, between blocks) run in the eager glue:
+    the instrumented graph is cut at the same blocks, its block ranges recorded, its values the
+    plain graph's."""
+    from moec.runtime.profiling import instrument
+
+    model, backend = _compiled(3, dense_first=1), Counting()
+    _lower(model, backend)
+    ids = tokens()
+    plain = model(ids)
+    blocks = program_blocks(model.program)
+    model.set_instrument(functools.partial(instrument, blocks=blocks, nvtx=False))
+    cut = model._lowering.partition(model._graph())
+    assert isinstance(cut, Partition) and [s.name for s in cut.segments if s.block] == blocks
+    with torch.profiler.profile() as prof:
+        marked = model(ids)
+    torch.testing.assert_close(marked, plain)
+    ranges = {e.name for e in prof.events()}
+    assert {f"block {path}" for path in blocks} <= ranges
+    assert sorted(backend.routes()) == [0, 0, 1, 1]  # two graphs each, plain and instrumented
