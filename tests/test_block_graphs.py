@@ -24,7 +24,7 @@ MOE = {"num_experts": 4, "top_k": 2, "capacity_factor": None}
 ROUTE = torch.ops.moec.route.default
 
 
-def _compiled(layers: int, dense_first: int, recompute: str = "none", lowered: bool = True):
+def _compiled(layers: int, dense_first: int, recompute: str = "none", lowered: bool | str = True):
     """A tiny Llama compiled with routed experts from block ``dense_first`` on, lowered to
     Inductor (also on the CPU) unless ``lowered`` is False; the same seed, the same weights."""
     torch.manual_seed(0)
@@ -208,3 +208,19 @@ def test_a_profile_windows_instrumented_graph_is_cut_too():
     ranges = {e.name for e in prof.events()}
     assert {f"block {path}" for path in blocks} <= ranges
     assert sorted(backend.routes()) == [0, 0, 1, 1]  # two graphs each, plain and instrumented
+
+
+def test_under_auto_a_block_that_fails_to_compile_runs_the_program_eagerly(monkeypatch):
+    eager = _compiled(3, dense_first=1, lowered=False)
+    model = _compiled(3, dense_first=1, lowered="auto")
+    monkeypatch.setattr(model.plan, "lowers_to_inductor", lambda device_type: True)
+
+    def fails(gm: torch.fx.GraphModule, example_inputs):
+        raise RuntimeError("this backend compiles nothing")
+
+    _lower(model, fails)
+    ids = tokens()
+    with pytest.warns(UserWarning, match="runs eagerly"):
+        got = model(ids)
+    torch.testing.assert_close(got, eager(ids))
+    assert model._lowering(model.program.graph, [ids]) is model.program.graph

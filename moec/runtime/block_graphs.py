@@ -271,29 +271,28 @@ def structural_key(gm: fx.GraphModule) -> tuple:
         elif node.op == "get_attr":
             items.append(("attr", _module_key(_attribute(gm, node))))
         else:
-            target = node.target
-            if node.op == "call_module":
-                target = _module_key(gm.get_submodule(str(target)))
-            elif node.op == "call_function":
-                target = (
-                    _constant_key(target)
-                    if isinstance(target, torch._ops.OpOverload)
-                    else (
-                        "fn",
-                        id(target),
-                    )
-                )
+            target = _target_key(gm, node)
             items.append(
                 (node.op, target, _arg_key(node.args, index), _arg_key(node.kwargs, index))
             )
     return tuple(items)
 
 
+def _target_key(gm: fx.GraphModule, node: fx.Node) -> Any:
+    """An ATen or ``moec::`` op by name, a called module by :func:`_module_key`, a Python
+    function (``getitem``, ``recompute_region``) by identity."""
+    if node.op == "call_module":
+        return _module_key(gm.get_submodule(str(node.target)))
+    if node.op == "call_function" and not isinstance(node.target, torch._ops.OpOverload):
+        return ("fn", id(node.target))
+    return _constant_key(node.target)
+
+
 def _module_key(value: Any) -> tuple:
-    """A parameterless sub-graph by its structure (a recompute region); anything else by its
-    identity."""
-    if isinstance(value, fx.GraphModule) and not any(True for _ in value.parameters()):
-        if not any(True for _ in value.buffers()):
+    """A sub-graph holding no tensor by its structure (a recompute region); anything else by
+    its identity."""
+    if isinstance(value, fx.GraphModule) and next(value.parameters(), None) is None:
+        if next(value.buffers(), None) is None:
             return ("graph", structural_key(value))
     return ("object", id(value))
 
@@ -345,7 +344,7 @@ class BlockProgram:
         compiled: dict[tuple, Callable[..., Any]],
         compile: Compile,
     ) -> None:
-        self.graph, self.partition = graph, cut
+        self.graph = graph
         nodes = lifted.graph.nodes
         self.inputs = [n for n in nodes if n.op == "placeholder"]
         read = {n for s in cut.segments for n in s.inputs if n.op == "get_attr"}
