@@ -26,7 +26,8 @@ ROUTE = torch.ops.moec.route.default
 
 def _compiled(layers: int, dense_first: int, recompute: str = "none", lowered: bool | str = True):
     """A tiny Llama compiled with routed experts from block ``dense_first`` on, lowered to
-    Inductor (also on the CPU) unless ``lowered`` is False; the same seed, the same weights."""
+    Inductor as ``lowering.inductor: lowered`` says (True: also on the CPU); the same seed,
+    the same weights."""
     torch.manual_seed(0)
     plan = {
         "moe": {**MOE, "dense_first": dense_first},
