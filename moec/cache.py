@@ -112,7 +112,8 @@ def moec_key() -> str:
     for path in sorted([*package.glob("ops/**/*.py"), *package.glob("kernels/**/*.py")]):
         digest.update(str(path.relative_to(package)).encode())
         digest.update(path.read_bytes())
-    digest.update((package / "runtime" / "lowering.py").read_bytes())
+    for lowering in ("lowering.py", "block_graphs.py"):  # what hands graphs to Inductor
+        digest.update((package / "runtime" / lowering).read_bytes())
     return digest.hexdigest()[:12]
 
 

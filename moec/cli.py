@@ -269,6 +269,7 @@ def cmd_debug(args: argparse.Namespace) -> int:
         passes=pass_pipeline,
         print_after=args.print_after,
     )
+    dump.write_lowering(compiled, inputs)
     if args.out is None or args.print_after_all:
         return 0
     console.print(f"wrote {len(dump.stages)} stages to {args.out}", markup=False)

@@ -12,6 +12,9 @@
     out_dir/NN_<stage>/stats.json   nodes, parameters, active parameters, FLOPs/token, pass stats
     out_dir/bindings.txt            after pass ``bind``: the target, the grouped-GEMM policy and
                                     each ``moec::`` node's bound implementation (also printed)
+    out_dir/lowering.txt            after the compile: how Inductor compiles the program, per
+                                    block (which blocks share a graph) or whole and why (also
+                                    printed; :mod:`moec.runtime.block_graphs`)
 
 and, after the compile, ``dump.write_repro(compiled, args, kwargs)`` adds ``out_dir/repro.py``:
 the final program as a standalone script with random weights (see :mod:`moec.repro`); where the
@@ -145,6 +148,26 @@ class DebugDump:
             "repro.py",
             lambda: write_repro(compiled.program, self.plan, args, kwargs, self.out, title),
         )
+
+    def write_lowering(self, compiled: Any, args: tuple) -> str | None:
+        """How Inductor compiles ``compiled``'s program, per block or whole and why
+        (:meth:`~moec.runtime.compiled.CompiledModel.lowering_layout`), prefixed by whether the
+        plan lowers it on the inputs' device; printed, and written to ``out_dir/lowering.txt``.
+        None when the writer failed (logged)."""
+
+        def text() -> str:
+            device = device_type(args)
+            layout = compiled.lowering_layout()
+            if self.plan.lowers_to_inductor(device):
+                return f"lowering: {layout}"
+            return f"lowering: off on {device} (the program runs eagerly); where on, {layout}"
+
+        layout = self._safely("lowering", text)
+        if layout is not None:
+            self.console.print(layout, markup=False, highlight=False, soft_wrap=True)
+            if self.out is not None:
+                self._safely("lowering.txt", lambda: (self.out / "lowering.txt").write_text(layout))
+        return layout
 
     def write_lowered(self, compiled: Any, args: tuple, kwargs: dict) -> Path | None:
         """Where the plan lowers to Inductor on the inputs' device: ``out_dir/lowered/``,

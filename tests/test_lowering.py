@@ -11,6 +11,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import moec
+from moec.runtime.block_graphs import program_blocks
 from moec.runtime.lowering import InductorGraphs
 from tests.models import tiny_llama, tokens
 
@@ -125,20 +126,24 @@ def _assert_gradients_uncast(backwards: list[torch.fx.GraphModule], lowered) -> 
     assert copied and all(p.grad.dtype == torch.bfloat16 for p in copied)
 
 
+@pytest.mark.parametrize("per_block", [False, True], ids=["whole", "per-block"])
 @pytest.mark.parametrize("recompute", ["none", "block"])
-def test_working_copies_gradients_leave_the_compiled_backward_uncast(recompute):
+def test_working_copies_gradients_leave_the_compiled_backward_uncast(recompute, per_block):
     """The bf16 gradients of working copies reach their float32 parameters as computed: the
     compiled backward returns no float32 cast of one (traced inside the graph, each copy's
     gradient was cast to float32 there and back to the parameter's bf16 ``grad_dtype`` by the
-    engine), and they equal the eager program's."""
+    engine), and they equal the eager program's; compiled whole (one backward) or per block
+    (a dense and an MoE block: two)."""
     backwards: list[torch.fx.GraphModule] = []
     sections = {"precision": {"compute_dtype": "bf16"}, "recompute": {"policy": recompute}}
     eager, lowered = _pair({**PLAN, **sections}, {**INDUCTOR, **sections})
-    lowered._lowering = InductorGraphs(lowered.plan, backend=_backward_keeping_backend(backwards))
+    blocks = (lambda: program_blocks(lowered.program)) if per_block else None
+    backend = _backward_keeping_backend(backwards)
+    lowered._lowering = InductorGraphs(lowered.plan, backend=backend, blocks=blocks)
     x = tokens()
     want, want_grads = _step(eager, x)
     got, got_grads = _step(lowered, x)
-    assert len(backwards) == 1
+    assert len(backwards) == (2 if per_block else 1)
     _assert_gradients_uncast(backwards, lowered)
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
     for g, w in zip(got_grads, want_grads, strict=True):

@@ -54,6 +54,7 @@ from moec.ops.routing import capacity
 from moec.plan import Plan
 from moec.program import MoELayer, Program
 from moec.runtime.autocast import program_context
+from moec.runtime.block_graphs import Whole, program_blocks
 from moec.runtime.fsdp import shard_dense_parameters
 from moec.runtime.lowering import InductorGraphs
 from moec.runtime.router_losses import RouterBalance
@@ -94,10 +95,14 @@ class CompiledModel(nn.Module):
         (:meth:`set_instrument`): the graph runs through this rewrite (its block and op
         ranges), made once per graph."""
         self._initialize = initialize
-        self._lowering = InductorGraphs(plan)
-        """``plan.lowering.inductor``: what runs each graph (:mod:`.lowering`)."""
+        self._lowering = self._new_lowering()
+        """``plan.lowering.inductor``: what runs each graph (:mod:`.lowering`), compiled block
+        by block where the program allows (:mod:`.block_graphs`)."""
         if program is not None:
             self._adopt(program)
+
+    def _new_lowering(self) -> InductorGraphs:
+        return InductorGraphs(self.plan, blocks=lambda: program_blocks(self.program))
 
     @property
     def graph_module(self) -> fx.GraphModule | None:
@@ -163,6 +168,17 @@ class CompiledModel(nn.Module):
         self.aux_outputs = dict(zip(sig.aux_outputs, outputs[sig.num_user_outputs :]))
         self.balance.after_forward(self.aux_outputs, self.training and torch.is_grad_enabled())
         return sig.unflatten_outputs(outputs)
+
+    def lowering_layout(self) -> str:
+        """How Inductor compiles the program's graph (where the plan lowers it): per block,
+        with which blocks share one compiled graph, or whole and why
+        (:mod:`moec.runtime.block_graphs`). Needs the program (captured)."""
+        if self.program.pipeline is not None:
+            return Whole(
+                "the program is pipelined, and each stage is compiled whole on its own "
+                "(moec.runtime.pipeline)"
+            ).describe()
+        return self._lowering.partition(self.program.graph).describe()
 
     def train(self, mode: bool = True) -> CompiledModel:
         """Set the mode (see the module docstring); raises
@@ -236,7 +252,7 @@ class CompiledModel(nn.Module):
         state.update(
             _variants={}, aux_outputs={}, working_weights=None, instrument=None, balance=None
         )
-        state["_lowering"] = InductorGraphs(self.plan)  # compiled code does not pickle
+        state["_lowering"] = None  # compiled code does not pickle
         # the passes' reports hold their intermediate graphs: not part of the trained model
         state["program"] = dataclasses.replace(self.program, pass_results={})
         return state
@@ -244,6 +260,7 @@ class CompiledModel(nn.Module):
     def __setstate__(self, state: dict[str, Any]) -> None:
         state.setdefault("instrument", None)
         super().__setstate__(state)
+        self._lowering = self._new_lowering()
         self._adopt(self.program)  # unpickling rebuilt the graph module's tables
 
     def aux_loss(self) -> torch.Tensor:

@@ -4,10 +4,14 @@ The graph the passes leave (the whole program, or one pipeline stage's) runs thr
 ``torch.compile(backend="inductor")``: Dynamo traces the graph module's ``forward``, AOTAutograd
 its backward, and Inductor fuses the dense ATen ops between moec's (norms, residual adds,
 casts, attention glue) into generated kernels, while every ``moec::`` op (and its backward op)
-stays an opaque custom-op call whose fake implementation gives the shapes. What the runtime does
-around the graph is unchanged: autocast is entered outside the compiled call (Dynamo guards on
-it), the working weights are refreshed before it, EP collectives run inside moec's ops, and a
-pipeline stage is compiled on its own.
+stays an opaque custom-op call whose fake implementation gives the shapes. Given the program's
+blocks (``blocks``: a :class:`~moec.runtime.compiled.CompiledModel`'s), the graph is cut at
+its residual blocks and each distinct block graph is compiled once for all the blocks that are
+the same computation, the glue between them run eagerly (:mod:`moec.runtime.block_graphs`,
+which also says where a graph stays whole: :meth:`InductorGraphs.partition`). What the runtime
+does around the graph is unchanged: autocast is entered outside the compiled call (Dynamo guards
+on it), the working weights are refreshed before it, EP collectives run inside moec's ops, and
+a pipeline stage is compiled whole, on its own.
 
 Working weights: each ``working_copy(buffer, [P, ...])`` call is lifted out of the compiled graph
 and made in front of it, and the graph takes the bf16 copy as an input. Traced inside, the
@@ -43,6 +47,7 @@ from torch import fx
 from torch._dynamo.exc import BackendCompilerFailed
 
 from moec.ops.working_weights import working_copy
+from moec.runtime.block_graphs import BlockProgram, Partition, Whole, partition
 
 if TYPE_CHECKING:
     from moec.plan import Plan
@@ -55,13 +60,26 @@ class InductorGraphs:
     after ``.to()``, is compiled anew). The graph's kernels (FA4's attention included) are the
     ones pass ``bind`` bound; nothing here chooses them."""
 
-    def __init__(self, plan: Plan, backend: str | Callable[..., Any] = "inductor") -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        backend: str | Callable[..., Any] = "inductor",
+        blocks: Callable[[], Sequence[str]] | None = None,
+    ) -> None:
         self.plan = plan
         self.backend = backend
         """``torch.compile``'s backend (tests pass one that fails)."""
+        self._blocks = blocks
+        """The module paths of the program's residual blocks
+        (:func:`moec.runtime.block_graphs.program_blocks`), asked for once; None: every graph
+        is compiled whole."""
+        self._block_paths: Sequence[str] | None = None
         # what is made once per graph object (:func:`_per_graph`), by graph id
         self._compiled: dict[int, tuple[fx.GraphModule, Callable[..., Any]]] = {}
         self._lifted: dict[int, tuple[fx.GraphModule, Lifted]] = {}
+        self._partitions: dict[int, tuple[fx.GraphModule, Partition | Whole]] = {}
+        self._segments: dict[tuple, Callable[..., Any]] = {}
+        """Each distinct segment's compiled graph, by structural key, for all graphs."""
 
     def __call__(self, graph: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
         if torch.compiler.is_compiling():  # a user's torch.compile traces the model's forward
@@ -79,10 +97,30 @@ class InductorGraphs:
 
         def compile_graph() -> Callable[..., Any]:
             inner, copies = self.lifted(graph)
-            compiled = torch.compile(inner, backend=self.backend, dynamic=None)
+            cut = self.partition(graph)
+            if isinstance(cut, Whole):
+                compiled = self._compile(inner)
+            else:
+                compiled = BlockProgram(graph, inner, cut, self._segments, self._compile)
             return functools.partial(_with_copies, graph, copies, compiled) if copies else compiled
 
         return _per_graph(self._compiled, graph, compile_graph)
+
+    def partition(self, graph: fx.GraphModule) -> Partition | Whole:
+        """How ``graph`` (lifted) is compiled: cut at its blocks, each distinct block graph
+        compiled once (:mod:`moec.runtime.block_graphs`), or whole and why."""
+
+        def cut() -> Partition | Whole:
+            if self._blocks is None:
+                return Whole("it is given no blocks (a pipeline stage is compiled on its own)")
+            if self._block_paths is None:
+                self._block_paths = list(self._blocks())
+            return partition(self.lifted(graph)[0], self._block_paths)
+
+        return _per_graph(self._partitions, graph, cut)
+
+    def _compile(self, graph: fx.GraphModule) -> Callable[..., Any]:
+        return torch.compile(graph, backend=self.backend, dynamic=None)
 
     def lifted(self, graph: fx.GraphModule) -> Lifted:
         """:func:`lift_working_copies` of ``graph``, made once per graph object."""
@@ -113,6 +151,8 @@ class InductorGraphs:
     def clear(self) -> None:
         self._compiled.clear()
         self._lifted.clear()
+        self._partitions.clear()
+        self._segments.clear()
 
 
 WorkingCopy = tuple[str, tuple[str, ...]]

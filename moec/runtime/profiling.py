@@ -43,11 +43,10 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from moec.analysis.cost import graph_cost
-from moec.analysis.cost.model import block_paths as blocks_of
 from moec.errors import MoecError
 from moec.fx import module_path, owning_path
-from moec.program import Program
 from moec.runtime import run_files
+from moec.runtime.block_graphs import program_blocks as block_paths
 
 BLOCK_PREFIX = "block "
 BACKWARD_SUFFIX = " (backward)"
@@ -197,12 +196,6 @@ def nvtx_pop() -> None:
 
 
 # --- the instrumented graph --------------------------------------------------------------------
-
-
-def block_paths(program: Program) -> list[str]:
-    """Module paths of the program's residual blocks, in graph order
-    (:func:`moec.analysis.cost.model.block_paths`)."""
-    return blocks_of(program.graph, graph_cost(program))
 
 
 def _runs(graph: fx.Graph, blocks: set[str]) -> list[tuple[str, list[fx.Node]]]:

@@ -1,0 +1,227 @@
+"""Compiling what repeats once (:mod:`moec.runtime.block_graphs`): the lowered program cut at
+its residual blocks, each distinct block graph compiled once, equal to the program compiled
+whole and to the eager one; where it cannot be cut, compiled whole, and ``moec debug`` says
+which."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import io
+
+import pytest
+import torch
+from torch._dynamo.backends.registry import lookup_backend
+from torch._dynamo.utils import counters
+
+import moec
+from moec.cli import main
+from moec.runtime.block_graphs import Partition, Whole, partition, program_blocks
+from moec.runtime.lowering import InductorGraphs
+from tests.models import assert_same_grads, loss_and_grads, tiny_llama, tokens
+
+MOE = {"num_experts": 4, "top_k": 2, "capacity_factor": None}
+ROUTE = torch.ops.moec.route.default
+
+
+def _compiled(layers: int, dense_first: int, recompute: str = "none", lowered: bool | str = True):
+    """A tiny Llama compiled with routed experts from block ``dense_first`` on, lowered to
+    Inductor as ``lowering.inductor: lowered`` says (True: also on the CPU); the same seed,
+    the same weights."""
+    torch.manual_seed(0)
+    plan = {
+        "moe": {**MOE, "dense_first": dense_first},
+        "recompute": {"policy": recompute},
+        "lowering": {"inductor": lowered},
+    }
+    return moec.compile(tiny_llama(layers), plan, (tokens(),), verify=False)
+
+
+class Counting:
+    """A ``torch.compile`` backend that keeps every graph Dynamo hands it and compiles it with
+    ``backend``."""
+
+    def __init__(self, backend: str = "aot_eager"):
+        self.backend = lookup_backend(backend)
+        self.graphs: list[torch.fx.GraphModule] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        self.graphs.append(gm)
+        return self.backend(gm, example_inputs)
+
+    def routes(self) -> list[int]:
+        """The ``moec::route`` calls (one per MoE block) of each graph compiled, in the
+        sub-graphs it calls (a checkpointed region's) too."""
+        return [
+            sum(
+                n.target in (ROUTE, ROUTE.overloadpacket)
+                for m in g.modules()
+                if isinstance(m, torch.fx.GraphModule)
+                for n in m.graph.nodes
+            )
+            for g in self.graphs
+        ]
+
+
+def _lower(model: moec.CompiledModel, backend, per_block: bool = True) -> None:
+    """Run ``model``'s graphs through ``backend``, per block or whole."""
+    blocks = (lambda: program_blocks(model.program)) if per_block else None
+    model._lowering = InductorGraphs(model.plan, backend=backend, blocks=blocks)
+
+
+@pytest.mark.parametrize("per_block", [True, False], ids=["per-block", "whole"])
+def test_identical_blocks_compile_once_where_the_whole_graph_compiled_them_all(per_block):
+    """Four MoE blocks of the same shapes: per block, Dynamo hands the backend one graph of
+    one block, which every block then runs; whole, one graph of all four."""
+    model, backend = _compiled(4, dense_first=0), Counting()
+    _lower(model, backend, per_block)
+    ids = tokens()
+    for _ in range(2):
+        model(ids).float().square().mean().backward()
+    assert backend.routes() == ([1] if per_block else [4])
+    cut = model._lowering.partition(model.program.graph)
+    assert isinstance(cut, Partition) == per_block
+    if per_block:
+        (group,) = [g for g in cut.groups().values() if g[0].block]
+        assert [s.name for s in group] == [f"layers.{i}" for i in range(4)]
+
+
+@pytest.mark.parametrize("recompute", ["none", "block"])
+def test_dense_and_moe_blocks_make_two_graphs_equal_to_eager(recompute):
+    """A dense block then three MoE blocks (recompute regions or not): two block graphs, each
+    compiled once; the loss and every gradient equal the eager program's, at the captured
+    length and at a new one (one recompile of each block graph, with symbolic sizes)."""
+    eager = _compiled(4, dense_first=1, recompute=recompute, lowered=False)
+    model, backend = _compiled(4, dense_first=1, recompute=recompute), Counting()
+    _lower(model, backend)
+    for seq in (16, 24):
+        ids = tokens(seq=seq)
+        eager.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        want, want_grads = loss_and_grads(eager, ids)
+        got, got_grads = loss_and_grads(model, ids)
+        torch.testing.assert_close(got, want)
+        assert_same_grads(got_grads, want_grads, atol=1e-5, rtol=1e-5)
+        compiled = sorted(backend.routes())
+        assert compiled == ([0, 1] if seq == 16 else [0, 0, 1, 1]), compiled
+
+
+@pytest.mark.slow
+def test_inductor_per_block_equals_whole_and_eager(tmp_path, monkeypatch):
+    """Under Inductor (its own cache folder), a dense block, two MoE blocks and block
+    recompute: per block, two block graphs are compiled (a forward and a backward each), where
+    the whole program was one graph; losses and gradients equal the whole graph's and the eager
+    program's within fp32 tolerance."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    eager = _compiled(3, dense_first=1, recompute="block", lowered=False)
+    whole = _compiled(3, dense_first=1, recompute="block")
+    per_block = _compiled(3, dense_first=1, recompute="block")
+    _lower(whole, "inductor", per_block=False)
+    assert isinstance(per_block._lowering.partition(per_block.program.graph), Partition)
+    ids = tokens()
+    want, want_grads = loss_and_grads(eager, ids)
+    results = {}
+    for name, model in (("whole", whole), ("per_block", per_block)):
+        counters.clear()
+        results[name] = loss_and_grads(model, ids)
+        inductor = counters["inductor"]
+        results[name + "_graphs"] = inductor["fxgraph_cache_miss"] + inductor["fxgraph_cache_hit"]
+    assert results["whole_graphs"] == 2 and results["per_block_graphs"] == 4
+    for name in ("whole", "per_block"):
+        got, got_grads = results[name]
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert_same_grads(got_grads, want_grads, atol=1e-4, rtol=1e-4)
+
+
+def test_a_block_whose_recompute_level_or_implementation_differs_gets_its_own_graph():
+    """Structural keys see the recompute level and the bound implementation: three identical
+    MoE blocks share one key until one block's level or one op's ``impl`` differs."""
+    model = _compiled(3, dense_first=0, recompute="block", lowered=False)
+    graph, blocks = model.program.graph, program_blocks(model.program)
+
+    def block_graphs(gm: torch.fx.GraphModule) -> int:
+        cut = partition(gm, blocks)
+        assert isinstance(cut, Partition)
+        return sum(g[0].block for g in cut.groups().values())
+
+    assert block_graphs(graph) == 1
+    releveled = copy.deepcopy(graph)
+    region = next(n for n in releveled.graph.nodes if "recompute_region" in str(n.target))
+    region.args = (region.args[0], "selective", *region.args[2:])
+    assert block_graphs(releveled) == 2
+    rebound = copy.deepcopy(graph)
+    last_block = getattr(rebound, "recompute_" + blocks[-1].replace(".", "_"))
+    op = next(n for n in last_block.graph.nodes if n.target is ROUTE)
+    op.args = (*op.args[:-1], "another")
+    assert block_graphs(rebound) == 2
+
+
+def test_where_the_program_is_compiled_whole_it_says_why():
+    """One block: nothing repeats; an unpickled graph: no module paths; two blocks whose nodes
+    interleave: no cut between them."""
+    one = _compiled(1, dense_first=0, lowered=False)
+    assert "1 residual block" in partition(one.program.graph, program_blocks(one.program)).reason
+    model = _compiled(2, dense_first=0, lowered=False)
+    blocks = program_blocks(model.program)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert "module path" in partition(loaded.program.graph, blocks).reason
+    assert "module path" in loaded.lowering_layout()
+    mixed = copy.deepcopy(model.program.graph)
+    nodes = [n for n in mixed.graph.nodes if n.op == "call_function"]
+    first = [n for n in nodes if n.meta.get("nn_module_stack") and "layers.0" in str(n.meta)]
+    second = next(n for n in nodes if "layers.1" in str(n.meta.get("nn_module_stack")))
+    first[len(first) // 2].meta["nn_module_stack"] = second.meta["nn_module_stack"]
+    cut = partition(mixed, blocks)
+    assert isinstance(cut, Whole) and "interleave" in cut.reason
+
+
+def test_debug_says_which_blocks_share_a_graph(tmp_path, capsys):
+    plan = tmp_path / "plan.yaml"
+    moec.Plan.from_dict({"moe": {**MOE, "dense_first": 1}}).save(plan)
+    out = tmp_path / "dump"
+    assert main(["debug", "llama", "--plan", str(plan), "--out", str(out)]) == 0
+    text = (out / "lowering.txt").read_text()
+    assert "off on cpu" in text and "4 blocks, 2 distinct block graphs" in text
+    assert "model.layers.1, model.layers.2, model.layers.3" in text
+    assert text in capsys.readouterr().out
+
+
+def test_a_profile_windows_instrumented_graph_is_cut_too():
+    """The profiler's block markers (nodes of no block, between blocks) run in the eager glue:
+    the instrumented graph is cut at the same blocks, its block ranges recorded, its values the
+    plain graph's."""
+    from moec.runtime.profiling import instrument
+
+    model, backend = _compiled(3, dense_first=1), Counting()
+    _lower(model, backend)
+    ids = tokens()
+    plain = model(ids)
+    blocks = program_blocks(model.program)
+    model.set_instrument(functools.partial(instrument, blocks=blocks, nvtx=False))
+    cut = model._lowering.partition(model._graph())
+    assert isinstance(cut, Partition) and [s.name for s in cut.segments if s.block] == blocks
+    with torch.profiler.profile() as prof:
+        marked = model(ids)
+    torch.testing.assert_close(marked, plain)
+    ranges = {e.name for e in prof.events()}
+    assert {f"block {path}" for path in blocks} <= ranges
+    assert sorted(backend.routes()) == [0, 0, 1, 1]  # two graphs each, plain and instrumented
+
+
+def test_under_auto_a_block_that_fails_to_compile_runs_the_program_eagerly(monkeypatch):
+    eager = _compiled(3, dense_first=1, lowered=False)
+    model = _compiled(3, dense_first=1, lowered="auto")
+    monkeypatch.setattr(model.plan, "lowers_to_inductor", lambda device_type: True)
+
+    def fails(gm: torch.fx.GraphModule, example_inputs):
+        raise RuntimeError("this backend compiles nothing")
+
+    _lower(model, fails)
+    ids = tokens()
+    with pytest.warns(UserWarning, match="runs eagerly"):
+        got = model(ids)
+    torch.testing.assert_close(got, eager(ids))
+    assert model._lowering(model.program.graph, [ids]) is model.program.graph
