@@ -36,9 +36,6 @@ wide (24576: the width that gives the report's 2.01B total / 0.995B active param
             combine folded into its expert MLP)
   --n-major  moec again with ``plan.lowering.expert_weights: n_major`` (the default plan's
             routed expert weights are k-major)
-  --copies-traced  moec again with its working copies traced into the Inductor graph, as before
-            the lowering lifted them out (each bf16 gradient then cast to float32 in the
-            compiled backward and back to bf16 by the engine)
   --fp8     moec again with ``precision.gemm: fp8_rowwise`` on the dense FFNs, then on the
             dense FFNs and the routed experts
   --chunked-loss  moec and its FP8 dense FFNs row again with the LM-head loss on moec's own
@@ -88,7 +85,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from moec.kernels.target import Target
 from moec.models import Llama, LlamaConfig
 from moec.plan import Plan
-from moec.runtime import lowering
 from moec.runtime.metrics import bf16_peak_tflops, count_host_syncs, useful_mfu
 from moec.train import TrainConfig, Trainer, language_model_loss
 
@@ -494,18 +490,6 @@ def also_loss_variants(
     return rows
 
 
-@contextlib.contextmanager
-def copies_traced() -> Any:
-    """Programs compiled meanwhile trace their working copies into the Inductor graph (what
-    :func:`moec.runtime.lowering.lift_working_copies` avoids)."""
-    original = lowering.lift_working_copies
-    lowering.lift_working_copies = lambda graph: (graph, [])
-    try:
-        yield
-    finally:
-        lowering.lift_working_copies = original
-
-
 def plan_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, dict[str, Any]]]]:
     """The plan changes asked for beside the default plan: (row name, {section: fields})."""
     variants: list[tuple[str, dict[str, dict[str, Any]]]] = []
@@ -573,11 +557,6 @@ def arguments() -> argparse.ArgumentParser:
         action="store_true",
         help="also moec with plan.experimental.cuda_graph (with --fp8: the FP8 dense FFNs' "
         "plan too)",
-    )
-    parser.add_argument(
-        "--copies-traced",
-        action="store_true",
-        help="also moec with its working copies traced into the Inductor graph (as before)",
     )
     parser.add_argument(
         "--combine-in-experts",
@@ -736,20 +715,6 @@ def run(args: argparse.Namespace) -> None:
             drops_of = functools.partial(drop_rate, plain)
             results.append(measure(row, plain.train_step, *common, drops=drops_of))
             del plain, drops_of
-    if args.copies_traced:
-        _release(device)
-        torch.manual_seed(0)
-        traced = Trainer(dense_model(s), moe_plan(s), cfg, target=target)
-        with copies_traced():  # the graph is compiled in the first (warm-up) step
-            results.append(
-                measure(
-                    "moec, copies traced",
-                    traced.train_step,
-                    *common,
-                    drops=functools.partial(drop_rate, traced),
-                )
-            )
-        del traced
     chosen = [
         key
         for key, (_, options) in BASELINES.items()
