@@ -1,4 +1,5 @@
-"""FX graph utilities the analyses and the passes share; nothing here edits a graph.
+"""FX graph utilities the analyses and the passes share; nothing here edits a graph (fake
+propagation writes nodes' ``meta["val"]``).
 
 Graphs are the ones :func:`moec.trace` captures: placeholders and ``call_function`` nodes carry
 ``meta["val"]`` (FakeTensors whose sizes may be SymInts of one ShapeEnv), so sizes are sympy
@@ -66,12 +67,17 @@ def propagate_fake(gm: fx.GraphModule, *, full: bool = False) -> list[fx.Node]:
     strides, dtype, device, layout). Fake propagation is a function of exactly these, so every
     node left alone already holds what a full run would give: the result equals a full
     propagation's, which ``full=True`` forces (placeholders, ``get_attr`` and the output always
-    run; they are cheap)."""
+    run; they are cheap). A propagation that raises forgets every record, so the next one is
+    full and raises again where this one did."""
     records = _propagation_records(gm.graph, reset=full)
     inputs = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
     prop = _IncrementalFakeProp(gm, fake_mode(gm), records)
-    with enable_python_dispatcher():
-        prop.propagate_dont_convert_inputs(*inputs)
+    try:
+        with enable_python_dispatcher():
+            prop.propagate_dont_convert_inputs(*inputs)
+    except Exception:
+        records.clear()  # the nodes after the failure were never checked against these
+        raise
     return prop.ran
 
 

@@ -140,6 +140,17 @@ def test_the_verifier_still_catches_a_stale_value_after_an_earlier_check():
         verify_graph(gm, "rewiring")
 
 
+def test_a_failed_propagation_fails_again_when_run_again():
+    """The rewired relu reads 8 features and the linear after it takes 16: propagation fails
+    there, and a second check, with nothing changed since, fails the same way."""
+    gm = _captured()
+    verify_graph(gm, "capture")
+    _relu(gm).args = (gm.graph.find_nodes(op="placeholder")[0],)
+    for _ in range(2):
+        with pytest.raises(VerificationError, match="propagation failed"):
+            verify_graph(gm, "rewiring")
+
+
 def test_the_verifier_catches_a_reader_left_stale_by_a_changed_input():
     """The pass re-types the input and leaves the reader's value as it was: the reader runs
     again because its input's metadata changed, and disagrees."""
