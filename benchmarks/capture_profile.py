@@ -13,6 +13,10 @@ time is capture and passes only, and splits it into:
   apart, and the nodes propagation ran;
 - ``other``: the compile's remaining time (pass selection, the program, the runtime wrapper).
 
+The same compile's ``capture_s`` and ``passes_s`` as ``moec train``'s first-step clock
+(:class:`moec.train.timing.FirstStepClock`, from :data:`moec.compiler.phase_seconds`) reports
+them are printed too: its ``passes_s`` holds the verification.
+
 Wall and CPU (``time.process_time``) seconds are both printed: the machine may be shared.
 ``--cprofile FILE`` also writes a cProfile of the compile and prints its top functions.
 Measurement only; no GPU needed.
@@ -165,6 +169,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     import moec
+    from moec.compiler import phase_seconds
 
     torch.manual_seed(0)
     model = build_model(args.family, args.hidden, args.layers)
@@ -178,6 +183,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "lowering": {"inductor": False},
     }
     clock, nodes_run = Clock(), []
+    phases_before = dict(phase_seconds)
     profiler = None
     if args.cprofile:
         import cProfile
@@ -192,6 +198,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     if profiler is not None:
         profiler.dump_stats(args.cprofile)
     passes = {name: r.stats.get("seconds", 0.0) for name, r in compiled.pass_results.items()}
+    phases = {f"{p}_s": phase_seconds[p] - phases_before[p] for p in ("capture", "passes")}
     return {
         "family": args.family,
         "shape": {"batch": args.batch, "seq": args.seq, "hidden": args.hidden},
@@ -201,6 +208,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "dense_forward": dense,
         "parts": clock.parts,
         "passes_s": passes,
+        "phases": phases,
         "propagation_nodes_run": nodes_run,
     }
 
@@ -252,6 +260,8 @@ def report(result: dict[str, Any]) -> str:
             "other",
             total["wall_s"] - capture["wall_s"] - passes - verify["wall_s"],
         ),
+        "  as moec train's first-step clock splits it (moec.train.timing): "
+        + ", ".join(f"{k} {v:.2f}" for k, v in result["phases"].items()),
     ]
     return "\n".join(lines)
 
