@@ -262,6 +262,9 @@ ENTRIES: tuple[Entry, ...] = (
          for x in ("parity", "upcycle", "balance")))),
     E("table49", "the plan search on the report's Table 49 models (on paper)", "Table 49",
       (_mod("benchmarks.autoplan_table49", "--json {out}/autoplan_table49.json"),), gpus=0),
+    E("capture", "moec.compile's capture and passes on a 2-layer Qwen3.5, split into "
+      "torch.export, passes, verification and fake propagation (CPU)", "capture and passes (CPU)",
+      (_py("benchmarks/capture_profile.py", "--json {out}/capture_profile.json"),), gpus=0),
     E("plan-search", "the plan search's top plans and the example plans that fit, predicted "
       "against measured, on every GPU", "plan search",
       (_run("benchmarks/autoplan_validate.py", "--json {out}/autoplan.json"),)),

@@ -108,9 +108,10 @@ def capture(
     args, kwargs = _distinct_inputs(args, kwargs)
     dynamic_shapes = _auto_dims(model, args, kwargs) if dynamic else None
     try:
-        program = torch.export.export(
-            model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes
-        )
+        with _without_fake_dispatch_cache():
+            program = torch.export.export(
+                model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes
+            )
     except Exception as exc:
         raise CaptureError(_explain(model, exc, dynamic)) from exc
     gm = program.module()
@@ -130,6 +131,19 @@ def capture(
     if dynamic:
         _warn_fixed_batch_or_sequence(model, gm, signature.fixed_sizes)
     return Program(gm, signature, captured_training=model.training)
+
+
+def _without_fake_dispatch_cache() -> Any:
+    """Export with FakeTensorMode's dispatch cache off (``TORCH_FAKE_TENSOR_DISPATCH_CACHE=0``
+    for this call). The fake mode export creates keeps the setting for its life, so moec's
+    fake propagation over the captured graph runs without the cache too. With symbolic sizes,
+    torch 2.14 rebuilds every cached view output with ``set_``, whose storage-bounds check
+    goes through sympy: on a graph of many sliced views (Qwen3.5's Gated DeltaNet, which
+    transformers unrolls into a 63-step loop under export) a cache hit costs more than the
+    dispatch it saves, and export and propagation take twice as long with the cache as
+    without (``benchmarks/RESULTS.md``, "capture and passes (CPU)"); on Llama-like graphs the
+    two are even. The cache changes no value: it only memoizes dispatches."""
+    return torch._dynamo.config.patch(fake_tensor_cache_enabled=False)
 
 
 def _warn_fixed_batch_or_sequence(

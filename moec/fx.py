@@ -1,4 +1,5 @@
-"""FX graph utilities the analyses and the passes share; nothing here edits a graph.
+"""FX graph utilities the analyses and the passes share; nothing here edits a graph (fake
+propagation writes nodes' ``meta["val"]``).
 
 Graphs are the ones :func:`moec.trace` captures: placeholders and ``call_function`` nodes carry
 ``meta["val"]`` (FakeTensors whose sizes may be SymInts of one ShapeEnv), so sizes are sympy
@@ -18,11 +19,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Container, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import sympy
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch import nn
 from torch._dispatch.python import enable_python_dispatcher
 from torch._guards import detect_fake_mode
@@ -53,11 +55,132 @@ def symbolic_dispatch(mode: FakeTensorMode | None) -> Iterator[None]:
         yield
 
 
-def propagate_fake(gm: fx.GraphModule) -> None:
-    """Recompute every node's ``meta["val"]`` from the placeholders' (see symbolic_dispatch)."""
+def propagate_fake(gm: fx.GraphModule, *, full: bool = False) -> list[fx.Node]:
+    """Make every node's ``meta["val"]`` what fake propagation from the placeholders' computes
+    (see symbolic_dispatch); return the nodes it ran, in graph order.
+
+    Incremental: the graph remembers what the last propagation left on each node (its op,
+    target and arguments, the ``meta["val"]`` object written, that value's metadata). A
+    ``call_function`` node runs again only if it is new, its op, target or arguments changed,
+    its ``meta["val"]`` is no longer the object propagation wrote, it calls a sub-graph (whose
+    nodes are not tracked), or a node it reads ran and came out with other metadata (sizes,
+    strides, dtype, device, layout). Fake propagation is a function of exactly these, so every
+    node left alone already holds what a full run would give: the result equals a full
+    propagation's, which ``full=True`` forces (placeholders, ``get_attr`` and the output always
+    run; they are cheap). A propagation that raises forgets every record, so the next one is
+    full and raises again where this one did."""
+    records = _propagation_records(gm.graph, reset=full)
     inputs = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
-    with enable_python_dispatcher():
-        FakeTensorProp(gm, mode=fake_mode(gm)).propagate_dont_convert_inputs(*inputs)
+    prop = _IncrementalFakeProp(gm, fake_mode(gm), records)
+    try:
+        with enable_python_dispatcher():
+            prop.propagate_dont_convert_inputs(*inputs)
+    except Exception:
+        records.clear()  # the nodes after the failure were never checked against these
+        raise
+    return prop.ran
+
+
+class _Propagated(NamedTuple):
+    """What fake propagation last left on a node (:func:`propagate_fake`)."""
+
+    call: tuple[Any, ...]
+    """The node's op and target and its flattened arguments (nodes compared by identity)."""
+    val: Any
+    """The ``meta["val"]`` object it wrote."""
+    metadata: Any
+    """That value's metadata (:func:`_metadata`): what the nodes reading it depend on."""
+
+
+def _propagation_records(graph: fx.Graph, reset: bool) -> dict[fx.Node, _Propagated]:
+    """The records of ``graph``'s last propagation, kept on the graph (so they live and die
+    with it; a copied or new graph starts without)."""
+    if reset or not isinstance(getattr(graph, "_moec_propagated", None), dict):
+        graph._moec_propagated = {}  # type: ignore[attr-defined]
+    return graph._moec_propagated  # type: ignore[attr-defined]
+
+
+def _call_of(node: fx.Node) -> tuple[Any, ...]:
+    leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
+    return (node.op, node.target, spec, *leaves)
+
+
+def _same_call(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """The same op, target, argument structure and argument objects (identity: a rebuilt
+    argument counts as changed, which only costs a re-run)."""
+    return (
+        len(a) == len(b)
+        and a[1] is b[1]
+        and a[2] == b[2]
+        and a[0] == b[0]
+        and all(x is y for x, y in zip(a[3:], b[3:], strict=True))
+    )
+
+
+def _metadata(val: Any) -> Any:
+    """What fake propagation of a node's readers depends on in its value ``val``."""
+
+    def tensor(t: torch.Tensor) -> tuple[Any, ...]:
+        return (
+            tuple(map(_expr, t.shape)),
+            tuple(map(_expr, t.stride())) if t.layout == torch.strided else None,
+            _expr(t.storage_offset()) if t.layout == torch.strided else None,
+            t.dtype,
+            t.device,
+            t.layout,
+        )
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return tensor(x)
+        if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return _expr(x)
+        if x is None or isinstance(x, (bool, int, float, str, torch.dtype, torch.device)):
+            return x
+        return ("object", id(x))  # anything else: equal only to itself
+
+    leaves, spec = pytree.tree_flatten(val)
+    return spec, tuple(map(leaf, leaves))
+
+
+def _expr(x: Any) -> Any:
+    """A size or symbolic scalar as a comparable value (a sympy expression for a symbol)."""
+    return x.node.expr if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)) else x
+
+
+class _IncrementalFakeProp(FakeTensorProp):
+    """``FakeTensorProp`` that skips the nodes whose value cannot have changed (see
+    :func:`propagate_fake`) and records what it ran."""
+
+    def __init__(
+        self, gm: fx.GraphModule, mode: FakeTensorMode, records: dict[fx.Node, _Propagated]
+    ):
+        super().__init__(gm, mode=mode)
+        self.records = records
+        self.ran: list[fx.Node] = []
+        self.changed: set[fx.Node] = set()
+        """Nodes that ran and whose value's metadata differs from their last record."""
+
+    def run_node(self, n: fx.Node) -> Any:
+        record = self.records.get(n)
+        call = _call_of(n)
+        if (
+            n.op == "call_function"
+            and record is not None
+            and record.val is n.meta.get("val")
+            and _same_call(record.call, call)
+            and not any(a in self.changed for a in n.all_input_nodes)
+            and called_graph(n) is None
+        ):
+            return record.val
+        result = super().run_node(n)
+        val = n.meta.get("val")
+        metadata = _metadata(val)
+        if record is None or record.metadata != metadata:
+            self.changed.add(n)
+        self.records[n] = _Propagated(call, val, metadata)
+        self.ran.append(n)
+        return result
 
 
 def node_order(graph: fx.Graph) -> dict[fx.Node, int]:

@@ -10,6 +10,9 @@ options in braces are printed from the plan and, when given back, must match it.
 
 After each pass the manager runs the verifier (graph lint, fake-tensor propagation, parameter
 bookkeeping) when asked, and calls the dump hook for the stages selected by ``print_after``.
+Propagation is incremental (:func:`moec.fx.propagate_fake`): the check after the capture runs
+every node, the check after a pass only the nodes it made or changed and those whose inputs
+came out different, which is what a full run would find different.
 A pass that turns a symbolic input size into a number (the program then runs, and is priced,
 only at the example's size) is named in a warning and in its ``specialized_inputs`` statistic,
 and the size joins the signature's ``fixed_sizes`` (a call at another size is refused).
