@@ -78,9 +78,8 @@ def profile():
     "parallel, recompute, micro, fold",
     [
         ({}, "none", 1, False),
-        ({}, "none", 2, False),
-        ({"dp": 2, "ep": 2}, "none", 1, False),
         ({"dp": 2, "dp_shard": 2}, "none", 1, False),
+        # EP alone and two microbatches alone are each in this case (and micro 2 under fold)
         ({"dp": 4, "dp_shard": 4, "ep": 2}, "none", 2, False),
         ({}, "block", 1, False),
         ({}, "none", 2, True),
