@@ -15,6 +15,7 @@ import pytest
 from moec.cli import build_parser, main
 from moec.train.cli import DEMO_CONFIG, DEMO_FLAGS
 from moec.train.config import TrainConfig, flag, from_flags, shown_default
+from tests.test_run_reliability import _train_args, _write_factory
 
 FIELDS = dataclasses.fields(TrainConfig)
 
@@ -136,7 +137,7 @@ def test_import_moec_imports_no_torch_until_a_name_is_used():
 
 def test_no_plots_writes_none_and_blames_no_missing_matplotlib(tmp_path, capsys):
     run = tmp_path / "run"
-    argv = ["train", "--synthetic", "--steps", "1", "--device", "cpu", "--no-plots"]
-    assert main([*argv, "--out", str(run)]) == 0
+    model = _write_factory(tmp_path)  # two blocks, dim 16: plots do not depend on the model
+    assert main(_train_args(model, tmp_path, run, "--steps", "1", "--no-plots")) == 0
     assert not list(run.glob("*.png"))
     assert "matplotlib" not in capsys.readouterr().out

@@ -135,11 +135,11 @@ def _moe_warnings(model: torch.nn.Module, plan: dict, args: tuple) -> list[str]:
 def test_an_expert_width_wider_than_the_models_ffn_is_warned_about():
     """demo.yaml's 256 halves llama's FFN (512); on a model whose FFN is 64 wide it is 4x."""
     plan = Plan.load(PLANS / "demo.yaml").to_dict()
-    (said,) = _moe_warnings(tiny_llama(), plan, (tokens(),))
+    (said,) = _moe_warnings(tiny_llama(2), plan, (tokens(),))  # layer 0 dense, layer 1 MoE
     assert "moe.expert_width = 256 makes each routed expert wider than the dense FFN" in said
     assert "(64 wide in layers.1.ffn, 4x)" in said
     as_wide_as_llama = Llama(LlamaConfig(dim=32, n_layers=2, n_heads=4, ffn_hidden=512))
     assert _moe_warnings(as_wide_as_llama, plan, (tokens(),)) == []
     unset = {"moe": {k: v for k, v in plan["moe"].items() if k != "expert_width"}}
-    compiled = moec.compile(tiny_llama(), unset, (tokens(),))  # experts as wide as the FFN
+    compiled = moec.compile(tiny_llama(2), unset, (tokens(),))  # experts as wide as the FFN
     assert compiled.graph_module.get_parameter("layers.1.ffn.moe.w_down").shape[1] == 64

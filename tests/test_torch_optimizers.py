@@ -95,6 +95,28 @@ def test_torch_adamw_trains_a_bf16_program_as_moecs_adamw_does(implementation):
     assert torch_losses[-1] < torch_losses[0] - 0.1
 
 
+@pytest.fixture(scope="module")
+def _hf_program_compiled() -> tuple[moec.CompiledModel, torch.Tensor, list[torch.Tensor]]:
+    """One bf16 program of a transformers Llama for the module, its inputs, its initial
+    parameters (compiled once: every optimizer below steps the same program)."""
+    ids = tokens(2, 17)
+    compiled = _program(hf_model("llama"), ids)
+    return compiled, ids, [p.detach().clone() for p in compiled.parameters()]
+
+
+@pytest.fixture
+def hf_program(_hf_program_compiled) -> tuple[moec.CompiledModel, torch.Tensor]:
+    """The module's program with its initial parameters written back and no gradients: each
+    test starts from the compiled state (the writes move the parameters' versions, so the
+    working copies are remade from them)."""
+    compiled, ids, initial = _hf_program_compiled
+    with torch.no_grad():
+        for param, value in zip(compiled.parameters(), initial, strict=True):
+            param.copy_(value)
+            param.grad = None
+    return compiled, ids
+
+
 @pytest.mark.parametrize(
     "optimizer",
     [
@@ -104,10 +126,9 @@ def test_torch_adamw_trains_a_bf16_program_as_moecs_adamw_does(implementation):
         "RMSprop:foreach",
     ],
 )
-def test_torch_optimizers_step_every_parameter_of_a_bf16_hf_program(optimizer):
+def test_torch_optimizers_step_every_parameter_of_a_bf16_hf_program(optimizer, hf_program):
     kind, implementation = optimizer.split(":")
-    ids = tokens(2, 17)
-    compiled = _program(hf_model("llama"), ids)
+    compiled, ids = hf_program
     assert compiled.working_weights is not None
     options = dict(IMPLEMENTATIONS[implementation])
     if kind == "SGD":
