@@ -54,10 +54,12 @@ def test_upcycled_arms_continue_from_the_dense_model(corpus, tmp_path):
         # function-preserving starts: before their first step they are the pretrained model
         # (to rounding, ~2e-7 here)
         assert runs[name]["start_eval_loss"] == pytest.approx(pre, abs=1e-4), name
-    # drop-upcycling re-initializes half of each expert's weights: it starts above the model
-    # it came from (by 0.01 here), and far below a fresh MoE
+    # drop-upcycling re-initializes half of each expert's weights: it is no longer the model it
+    # came from (0.01 away here, above or below it as the corpus, moec's sources, changes), and
+    # starts far below a fresh MoE
     drop = runs["drop-upcycled"]["start_eval_loss"]
-    assert pre + 1e-3 < drop < scratch["start_eval_loss"] - 0.5
+    assert drop != pytest.approx(pre, abs=1e-4)
+    assert drop < scratch["start_eval_loss"] - 0.5
     for run in result["runs"]:
         assert run["eval_loss"][-1] < math.log(2048) - 1, run["name"]
         assert run["tokens"][-1] > 0 and run["flops"][-1] > run["flops"][0]
