@@ -322,3 +322,11 @@ def evaluate(expr: Any, values: dict[sympy.Symbol, int]) -> int:
         missing = sorted(map(str, result.free_symbols))
         raise ValueError(f"cannot evaluate {expr}: no value for {missing}")
     return int(result)
+
+
+def argument(node: fx.Node, name: str, default: Any = None) -> Any:
+    """The value ``node`` (an op call with a schema, e.g. a ``moec::`` op's) passes for its
+    argument ``name``, given by position or keyword (``default`` where it passes none)."""
+    names = [a.name for a in node.target._schema.arguments]
+    at = names.index(name)
+    return node.args[at] if len(node.args) > at else node.kwargs.get(name, default)

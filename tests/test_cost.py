@@ -187,10 +187,12 @@ def test_low_precision_gemms_count_the_same_work(gemm):
         assert low.train_flops == high.train_flops
 
 
+@pytest.mark.parametrize("poison", [(), (float("nan"),)], ids=["no-poison", "poison-by-position"])
 @pytest.mark.parametrize("path", ["a2a_capacity", "rowwise"])
-def test_ep_combine_saves_what_its_backward_reads(path):
+def test_ep_combine_saves_what_its_backward_reads(path, poison):
     """The a2a paths keep the picked rows home ([T*K, D]); rowwise keeps the route weights on
-    the experts' side ([R], float32) and the expert output y ([R, D]) its backward reads."""
+    the experts' side ([R], float32) and the expert output y ([R, D]) its backward reads. The
+    path is read by name, wherever the call passes the arguments after it."""
     tokens, top_k, rows, dim = 6, 2, 20, 16
     graph = fx.Graph()
     with FakeTensorMode():
@@ -207,8 +209,8 @@ def test_ep_combine_saves_what_its_backward_reads(path):
             args.append(graph.placeholder(name))
             args[-1].meta["val"] = val
         op = torch.ops.moec.ep_combine.default
-        combine = graph.call_function(op, (*args, "group", 2, path))
-        combine.meta["val"] = op(*values.values(), "group", 2, path)
+        combine = graph.call_function(op, (*args, "group", 2, path, *poison))
+        combine.meta["val"] = op(*values.values(), "group", 2, path, *poison)
     saved = int(node_cost(combine).saved_bytes)
     if path == "rowwise":
         assert saved == rows * 4 + rows * dim * 2

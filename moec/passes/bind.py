@@ -50,6 +50,7 @@ import torch
 import torch.fx as fx
 
 import moec.ops  # noqa: F401  (registers torch.ops.moec)
+from moec.fx import argument
 from moec.kernels import flash_attention as fa4
 from moec.kernels.target import Target
 from moec.ops.ep import PATHS as EP_PATHS
@@ -81,13 +82,6 @@ def _moec_schema(node: fx.Node) -> torch._C.FunctionSchema | None:
     if node.op != "call_function" or schema is None or not schema.name.startswith("moec::"):
         return None
     return schema
-
-
-def argument(node: fx.Node, name: str, default: Any = None) -> Any:
-    """The value ``node`` (a ``moec::`` op call) passes for its argument ``name``."""
-    names = [a.name for a in node.target._schema.arguments]
-    at = names.index(name)
-    return node.args[at] if len(node.args) > at else node.kwargs.get(name, default)
 
 
 def implementation(node: fx.Node, target: Target) -> str | None:

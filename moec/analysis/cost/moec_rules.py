@@ -37,7 +37,7 @@ from moec.analysis.cost.memory import (
     value_of,
 )
 from moec.analysis.cost.rules import RuleResult, cost_rule, matmul_rule
-from moec.fx import numel, sym
+from moec.fx import argument, numel, sym
 
 ops = torch.ops.moec
 
@@ -113,7 +113,7 @@ def _combine(node: fx.Node) -> RuleResult:
 def _ep_combine(node: fx.Node) -> RuleResult:
     # ep_combine(y, weights, slots, recv_rows, sent, counts, group, ep_size, path) -> (out, saved)
     saved = [SavedRef(node, 1)]  # picked rows home, or rowwise's route weights on the experts
-    if node.args[-1] == "rowwise":  # whose backward reads the expert output there too
+    if argument(node, "path") == "rowwise":  # whose backward reads the expert output there too
         saved.append(stored_ref(node.args[0]))
     return sympy.Integer(0), "movement", saved
 
