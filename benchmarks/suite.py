@@ -214,6 +214,13 @@ ENTRIES: tuple[Entry, ...] = (
       "e2e training step",
       (_py(E2E, "--steps 8 --warmup 4 --fp8 --baselines compiled-fp32 compiled-fp32-float8 "
            "compiled-bf16 compiled-bf16-float8 --json {out}/e2e_baselines.json"),)),
+    E("first-step", "seconds to the first step: the e2e workload launched twice in fresh "
+      "processes on one cache (cold, then warm), with its breakdown and the per-block "
+      "compiled MoE as an anchor", "first step",
+      (_py("benchmarks/first_step.py", "--anchors --json {out}/first_step.json"),)),
+    E("tune-table", "autotune the e2e workload's kernels and write this GPU's entries of "
+      "the shipped tile table", "first step",
+      (_py("benchmarks/tune_table.py", "--table {out}/tuning.json"),)),
     E("e2e-recompute", "the e2e step with block recompute beside the default", "recompute",
       (_py(E2E, "--moec-only --recompute --steps 4 --warmup 2 "
            "--json {out}/e2e_recompute.json"),)),
@@ -307,7 +314,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "glu",
         "attention",
     ),
-    "step": ("e2e", "e2e-baselines", "profile", "profile-kernels", "e2e-recompute"),
+    "step": ("e2e", "e2e-baselines", "profile", "profile-kernels", "e2e-recompute", "first-step"),
     "multi-gpu": ("ep", "ep-overlap", "scaling", "timeline", "collectives", "scale", "plan-search"),
 }
 BY_NAME = {e.name: e for e in ENTRIES}

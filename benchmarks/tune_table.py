@@ -9,7 +9,13 @@ into the table under this GPU's product (H100, H200, B200, B300), replacing that
 entries for the same kernels and buckets. Review the diff, and record the run (device, commit,
 command) in ``benchmarks/RESULTS.md`` before committing the table.
 
+``--record FILE`` merges the choices another run recorded instead of tuning here (no GPU
+needed): the ``tuning_choices.json`` in the moec cache of a run that autotuned with the table
+off, or with no entries yet for its product (e.g. ``benchmarks/first_step.py``'s cold launch),
+under the GEMM policy that run used.
+
     python benchmarks/tune_table.py [--small] [--steps 2] [--table PATH] [--dry-run]
+    python benchmarks/tune_table.py --record CACHE/.../tuning_choices.json [--table PATH]
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=2, help="training steps per policy")
     parser.add_argument("--table", default=str(tuning.TABLE), help="the table file to update")
     parser.add_argument("--dry-run", action="store_true", help="print the entries, write nothing")
+    parser.add_argument("--record", help="merge this recorded tuning_choices.json, tune nothing")
     return parser
 
 
@@ -79,25 +86,38 @@ def merge(table: dict, product: str, chosen: dict[str, dict]) -> int:
 
 def main() -> None:
     args = arguments().parse_args()
+    chosen = json.loads(Path(args.record).read_text()) if args.record else {tuned_product(): {}}
+    if not args.record:
+        product = next(iter(chosen))
+        chosen[product] = tune(args.small, args.steps).get(product, {})
+    for product, kernels in sorted(chosen.items()):
+        for kernel, buckets in sorted(kernels.items()):
+            for bucket, config in sorted(buckets.items()):
+                print(f"{product} {kernel} [{bucket}]: {json.dumps(config)}")
+    if args.dry_run:
+        return
+    path = Path(args.table)
+    # a new file starts from the shipped table, so a run can write beside the checkout
+    table = json.loads((path if path.exists() else tuning.TABLE).read_text())
+    for product, kernels in chosen.items():
+        if product not in tuning.PRODUCTS:
+            sys.exit(f"{args.record}: {product!r} is none of {', '.join(tuning.PRODUCTS)}")
+        written = merge(table, product, kernels)
+        print(f"{written} entries for {product} written to {path}")
+    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+
+
+def tuned_product() -> str:
+    """This GPU's product in the table (exits where there is no GPU or it has no entry)."""
     if not torch.cuda.is_available():
-        sys.exit("tune_table.py autotunes on a GPU: none is visible")
+        sys.exit("tune_table.py autotunes on a GPU: none is visible (--record merges a record)")
     product = tuning.product(torch.device("cuda"))
     if product is None:
         sys.exit(
             f"{torch.cuda.get_device_name()} is none of {', '.join(tuning.PRODUCTS)}: the table "
             "holds those products only"
         )
-    chosen = tune(args.small, args.steps).get(product, {})
-    for kernel, buckets in sorted(chosen.items()):
-        for bucket, config in sorted(buckets.items()):
-            print(f"{product} {kernel} [{bucket}]: {json.dumps(config)}")
-    if args.dry_run:
-        return
-    path = Path(args.table)
-    table = json.loads(path.read_text())
-    written = merge(table, product, chosen)
-    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
-    print(f"{written} entries for {product} written to {path}")
+    return product
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from moec import cache, compiler
-from moec.kernels import compile_clock
+from moec.kernels import compile_clock, tuning
 from moec.train import TrainConfig, train
 from moec.train.timing import FirstStepClock, format_first_step
 from tests.models import tiny_llama
@@ -249,3 +249,27 @@ def test_tune_table_refuses_to_run_without_a_gpu():
     script = str(ROOT / "benchmarks" / "tune_table.py")
     proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True)
     assert proc.returncode != 0 and "autotunes on a GPU" in proc.stderr
+
+
+@pytest.mark.slow
+def test_tune_table_merges_a_recorded_run_into_a_new_table_file(tmp_path):
+    """``--record`` writes a run's recorded choices under their product, keeping the shipped
+    table's other entries, and refuses a product the table does not hold (writing nothing)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    script = str(ROOT / "benchmarks" / "tune_table.py")
+    config = {"kwargs": {"BLOCK_R": 64}, "num_warps": 4, "num_stages": 3}
+    record = tmp_path / "tuning_choices.json"
+    record.write_text(json.dumps({"H200": {"glu": {"R=1024": config}}}))
+    table = tmp_path / "tuning.json"
+    argv = [sys.executable, script, "--record", str(record), "--table", str(table)]
+    subprocess.run(argv, env=env, check=True, capture_output=True)
+    written = json.loads(table.read_text())
+    assert written["H200"]["glu"]["R=1024"] == config
+    assert set(written) == set(json.loads(tuning.TABLE.read_text()))
+
+    record.write_text(json.dumps({"A100": {"glu": {"R=1024": config}}}))
+    refused = tmp_path / "refused.json"
+    argv[-1] = str(refused)
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True)
+    assert proc.returncode != 0 and "'A100' is none of" in proc.stderr
+    assert not refused.exists()
