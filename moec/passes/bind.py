@@ -71,12 +71,6 @@ LAST_REWRITES = ("combine_experts", "pipeline")
 """The passes that run after ``combine_experts`` (bind runs after them and everything before)."""
 
 
-def program_target(ctx: PassContext) -> Target:
-    """The target the program is compiled for (one without: the detected CPU target)."""
-    target = ctx.program.target if ctx.program is not None else None
-    return target or Target.detect("cpu")
-
-
 def _moec_schema(node: fx.Node) -> torch._C.FunctionSchema | None:
     schema = getattr(node.target, "_schema", None)
     if node.op != "call_function" or schema is None or not schema.name.startswith("moec::"):
@@ -234,7 +228,7 @@ class BindPass(Pass):
         return True
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-        target = program_target(ctx)
+        target = ctx.target
         fa4_here = wants_fa4(ctx.plan, target)
         half = ctx.plan.precision.compute_dtype == "bf16"
         attention_impl = target.implementation("flash_attention")
