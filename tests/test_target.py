@@ -11,7 +11,7 @@ import torch
 import moec
 from moec.frontend import capture
 from moec.kernels.arch import HAVE_TRITON, interpreting
-from moec.kernels.target import Target
+from moec.kernels.target import Target, count_text
 from moec.passes.base import PassContext
 from moec.plan import Plan
 from tests.models import tiny_llama, tokens
@@ -64,6 +64,15 @@ def test_a_pass_reads_the_programs_target_from_its_context():
     program.target = HOPPER
     assert PassContext(Plan(), program).target == HOPPER
     assert PassContext(Plan()).target == Target.detect("cpu")
+
+
+def test_element_counts_read_exactly_in_the_largest_binary_unit_that_divides_them():
+    assert [count_text(n) for n in (2**30, 3 << 20, 1 << 14, 2**40 * 5)] == [
+        "1 Gi", "3 Mi", "16 Ki", "5 Ti"
+    ]  # fmt: skip
+    assert [count_text(n) for n in (0, 512, 1536, 1_000_000)] == ["0", "512", "1,536", "1,000,000"]
+    small = dataclasses.replace(Target(), loss_chunk_elements=1 << 14)
+    assert "loss chunks of 16 Ki logits" in small.describe()
 
 
 def test_the_target_resolves_ep_path_auto_and_supplies_op_arguments():

@@ -52,7 +52,7 @@ import torch.fx as fx
 import moec.ops  # noqa: F401  (registers torch.ops.moec)
 from moec.fx import argument
 from moec.kernels import flash_attention as fa4
-from moec.kernels.target import Target
+from moec.kernels.target import Target, count_text
 from moec.ops.ep import PATHS as EP_PATHS
 from moec.passes.base import Pass, PassContext, PassResult, register_pass
 from moec.passes.combine_experts import CombineExpertsPass
@@ -135,7 +135,7 @@ def describe(op: str, impl: str, node: fx.Node, target: Target) -> str:
     if op == "linear_cross_entropy":
         if impl == "cute":
             words = "quack's fused pipeline where it takes the head, else the Triton rows"
-        return f"{words}; chunks of at most {node.kwargs['chunk_elements']} logits"
+        return f"{words}; chunks of at most {count_text(node.kwargs['chunk_elements'])} logits"
     return words
 
 
