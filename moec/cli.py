@@ -13,7 +13,8 @@
 Building the parser imports no torch (``moec --help`` and every ``moec COMMAND --help`` start at
 once): the commands import what they run inside their function, or are named by
 :func:`~moec.lazy.lazy_command`. ``moec train``'s flags are made from
-:class:`~moec.train.config.TrainConfig` (:func:`~moec.train.config.add_flags`). A new command is
+:class:`~moec.train.config.TrainConfig`, ``moec data build``'s from
+:class:`~moec.corpus_build.BuildOptions` (:func:`moec.flags.add_flags`). A new command is
 one ``_add_..._parser(sub)`` line in :func:`build_parser` and its function.
 
 MODEL is a short name (``llama``, ``gpt2``, ``hf-llama``, ``hf-qwen2``, ``hf-gpt2``) or
@@ -34,6 +35,7 @@ import typing
 from collections.abc import Sequence
 from types import SimpleNamespace
 
+import moec.flags as flags
 from moec.analysis.gpus import GPUS
 from moec.errors import MoecError, one_line
 from moec.export.cli import add_export_parser
@@ -41,7 +43,7 @@ from moec.lazy import lazy_command
 from moec.models.zoo import SHORT_NAMES
 from moec.plan import Plan
 from moec.train.cli import DEMO_CONFIG, DEMO_FLAGS
-from moec.train.config import DEFAULT_BATCH_SIZE, add_flags, batch_per_rank, shown_default
+from moec.train.config import DEFAULT_BATCH_SIZE, add_flags, batch_per_rank
 from moec.warmup import add_parser as _add_warmup_parser
 
 if typing.TYPE_CHECKING:  # the commands import torch when they run: building the parser does not
@@ -302,14 +304,7 @@ def cmd_data_build(args: argparse.Namespace) -> int:
 
     from moec.corpus_build import BuildOptions, build_corpus
 
-    options = BuildOptions(
-        sources=tuple(args.source),
-        max_bytes=args.max_bytes,
-        max_file_bytes=args.max_file_bytes,
-        eval_fraction=args.eval_fraction,
-        vocab_size=args.vocab_size,
-        tokenizer_sample_bytes=args.tokenizer_sample_bytes,
-    )
+    options = flags.from_flags(BuildOptions, args)
     console, start = _console(), time.monotonic()
 
     def say(line: str) -> None:
@@ -322,9 +317,8 @@ def cmd_data_build(args: argparse.Namespace) -> int:
 
 def _add_data_parser(sub: argparse._SubParsersAction) -> None:
     """``moec data build`` (:mod:`moec.corpus_build`)."""
-    from moec.corpus_build import MB, BuildOptions, parse_bytes
+    from moec.corpus_build import BuildOptions
 
-    defaults = BuildOptions()
     data = sub.add_parser("data", help="build training corpora")
     data_sub = data.add_subparsers(dest="data_command", required=True)
     build = data_sub.add_parser(
@@ -336,39 +330,7 @@ def _add_data_parser(sub: argparse._SubParsersAction) -> None:
         "(see moec.corpus_build); moec train --data DIR trains on it.",
     )
     build.add_argument("dir", metavar="DIR", help="the corpus folder (new or empty)")
-    build.add_argument(
-        "--source",
-        action="append",
-        default=[],
-        metavar="PATH",
-        help="a folder or file of text (repeatable); default: the installed Python packages",
-    )
-    sizes = {
-        "max_bytes": "text taken at most, e.g. 300M",
-        "max_file_bytes": "larger files are left out",
-        "tokenizer_sample_bytes": "train-split text the tokenizer is trained on",
-    }
-    for name, text in sizes.items():  # sizes as 300M or 1G, shown in M
-        default = getattr(defaults, name)
-        build.add_argument(
-            "--" + name.replace("_", "-"),
-            type=parse_bytes,
-            metavar="SIZE",
-            default=default,
-            help=f"{text} (default {default / MB:g}M)",
-        )
-    build.add_argument(
-        "--eval-fraction",
-        type=float,
-        default=defaults.eval_fraction,
-        help="share of the files, by content hash, in the eval split (default %(default)s)",
-    )
-    build.add_argument(
-        "--vocab-size",
-        type=int,
-        default=defaults.vocab_size,
-        help="the tokenizer's vocabulary at most (default %(default)s)",
-    )
+    flags.add_flags(build, BuildOptions)
     build.add_argument(
         "--force",
         action="store_true",
@@ -379,12 +341,12 @@ def _add_data_parser(sub: argparse._SubParsersAction) -> None:
 
 class HelpFormatter(argparse.HelpFormatter):
     """Help that shows each option's default, in the form the option takes
-    (:func:`~moec.train.config.shown_default`), unless its help already says it (``(default``)
+    (:func:`~moec.flags.shown_default`), unless its help already says it (``(default``)
     or there is none to show (None, a switch, an empty list)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        shown = shown_default(action.default) if action.option_strings else None
+        shown = flags.shown_default(action.default) if action.option_strings else None
         if shown is None or action.default is argparse.SUPPRESS or "(default" in text:
             return action.help
         return f"{text} (default: {shown.replace('%', '%%')})".lstrip()

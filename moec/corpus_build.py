@@ -65,6 +65,7 @@ from typing import Any
 import numpy as np
 
 from moec.corpus import MANIFEST, SPLITS, CorpusError
+from moec.flags import flag, option
 
 EOS = "<|endoftext|>"
 TEXT_SUFFIXES = (".md", ".py", ".rst", ".txt")
@@ -83,53 +84,6 @@ class CorpusBuildError(CorpusError):
     """Options, sources or an output folder that ``moec data build`` cannot build from or into."""
 
 
-@dataclasses.dataclass(frozen=True)
-class BuildOptions:
-    """What ``moec data build`` reads and makes (see module); each field is the flag of the same
-    name (``max_bytes``: ``--max-bytes``)."""
-
-    sources: tuple[str, ...] = ()
-    """Folders or files; empty: the installed Python packages (``site.getsitepackages()``)."""
-    max_bytes: int = 300 * MB
-    """Text taken at most, over both splits."""
-    max_file_bytes: int = MB
-    """Larger files (generated tables, vendored bundles) are left out."""
-    eval_fraction: float = 0.01
-    """The share of files (by content hash) in the eval split."""
-    vocab_size: int = 8192
-    """The tokenizer's vocabulary at most (EOS and the 256 bytes included)."""
-    tokenizer_sample_bytes: int = 20 * MB
-    """Train-split text the tokenizer is trained on at most."""
-
-    def __post_init__(self) -> None:
-        for name in ("max_bytes", "max_file_bytes", "tokenizer_sample_bytes"):
-            if getattr(self, name) <= 0:
-                raise CorpusBuildError(f"{_flag(name)} {getattr(self, name)}: must be > 0")
-        if not 0 < self.eval_fraction < 1:
-            raise CorpusBuildError(
-                f"--eval-fraction {self.eval_fraction}: must be in (0, 1), e.g. 0.01"
-            )
-        if not BYTE_ALPHABET + 1 <= self.vocab_size <= 2**32:
-            raise CorpusBuildError(
-                f"--vocab-size {self.vocab_size}: must be in [{BYTE_ALPHABET + 1}, 2^32] (the "
-                f"{BYTE_ALPHABET} bytes and EOS, then the merges)"
-            )
-
-    def command(self, out: str | Path) -> str:
-        """The ``moec data build`` command line that builds these options into ``out``."""
-        words = ["moec", "data", "build", str(out)]
-        for source in self.sources:
-            words += ["--source", source]
-        for field in dataclasses.fields(self):
-            if field.name != "sources":
-                words += [_flag(field.name), str(getattr(self, field.name))]
-        return shlex.join(words)
-
-
-def _flag(field: str) -> str:
-    return "--" + field.replace("_", "-")
-
-
 def parse_bytes(text: str) -> int:
     """A byte count from the command line: ``300M``, ``1.5G``, ``64k`` or ``20000000`` (decimal
     units: k = 10^3, M = 10^6, G = 10^9)."""
@@ -142,6 +96,72 @@ def parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(
             f"{text!r}: not a size; give bytes, or a number with k, M or G (e.g. 300M)"
         ) from exc
+
+
+def size_text(count: int) -> str:
+    """A byte count as the size flags take it, exactly (:func:`parse_bytes` reads it back):
+    ``300M``, ``4k``, or the bytes where neither unit divides it."""
+    for unit, size in (("M", MB), ("k", 10**3)):
+        if count and count % size == 0:
+            return f"{count // size}{unit}"
+    return str(count)
+
+
+SIZE = {"metavar": "SIZE", "parse": parse_bytes, "shown": size_text}
+"""How a size field's flag reads (``300M``, :func:`parse_bytes`) and shows its default."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildOptions:
+    """What ``moec data build`` reads and makes (see module); each field is declared with the
+    flag that sets it, its help and its default (:func:`moec.flags.option`): ``max_bytes`` is
+    ``--max-bytes``, ``sources`` the repeatable ``--source``; sizes read as ``300M``."""
+
+    sources: tuple[str, ...] = option(
+        (),
+        "a folder or file of text (repeatable); default: the installed Python packages",
+        flag="--source",
+        metavar="PATH",
+    )
+    """Folders or files; empty: the installed Python packages (``site.getsitepackages()``)."""
+    max_bytes: int = option(300 * MB, "text taken at most, e.g. 300M", **SIZE)
+    """Text taken at most, over both splits."""
+    max_file_bytes: int = option(MB, "larger files are left out", **SIZE)
+    """Larger files (generated tables, vendored bundles) are left out."""
+    tokenizer_sample_bytes: int = option(
+        20 * MB, "train-split text the tokenizer is trained on", **SIZE
+    )
+    """Train-split text the tokenizer is trained on at most."""
+    eval_fraction: float = option(0.01, "share of the files, by content hash, in the eval split")
+    vocab_size: int = option(8192, "the tokenizer's vocabulary at most")
+    """The tokenizer's vocabulary at most (EOS and the 256 bytes included)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_bytes", "max_file_bytes", "tokenizer_sample_bytes"):
+            if getattr(self, name) <= 0:
+                raise CorpusBuildError(f"{_flag(name)} {getattr(self, name)}: must be > 0")
+        if not 0 < self.eval_fraction < 1:
+            raise CorpusBuildError(
+                f"{_flag('eval_fraction')} {self.eval_fraction}: must be in (0, 1), e.g. 0.01"
+            )
+        if not BYTE_ALPHABET + 1 <= self.vocab_size <= 2**32:
+            raise CorpusBuildError(
+                f"{_flag('vocab_size')} {self.vocab_size}: must be in "
+                f"[{BYTE_ALPHABET + 1}, 2^32] (the {BYTE_ALPHABET} bytes and EOS, then the merges)"
+            )
+
+    def command(self, out: str | Path) -> str:
+        """The ``moec data build`` command line that builds these options into ``out``."""
+        words = ["moec", "data", "build", str(out)]
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            for item in value if isinstance(value, (tuple, list)) else (value,):
+                words += [_flag(field.name), str(item)]
+        return shlex.join(words)
+
+
+def _flag(field: str) -> str:
+    return flag(BuildOptions, field)
 
 
 @dataclasses.dataclass

@@ -1,6 +1,7 @@
-"""The ``moec`` command line itself: ``moec train``'s flags are made from ``TrainConfig`` (one
-flag per field, its default the field's, shown in ``--help``), and building the parser or
-printing any command's ``--help`` imports no torch (so that it starts at once)."""
+"""The ``moec`` command line itself: ``moec train``'s flags are made from ``TrainConfig`` and
+``moec data build``'s from ``BuildOptions`` (one flag per field, its default the field's, shown
+in ``--help``), and building the parser or printing any command's ``--help`` imports no torch
+(so that it starts at once)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import sys
 
 import pytest
 
+import moec.flags as flags
 from moec.cli import build_parser, main
+from moec.corpus_build import BuildOptions, parse_bytes, size_text
 from moec.train.cli import DEMO_CONFIG, DEMO_FLAGS
-from moec.train.config import TrainConfig, flag, from_flags, shown_default
+from moec.train.config import TrainConfig, flag, from_flags
 from tests.test_run_reliability import _train_args, _write_factory
 
 FIELDS = dataclasses.fields(TrainConfig)
@@ -64,7 +67,7 @@ def test_every_train_config_field_has_one_train_flag_defaulting_to_the_field():
 def test_train_help_shows_every_default(capsys, monkeypatch):
     entries = _help_entries(_help(["train"], capsys, monkeypatch))
     for field in FIELDS:
-        shown = shown_default(field.default)
+        shown = flags.shown_default(field.default)
         entry = entries[flag(field.name)]
         if shown is not None:
             assert f"(default: {shown})" in entry, entry
@@ -74,6 +77,37 @@ def test_train_help_shows_every_default(capsys, monkeypatch):
     assert "microbatch_size where it fixes one, else 8" in entries["--batch-size"]
     assert "(default: embeddings,norms,biases)" in entries["--no-decay"]
     assert "(default: llama)" in entries["--model"]
+
+
+def test_every_build_option_has_one_data_build_flag_defaulting_to_the_field(capsys, monkeypatch):
+    """``moec data build``'s flags are BuildOptions' fields (the same names as when they were
+    written by hand); parsed without flags they are BuildOptions(); sizes read and show as 60M."""
+    build = _subparsers(_subparsers(build_parser())["data"])["build"]
+    for field in dataclasses.fields(BuildOptions):
+        options = _options(build, field.name)
+        assert len(options) == 1, f"BuildOptions.{field.name}: {len(options)} flags"
+        assert options[0].option_strings == [flags.flag(BuildOptions, field.name)]
+    names = {s for a in build._actions for s in a.option_strings}
+    assert names == {
+        "-h", "--help", "--source", "--max-bytes", "--max-file-bytes", "--tokenizer-sample-bytes",
+        "--eval-fraction", "--vocab-size", "--force",
+    }  # fmt: skip
+    parse = build_parser().parse_args
+    assert flags.from_flags(BuildOptions, parse(["data", "build", "d"])) == BuildOptions()
+    given = ["data", "build", "d", "--source", "a", "--source", "b", "--max-bytes", "60M"]
+    assert flags.from_flags(BuildOptions, parse(given)) == BuildOptions(
+        sources=("a", "b"), max_bytes=60 * 10**6
+    )
+    entries = _help_entries(_help(["data", "build"], capsys, monkeypatch))
+    shown = {
+        "--max-bytes": "300M", "--max-file-bytes": "1M", "--tokenizer-sample-bytes": "20M",
+        "--eval-fraction": "0.01", "--vocab-size": "8192",
+    }  # fmt: skip
+    for name, default in shown.items():
+        assert entries[name].endswith(f"(default: {default})"), entries[name]
+    assert entries["--source"].endswith("(repeatable); default: the installed Python packages")
+    for count in (300 * 10**6, 4000, 1_234_567, 1):
+        assert parse_bytes(size_text(count)) == count
 
 
 def test_demo_flags_default_to_the_demo_run(capsys, monkeypatch):

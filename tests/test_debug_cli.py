@@ -54,7 +54,8 @@ def plan_file(tmp_path):
 def test_debug_prints_each_nodes_bound_implementation(tmp_path, capsys, two_blocks):
     """After pass bind, moec debug prints (and writes to bindings.txt) the target, the expert
     GEMMs' policy and every moec:: node's bound implementation: here (no GPU) the reference, a
-    low-precision recipe emulated, and the FA4 swap of each attention as its own node."""
+    low-precision recipe emulated, the FA4 swap of each attention as its own node, and the
+    fused loss's chunk bound in binary units (:func:`moec.kernels.target.count_text`)."""
     path = tmp_path / "plan.yaml"
     plan = {
         **PLAN,
@@ -73,7 +74,9 @@ def test_debug_prints_each_nodes_bound_implementation(tmp_path, capsys, two_bloc
     attention = [line for line in lines if " flash_attention: " in line]
     assert len(mlps) == 1 and all("reference (fp8_rowwise emulated)" in m for m in mlps)
     assert len(attention) == 2 and all("(SDPA swapped)" in a for a in attention)
-    assert any(" linear_cross_entropy: reference" in line for line in lines)
+    (loss,) = [line for line in lines if " linear_cross_entropy: reference" in line]
+    # the chunk bound (Target.loss_chunk_elements, 2^30) in binary units, not 1073741824
+    assert loss.endswith("chunks of at most 1 Gi logits)")
     graph = next(out.glob("*_bind")) / "graph.py"
     assert "impl = 'reference'" in graph.read_text()
 

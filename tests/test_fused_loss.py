@@ -129,7 +129,7 @@ def test_the_chunk_bound_is_the_targets_bound_at_compile_time(monkeypatch):
         if n.target is torch.ops.moec.linear_cross_entropy.default
     ]  # fmt: skip
     assert [n.kwargs["chunk_elements"] for n in fused] == [1 << 14]
-    assert "chunks of at most 16384 logits" in compiled[1].program.bindings[fused[0].name]
+    assert "chunks of at most 16 Ki logits" in compiled[1].program.bindings[fused[0].name]
     steps = _chunk_steps(monkeypatch)
     losses = [c(ids[:, :-1], ids[:, 1:]) for c in compiled]
     assert steps == [256, 128]

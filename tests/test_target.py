@@ -9,8 +9,11 @@ import dataclasses
 import torch
 
 import moec
+from moec.frontend import capture
 from moec.kernels.arch import HAVE_TRITON, interpreting
-from moec.kernels.target import Target
+from moec.kernels.target import Target, count_text
+from moec.passes.base import PassContext
+from moec.plan import Plan
 from tests.models import tiny_llama, tokens
 
 PLAN = {"moe": {"num_experts": 4, "top_k": 2, "dense_first": 1}}
@@ -51,6 +54,25 @@ def test_compile_binds_for_the_target_it_is_given_and_records_it():
     names = {name for name in hopper.program.bindings}
     assert len(names) == hopper.pass_results["bind"].stats["bound"] > 0
     torch.testing.assert_close(hopper(ids), detected(ids))
+
+
+def test_a_pass_reads_the_programs_target_from_its_context():
+    """``PassContext.target`` is the program's target; the detected CPU target where the
+    program records none or the pass runs on a bare graph."""
+    program = capture(torch.nn.Linear(4, 4), (torch.randn(2, 4),))
+    assert PassContext(Plan(), program).target == Target.detect("cpu")
+    program.target = HOPPER
+    assert PassContext(Plan(), program).target == HOPPER
+    assert PassContext(Plan()).target == Target.detect("cpu")
+
+
+def test_element_counts_read_exactly_in_the_largest_binary_unit_that_divides_them():
+    assert [count_text(n) for n in (2**30, 3 << 20, 1 << 14, 2**40 * 5)] == [
+        "1 Gi", "3 Mi", "16 Ki", "5 Ti"
+    ]  # fmt: skip
+    assert [count_text(n) for n in (0, 512, 1536, 1_000_000)] == ["0", "512", "1,536", "1,000,000"]
+    small = dataclasses.replace(Target(), loss_chunk_elements=1 << 14)
+    assert "loss chunks of 16 Ki logits" in small.describe()
 
 
 def test_the_target_resolves_ep_path_auto_and_supplies_op_arguments():

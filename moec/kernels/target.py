@@ -40,6 +40,19 @@ LOSS_CHUNK_ELEMENTS = 1 << 30
 GEMM fills the GPU and d_weight's accumulator is read by few epilogues
 (``benchmarks/lm_head.py`` weighs the time against the memory)."""
 
+BINARY_UNITS = ((40, "Ti"), (30, "Gi"), (20, "Mi"), (10, "Ki"))
+
+
+def count_text(count: int) -> str:
+    """An element count as ``moec debug`` prints it, exactly: in the largest binary unit that
+    divides it (``2**30`` -> ``1 Gi``, ``3 << 20`` -> ``3 Mi``), else its digits grouped by
+    thousands (``1000000`` -> ``1,000,000``; ``512`` -> ``512``)."""
+    for shift, unit in BINARY_UNITS:
+        if count and count % (1 << shift) == 0:
+            return f"{count >> shift} {unit}"
+    return f"{count:,}"
+
+
 EP_AUTO_PATHS: dict[str, str] = {"cuda": "rowwise"}
 """What ``parallel.ep_path: auto`` resolves to by device type: ``rowwise`` (symmetric memory)
 on CUDA; elsewhere :data:`EP_FALLBACK_PATH`, the path every backend runs."""
@@ -190,7 +203,7 @@ class Target:
         if not self.fused_loss:
             fields.append("fused_loss=off")
         if self.loss_chunk_elements != LOSS_CHUNK_ELEMENTS:
-            fields.append(f"loss chunks of {self.loss_chunk_elements} logits")
+            fields.append(f"loss chunks of {count_text(self.loss_chunk_elements)} logits")
         if self.ep_poison is not None:
             fields.append(f"EP buffers poisoned with {self.ep_poison}")
         if self.ep_asynchronous is not None:

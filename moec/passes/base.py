@@ -17,7 +17,7 @@ A pass is a :class:`Pass` subclass registered with :func:`register_pass`. It dec
   its result's ``stats``, nothing into globals or ``gm.meta``.
 
 Passes are constructed without arguments; what they need beyond the plan (this rank's EP
-group) is in the context.
+group, the program's target: :attr:`PassContext.target`) is in the context.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Any, ClassVar, TypeVar
 import torch.fx as fx
 
 from moec.errors import MoecError
+from moec.kernels.target import Target
 from moec.plan import Plan
 from moec.program import EPGroup, Program
 
@@ -56,6 +57,14 @@ class PassContext:
     results: dict[str, PassResult] = dataclasses.field(default_factory=dict)
     """Results of the passes that already ran, by name."""
     _analyses: dict[tuple[Callable[..., Any], int], Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def target(self) -> Target:
+        """The :class:`~moec.kernels.target.Target` the program is compiled for: the program's
+        (``moec.compile`` records it before any pass runs), else (no program, or a program
+        built without one) :meth:`Target.detect` of the CPU. Every pass reads its target here."""
+        target = self.program.target if self.program is not None else None
+        return target or Target.detect("cpu")
 
     def analysis(self, compute: Callable[[Any], Any], subject: Any) -> Any:
         """``compute(subject)`` (a graph or the program), cached until a pass reports that it

@@ -52,7 +52,7 @@ import torch.fx as fx
 import moec.ops  # noqa: F401  (registers torch.ops.moec)
 from moec.fx import argument
 from moec.kernels import flash_attention as fa4
-from moec.kernels.target import Target
+from moec.kernels.target import Target, count_text
 from moec.ops.ep import PATHS as EP_PATHS
 from moec.passes.base import Pass, PassContext, PassResult, register_pass
 from moec.passes.combine_experts import CombineExpertsPass
@@ -69,12 +69,6 @@ unmeasured here: there ``fa4`` asks for it."""
 MAJORS = {"sm90": 9, "sm100": 10}
 LAST_REWRITES = ("combine_experts", "pipeline")
 """The passes that run after ``combine_experts`` (bind runs after them and everything before)."""
-
-
-def program_target(ctx: PassContext) -> Target:
-    """The target the program is compiled for (one without: the detected CPU target)."""
-    target = ctx.program.target if ctx.program is not None else None
-    return target or Target.detect("cpu")
 
 
 def _moec_schema(node: fx.Node) -> torch._C.FunctionSchema | None:
@@ -141,7 +135,7 @@ def describe(op: str, impl: str, node: fx.Node, target: Target) -> str:
     if op == "linear_cross_entropy":
         if impl == "cute":
             words = "quack's fused pipeline where it takes the head, else the Triton rows"
-        return f"{words}; chunks of at most {node.kwargs['chunk_elements']} logits"
+        return f"{words}; chunks of at most {count_text(node.kwargs['chunk_elements'])} logits"
     return words
 
 
@@ -234,7 +228,7 @@ class BindPass(Pass):
         return True
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-        target = program_target(ctx)
+        target = ctx.target
         fa4_here = wants_fa4(ctx.plan, target)
         half = ctx.plan.precision.compute_dtype == "bf16"
         attention_impl = target.implementation("flash_attention")

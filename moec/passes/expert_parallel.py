@@ -44,7 +44,6 @@ import torch.fx as fx
 import moec.ops.ep  # noqa: F401  (registers the moec::ep_* ops)
 from moec.errors import MoecError
 from moec.passes.base import Pass, PassContext, PassResult, register_pass
-from moec.passes.bind import program_target
 from moec.passes.rewrite import GraphEditor
 from moec.plan import Plan
 from moec.program import EPGroup, ExpertParallelLayout, ExpertSlice, Program
@@ -99,7 +98,7 @@ class ExpertParallelPass(Pass):
         sites = [self._match(gm, node, group) for node in gm.graph.nodes if _is(node, "dispatch")]
         if not sites:
             raise ExpertParallelError("pass expert_parallel found no moec.dispatch: run moe first")
-        path = program_target(ctx).ep_path(ctx.plan.parallel.ep_path)
+        path = ctx.target.ep_path(ctx.plan.parallel.ep_path)
         editor = GraphEditor(gm, self.name)
         removed = 0
         dropped: list[fx.Node] = []

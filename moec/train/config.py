@@ -2,11 +2,11 @@
 ``moec train`` flag; the device, the warmup-stable-decay learning-rate schedule and the
 batch-size warmup (:func:`lr_factor`, :func:`rank_batch_size`).
 
-Each field is declared once, with its default and its help (:func:`option`); :func:`add_flags`
-makes ``moec train``'s flags from them (``--batch-size`` sets ``batch_size``, a field that
-defaults to True is turned off by ``--no-...``) and :func:`from_flags` reads them back, so a
-flag's default is its field's. This module imports no torch at import time (``moec train
---help`` reads it).
+Each field is declared once, with its default and its help (:func:`moec.flags.option`);
+:func:`add_flags` makes ``moec train``'s flags from them (:mod:`moec.flags`: ``--batch-size``
+sets ``batch_size``, a field that defaults to True is turned off by ``--no-...``) and
+:func:`from_flags` reads them back, so a flag's default is its field's. This module imports no
+torch at import time (``moec train --help`` reads it).
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import moec.flags as flags
 from moec.errors import MoecError
+from moec.flags import option
 from moec.train.routing_health import COLLAPSE_POLICIES, LASTING, PATIENCE
 
 if typing.TYPE_CHECKING:
@@ -51,21 +52,6 @@ given."""
 
 class TrainConfigError(MoecError):
     """A TrainConfig field (a ``moec train`` flag) out of its accepted range."""
-
-
-def option(
-    default: Any,
-    help: str,
-    *,
-    section: str | None = None,
-    metavar: str | None = None,
-    choices: tuple[str, ...] | None = None,
-) -> Any:
-    """A :class:`TrainConfig` field: its ``default`` and ``help`` (the field's documentation and
-    its flag's help), the help ``section`` (a key of :data:`SECTIONS`; None: the first), and the
-    flag's ``metavar`` and ``choices``."""
-    meta = {"help": help, "section": section, "metavar": metavar, "choices": choices}
-    return dataclasses.field(default=default, metadata=meta)
 
 
 @dataclasses.dataclass
@@ -371,24 +357,10 @@ def batch_per_rank(batch_size: int | None, parallel: ParallelPlan) -> int:
     return batch_size
 
 
-def _declared_fields() -> dict[str, dataclasses.Field]:
-    """TrainConfig's fields by name, each checked to be declared by :func:`option` (its flag's
-    help and section come from there)."""
-    fields = {field.name: field for field in dataclasses.fields(TrainConfig)}
-    for name, field in fields.items():
-        if "help" not in field.metadata:
-            raise TypeError(f"TrainConfig.{name}: declare it with option(default, help)")
-    return fields
-
-
-_FIELDS = _declared_fields()
-
-
 def flag(field: str) -> str:
     """The ``moec train`` flag that sets the TrainConfig field ``field``: ``--no-plots`` for a
-    field that defaults to True, else ``--`` and the name with dashes."""
-    dashed = field.replace("_", "-")
-    return f"--no-{dashed}" if _FIELDS[field].default is True else f"--{dashed}"
+    field that defaults to True, else ``--`` and the name with dashes (:func:`moec.flags.flag`)."""
+    return flags.flag(TrainConfig, field)
 
 
 def flag_of(field: str) -> str:
@@ -402,67 +374,17 @@ def add_flags(
     defaults: Mapping[str, Any] | None = None,
 ) -> None:
     """Add to ``parser`` the flag of each TrainConfig field (``fields``; None: every one), in
-    the field's help section, its default the field's (or ``defaults[name]``, for ``moec
-    demo``'s recipe). A bool field is a switch; a field that also takes a string
-    (``--no-decay``, ``--batch-warmup``, ``--betas``) is given as one, which TrainConfig
-    parses."""
-    chosen = set(_FIELDS) if fields is None else set(fields)
-    unknown = chosen - set(_FIELDS)
-    if unknown:
-        raise ValueError(f"not TrainConfig fields: {', '.join(sorted(unknown))}")
-    defaults = defaults or {}
-    hints = typing.get_type_hints(TrainConfig)
-    sections: dict[str | None, Any] = {None: parser}
-    for name, field in _FIELDS.items():
-        if name not in chosen:
-            continue
-        meta = field.metadata
-        section = meta["section"]
-        if section not in sections:
-            sections[section] = parser.add_argument_group(SECTIONS[section])
-        common = dict(dest=name, default=defaults.get(name, field.default))
-        common["help"] = meta["help"].replace("%", "%%")  # argparse %-formats help
-        if isinstance(field.default, bool):
-            action = "store_false" if field.default else "store_true"
-            sections[section].add_argument(flag(name), action=action, **common)
-            continue
-        kind = _flag_type(name, hints[name])
-        metavar = meta["metavar"] or (None if meta["choices"] else _METAVARS[kind])
-        sections[section].add_argument(
-            flag(name), type=kind, metavar=metavar, choices=meta["choices"], **common
-        )
+    the field's help section (:data:`SECTIONS`), its default the field's (or
+    ``defaults[name]``, for ``moec demo``'s recipe) (:func:`moec.flags.add_flags`). A field
+    that also takes a string (``--no-decay``, ``--batch-warmup``, ``--betas``) is given as one,
+    which TrainConfig parses."""
+    flags.add_flags(parser, TrainConfig, fields, defaults, SECTIONS)
 
 
 def from_flags(args: argparse.Namespace, **fixed: Any) -> TrainConfig:
     """The TrainConfig of the flags :func:`add_flags` added to ``args``'s parser, over the
     fields ``fixed`` (those the command has no flag for)."""
-    given = {name: getattr(args, name) for name in _FIELDS if hasattr(args, name)}
-    return TrainConfig(**{**fixed, **given})
-
-
-def shown_default(value: Any) -> str | None:
-    """A default as ``--help`` shows it, in the form the flag takes (``embeddings,norms``,
-    ``8:0,16:100``); None where there is nothing to show (None, a switch, an empty value)."""
-    if value is None or isinstance(value, bool) or value in ((), "", []):
-        return None
-    if isinstance(value, (tuple, list)):
-        return ",".join(
-            ":".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v) for v in value
-        )
-    return str(value)
-
-
-_METAVARS = {int: "N", float: "X", str: "TEXT"}
-
-
-def _flag_type(name: str, hint: Any) -> type:
-    """What a flag's text converts to: the field's type less None; str for a field that also
-    takes a string."""
-    kinds = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-    kinds = tuple(k for k in kinds if k is not type(None))
-    if str in kinds or kinds in ((int,), (float,)):
-        return str if str in kinds else kinds[0]
-    raise TypeError(f"TrainConfig.{name}: {hint} has no flag type; let the field take a str")
+    return flags.from_flags(TrainConfig, args, **fixed)
 
 
 def _parse_betas(betas: tuple[float, float] | str) -> tuple[float, float]:
