@@ -76,7 +76,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from moec import cache as moec_cache
 from moec.analysis.cost import graph_cost
 from moec.analysis.rank_memory import GIB, format_rank_memory, rank_memory
-from moec.compiler import compile, holds_storage, meta_program
+from moec.compiler import compile
 from moec.corpus import TokenCorpus, parse_spec
 from moec.data import Batches, DataError, Prefetcher, TextBatches
 from moec.errors import MoecError
@@ -202,18 +202,10 @@ class Trainer:
             )
         wrapped = LanguageModelWithLoss(model, cfg.z_loss)
         check = self._check_memory if self._memory_limit() is not None else None
-        if check is not None and holds_storage(wrapped):
-            # predicted on shapes before the model moves to the device (compile would check
-            # after that, before its passes allocate)
-            check(
-                meta_program(
-                    wrapped, plan, example, {}, training=model.training, mesh=job,
-                    target=target or Target.detect(self.device),
-                )
-            )  # fmt: skip
-            check = None
         self.compiled = compile(
-            wrapped if cfg.init_from else wrapped.to(self.device),
+            # with a check, compile predicts on the meta device before anything moves, then
+            # gives the program the model's tensors on the example's device
+            wrapped if cfg.init_from or check else wrapped.to(self.device),
             plan,
             example,
             mesh=job,
