@@ -256,3 +256,12 @@ def test_shared_casts_of_a_meta_capture_follow_the_programs_target(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert _device_type(program.graph, "cpu") == "cpu"
     assert _device_type(program.graph, None) == "cuda"
+
+
+def test_compiling_a_batch_norm_model_leaves_its_statistics_alone():
+    """Before: the verifier's fake propagation ran ``num_batches_tracked += 1`` on the model's
+    own tensor at every propagation (the compile counted batches it never ran)."""
+    model = BatchNormNet()
+    unchanged = _unchanged(model)
+    moec.compile(model, RANDOM, tokens())
+    assert unchanged()
