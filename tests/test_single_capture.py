@@ -21,6 +21,7 @@ from moec.models import Llama, LlamaConfig
 from moec.passes.casts import _device_type
 from moec.plan import Plan
 from moec.train import LanguageModelWithLoss, TrainConfig, Trainer
+from tests.distributed import spawn
 from tests.models import hf_model, tiny_llama
 
 UPCYCLE = {"moe": {"num_experts": 4, "top_k": 2, "shared_expert": True}}
@@ -265,3 +266,34 @@ def test_compiling_a_batch_norm_model_leaves_its_statistics_alone():
     unchanged = _unchanged(model)
     moec.compile(model, RANDOM, tokens())
     assert unchanged()
+
+
+def _pp_worker(rank: int, world: int, out: str) -> None:
+    """Three PP = 2 steps without and with a memory limit: one capture, the same losses."""
+    plan = Plan.from_dict({**RANDOM, "parallel": {"pp": 2, "microbatches": 2}})
+    losses = []
+    for name, limit in (("free", None), ("limited", 1000.0)):
+        cfg = TrainConfig(
+            steps=3,
+            batch_size=4,
+            seq_len=16,
+            log_every=1,
+            out=f"{out}/{name}",
+            plots=False,
+            device="cpu",
+            synthetic=True,
+            memory_limit_gib=limit,
+        )
+        torch.manual_seed(0)
+        with exports() as count:
+            trainer = Trainer(tiny_llama(4), plan, cfg)
+        assert count[0] == 1
+        losses.append(trainer.run().losses)
+    assert losses[0] == losses[1], losses
+
+
+@pytest.mark.slow
+def test_a_pipelined_trainer_under_a_memory_limit_builds_each_rank_once(tmp_path):
+    """Each pipeline rank materializes its own stages from the model (the others stay on the
+    meta device for the pipeline runtime to free) and trains as without the limit."""
+    spawn(_pp_worker, 2, str(tmp_path))
