@@ -50,7 +50,7 @@ from moec.runtime.materialize import DenseSource, ModuleSource, lost_constants, 
 PHASES = ("capture", "passes", "materialize")
 phase_seconds: dict[str, float] = dict.fromkeys(PHASES, 0.0)
 """Seconds this process has spent in each phase of compiling, summed over compiles (the
-memory check's build on the meta device included); :mod:`moec.train.timing` reads the
+materialization of a checked program included); :mod:`moec.train.timing` reads the
 differences over a run's start."""
 
 
