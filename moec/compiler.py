@@ -185,28 +185,23 @@ def build_program(
         return program
     program = meta_program(model, args=args, kwargs=kwargs, **how)
     check(program)
-    device = inputs_device(args, kwargs, model)
-    pp_rank = getattr(mesh, "pp_rank", None)
-    if single_build_blocker(program, pp_rank) is not None:
-        # the real build, as before the check: it needs the model where its inputs are
-        return _build(model.to(device), args, kwargs, **how)
+    if single_build_blocker(program) is not None:  # values the meta build lacks
+        return _build(model, args, kwargs, **how)
     with timed("materialize"):
-        materialize(program, ModuleSource(model), device, model, pp_rank=pp_rank)
+        # every pipeline stage, as a capture of the model holds: a pipeline runtime frees the
+        # other ranks' (and with them the model's tensors it shares)
+        device = inputs_device(args, kwargs, model)
+        materialize(program, ModuleSource(model), device, model, every_stage=True)
     return program
 
 
-def single_build_blocker(program: Program, pp_rank: int | None) -> str | None:
+def single_build_blocker(program: Program) -> str | None:
     """Why ``program``, built on the meta device from a copy of a model holding real tensors,
     cannot be materialized from the model's tensors (None: it can, the model is captured
-    once): a tensor constant its forward made on its inputs' device, whose value the meta
-    capture lost, or a pipelined program built without a pipeline mesh (materialize builds
-    one pipeline rank's stages, and such a program runs whole)."""
+    once): a tensor constant the model's forward made on its inputs' device, whose value the
+    meta capture lost (:func:`moec.runtime.materialize.lost_constants`)."""
     lost = lost_constants(program)
-    if lost:
-        return f"tensor constant {lost[0]} made on the meta device by the model's forward"
-    if program.pipeline is not None and pp_rank is None:
-        return "a pipelined program without a pipeline mesh (mesh.pp_rank) runs every stage"
-    return None
+    return f"tensor constant {lost[0]} made on the meta device by the forward" if lost else None
 
 
 def meta_program(

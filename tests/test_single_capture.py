@@ -183,17 +183,14 @@ def test_a_checked_compile_captures_once_and_builds_the_same_program(make, plan)
 def test_a_constant_made_on_the_inputs_device_keeps_the_second_build():
     args = tokens()
     program = meta_program(MadeConstant(), Plan.from_dict(RANDOM), args, {})
-    assert "lifted_tensor" in single_build_blocker(program, None)
+    assert "lifted_tensor" in single_build_blocker(program)
     _compare(MadeConstant, RANDOM, args, captures=2)
 
 
-def test_a_pipelined_program_without_a_pipeline_mesh_keeps_the_second_build():
+def test_a_pipelined_program_without_a_pipeline_mesh_is_built_once_whole():
+    """Every stage is materialized (no pipeline rank to pick one): the full graph runs."""
     plan = {**RANDOM, "parallel": {"pp": 2, "microbatches": 2}}
-    model = LanguageModelWithLoss(tiny_llama(2))
-    program = meta_program(model, Plan.from_dict(plan), tokens(), {})
-    assert "pipeline mesh" in single_build_blocker(program, None)
-    assert single_build_blocker(program, 0) is None
-    _compare(lambda: LanguageModelWithLoss(tiny_llama(2)), plan, tokens(), captures=2)
+    _compare(lambda: LanguageModelWithLoss(tiny_llama(2)), plan, tokens())
 
 
 def test_a_meta_model_from_a_dense_checkpoint_is_checked_and_built_once():
@@ -218,8 +215,9 @@ def test_a_meta_model_from_a_dense_checkpoint_is_checked_and_built_once():
         assert torch.equal(got, want)
 
 
-def _train(tmp_path, name: str, **kw) -> tuple[list[float], dict[str, torch.Tensor], int]:
-    """Three steps of the Trainer on a one-block Llama: losses, final parameters, captures."""
+def _train(tmp_path, name: str, **kw) -> tuple[list[float], dict[str, torch.Tensor], int, set]:
+    """Three steps of the Trainer on a one-block Llama: losses, final parameters, captures, the
+    names of the program's tensors that are the model's."""
     cfg = TrainConfig(
         steps=3,
         batch_size=2,
@@ -235,17 +233,20 @@ def _train(tmp_path, name: str, **kw) -> tuple[list[float], dict[str, torch.Tens
     model = tiny_llama(1)
     with exports() as count:
         trainer = Trainer(model, Plan.from_dict(RANDOM), cfg)
+    shared = _shared(trainer.compiled, model)
     losses = trainer.run().losses
     params = {n: p.detach().clone() for n, p in trainer.compiled.named_parameters()}
-    return losses, params, count[0]
+    return losses, params, count[0], shared
 
 
 def test_the_trainer_under_a_memory_limit_captures_once_and_trains_the_same(tmp_path):
     """Before: two captures under a limit (the memory check's meta build, then compile's)."""
-    limited, limited_params, captures = _train(tmp_path, "limited", memory_limit_gib=1000)
+    limited, limited_params, captures, limited_shared = _train(
+        tmp_path, "limited", memory_limit_gib=1000
+    )
     assert captures == 1
-    free, free_params, _ = _train(tmp_path, "free")
-    assert limited == free
+    free, free_params, _, free_shared = _train(tmp_path, "free")
+    assert limited == free and limited_shared == free_shared and free_shared
     assert all(torch.equal(limited_params[n], free_params[n]) for n in free_params)
 
 
@@ -294,6 +295,6 @@ def _pp_worker(rank: int, world: int, out: str) -> None:
 
 @pytest.mark.slow
 def test_a_pipelined_trainer_under_a_memory_limit_builds_each_rank_once(tmp_path):
-    """Each pipeline rank materializes its own stages from the model (the others stay on the
-    meta device for the pipeline runtime to free) and trains as without the limit."""
+    """Each pipeline rank materializes the program from the model (its runtime frees the other
+    ranks' stages, as it does without a limit) and trains as without the limit."""
     spawn(_pp_worker, 2, str(tmp_path))

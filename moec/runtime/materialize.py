@@ -17,7 +17,9 @@ their checkpoint tensors read; the other stages' stay on the meta device, for th
 runtime to free (:mod:`moec.runtime.pipeline`). A stage graph holds the full graph's tensor
 objects, so each built tensor replaces the old one in the full graph and in every stage graph
 holding it. The full graph's forward then raises, naming a parameter left on meta (it is
-not this rank's to run).
+not this rank's to run). With ``every_stage`` every stage's tensors are built instead (no
+``pp_rank``): the full graph runs, and a pipeline runtime frees the other ranks' stages itself,
+as it does those of a program captured from real tensors.
 
 Sources (:func:`open_source`): a Hugging Face safetensors directory (``model.safetensors``, or
 the shards named by ``model.safetensors.index.json``), one ``.safetensors`` file (read slice
@@ -332,6 +334,7 @@ def materialize(
     model: nn.Module | None = None,
     *,
     pp_rank: int | None = None,
+    every_stage: bool = False,
 ) -> TensorSource:
     """Replace every parameter and buffer of ``program.graph`` that this rank holds by its real
     value on ``device`` (see the module docstring), reading ``source``; return the opened
@@ -342,8 +345,9 @@ def materialize(
     tensor of that name, and non-persistent buffers are recomputed by its initializer. An
     unbound :class:`FreshInit` is bound to it (required then).
     ``pp_rank``: this rank's pipeline rank (``PipelineMesh.pp_rank``), required exactly when
-    the program is pipelined: only the tensors of the stages it holds are built."""
-    held = _held_tensors(program, pp_rank)
+    the program is pipelined and not ``every_stage``: only the tensors of the stages it holds
+    are built (``every_stage``: those of every stage, see the module)."""
+    held = None if every_stage else _held_tensors(program, pp_rank)
     device = torch.device(device)
     tensors = open_source(source)
     if isinstance(tensors, FreshInit):
@@ -389,8 +393,9 @@ def materialize(
         if held is None or id(gm.get_buffer(b)) in held
     }
     _refresh_working_weights(gm, copies, holders)
-    if split is None:
-        _retarget_devices(gm, device)
+    if split is None or every_stage:
+        for graph in [gm] + ([] if split is None else [s.graph for s in split.stages]):
+            _retarget_devices(graph, device)
     else:  # only this rank's stage graphs run; the full graph reads other stages' tensors
         for s in split.local_stages(pp_rank):
             _retarget_devices(split.stages[s].graph, device)

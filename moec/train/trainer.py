@@ -201,18 +201,25 @@ class Trainer:
                 "does not return: the head runs unfused (loss.fused has no effect)"
             )
         wrapped = LanguageModelWithLoss(model, cfg.z_loss)
-        check = self._check_memory if self._memory_limit() is not None else None
+        move = not cfg.init_from  # a meta model is materialized on the device instead
+        limited = self._memory_limit() is not None
+
+        def check(program: Program) -> None:
+            # predicted on the meta device before the model moves to the device; compile then
+            # gives the program the moved model's tensors, as it shares them without a limit
+            self._check_memory(program)
+            if move:
+                wrapped.to(self.device)
+
         self.compiled = compile(
-            # with a check, compile predicts on the meta device before anything moves, then
-            # gives the program the model's tensors on the example's device
-            wrapped if cfg.init_from or check else wrapped.to(self.device),
+            wrapped.to(self.device) if move and not limited else wrapped,
             plan,
             example,
             mesh=job,
             # the wrapper holds the checkpoint's model at "model."
             init_from=dense and SubmoduleSource(dense, "model."),
             init_device=self.device,
-            check=check,
+            check=check if limited else None,
             target=target,
         )
         self.pipeline: PipelineRuntime | None = runtime_for(self.compiled) if self.pp_mesh else None
