@@ -12,8 +12,13 @@ Checks before allocation: ``check(program)`` (a memory check, say) sees the prog
 the meta device (:func:`meta_program`: the model's parameters and buffers, and the inputs, as
 meta tensors of the same shapes and dtypes), so a plan it refuses has allocated nothing the
 passes would make (routed experts, working copies) and no parameter of the program; only a
-check that passes lets the real build (or, for a model on the meta device, the
-materialization) run.
+check that passes lets the materialization run. The program is built once: the one checked is
+then materialized (:func:`moec.runtime.materialize.materialize`) from the model's own tensors
+(:class:`~moec.runtime.materialize.ModuleSource`: the parameters the program keeps unchanged
+and the buffers are the model's own objects, as a capture of the model shares them) on its
+inputs' device, or, for a model on the meta device, from ``init_from``. A program the meta
+build cannot give every value (:func:`single_build_blocker`) is built a second time from the
+model's real tensors.
 
 Mode: the model is captured in train mode, so its dropouts are in the graph and the runtime can
 switch them off for ``eval()``; a model holding batch norm (running statistics have no switch)
@@ -40,12 +45,12 @@ from moec.passes.manager import DumpHook, PassManager, pipeline_string, select
 from moec.plan import Plan
 from moec.program import Program
 from moec.runtime.compiled import CompiledModel
-from moec.runtime.materialize import DenseSource, materialize
+from moec.runtime.materialize import DenseSource, ModuleSource, lost_constants, materialize
 
 PHASES = ("capture", "passes", "materialize")
 phase_seconds: dict[str, float] = dict.fromkeys(PHASES, 0.0)
 """Seconds this process has spent in each phase of compiling, summed over compiles (the
-memory check's build on the meta device included); :mod:`moec.train.timing` reads the
+materialization of a checked program included); :mod:`moec.train.timing` reads the
 differences over a run's start."""
 
 
@@ -158,22 +163,45 @@ def build_program(
     pipeline) over it for ``target`` (default: :func:`default_target`); ``training`` is the
     mode the program will first run in.
     ``check(program)`` (e.g. a memory check) runs on the program built on the meta device,
-    before the real build allocates anything: for a model holding real tensors that is a
-    :func:`meta_program` built first, for a model on the meta device the program itself
-    (which :func:`compile` materializes only afterwards)."""
-    on_meta = not holds_storage(model)
+    before anything of it is allocated: for a model on the meta device the program itself
+    (which :func:`compile` materializes only afterwards); for a model holding real tensors the
+    program built on a meta copy of it, which is then materialized from the model's tensors
+    on the inputs' device (see the module), so the model is captured once."""
     target = target or default_target(args, kwargs)
-    if check is not None and not on_meta:
-        meta = meta_program(
-            model, plan, args, kwargs, training=training, mesh=mesh, names=names, target=target
-        )
-        check(meta)
-    program = _build(
-        model, plan, args, kwargs, training, mesh, names, dump, verify, print_after, target
+    how = dict(
+        plan=plan,
+        training=training,
+        mesh=mesh,
+        names=names,
+        dump=dump,
+        verify=verify,
+        print_after=print_after,
+        target=target,
     )
-    if check is not None and on_meta:
-        check(program)
+    if check is None or not holds_storage(model):
+        program = _build(model, args, kwargs, **how)
+        if check is not None:
+            check(program)
+        return program
+    program = meta_program(model, args=args, kwargs=kwargs, **how)
+    check(program)
+    if single_build_blocker(program) is not None:  # values the meta build lacks
+        return _build(model, args, kwargs, **how)
+    with timed("materialize"):
+        # every pipeline stage, as a capture of the model holds: a pipeline runtime frees the
+        # other ranks' (and with them the model's tensors it shares)
+        device = inputs_device(args, kwargs, model)
+        materialize(program, ModuleSource(model), device, model, every_stage=True)
     return program
+
+
+def single_build_blocker(program: Program) -> str | None:
+    """Why ``program``, built on the meta device from a copy of a model holding real tensors,
+    cannot be materialized from the model's tensors (None: it can, the model is captured
+    once): a tensor constant the model's forward made on its inputs' device, whose value the
+    meta capture lost (:func:`moec.runtime.materialize.lost_constants`)."""
+    lost = lost_constants(program)
+    return f"tensor constant {lost[0]} made on the meta device by the forward" if lost else None
 
 
 def meta_program(
@@ -186,26 +214,39 @@ def meta_program(
     mesh: Any = None,
     names: list[str] | None = None,
     target: Target | None = None,
+    dump: DumpHook | None = None,
+    verify: bool = False,
+    print_after: Iterable[str] | None = None,
 ) -> Program:
     """The program :func:`build_program` builds for ``model(*args, **kwargs)`` (bound for
     ``target``, default :func:`default_target` of the inputs), built on the meta device (no
-    verification): the same graph, parameters (shapes, dtypes, roles),
+    verification unless ``verify``): the same graph, parameters (shapes, dtypes, roles),
     working copies and pipeline stages, with no storage. ``model`` is left as it is (its copy,
     :func:`meta_copy`, is captured) and the inputs are read only for their shapes and dtypes;
     nothing the size of a parameter is allocated, so any plan can be predicted."""
     target = target or default_target(args, kwargs)
     meta_args, meta_kwargs = pytree.tree_map_only(torch.Tensor, _on_meta, (args, kwargs))
-    model = meta_copy(model)
     return _build(
-        model, plan, meta_args, meta_kwargs, training, mesh, names, None, False, None, target
+        meta_copy(model),
+        meta_args,
+        meta_kwargs,
+        plan=plan,
+        training=training,
+        mesh=mesh,
+        names=names,
+        dump=dump,
+        verify=verify,
+        print_after=print_after,
+        target=target,
     )
 
 
 def _build(
     model: nn.Module,
-    plan: Plan,
     args: tuple,
     kwargs: dict,
+    *,
+    plan: Plan,
     training: bool,
     mesh: Any,
     names: list[str] | None,
@@ -234,6 +275,14 @@ def default_target(args: tuple, kwargs: dict, fallback: torch.device | str = "cp
     tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     device = next((t.device for t in tensors if t.device.type != "meta"), fallback)
     return Target.detect(device)
+
+
+def inputs_device(args: tuple, kwargs: dict, model: nn.Module) -> torch.device:
+    """Where a program of ``model`` built for these inputs runs: the device of the first input
+    tensor not on the meta device, else that of the model's first real tensor."""
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    tensors += [*model.parameters(), *model.buffers()]
+    return next(t.device for t in tensors if t.device.type != "meta")
 
 
 def holds_storage(model: nn.Module) -> bool:

@@ -28,7 +28,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch._dispatch.python import enable_python_dispatcher
 from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 # --- graphs ------------------------------------------------------------------------------------
@@ -160,6 +160,13 @@ class _IncrementalFakeProp(FakeTensorProp):
         self.ran: list[fx.Node] = []
         self.changed: set[fx.Node] = set()
         """Nodes that ran and whose value's metadata differs from their last record."""
+
+    def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
+        # a real attribute enters as a fake of its own: an in-place op on it (a batch norm's
+        # ``num_batches_tracked += 1``) would otherwise run on the model's tensor
+        value = super().get_attr(target, args, kwargs)
+        real = isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor)
+        return self._mode.from_tensor(value, static_shapes=True) if real else value
 
     def run_node(self, n: fx.Node) -> Any:
         record = self.records.get(n)

@@ -143,16 +143,19 @@ def _bf16(edit: GraphEditor, node: fx.Node) -> fx.Node:
     return edit.call(aten._to_copy.default, (node,), node, {"dtype": torch.bfloat16})
 
 
-def _device_type(gm: fx.GraphModule) -> str:
+def _device_type(gm: fx.GraphModule, target: str | None) -> str:
     """The device type whose autocast rules the program runs under: its inputs' device; a graph
-    captured on the meta device runs where it is materialized, on CUDA when this machine has
-    it (autocast's op lists differ per device), else on the CPU."""
+    captured on the meta device runs where it is materialized: the device of its ``target``
+    (the machine the compiler bound it for), else (none, or ``meta``) on CUDA when this machine
+    has it (autocast's op lists differ per device), else on the CPU."""
     for node in gm.graph.find_nodes(op="placeholder"):
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):
-            if val.device.type == "meta":
-                return "cuda" if torch.cuda.is_available() else "cpu"
-            return val.device.type
+            if val.device.type != "meta":
+                return val.device.type
+            if target in ("cuda", "cpu"):
+                return target
+            return "cuda" if torch.cuda.is_available() else "cpu"
     return "cpu"
 
 
@@ -212,7 +215,8 @@ class SharedCastsPass(Pass):
             return PassResult(gm, False, {"sources_cast": 0})
         edit = GraphEditor(gm, self.name)
         outer = _outer_products_as_mul(gm, edit)
-        device_type = _device_type(gm)
+        target = ctx.program.target if ctx.program is not None else None
+        device_type = _device_type(gm, target and target.device)
         dtypes = runtime_dtypes(gm, device_type)
         casts: dict[fx.Node, fx.Node] = {}  # float32 source -> its one bf16 cast
         readers = merged = 0

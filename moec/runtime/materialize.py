@@ -17,11 +17,21 @@ their checkpoint tensors read; the other stages' stay on the meta device, for th
 runtime to free (:mod:`moec.runtime.pipeline`). A stage graph holds the full graph's tensor
 objects, so each built tensor replaces the old one in the full graph and in every stage graph
 holding it. The full graph's forward then raises, naming a parameter left on meta (it is
-not this rank's to run).
+not this rank's to run). With ``every_stage`` every stage's tensors are built instead (no
+``pp_rank``): the full graph runs, and a pipeline runtime frees the other ranks' stages itself,
+as it does those of a program captured from real tensors.
 
 Sources (:func:`open_source`): a Hugging Face safetensors directory (``model.safetensors``, or
 the shards named by ``model.safetensors.index.json``), one ``.safetensors`` file (read slice
 by slice with ``safe_open(...).get_slice``), a torch state dict, or a file holding one.
+
+A live model holding real tensors (:class:`ModuleSource`: ``moec.compile(model, ...,
+check=...)`` builds the program on the meta device, checks it, then materializes it from the
+model): a parameter the program holds unchanged (its source is the model's tensor of that name,
+already on ``device`` with the program's dtype, shape, strides and ``requires_grad``) and each
+buffer the model holds become the model's own tensor objects, as the capture of a model holding
+real tensors shares them; only what the passes made (experts, scaled projections, working
+copies) is built.
 
 Training from scratch (:class:`FreshInit`): the source model's parameters freshly initialized,
 one owning module at a time on the CPU, so a model too big for one device is never built
@@ -75,7 +85,15 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from moec.errors import MoecError
 from moec.ops.working_weights import joined_copy
-from moec.program import ParamSource, Pipeline, Program, TensorBuilder, cut, fresh_seed
+from moec.program import (
+    FromSource,
+    ParamSource,
+    Pipeline,
+    Program,
+    TensorBuilder,
+    cut,
+    fresh_seed,
+)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -114,6 +132,11 @@ class TensorSource(abc.ABC):
     def _read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         """Tensor ``name`` indexed by ``index`` (one slice per leading dim)."""
 
+    def lend(self, name: str) -> torch.Tensor | None:
+        """The source's own tensor object ``name``, for a program to hold as it is; None (every
+        source but :class:`ModuleSource`): its tensors are only read."""
+        return None
+
     def read(self, name: str, rows: slice | None, cols: slice | None) -> torch.Tensor:
         """Tensor ``name`` cut to ``[rows, cols]`` (None: the whole dim)."""
         if name not in self:
@@ -141,6 +164,23 @@ class StateDictSource(TensorSource):
     def _read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         rows, cols = index[0], index[1] if len(index) > 1 else None
         return cut(self.state[name].detach(), rows, cols)
+
+
+class ModuleSource(StateDictSource):
+    """The real tensors of a live ``module`` by their names in it (a tied parameter under each of
+    its names, non-persistent buffers included; a tensor on the meta device is not in it), lent
+    as they are (:meth:`lend`) where the program holds one unchanged (see the module)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        named = [
+            *module.named_parameters(remove_duplicate=False),
+            *module.named_buffers(remove_duplicate=False),
+        ]
+        real = {name: t for name, t in named if t.device.type != "meta"}
+        super().__init__(real, f"the tensors of {type(module).__name__}")
+
+    def lend(self, name: str) -> torch.Tensor | None:
+        return self.state.get(name)
 
 
 class SafetensorsSource(TensorSource):
@@ -294,6 +334,7 @@ def materialize(
     model: nn.Module | None = None,
     *,
     pp_rank: int | None = None,
+    every_stage: bool = False,
 ) -> TensorSource:
     """Replace every parameter and buffer of ``program.graph`` that this rank holds by its real
     value on ``device`` (see the module docstring), reading ``source``; return the opened
@@ -304,8 +345,10 @@ def materialize(
     tensor of that name, and non-persistent buffers are recomputed by its initializer. An
     unbound :class:`FreshInit` is bound to it (required then).
     ``pp_rank``: this rank's pipeline rank (``PipelineMesh.pp_rank``), required exactly when
-    the program is pipelined: only the tensors of the stages it holds are built."""
-    held = _held_tensors(program, pp_rank)
+    the program is pipelined and not ``every_stage``: only the tensors of the stages it holds
+    are built (``every_stage``: those of every stage, see the module)."""
+    held = None if every_stage else _held_tensors(program, pp_rank)
+    device = torch.device(device)
     tensors = open_source(source)
     if isinstance(tensors, FreshInit):
         tensors = tensors.bound(model)
@@ -317,6 +360,10 @@ def materialize(
     for name, param in list(gm.named_parameters()):  # a builder each: nothing read is kept
         if held is not None and id(param) not in held:
             continue
+        lent = _lent(tensors, name, program.source(name), param, device)
+        if lent is not None:
+            holders.replace(param, lent)
+            continue
         value = _build(TensorBuilder(read, device), program.source(name), param, name)
         if isinstance(param, DTensor):  # an FSDP shard (moec.runtime.fsdp): keep this rank's
             value = _shard_of(value, param)
@@ -326,7 +373,8 @@ def materialize(
         if name in program.working_weights or (held is not None and id(buffer) not in held):
             continue
         if name in tensors:
-            value = tensors.read(name, None, None)
+            value = tensors.lend(name)
+            value = tensors.read(name, None, None) if value is None else value
         elif buffer.device.type != "meta":
             value = buffer
         else:
@@ -345,13 +393,50 @@ def materialize(
         if held is None or id(gm.get_buffer(b)) in held
     }
     _refresh_working_weights(gm, copies, holders)
-    if split is None:
-        _retarget_devices(gm, torch.device(device))
+    if split is None or every_stage:
+        for graph in [gm] + ([] if split is None else [s.graph for s in split.stages]):
+            _retarget_devices(graph, device)
     else:  # only this rank's stage graphs run; the full graph reads other stages' tensors
         for s in split.local_stages(pp_rank):
-            _retarget_devices(split.stages[s].graph, torch.device(device))
+            _retarget_devices(split.stages[s].graph, device)
         _refuse_full_graph(gm, split, pp_rank)
     return tensors
+
+
+def _lent(
+    tensors: TensorSource,
+    name: str,
+    source: ParamSource,
+    param: torch.Tensor,
+    device: torch.device,
+) -> nn.Parameter | None:
+    """The source's own parameter ``name`` where the program holds it unchanged: its source is
+    that tensor whole, a parameter already on ``device`` with ``param``'s dtype, shape, strides
+    and ``requires_grad``; else None (the value is built)."""
+    own = tensors.lend(name) if source == FromSource(name) else None
+    if not isinstance(own, nn.Parameter) or isinstance(param, DTensor):
+        return None
+    wanted = (device, param.dtype, param.shape, param.stride(), param.requires_grad)
+    same = (own.device, own.dtype, own.shape, own.stride(), own.requires_grad) == wanted
+    return own if same else None
+
+
+def lost_constants(program: Program) -> list[str]:
+    """The tensor constants of ``program``'s graph (read by ``get_attr``, neither parameter nor
+    buffer) that are on the meta device: a tensor the model's forward made on its inputs'
+    device (``torch.tensor(..., device=x.device)``) has, captured on the meta device, no value
+    that :func:`materialize` could give it."""
+    gm = program.graph
+    held = [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
+    named = {n for n, _ in held}
+    lost = []
+    for node in gm.graph.find_nodes(op="get_attr"):
+        target = str(node.target)
+        *path, leaf = target.split(".")
+        value = getattr(gm.get_submodule(".".join(path)), leaf, None)
+        if target not in named and isinstance(value, torch.Tensor) and value.is_meta:
+            lost.append(target)
+    return lost
 
 
 def _held_tensors(program: Program, pp_rank: int | None) -> set[int] | None:

@@ -125,8 +125,8 @@ class FirstStepClock:
     """Seconds from a run's start (before its compile) to the end of its first step, by part:
 
     - ``capture_s``, ``passes_s``, ``materialize_s``: moec's compile phases
-      (:data:`moec.compiler.phase_seconds`, the memory check's build on the meta device
-      included);
+      (:data:`moec.compiler.phase_seconds`; under a memory check the program is built on the
+      meta device and materialized from the model, so its materialization counts there);
     - ``inductor_s``: torch.compile (Dynamo, AOTAutograd, Inductor, its generated kernels);
     - ``kernels``: per backend (``triton``, ``cute``), moec's kernels' JIT (``jit_s``) and
       autotuning (``autotune_s``) (:mod:`moec.kernels.compile_clock`);

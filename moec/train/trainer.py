@@ -76,7 +76,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from moec import cache as moec_cache
 from moec.analysis.cost import graph_cost
 from moec.analysis.rank_memory import GIB, format_rank_memory, rank_memory
-from moec.compiler import compile, holds_storage, meta_program
+from moec.compiler import compile
 from moec.corpus import TokenCorpus, parse_spec
 from moec.data import Batches, DataError, Prefetcher, TextBatches
 from moec.errors import MoecError
@@ -201,26 +201,25 @@ class Trainer:
                 "does not return: the head runs unfused (loss.fused has no effect)"
             )
         wrapped = LanguageModelWithLoss(model, cfg.z_loss)
-        check = self._check_memory if self._memory_limit() is not None else None
-        if check is not None and holds_storage(wrapped):
-            # predicted on shapes before the model moves to the device (compile would check
-            # after that, before its passes allocate)
-            check(
-                meta_program(
-                    wrapped, plan, example, {}, training=model.training, mesh=job,
-                    target=target or Target.detect(self.device),
-                )
-            )  # fmt: skip
-            check = None
+        move = not cfg.init_from  # a meta model is materialized on the device instead
+        limited = self._memory_limit() is not None
+
+        def check(program: Program) -> None:
+            # predicted on the meta device before the model moves to the device; compile then
+            # gives the program the moved model's tensors, as it shares them without a limit
+            self._check_memory(program)
+            if move:
+                wrapped.to(self.device)
+
         self.compiled = compile(
-            wrapped if cfg.init_from else wrapped.to(self.device),
+            wrapped.to(self.device) if move and not limited else wrapped,
             plan,
             example,
             mesh=job,
             # the wrapper holds the checkpoint's model at "model."
             init_from=dense and SubmoduleSource(dense, "model."),
             init_device=self.device,
-            check=check,
+            check=check if limited else None,
             target=target,
         )
         self.pipeline: PipelineRuntime | None = runtime_for(self.compiled) if self.pp_mesh else None
