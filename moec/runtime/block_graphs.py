@@ -76,7 +76,7 @@ import torch
 from torch import fx
 
 from moec.fx import external_inputs, module_path, owning_path
-from moec.program import Program
+from moec.program import Pipeline, Program
 
 Compile = Callable[[fx.GraphModule], Callable[..., Any]]
 """What turns a segment's graph into the callable that runs it (``torch.compile`` of it)."""
@@ -92,6 +92,15 @@ def program_blocks(program: Program) -> list[str]:
     if not any(module_path(n) for n in program.graph.graph.nodes):
         return []
     return block_paths(program.graph, graph_cost(program))
+
+
+def stage_blocks(pipeline: Pipeline, stages: Sequence[int]) -> list[str]:
+    """Module paths of the blocks whose nodes ``stages`` of ``pipeline`` hold (a half block's
+    too: :attr:`moec.program.StageInfo.block_paths`), in stage order, each once: what the
+    stage graphs of one pipeline rank are cut at, so that a block repeated in any of them is
+    compiled once for all."""
+    paths = (path for s in stages for path in pipeline.info[s].block_paths)
+    return list(dict.fromkeys(paths))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,8 +187,9 @@ def partition(graph: fx.GraphModule, blocks: Sequence[str]) -> Partition | Whole
 
 def _runs(nodes: list[fx.Node], owners: list[str | None]) -> list[tuple[str, list]] | Whole:
     """The nodes in graph order as (block path, nodes) for each block's span (its first to its
-    last node, the nodes of no block between them included) and ("", nodes) for the glue
-    between spans; a :class:`Whole` where two spans overlap."""
+    last node, the nodes of no block between them included, except those :func:`_hoisted`
+    moves into the glue before it) and ("", nodes) for the glue between spans; a
+    :class:`Whole` where two spans overlap."""
     span: dict[str, list[int]] = {}
     for i, owner in enumerate(owners):
         if owner is not None:
@@ -194,13 +204,44 @@ def _runs(nodes: list[fx.Node], owners: list[str | None]) -> list[tuple[str, lis
     runs: list[tuple[str, list]] = []
     at = 0
     for path, (start, end) in ordered:
-        if start > at:
-            runs.append(("", nodes[at:start]))
-        runs.append((path, nodes[start : end + 1]))
+        members = nodes[start : end + 1]
+        hoisted = _hoisted(members, owners[start : end + 1])
+        glue = nodes[at:start] + [n for n in members if n in hoisted]
+        if glue:
+            runs.append(("", glue))
+        runs.append((path, [n for n in members if n not in hoisted]))
         at = end + 1
     if at < len(nodes):
         runs.append(("", nodes[at:]))
     return runs
+
+
+def _hoisted(span: list[fx.Node], owners: list[str | None]) -> set[fx.Node]:
+    """The nodes of no block in a block's ``span`` that read no data: sizes (``sym_size``) of
+    values made before the span, parameters and buffers, and what such nodes make from them
+    alone (a RoPE table's slice), no random op among them. They run in the glue before the
+    block, so that a block keys the same whether it computes them (a pipeline stage's first
+    block, where the stage recomputes what it reads of them: :mod:`moec.passes.pipeline`) or
+    reads them as inputs (the blocks after it, and every block of an unsplit program, whose
+    prologue computes them)."""
+    inside = set(span)
+    hoisted: set[fx.Node] = set()
+    for node, owner in zip(span, owners, strict=True):
+        if owner is not None or node.op != "call_function" or _random(node):
+            continue
+        if node.target is torch.ops.aten.sym_size.int:
+            reads = [a for a in node.all_input_nodes if a in inside]
+        else:
+            reads = [a for a in node.all_input_nodes if a.op != "get_attr"]
+        if all(a in hoisted for a in reads):
+            hoisted.add(node)
+    return hoisted
+
+
+def _random(node: fx.Node) -> bool:
+    """Whether ``node`` draws random numbers (moving it would change what it draws)."""
+    tags = getattr(node.target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags
 
 
 def _glue_name(runs: list[tuple[str, list]], index: int) -> str:
