@@ -16,7 +16,15 @@ the first block; the final norm, LM head and loss after the last). A segment is 
 own whose placeholders are the values it reads: the graph's inputs, the parameters and buffers
 (read from the program's tables at every call, so ``.to()`` and FSDP's swaps are seen) and the
 values earlier segments made (tensors and sizes); a recompute region stays a sub-graph the
-segment calls.
+segment calls. A node of no block inside a block's span that reads no data (a size, a slice of
+a RoPE table) runs in the glue before the block: a pipeline stage recomputes such values where
+its first block reads them (:mod:`moec.passes.pipeline`), and the block keys the same as the
+blocks that read them as inputs.
+
+A pipeline stage (:mod:`moec.runtime.pipeline`) is cut the same way, at the blocks its pipeline
+rank holds (:func:`stage_blocks`: its whole blocks and half blocks), and one compiled callable
+serves every block of a key in all the rank's stages (two stages per rank under the
+interleaved and V-shaped schedules); the stage's sends and receives run outside its graph.
 
 Each block is compiled (``torch.compile``, one callable per distinct block graph); the glue
 runs eagerly. Its work is the embedding's gather, the final norm and moec's LM-head loss:
@@ -41,18 +49,20 @@ that is not a plain value makes its key its own. The compiled callable's guards 
 call's actual inputs, so an input the key misjudges (one without ``meta["val"]``, as the
 profiler's block markers) costs a recompile, never a wrong result.
 
-Where the program is not cut (:class:`Whole`, its ``reason`` printed by ``moec debug``):
+Where the program (or stage) is not cut (:class:`Whole`, its ``reason`` printed by ``moec
+debug``, one line per stage):
 
-- fewer than two blocks: nothing repeats;
+- fewer than two blocks (in a pipeline, on the stage's rank): nothing repeats;
 - nodes without module paths (a graph rebuilt from its code, e.g. unpickled): the blocks
   cannot be told apart;
 - blocks whose nodes interleave (a node of one block between two nodes of another).
 
-The program is compiled whole, as before, also where :mod:`moec.runtime.lowering` is given no
-blocks: each pipeline stage (:mod:`moec.runtime.pipeline`, compiled on its own) and a graph a
-user's own ``torch.compile`` traces. EP exchanges and the ``overlap`` pass's two-batch
-interleaving stay inside their block, and ``experimental.cuda_graph`` captures the step around
-the compiled segments: neither prevents the cut.
+A user's own ``torch.compile`` around the compiled model traces the graph whole, with the
+rest of its ``forward``. EP exchanges and the ``overlap`` pass's two-batch interleaving stay
+inside their block, and ``experimental.cuda_graph`` captures the step around the compiled
+segments: neither prevents the cut. A zero-bubble schedule's split backward does not either,
+but a compiled block's backward is one autograd node, which its weight pass runs a second time
+(``lowering.inductor: auto`` leaves those stages eager).
 
 The alternative, each block compiled on its own as a graph of the same code, leaves the
 sharing to Inductor's FX graph cache: it finds the repeated blocks' graphs, but Dynamo and

@@ -58,6 +58,12 @@ last step reduce-scatters them once and divides by the microbatch count. The zer
 schedules (``zbv``, ``dualpipev``) are refused with FSDP, and where this torch cannot split the
 backward, by the ``pipeline`` pass (:func:`moec.analysis.pipeline_schedule.check_schedule_runs`).
 
+Inductor (``plan.lowering.inductor``): the local stages' graphs run through one
+:func:`~moec.runtime.lowering.stage_lowering` per rank, each cut at its blocks, one compiled
+graph per distinct block over all of them (:mod:`moec.runtime.block_graphs`). Under the
+zero-bubble schedules a step runs with AOTAutograd's donated buffers off
+(:func:`~moec.runtime.lowering.retained_backward`): their input pass retains the graph.
+
 Routing: each stage keeps the aux outputs of its last forward and a
 :class:`~moec.runtime.router_losses.RouterBalance` over its MoE blocks, fed after the schedule
 with the step's microbatches (the schedule's first step also runs each stage once on placeholder
