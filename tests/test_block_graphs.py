@@ -218,8 +218,7 @@ def test_debug_says_how_each_pipeline_stage_is_cut(tmp_path, capsys):
 def test_a_pipeline_rank_of_one_block_compiles_its_stage_whole():
     """What stays whole under PP says why, stage by stage: where a pipeline rank holds one
     block, nothing repeats, and the rank's lowering compiles its stage whole."""
-    plan = _pp_plan("1f1b", 1, True)
-    plan.parallel.pp_layout = [1, 1]
+    plan = _pp_plan("1f1b", 1, True, layout=[1, 1])
     torch.manual_seed(0)
     model = moec.compile(tiny_llama(2), plan, (tokens(),), verify=False)
     text = model.lowering_layout()
@@ -275,15 +274,16 @@ PP_LAYOUTS = {1: [2, 2], 2: [1, 1, 1, 1]}
 """Blocks per stage of a 4-block model at 1 and 2 stages per rank: each rank holds two."""
 
 
-def _pp_plan(schedule: str, v: int, lowered: bool) -> moec.Plan:
-    """PP = 2 over four MoE blocks of the same shapes, cut between blocks, two microbatches."""
+def _pp_plan(schedule: str, v: int, lowered: bool, layout: list[int] | None = None) -> moec.Plan:
+    """PP = 2 over MoE blocks of the same shapes (four, unless ``layout`` says), cut between
+    blocks, two microbatches."""
     parallel = {
         "pp": 2,
         "virtual_stages": v,
         "pp_schedule": schedule,
         "microbatches": 2,
         "pp_units": "block",
-        "pp_layout": PP_LAYOUTS[v],
+        "pp_layout": layout or PP_LAYOUTS[v],
     }
     moe = {**MOE, "dense_first": 0, "init": "random"}
     return moec.Plan.from_dict(
