@@ -276,12 +276,12 @@ PP_LAYOUTS = {1: [2, 2], 2: [1, 1, 1, 1]}
 
 def _pp_plan(schedule: str, v: int, lowered: bool, layout: list[int] | None = None) -> moec.Plan:
     """PP = 2 over MoE blocks of the same shapes (four, unless ``layout`` says), cut between
-    blocks, two microbatches."""
+    blocks; two microbatches of two sequences (four for ``dualpipev``, which needs 2 pp)."""
     parallel = {
         "pp": 2,
         "virtual_stages": v,
         "pp_schedule": schedule,
-        "microbatches": 2,
+        "microbatches": _microbatches(schedule),
         "pp_units": "block",
         "pp_layout": layout or PP_LAYOUTS[v],
     }
@@ -289,6 +289,10 @@ def _pp_plan(schedule: str, v: int, lowered: bool, layout: list[int] | None = No
     return moec.Plan.from_dict(
         {"moe": moe, "parallel": parallel, "lowering": {"inductor": lowered}}
     )
+
+
+def _microbatches(schedule: str) -> int:
+    return 4 if schedule == "dualpipev" else 2
 
 
 def _pp_compiled(plan: moec.Plan, mesh, x: torch.Tensor) -> moec.CompiledModel:
@@ -326,11 +330,12 @@ def _pipelined_worker(rank: int, world: int, schedule: str, v: int, inductor: bo
     one compiled graph for this rank's two blocks (all blocks are the same computation), within
     a stage or across the rank's stages."""
     g = torch.Generator().manual_seed(7)
-    seq = torch.randint(0, 256, (4, 17), generator=g)
+    micro = _microbatches(schedule)
+    seq = torch.randint(0, 256, (2 * micro, 17), generator=g)
     x, y = seq[:, :-1], seq[:, 1:]
     mesh = build_pipeline_mesh(_pp_plan(schedule, v, False))
     eager = _pp_compiled(_pp_plan(schedule, v, False), mesh, x)
-    ref_loss, ref_grads = unsplit_step(eager, x, y, 2)
+    ref_loss, ref_grads = unsplit_step(eager, x, y, micro)
     eager_runtime = runtime_for(eager)
     eager_loss = eager_runtime.forward_backward(x, y)
     eager_grads = {
@@ -358,14 +363,45 @@ def _pipelined_worker(rank: int, world: int, schedule: str, v: int, inductor: bo
     assert counting.routes() == [1], counting.routes()
     runs.forward = runs.backward = 0
     runtime.forward_backward(x, y)  # a step after the first (which also infers shapes)
-    assert runs.forward == 2 * 2, (runs.forward, runs.backward)  # two blocks, two microbatches
+    assert runs.forward == 2 * micro, (runs.forward, runs.backward)  # two blocks per microbatch
     # a zero-bubble schedule's weight pass runs a compiled block's backward once more (why
     # lowering.inductor: auto leaves its stages eager)
     split = schedule in ("zbv", "dualpipev")
     assert (runs.backward > runs.forward) if split else (runs.backward == runs.forward)
 
 
-@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2)])
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_a_pipeline_ranks_stages_share_one_graph_per_distinct_block(schedule, v):
+    """In one process, the stages run in order, each through its rank's lowering: each rank
+    compiles one graph for its two MoE blocks (two in one stage, or one in each of two), and
+    the stages' output and gradients equal the unsplit graph's run eagerly."""
+    plan = _pp_plan(schedule, v, True)
+    model = _pp_compiled(plan, None, tokens())
+    pipeline, ids = model.program.pipeline, tokens()
+    lowerings = {info.rank: stage_lowering(plan, pipeline, info.rank) for info in pipeline.info}
+    counting = {rank: Counting() for rank in lowerings}
+    for rank, lowering in lowerings.items():
+        lowering.backend = counting[rank]
+    values = [ids]
+    for stage, info in zip(pipeline.stages, pipeline.info, strict=True):
+        outputs = lowerings[info.rank](stage.graph, values)(*values)
+        values = list(outputs[: stage.signature.num_user_outputs])
+    (logits,) = values
+    logits.float().square().mean().backward()
+    params = dict(model.graph_module.named_parameters())
+    got = {n: p.grad for n, p in params.items()}
+    model.zero_grad(set_to_none=True)
+    want = model.graph_module(ids)[0]
+    want.float().square().mean().backward()
+    torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-5)
+    assert_same_grads(got, {n: p.grad for n, p in params.items()}, atol=1e-5, rtol=1e-5)
+    assert {rank: c.routes() for rank, c in counting.items()} == {0: [1], 1: [1]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "schedule,v", [("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2), ("dualpipev", 2)]
+)
 def test_pipeline_stages_compile_each_distinct_block_once(schedule, v):
     """PP = 2 (gloo): per block, each rank compiles one graph for its two MoE blocks (two
     blocks of one stage; under interleaved and V-shaped schedules, one block in each of its
