@@ -18,7 +18,7 @@ from torch._dynamo.utils import counters
 
 import moec
 from moec.cli import main
-from moec.runtime.block_graphs import Partition, Whole, partition, program_blocks
+from moec.runtime.block_graphs import Partition, Whole, partition, program_blocks, stage_blocks
 from moec.runtime.lowering import InductorGraphs, stage_lowering
 from moec.runtime.pipeline import build_pipeline_mesh, runtime_for
 from tests.distributed import spawn
@@ -27,6 +27,7 @@ from tests.pipeline_steps import check_stage_grads, unsplit_step
 
 MOE = {"num_experts": 4, "top_k": 2, "capacity_factor": None}
 ROUTE = torch.ops.moec.route.default
+aten = torch.ops.aten
 
 
 def _compiled(layers: int, dense_first: int, recompute: str = "none", lowered: bool | str = True):
@@ -250,6 +251,39 @@ def test_a_profile_windows_instrumented_graph_is_cut_too():
     ranges = {e.name for e in prof.events()}
     assert {f"block {path}" for path in blocks} <= ranges
     assert sorted(backend.routes()) == [0, 0, 1, 1]  # two graphs each, plain and instrumented
+
+
+def test_what_a_block_reads_of_sizes_and_tables_runs_before_it_but_range_markers_stay():
+    """A pipeline stage recomputes the sizes and RoPE table slices it reads where its first
+    block first reads them: the cut runs them in the glue before the block, which then reads
+    them as its inputs, as the next block does. A node nothing reads (an NVTX range marker
+    around a ``moec::`` op) stays in its block with its op."""
+    from moec.runtime.profiling import instrument, nvtx_push
+
+    model = _pp_compiled(_pp_plan("1f1b", 1, False), None, tokens())
+    pipeline = model.program.pipeline
+    stage = pipeline.stages[0].graph
+    blocks = stage_blocks(pipeline, [0])
+    cut = partition(stage, blocks)
+    assert isinstance(cut, Partition)
+    glue, first, second = cut.segments[:3]
+    assert (glue.name, first.name, second.name) == ("prologue", *blocks)
+    recomputed = [
+        n for n in glue.graph.graph.nodes if n.target in (aten.sym_size.int, aten.slice.Tensor)
+    ]
+    assert recomputed and first.key == second.key
+    assert not any(n.op == "get_attr" and "rope" in str(n.target) for n in first.inputs)
+    marked = instrument(model.program.graph, blocks=program_blocks(model.program), nvtx=True)
+    cut = partition(marked, program_blocks(model.program))
+    for segment in cut.segments:
+        nodes = segment.graph.graph.nodes
+        ops = [
+            n
+            for n in nodes
+            if str(getattr(n.target, "_qualified_op_name", "")).startswith("moec::")
+        ]
+        assert sum(n.target is nvtx_push for n in nodes) == len(ops), segment.name
+        assert ops or not segment.block
 
 
 def test_under_auto_a_block_that_fails_to_compile_runs_the_program_eagerly(monkeypatch):

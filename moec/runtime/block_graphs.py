@@ -185,7 +185,7 @@ def partition(graph: fx.GraphModule, blocks: Sequence[str]) -> Partition | Whole
     owners = [owning_path(module_path(n), set(blocks)) for n in nodes]
     if not any(owners):
         return Whole(f"no node runs under the blocks' module paths ({', '.join(blocks)})")
-    runs = _runs(nodes, owners)
+    runs = _runs(nodes, owners, _data_free(graph.graph))
     if isinstance(runs, Whole):
         return runs
     segments = []
@@ -195,10 +195,12 @@ def partition(graph: fx.GraphModule, blocks: Sequence[str]) -> Partition | Whole
     return Partition(segments)
 
 
-def _runs(nodes: list[fx.Node], owners: list[str | None]) -> list[tuple[str, list]] | Whole:
+def _runs(
+    nodes: list[fx.Node], owners: list[str | None], free: set[fx.Node]
+) -> list[tuple[str, list]] | Whole:
     """The nodes in graph order as (block path, nodes) for each block's span (its first to its
     last node, the nodes of no block between them included, except those :func:`_hoisted`
-    moves into the glue before it) and ("", nodes) for the glue between spans; a
+    moves into the glue before it: ``free`` ones) and ("", nodes) for the glue between spans; a
     :class:`Whole` where two spans overlap."""
     span: dict[str, list[int]] = {}
     for i, owner in enumerate(owners):
@@ -215,7 +217,7 @@ def _runs(nodes: list[fx.Node], owners: list[str | None]) -> list[tuple[str, lis
     at = 0
     for path, (start, end) in ordered:
         members = nodes[start : end + 1]
-        hoisted = _hoisted(members, owners[start : end + 1])
+        hoisted = _hoisted(members, owners[start : end + 1], free)
         glue = nodes[at:start] + [n for n in members if n in hoisted]
         if glue:
             runs.append(("", glue))
@@ -226,32 +228,35 @@ def _runs(nodes: list[fx.Node], owners: list[str | None]) -> list[tuple[str, lis
     return runs
 
 
-def _hoisted(span: list[fx.Node], owners: list[str | None]) -> set[fx.Node]:
-    """The nodes of no block in a block's ``span`` that read no data: sizes (``sym_size``) of
-    values made before the span, parameters and buffers, and what such nodes make from them
-    alone (a RoPE table's slice), no random op among them. They run in the glue before the
-    block, so that a block keys the same whether it computes them (a pipeline stage's first
-    block, where the stage recomputes what it reads of them: :mod:`moec.passes.pipeline`) or
-    reads them as inputs (the blocks after it, and every block of an unsplit program, whose
-    prologue computes them)."""
+def _hoisted(span: list[fx.Node], owners: list[str | None], free: set[fx.Node]) -> set[fx.Node]:
+    """The nodes of no block in a block's ``span`` whose values are read and depend on no data
+    (``free``: :func:`_data_free`) nor on anything else of the span. They run in the glue
+    before the block, so that a block keys the same whether it computes them (a pipeline
+    stage's first block, where the stage recomputes the values of this kind it reads:
+    :mod:`moec.passes.pipeline`) or reads them as inputs (the blocks after it, and every block
+    of an unsplit program, whose prologue computes them). A node whose value nothing reads runs
+    for its effect (a profiler's range marker) and stays where it is."""
     inside = set(span)
     hoisted: set[fx.Node] = set()
     for node, owner in zip(span, owners, strict=True):
-        if owner is not None or node.op != "call_function" or _random(node):
+        if owner is not None or node not in free or not node.users:
             continue
-        if node.target is torch.ops.aten.sym_size.int:
-            reads = [a for a in node.all_input_nodes if a in inside]
-        else:
-            reads = [a for a in node.all_input_nodes if a.op != "get_attr"]
-        if all(a in hoisted for a in reads):
+        if all(a in hoisted for a in node.all_input_nodes if a in inside):
             hoisted.add(node)
     return hoisted
 
 
-def _random(node: fx.Node) -> bool:
-    """Whether ``node`` draws random numbers (moving it would change what it draws)."""
-    tags = getattr(node.target, "tags", ())
-    return torch.Tag.nondeterministic_seeded in tags
+def _data_free(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes whose values depend on no input data: sizes (``sym_size``), parameters and
+    buffers, and calls drawing no random numbers on such values alone (a RoPE table's slice)."""
+    free: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "get_attr" or node.target is torch.ops.aten.sym_size.int:
+            free.add(node)
+        elif node.op == "call_function" and all(a in free for a in node.all_input_nodes):
+            if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+                free.add(node)
+    return free
 
 
 def _glue_name(runs: list[tuple[str, list]], index: int) -> str:
