@@ -416,16 +416,18 @@ class LoweringPlan(_FreeSection):
     """How the final program runs (:mod:`moec.runtime.lowering`)."""
 
     inductor: bool | Literal["auto"] = "auto"
-    """Hand the final graph (each pipeline stage's on its own) to ``torch.compile``'s Inductor,
-    which fuses the dense ops between moec's; the ``moec::`` ops stay opaque calls. ``auto``
-    (the default): on for a program that runs on CUDA, where it measured faster at small and
-    large shapes and at EP = 2 (benchmarks/RESULTS.md), unless the plan shards parameters (FSDP)
-    or pipelines the program (neither measured with Inductor), or recomputes activations by a
-    policy other than ``block`` (``selective`` and ``budget`` were not measured with Inductor;
-    ``block`` measured faster at the same peak memory once the working copies stayed out of the
-    compiled graph). Off on the CPU, where
-    compiling costs more than the fusion saves. Under ``auto`` a graph Inductor fails to
-    compile runs eagerly, with a warning; ``true`` raises the error.
+    """Hand the final graph (each pipeline stage's, cut at its blocks as the whole program is)
+    to ``torch.compile``'s Inductor, which fuses the dense ops between moec's; the ``moec::``
+    ops stay opaque calls. ``auto`` (the default): on for a program that runs on CUDA, where it
+    measured faster at small and large shapes and at EP = 2 (benchmarks/RESULTS.md), pipelined
+    or not (a stage runs the same block graphs), unless the plan shards parameters (FSDP: not
+    measured with Inductor), pipelines the program with a zero-bubble schedule (``zbv``,
+    ``dualpipev``: a compiled block's backward is one autograd node, so their weight pass runs
+    it a second time), or recomputes activations by a policy other than ``block``
+    (``selective`` and ``budget`` were not measured with Inductor; ``block`` measured faster at
+    the same peak memory once the working copies stayed out of the compiled graph). Off on the
+    CPU, where compiling costs more than the fusion saves. Under ``auto`` a graph Inductor fails
+    to compile runs eagerly, with a warning; ``true`` raises the error.
     :meth:`Plan.lowers_to_inductor` decides."""
     attention: Attention = "auto"
     """Which kernels run ``scaled_dot_product_attention``. ``fa4``: each attention
@@ -496,7 +498,7 @@ class Plan:
         return (
             device_type == "cuda"
             and self.parallel.dp_shard == 1
-            and self.parallel.pp == 1
+            and (self.parallel.pp == 1 or self.parallel.pp_schedule not in ("zbv", "dualpipev"))
             and self.recompute.policy in ("none", "block")
         )
 

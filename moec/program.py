@@ -187,6 +187,11 @@ class ShardedDataParallel:
         )
 
 
+PRE_FFN, FFN = " (pre-FFN)", " (FFN)"
+"""Suffixes of a block's half-units' names (after the block's module path): the pipeline pass's
+``sublayer`` units (:mod:`moec.passes.pipeline.units`)."""
+
+
 @dataclasses.dataclass
 class StageInfo:
     index: int
@@ -215,6 +220,13 @@ class StageInfo:
     @property
     def peak_activation_bytes(self) -> int:
         return self.in_flight * self.saved_bytes + self.transient_bytes
+
+    @property
+    def block_paths(self) -> list[str]:
+        """The module paths of the blocks whose nodes the stage holds (a half block's too), in
+        order, each once."""
+        paths = (unit.removesuffix(PRE_FFN).removesuffix(FFN) for unit in self.blocks)
+        return list(dict.fromkeys(paths))
 
 
 @dataclasses.dataclass

@@ -75,8 +75,16 @@ def test_auto_lowers_to_inductor_on_cuda_only_where_the_plan_allows():
     assert auto.lowers_to_inductor("cuda") and not auto.lowers_to_inductor("cpu")
     sharded = moec.Plan.from_dict({**PLAN, "parallel": {"dp": 2, "dp_shard": 2}})
     assert not sharded.lowers_to_inductor("cuda")
-    pipelined = moec.Plan.from_dict({**PLAN, "parallel": {"pp": 2, "microbatches": 2}})
-    assert not pipelined.lowers_to_inductor("cuda")
+    for schedule, v, lowered in [
+        ("1f1b", 1, True),
+        ("interleaved_1f1b", 2, True),
+        ("zbv", 2, False),
+        ("dualpipev", 2, False),
+    ]:
+        parallel = {"pp": 2, "virtual_stages": v, "pp_schedule": schedule, "microbatches": 4}
+        pipelined = moec.Plan.from_dict({**PLAN, "parallel": parallel})
+        assert pipelined.lowers_to_inductor("cuda") == lowered, schedule
+        assert not pipelined.lowers_to_inductor("cpu")
     block = moec.Plan.from_dict({**PLAN, "recompute": {"policy": "block"}})
     assert block.lowers_to_inductor("cuda")
     selective = moec.Plan.from_dict({**PLAN, "recompute": {"policy": "selective"}})

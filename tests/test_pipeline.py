@@ -17,7 +17,6 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import moec
@@ -45,7 +44,9 @@ from moec.runtime.pipeline import PipelineRuntime, build_pipeline_mesh, runtime_
 from moec.train import LanguageModelWithLoss
 from moec.train.trainer import clip_job_gradients
 from tests.distributed import spawn
+from tests.pipeline_steps import check_stage_grads as _check_grads
 from tests.pipeline_steps import pipeline_step
+from tests.pipeline_steps import unsplit_step as _unsplit
 
 CFG = LlamaConfig(vocab_size=128, dim=64, n_layers=8, n_heads=4, n_kv_heads=2, ffn_hidden=128)
 MOE = {"num_experts": 4, "top_k": 2, "capacity_factor": 4.0, "init": "random", "dense_first": 1}
@@ -72,32 +73,6 @@ def _batch(microbatches: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor
 def _dense() -> Llama:
     torch.manual_seed(0)
     return Llama(CFG)
-
-
-def _unsplit(model, x, y, microbatches: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The PP = 1 program: the same graph, microbatch by microbatch (gradient accumulation);
-    returns the mean cross-entropy and the gradients, and leaves the gradients zeroed."""
-    total = torch.zeros(())
-    for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True):
-        logits = model(xm)
-        ce = F.cross_entropy(logits.flatten(0, 1), ym.flatten())
-        ((ce + model.aux_loss()) / microbatches).backward()
-        total += ce.detach() / microbatches
-    grads = {n: p.grad.clone() for n, p in model.graph_module.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    return total, grads
-
-
-def _check_grads(runtime: PipelineRuntime, expected: dict, where: str, expert_slice=None) -> None:
-    checked = 0
-    for module in runtime.modules:
-        for name, param in module.graph_module.named_parameters():
-            want = expected[name]
-            if expert_slice is not None and module.program.role(name) == "expert":
-                want = want[expert_slice]
-            torch.testing.assert_close(param.grad, want, msg=lambda m, n=name: f"{where} {n}: {m}")
-            checked += 1
-    assert checked > 0, f"{where}: no parameters on this rank"
 
 
 # --- every schedule at PP = world equals PP = 1; memory prediction -----------------------------

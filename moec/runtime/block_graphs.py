@@ -16,7 +16,15 @@ the first block; the final norm, LM head and loss after the last). A segment is 
 own whose placeholders are the values it reads: the graph's inputs, the parameters and buffers
 (read from the program's tables at every call, so ``.to()`` and FSDP's swaps are seen) and the
 values earlier segments made (tensors and sizes); a recompute region stays a sub-graph the
-segment calls.
+segment calls. A node of no block inside a block's span that reads no data (a size, a slice of
+a RoPE table) runs in the glue before the block: a pipeline stage recomputes such values where
+its first block reads them (:mod:`moec.passes.pipeline`), and the block keys the same as the
+blocks that read them as inputs.
+
+A pipeline stage (:mod:`moec.runtime.pipeline`) is cut the same way, at the blocks its pipeline
+rank holds (:func:`stage_blocks`: its whole blocks and half blocks), and one compiled callable
+serves every block of a key in all the rank's stages (two stages per rank under the
+interleaved and V-shaped schedules); the stage's sends and receives run outside its graph.
 
 Each block is compiled (``torch.compile``, one callable per distinct block graph); the glue
 runs eagerly. Its work is the embedding's gather, the final norm and moec's LM-head loss:
@@ -41,18 +49,20 @@ that is not a plain value makes its key its own. The compiled callable's guards 
 call's actual inputs, so an input the key misjudges (one without ``meta["val"]``, as the
 profiler's block markers) costs a recompile, never a wrong result.
 
-Where the program is not cut (:class:`Whole`, its ``reason`` printed by ``moec debug``):
+Where the program (or stage) is not cut (:class:`Whole`, its ``reason`` printed by ``moec
+debug``, one line per stage):
 
-- fewer than two blocks: nothing repeats;
+- fewer than two blocks (in a pipeline, on the stage's rank): nothing repeats;
 - nodes without module paths (a graph rebuilt from its code, e.g. unpickled): the blocks
   cannot be told apart;
 - blocks whose nodes interleave (a node of one block between two nodes of another).
 
-The program is compiled whole, as before, also where :mod:`moec.runtime.lowering` is given no
-blocks: each pipeline stage (:mod:`moec.runtime.pipeline`, compiled on its own) and a graph a
-user's own ``torch.compile`` traces. EP exchanges and the ``overlap`` pass's two-batch
-interleaving stay inside their block, and ``experimental.cuda_graph`` captures the step around
-the compiled segments: neither prevents the cut.
+A user's own ``torch.compile`` around the compiled model traces the graph whole, with the
+rest of its ``forward``. EP exchanges and the ``overlap`` pass's two-batch interleaving stay
+inside their block, and ``experimental.cuda_graph`` captures the step around the compiled
+segments: neither prevents the cut. A zero-bubble schedule's split backward does not either,
+but a compiled block's backward is one autograd node, which its weight pass runs a second time
+(``lowering.inductor: auto`` leaves those stages eager).
 
 The alternative, each block compiled on its own as a graph of the same code, leaves the
 sharing to Inductor's FX graph cache: it finds the repeated blocks' graphs, but Dynamo and
@@ -76,7 +86,7 @@ import torch
 from torch import fx
 
 from moec.fx import external_inputs, module_path, owning_path
-from moec.program import Program
+from moec.program import Pipeline, Program
 
 Compile = Callable[[fx.GraphModule], Callable[..., Any]]
 """What turns a segment's graph into the callable that runs it (``torch.compile`` of it)."""
@@ -92,6 +102,15 @@ def program_blocks(program: Program) -> list[str]:
     if not any(module_path(n) for n in program.graph.graph.nodes):
         return []
     return block_paths(program.graph, graph_cost(program))
+
+
+def stage_blocks(pipeline: Pipeline, stages: Sequence[int]) -> list[str]:
+    """Module paths of the blocks whose nodes ``stages`` of ``pipeline`` hold (a half block's
+    too: :attr:`moec.program.StageInfo.block_paths`), in stage order, each once: what the
+    stage graphs of one pipeline rank are cut at, so that a block repeated in any of them is
+    compiled once for all."""
+    paths = (path for s in stages for path in pipeline.info[s].block_paths)
+    return list(dict.fromkeys(paths))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,7 +185,7 @@ def partition(graph: fx.GraphModule, blocks: Sequence[str]) -> Partition | Whole
     owners = [owning_path(module_path(n), set(blocks)) for n in nodes]
     if not any(owners):
         return Whole(f"no node runs under the blocks' module paths ({', '.join(blocks)})")
-    runs = _runs(nodes, owners)
+    runs = _runs(nodes, owners, _data_free(graph.graph))
     if isinstance(runs, Whole):
         return runs
     segments = []
@@ -176,10 +195,13 @@ def partition(graph: fx.GraphModule, blocks: Sequence[str]) -> Partition | Whole
     return Partition(segments)
 
 
-def _runs(nodes: list[fx.Node], owners: list[str | None]) -> list[tuple[str, list]] | Whole:
+def _runs(
+    nodes: list[fx.Node], owners: list[str | None], free: set[fx.Node]
+) -> list[tuple[str, list]] | Whole:
     """The nodes in graph order as (block path, nodes) for each block's span (its first to its
-    last node, the nodes of no block between them included) and ("", nodes) for the glue
-    between spans; a :class:`Whole` where two spans overlap."""
+    last node, the nodes of no block between them included, except those :func:`_hoisted`
+    moves into the glue before it: ``free`` ones) and ("", nodes) for the glue between spans; a
+    :class:`Whole` where two spans overlap."""
     span: dict[str, list[int]] = {}
     for i, owner in enumerate(owners):
         if owner is not None:
@@ -194,13 +216,47 @@ def _runs(nodes: list[fx.Node], owners: list[str | None]) -> list[tuple[str, lis
     runs: list[tuple[str, list]] = []
     at = 0
     for path, (start, end) in ordered:
-        if start > at:
-            runs.append(("", nodes[at:start]))
-        runs.append((path, nodes[start : end + 1]))
+        members = nodes[start : end + 1]
+        hoisted = _hoisted(members, owners[start : end + 1], free)
+        glue = nodes[at:start] + [n for n in members if n in hoisted]
+        if glue:
+            runs.append(("", glue))
+        runs.append((path, [n for n in members if n not in hoisted]))
         at = end + 1
     if at < len(nodes):
         runs.append(("", nodes[at:]))
     return runs
+
+
+def _hoisted(span: list[fx.Node], owners: list[str | None], free: set[fx.Node]) -> set[fx.Node]:
+    """The nodes of no block in a block's ``span`` whose values are read and depend on no data
+    (``free``: :func:`_data_free`) nor on anything else of the span. They run in the glue
+    before the block, so that a block keys the same whether it computes them (a pipeline
+    stage's first block, where the stage recomputes the values of this kind it reads:
+    :mod:`moec.passes.pipeline`) or reads them as inputs (the blocks after it, and every block
+    of an unsplit program, whose prologue computes them). A node whose value nothing reads runs
+    for its effect (a profiler's range marker) and stays where it is."""
+    inside = set(span)
+    hoisted: set[fx.Node] = set()
+    for node, owner in zip(span, owners, strict=True):
+        if owner is not None or node not in free or not node.users:
+            continue
+        if all(a in hoisted for a in node.all_input_nodes if a in inside):
+            hoisted.add(node)
+    return hoisted
+
+
+def _data_free(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes whose values depend on no input data: sizes (``sym_size``), parameters and
+    buffers, and calls drawing no random numbers on such values alone (a RoPE table's slice)."""
+    free: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "get_attr" or node.target is torch.ops.aten.sym_size.int:
+            free.add(node)
+        elif node.op == "call_function" and all(a in free for a in node.all_input_nodes):
+            if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+                free.add(node)
+    return free
 
 
 def _glue_name(runs: list[tuple[str, list]], index: int) -> str:

@@ -54,9 +54,9 @@ from moec.ops.routing import capacity
 from moec.plan import Plan
 from moec.program import MoELayer, Program
 from moec.runtime.autocast import program_context
-from moec.runtime.block_graphs import Whole, program_blocks
+from moec.runtime.block_graphs import program_blocks
 from moec.runtime.fsdp import shard_dense_parameters
-from moec.runtime.lowering import InductorGraphs
+from moec.runtime.lowering import InductorGraphs, pipeline_layout
 from moec.runtime.router_losses import RouterBalance
 from moec.runtime.variants import forward_only, graph_in_mode
 from moec.runtime.working_weights import WorkingWeights, gradient_dtype
@@ -172,12 +172,12 @@ class CompiledModel(nn.Module):
     def lowering_layout(self) -> str:
         """How Inductor compiles the program's graph (where the plan lowers it): per block,
         with which blocks share one compiled graph, or whole and why
-        (:mod:`moec.runtime.block_graphs`). Needs the program (captured)."""
-        if self.program.pipeline is not None:
-            return Whole(
-                "the program is pipelined, and each stage is compiled whole on its own "
-                "(moec.runtime.pipeline)"
-            ).describe()
+        (:mod:`moec.runtime.block_graphs`); a pipelined program's stage by stage (once its
+        runtime freed the other ranks' stages, this rank's). Needs the program (captured)."""
+        pipeline = self.program.pipeline
+        if pipeline is not None:
+            rank = None if pipeline.freed is None else self.mesh.pp_rank
+            return pipeline_layout(self.plan, pipeline, rank)
         return self._lowering.partition(self.program.graph).describe()
 
     def train(self, mode: bool = True) -> CompiledModel:

@@ -8,10 +8,13 @@ stays an opaque custom-op call whose fake implementation gives the shapes. Given
 blocks (``blocks``: a :class:`~moec.runtime.compiled.CompiledModel`'s), the graph is cut at
 its residual blocks and each distinct block graph is compiled once for all the blocks that are
 the same computation, the glue between them run eagerly (:mod:`moec.runtime.block_graphs`,
-which also says where a graph stays whole: :meth:`InductorGraphs.partition`). What the runtime
-does around the graph is unchanged: autocast is entered outside the compiled call (Dynamo guards
-on it), the working weights are refreshed before it, EP collectives run inside moec's ops, and
-a pipeline stage is compiled whole, on its own.
+which also says where a graph stays whole: :meth:`InductorGraphs.partition`). A pipeline rank's
+stages are cut the same way, stage by stage, by one :class:`InductorGraphs` for all of them
+(:func:`stage_lowering`): a block repeated within a stage, or across the stages an interleaved
+or V-shaped schedule gives the rank, is compiled once. What the runtime does around the graph
+is unchanged: autocast is entered outside the compiled call (Dynamo guards on it), the working
+weights are refreshed before it, EP collectives run inside moec's ops, and a pipeline stage's
+sends and receives run outside its graph.
 
 Working weights: each ``working_copy(buffer, [P, ...])`` call is lifted out of the compiled graph
 and made in front of it, and the graph takes the bf16 copy as an input. Traced inside, the
@@ -47,10 +50,11 @@ from torch import fx
 from torch._dynamo.exc import BackendCompilerFailed
 
 from moec.ops.working_weights import working_copy
-from moec.runtime.block_graphs import BlockProgram, Partition, Whole, partition
+from moec.runtime.block_graphs import BlockProgram, Partition, Whole, partition, stage_blocks
 
 if TYPE_CHECKING:
     from moec.plan import Plan
+    from moec.program import Pipeline
 
 
 class InductorGraphs:
@@ -112,7 +116,7 @@ class InductorGraphs:
 
         def cut() -> Partition | Whole:
             if self._blocks is None:
-                return Whole("it is given no blocks (a pipeline stage is compiled on its own)")
+                return Whole("it is given no blocks")
             if self._block_paths is None:
                 self._block_paths = list(self._blocks())
             return partition(self.lifted(graph)[0], self._block_paths)
@@ -153,6 +157,33 @@ class InductorGraphs:
         self._lifted.clear()
         self._partitions.clear()
         self._segments.clear()
+
+
+def stage_lowering(plan: Plan, pipeline: Pipeline, pp_rank: int) -> InductorGraphs:
+    """What runs the stage graphs of pipeline rank ``pp_rank``: one :class:`InductorGraphs` for
+    all of them, cut at the blocks of those stages (:func:`~moec.runtime.block_graphs.
+    stage_blocks`), so that blocks of equal key share one compiled graph across the stages."""
+    local = pipeline.local_stages(pp_rank)
+    return InductorGraphs(plan, blocks=lambda: stage_blocks(pipeline, local))
+
+
+def pipeline_layout(plan: Plan, pipeline: Pipeline, pp_rank: int | None = None) -> str:
+    """How Inductor compiles each stage of ``pipeline`` (of pipeline rank ``pp_rank`` only,
+    where given: the only stages whose parameters a rank keeps once its runtime is built), one
+    line per stage with the rank that runs it, as that rank's :func:`stage_lowering` cuts it:
+    the block graphs of a rank's stages with the same digest are one compiled graph."""
+    ranks = sorted({info.rank for info in pipeline.info}) if pp_rank is None else [pp_rank]
+    lines = []
+    for rank in ranks:
+        graphs = stage_lowering(plan, pipeline, rank)
+        for s in pipeline.local_stages(rank):
+            layout = graphs.partition(pipeline.stages[s].graph).describe()
+            lines.append((s, f"stage {s} (pipeline rank {rank}): {layout}"))
+    head = (
+        "pipeline stages, each cut on its own (the block graphs of one rank's stages with the "
+        "same digest are one compiled graph):"
+    )
+    return "\n".join([head, *(line for _, line in sorted(lines))])
 
 
 WorkingCopy = tuple[str, tuple[str, ...]]
@@ -218,6 +249,17 @@ def _with_lifted_copies(graphs: InductorGraphs, graph: fx.GraphModule, *args: An
     working copies that :meth:`InductorGraphs.lifted_with_copies` makes outside the trace."""
     inner, made = graphs.lifted_with_copies(graph)
     return inner(*args, *made)
+
+
+def retained_backward() -> contextlib.AbstractContextManager[Any]:
+    """AOTAutograd's donated buffers off, for graphs compiled and run backward inside it. A
+    compiled backward that donates the saved tensors it no longer needs refuses
+    ``retain_graph=True``, which a zero-bubble schedule's input pass (torch's
+    ``stage_backward_input``) passes: it keeps the graph for the weight pass, which runs the
+    compiled backward once more (one autograd node computes a compiled graph's input and
+    parameter gradients together). AOTAutograd reads the setting both when it compiles and when
+    the backward runs."""
+    return torch._functorch.config.patch(donated_buffer=False)
 
 
 def _backward_compiled_with_forward() -> contextlib.AbstractContextManager[Any]:

@@ -58,6 +58,12 @@ last step reduce-scatters them once and divides by the microbatch count. The zer
 schedules (``zbv``, ``dualpipev``) are refused with FSDP, and where this torch cannot split the
 backward, by the ``pipeline`` pass (:func:`moec.analysis.pipeline_schedule.check_schedule_runs`).
 
+Inductor (``plan.lowering.inductor``): the local stages' graphs run through one
+:func:`~moec.runtime.lowering.stage_lowering` per rank, each cut at its blocks, one compiled
+graph per distinct block over all of them (:mod:`moec.runtime.block_graphs`). Under the
+zero-bubble schedules a step runs with AOTAutograd's donated buffers off
+(:func:`~moec.runtime.lowering.retained_backward`): their input pass retains the graph.
+
 Routing: each stage keeps the aux outputs of its last forward and a
 :class:`~moec.runtime.router_losses.RouterBalance` over its MoE blocks, fed after the schedule
 with the step's microbatches (the schedule's first step also runs each stage once on placeholder
@@ -91,7 +97,7 @@ from moec.runtime.autocast import program_context
 from moec.runtime.compiled import routing_stats
 from moec.runtime.distributed import DistributedError, GradientReducer, MoEMesh, fsdp_mesh_dims
 from moec.runtime.fsdp import shard_dense_parameters
-from moec.runtime.lowering import InductorGraphs
+from moec.runtime.lowering import InductorGraphs, retained_backward, stage_lowering
 from moec.runtime.router_losses import RouterBalance, router_loss_objective
 from moec.runtime.variants import graph_in_mode
 from moec.runtime.working_weights import WorkingWeights, gradient_dtype
@@ -230,6 +236,7 @@ class StageModule(nn.Module):
         program: Program,
         carries_aux: bool,
         plan: Plan,
+        lowering: InductorGraphs,
         side_inputs: Sequence[int] = (),
         dp_group: dist.ProcessGroup | None = None,
     ):
@@ -244,7 +251,9 @@ class StageModule(nn.Module):
         micro = plan.parallel.microbatches
         self.balance = RouterBalance(plan.moe, program.moe_layers, micro, dp_group, program.graph)
         self.meter: SavedTensorMeter | None = None
-        self._lowering = InductorGraphs(plan)
+        self.lowering = lowering
+        """What runs the stage graph (:mod:`moec.runtime.lowering`): the runtime's, shared by
+        the rank's stages (:func:`~moec.runtime.lowering.stage_lowering`)."""
         self._other_mode: fx.GraphModule | None = None
         self.instrument: Callable[[fx.GraphModule], fx.GraphModule] | None = None
         """A profile window's rewrite (:meth:`PipelineRuntime.set_instrument`)."""
@@ -258,7 +267,7 @@ class StageModule(nn.Module):
         graph = self._graph()
         with self.meter.track() if self.meter else contextlib.nullcontext():
             with program_context(self.plan, args):
-                outputs = self._lowering(graph, args)(*args)
+                outputs = self.lowering(graph, args)(*args)
             sig = self.program.signature
             sends = list(outputs[: sig.num_user_outputs])
             aux = dict(zip(sig.aux_outputs, outputs[sig.num_user_outputs :]))
@@ -357,8 +366,18 @@ class PipelineRuntime:
             )
         carries_aux = bool(program.moe_layers)
         dp_group = mesh.moe.dp_group if mesh.moe.dp > 1 else None
+        self.lowering = stage_lowering(plan, split, mesh.pp_rank)
+        """Runs the local stages' graphs, per block where the plan lowers to Inductor (one
+        compiled graph per distinct block over all of them: :mod:`moec.runtime.lowering`)."""
         self.modules = [
-            StageModule(split.stages[s], carries_aux, plan, _side_inputs(split, s, names), dp_group)
+            StageModule(
+                split.stages[s],
+                carries_aux,
+                plan,
+                self.lowering,
+                _side_inputs(split, s, names),
+                dp_group,
+            )
             for s in self.local
         ]
         self._side_inputs = sorted({i for s in self.local for i in _side_inputs(split, s, names)})
@@ -412,6 +431,8 @@ class PipelineRuntime:
         with contextlib.ExitStack() as stack:
             for reducer in self.reducers:
                 stack.enter_context(reducer.no_sync())
+            if self.split.schedule in SPLIT_BACKWARD:  # its input pass retains the graph
+                stack.enter_context(retained_backward())
             loss = self._run(self.schedule.step, inputs, targets)
         for reducer in self.reducers:
             reducer.finish()

@@ -35,15 +35,12 @@ from moec.analysis.structure import module_path
 from moec.fx import called_graph, evaluate, nbytes, under
 from moec.ops.param_groups import ParamGroup
 from moec.passes.pipeline.errors import PipelinePassError
-from moec.program import MoELayer
+from moec.program import FFN, PRE_FFN, MoELayer
 
 aten = torch.ops.aten
 
 _COMPUTE = ("call_function", "call_module")
 """Ops that compute in a unit: the ``fsdp`` pass's group and release calls are modules."""
-
-PRE_FFN, FFN = " (pre-FFN)", " (FFN)"
-"""Suffixes of a block's half-units' names (after the block's module path)."""
 
 CE_FLOPS_PER_LOGIT = 6
 """Cross-entropy on the last stage: max, subtract, exp, sum, log, gather per logit."""
