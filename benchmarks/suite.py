@@ -110,8 +110,9 @@ def _run(script: str, args: str = "", ranks: str = "{gpus}") -> Command:
 
 
 def _tests(path: str) -> Command:
-    """The GPU tests at ``path``, slow ones included, no ``-x``, autotuning off."""
-    return Command("pytest", path, ("-q", "-rfE", "--slow"), UNTUNED)
+    """The GPU tests at ``path``, slow ones included, no ``-x``, autotuning off; ``-v`` names
+    each result as it comes, so a command stopped at its limit still says which failed."""
+    return Command("pytest", path, ("-v", "-rfE", "--slow"), UNTUNED)
 
 
 def _setup(name: str, what: str, action: Callable[[Path, TextIO], None]) -> Entry:
