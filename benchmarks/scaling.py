@@ -7,8 +7,8 @@ efficiency against a single-GPU run of the same model (Table 51).
     ... --pp 2 --schedule interleaved_1f1b      # or zbv / dualpipev (2 stages per rank)
     ... --single results.json     # benchmarks/e2e.py --json output: prints the efficiency
     ... --sync-trace              # where each host sync of one steady step comes from
-    ... --inductor auto|true|false  # plan.lowering.inductor (auto, the default: Inductor on CUDA,
-                                    # each stage per block, except under zbv/dualpipev)
+    ... --inductor auto|true|false  # plan.lowering.inductor (auto, the default: Inductor on CUDA
+                                    # except for pipelines; true compiles each stage per block)
     ... --timeline PREFIX         # one profiled step per rank: where its GPU idles (JSON)
     ... --dp-shard N              # parallel.dp_shard: FSDP (HSDP below dp)
 
@@ -436,7 +436,7 @@ def main() -> None:
         "--inductor",
         choices=list(INDUCTOR_CHOICES),
         default="auto",
-        help="plan.lowering.inductor (auto: Inductor on CUDA except under zbv/dualpipev)",
+        help="plan.lowering.inductor (auto: Inductor on CUDA except for pipelines)",
     )
     parser.add_argument(
         "--kernels",

@@ -419,11 +419,11 @@ class LoweringPlan(_FreeSection):
     """Hand the final graph (each pipeline stage's, cut at its blocks as the whole program is)
     to ``torch.compile``'s Inductor, which fuses the dense ops between moec's; the ``moec::``
     ops stay opaque calls. ``auto`` (the default): on for a program that runs on CUDA, where it
-    measured faster at small and large shapes and at EP = 2 (benchmarks/RESULTS.md), pipelined
-    or not (a stage runs the same block graphs), unless the plan shards parameters (FSDP: not
-    measured with Inductor), pipelines the program with a zero-bubble schedule (``zbv``,
-    ``dualpipev``: a compiled block's backward is one autograd node, so their weight pass runs
-    it a second time), or recomputes activations by a policy other than ``block``
+    measured faster at small and large shapes and at EP = 2 (benchmarks/RESULTS.md), unless the
+    plan shards parameters (FSDP) or pipelines the program (neither measured with Inductor on a
+    GPU; ``true`` compiles each stage, cut at its blocks, and under ``zbv``/``dualpipev`` a
+    compiled block's backward is one autograd node that their weight pass runs twice), or
+    recomputes activations by a policy other than ``block``
     (``selective`` and ``budget`` were not measured with Inductor; ``block`` measured faster at
     the same peak memory once the working copies stayed out of the compiled graph). Off on the
     CPU, where compiling costs more than the fusion saves. Under ``auto`` a graph Inductor fails
@@ -498,7 +498,7 @@ class Plan:
         return (
             device_type == "cuda"
             and self.parallel.dp_shard == 1
-            and (self.parallel.pp == 1 or self.parallel.pp_schedule not in ("zbv", "dualpipev"))
+            and self.parallel.pp == 1
             and self.recompute.policy in ("none", "block")
         )
 

@@ -96,9 +96,8 @@ class Efficiency:
     """Share of the time model's rate a program that runs eagerly keeps, where the default
     lowering leaves it so (``lowering.inductor: auto`` skips FSDP and recompute plans): the
     model's rates are those of the Inductor-lowered e2e step, which measured 1.015-1.03x the
-    eager one on one H200 (RESULTS.md, session 13). ``pp_stage`` was measured on eager stages
-    and includes it; stages that ``auto`` now lowers (all but the zero-bubble schedules') are
-    priced at it too, not measured lowered."""
+    eager one on one H200 (RESULTS.md, session 13). Pipeline stages run eagerly under ``auto``
+    too; their ``pp_stage`` was measured so and includes it."""
     fp8_rowwise_experts: float = 0.725
     """Share of the fp8_rowwise rate the routed experts' MLPs keep. The ceiling is what a large
     dense FFN's FP8 linears reach, quantizers and bf16 weight gradients included; the expert
