@@ -252,7 +252,9 @@ def test_aux_free_bias_resumes_bit_for_bit(tmp_path):
     }  # fmt: skip
     full = train(tiny_llama(2), plan, _cfg(tmp_path, checkpoint_every=3))
     biases = {n: b.clone() for n, b in full.compiled.named_buffers() if "expert_bias" in n}
-    assert len(biases) == 2 and all(b.abs().sum() > 0 for b in biases.values())
+    # the biases moved (a layer's sign updates can cancel back to exactly zero over an even
+    # number of steps, as under MOEC_TEST_SEED=1986372788, so not every layer's need be off 0)
+    assert len(biases) == 2 and any(b.abs().sum() > 0 for b in biases.values())
     shutil.rmtree(tmp_path / "checkpoints" / "step_6")  # as if the run died after step 3
     torch.manual_seed(1234)
     resumed = train(tiny_llama(2), plan, _cfg(tmp_path, checkpoint_every=3, resume=True))
