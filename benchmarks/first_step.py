@@ -3,8 +3,10 @@
 Both launches share one moec cache (:mod:`moec.cache`), empty before the first (a fresh
 folder unless ``--cache`` names one): the first launch is cold, the second finds what the first
 compiled. Each launch (``--launch``, a new Python process) builds ``benchmarks/e2e.py``'s moec
-trainer (the report's Table 47 workload; ``--tiny``: the same structure at a CPU's size),
-runs its first step, then ``--warmup`` and ``--steps`` more for the steady step time
+trainer (the report's Table 47 workload; ``--tiny``: the same structure at a CPU's size) as
+``moec train --init-from fresh`` does (the dense model on the meta device, its tensors drawn on
+the training device; the hand-written anchor is built on the device directly), runs its first
+step, then ``--warmup`` and ``--steps`` more for the steady step time
 (``e2e.measure``). Printed per launch: seconds from the process's start to the end of its first
 step (imports included), the first step's breakdown (``moec.train.timing.FirstStepClock``:
 capture, passes, materialize, Inductor and its FX graphs compiled / found in the cache, kernel
@@ -135,6 +137,7 @@ def launch(args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks import e2e
     from moec import cache
     from moec.train import TrainConfig, Trainer
+    from moec.train.config import FRESH_INIT
     from moec.train.timing import FirstStepClock
 
     cache.setup()
@@ -152,13 +155,18 @@ def launch(args: argparse.Namespace) -> dict[str, Any]:
             synthetic=True,
             out=tempfile.mkdtemp(prefix="moec_first_step_"),
             plots=False,
+            init_from=FRESH_INIT,
         )
-        trainer = Trainer(e2e.dense_model(s), e2e.moe_plan(s), cfg)
+        with torch.device("meta"):  # as `moec train --init-from fresh`: drawn on the device
+            dense = e2e.dense_model(s)
+        trainer = Trainer(dense, e2e.moe_plan(s), cfg)
         clock, step = trainer.startup, trainer.train_step
         flops = trainer.train_flops_per_token * tokens
     else:
         clock = FirstStepClock(device)  # Inductor's time and graphs; no moec compile phases
-        hand = e2e.EagerTrainer(e2e.hand_written(s, e2e.dense_model(s)), s, device, compiled=True)
+        with device:  # built where it trains, as torchtitan's meta-then-device init does
+            model = e2e.hand_written(s, e2e.dense_model(s))
+        hand = e2e.EagerTrainer(model, s, device, compiled=True)
         step, flops = hand.train_step, 0.0
     clock.step_starts()
     step()

@@ -220,7 +220,7 @@ class EmbeddingDropoutLlama(Llama):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         seq = tokens.shape[1]
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        cos, sin = self.rope.cos[:seq], self.rope.sin[:seq]
         x = torch.nn.functional.dropout(self.embed(tokens), 0.1, self.training)
         for layer in self.layers:
             x = layer(x, cos, sin)

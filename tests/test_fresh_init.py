@@ -148,7 +148,8 @@ def test_every_layout_builds_the_one_process_tensors(tmp_path):
     spawn(_layout_worker, 2, str(tmp_path / "reference.pt"))
 
 
-def test_moec_train_init_from_fresh_trains_a_meta_built_model(tmp_path):
+@pytest.mark.parametrize("model", ["hf-llama", "llama"])  # transformers' and moec's own
+def test_moec_train_init_from_fresh_trains_a_meta_built_model(tmp_path, model):
     import yaml
 
     from moec.cli import main
@@ -156,7 +157,7 @@ def test_moec_train_init_from_fresh_trains_a_meta_built_model(tmp_path):
     plan = tmp_path / "plan.yaml"
     plan.write_text(yaml.safe_dump({"moe": {"num_experts": N, "top_k": K}}))
     out = tmp_path / "run"
-    argv = ["train", "--model", "hf-llama", "--plan", str(plan), "--init-from", "fresh"]
+    argv = ["train", "--model", model, "--plan", str(plan), "--init-from", "fresh"]
     argv += ["--synthetic", "--steps", "2", "--batch-size", "4", "--seq-len", "16"]
     argv += ["--log-every", "1", "--device", "cpu", "--seed", "5", "--out", str(out)]
     assert main(argv) == 0

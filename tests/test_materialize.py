@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import moec
+from moec.models.llama import Llama, LlamaConfig
 from moec.program import ExpertSlice, Repeated, Scaled, Stacked
 from moec.runtime import distributed as mdist
 from moec.runtime.materialize import MaterializeError, open_source
@@ -193,18 +194,50 @@ def test_missing_tensor_and_shape_mismatch_are_named(tmp_path):
         moec.compile(_meta(), _plan("upcycle"), (x,), init_from=tmp_path / "absent")
 
 
-def test_buffer_neither_in_checkpoint_nor_recomputable_is_named():
-    """moec's Llama computes its RoPE tables in the model's own __init__ (no config to rebuild
-    a small module from, no initializer): on meta they can come only from the checkpoint."""
-    state = tiny_llama(layers=1).state_dict()
+def test_a_meta_llama_gets_its_rope_tables_back_from_their_config():
+    """moec's Llama keeps its RoPE tables in a parameter-free module with a config: on the meta
+    device they are rebuilt from it, so a checkpoint without them (they are not persistent)
+    materializes the model it was saved from."""
+    torch.manual_seed(0)
+    real = tiny_llama(layers=1)
     with torch.device("meta"):
         meta = tiny_llama(layers=1)
-    with pytest.raises(MaterializeError, match=r"buffer rope_cos is neither in the state dict"):
-        moec.compile(meta, _plan("upcycle"), (tokens(seq=8),), init_from=state)
-    real = tiny_llama(layers=1)
-    persistent = {**state, "rope_cos": real.rope_cos, "rope_sin": real.rope_sin}
-    model = moec.compile(meta, _plan("upcycle"), (tokens(seq=8),), init_from=persistent)
-    assert torch.equal(model.graph_module.get_buffer("rope_cos"), real.rope_cos)
+    x = tokens(seq=8)
+    model = moec.compile(meta, _plan("upcycle"), (x,), init_from=real.state_dict())
+    assert torch.equal(model.graph_module.get_buffer("rope.cos"), real.rope.cos)
+    reference = moec.compile(real, _plan("upcycle"), (x,))
+    torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+
+
+class _ScaledEmbeddingLlama(Llama):
+    """Its embeddings scaled by a table its own __init__ computes: no config rebuilds it and no
+    initializer fills it."""
+
+    def __init__(self) -> None:
+        super().__init__(LlamaConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=64))
+        self.register_buffer("embed_scale", torch.linspace(0.5, 1.5, 32), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seq = tokens.shape[1]
+        x = self.embed(tokens) * self.embed_scale
+        for layer in self.layers:
+            x = layer(x, self.rope.cos[:seq], self.rope.sin[:seq])
+        return self.lm_head(self.norm(x))
+
+
+def test_buffer_neither_in_checkpoint_nor_recomputable_is_named():
+    """A buffer computed in a module's own __init__ (no config to rebuild a small module from,
+    no initializer) can come only from the checkpoint on the meta device."""
+    real = _ScaledEmbeddingLlama()
+    state = real.state_dict()
+    with torch.device("meta"):
+        meta = _ScaledEmbeddingLlama()
+    x = tokens(seq=8)
+    with pytest.raises(MaterializeError, match=r"buffer embed_scale is neither in the state dict"):
+        moec.compile(meta, _plan("upcycle"), (x,), init_from=state)
+    persistent = {**state, "embed_scale": real.embed_scale}
+    model = moec.compile(meta, _plan("upcycle"), (x,), init_from=persistent)
+    assert torch.equal(model.graph_module.get_buffer("embed_scale"), real.embed_scale)
 
 
 @pytest.mark.parametrize(

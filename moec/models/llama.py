@@ -87,6 +87,22 @@ class Block(nn.Module):
         return x + self.ffn(self.ffn_norm(x))
 
 
+class RotaryTables(nn.Module):
+    """RoPE's cos and sin tables [max_seq_len, head_dim], non-persistent buffers. A module of
+    its own, rebuilt from ``config``, so that a model built on the meta device gets them back."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        head_dim = config.dim // config.n_heads
+        exponents = torch.arange(0, head_dim, 2).float() / head_dim
+        inv_freq = 1.0 / config.rope_theta**exponents
+        angles = torch.outer(torch.arange(config.max_seq_len).float(), inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+
 class Llama(nn.Module):
     """``forward(tokens[B, S]) -> logits[B, S, vocab]``."""
 
@@ -104,25 +120,22 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        head_dim = cfg.dim // cfg.n_heads
-        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
-        angles = torch.outer(torch.arange(cfg.max_seq_len).float(), inv_freq)
-        angles = torch.cat((angles, angles), dim=-1)
-        self.register_buffer("rope_cos", angles.cos(), persistent=False)
-        self.register_buffer("rope_sin", angles.sin(), persistent=False)
-        self.apply(_init_weights)
+        self.rope = RotaryTables(cfg)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        """One module's initial weights (the name transformers uses: ``moec train --init-from
+        fresh`` draws each module of a meta model with it)."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         seq = tokens.shape[1]
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        cos, sin = self.rope.cos[:seq], self.rope.sin[:seq]
         x = self.embed(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.lm_head(self.norm(x))
-
-
-def _init_weights(module: nn.Module) -> None:
-    if isinstance(module, (nn.Linear, nn.Embedding)):
-        nn.init.normal_(module.weight, std=0.02)
-    if isinstance(module, nn.Linear) and module.bias is not None:
-        nn.init.zeros_(module.bias)
