@@ -148,7 +148,7 @@ def test_every_layout_builds_the_one_process_tensors(tmp_path):
     spawn(_layout_worker, 2, str(tmp_path / "reference.pt"))
 
 
-@pytest.mark.parametrize("model", ["hf-llama", "llama"])  # transformers' and moec's own
+@pytest.mark.parametrize("model", ["hf-llama", "llama", "gpt2"])  # transformers', moec's own
 def test_moec_train_init_from_fresh_trains_a_meta_built_model(tmp_path, model):
     import yaml
 
