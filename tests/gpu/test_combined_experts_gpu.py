@@ -38,8 +38,8 @@ def _impl(backend: str) -> str:
 
 def _routing(case: str, experts: int, tokens: int, top_k: int) -> tuple[torch.Tensor, ...]:
     """(rows [T, K], offsets [N] int32) on the device: ``drops`` (capacity below the load),
-    ``empty_experts`` (two of every three experts get nothing), ``one_expert`` (every route to
-    expert N/2, no drops)."""
+    ``empty_experts`` (two of every three experts get nothing; K is at most the experts left),
+    ``one_expert`` (every route to expert N/2, no drops)."""
     if case == "one_expert":
         ids = torch.full((tokens, top_k), experts // 2)
         cap = tokens * top_k
@@ -73,7 +73,8 @@ def test_combined_expert_mlp_equals_reference(monkeypatch, backend, layout, case
     rows, offsets = _routing(case, experts, tokens, top_k)
     masters = dict(device="cuda", dtype=torch.float32)
     x = torch.randn(tokens, dim, device="cuda", dtype=torch.bfloat16).requires_grad_()
-    weights = torch.rand(tokens, top_k, **masters).softmax(-1).requires_grad_()
+    # one weight per route: empty_experts routes to fewer experts than top_k where few are left
+    weights = torch.rand(tokens, rows.shape[1], **masters).softmax(-1).requires_grad_()
     w_up = torch.randn(experts, dim, 2 * hidden, **masters) / dim**0.5
     w_down = torch.randn(experts, hidden, dim, **masters) / hidden**0.5
     if layout == "k_major":
