@@ -1,17 +1,17 @@
 """Time to the first training step: the e2e workload launched twice, each in a fresh process.
 
-Both launches share one moec cache (:mod:`moec.cache`), empty before the first (a fresh
-folder unless ``--cache`` names one): the first launch is cold, the second finds what the first
+Both launches share one moec cache (:mod:`moec.cache`), empty before the first (a fresh folder
+unless ``--cache`` names one): the first launch is cold, the second finds what the first
 compiled. Each launch (``--launch``, a new Python process) builds ``benchmarks/e2e.py``'s moec
 trainer (the report's Table 47 workload; ``--tiny``: the same structure at a CPU's size) as
-``moec train --init-from fresh`` does (the dense model on the meta device, its tensors drawn on
-the training device; the hand-written anchor is built on the device directly), runs its first
-step, then ``--warmup`` and ``--steps`` more for the steady step time
-(``e2e.measure``). Printed per launch: seconds from the process's start to the end of its first
-step (imports included), the first step's breakdown (``moec.train.timing.FirstStepClock``:
-capture, passes, materialize, Inductor and its FX graphs compiled / found in the cache, kernel
-JIT and autotuning per backend, the step itself, the rest) and the steady step time, with the
-second launch's over the first's.
+``moec train --init-from fresh`` does (the dense model on the meta device, its tensors drawn at
+materialization, on the CPU, and copied to the training device; the hand-written anchor is built
+on the device directly), runs its first step, then ``--warmup`` and ``--steps`` more for the
+steady step time (``e2e.measure``). Printed per launch: seconds from the process's start to the
+end of its first step (imports included), the first step's breakdown
+(``moec.train.timing.FirstStepClock``: capture, passes, materialize, Inductor and its FX graphs
+compiled / found in the cache, kernel JIT and autotuning per backend, the step itself, the rest)
+and the steady step time, with the second launch's over the first's.
 
 ``--anchors`` (or ``--kinds compiled``): also the hand-written MoE of ``e2e.py`` with each
 block under ``torch.compile`` (its ``compiled, fp32 weights`` baseline: per-block compilation,
@@ -157,7 +157,7 @@ def launch(args: argparse.Namespace) -> dict[str, Any]:
             plots=False,
             init_from=FRESH_INIT,
         )
-        with torch.device("meta"):  # as `moec train --init-from fresh`: drawn on the device
+        with torch.device("meta"):  # as `moec train --init-from fresh`: drawn at materialize
             dense = e2e.dense_model(s)
         trainer = Trainer(dense, e2e.moe_plan(s), cfg)
         clock, step = trainer.startup, trainer.train_step
