@@ -148,8 +148,8 @@ def test_every_layout_builds_the_one_process_tensors(tmp_path):
     spawn(_layout_worker, 2, str(tmp_path / "reference.pt"))
 
 
-@pytest.mark.parametrize("model", ["hf-llama", "llama", "gpt2"])  # transformers', moec's own
-def test_moec_train_init_from_fresh_trains_a_meta_built_model(tmp_path, model):
+def _train_fresh(tmp_path, model: str) -> dict:
+    """``moec train --model MODEL --init-from fresh`` for 2 steps on the CPU: its summary."""
     import yaml
 
     from moec.cli import main
@@ -161,8 +161,36 @@ def test_moec_train_init_from_fresh_trains_a_meta_built_model(tmp_path, model):
     argv += ["--synthetic", "--steps", "2", "--batch-size", "4", "--seq-len", "16"]
     argv += ["--log-every", "1", "--device", "cpu", "--seed", "5", "--out", str(out)]
     assert main(argv) == 0
-    summary = json.loads((out / "summary.json").read_text())
+    return json.loads((out / "summary.json").read_text())
+
+
+NO_INITIALIZER_NOTE = "has no _init_weights(module)"
+
+
+@pytest.mark.parametrize("model", ["hf-llama", "llama", "gpt2"])  # transformers', moec's own
+def test_moec_train_init_from_fresh_trains_a_meta_built_model(tmp_path, capsys, model):
+    summary = _train_fresh(tmp_path, model)
+    captured = capsys.readouterr()
+    assert NO_INITIALIZER_NOTE not in captured.out + captured.err
     assert summary["steps"] == 2
     # logits of a 0.02-std initialization are near zero: the loss starts near log(vocab)
     assert abs(summary["first_loss"] - math.log(256)) < 0.1, summary["first_loss"]
+    assert math.isfinite(summary["final_loss"])
+
+
+def test_init_from_fresh_says_when_the_model_has_no_initializer(tmp_path, capsys):
+    """Without ``_init_weights(module)`` each module draws its ``reset_parameters()``: what the
+    model's own ``__init__`` applied after that is lost, and the run says so."""
+    factory = tmp_path / "no_initializer.py"
+    factory.write_text(
+        "import torch\n"
+        "from moec.models.llama import Llama, LlamaConfig\n\n\n"
+        "def no_initializer():\n"
+        "    model = Llama(LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2))\n"
+        "    model._init_weights = None  # as a model that initializes in its __init__ alone\n"
+        "    return model, (torch.randint(0, 256, (2, 16)),)\n"
+    )
+    summary = _train_fresh(tmp_path, f"{factory}:no_initializer")
+    captured = capsys.readouterr()
+    assert f"Llama {NO_INITIALIZER_NOTE}" in captured.out + captured.err
     assert math.isfinite(summary["final_loss"])

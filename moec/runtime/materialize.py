@@ -249,6 +249,12 @@ class FreshInit(TensorSource):
                     owner = first.setdefault(id(param), (path, attr))
                     self._owners[f"{path}.{attr}" if path else attr] = owner
 
+    def uses_module_defaults(self) -> bool:
+        """Whether the bound model has no ``_init_weights(module)``: every module is then
+        drawn by its own ``reset_parameters()``, so initialization the model's ``__init__``
+        applies after its modules' own (a smaller std, zero biases) is not reproduced."""
+        return not callable(getattr(self.model, "_init_weights", None))
+
     def bound(self, model: nn.Module | None) -> FreshInit:
         """This source, bound to ``model`` if it is not bound yet."""
         if self.model is not None:

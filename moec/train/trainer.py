@@ -193,6 +193,13 @@ class Trainer:
         )
         if cfg.init_from == FRESH_INIT:  # bound to the model: its _init_weights, its names
             dense = FreshInit(cfg.seed, model)
+            if dense.uses_module_defaults():
+                self._say(
+                    f"note: --init-from fresh: {type(model).__name__} has no "
+                    "_init_weights(module), so each module is drawn by its own "
+                    "reset_parameters(); what the model's __init__ initializes after that is "
+                    "not applied (define _init_weights(module) for it)"
+                )
         else:
             dense = cfg.init_from and open_source(cfg.init_from)
         if cfg.z_loss and plan.loss.fused:
