@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moec.models.init import normal_init
+
 
 @dataclass
 class GPT2Config:
@@ -60,14 +62,7 @@ class GPT2(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.dim)
         self.apply(self._init_weights)
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        """One module's initial weights, GPT-2's (the name transformers uses: ``moec train
-        --init-from fresh`` draws each module of a meta model with it)."""
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+    _init_weights = staticmethod(normal_init)  # what --init-from fresh draws each module with
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)

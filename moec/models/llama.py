@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moec.models.init import normal_init
+
 
 @dataclass
 class LlamaConfig:
@@ -123,14 +125,7 @@ class Llama(nn.Module):
         self.rope = RotaryTables(cfg)
         self.apply(self._init_weights)
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        """One module's initial weights (the name transformers uses: ``moec train --init-from
-        fresh`` draws each module of a meta model with it)."""
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+    _init_weights = staticmethod(normal_init)  # what --init-from fresh draws each module with
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         seq = tokens.shape[1]

@@ -253,7 +253,7 @@ class FreshInit(TensorSource):
         """Whether the bound model has no ``_init_weights(module)``: every module is then
         drawn by its own ``reset_parameters()``, so initialization the model's ``__init__``
         applies after its modules' own (a smaller std, zero biases) is not reproduced."""
-        return not callable(getattr(self.model, "_init_weights", None))
+        return _model_initializer(self.model) is None
 
     def bound(self, model: nn.Module | None) -> FreshInit:
         """This source, bound to ``model`` if it is not bound yet."""
@@ -612,11 +612,17 @@ def _initializers(model: nn.Module, module: nn.Module) -> list[Callable[[nn.Modu
     has_params = any(True for _ in module.parameters())
     if getattr(module, "config", None) is not None and not has_params:  # small modules only
         found.append(_rebuild_from_config)
-    if callable(getattr(model, "_init_weights", None)):
-        found.append(model._init_weights)
+    if (initializer := _model_initializer(model)) is not None:
+        found.append(initializer)
     if callable(getattr(module, "reset_parameters", None)):
         found.append(_reset_parameters)
     return found
+
+
+def _model_initializer(model: nn.Module | None) -> Callable[[nn.Module], Any] | None:
+    """The model's ``_init_weights(module)`` (transformers' name), if it has one."""
+    initializer = getattr(model, "_init_weights", None)
+    return initializer if callable(initializer) else None
 
 
 def _reset_parameters(clone: nn.Module) -> None:
