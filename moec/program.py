@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -386,12 +387,16 @@ def fresh_seed(seed: int, name: str, expert: int | None = None) -> int:
 
 class TensorBuilder:
     """Builds parameters' values from their sources, reading through ``read`` (each distinct
-    read made once per builder); ``Fresh`` tensors are drawn on the CPU in float32 and moved
-    to ``device`` (on ``meta``: only their shape)."""
+    read and statistic made once per builder); ``Fresh`` tensors are drawn on the CPU in
+    float32 and moved to ``device`` (on ``meta``: only their shape). The experts of a
+    ``Stacked`` tensor of normal draws are drawn in parallel threads, each into its rows of one
+    tensor (CPU draws are serial per generator; each expert has its own), giving the values
+    drawn one at a time would."""
 
     def __init__(self, read: SourceReader, device: torch.device | str) -> None:
         self.read, self.device = read, torch.device(device)
         self.memo: dict[ParamSource, torch.Tensor] = {}
+        self.statistics: dict[StdOf | MeanOf, float] = {}
 
     def tensor(self, source: ParamSource, dtype: torch.dtype) -> torch.Tensor:
         """The value of ``source`` as a new contiguous ``dtype`` tensor on the device."""
@@ -416,6 +421,9 @@ class TensorBuilder:
             one = self.build(source.of)
             return one.unsqueeze(0).expand(source.count, *one.shape)
         if isinstance(source, Stacked):
+            parts = source.parts
+            if self.device.type != "meta" and parts and all(map(_normal_draw, parts)):
+                return self._drawn_experts(parts)
             return torch.stack([self.build(p) for p in source.parts])
         if isinstance(source, RepeatedRows):
             return self.build(source.of).repeat_interleave(source.count, dim=0)
@@ -426,7 +434,7 @@ class TensorBuilder:
     def _redrawn(self, source: Redrawn) -> torch.Tensor:
         base = self.build(source.of)
         units = source.units
-        order = torch.randperm(units.size, generator=torch.Generator().manual_seed(units.seed))
+        order = torch.randperm(units.size, generator=_generator(units.seed))
         fill = self.build(source.fill).to(base.dtype)
         return base.index_copy(source.dim, order[: units.count].to(base.device), fill)
 
@@ -441,15 +449,44 @@ class TensorBuilder:
             return torch.zeros(source.shape, device=self.device)
         if self.device.type == "meta":
             return torch.empty(source.shape, device=self.device)
-        std, mean = (self._statistic(s) for s in (source.std, source.mean))
-        generator = torch.Generator().manual_seed(source.seed)
-        return (torch.randn(source.shape, generator=generator) * std + mean).to(self.device)
+        return self._drawn_experts((source,))[0]
+
+    def _drawn_experts(self, parts: tuple[Fresh, ...]) -> torch.Tensor:
+        """``parts`` (normal draws of one shape) stacked: each drawn on the CPU by its own
+        generator, in parallel, then scaled and shifted by its statistics, as ``randn * std +
+        mean`` would (the same two roundings), and moved to the device at once."""
+        drawn = torch.empty(len(parts), *parts[0].shape)
+
+        def draw(i: int) -> None:  # a thread each: randn releases the GIL
+            torch.randn(parts[i].shape, generator=_generator(parts[i].seed), out=drawn[i])
+
+        workers = min(len(parts), torch.get_num_threads())
+        if workers > 1:
+            with ThreadPoolExecutor(workers) as pool:
+                list(pool.map(draw, range(len(parts))))
+        else:
+            for i in range(len(parts)):
+                draw(i)
+        for row, part in zip(drawn, parts, strict=True):  # multithreaded ops: on this thread
+            row.mul_(self._statistic(part.std)).add_(self._statistic(part.mean))
+        return drawn.to(self.device)
 
     def _statistic(self, value: float | StdOf | MeanOf) -> float:
         if isinstance(value, float | int):
             return value
-        joined = torch.cat([self.build(p) for p in value.parts], 1).float()
-        return float(joined.std() if isinstance(value, StdOf) else joined.mean())
+        if value not in self.statistics:
+            joined = torch.cat([self.build(p) for p in value.parts], 1).float()
+            stat = joined.std() if isinstance(value, StdOf) else joined.mean()
+            self.statistics[value] = float(stat)
+        return self.statistics[value]
+
+
+def _normal_draw(source: ParamSource) -> bool:
+    return isinstance(source, Fresh) and source.kind == "normal"
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
 
 
 def experts(source: ParamSource, start: int, stop: int) -> ParamSource:

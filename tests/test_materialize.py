@@ -13,7 +13,17 @@ import torch.nn.functional as F
 
 import moec
 from moec.models.llama import Llama, LlamaConfig
-from moec.program import ExpertSlice, Repeated, Scaled, Stacked
+from moec.program import (
+    ExpertSlice,
+    Fresh,
+    FromSource,
+    MeanOf,
+    Repeated,
+    Scaled,
+    Stacked,
+    StdOf,
+    TensorBuilder,
+)
 from moec.runtime import distributed as mdist
 from moec.runtime.materialize import MaterializeError, open_source
 from tests.distributed import spawn
@@ -289,3 +299,27 @@ def test_moec_train_init_from_a_dense_checkpoint_starts_at_the_dense_loss(
         assert abs(first - want) > 1e-4, (first, want)  # 10x the tolerance of equal
     else:
         assert abs(first - want) < 1e-5, (first, want)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_experts_drawn_in_parallel_are_each_experts_own_draw(threads):
+    """Random experts are drawn in parallel threads into one tensor; each expert's values are
+    still ``randn(its seed) * std + mean`` exactly (statistics of the dense matrix), whatever
+    the thread count, and a lone ``Fresh`` gives its expert's values."""
+    dense = torch.randn(16, 24) * 0.3 + 0.1
+    read = lambda name, rows, cols: dense  # noqa: E731
+    std, mean = StdOf((FromSource("w"),)), MeanOf((FromSource("w"),))
+    parts = tuple(Fresh("normal", (3, 5), std, seed=100 + e, mean=mean) for e in range(6))
+    want = torch.stack(
+        [torch.randn(3, 5, generator=torch.Generator().manual_seed(100 + e)) for e in range(6)]
+    )
+    want = want * float(dense.std()) + float(dense.mean())
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = TensorBuilder(read, "cpu").tensor(Stacked(parts), torch.float32)
+        lone = TensorBuilder(read, "cpu").tensor(parts[4], torch.float32)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, want)
+    assert torch.equal(lone, want[4])

@@ -660,7 +660,12 @@ def _filled(
         except (TypeError, ValueError, AttributeError, RuntimeError):
             return None
     filled = {name: _own(clone, name).detach() for name in names}
-    return None if any(bool(t.isnan().any()) for t in filled.values()) else filled
+    return None if any(map(_holds_nan, filled.values())) else filled
+
+
+def _holds_nan(t: torch.Tensor) -> bool:
+    # a NaN makes the sum NaN; one pass, no mask (only +inf beside -inf could too: then look)
+    return bool(t.sum().isnan()) and bool(t.isnan().any())
 
 
 def _own(module: nn.Module, name: str) -> torch.Tensor:
