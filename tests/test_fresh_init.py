@@ -94,11 +94,18 @@ class _Gain(nn.Module):
         return x * self.gain
 
 
+class _HalfGain(_Gain):
+    def reset_parameters(self) -> None:  # fills half the parameter: not an initializer of it
+        with torch.no_grad():
+            self.gain[:4] = 1.0
+
+
 class _Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.proj = nn.Linear(8, 8)
         self.scale = _Gain()
+        self.partial = _HalfGain()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.scale(self.proj(x))
@@ -111,6 +118,8 @@ def test_parameter_no_initializer_fills_and_unbound_source_are_named():
     assert source.read("proj.weight", None, None).shape == (8, 8)  # Linear.reset_parameters
     with pytest.raises(MaterializeError, match=r"parameter scale\.gain.*_Gain.*tried: none"):
         source.read("scale.gain", None, None)
+    with pytest.raises(MaterializeError, match=r"partial\.gain.*tried: _reset_parameters"):
+        source.read("partial.gain", None, None)
     program = moec.compile(hf_model("llama"), _plan("upcycle"), (tokens(),)).program
     with pytest.raises(MaterializeError, match=r"FreshInit\(seed=3\) has no model"):
         materialize(program, FreshInit(SEED))
