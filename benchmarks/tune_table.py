@@ -9,13 +9,20 @@ into the table under this GPU's product (H100, H200, B200, B300), replacing that
 entries for the same kernels and buckets. Review the diff, and record the run (device, commit,
 command) in ``benchmarks/RESULTS.md`` before committing the table.
 
+quack's GEMMs autotune in quack's autotuner: the records it wrote into the run's quack cache
+are written into the table too (kernel ``quack-<version>``, :func:`moec.kernels.tuning.seed_quack`
+puts them back into a cache).
+
 ``--record FILE`` merges the choices another run recorded instead of tuning here (no GPU
 needed): the ``tuning_choices.json`` in the moec cache of a run that autotuned with the table
 off, or with no entries yet for its product (e.g. ``benchmarks/first_step.py``'s cold launch),
-under the GEMM policy that run used.
+under the GEMM policy that run used. ``--quack-records DIR --product P --quack-version V``
+merges the quack records of such a run's quack cache folder (``CACHE/.../quack``).
 
     python benchmarks/tune_table.py [--small] [--steps 2] [--table PATH] [--dry-run]
     python benchmarks/tune_table.py --record CACHE/.../tuning_choices.json [--table PATH]
+    python benchmarks/tune_table.py --quack-records CACHE/.../quack --product H100 \
+        --quack-version 0.6.5 [--table PATH]
 """
 
 from __future__ import annotations
@@ -47,6 +54,9 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--table", default=str(tuning.TABLE), help="the table file to update")
     parser.add_argument("--dry-run", action="store_true", help="print the entries, write nothing")
     parser.add_argument("--record", help="merge this recorded tuning_choices.json, tune nothing")
+    parser.add_argument("--quack-records", help="merge the records of this quack cache folder")
+    parser.add_argument("--product", choices=tuning.PRODUCTS, help="the GPU of --quack-records")
+    parser.add_argument("--quack-version", help="the quack version of --quack-records")
     return parser
 
 
@@ -73,7 +83,15 @@ def tune(small: bool, steps: int) -> dict[str, dict[str, dict]]:
     torch.cuda.synchronize()
     trainer.batches.close()
     record = cache.tuning_record()
-    return json.loads(record.read_text()) if record.exists() else {}
+    chosen = json.loads(record.read_text()) if record.exists() else {}
+    quack = cache.owned_folder("QUACK_CACHE_DIR")
+    if gemm_backend.quack_importable() and quack is not None:
+        import quack as quack_package
+
+        product = tuning.product(torch.device("cuda"))
+        kernel = tuning.quack_kernel(quack_package.__version__)
+        chosen.setdefault(product, {})[kernel] = tuning.quack_records(quack)
+    return chosen
 
 
 def merge(table: dict, product: str, chosen: dict[str, dict]) -> int:
@@ -86,8 +104,15 @@ def merge(table: dict, product: str, chosen: dict[str, dict]) -> int:
 
 def main() -> None:
     args = arguments().parse_args()
-    chosen = json.loads(Path(args.record).read_text()) if args.record else {tuned_product(): {}}
-    if not args.record:
+    if args.quack_records:
+        if not (args.product and args.quack_version):
+            sys.exit("--quack-records needs --product and --quack-version (the run's)")
+        records = tuning.quack_records(Path(args.quack_records))
+        chosen = {args.product: {tuning.quack_kernel(args.quack_version): records}}
+    elif args.record:
+        chosen = json.loads(Path(args.record).read_text())
+    else:
+        chosen = {tuned_product(): {}}
         product = next(iter(chosen))
         chosen[product] = tune(args.small, args.steps).get(product, {})
     for product, kernels in sorted(chosen.items()):

@@ -149,6 +149,14 @@ def active() -> CacheDirs | None:
     return _ACTIVE
 
 
+def owned_folder(variable: str) -> Path | None:
+    """The folder :func:`setup` pointed tool cache ``variable`` at, if it is moec's (None
+    before setup, or where the user set the variable)."""
+    if _ACTIVE is None or not _ACTIVE.ours.get(variable):
+        return None
+    return _ACTIVE.tools[variable]
+
+
 def tuning_record() -> Path | None:
     """The file recording the autotuner's choices for moec's kernels (None before
     :func:`setup`): read by ``benchmarks/tune_table.py`` to fill the shipped table."""

@@ -273,3 +273,26 @@ def test_tune_table_merges_a_recorded_run_into_a_new_table_file(tmp_path):
     proc = subprocess.run(argv, env=env, capture_output=True, text=True)
     assert proc.returncode != 0 and "'A100' is none of" in proc.stderr
     assert not refused.exists()
+
+
+@pytest.mark.slow
+def test_tune_table_merges_a_quack_cache_as_records_moec_seeds_back(tmp_path):
+    """``--quack-records`` writes the records of a quack cache folder, cut to their winners,
+    under ``quack-<version>`` of the product given, which :func:`tuning.seed_quack` writes back
+    into an empty cache as quack reads them; without the product and version it refuses."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    script = str(ROOT / "benchmarks" / "tune_table.py")
+    path = "MFRGGZDFMZTWQ2LK/gemm_tuned.autotune.json"
+    measured = tmp_path / "quack"
+    (measured / path).parent.mkdir(parents=True)
+    timings = [["tile: 128", [0.3]], ["tile: 256", [0.2]]]
+    (measured / path).write_text(json.dumps({"key": "(8,)", "configs_timings": timings}))
+    table = tmp_path / "tuning.json"
+    argv = [sys.executable, script, "--quack-records", str(measured), "--table", str(table)]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True)
+    assert proc.returncode != 0 and "--product and --quack-version" in proc.stderr
+    argv += ["--product", "H100", "--quack-version", "0.6.5"]
+    subprocess.run(argv, env=env, check=True, capture_output=True)
+    written = json.loads(table.read_text())
+    assert written["H100"]["quack-0.6.5"] == {path: {"key": "(8,)", "configs_timings": timings[1:]}}
+    assert written["H100"]["activation.act"] == tuning.table()["H100"]["activation.act"]

@@ -121,6 +121,96 @@ def test_shipped_entries_are_candidates_of_their_kernels():
     assert set(shipped) == set(tuning.PRODUCTS)
     for product, kernels in shipped.items():
         for kernel, buckets in kernels.items():
+            if kernel.startswith("quack-"):  # quack's records: its own candidates, by its key
+                assert all(tuning.QUACK_RECORD.fullmatch(path) for path in buckets), kernel
+                assert all(len(r["configs_timings"]) == 1 for r in buckets.values()), kernel
+                continue
             entries = [tuning.config_entry(c) for c in _candidates(kernel, FAMILY[product])]
             for bucket, entry in buckets.items():
                 assert entry in entries, (product, kernel, bucket)
+
+
+RECORD = "MFRGGZDFMZTWQ2LKNNWG23TPOBYXE43UOV3HO6DZPJQXE/gemm_tuned.autotune.json"
+"""A path of quack's form: its key digest (base32), the tuned function's name."""
+
+
+def _quack_record(timings: list[tuple[str, list[float]]]) -> dict:
+    return {"key": "(4, (8, 16), (2, 1), torch.bfloat16)", "configs_timings": timings}
+
+
+def test_quack_records_are_cut_to_their_winner_and_seeded_where_absent(tmp_path, monkeypatch):
+    """A record from quack's cache keeps the config quack would take from it (least timings);
+    seeding writes the table's records for this product and quack version where no file is,
+    leaves a file that is there alone, skips a path not of quack's form, and writes nothing with
+    the table switched off."""
+    measured = tmp_path / "measured"
+    record = _quack_record([("tile_m: 128", [0.2, 0.3]), ("tile_m: 256", [0.1, 0.4])])
+    (measured / RECORD).parent.mkdir(parents=True)
+    (measured / RECORD).write_text(json.dumps(record))
+    (measured / "notes.txt").write_text("not a record")
+    records = tuning.quack_records(measured)
+    assert records == {RECORD: _quack_record([["tile_m: 256", [0.1, 0.4]]])}
+
+    other = "ABC/gemm_act_tuned.autotune.json"
+    outside = "../escape.autotune.json"
+    shipped = {**records, other: _quack_record([]), outside: _quack_record([])}
+    table = {"H100": {tuning.quack_kernel("0.6.5"): shipped}}
+    monkeypatch.setattr(tuning, "table", lambda: table)
+    cache = tmp_path / "cache"
+    (cache / other).parent.mkdir(parents=True)
+    (cache / other).write_text("theirs")
+    assert tuning.seed_quack("H200", cache, "0.6.5") == 0  # another product's
+    assert tuning.seed_quack("H100", cache, "0.7.0") == 0  # another version's
+    monkeypatch.setenv("MOEC_TUNING_TABLE", "0")
+    assert tuning.seed_quack("H100", cache, "0.6.5") == 0
+    monkeypatch.delenv("MOEC_TUNING_TABLE")
+    assert tuning.seed_quack("H100", cache, "0.6.5") == 1
+    assert json.loads((cache / RECORD).read_text()) == records[RECORD]
+    assert (cache / other).read_text() == "theirs"
+    assert not (tmp_path / "escape.autotune.json").exists()
+
+
+def test_quacks_autotuner_takes_a_seeded_record_and_benchmarks_nothing(tmp_path, monkeypatch):
+    """quack's own autotuner (on CPU tensors, its benchmark stubbed): the record one process
+    measured, cut by :func:`tuning.quack_records` and seeded into an empty cache, makes a fresh
+    autotuner in another cache launch the measured winner without benchmarking."""
+    autotuner = pytest.importorskip("quack.autotuner")
+    from moec.kernels import cute_gemm
+
+    tiles: list[int] = []
+
+    def double(x: torch.Tensor, n: int, tile: int) -> torch.Tensor:
+        tiles.append(tile)
+        return x * 2
+
+    def tuned():
+        configs = [autotuner.AutotuneConfig(tile=t) for t in (16, 32, 64)]
+        return autotuner.autotune(configs, key=["n"], do_bench=lambda *a, **k: None)(double)
+
+    timings = {16: [0.5, 0.6], 32: [0.2, 0.3], 64: [0.4, 0.4]}
+    benched: list[int] = []
+
+    def bench(self, *args, config, **kwargs):
+        benched.append(config.kwargs["tile"])
+        return timings[config.kwargs["tile"]]
+
+    monkeypatch.setattr(autotuner, "_gpu_warmup", lambda *a, **k: None)
+    monkeypatch.setattr(autotuner.Autotuner, "_bench", bench)
+    measured, fresh = tmp_path / "measured", tmp_path / "fresh"
+    monkeypatch.setenv("QUACK_CACHE_DIR", str(measured))
+    tuned()(torch.ones(4), n=4)
+    assert sorted(benched) == [16, 32, 64] and tiles == [32]
+
+    version = autotuner.VERSION
+    records = tuning.quack_records(measured)
+    monkeypatch.setattr(tuning, "table", lambda: {"H100": {tuning.quack_kernel(version): records}})
+    assert tuning.seed_quack("H100", fresh, version) == 1
+    monkeypatch.setenv("QUACK_CACHE_DIR", str(fresh))
+    benched.clear()
+    tuned()(torch.ones(4), n=4)
+    assert benched == [] and tiles == [32, 32]
+
+    seeded: list[bool] = []  # moec seeds before quack's first GEMM
+    monkeypatch.setattr(tuning, "seed_quack_cache", lambda: seeded.append(True))
+    cute_gemm._quack()
+    assert seeded == [True]

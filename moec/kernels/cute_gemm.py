@@ -55,9 +55,13 @@ from moec.kernels.activation import UNARY_CODES, KernelActivation
 
 
 def _quack():
-    """quack's GEMM interface, imported on first use (it loads the CuTe DSL's compiler)."""
+    """quack's GEMM interface, imported on first use (it loads the CuTe DSL's compiler), with
+    the shipped autotuning records in moec's quack cache (``tuning.seed_quack_cache``)."""
     from quack import gemm_interface
 
+    from moec.kernels.tuning import seed_quack_cache
+
+    seed_quack_cache()
     return gemm_interface
 
 

@@ -15,6 +15,14 @@ changed since it was measured). The table is not consulted where the kernel has 
 candidate (``MOEC_AUTOTUNE=0``, the interpreter) or ``MOEC_TUNING_TABLE=0`` (to tune again).
 Entries are shipped only from measured runs (``tune_table.py``'s output, recorded with the
 device and commit in ``benchmarks/RESULTS.md``); a product without any autotunes everywhere.
+
+quack's GEMMs autotune in quack's own autotuner, which moec cannot hand a tile (its plain
+``gemm`` takes ``tuned`` alone). It keeps each choice in its disk cache, a file per launch
+key: quack's version, the launch's shapes, strides and dtypes, and its candidate configs. The
+table ships those files as measured, under the kernel name ``quack-<version>`` (file path ->
+the winning config and its timings), and :func:`seed_quack` writes them into moec's quack
+cache where absent before quack's first GEMM: a launch with a shipped key then benchmarks
+nothing. A file of other shapes, candidates or version is never read (its key differs).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +42,9 @@ PRODUCTS = ("H100", "H200", "B200", "B300")
 """GPU products the table may hold, matched in the device's name."""
 ROW_KEYS = frozenset({"R"})
 """Autotune keys that count rows: bucketed by the next power of two."""
+
+QUACK_RECORD = re.compile(r"[A-Z2-7]+/[A-Za-z0-9_]+\.autotune\.json")
+"""A quack autotuning record's path in its cache: ``<key digest>/<fn>.autotune.json``."""
 
 table_hits = 0
 """Launches that ran a table config instead of autotuning, in this process."""
@@ -139,3 +151,51 @@ def _record(where: str | None, kernel: str, key: str, config: triton.Config) -> 
         record = {}
     record.setdefault(where, {}).setdefault(kernel, {})[key] = config_entry(config)
     cache.write_atomic(path, json.dumps(record, indent=1, sort_keys=True))
+
+
+def quack_kernel(version: str) -> str:
+    """The table's kernel name for quack ``version``'s records."""
+    return f"quack-{version}"
+
+
+def seed_quack(where: str | None, folder: Path | None, version: str) -> int:
+    """Write the table's records of quack ``version`` on product ``where`` into quack's cache
+    ``folder`` (see module) where no file is; return how many were written. Nothing where the
+    table is switched off (``MOEC_TUNING_TABLE=0``: tune again) or there is no folder."""
+    if where is None or folder is None or os.environ.get("MOEC_TUNING_TABLE", "1") == "0":
+        return 0
+    from moec import cache
+
+    written = 0
+    for path, record in table().get(where, {}).get(quack_kernel(version), {}).items():
+        target = folder / path
+        if QUACK_RECORD.fullmatch(path) and not target.exists():
+            cache.write_atomic(target, json.dumps(record))
+            written += 1
+    return written
+
+
+@functools.cache
+def seed_quack_cache() -> int:
+    """:func:`seed_quack` for this process's GPU into moec's own quack cache (none where the
+    user chose quack's folder, or before :func:`moec.cache.setup`), once; quack's first GEMM
+    must come after it."""
+    import quack
+
+    from moec import cache
+
+    where = product(torch.device("cuda")) if torch.cuda.is_available() else None
+    return seed_quack(where, cache.owned_folder("QUACK_CACHE_DIR"), quack.__version__)
+
+
+def quack_records(folder: Path) -> dict[str, dict[str, Any]]:
+    """The autotuning records in quack's cache ``folder``, each cut to its winning config (the
+    one quack takes from a record: the least timings), by path, for the table."""
+    records = {}
+    for file in sorted(folder.glob("*/*.autotune.json")):
+        path = file.relative_to(folder).as_posix()
+        record = json.loads(file.read_text())
+        best = min(record["configs_timings"], key=lambda entry: entry[1])
+        if QUACK_RECORD.fullmatch(path):
+            records[path] = {"key": record["key"], "configs_timings": [best]}
+    return records
