@@ -273,6 +273,9 @@ ENTRIES: tuple[Entry, ...] = (
     E("capture", "moec.compile's capture and passes on a 2-layer Qwen3.5, split into "
       "torch.export, passes, verification and fake propagation (CPU)", "capture and passes (CPU)",
       (_py("benchmarks/capture_profile.py", "--json {out}/capture_profile.json"),), gpus=0),
+    E("materialize", "FreshInit materialization of the e2e workload's program (2 B "
+      "parameters), on the GPU where there is one", "materialize",
+      (_py("benchmarks/materialize.py", "--json {out}/materialize.json"),)),
     E("plan-search", "the plan search's top plans and the example plans that fit, predicted "
       "against measured, on every GPU", "plan search",
       (_run("benchmarks/autoplan_validate.py", "--json {out}/autoplan.json"),)),

@@ -518,16 +518,18 @@ def _retarget_devices(gm: fx.GraphModule, device: torch.device) -> None:
 def _build(
     builder: TensorBuilder, source: ParamSource, param: torch.Tensor, name: str
 ) -> torch.Tensor:
-    value = builder.tensor(source, param.dtype)
+    """``param``'s value from ``source``: one copy of what the builder made into a new tensor
+    of the program's dtype and layout (k-major expert weights: lowering.expert_weights)."""
+    value = builder.build(source)
     if value.shape != param.shape:  # a DTensor's shape is the whole tensor's
         raise MaterializeError(
             f"parameter {name}: the program has shape {tuple(param.shape)} but its source "
             f"{source} gives {tuple(value.shape)}"
         )
-    if isinstance(param, DTensor) or value.stride() == param.stride():
-        return value
-    # the program's layout (k-major expert weights: lowering.expert_weights)
-    return torch.empty_like(param, device=value.device).copy_(value)
+    if isinstance(param, DTensor):  # built whole, then sharded
+        return torch.empty(value.shape, dtype=param.dtype, device=builder.device).copy_(value)
+    out = torch.empty_strided(param.shape, param.stride(), dtype=param.dtype, device=builder.device)
+    return out.copy_(value)
 
 
 def _checked_reader(tensors: TensorSource, expected: Mapping[str, torch.Size]):
