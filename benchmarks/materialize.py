@@ -46,9 +46,10 @@ def main() -> None:
     with torch.device("meta"):
         dense = e2e.dense_model(shape)
     tokens = torch.zeros(shape["micro"], shape["seq"], dtype=torch.long, device="meta")
-    program = moec_compile(dense, e2e.moe_plan(shape), (tokens,)).program
-    params = sum(p.numel() for p in program.graph.parameters())
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    # bound for the device (its layouts), as the Trainer compiles
+    program = moec_compile(dense, e2e.moe_plan(shape), (tokens,), init_device=device).program
+    params = sum(p.numel() for p in program.graph.parameters())
     runs = []
     for i in range(args.repeats):
         profile = cProfile.Profile() if args.cprofile and i == args.repeats - 1 else None
