@@ -481,6 +481,22 @@ class TensorBuilder:
         return self.statistics[value]
 
 
+def source_reads(source: ParamSource) -> list[str]:
+    """The source tensors a :class:`TensorBuilder` reads to build ``source``, in the order it
+    reads them (a tensor read twice is listed twice)."""
+    if isinstance(source, FromSource):
+        return [source.name]
+    if isinstance(source, ExpertSlice):
+        return source_reads(experts(source.of, source.start, source.stop))
+    reads = []
+    for field in dataclasses.fields(source):
+        value = getattr(source, field.name)
+        for part in value if isinstance(value, tuple) else (value,):
+            if dataclasses.is_dataclass(part) and not isinstance(part, type):
+                reads += source_reads(part)
+    return reads
+
+
 def _normal_draw(source: ParamSource) -> bool:
     return isinstance(source, Fresh) and source.kind == "normal"
 

@@ -83,6 +83,20 @@ def test_fresh_values_do_not_depend_on_the_read_order():
         assert torch.equal(got[name], want[name]), name
     rows = backward.read(names[1], slice(2, 5), None)  # a part is the whole's rows
     assert torch.equal(rows, want[names[1]][2:5])
+    for order in (names, names[::-1]):  # drawn ahead as foreseen, or against the reads
+        ahead = FreshInit(SEED, model)
+        ahead.prefetch(order)
+        got = {n: ahead.read(n, None, None) for n in names}
+        ahead.close()
+        assert all(torch.equal(got[n], want[n]) for n in names)
+
+
+def test_materialize_leaves_the_callers_random_state_as_it_was():
+    program = moec.compile(_meta(), _plan("random"), (tokens(),)).program
+    torch.manual_seed(1234)
+    state = torch.random.get_rng_state()
+    materialize(program, FreshInit(SEED), "cpu", _meta())
+    assert torch.equal(torch.random.get_rng_state(), state)
 
 
 class _Gain(nn.Module):

@@ -38,10 +38,14 @@ one owning module at a time on the CPU, so a model too big for one device is nev
 whole. Parameter ``a.b.weight`` is made by a copy of module ``a.b`` alone, allocated
 (``to_empty(recurse=False)``) and filled by the first initializer that leaves none of its
 parameters NaN (the model's ``_init_weights(module)``, the module's ``reset_parameters()``),
-run under the random state ``torch.manual_seed(fresh_seed(seed, "a.b"))`` forked from the
-caller's. A value thus depends only on the seed and its module's path: every layout (dp,
-dp_shard, ep, pp) builds the same global tensors as one process, whatever it reads and in
-which order. The last module's tensors are kept, so its several parameters are made once.
+run under the CPU random state seeded with ``fresh_seed(seed, "a.b")``, forked from the
+caller's (whose CPU and GPU states are left as they were). A value thus depends only on the
+seed and its module's path: every layout (dp, dp_shard, ep, pp) builds the same global tensors
+as one process, whatever it reads and in which order. The last module's tensors are kept, so
+its several parameters are made once. :func:`materialize` has the modules it will read drawn
+ahead on a background thread (:meth:`FreshInit.prefetch`, two modules ahead of the reads, one
+module at a time: the initializers draw from the global generator), beside its copies and
+expert draws; a read the prefetch did not foresee is drawn when it comes, to the same values.
 A tied parameter is its first holder's. An initializer that a parent module applies to its
 children (e.g. a scaled residual projection set by the block's ``_init_weights``) is not
 applied: only the owning module's is. A parameter no initializer fills raises
@@ -73,7 +77,10 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Callable, Mapping
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +100,7 @@ from moec.program import (
     TensorBuilder,
     cut,
     fresh_seed,
+    source_reads,
 )
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -235,6 +243,9 @@ class FreshInit(TensorSource):
     the module docstring). Without ``model`` it is a marker: :func:`materialize` binds it to the
     model it is given (``moec.compile(meta_model, plan, example, init_from=FreshInit(seed=0))``)."""
 
+    AHEAD = 2
+    """Modules :meth:`prefetch` draws ahead of the reads (each held until read)."""
+
     def __init__(self, seed: int, model: nn.Module | None = None) -> None:
         super().__init__(f"FreshInit(seed={seed})")
         self.seed, self.model = seed, model
@@ -242,6 +253,11 @@ class FreshInit(TensorSource):
         """Parameter name -> (module path, attribute) of the first module holding it."""
         self._last: tuple[str, dict[str, torch.Tensor]] | None = None
         """The last initialized module's path and its parameters, by attribute."""
+        self._random_state = threading.Lock()
+        """Held while an initializer draws from the global generator."""
+        self._upcoming: deque[str] = deque()
+        self._drawn: dict[str, Future[dict[str, torch.Tensor]]] = {}
+        self._drawer: ThreadPoolExecutor | None = None
         first: dict[int, tuple[str, str]] = {}
         for path, module in [] if model is None else model.named_modules(remove_duplicate=False):
             for attr, param in module._parameters.items():
@@ -278,18 +294,54 @@ class FreshInit(TensorSource):
         rows, cols = index[0], index[1] if len(index) > 1 else None
         return cut(self._module_tensors(path, name)[attr], rows, cols)
 
+    def prefetch(self, names: Iterable[str]) -> None:
+        """Draw the modules holding parameters ``names`` on a background thread, in the order
+        of their first appearance, at most :attr:`AHEAD` ahead of the reads; :meth:`close`
+        stops it."""
+        paths = dict.fromkeys(self._owners[n][0] for n in names if n in self._owners)
+        self._upcoming = deque(paths)
+        self._drawer = self._drawer or ThreadPoolExecutor(1, thread_name_prefix="fresh-init")
+        self._draw_ahead()
+
+    def close(self) -> None:
+        """Stop drawing ahead and drop what was drawn and not read."""
+        self._upcoming.clear()
+        for future in self._drawn.values():
+            future.cancel()
+        self._drawn.clear()
+        if self._drawer is not None:
+            self._drawer.shutdown(wait=True)
+            self._drawer = None
+
+    def _draw_ahead(self) -> None:
+        while self._drawer is not None and self._upcoming and len(self._drawn) < self.AHEAD:
+            path = self._upcoming.popleft()
+            self._drawn[path] = self._drawer.submit(self._draw, path, None)
+
     def _module_tensors(self, path: str, name: str) -> dict[str, torch.Tensor]:
         if self._last is not None and self._last[0] == path:
             return self._last[1]
         self._last = None  # the previous module's tensors are dropped before the next is built
+        ahead = self._drawn.pop(path, None)
+        # what failed ahead is drawn again here, to raise naming the parameter read
+        ahead_ok = ahead is not None and ahead.exception() is None
+        filled = ahead.result() if ahead_ok else self._draw(path, name)
+        self._last = (path, filled)
+        self._draw_ahead()
+        return filled
+
+    def _draw(self, path: str, name: str | None) -> dict[str, torch.Tensor]:
+        """The parameters of module ``path`` from the first initializer that fills them all;
+        ``name`` (or the module's first parameter) is named if none does."""
         module = self.model.get_submodule(path)
         attrs = [a for a, p in module._parameters.items() if p is not None]
         initializers = _initializers(self.model, module)
         for initialize in initializers:
-            filled = _filled(initialize, module, attrs, seed=fresh_seed(self.seed, path))
+            with self._random_state:
+                filled = _filled(initialize, module, attrs, seed=fresh_seed(self.seed, path))
             if filled is not None:
-                self._last = (path, filled)
                 return filled
+        name = name or (f"{path}.{attrs[0]}" if path else attrs[0])
         tried = ", ".join(i.__name__ for i in initializers) or "none"
         raise MaterializeError(
             f"parameter {name}: {self.where} found no initializer that fills the parameters of "
@@ -363,17 +415,22 @@ def materialize(
     gm = program.graph
     split = program.pipeline
     holders = _Holders([gm] + ([] if split is None else [s.graph for s in split.stages]))
-    for name, param in list(gm.named_parameters()):  # a builder each: nothing read is kept
-        if held is not None and id(param) not in held:
-            continue
-        lent = _lent(tensors, name, program.source(name), param, device)
-        if lent is not None:
-            holders.replace(param, lent)
-            continue
-        value = _build(TensorBuilder(read, device), program.source(name), param, name)
-        if isinstance(param, DTensor):  # an FSDP shard (moec.runtime.fsdp): keep this rank's
-            value = _shard_of(value, param)
-        holders.replace(param, nn.Parameter(value, param.requires_grad))
+    params = [(n, p) for n, p in gm.named_parameters() if held is None or id(p) in held]
+    if isinstance(tensors, FreshInit):
+        tensors.prefetch(r for n, _ in params for r in source_reads(program.source(n)))
+    try:
+        for name, param in params:  # a builder each: nothing read is kept
+            lent = _lent(tensors, name, program.source(name), param, device)
+            if lent is not None:
+                holders.replace(param, lent)
+                continue
+            value = _build(TensorBuilder(read, device), program.source(name), param, name)
+            if isinstance(param, DTensor):  # an FSDP shard (moec.runtime.fsdp): this rank's
+                value = _shard_of(value, param)
+            holders.replace(param, nn.Parameter(value, param.requires_grad))
+    finally:
+        if isinstance(tensors, FreshInit):
+            tensors.close()
     initial = None
     for name, buffer in list(gm.named_buffers()):
         if name in program.working_weights or (held is not None and id(buffer) not in held):
@@ -655,8 +712,8 @@ def _filled(
         for name in names:
             _own(clone, name).fill_(math.nan)
     with torch.random.fork_rng(devices=[]), torch.no_grad():
-        if seed is not None:
-            torch.manual_seed(seed)
+        if seed is not None:  # the CPU generator alone: torch.manual_seed would seed the GPUs'
+            torch.random.default_generator.manual_seed(seed)
         try:
             initialize(clone)
         except (TypeError, ValueError, AttributeError, RuntimeError):
