@@ -460,13 +460,8 @@ class TensorBuilder:
         def draw(i: int) -> None:  # a thread each: randn releases the GIL
             torch.randn(parts[i].shape, generator=_generator(parts[i].seed), out=drawn[i])
 
-        workers = min(len(parts), torch.get_num_threads())
-        if workers > 1:
-            with ThreadPoolExecutor(workers) as pool:
-                list(pool.map(draw, range(len(parts))))
-        else:
-            for i in range(len(parts)):
-                draw(i)
+        with ThreadPoolExecutor(min(len(parts), torch.get_num_threads())) as pool:
+            list(pool.map(draw, range(len(parts))))
         for row, part in zip(drawn, parts, strict=True):  # multithreaded ops: on this thread
             row.mul_(self._statistic(part.std)).add_(self._statistic(part.mean))
         return drawn.to(self.device)

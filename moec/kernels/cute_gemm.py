@@ -46,6 +46,7 @@ whose module imports quack only when a kernel runs.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -54,6 +55,7 @@ from torch import Tensor
 from moec.kernels.activation import UNARY_CODES, KernelActivation
 
 
+@functools.cache
 def _quack():
     """quack's GEMM interface, imported on first use (it loads the CuTe DSL's compiler), with
     the shipped autotuning records in moec's quack cache (``tuning.seed_quack_cache``)."""

@@ -194,8 +194,8 @@ def quack_records(folder: Path) -> dict[str, dict[str, Any]]:
     records = {}
     for file in sorted(folder.glob("*/*.autotune.json")):
         path = file.relative_to(folder).as_posix()
-        record = json.loads(file.read_text())
-        best = min(record["configs_timings"], key=lambda entry: entry[1])
         if QUACK_RECORD.fullmatch(path):
+            record = json.loads(file.read_text())
+            best = min(record["configs_timings"], key=lambda entry: entry[1])
             records[path] = {"key": record["key"], "configs_timings": [best]}
     return records
