@@ -201,7 +201,8 @@ def describe(reports: dict[str, list[dict]], cache: str) -> str:
             kernels = [f"{k[b]['jit_s']:.1f}/{k[b]['autotune_s']:.1f}" for b in ("triton", "cute")]
             lines.append(
                 f"{KINDS[kind] + f', launch {n}':36} {r['launch_to_first_step_s']:9.1f} "
-                f"{f['capture_s']:8.1f} {f['passes_s']:7.1f} {f['materialize_s']:7.1f} "
+                f"{f['capture_s']:8.1f} {f['passes_s']:6.1f}{'*' if f['programs_cached'] else ' '}"
+                f"{f['materialize_s']:7.1f} "
                 f"{f['inductor_s']:9.1f} {f['graphs_compiled']:>4}/{f['graphs_cached']:<4} "
                 f"{kernels[0]:>13} {kernels[1]:>13} {f['step_s']:7.1f} {f['other_s']:7.1f} "
                 f"{1e3 * r['steady_step_s']:10.1f}"
@@ -210,8 +211,8 @@ def describe(reports: dict[str, list[dict]], cache: str) -> str:
             ratio = launches[1]["steady_step_s"] / launches[0]["steady_step_s"]
             lines.append(f"{KINDS[kind]}: steady step, launch 2 / launch 1: {ratio:.3f}")
     lines.append(
-        "(seconds; graphs: FX graphs compiled / found in the cache; triton, cute: kernel JIT / "
-        "autotuning)"
+        "(seconds; passes*: the program was found in the cache, its load; graphs: FX graphs "
+        "compiled / found in the cache; triton, cute: kernel JIT / autotuning)"
     )
     return "\n".join(lines)
 

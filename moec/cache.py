@@ -15,7 +15,8 @@ entries on most of these too; the folders make the cache easy to inspect and pru
 - the CuTe DSL (``CUTE_DSL_CACHE_DIR``), quack's compiled objects and autotuning
   (``QUACK_CACHE_DIR``) and FlashAttention 4's compiled kernels
   (``FLASH_ATTENTION_CUTE_DSL_CACHE_DIR``, its cache switched on);
-- moec's record of the autotuner's choices (:func:`tuning_record`).
+- moec's record of the autotuner's choices (:func:`tuning_record`);
+- moec's compiled programs (``programs/``, :mod:`moec.program_cache`).
 
 A variable the user set already is left as it is (their cache wins); the defaults torch writes
 into ``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR`` itself (importing Inductor's config
@@ -163,14 +164,14 @@ def tuning_record() -> Path | None:
     return None if _ACTIVE is None else _ACTIVE.folder / "tuning_choices.json"
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder renamed over it:
-    a concurrent reader sees the old file or the new one, never part of one."""
+def write_atomic(path: Path, content: str | bytes) -> None:
+    """Write ``content`` to ``path`` through a temporary file in the same folder renamed over
+    it: a concurrent reader sees the old file or the new one, never part of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb" if isinstance(content, bytes) else "w") as f:
+            f.write(content)
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)

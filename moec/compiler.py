@@ -31,6 +31,7 @@ import contextlib
 import copy
 import itertools
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -38,6 +39,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from moec import program_cache
 from moec.frontend import capture
 from moec.kernels.target import Target
 from moec.passes.base import PassContext
@@ -261,11 +263,26 @@ def _build(
         program = capture(model, args, kwargs)
     program.target = target
     names = select(plan) if names is None else names
-    ctx = PassContext(plan, program, ep_group=getattr(mesh, "ep_info", None))
-    with timed("passes"):
+    ep_group = getattr(mesh, "ep_info", None)
+    digest = None
+    if dump is None and print_after is None and program_cache.active_folder() is not None:
+        how = dict(plan=plan, names=names, target=target, ep_group=ep_group, verify=verify)
+        digest = program_cache.key(program, **how)
+    if digest is not None:
+        with timed("passes"):
+            cached = program_cache.load(digest, program)
+        if cached is not None:
+            return cached
+    ctx = PassContext(plan, program, ep_group=ep_group)
+    with timed("passes"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # every warning recorded, to be replayed below
         PassManager(names, verify=verify, dump=dump, print_after=print_after).run(program, ctx)
     program.pass_results = ctx.results
     program.pass_pipeline = pipeline_string(plan, names)
+    issued = [program_cache.Warned.of(w) for w in caught]
+    if digest is not None:
+        program_cache.store(digest, program, issued)
+    program_cache.replay(issued)
     return program
 
 

@@ -126,6 +126,7 @@ def describe(report: dict[str, Any]) -> str:
         f"moec warmup: {report['plan']} on {report['model']}, batch {report['batch']} x seq "
         f"{report['seq']}, {report['device']}; loss {report['loss']:.4f}; cache {report['cache']}",
         f"graphs: {first['graphs_compiled']} compiled, {first['graphs_cached']} from the cache",
+        f"programs from the cache (passes skipped): {first['programs_cached']}",
     ]
     for backend, k in first["kernels"].items():
         lines.append(

@@ -12,7 +12,11 @@ run stays within the suite's budget (CONTRIBUTING.md), and CI runs ``-m slow`` a
 
 Inductor's compiled graphs are cached in a directory of this test session (unless
 ``TORCHINDUCTOR_CACHE_DIR`` is set): its cache key knows a custom op by name only, so code cached
-before a moec op changed its layout would run against the new op (stale stride asserts).
+before a moec op changed its layout would run against the new op (stale stride asserts). moec's
+cache (``MOEC_CACHE_DIR``) is one of the session's too, and each test keeps compiled programs
+(:mod:`moec.program_cache`) in a folder of its own, whether or not the cache was set up in its
+process: a test that compiles one program twice loads it the second time, and no test loads a
+program another built (one may have patched a pass).
 """
 
 import os
@@ -24,6 +28,16 @@ import torch
 
 SEED_ENV = "MOEC_TEST_SEED"
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="moec_inductor_"))
+os.environ.setdefault("MOEC_CACHE_DIR", tempfile.mkdtemp(prefix="moec_cache_"))
+
+
+@pytest.fixture(autouse=True)
+def _programs_cached_per_test(tmp_path_factory, monkeypatch):
+    """Each test's compiled programs in a folder of its own (see module)."""
+    from moec import program_cache
+
+    folder = tmp_path_factory.mktemp("programs")
+    monkeypatch.setattr(program_cache, "active_folder", lambda: folder)
 
 
 def _test_seed() -> int:

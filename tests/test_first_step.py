@@ -240,6 +240,8 @@ def test_first_step_benchmark_runs_two_launches_at_a_tiny_shape(tmp_path):
         assert launch["launch_to_first_step_s"] >= first["total_s"]
         assert launch["steady_step_s"] > 0
     assert "launch 2 / launch 1" in proc.stdout
+    # the second launch loaded the program the first built: it ran no pass
+    assert [launch["first_step"]["programs_cached"] for launch in launches] == [0, 1]
 
 
 @pytest.mark.slow

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from moec import program_cache
+
 NON_STEP_PARTS = ("checkpoint", "eval")
 """The kinds of work between steps, each reported as ``{part}_s``."""
 
@@ -134,7 +136,9 @@ class FirstStepClock:
     - ``other_s``: the rest (model to the device, optimizer, data, checkpoint reads).
 
     The parts are disjoint, so they sum to ``total_s``; ``graphs_compiled`` / ``graphs_cached``
-    count the FX graphs Inductor compiled or found in the cache (:mod:`moec.cache`), and
+    count the FX graphs Inductor compiled or found in the cache (:mod:`moec.cache`),
+    ``programs_cached`` the programs whose passes were found there (:mod:`moec.program_cache`:
+    ``passes_s`` is then the load), and
     ``inductor_runtime_autotune_s`` is the part of ``step_s`` (and of Triton's JIT, for the
     configs compiled then) that Inductor spent autotuning its kernels on their first run.
     ``process_start_to_first_step_s`` adds what came before the clock (Python and torch
@@ -151,6 +155,7 @@ class FirstStepClock:
         started = process_start()
         self.before_s = None if started is None else max(0.0, time.time() - started)
         self.phases_at_start = dict(phase_seconds)
+        self.programs_at_start = program_cache.counters["hits"]
         self.inductor_at_start = inductor_state()
         cute = device.type == "cuda"
         self.kernels = KernelClock().start(cute=cute)
@@ -190,6 +195,7 @@ class FirstStepClock:
             "graphs_compiled": inductor["graphs_compiled"]
             - self.inductor_at_start["graphs_compiled"],
             "graphs_cached": inductor["graphs_cached"] - self.inductor_at_start["graphs_cached"],
+            "programs_cached": program_cache.counters["hits"] - self.programs_at_start,
             "inductor_runtime_autotune_s": inductor["runtime_autotune_seconds"]
             - self.inductor_at_start["runtime_autotune_seconds"],
             "process_start_to_first_step_s": None
@@ -235,9 +241,11 @@ def format_first_step(parts: dict[str, Any]) -> str:
     )
     launched = parts.get("process_start_to_first_step_s")
     since = "" if launched is None else f" ({launched:.1f} s from the process's start)"
+    cached = parts.get("programs_cached", 0)
     return (
         f"first step after {parts['total_s']:.1f} s{since}: capture {parts['capture_s']:.1f}, "
-        f"passes {parts['passes_s']:.1f}, materialize {parts['materialize_s']:.1f}, Inductor "
+        f"passes {parts['passes_s']:.1f}{' (program from the cache)' if cached else ''}, "
+        f"materialize {parts['materialize_s']:.1f}, Inductor "
         f"{parts['inductor_s']:.1f} ({parts['graphs_compiled']} graphs compiled, "
         f"{parts['graphs_cached']} from the cache)"
         + (f", {kernels}" if kernels else ", no kernel compiled")
