@@ -276,6 +276,9 @@ ENTRIES: tuple[Entry, ...] = (
     E("materialize", "FreshInit materialization of the e2e workload's program (2 B "
       "parameters), on the GPU where there is one", "materialize",
       (_py("benchmarks/materialize.py", "--json {out}/materialize.json"),)),
+    E("program-cache", "the e2e program compiled in fresh processes on one cache: the passes "
+      "run, then the program loaded", "program cache",
+      (_py("benchmarks/program_cache.py", "--json {out}/program_cache.json"),)),
     E("plan-search", "the plan search's top plans and the example plans that fit, predicted "
       "against measured, on every GPU", "plan search",
       (_run("benchmarks/autoplan_validate.py", "--json {out}/autoplan.json"),)),
