@@ -373,7 +373,11 @@ class _Unpickler(pickle.Unpickler):
 
 
 def _rebuild(data: bytes, captured: Program) -> tuple[Program, list[Warned]]:
-    entry = _Unpickler(io.BytesIO(data)).load()
+    with warnings.catch_warnings():
+        # torch 2.11 rebuilds a pickled TreeSpec (the signature's) through its deprecated
+        # LeafSpec and says so on every load: torch's own notice, nothing the user can act on
+        warnings.filterwarnings("ignore", ".*LeafSpec.*", FutureWarning)
+        entry = _Unpickler(io.BytesIO(data)).load()
     if entry.get("format") != FORMAT:
         raise ValueError(f"stored in format {entry.get('format')}, this moec reads {FORMAT}")
     gm = fx.GraphModule(torch.nn.Module(), fx.Graph(), class_name=entry["class_name"])

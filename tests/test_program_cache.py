@@ -90,9 +90,16 @@ def test_a_second_compile_loads_the_program_the_first_built_and_trains_alike(nam
     want_loss, want_grads = _loss_and_grads(built, ids)
     assert program_cache.counters["stored"] >= 1
     hits = program_cache.counters["hits"]
-    loaded = _compile(name, _plan(dtype))
-    got_loss, got_grads = _loss_and_grads(loaded, ids)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = _compile(name, _plan(dtype))
     assert program_cache.counters["hits"] == hits + 1
+    assert not [
+        w
+        for w in caught
+        if "cached program" in str(w.message) or issubclass(w.category, FutureWarning)
+    ], caught  # a load says nothing new
+    got_loss, got_grads = _loss_and_grads(loaded, ids)
     a, b = built.program, loaded.program
     assert a.graph.code == b.graph.code
     assert _nodes(a) == _nodes(b)
