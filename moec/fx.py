@@ -261,6 +261,17 @@ def module_path(node: fx.Node) -> str:
     return path.removeprefix("L['self'].").removeprefix("L__self__.")
 
 
+def ensure_submodule(root: nn.Module, path: str) -> nn.Module:
+    """The submodule of ``root`` at the dotted ``path``, empty modules added where it has none
+    (``""``: ``root``): where a graph module's new attribute goes."""
+    module = root
+    for part in path.split(".") if path else []:
+        if not hasattr(module, part):
+            module.add_module(part, nn.Module())
+        module = getattr(module, part)
+    return module
+
+
 def under(path: str, prefix: str) -> bool:
     """``path`` is the dotted module path ``prefix`` or one inside it (``layers.1`` holds
     ``layers.1.ffn``, not ``layers.10``)."""

@@ -47,7 +47,7 @@ import torch
 import torch.fx as fx
 
 from moec import cache
-from moec.fx import propagate_fake
+from moec.fx import ensure_submodule, propagate_fake
 from moec.passes.base import PassResult
 from moec.program import Program
 
@@ -385,7 +385,7 @@ def _rebuild(data: bytes, captured: Program) -> tuple[Program, list[Warned]]:
     made: dict[str, torch.Tensor] = {}
     for e in entry["state"]:
         owner_path, _, name = e.path.rpartition(".")
-        owner = _submodule(gm, owner_path)
+        owner = ensure_submodule(gm, owner_path)
         tensor = made[e.same_as] if e.same_as is not None else e.tensor
         if e.kind == "parameter":
             if e.same_as is None:
@@ -417,15 +417,6 @@ def _rebuild(data: bytes, captured: Program) -> tuple[Program, list[Warned]]:
         for name, (modified, stats) in entry["results"].items()
     }
     return program, entry["warnings"]
-
-
-def _submodule(gm: fx.GraphModule, path: str) -> torch.nn.Module:
-    module: torch.nn.Module = gm
-    for part in path.split(".") if path else []:
-        if not hasattr(module, part):
-            module.add_module(part, torch.nn.Module())
-        module = getattr(module, part)
-    return module
 
 
 def _resolve(value: Any, env: dict[str, fx.Node]) -> Any:

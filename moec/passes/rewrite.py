@@ -22,7 +22,13 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from moec.fx import fake_mode, node_order, propagate_fake, symbolic_dispatch
+from moec.fx import (
+    ensure_submodule,
+    fake_mode,
+    node_order,
+    propagate_fake,
+    symbolic_dispatch,
+)
 
 __all__ = ["GraphEditor", "delete_attribute", "erase_unused", "fake_mode", "refresh_meta"]
 
@@ -74,7 +80,7 @@ class GraphEditor:
         self, path: str, like: fx.Node, register: Callable[[nn.Module, str], None]
     ) -> fx.Node:
         owner_path, _, name = path.rpartition(".")
-        owner = _ensure_module(self.gm, owner_path)
+        owner = ensure_submodule(self.gm, owner_path)
         if hasattr(owner, name):
             raise RuntimeError(f"pass {self.pass_name}: attribute {path!r} already exists")
         register(owner, name)
@@ -92,15 +98,6 @@ def refresh_meta(gm: fx.GraphModule) -> None:
     """Recompute every node's ``meta["val"]`` by fake propagation from the placeholders' (after
     a rewrite that changes dtypes or shapes downstream of the nodes it made)."""
     propagate_fake(gm)
-
-
-def _ensure_module(gm: fx.GraphModule, path: str) -> torch.nn.Module:
-    module: torch.nn.Module = gm
-    for part in path.split(".") if path else []:
-        if not hasattr(module, part):
-            module.add_module(part, torch.nn.Module())
-        module = getattr(module, part)
-    return module
 
 
 def delete_attribute(gm: fx.GraphModule, path: str) -> None:
