@@ -45,6 +45,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from moec import cache
 from moec.fx import ensure_submodule, propagate_fake
@@ -104,6 +105,8 @@ def key(
         digest.update(part.encode())
         digest.update(b"\0")
     for node in gm.graph.nodes:
+        if any(isinstance(a, torch.Tensor) for a in pytree.tree_leaves((node.args, node.kwargs))):
+            return _not_cached(f"node {node.name} takes a tensor as an argument")
         digest.update(_node_text(node).encode())
     state = _state(gm)
     if state is None:
@@ -144,7 +147,12 @@ def store(digest: str, program: Program, caught: list[Warned]) -> None:
     except _NotStorable as exc:
         _not_cached(str(exc))
         return
-    cache.write_atomic(folder / f"{digest}.pkl", data)
+    try:
+        cache.write_atomic(folder / f"{digest}.pkl", data)
+    except OSError as exc:  # a full or read-only cache costs the next launch its passes only
+        warnings.warn(f"moec: could not cache the program in {folder}: {exc}", stacklevel=2)
+        _not_cached(f"the cache could not be written: {exc}")
+        return
     counters["stored"] += 1
 
 
@@ -209,7 +217,7 @@ def _value_text(val: Any) -> str:
             return _tensor_text(t)
         return repr(t)
 
-    return repr(torch.utils._pytree.tree_map(one, val))
+    return repr(pytree.tree_map(one, val))
 
 
 def _tensor_text(t: torch.Tensor) -> str:

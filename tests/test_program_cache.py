@@ -161,6 +161,16 @@ def test_a_file_that_does_not_load_is_a_miss_and_is_replaced():
     assert program_cache.counters["hits"] == hits + 1
 
 
+def test_a_cache_that_cannot_be_written_costs_a_warning_not_the_compile(monkeypatch, tmp_path):
+    blocked = tmp_path / "a file"
+    blocked.write_text("")
+    monkeypatch.setattr(program_cache, "active_folder", lambda: blocked / "programs")
+    with pytest.warns(UserWarning, match="could not cache the program"):
+        compiled = _compile("llama", _plan("fp32"))
+    assert bool(compiled(tokens()).isfinite().all())
+    assert "could not be written" in program_cache.last_reason
+
+
 def test_what_is_not_cached_is_built_and_says_why():
     stored = program_cache.counters["stored"]
     recompute = {**_plan("fp32"), "recompute": {"policy": "block"}}
