@@ -298,8 +298,10 @@ class _NotStorable(Exception):
     pass
 
 
-class _Ref(NamedTuple):
-    """A node's reference to another, by name, in the stored form."""
+@dataclasses.dataclass(frozen=True)
+class _Ref:
+    """A node's reference to another, by name, in the stored form (not a tuple: fx's
+    ``map_aggregate`` takes it as a leaf)."""
 
     name: str
 
@@ -405,7 +407,9 @@ def _rebuild(data: bytes, captured: Program) -> tuple[Program, list[Warned]]:
     graph = fx.Graph()
     env: dict[str, fx.Node] = {}
     for name, op, target, args, kwargs, type_, meta in entry["nodes"]:
-        args, kwargs = _resolve((args, kwargs), env)
+        args, kwargs = fx.node.map_aggregate(
+            (args, kwargs), lambda a: env[a.name] if isinstance(a, _Ref) else a
+        )
         node = graph.create_node(op, target, args, kwargs, name=name, type_expr=type_)
         if node.name != name:
             raise ValueError(f"node {name} came back as {node.name}")
@@ -425,15 +429,3 @@ def _rebuild(data: bytes, captured: Program) -> tuple[Program, list[Warned]]:
         for name, (modified, stats) in entry["results"].items()
     }
     return program, entry["warnings"]
-
-
-def _resolve(value: Any, env: dict[str, fx.Node]) -> Any:
-    if isinstance(value, _Ref):
-        return env[value.name]
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_resolve(v, env) for v in value)
-    if isinstance(value, dict):
-        return type(value)((k, _resolve(v, env)) for k, v in value.items())
-    if isinstance(value, slice):
-        return slice(*(_resolve(v, env) for v in (value.start, value.stop, value.step)))
-    return value
