@@ -116,6 +116,11 @@ def test_a_second_compile_loads_the_program_the_first_built_and_trains_alike(nam
     assert want_grads.keys() == got_grads.keys()
     for n, grad in want_grads.items():
         assert torch.equal(grad, got_grads[n]), n
+    for compiled in (built, loaded):  # the optimizer users write, one step each
+        torch.optim.AdamW(compiled.parameters(), lr=1e-3).step()
+    want_params = dict(built.named_parameters())
+    for n, p in loaded.named_parameters():
+        assert torch.equal(p, want_params[n]), n
 
 
 def _key(model: nn.Module, plan: dict, target: Target | None = None, **how) -> str:
