@@ -4,8 +4,11 @@ have the model's own initializer's statistics, and ``moec train --init-from fres
 
 from __future__ import annotations
 
+import copy
 import json
 import math
+import sys
+import threading
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import moec
+from moec.program import fresh_seed
 from moec.runtime import distributed as mdist
 from moec.runtime.materialize import FreshInit, MaterializeError, materialize
 from tests.distributed import spawn
@@ -89,6 +93,106 @@ def test_fresh_values_do_not_depend_on_the_read_order():
         got = {n: ahead.read(n, None, None) for n in names}
         ahead.close()
         assert all(torch.equal(got[n], want[n]) for n in names)
+
+
+class _DrawsUnseeded(nn.Module):
+    """Its initializer calls ``torch.randn(size)``, an op that takes no generator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(5, 3))
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.w.copy_(torch.randn(5, 3))
+
+
+class _Mixed(nn.Module):
+    """Modules drawn by their own ``reset_parameters()`` (kaiming-uniform, normal, ones)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.conv = nn.Embedding(11, 6), nn.Conv1d(6, 6, 3)
+        self.proj, self.norm, self.drawn = nn.Linear(6, 4), nn.LayerNorm(4), _DrawsUnseeded()
+
+
+class _Custom(_Mixed):
+    """A model initializer of its own (truncated normal, orthogonal, xavier, in-place uniform);
+    the modules it leaves NaN fall back to their ``reset_parameters()``."""
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.trunc_normal_(module.weight, std=0.02)
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Conv1d):
+            nn.init.orthogonal_(module.weight)
+            module.bias.data.uniform_(-1, 1)
+        elif isinstance(module, nn.Embedding):
+            nn.init.xavier_normal_(module.weight)
+
+
+def _global_generator_reference(model: nn.Module, path: str) -> dict[str, torch.Tensor]:
+    """Module ``path``'s parameters as its initializer draws them on the CPU after
+    ``torch.manual_seed(fresh_seed(SEED, path))`` (the model's ``_init_weights`` where it
+    fills them all, else the module's ``reset_parameters()``)."""
+    module = model.get_submodule(path)
+    reset = getattr(type(module), "reset_parameters", None)
+    for initialize in (getattr(model, "_init_weights", None), reset):
+        clone = copy.deepcopy(module).to_empty(device="cpu", recurse=False)
+        with torch.no_grad():
+            for p in clone.parameters(recurse=False):
+                p.fill_(math.nan)
+        torch.manual_seed(fresh_seed(SEED, path))
+        if initialize is not None:
+            with torch.no_grad():
+                initialize(clone)
+        own = {n: p.detach() for n, p in clone.named_parameters(recurse=False)}
+        if not any(bool(p.isnan().any()) for p in own.values()):
+            return own
+    raise AssertionError(f"no initializer fills {path}")
+
+
+def _built(kind: str) -> nn.Module:
+    with torch.device("meta"):
+        return (
+            hf_model("llama")
+            if kind == "hf-llama"
+            else {"mixed": _Mixed, "custom": _Custom}[kind]()
+        )
+
+
+@pytest.mark.parametrize("kind", ["hf-llama", "mixed", "custom"])
+def test_fresh_values_are_the_global_generators_after_manual_seed(kind):
+    """Each module is drawn from a generator of its own, several at once, to the values
+    ``torch.manual_seed`` of its seed gives (``_DrawsUnseeded`` calls an op that takes no
+    generator: it is drawn from the global one, to the same values), while another thread
+    reseeds and draws from the global generator throughout: no draw moves another."""
+    model = _built(kind)
+    names = [n for n, _ in model.named_parameters()]
+    stop = threading.Event()
+
+    def reseed_and_draw() -> None:
+        while not stop.is_set():
+            torch.manual_seed(0)
+            torch.randn(64)
+
+    other = threading.Thread(target=reseed_and_draw)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the threads interleave between any two draws
+    other.start()
+    try:
+        source = FreshInit(SEED, model)
+        source.prefetch(names)
+        got = {n: source.read(n, None, None) for n in names}
+        source.close()
+    finally:
+        stop.set()
+        other.join()
+        sys.setswitchinterval(switch)
+    for name in names:
+        path, _, attr = name.rpartition(".")
+        want = _global_generator_reference(model, path)[attr]
+        assert torch.equal(got[name], want), name
 
 
 def test_materialize_leaves_the_callers_random_state_as_it_was():

@@ -38,14 +38,17 @@ one owning module at a time on the CPU, so a model too big for one device is nev
 whole. Parameter ``a.b.weight`` is made by a copy of module ``a.b`` alone, allocated
 (``to_empty(recurse=False)``) and filled by the first initializer that leaves none of its
 parameters NaN (the model's ``_init_weights(module)``, the module's ``reset_parameters()``),
-run under the CPU random state seeded with ``fresh_seed(seed, "a.b")``, forked from the
-caller's (whose CPU and GPU states are left as they were). A value thus depends only on the
-seed and its module's path: every layout (dp, dp_shard, ep, pp) builds the same global tensors
-as one process, whatever it reads and in which order. The last module's tensors are kept, so
-its several parameters are made once. :func:`materialize` has the modules it will read drawn
-ahead on a background thread (:meth:`FreshInit.prefetch`, two modules ahead of the reads, one
-module at a time: the initializers draw from the global generator), beside its copies and
-expert draws; a read the prefetch did not foresee is drawn when it comes, to the same values.
+drawing from a CPU generator of its own seeded with ``fresh_seed(seed, "a.b")``: the values
+``torch.manual_seed`` of that seed would give, while the caller's random states (CPU and GPU)
+are neither read nor moved (:mod:`moec.runtime.seeded_draws`; an initializer calling an op
+that takes no generator draws from the global one instead, seeded the same, one module at a
+time, the caller's state restored). A value thus depends only on the seed and its module's
+path: every layout (dp, dp_shard, ep, pp) builds the same global tensors as one process,
+whatever it reads and in which order. The last module's tensors are kept, so its several
+parameters are made once. :func:`materialize` has the modules it will read drawn ahead on
+background threads, several at once (:meth:`FreshInit.prefetch`, up to
+:attr:`FreshInit.AHEAD_BYTES` ahead of the reads), beside its copies and expert draws; a read
+the prefetch did not foresee is drawn when it comes, to the same values.
 A tied parameter is its first holder's. An initializer that a parent module applies to its
 children (e.g. a scaled residual projection set by the block's ``_init_weights``) is not
 applied: only the owning module's is. A parameter no initializer fills raises
@@ -72,6 +75,7 @@ model's, a built parameter whose shape differs from the program's.
 from __future__ import annotations
 
 import abc
+import contextlib
 import copy
 import dataclasses
 import json
@@ -102,6 +106,7 @@ from moec.program import (
     fresh_seed,
     source_reads,
 )
+from moec.runtime.seeded_draws import UnseededDraw, global_generator, private_generator
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -143,6 +148,15 @@ class TensorSource(abc.ABC):
     def lend(self, name: str) -> torch.Tensor | None:
         """The source's own tensor object ``name``, for a program to hold as it is; None (every
         source but :class:`ModuleSource`): its tensors are only read."""
+        return None
+
+    def prefetch(self, names: Iterable[str]) -> None:
+        """Tensors ``names`` will be read in this order: a source may make them ahead, until
+        :meth:`close` (the default makes each when it is read)."""
+        return None
+
+    def close(self) -> None:
+        """Stop making tensors ahead and drop those made and not read."""
         return None
 
     def read(self, name: str, rows: slice | None, cols: slice | None) -> torch.Tensor:
@@ -237,14 +251,24 @@ class SubmoduleSource(TensorSource):
     def _read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         return self.inner._read(self._inner_name(name), index)
 
+    def prefetch(self, names: Iterable[str]) -> None:
+        self.inner.prefetch(n for n in map(self._inner_name, names) if n is not None)
+
+    def close(self) -> None:
+        self.inner.close()
+
 
 class FreshInit(TensorSource):
     """``model``'s parameters freshly initialized from ``seed``, one owning module at a time (see
     the module docstring). Without ``model`` it is a marker: :func:`materialize` binds it to the
     model it is given (``moec.compile(meta_model, plan, example, init_from=FreshInit(seed=0))``)."""
 
-    AHEAD = 2
-    """Modules :meth:`prefetch` draws ahead of the reads (each held until read)."""
+    DRAWERS = min(8, os.cpu_count() or 1)
+    """Threads :meth:`prefetch` draws modules on, at once (each module from a generator of
+    its own)."""
+    AHEAD_BYTES = 2 << 30
+    """How many bytes of drawn modules :meth:`prefetch` holds ahead of the reads (at least
+    one module)."""
 
     def __init__(self, seed: int, model: nn.Module | None = None) -> None:
         super().__init__(f"FreshInit(seed={seed})")
@@ -253,9 +277,12 @@ class FreshInit(TensorSource):
         """Parameter name -> (module path, attribute) of the first module holding it."""
         self._last: tuple[str, dict[str, torch.Tensor]] | None = None
         """The last initialized module's path and its parameters, by attribute."""
-        self._random_state = threading.Lock()
-        """Held while an initializer draws from the global generator."""
+        self._global_generator = threading.Lock()
+        """Held while an initializer draws from the global generator (one that calls an op
+        taking no generator: :mod:`moec.runtime.seeded_draws`)."""
         self._upcoming: deque[str] = deque()
+        self._bytes: dict[str, int] = {}
+        """Module path -> the bytes of its parameters, for the modules :meth:`prefetch` draws."""
         self._drawn: dict[str, Future[dict[str, torch.Tensor]]] = {}
         self._drawer: ThreadPoolExecutor | None = None
         first: dict[int, tuple[str, str]] = {}
@@ -295,12 +322,17 @@ class FreshInit(TensorSource):
         return cut(self._module_tensors(path, name)[attr], rows, cols)
 
     def prefetch(self, names: Iterable[str]) -> None:
-        """Draw the modules holding parameters ``names`` on a background thread, in the order
-        of their first appearance, at most :attr:`AHEAD` ahead of the reads; :meth:`close`
-        stops it."""
+        """Draw the modules holding parameters ``names`` on :attr:`DRAWERS` background threads,
+        in the order of their first appearance, at most :attr:`AHEAD_BYTES` ahead of the
+        reads; :meth:`close` stops it."""
         paths = dict.fromkeys(self._owners[n][0] for n in names if n in self._owners)
         self._upcoming = deque(paths)
-        self._drawer = self._drawer or ThreadPoolExecutor(1, thread_name_prefix="fresh-init")
+        for path in paths:
+            own = self.model.get_submodule(path)._parameters.values()
+            self._bytes[path] = sum(p.numel() * p.element_size() for p in own if p is not None)
+        self._drawer = self._drawer or ThreadPoolExecutor(
+            self.DRAWERS, thread_name_prefix="fresh-init"
+        )
         self._draw_ahead()
 
     def close(self) -> None:
@@ -314,7 +346,10 @@ class FreshInit(TensorSource):
             self._drawer = None
 
     def _draw_ahead(self) -> None:
-        while self._drawer is not None and self._upcoming and len(self._drawn) < self.AHEAD:
+        while self._drawer is not None and self._upcoming:
+            held = sum(self._bytes[p] for p in self._drawn)
+            if self._drawn and held + self._bytes[self._upcoming[0]] > self.AHEAD_BYTES:
+                return
             path = self._upcoming.popleft()
             self._drawn[path] = self._drawer.submit(self._draw, path, None)
 
@@ -336,9 +371,13 @@ class FreshInit(TensorSource):
         module = self.model.get_submodule(path)
         attrs = [a for a, p in module._parameters.items() if p is not None]
         initializers = _initializers(self.model, module)
+        seed = fresh_seed(self.seed, path)
         for initialize in initializers:
-            with self._random_state:
-                filled = _filled(initialize, module, attrs, seed=fresh_seed(self.seed, path))
+            try:  # a generator of its own: drawn beside the other threads
+                filled = _filled(initialize, module, attrs, private_generator(seed))
+            except UnseededDraw:  # an op taking no generator: the global one, alone
+                with self._global_generator:
+                    filled = _filled(initialize, module, attrs, global_generator(seed))
             if filled is not None:
                 return filled
         name = name or (f"{path}.{attrs[0]}" if path else attrs[0])
@@ -416,8 +455,7 @@ def materialize(
     split = program.pipeline
     holders = _Holders([gm] + ([] if split is None else [s.graph for s in split.stages]))
     params = [(n, p) for n, p in gm.named_parameters() if held is None or id(p) in held]
-    if isinstance(tensors, FreshInit):
-        tensors.prefetch(r for n, _ in params for r in source_reads(program.source(n)))
+    tensors.prefetch(r for n, _ in params for r in source_reads(program.source(n)))
     try:
         for name, param in params:  # a builder each: nothing read is kept
             lent = _lent(tensors, name, program.source(name), param, device)
@@ -429,8 +467,7 @@ def materialize(
                 value = _shard_of(value, param)
             holders.replace(param, nn.Parameter(value, param.requires_grad))
     finally:
-        if isinstance(tensors, FreshInit):
-            tensors.close()
+        tensors.close()
     initial = None
     for name, buffer in list(gm.named_buffers()):
         if name in program.working_weights or (held is not None and id(buffer) not in held):
@@ -699,21 +736,18 @@ def _filled(
     initialize: Callable[[nn.Module], Any],
     module: nn.Module,
     names: list[str],
-    seed: int | None = None,
+    draws: contextlib.AbstractContextManager | None = None,
 ) -> dict[str, torch.Tensor] | None:
     """Tensors ``names`` (``module``'s own parameters or buffers) of a CPU copy of ``module``
-    (allocated, NaN) after ``initialize`` ran on it, under ``torch.manual_seed(seed)`` when
-    ``seed`` is given (the caller's random state restored after); None if it raised or left
-    a NaN."""
+    (allocated, NaN) after ``initialize`` ran on it, under ``draws`` (the generator it draws
+    from, :mod:`moec.runtime.seeded_draws`); None if it raised or left a NaN."""
     if not names:
         return None
     clone = copy.deepcopy(module).to_empty(device="cpu", recurse=False)
     with torch.no_grad():
         for name in names:
             _own(clone, name).fill_(math.nan)
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        if seed is not None:  # the CPU generator alone: torch.manual_seed would seed the GPUs'
-            torch.random.default_generator.manual_seed(seed)
+    with draws or contextlib.nullcontext(), torch.no_grad():
         try:
             initialize(clone)
         except (TypeError, ValueError, AttributeError, RuntimeError):
