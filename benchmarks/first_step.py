@@ -189,7 +189,7 @@ def describe(reports: dict[str, list[dict]], cache: str) -> str:
     """A table: per launch, the time to its first step, its parts and the steady step."""
     lines = [f"\ntime to the first step, cache {cache}"]
     header = (
-        f"{'launch':36} {'to step 1':>9} {'capture':>8} {'passes':>7} {'mater.':>7} "
+        f"{'launch':36} {'to step 1':>9} {'target':>7} {'capture':>8} {'passes':>7} {'mater.':>7} "
         f"{'Inductor':>9} {'graphs':>9} {'triton':>13} {'cute':>13} {'step':>7} {'other':>7} "
         f"{'steady ms':>10}"
     )
@@ -201,7 +201,8 @@ def describe(reports: dict[str, list[dict]], cache: str) -> str:
             kernels = [f"{k[b]['jit_s']:.1f}/{k[b]['autotune_s']:.1f}" for b in ("triton", "cute")]
             lines.append(
                 f"{KINDS[kind] + f', launch {n}':36} {r['launch_to_first_step_s']:9.1f} "
-                f"{f['capture_s']:8.1f} {f['passes_s']:6.1f}{'*' if f['programs_cached'] else ' '}"
+                f"{f['target_s']:7.1f} {f['capture_s']:8.1f} "
+                f"{f['passes_s']:6.1f}{'*' if f['programs_cached'] else ' '}"
                 f"{f['materialize_s']:7.1f} "
                 f"{f['inductor_s']:9.1f} {f['graphs_compiled']:>4}/{f['graphs_cached']:<4} "
                 f"{kernels[0]:>13} {kernels[1]:>13} {f['step_s']:7.1f} {f['other_s']:7.1f} "
@@ -211,7 +212,8 @@ def describe(reports: dict[str, list[dict]], cache: str) -> str:
             ratio = launches[1]["steady_step_s"] / launches[0]["steady_step_s"]
             lines.append(f"{KINDS[kind]}: steady step, launch 2 / launch 1: {ratio:.3f}")
     lines.append(
-        "(seconds; passes*: the program was found in the cache, its load; graphs: FX graphs "
+        "(seconds; target: the machine's detection, which imports the kernel backends; "
+        "passes*: the program was found in the cache, its load; graphs: FX graphs "
         "compiled / found in the cache; triton, cute: kernel JIT / autotuning)"
     )
     return "\n".join(lines)

@@ -49,11 +49,12 @@ from moec.program import Program
 from moec.runtime.compiled import CompiledModel
 from moec.runtime.materialize import DenseSource, ModuleSource, lost_constants, materialize
 
-PHASES = ("capture", "passes", "materialize")
+PHASES = ("target", "capture", "passes", "materialize")
 phase_seconds: dict[str, float] = dict.fromkeys(PHASES, 0.0)
 """Seconds this process has spent in each phase of compiling, summed over compiles (the
-materialization of a checked program included); :mod:`moec.train.timing` reads the
-differences over a run's start."""
+materialization of a checked program included; ``target``: detecting the machine, which
+imports the kernel backends, the CuTe DSL's about 3 s on a GPU host); :mod:`moec.train.timing`
+reads the differences over a run's start."""
 
 
 @contextlib.contextmanager
@@ -291,7 +292,8 @@ def default_target(args: tuple, kwargs: dict, fallback: torch.device | str = "cp
     (``fallback`` where there is none)."""
     tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     device = next((t.device for t in tensors if t.device.type != "meta"), fallback)
-    return Target.detect(device)
+    with timed("target"):
+        return Target.detect(device)
 
 
 def inputs_device(args: tuple, kwargs: dict, model: nn.Module) -> torch.device:

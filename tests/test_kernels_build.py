@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 CAPABILITIES = (90, 100, 103)
 
 
+@pytest.mark.slow  # three whole builds, about 100 s on 2 cores
 def test_every_kernel_builds_for_hopper_and_blackwell():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     procs = {

@@ -126,9 +126,10 @@ def inductor_state() -> dict[str, float]:
 class FirstStepClock:
     """Seconds from a run's start (before its compile) to the end of its first step, by part:
 
-    - ``capture_s``, ``passes_s``, ``materialize_s``: moec's compile phases
-      (:data:`moec.compiler.phase_seconds`; under a memory check the program is built on the
-      meta device and materialized from the model, so its materialization counts there);
+    - ``target_s``, ``capture_s``, ``passes_s``, ``materialize_s``: moec's compile phases
+      (:data:`moec.compiler.phase_seconds`: the machine's detection, which imports the kernel
+      backends, then the build; under a memory check the program is built on the meta device
+      and materialized from the model, so its materialization counts there);
     - ``inductor_s``: torch.compile (Dynamo, AOTAutograd, Inductor, its generated kernels);
     - ``kernels``: per backend (``triton``, ``cute``), moec's kernels' JIT (``jit_s``) and
       autotuning (``autotune_s``) (:mod:`moec.kernels.compile_clock`);
@@ -143,8 +144,6 @@ class FirstStepClock:
     configs compiled then) that Inductor spent autotuning its kernels on their first run.
     ``process_start_to_first_step_s`` adds what came before the clock (Python and torch
     imports, building the model; None where the process's start is unknown)."""
-
-    PHASES = ("capture", "passes", "materialize")
 
     def __init__(self, device: torch.device):
         from moec.compiler import phase_seconds
@@ -181,7 +180,7 @@ class FirstStepClock:
             self.step_starts()
         inductor = inductor_state()
         kernels = self.kernels.stop()
-        parts = {f"{p}_s": phase_seconds[p] - self.phases_at_start[p] for p in self.PHASES}
+        parts = {f"{p}_s": phase_seconds[p] - self.phases_at_start[p] for p in phase_seconds}
         parts["inductor_s"] = inductor["seconds"] - self.inductor_at_start["seconds"]
         step_compiling = self._compiling(kernels, inductor) - self.compiling_at_step
         parts["step_s"] = max(0.0, end - self.step_start - step_compiling)
@@ -243,7 +242,8 @@ def format_first_step(parts: dict[str, Any]) -> str:
     since = "" if launched is None else f" ({launched:.1f} s from the process's start)"
     cached = parts.get("programs_cached", 0)
     return (
-        f"first step after {parts['total_s']:.1f} s{since}: capture {parts['capture_s']:.1f}, "
+        f"first step after {parts['total_s']:.1f} s{since}: target {parts['target_s']:.1f}, "
+        f"capture {parts['capture_s']:.1f}, "
         f"passes {parts['passes_s']:.1f}{' (program from the cache)' if cached else ''}, "
         f"materialize {parts['materialize_s']:.1f}, Inductor "
         f"{parts['inductor_s']:.1f} ({parts['graphs_compiled']} graphs compiled, "
