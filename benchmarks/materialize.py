@@ -4,8 +4,9 @@ Builds ``benchmarks/e2e.py``'s dense model (the report's Table 47 shape; ``--lay
 blocks, the first ``dense_first`` dense) on the meta device, compiles it to its MoE program
 (capture and passes, not timed), then times :func:`moec.runtime.materialize.materialize` with
 ``FreshInit`` onto ``--device``, as ``moec train --init-from fresh`` does: the dense tensors
-drawn on the CPU one module at a time by the model's ``_init_weights``, the ``random`` experts
-by their own generators, everything copied to the device. ``--repeats`` materializations of
+drawn on the CPU module by module by the model's ``_init_weights`` (several modules at once,
+each from a generator of its own), the ``random`` experts by their own generators, everything
+copied to the device. ``--repeats`` materializations of
 one program (each replaces every tensor), wall and CPU seconds each; ``--cprofile`` prints the
 last one's top functions. On a CPU device the copies are host copies, not host-to-device ones.
 

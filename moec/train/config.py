@@ -147,7 +147,7 @@ class TrainConfig:
         None,
         "a dense checkpoint of the model (save_pretrained folder, .safetensors or torch state "
         "dict file) to upcycle from, or 'fresh' (a folder of that name: ./fresh) for dense "
-        "tensors freshly drawn from --seed one module at a time, the same at every layout "
+        "tensors freshly drawn from --seed module by module, the same at every layout "
         "(moec.runtime.materialize.FreshInit); the model is then built on the meta device and "
         "each rank builds only its part",
         metavar="PATH|fresh",
