@@ -162,14 +162,13 @@ def _memory_table(plan: Plan, args: argparse.Namespace) -> str:
     ``parallel.microbatch_size`` per microbatch where it fixes one), or at ``--batch`` per step
     where given (a what-if, which may differ from the plan's)."""
     from moec.analysis.rank_memory import format_rank_memory
-    from moec.autoplan.memory import plan_memory
+    from moec.autoplan.memory import CapturedModel, plan_memory
     from moec.models.zoo import load_model
 
     micro = plan.parallel.microbatches
     micro_batch = (args.batch or batch_per_rank(None, plan.parallel)) // micro
-    memory, pp_rank = plan_memory(
-        lambda: load_model(args.model), args.model, plan, micro_batch, args.seq
-    )
+    model = CapturedModel(lambda: load_model(args.model), args.model)
+    memory, pp_rank = plan_memory(model, plan, micro_batch, args.seq)
     device = None if args.gpu_memory is None else round(args.gpu_memory * 1024**3)
     title = (
         f"per-rank memory of {args.model} (EP rank 0, pipeline rank {pp_rank} of "

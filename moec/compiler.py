@@ -244,13 +244,34 @@ def meta_program(
     )
 
 
-def _build(
-    model: nn.Module,
-    args: tuple,
-    kwargs: dict,
+def _build(model: nn.Module, args: tuple, kwargs: dict, *, training: bool, **how: Any) -> Program:
+    """Capture and passes (:func:`build_program` without its check); ``how``: the arguments
+    of :func:`_passes`."""
+    return _passes(captured_program(model, args, kwargs, training=training), **how)
+
+
+def captured_program(model: nn.Module, args: tuple, kwargs: dict, *, training: bool) -> Program:
+    """The program ``model(*args, **kwargs)`` captures, as the build captures it (in the mode
+    it will first run in where that matters: batch norm): what the passes start from."""
+    mode = training if has_batch_norm(model) else True
+    with in_mode(model, mode), timed("capture"):
+        return capture(model, args, kwargs)
+
+
+def build_from(
+    captured: Program, plan: Plan, *, target: Target, mesh: Any = None, verify: bool = True
+) -> Program:
+    """The program the passes build for ``plan`` on a copy of ``captured`` (a
+    :func:`captured_program`), which stays as it is: one capture serves every plan of a
+    model, as the planner prices them."""
+    how = dict(dump=None, print_after=None, target=target)
+    return _passes(captured.copy(), plan=plan, mesh=mesh, names=None, verify=verify, **how)
+
+
+def _passes(
+    program: Program,
     *,
     plan: Plan,
-    training: bool,
     mesh: Any,
     names: list[str] | None,
     dump: DumpHook | None,
@@ -258,10 +279,8 @@ def _build(
     print_after: Iterable[str] | None,
     target: Target,
 ) -> Program:
-    """Capture and passes (:func:`build_program` without its check)."""
-    mode = training if has_batch_norm(model) else True
-    with in_mode(model, mode), timed("capture"):
-        program = capture(model, args, kwargs)
+    """The passes ``names`` (default: the plan's) run over the captured ``program``, or the
+    program they built from an equal one, from moec's cache (:mod:`moec.program_cache`)."""
     program.target = target
     names = select(plan) if names is None else names
     ep_group = getattr(mesh, "ep_info", None)

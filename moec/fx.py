@@ -55,6 +55,13 @@ def symbolic_dispatch(mode: FakeTensorMode | None) -> Iterator[None]:
         yield
 
 
+VALUE_META = ("val", "tensor_meta", "example_value", "from_node")
+"""Node metadata that belongs to the capture: fake values (of its fake mode and shape
+environment) and Inductor's record of the nodes a node came from (nodes of other graphs). A
+stored program leaves them out (:mod:`moec.program_cache`); a copied one shares them
+(:meth:`moec.program.Program.copy`)."""
+
+
 def propagate_fake(gm: fx.GraphModule, *, full: bool = False) -> list[fx.Node]:
     """Make every node's ``meta["val"]`` what fake propagation from the placeholders' computes
     (see symbolic_dispatch); return the nodes it ran, in graph order.

@@ -23,6 +23,7 @@ Invariants kept by every pass:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 from collections.abc import Callable
@@ -34,7 +35,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from moec.errors import MoecError
-from moec.fx import under
+from moec.fx import VALUE_META, under
 
 if TYPE_CHECKING:
     from moec.kernels.target import Target
@@ -556,6 +557,19 @@ class Program:
     def source(self, name: str) -> ParamSource:
         """Where parameter ``name``'s initial value comes from."""
         return self.provenance.get(name, FromSource(name))
+
+    def copy(self) -> Program:
+        """A copy for passes to rewrite, leaving this program as it is: the graph module, its
+        parameters and buffers (meta tensors are copied without data; real ones with theirs),
+        every node's metadata and the fields are copied, and the values of the capture's
+        fake mode (:data:`moec.fx.VALUE_META`) shared: passes replace those, never change
+        them in place."""
+        shared: dict[int, Any] = {}
+        for node in self.graph.graph.nodes:
+            for key in VALUE_META:
+                for leaf in pytree.tree_leaves(node.meta.get(key)):
+                    shared[id(leaf)] = leaf
+        return copy.deepcopy(self, shared)
 
     def stage(self, graph: fx.GraphModule, signature: GraphSignature, index: int) -> Program:
         """The program of one pipeline stage cut from this one: ``graph`` holds a subset of

@@ -48,16 +48,12 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from moec import cache
-from moec.fx import ensure_submodule, propagate_fake
+from moec.fx import VALUE_META, ensure_submodule, propagate_fake
 from moec.passes.base import PassResult
 from moec.program import Program
 
 FORMAT = 1
 """The stored form's version: part of every key."""
-
-VALUE_META = ("val", "tensor_meta", "example_value", "from_node")
-"""Node metadata not stored: fake values (propagated again on load) and Inductor's record of
-the nodes a node came from (it names nodes of graphs that are gone)."""
 
 counters: dict[str, int] = {"hits": 0, "misses": 0, "stored": 0, "not_cached": 0}
 """This process's lookups and stores; ``moec.train.timing`` reports the hits."""

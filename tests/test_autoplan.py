@@ -418,7 +418,7 @@ def test_plan_auto_calibrates_from_a_profiled_run(tmp_path, capsys, monkeypatch,
     them back to the same search."""
     import moec.autoplan.cli as cli
 
-    monkeypatch.setattr(cli, "capture", lambda spec, plan: profile)
+    monkeypatch.setattr(cli, "profile_of", lambda model, plan: profile)
     gpu = gpu_spec("h200")
     truth = Efficiency(gemm=0.6, gemm_half_rows=0.0, attention=0.3, memory=0.45)
     written = sum(u.other_bytes(2, 64) for u in profile.units)
@@ -460,7 +460,7 @@ def test_plan_auto_calibrates_from_a_profiled_run(tmp_path, capsys, monkeypatch,
 def test_plan_auto_cli_writes_the_chosen_plan(tmp_path, capsys, monkeypatch, profile):
     import moec.autoplan.cli as cli
 
-    monkeypatch.setattr(cli, "capture", lambda spec, plan: profile)
+    monkeypatch.setattr(cli, "profile_of", lambda model, plan: profile)
     parser = build_parser()
     out = tmp_path / "plan.yaml"
     args = parser.parse_args(

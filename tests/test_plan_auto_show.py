@@ -41,7 +41,7 @@ def _agree(tmp_path, capsys, monkeypatch, model, profile, world, global_batch, s
     import moec.autoplan.cli as cli
 
     if profile is not None:
-        monkeypatch.setattr(cli, "capture", lambda spec, plan: profile)
+        monkeypatch.setattr(cli, "profile_of", lambda model, plan: profile)
     result = auto_plan(model, world, "h200", global_batch, seq, top=1, min_micro_seqs=2, pp=pp)
     best = result.best[0]
     path = tmp_path / "plan.yaml"

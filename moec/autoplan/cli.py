@@ -5,9 +5,11 @@ writes it) or the defaults, and ``--calibrate RUN`` refits them to a profiled st
 (:mod:`~moec.autoplan.calibration`: a run of ``moec train --profile``, its ``ops_rank0.json``,
 a profiler trace or a list of samples) before the search; the factors used are printed.
 
-:func:`capture` (:func:`capture_model` for a model made by a function) builds the program the
-trainer compiles (model + next-token loss) on the meta device twice, at one rank and at
-``dp = dp_shard = 2`` (to learn FSDP's layout), and profiles it; :func:`auto_plan` runs the
+:func:`capture` (:func:`capture_model` for a model made by a function) captures the model the
+trainer compiles (model + next-token loss) on the meta device once and builds its program at
+one rank, at ``dp = dp_shard = 2`` (to learn FSDP's layout) and with the combine folded into the
+experts, and profiles them (:func:`profile_of`); the plans the search reports are priced on
+that same capture; :func:`auto_plan` runs the
 search; :func:`cmd_plan_auto` runs the subcommand, whose parser :mod:`moec.cli` builds (without
 importing torch).
 """
@@ -19,8 +21,6 @@ import dataclasses
 import time
 from pathlib import Path
 
-import torch
-
 from moec.analysis.cost.time import (
     Efficiency,
     format_efficiency,
@@ -30,7 +30,7 @@ from moec.analysis.cost.time import (
 from moec.analysis.gpus import gpu_spec
 from moec.analysis.rank_memory import GIB, RankMemory
 from moec.autoplan.calibration import Fit, fit, load_measurement
-from moec.autoplan.memory import ModelLoader, plan_memory, without_named_code
+from moec.autoplan.memory import CapturedModel, ModelLoader, plan_memory, without_named_code
 from moec.autoplan.profile import ModelProfile, profile_program
 from moec.autoplan.search import Prediction, Request, Search
 from moec.plan import Plan
@@ -70,18 +70,16 @@ def capture_model(load: ModelLoader, plan: Plan, name: str = "model") -> ModelPr
     """The profile of the model ``load()`` returns (``(model, args, kwargs)``, called under
     the meta device, its example one token tensor [batch, seq] of distinct sizes) with the
     next-token loss, under ``plan``'s MoE section."""
-    from moec.compiler import build_program
-    from moec.debug import with_next_token_loss
+    return profile_of(CapturedModel(load, name), plan)
 
+
+def profile_of(model: CapturedModel, plan: Plan) -> ModelProfile:
+    """The profile of ``model`` under ``plan``'s MoE section: its programs at one rank, at
+    ``dp = dp_shard = 2`` and with the combine folded into the experts, built on one capture."""
     folded = _one_rank(plan).to_dict()
     folded["lowering"] = {**folded["lowering"], "combine_in_experts": True}
-    programs = []
-    for one in (_one_rank(plan), _one_rank(plan, dp=2, dp_shard=2), Plan.from_dict(folded)):
-        with torch.device("meta"):
-            model, inputs, kwargs = load()
-        model, inputs = with_next_token_loss(model, inputs, kwargs, name)
-        programs.append(build_program(model, one, inputs, {}, verify=False))
-    return profile_program(*programs)
+    one_rank = (_one_rank(plan), _one_rank(plan, dp=2, dp_shard=2), Plan.from_dict(folded))
+    return profile_program(*map(model.program, one_rank))
 
 
 def auto_plan(
@@ -113,7 +111,8 @@ def auto_plan(
     prior = prior or Efficiency()
     measurement = load_measurement(calibration) if calibration is not None else None
     start = time.perf_counter()
-    profile = capture(model, base)
+    captured_model = CapturedModel(load, model)  # the profile's programs and each priced plan's
+    profile = profile_of(captured_model, base)
     captured = time.perf_counter()
     fitted = fit(measurement, spec, prior, profile) if measurement is not None else None
     eff = fitted.eff if fitted is not None else prior
@@ -123,7 +122,7 @@ def auto_plan(
     search = Search(profile, request, base)
 
     def price(candidate: Plan, micro_seqs: int) -> RankMemory:
-        return plan_memory(load, model, without_named_code(candidate), micro_seqs, seq)[0]
+        return plan_memory(captured_model, without_named_code(candidate), micro_seqs, seq)[0]
 
     best = search.priced(top, price)
     done = time.perf_counter()

@@ -36,7 +36,7 @@ from moec.analysis.rank_memory import (
 )
 from moec.autoplan.profile import ModelProfile, ParamInfo
 from moec.plan import Plan
-from moec.program import EPGroup
+from moec.program import EPGroup, Program
 
 ModelLoader = Callable[[], tuple[torch.nn.Module, tuple, dict]]
 """Builds the model and its example inputs ``(model, args, kwargs)`` (called on meta)."""
@@ -149,23 +149,38 @@ def without_named_code(plan: Plan) -> Plan:
     return dataclasses.replace(plan, moe=dataclasses.replace(plan.moe, activations={}))
 
 
-def plan_memory(
-    load: ModelLoader, name: str, plan: Plan, batch: int, seq: int
-) -> tuple[RankMemory, int]:
-    """(memory, pipeline rank) of the pipeline rank of ``plan`` that holds the most, EP rank 0,
-    training on ``batch`` sequences of ``seq`` tokens per microbatch: the program ``moec
-    train`` compiles for the model ``load()`` builds (``name`` in messages), with its
-    next-token loss, built on the meta device (no parameter is allocated, so any size works)
-    and priced by :func:`moec.analysis.rank_memory.rank_memory`."""
-    from moec.compiler import build_program
-    from moec.debug import with_next_token_loss
+class CapturedModel:
+    """The model ``load()`` builds (``name`` in messages) with its next-token loss, as ``moec
+    train`` trains it, on the meta device (no parameter is allocated, so any size works),
+    captured once: :meth:`program` builds each plan's program on a copy of the capture
+    (:func:`moec.compiler.build_from`)."""
 
-    with torch.device("meta"):
-        model, inputs, kwargs = load()
-    model, inputs = with_next_token_loss(model, inputs, kwargs, name)
+    def __init__(self, load: ModelLoader, name: str) -> None:
+        from moec.compiler import captured_program, default_target
+        from moec.debug import with_next_token_loss
+
+        with torch.device("meta"):
+            model, inputs, kwargs = load()
+        model, inputs = with_next_token_loss(model, inputs, kwargs, name)
+        self.name = name
+        self.target = default_target(inputs, {})
+        self.captured = captured_program(model, inputs, {}, training=True)
+
+    def program(self, plan: Plan) -> Program:
+        """The program ``moec train`` compiles for ``plan`` (unverified), at EP rank 0."""
+        from moec.compiler import build_from
+
+        p = plan.parallel
+        mesh = SimpleNamespace(ep_info=EPGroup(0, p.ep, "moec-plan")) if p.ep > 1 else None
+        return build_from(self.captured, plan, target=self.target, mesh=mesh, verify=False)
+
+
+def plan_memory(model: CapturedModel, plan: Plan, batch: int, seq: int) -> tuple[RankMemory, int]:
+    """(memory, pipeline rank) of the pipeline rank of ``plan`` that holds the most, EP rank 0,
+    training on ``batch`` sequences of ``seq`` tokens per microbatch: ``model``'s program for
+    ``plan`` priced by :func:`moec.analysis.rank_memory.rank_memory`."""
     p = plan.parallel
-    mesh = SimpleNamespace(ep_info=EPGroup(0, p.ep, "moec-plan")) if p.ep > 1 else None
-    program = build_program(model, plan, inputs, {}, mesh=mesh, verify=False)
+    program = model.program(plan)
     ranks = [rank_memory(program, p.microbatches, batch, seq, r) for r in range(p.pp)]
     fullest = max(range(p.pp), key=lambda r: ranks[r].total)
     return ranks[fullest], fullest

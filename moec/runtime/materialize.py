@@ -259,7 +259,7 @@ class SubmoduleSource(TensorSource):
 
 
 class FreshInit(TensorSource):
-    """``model``'s parameters freshly initialized from ``seed``, one owning module at a time (see
+    """``model``'s parameters freshly initialized from ``seed``, each owning module alone (see
     the module docstring). Without ``model`` it is a marker: :func:`materialize` binds it to the
     model it is given (``moec.compile(meta_model, plan, example, init_from=FreshInit(seed=0))``)."""
 
