@@ -107,6 +107,20 @@ class _DrawsUnseeded(nn.Module):
             self.w.copy_(torch.randn(5, 3))
 
 
+class _Rates(nn.Module):
+    """Its initializer draws Poisson counts and Gamma samples (ops whose generator is not
+    keyword-only)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts, self.gamma = nn.Parameter(torch.empty(7)), nn.Parameter(torch.empty(7))
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.counts.copy_(torch.poisson(torch.full((7,), 3.0)))
+            self.gamma.copy_(torch.distributions.Gamma(2.0, 1.0).sample((7,)))
+
+
 class _Mixed(nn.Module):
     """Modules drawn by their own ``reset_parameters()`` (kaiming-uniform, normal, ones)."""
 
@@ -114,6 +128,7 @@ class _Mixed(nn.Module):
         super().__init__()
         self.embed, self.conv = nn.Embedding(11, 6), nn.Conv1d(6, 6, 3)
         self.proj, self.norm, self.drawn = nn.Linear(6, 4), nn.LayerNorm(4), _DrawsUnseeded()
+        self.rates = _Rates()
 
 
 class _Custom(_Mixed):

@@ -36,9 +36,14 @@ class _PrivateGenerator(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None) -> Any:
         kwargs = kwargs or {}
         if torch.Tag.nondeterministic_seeded in func.tags:
-            if not any(a.name == "generator" for a in func._schema.arguments):
+            names = [a.name for a in func._schema.arguments]
+            if "generator" not in names:
                 raise UnseededDraw(f"{func} takes no generator")
-            if kwargs.get("generator") is None:
+            at = names.index("generator")  # keyword-only but in a few ops (poisson, gamma)
+            if at < len(args):
+                if args[at] is None:
+                    args = (*args[:at], self.generator, *args[at + 1 :])
+            elif kwargs.get("generator") is None:
                 kwargs = {**kwargs, "generator": self.generator}
         return func(*args, **kwargs)
 
