@@ -53,8 +53,8 @@ PHASES = ("target", "capture", "passes", "materialize")
 phase_seconds: dict[str, float] = dict.fromkeys(PHASES, 0.0)
 """Seconds this process has spent in each phase of compiling, summed over compiles (the
 materialization of a checked program included; ``target``: detecting the machine, which
-imports the kernel backends, the CuTe DSL's about 3 s on a GPU host); :mod:`moec.train.timing`
-reads the differences over a run's start."""
+imports the kernel backends, the CuTe DSL among them); :mod:`moec.train.timing` reads the
+differences over a run's start."""
 
 
 @contextlib.contextmanager
