@@ -48,11 +48,10 @@ class _PrivateGenerator(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-@contextlib.contextmanager
-def private_generator(seed: int) -> Iterator[None]:
-    """This thread's random draws from a generator seeded with ``seed`` (module docstring)."""
-    with _PrivateGenerator(seed):
-        yield
+def private_generator(seed: int) -> TorchDispatchMode:
+    """This thread's random draws, while entered, from a generator seeded with ``seed``
+    (module docstring)."""
+    return _PrivateGenerator(seed)
 
 
 @contextlib.contextmanager
